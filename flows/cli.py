@@ -1,0 +1,105 @@
+"""`enginewright`: the command line over the release and promote flows."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+EXIT_GATE = 1
+EXIT_BAD_INPUT = 2
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from flows.spec import SpecError
+    from registry.errors import RegistryError
+    from serving.engine.errors import EngineError
+    from serving.triton.errors import ServingError
+    from tasks.errors import StepError
+
+    return (SpecError, StepError, RegistryError, EngineError, ServingError)
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from tasks.tiny_model import make_tiny_model
+
+    path = make_tiny_model(Path(args.dir), arch=args.arch, seed=args.seed)
+    print(f"tiny {args.arch} checkpoint written to {path}")
+    return 0
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    from flows.run import run_release
+    from flows.spec import load_spec
+
+    outcome = run_release(load_spec(Path(args.spec)))
+    print(outcome.summary())
+    return 0 if outcome.ok else EXIT_GATE
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from flows.run import run_promote
+    from flows.spec import load_spec
+
+    outcome = run_promote(load_spec(Path(args.spec)), str(args.version))
+    print(outcome.summary())
+    return 0 if outcome.ok else EXIT_GATE
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from flows.demo import run_demo
+
+    return run_demo(Path(args.state_dir))
+
+
+def cmd_triton(args: argparse.Namespace) -> int:
+    from flows.embedded import embedded_status, stop_embedded
+
+    repository = Path(args.repository)
+    print(stop_embedded(repository) if args.action == "stop" else embedded_status(repository))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="enginewright", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tiny-model", help="write a tiny Llama-architecture checkpoint and tokenizer, offline")
+    p.add_argument("dir")
+    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "llama3-rope"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_tiny_model)
+
+    p = sub.add_parser("release", help="convert, build, validate, perf-gate and publish one engine")
+    p.add_argument("spec", help="release spec (YAML)")
+    p.set_defaults(func=cmd_release)
+
+    p = sub.add_parser("promote", help="approve, stage and gray-release a published version into Triton")
+    p.add_argument("spec", help="release spec (YAML)")
+    p.add_argument("--version", required=True, help="MLflow model version to promote")
+    p.set_defaults(func=cmd_promote)
+
+    p = sub.add_parser("demo", help="release and promote a tiny model on embedded defaults")
+    p.add_argument("--state-dir", default=".state", help="where the demo keeps MLflow, artifacts and Triton")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("triton", help="the embedded Triton server the demo leaves running")
+    p.add_argument("action", choices=["status", "stop"])
+    p.add_argument("--repository", default=".state/triton-repository", help="model repository it serves")
+    p.set_defaults(func=cmd_triton)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except _known_errors() as exc:
+        print(f"enginewright: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Run a flow and turn its final state into an outcome a person reads (no stack traces for gate failures)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect.states import State
+
+from flows.spec import ReleaseSpec
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    message: str
+    result: Any = None
+    details: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return "\n".join([self.message, *self.details])
+
+
+def outcome_of(state: State, *, what: str) -> Outcome:
+    """Completed -> ok with the flow's return value; Failed -> the state's message (and data if any)."""
+    if state.is_completed():
+        return Outcome(True, f"{what} completed", state.result())
+    from flows.cli import _known_errors
+
+    try:
+        data = state.result(raise_on_failure=True)
+    except _known_errors() as exc:  # a step refused: its message already names the setting
+        return Outcome(False, f"{what} failed: {exc}")
+    except Exception:  # noqa: BLE001 - the flow's own message is what a person needs
+        data = None
+    return Outcome(False, state.message or f"{what} ended in state {state.name}", data)
+
+
+def run_release(spec: ReleaseSpec) -> Outcome:
+    from flows.release import release_flow
+
+    return outcome_of(release_flow(spec, return_state=True), what="release")
+
+
+def run_promote(spec: ReleaseSpec, version: str) -> Outcome:
+    from flows.promote import promote_flow
+
+    return outcome_of(promote_flow(spec, version, return_state=True), what="promote")

@@ -1,0 +1,106 @@
+"""The release spec: one YAML file (or Prefect form) describing a whole release, checked before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tasks.engine_spec import EngineSpec
+from tasks.perf_gate import PerfSpec
+from tasks.promote_spec import ApprovalSpec, RolloutSpec, TritonSpec
+from tasks.validate import ValidationSpec
+
+
+class SpecError(Exception):
+    """The release spec cannot be used; the message names the field path and the bad value."""
+
+
+class SourceSpec(BaseModel):
+    """Where the Hugging Face checkpoint comes from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: Path = Field(description="Local folder of a Hugging Face checkpoint (config.json, *.safetensors).")
+
+
+class MlflowSpec(BaseModel):
+    """MLflow tracking and model registry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tracking_uri: str = Field(description="MLflow tracking URI: http(s):// server or sqlite:/// file.")
+    model_name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Registered model name; also the Triton model name clients call.",
+    )
+    experiment: str = Field("enginewright", description="MLflow experiment of the release runs.")
+
+
+class ArtifactsSpec(BaseModel):
+    """Where engine artifacts are published (content-addressed by engine fingerprint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str = Field(description="`file:///abs/path`, `file://relative/path` or `s3://bucket/prefix`.")
+
+    @field_validator("uri")
+    @classmethod
+    def _scheme(cls, uri: str) -> str:
+        if not uri.startswith(("file://", "s3://")):
+            raise ValueError(f"artifact store URI {uri!r} must start with file:// or s3://")
+        return uri
+
+
+class ReleaseSpec(BaseModel):
+    """Everything one release needs: source, engine, gates, records, targets and rollout."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: SourceSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine kind and build limits.")
+    validation: ValidationSpec = Field(default_factory=ValidationSpec, description="Correctness gate.")
+    perf: PerfSpec = Field(default_factory=PerfSpec, description="Performance gate.")
+    mlflow: MlflowSpec
+    artifacts: ArtifactsSpec
+    approval: ApprovalSpec = Field(default_factory=ApprovalSpec, description="The human gate.")
+    triton: TritonSpec = Field(default_factory=TritonSpec, description="Serving targets.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Gray release plan.")
+    work_dir: Path = Field(Path(".state/work"), description="Scratch space for converted checkpoints and engines.")
+
+    @property
+    def model_name(self) -> str:
+        return self.mlflow.model_name
+
+
+def parse_spec(data: dict[str, Any], *, origin: str = "spec") -> ReleaseSpec:
+    """Validate a spec mapping; errors list every bad field as a dotted path with its value."""
+    try:
+        return ReleaseSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_describe(exc, origin)) from None
+
+
+def load_spec(path: Path) -> ReleaseSpec:
+    """Read and validate a YAML release spec."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"release spec {str(path)!r} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"release spec {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"release spec {str(path)!r} must be a mapping at the top level, got {type(data).__name__}")
+    return parse_spec(data, origin=str(path))
+
+
+def _describe(exc: ValidationError, origin: str) -> str:
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        value = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
+        problems.append(f"{where}: {err['msg']}{value}")
+    return f"release spec {origin} is invalid, nothing was done: " + "; ".join(problems)

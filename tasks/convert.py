@@ -1,0 +1,56 @@
+"""Step 1: Hugging Face checkpoint -> engine checkpoint (fused weights, dtype cast)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import task
+
+from tasks.engine_spec import EngineSpec
+from tasks.errors import CheckpointError
+from tasks.hashing import tree_digest, value_digest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConvertedCheckpoint:
+    path: Path
+    source_digest: str
+
+
+def check_checkpoint(checkpoint: Path) -> None:
+    """Fail early, naming the setting, when the source folder is not a usable HF checkpoint."""
+    if not checkpoint.is_dir():
+        raise CheckpointError(
+            f"source.checkpoint {str(checkpoint)!r} is not a folder; point it at a Hugging Face checkpoint "
+            "(config.json and *.safetensors)"
+        )
+    if not (checkpoint / "config.json").is_file():
+        raise CheckpointError(f"source.checkpoint {str(checkpoint)!r} has no config.json")
+    if not any(checkpoint.glob("*.safetensors")):
+        raise CheckpointError(f"source.checkpoint {str(checkpoint)!r} has no *.safetensors weights")
+
+
+def convert(checkpoint: Path, engine: EngineSpec, work_dir: Path) -> ConvertedCheckpoint:
+    """Convert once per (checkpoint content, dtype); a finished conversion is reused."""
+    from serving.engine import convert_checkpoint
+
+    check_checkpoint(checkpoint)
+    source_digest = tree_digest(checkpoint)
+    key = value_digest({"source": source_digest, "dtype": engine.dtype, "kind": engine.kind})[:16]
+    out = work_dir / "checkpoints" / key
+    if (out / "config.json").is_file():
+        log.info("conversion of %s (%s) already done: %s", checkpoint, engine.dtype, out)
+        return ConvertedCheckpoint(out, source_digest)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    convert_checkpoint(checkpoint, out, dtype=engine.dtype, progress=lambda msg: log.info("convert: %s", msg))
+    return ConvertedCheckpoint(out, source_digest)
+
+
+@task(name="convert", retries=0)
+def convert_task(checkpoint: Path, engine: EngineSpec, work_dir: Path) -> ConvertedCheckpoint:
+    """Convert the HF checkpoint into an engine checkpoint."""
+    return convert(checkpoint, engine, work_dir)

@@ -1,0 +1,119 @@
+"""Step 5: publish a gated engine: artifacts with a manifest, an MLflow run and a registered version.
+
+Publishing is idempotent on the engine fingerprint: a fingerprint already registered is reported,
+never registered or uploaded again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    model_name: str
+    version: str
+    fingerprint: str
+    manifest_uri: str
+    run_id: str | None
+    already_existed: bool
+
+
+def code_revision() -> str:
+    """The git revision of this code, or 'unknown' outside a checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def flatten(prefix: str, value: Any) -> dict[str, str]:
+    """Nested spec values as MLflow params: dotted keys, string values."""
+    if isinstance(value, dict):
+        out: dict[str, str] = {}
+        for key, sub in value.items():
+            out.update(flatten(f"{prefix}.{key}" if prefix else str(key), sub))
+        return out
+    return {prefix: json.dumps(value, default=str) if isinstance(value, (list, tuple)) else str(value)}
+
+
+def publish(
+    *,
+    model_name: str,
+    tracking_uri: str,
+    experiment: str,
+    artifacts_uri: str,
+    engine_info,
+    params: dict[str, Any],
+    metrics: dict[str, float],
+    reports: dict[str, str],
+) -> PublishedVersion:
+    """Upload the engine (manifest last), record the run, register the version as `candidate`."""
+    from registry import model_registry, tracking
+    from registry.stores import artifact_key, open_store
+
+    fingerprint = engine_info.fingerprint
+    existing = model_registry.find_version_by_fingerprint(tracking_uri, model_name, fingerprint)
+    store = open_store(artifacts_uri)
+    key = artifact_key(model_name, fingerprint)
+    if existing is not None and store.has_manifest(key):
+        log.info("fingerprint %s is already published as %s version %s", fingerprint, model_name, existing)
+        return PublishedVersion(model_name, existing, fingerprint, store.manifest_uri(key), None, True)
+
+    meta = {"model_name": model_name, "fingerprint": fingerprint, "toolchain": engine_info.toolchain}
+    artifact = store.put_tree(Path(engine_info.path), key, manifest_meta=meta)
+    run_id = tracking.start_release_run(
+        tracking_uri, experiment, run_name=f"{model_name}-{fingerprint[:12]}", params=flatten("", params),
+        tags={"fingerprint": fingerprint, "code_revision": code_revision()},
+    )
+    try:
+        tracking.log_metrics(tracking_uri, run_id, metrics)
+        for name, text in reports.items():
+            tracking.log_text(tracking_uri, run_id, text, f"reports/{name}")
+        version = model_registry.register_engine_version(
+            tracking_uri,
+            model_name,
+            source=artifact.manifest_uri,
+            run_id=run_id,
+            tags=version_tags(engine_info, artifact, metrics),
+        )
+        model_registry.set_alias(tracking_uri, model_name, "candidate", version)
+    except BaseException:
+        tracking.end_run(tracking_uri, run_id, status="FAILED")
+        raise
+    tracking.end_run(tracking_uri, run_id, status="FINISHED")
+    return PublishedVersion(model_name, version, fingerprint, artifact.manifest_uri, run_id, False)
+
+
+def version_tags(engine_info, artifact, metrics: dict[str, float]) -> dict[str, str]:
+    """Registry tags a reviewer and the promote flow rely on."""
+    tags = {
+        "fingerprint": engine_info.fingerprint,
+        "engine_kind": "torch",
+        "manifest_uri": artifact.manifest_uri,
+        "manifest_files": str(len(artifact.manifest.files)),
+        "code_revision": code_revision(),
+        "gate.validation": "passed",
+        "gate.perf": "passed",
+    }
+    tags.update({f"toolchain.{k}": str(v) for k, v in engine_info.toolchain.items()})
+    tags.update({f"metric.{k}": f"{v:.6g}" for k, v in metrics.items()})
+    return tags
+
+
+@task(name="publish", retries=2, retry_delay_seconds=5)
+def publish_task(**kwargs: Any) -> PublishedVersion:
+    """Publish the engine artifacts, the MLflow run and the registered version."""
+    return publish(**kwargs)
