@@ -1,0 +1,196 @@
+"""HF checkpoint -> engine checkpoint: rename, fuse q/k/v and gate/up, cast dtype, shard by shard.
+
+The input is a Hugging Face folder (`config.json` + `*.safetensors`, sharded with
+`model.safetensors.index.json` or not). The output is an *engine checkpoint*, loadable with torch
+alone (`torch.load(weights_only=True, mmap=True)`):
+
+    checkpoint.json                       format, dtype, model args, tensor -> file map
+    weights-00001-of-0000N.pt ...         one file per input shard (torch.save of a name -> tensor dict)
+    tokenizer.json, tokenizer_config.json, ...   copied along when present
+
+Shards are read one at a time through safetensors' lazy `safe_open`; a fused tensor whose parts
+straddle two shards waits in a small pending buffer, so peak memory is about one shard, not the
+model. The output is written into a temp sibling and renamed at the end.
+
+Imports at module load: stdlib and torch only; safetensors is imported inside `convert_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.engine.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    EngineExistsError,
+    EngineLimitError,
+)
+from serving.engine.model import ModelArgs, engine_param_names
+
+CHECKPOINT_FORMAT = "enginewright-torch-checkpoint"
+CHECKPOINT_FORMAT_VERSION = 1
+CHECKPOINT_JSON = "checkpoint.json"
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "tokenizer.model", "chat_template.jinja")
+
+# HF name -> (engine name, part index, number of parts); `{i}` is the layer index.
+HF_TO_ENGINE: dict[str, tuple[str, int, int]] = {
+    "model.embed_tokens.weight": ("tok_embeddings.weight", 0, 1),
+    "model.norm.weight": ("norm.weight", 0, 1),
+    "lm_head.weight": ("output.weight", 0, 1),
+    "model.layers.{i}.self_attn.q_proj.weight": ("layers.{i}.attention.wqkv.weight", 0, 3),
+    "model.layers.{i}.self_attn.k_proj.weight": ("layers.{i}.attention.wqkv.weight", 1, 3),
+    "model.layers.{i}.self_attn.v_proj.weight": ("layers.{i}.attention.wqkv.weight", 2, 3),
+    "model.layers.{i}.self_attn.q_proj.bias": ("layers.{i}.attention.wqkv.bias", 0, 3),
+    "model.layers.{i}.self_attn.k_proj.bias": ("layers.{i}.attention.wqkv.bias", 1, 3),
+    "model.layers.{i}.self_attn.v_proj.bias": ("layers.{i}.attention.wqkv.bias", 2, 3),
+    "model.layers.{i}.self_attn.o_proj.weight": ("layers.{i}.attention.wo.weight", 0, 1),
+    "model.layers.{i}.self_attn.o_proj.bias": ("layers.{i}.attention.wo.bias", 0, 1),
+    "model.layers.{i}.mlp.gate_proj.weight": ("layers.{i}.feed_forward.w13.weight", 0, 2),
+    "model.layers.{i}.mlp.up_proj.weight": ("layers.{i}.feed_forward.w13.weight", 1, 2),
+    "model.layers.{i}.mlp.down_proj.weight": ("layers.{i}.feed_forward.w2.weight", 0, 1),
+    "model.layers.{i}.input_layernorm.weight": ("layers.{i}.attention_norm.weight", 0, 1),
+    "model.layers.{i}.post_attention_layernorm.weight": ("layers.{i}.ffn_norm.weight", 0, 1),
+}
+IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def parse_dtype(dtype: str, *, setting: str = "dtype") -> torch.dtype:
+    if dtype not in DTYPES:
+        raise EngineLimitError(f"{setting}={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def map_hf_name(name: str, args: ModelArgs) -> tuple[str, int, int] | None:
+    """HF tensor name -> (engine name, part, n_parts); None for tensors the engine drops."""
+    if IGNORED_HF_TENSORS.fullmatch(name) or (name == "lm_head.weight" and args.tie_word_embeddings):
+        return None
+    m = _LAYER.match(name)
+    key, layer = (f"model.layers.{{i}}.{m.group(2)}", m.group(1)) if m else (name, None)
+    if key not in HF_TO_ENGINE:
+        raise CheckpointError(f"unexpected tensor {name!r}: not in the HF->engine weight table for "
+                              f"{args.architecture}")
+    target, part, n_parts = HF_TO_ENGINE[key]
+    return (target.format(i=layer) if layer is not None else target), part, n_parts
+
+
+def read_hf_config(hf_dir: Path) -> tuple[dict[str, Any], ModelArgs]:
+    if not hf_dir.is_dir():
+        raise CheckpointNotFoundError(f"HF checkpoint folder {str(hf_dir)!r} does not exist")
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"HF checkpoint folder {str(hf_dir)!r} has no config.json ({path})")
+    config = json.loads(path.read_text())
+    return config, ModelArgs.from_hf_config(config, source=str(path))
+
+
+def list_shards(hf_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in index order when sharded."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        shards = [hf_dir / f for f in files]
+        missing = [str(s) for s in shards if not s.is_file()]
+        if missing:
+            raise CheckpointNotFoundError(f"shards listed in {index} are missing: {missing}")
+        return shards
+    shards = sorted(hf_dir.glob("*.safetensors"))
+    if not shards:
+        found = sorted(p.name for p in hf_dir.iterdir())
+        raise CheckpointNotFoundError(f"no *.safetensors in {str(hf_dir)!r} (found {found}); "
+                                      "only safetensors checkpoints are supported")
+    return shards
+
+
+def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
+                       progress: Callable[[str], None] | None = None) -> Path:
+    """Convert an HF Llama-family checkpoint into an engine checkpoint at `out_dir`; returns `out_dir`."""
+    from safetensors import safe_open  # lazy: not importable inside Triton's python backend
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    target_dtype = parse_dtype(dtype)
+    config, args = read_hf_config(hf_dir)
+    shards = list_shards(hf_dir)
+    if out_dir.exists():
+        raise EngineExistsError(f"convert output {str(out_dir)!r} already exists; remove it or pick another")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        pending: dict[str, dict[int, torch.Tensor]] = {}  # fused tensors still missing parts
+        weights: dict[str, str] = {}  # engine tensor name -> file
+        n = len(shards)
+        for i, shard in enumerate(shards):
+            out: dict[str, torch.Tensor] = {}
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    mapped = map_hf_name(name, args)
+                    if mapped is None:
+                        continue
+                    target, part, n_parts = mapped
+                    t = f.get_tensor(name)
+                    t = t.to(target_dtype) if t.is_floating_point() else t
+                    if n_parts == 1:
+                        out[target] = t.contiguous()
+                        continue
+                    parts = pending.setdefault(target, {})
+                    parts[part] = t
+                    if len(parts) == n_parts:
+                        out[target] = torch.cat([parts[p] for p in range(n_parts)], dim=0)
+                        del pending[target]
+            file = f"weights-{i + 1:05d}-of-{n:05d}.pt"
+            torch.save(out, tmp / file)
+            weights.update(dict.fromkeys(out, file))
+            if progress is not None:
+                progress(f"shard {i + 1}/{n}: {shard.name} -> {file} ({len(out)} tensors)")
+            del out
+        if pending:
+            raise CheckpointError(f"fused tensors incomplete after all shards of {str(hf_dir)!r}: "
+                                  f"{ {k: sorted(v) for k, v in pending.items()} } (parts present)")
+        expected = set(engine_param_names(args))
+        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        if missing or extra:
+            raise CheckpointError(f"checkpoint {str(hf_dir)!r} does not match {args.architecture} config: "
+                                  f"missing engine tensors {missing[:8]}, unexpected {extra[:8]}")
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "format_version": CHECKPOINT_FORMAT_VERSION,
+            "dtype": dtype,
+            "model": args.to_dict(),
+            "weights": dict(sorted(weights.items())),
+            "source": {"architectures": config.get("architectures"), "model_type": config.get("model_type")},
+        }
+        for name in TOKENIZER_FILES:
+            if (hf_dir / name).is_file():
+                shutil.copyfile(hf_dir / name, tmp / name)
+        (tmp / CHECKPOINT_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_checkpoint_meta(checkpoint_dir: Path) -> dict[str, Any]:
+    """`checkpoint.json` of an engine checkpoint, checked for format and version."""
+    path = Path(checkpoint_dir) / CHECKPOINT_JSON
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{str(checkpoint_dir)!r} is not an engine checkpoint: {path} is missing "
+                                      "(run convert_checkpoint first)")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT or meta.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format={meta.get('format')!r} version={meta.get('format_version')!r}, "
+                              f"expected {CHECKPOINT_FORMAT!r} version {CHECKPOINT_FORMAT_VERSION}")
+    return meta

@@ -1,0 +1,371 @@
+"""The transformer of the `torch` engine: model args, rotary embeddings, static KV cache, forward.
+
+A Llama-family decoder (Llama 2/3, Mistral, Qwen2) in the layout of pytorch-labs/gpt-fast: fused
+`wqkv` and `w13` projections, a preallocated `KVCache` per layer, rotary embeddings in the
+Hugging Face "rotate half" layout (so HF weights need no permutation). The engine speaks token ids,
+not text: tokenization lives with the caller.
+
+One forward serves prefill and decode: `tokens: [B, S]` at cache positions `input_pos: [B, S]`
+(one row per sequence, so sequences of a batch may sit at different positions). K/V are written
+into the cache at those positions, then every query attends to the cache slots at or before its
+own position. Decode (S == 1) attends over the whole static cache, so its shapes depend only on the
+batch size: the step can go under `torch.compile(mode="reduce-overhead", fullgraph=True)`.
+
+Imports: stdlib and torch only (this module runs inside Triton's python backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.engine.errors import UnsupportedArchitectureError
+
+# architectures[0] of config.json -> (model_type, whether q/k/v carry a bias by default)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "LlamaForCausalLM": ("llama", False),
+    "MistralForCausalLM": ("mistral", False),
+    "Qwen2ForCausalLM": ("qwen2", True),
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape and numerics of the model; everything `Transformer` needs, nothing else."""
+
+    architecture: str  # "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM"
+    vocab_size: int
+    dim: int  # hidden_size
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    qkv_bias: bool = False
+    o_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # not implemented: builds require max_seq_len <= sliding_window
+
+    # derived -------------------------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def qkv_size(self) -> int:
+        return self.q_size + 2 * self.kv_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown model args {unknown} (known: {sorted(names)})")
+        return cls(**d)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], *, source: str = "config.json") -> ModelArgs:
+        """Read a Hugging Face `config.json` dict; unsupported architectures/options raise."""
+        archs = config.get("architectures") or []
+        model_type = config.get("model_type")
+        supported = ", ".join(f"{a} (model_type {t!r})" for a, (t, _) in SUPPORTED_ARCHITECTURES.items())
+        arch = archs[0] if archs else None
+        if arch is None:  # fall back to model_type when `architectures` is absent
+            arch = next((a for a, (t, _) in SUPPORTED_ARCHITECTURES.items() if t == model_type), None)
+        if arch not in SUPPORTED_ARCHITECTURES or len(archs) > 1:
+            raise UnsupportedArchitectureError(
+                f"unsupported architecture architectures={archs!r} model_type={model_type!r} in {source}; "
+                f"supported: {supported}"
+            )
+        expected_type, default_qkv_bias = SUPPORTED_ARCHITECTURES[arch]
+        if model_type is not None and model_type != expected_type:
+            raise UnsupportedArchitectureError(
+                f"architecture {arch!r} with model_type={model_type!r} in {source}: expected model_type "
+                f"{expected_type!r}; supported: {supported}"
+            )
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedArchitectureError(f"hidden_act={act!r} in {source}: only 'silu' is supported")
+        if config.get("mlp_bias"):
+            raise UnsupportedArchitectureError(f"mlp_bias=true in {source} is not supported")
+
+        dim = int(config["hidden_size"])
+        n_heads = int(config["num_attention_heads"])
+        head_dim = config.get("head_dim") or dim // n_heads
+        attention_bias = bool(config.get("attention_bias", False))
+
+        # rope: transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`
+        rope = dict(config.get("rope_parameters") or {})
+        if not rope:
+            rope = dict(config.get("rope_scaling") or {})
+            rope["rope_theta"] = config.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedArchitectureError(
+                f"rope type {rope_type!r} in {source} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
+            )
+
+        sliding_window = config.get("sliding_window")
+        if expected_type == "qwen2" and not config.get("use_sliding_window", False):
+            sliding_window = None
+        return cls(
+            architecture=arch,
+            vocab_size=int(config["vocab_size"]),
+            dim=dim,
+            n_layers=int(config["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(config["intermediate_size"]),
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_type=rope_type,
+            rope_factor=float(rope.get("factor", 1.0)),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+            qkv_bias=default_qkv_bias or attention_bias,
+            o_bias=attention_bias,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            sliding_window=int(sliding_window) if sliding_window else None,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary embeddings
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies `[head_dim // 2]` (float32), with linear or llama3 scaling applied."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if args.rope_type == "linear":
+        return inv_freq / args.rope_factor
+    if args.rope_type == "llama3":
+        factor, low, high = args.rope_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+        old_ctx = args.rope_original_max_position_embeddings
+        low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(args: ModelArgs, max_seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables: `[max_seq_len, head_dim]` float32 (HF layout: the half-table repeated)."""
+    inv_freq = rope_inv_freq(args).to(device)
+    t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # [T, head_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, S, H, hd]; cos, sin: [B, S, hd] (already in x.dtype)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# static KV cache
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values of one layer: `[max_batch, n_kv_heads, max_seq, head_dim]` each.
+
+    Slot `p` of row `b` holds the key/value of the token at position `p` of sequence `b`.
+    """
+
+    def __init__(self, max_batch: int, n_kv_heads: int, max_seq: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        shape = (max_batch, n_kv_heads, max_seq, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # input_pos: [B, S]; k, v: [B, S, Hkv, hd] -> cache views [B, Hkv, kv_len, hd]
+        bsz = k.shape[0]
+        rows = torch.arange(bsz, device=k.device).unsqueeze(1)  # [B, 1]
+        # advanced indices on dims 0 and 2 -> the indexed view is [B, S, Hkv, hd], like k
+        self.k_cache[rows, :, input_pos] = k
+        self.v_cache[rows, :, input_pos] = v
+        return self.k_cache[:bsz, :, :kv_len], self.v_cache[:bsz, :, :kv_len]
+
+
+# ---------------------------------------------------------------------------------------------
+# the transformer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, S, D]; normalise in float32 like HF, cast back before the weight
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.wqkv = nn.Linear(args.dim, args.qkv_size, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.q_size, args.dim, bias=args.o_bias)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        a = self.args
+        bsz, seqlen, _ = x.shape  # x: [B, S, D]
+        q, k, v = self.wqkv(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = apply_rope(q.view(bsz, seqlen, a.n_heads, a.head_dim), cos, sin)  # [B, S, H, hd]
+        k = apply_rope(k.view(bsz, seqlen, a.n_kv_heads, a.head_dim), cos, sin)  # [B, S, Hkv, hd]
+        v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim)
+        assert self.kv_cache is not None, "setup_caches() was not called"
+        keys, values = self.kv_cache.update(input_pos, k, v, kv_len)  # [B, Hkv, L, hd]
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=a.n_heads != a.n_kv_heads
+        )  # [B, H, S, hd]
+        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split([self.intermediate_size, self.intermediate_size], dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos, kv_len)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Embeddings, `n_layers` blocks, final norm, LM head (the embedding matrix when tied)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.max_batch_size = 0
+        self.max_seq_len = 0
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocate the KV caches and rope tables on the weights' device and dtype."""
+        w = self.tok_embeddings.weight
+        a = self.args
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, a.n_kv_heads, max_seq_len, a.head_dim,
+                                               w.dtype, w.device)
+        cos, sin = rope_cos_sin(a, max_seq_len, w.device)
+        self.register_buffer("rope_cos", cos.to(w.dtype), persistent=False)  # [T, hd]
+        self.register_buffer("rope_sin", sin.to(w.dtype), persistent=False)
+        self.register_buffer("slots", torch.arange(max_seq_len, device=w.device), persistent=False)
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """tokens, input_pos: [B, S] -> final hidden states [B, S, D].
+
+        Attends over cache slots `[0, kv_len)`; slot j is visible to a query at position p iff j <= p.
+        """
+        mask = (self.slots[:kv_len].view(1, 1, kv_len) <= input_pos.unsqueeze(-1)).unsqueeze(1)  # [B,1,S,L]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [B, S, hd]
+        x = self.tok_embeddings(tokens)  # [B, S, D]
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, input_pos, kv_len)
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [..., D] -> float32 logits [..., V]
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h, weight).float()
+
+
+def engine_param_names(args: ModelArgs) -> list[str]:
+    """Every tensor name an engine checkpoint of `args` must hold."""
+    names = ["tok_embeddings.weight", "norm.weight"]
+    if not args.tie_word_embeddings:
+        names.append("output.weight")
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        names += [p + "attention.wqkv.weight", p + "attention.wo.weight", p + "feed_forward.w13.weight",
+                  p + "feed_forward.w2.weight", p + "attention_norm.weight", p + "ffn_norm.weight"]
+        if args.qkv_bias:
+            names.append(p + "attention.wqkv.bias")
+        if args.o_bias:
+            names.append(p + "attention.wo.bias")
+    return names
+
+
+def prefill(model: Transformer, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Batched prefill from position 0 of right-padded prompts -> logits of each last token [B, V].
+
+    tokens: [B, S] (row b real for its first lengths[b] tokens); padding writes cache slots that
+    decode overwrites before they become visible.
+    """
+    bsz, seqlen = tokens.shape
+    input_pos = torch.arange(seqlen, device=tokens.device).expand(bsz, seqlen)  # [B, S]
+    h = model(tokens, input_pos, seqlen)  # [B, S, D]
+    last = h[torch.arange(bsz, device=tokens.device), lengths - 1]  # [B, D]
+    return model.logits(last)
+
+
+def decode_one_token(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    """One decode step for the whole batch: tokens, input_pos: [B] -> logits [B, V].
+
+    Static shapes for a given B (attends over the whole cache): compile/CUDA-graph friendly.
+    """
+    h = model(tokens.unsqueeze(1), input_pos.unsqueeze(1), model.max_seq_len)  # [B, 1, D]
+    return model.logits(h[:, 0])

@@ -1,0 +1,189 @@
+"""Load an engine folder and generate: batched prefill of unequal prompts, then a decode loop.
+
+The engine speaks token ids, not text: prompts are lists of token ids and generations are lists of
+token ids (the tokenizer files in the engine folder are for the caller).
+
+`EngineRunner.generate` pads prompts on the right, prefills them in one batched forward (each row
+at positions 0..len-1), then decodes one token per step for the whole batch, each row at its own
+position (`decode_one_token`, a function of tensors only, which `compile_decode` can put under
+`torch.compile`). Requests with more prompts than `max_batch_size` are split into chunks of
+`max_batch_size` and run one after the other. Not thread-safe: one runner serves one loop.
+
+Imports: stdlib and torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from serving.engine.build import EngineInfo, check_toolchain, read_engine_info
+from serving.engine.errors import EngineLimitError
+from serving.engine.model import Transformer, decode_one_token, prefill
+from serving.engine.sampling import SamplingParams, chosen_logprobs, sample
+
+DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Generation:
+    """New tokens of one prompt (the stop token included when finish_reason == "stop")."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # raw model log-prob of each chosen token
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per position, when requested
+    finish_reason: str = "length"  # "length" | "stop"
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineLimitError(f"device={str(device)!r} requested but CUDA is not available here")
+    return dev
+
+
+class EngineRunner:
+    """A loaded engine: weights on `device`, static KV caches sized by the engine's limits."""
+
+    def __init__(self, info: EngineInfo, model: Transformer, device: torch.device) -> None:
+        self.info = info
+        self.model = model
+        self.device = device
+        self.decode_fn: DecodeFn = decode_one_token
+
+    # -- setup ------------------------------------------------------------------------------
+    def compile_decode(self, **compile_kwargs) -> None:
+        """Put the decode step under torch.compile (default mode="reduce-overhead", fullgraph=True)."""
+        kwargs = {"mode": "reduce-overhead", "fullgraph": True, **compile_kwargs}
+        self.decode_fn = torch.compile(decode_one_token, **kwargs)
+
+    # -- checks -----------------------------------------------------------------------------
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_logprobs: int) -> None:
+        lim, vocab = self.info.limits, self.info.model.vocab_size
+        if max_new_tokens < 1:
+            raise EngineLimitError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if not 0 <= top_logprobs <= vocab:
+            raise EngineLimitError(f"top_logprobs={top_logprobs} must be in [0, vocab_size={vocab}]")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise EngineLimitError(f"prompt {i} is empty; a prompt needs at least one token")
+            if len(p) > lim.max_input_len:
+                raise EngineLimitError(f"prompt {i} has {len(p)} tokens > limits.max_input_len={lim.max_input_len}")
+            if len(p) + max_new_tokens > lim.max_seq_len:
+                raise EngineLimitError(f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new_tokens} = "
+                                       f"{len(p) + max_new_tokens} > limits.max_seq_len={lim.max_seq_len}")
+            self._check_token_ids(p, f"prompt {i}")
+
+    def _check_token_ids(self, prompt: Sequence[int], what: str) -> None:
+        vocab = self.info.model.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise EngineLimitError(f"{what} has token ids {bad[:5]} outside [0, vocab_size={vocab})")
+
+    # -- public API -------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
+                 top_logprobs: int = 0) -> list[Generation]:
+        """New tokens for each prompt; greedy when `sampling` is None. Chunks of max_batch_size."""
+        self._check_prompts(prompts, max_new_tokens, top_logprobs)
+        generator = None
+        if sampling is not None and sampling.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(sampling.seed)
+        n = self.info.limits.max_batch_size
+        out: list[Generation] = []
+        for start in range(0, len(prompts), n):
+            out += self._generate_batch(prompts[start:start + n], max_new_tokens, sampling, stop_token_ids,
+                                        top_logprobs, generator)
+        return out
+
+    @torch.no_grad()
+    def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced float32 logits of every position of `prompt`: [S, V] on the CPU.
+
+        Accepts up to limits.max_seq_len tokens (a prompt plus its continuation, for validation).
+        """
+        lim = self.info.limits
+        if not 1 <= len(prompt) <= lim.max_seq_len:
+            raise EngineLimitError(f"prefill_logits: {len(prompt)} tokens, need 1..limits.max_seq_len="
+                                   f"{lim.max_seq_len}")
+        self._check_token_ids(prompt, "prefill_logits prompt")
+        tokens = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)  # [1, S]
+        seqlen = tokens.shape[1]
+        input_pos = torch.arange(seqlen, device=self.device).unsqueeze(0)  # [1, S]
+        h = self.model(tokens, input_pos, seqlen)  # [1, S, D]
+        return self.model.logits(h[0]).cpu()
+
+    # -- the loop ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                        sampling: SamplingParams | None, stop_token_ids: Sequence[int], top_n: int,
+                        generator: torch.Generator | None) -> list[Generation]:
+        dev, bsz = self.device, len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)  # [B]
+        tokens = torch.zeros((bsz, max(len(p) for p in prompts)), dtype=torch.long)  # [B, S] right-padded
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+        stop_ids = torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
+        done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+
+        logits = prefill(self.model, tokens.to(dev), lengths)  # [B, V]
+        input_pos = lengths.clone()  # [B]: where each row's next token goes
+        steps: list[torch.Tensor] = []
+        chosen: list[torch.Tensor] = []
+        tops: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for step in range(max_new_tokens):
+            next_tokens = sample(logits, sampling, generator)  # [B]
+            lp, top_v, top_i = chosen_logprobs(logits, next_tokens, top_n)
+            steps.append(next_tokens)
+            chosen.append(lp)
+            if top_v is not None:
+                tops.append((top_v, top_i))
+            if len(stop_token_ids):
+                done |= torch.isin(next_tokens, stop_ids)
+                if bool(done.all()):
+                    break
+            if step + 1 == max_new_tokens:
+                break
+            logits = self.decode_fn(self.model, next_tokens, input_pos)  # [B, V]
+            input_pos = input_pos + 1
+
+        token_mat = torch.stack(steps, dim=1).cpu().tolist()  # [B, T]
+        lp_mat = torch.stack(chosen, dim=1).cpu().tolist()
+        if tops:
+            top_v_mat = torch.stack([v for v, _ in tops], dim=1).cpu().tolist()  # [B, T, N]
+            top_i_mat = torch.stack([i for _, i in tops], dim=1).cpu().tolist()
+        stop_set = set(stop_token_ids)
+        results = []
+        for b in range(bsz):
+            ids = token_mat[b]
+            end, reason = len(ids), "length"
+            for t, tok in enumerate(ids):
+                if tok in stop_set:
+                    end, reason = t + 1, "stop"
+                    break
+            top = [dict(zip(top_i_mat[b][t], top_v_mat[b][t])) for t in range(end)] if tops else []
+            results.append(Generation(token_ids=ids[:end], logprobs=lp_mat[b][:end], top_logprobs=top,
+                                      finish_reason=reason))
+        return results
+
+
+def load_engine(engine_dir: Path, *, device: str = "auto") -> EngineRunner:
+    """Read, check (toolchain) and load an engine folder onto `device` ("auto": cuda if available)."""
+    info = read_engine_info(Path(engine_dir))
+    dev = resolve_device(device)
+    check_toolchain(info, device=dev)
+    state: dict[str, torch.Tensor] = {}
+    for name in info.weight_files:
+        state.update(torch.load(info.path / name, map_location="cpu", weights_only=True, mmap=True))
+    with torch.device("meta"):
+        model = Transformer(info.model)
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.to(dev).eval().requires_grad_(False)
+    model.setup_caches(info.limits.max_batch_size, info.limits.max_seq_len)
+    return EngineRunner(info, model, dev)

@@ -1,0 +1,146 @@
+"""A tiny, offline, deterministic Hugging Face checkpoint for tests and demos.
+
+`make_tiny_model(out_dir, arch=..., seed=...)` writes `config.json`, `generation_config.json`,
+`model.safetensors` (or N shards + `model.safetensors.index.json`) and a byte-level BPE tokenizer
+(`tokenizer.json`, `tokenizer_config.json`, ...) trained with `tokenizers` on a small embedded
+English text. Weights are drawn with a large `initializer_range` so output distributions are
+peaked: greedy argmax has clear margins and comparisons against HF are well defined.
+Same arguments -> byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied")
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
+BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
+VOCAB_SIZE = 512
+
+TEXT = """\
+The quick brown fox jumps over the lazy dog. A small engine turns token ids into more token ids,
+one step at a time, and never sees the text itself. The tokenizer lives beside the engine.
+Once upon a time there was a little model that lived in a folder on a disk. Every morning it woke
+up, read its config, loaded its weights and waited for prompts. Some prompts were short and some
+were long, and the model answered each of them with a few words of its own.
+In the beginning the weights were random, drawn from a normal distribution with a large spread,
+so the model was very sure of itself and said strange things with great confidence.
+The engineers did not mind: they only wanted to know that the engine and the reference agreed,
+token for token, on every prompt, in every batch, with and without padding.
+Rain fell on the river and the river ran to the sea. The sea was grey and the sky was grey too.
+A ship sailed out of the harbour in the morning and came back in the evening with fish and salt.
+The children ran along the shore, counting the waves and the birds and the boats on the water.
+Numbers and letters: one, two, three, four, five, six, seven, eight, nine, ten. Alpha, beta,
+gamma, delta. Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. January, February,
+March, April, May, June, July, August, September, October, November, December.
+What is the capital of France? Paris is the capital of France. What is two plus two? Four.
+She sells sea shells by the sea shore. Peter Piper picked a peck of pickled peppers.
+How much wood would a woodchuck chuck if a woodchuck could chuck wood?
+The release pipeline converts the checkpoint, builds the engine, checks it against the reference,
+measures its speed, asks a person for approval and then shifts traffic to it step by step.
+If anything goes wrong, the traffic goes back to the old version and a report says why.
+"""
+
+
+def _config(arch: str):
+    common = {"vocab_size": VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 512,
+              "initializer_range": 0.5, "rms_norm_eps": 1e-6, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+              "pad_token_id": PAD_ID, "tie_word_embeddings": False}
+    if arch == "llama":
+        return LlamaConfig(**common), LlamaForCausalLM
+    if arch == "llama-tied":
+        return LlamaConfig(**{**common, "tie_word_embeddings": True}), LlamaForCausalLM
+    if arch == "llama3-rope":
+        # original context 64 < positions used in tests, so all three llama3 frequency bands matter
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return LlamaConfig(**common, rope_scaling=rope), LlamaForCausalLM
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=4096), MistralForCausalLM
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_theta=1000000.0), Qwen2ForCausalLM
+    raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+
+
+def make_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE (vocab <= VOCAB_SIZE) on TEXT and save it as a PreTrainedTokenizerFast."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TEXT.splitlines(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPECIAL_TOKENS[0]} $A", pair=f"{SPECIAL_TOKENS[0]} $A {SPECIAL_TOKENS[0]} $B",
+        special_tokens=[(SPECIAL_TOKENS[0], BOS_ID)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL_TOKENS[0],
+                                   eos_token=SPECIAL_TOKENS[1], pad_token=SPECIAL_TOKENS[2])
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _save_weights(state: dict[str, torch.Tensor], out_dir: Path, shards: int) -> None:
+    """Unsharded `model.safetensors`, or up to `shards` files split by byte offset, plus the HF index.
+
+    A tensor goes to shard `offset * shards // total`; shards left empty (a big tensor spanning a
+    boundary) are dropped, so tiny models may get fewer files than asked for.
+    """
+    if shards <= 1:
+        save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    offset = 0
+    for name, t in state.items():
+        groups[offset * shards // total].append(name)
+        offset += t.numel() * t.element_size()
+    groups = [g for g in groups if g]
+    weight_map = {}
+    for i, group in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: state[n] for n in group}, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, file))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def make_tiny_model(out_dir: Path, *, arch: str = "llama", seed: int = 0, shards: int = 1) -> Path:
+    """Write a tiny random HF checkpoint of `arch` (see ARCHS) with a tokenizer into `out_dir`."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config, model_cls = _config(arch)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # a larger spread also for biases and norms, so every parameter matters in the comparison
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    config.architectures = [model_cls.__name__]
+    config.save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(out_dir)
+    _save_weights(state, out_dir, shards)
+    make_tokenizer(out_dir)
+    return out_dir
