@@ -1,0 +1,116 @@
+"""Model configs (protobuf-JSON dicts) of the ``llm`` and ``router`` models.
+
+The dicts are complete: the same dict is rendered to ``config.pbtxt`` and sent as a load override.
+Every request input carries Triton's batch dim (``max_batch_size > 0``), so clients send ``[1, n]``;
+``input_ids`` allows ragged batches so prompts of different lengths share one dynamic batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving.triton.errors import ConfigError
+from serving.triton.models.routing import dump_weights
+
+ROUTER_MAX_BATCH_SIZE = 64
+
+
+def _tensor(name: str, data_type: str, dims: list[int], *, optional: bool = False,
+            ragged: bool = False) -> dict[str, Any]:
+    t: dict[str, Any] = {"name": name, "data_type": data_type, "dims": dims}
+    if optional:
+        t["optional"] = True
+    if ragged:
+        t["allow_ragged_batch"] = True
+    return t
+
+
+def llm_inputs(*, all_optional: bool = False) -> list[dict[str, Any]]:
+    """Inputs of the llm model (the router takes the same, all optional, plus ``stats``)."""
+    return [
+        _tensor("input_ids", "TYPE_INT32", [-1], optional=True, ragged=True),
+        _tensor("text_input", "TYPE_STRING", [1], optional=True),
+        _tensor("max_tokens", "TYPE_INT32", [1], optional=all_optional),
+        _tensor("temperature", "TYPE_FP32", [1], optional=True),
+        _tensor("top_k", "TYPE_INT32", [1], optional=True),
+        _tensor("top_p", "TYPE_FP32", [1], optional=True),
+        _tensor("seed", "TYPE_INT64", [1], optional=True),
+        _tensor("stop_token_ids", "TYPE_INT32", [-1], optional=True, ragged=True),
+    ]
+
+
+def llm_outputs() -> list[dict[str, Any]]:
+    return [
+        _tensor("output_ids", "TYPE_INT32", [-1]),
+        _tensor("text_output", "TYPE_STRING", [1]),
+        _tensor("finish_reason", "TYPE_STRING", [1]),
+    ]
+
+
+def _string_params(params: dict[str, str]) -> dict[str, dict[str, str]]:
+    return {k: {"string_value": str(v)} for k, v in sorted(params.items())}
+
+
+def llm_config(
+    model_name: str,
+    *,
+    versions: list[int],
+    max_batch_size: int,
+    device_kind: str,
+    max_queue_size: int = 64,
+    max_queue_delay_us: int = 2000,
+    instance_count: int = 1,
+    parameters: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Complete config of ``<name>_engine`` serving ``versions``."""
+    if device_kind not in ("KIND_CPU", "KIND_GPU"):
+        raise ConfigError(f"device_kind={device_kind!r} must be KIND_CPU or KIND_GPU")
+    if not versions:
+        raise ConfigError(f"model {model_name!r}: versions=[] would serve nothing")
+    if max_batch_size < 1 or max_queue_size < 1:
+        raise ConfigError(f"model {model_name!r}: max_batch_size={max_batch_size} and "
+                          f"max_queue_size={max_queue_size} must be >= 1")
+    return {
+        "name": model_name,
+        "backend": "python",
+        "max_batch_size": max_batch_size,
+        "input": llm_inputs(),
+        "output": llm_outputs(),
+        "dynamic_batching": {
+            "max_queue_delay_microseconds": max_queue_delay_us,
+            "default_queue_policy": {"max_queue_size": max_queue_size},
+        },
+        "instance_group": [{"kind": device_kind, "count": instance_count}],
+        "version_policy": {"specific": {"versions": sorted(versions)}},
+        "parameters": _string_params(parameters or {}),
+    }
+
+
+def router_config(
+    name: str,
+    weights: dict[int, int],
+    *,
+    target_model: str | None = None,
+    max_batch_size: int = ROUTER_MAX_BATCH_SIZE,
+    max_queue_size: int = 256,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """Complete config of the router ``name`` (also the JSON for a load override that changes weights)."""
+    if not weights or sum(weights.values()) <= 0 or any(w < 0 or v < 1 for v, w in weights.items()):
+        raise ConfigError(f"router {name!r}: weights={weights!r} need versions >= 1, weights >= 0, a positive sum")
+    params = {"target_model": target_model or f"{name}_engine", "weights": dump_weights(weights)}
+    if seed is not None:
+        params["seed"] = str(seed)
+    return {
+        "name": name,
+        "backend": "python",
+        "max_batch_size": max_batch_size,
+        "input": llm_inputs(all_optional=True) + [_tensor("stats", "TYPE_STRING", [1], optional=True)],
+        "output": llm_outputs() + [_tensor("routed_version", "TYPE_INT32", [1]),
+                                   _tensor("stats_json", "TYPE_STRING", [1])],
+        "dynamic_batching": {"max_queue_delay_microseconds": 0,
+                             "default_queue_policy": {"max_queue_size": max_queue_size}},
+        "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+        "version_policy": {"specific": {"versions": [1]}},
+        "parameters": _string_params(params),
+    }

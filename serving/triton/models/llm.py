@@ -1,0 +1,255 @@
+"""The ``llm`` Triton python-backend model: one engine version per Triton model version.
+
+Copied into the repository as ``<name>_engine/<N>/model.py`` beside ``<N>/engine/`` (the engine files).
+``initialize`` loads the engine on the instance's device (KIND_GPU -> cuda, else cpu) and raises with
+the model name if it cannot; ``execute`` takes the dynamic batch, parses every request
+(``serving.triton.models.requests``), runs one batched ``runner.generate`` per compatible group
+(greedy requests all share one call) and answers each request, a bad one with an error response,
+never by raising. Text is tokenized/detokenized lazily with ``tokenizers`` from the engine folder.
+
+The engine work sits behind ``EngineHost.run`` so a later in-flight-batching engine thread can replace
+it without touching request parsing or responses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serving.triton.models.requests import (
+    BatchItem,
+    LlmRequest,
+    RequestError,
+    check_limits,
+    parse_request,
+    plan_batches,
+)
+
+try:  # only present inside Triton's python backend; unit tests install a fake module
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover - exercised outside Triton
+    pb_utils = None
+
+DEFAULT_ENGINE_LOADER = "serving.engine:load_engine"
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """``"package.module:attr"`` -> the attribute (used for the ``engine_loader`` parameter)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"parameter engine_loader={spec!r} must look like 'package.module:function'")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def config_parameters(model_config: dict[str, Any]) -> dict[str, str]:
+    """The ``parameters`` map of a model config as plain strings."""
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+class Log:
+    """Log lines prefixed with the model name and version (Triton's logger when available)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._logger = getattr(pb_utils, "Logger", None)
+
+    def info(self, msg: str) -> None:
+        if self._logger is not None:
+            self._logger.log_info(f"[{self.prefix}] {msg}")
+        else:
+            print(f"[{self.prefix}] {msg}", flush=True)
+
+    def verbose(self, msg: str) -> None:
+        if self._logger is not None:
+            self._logger.log_verbose(f"[{self.prefix}] {msg}")
+
+    def error(self, msg: str) -> None:
+        if self._logger is not None:
+            self._logger.log_error(f"[{self.prefix}] {msg}")
+        else:
+            print(f"[{self.prefix}] ERROR {msg}", flush=True)
+
+
+def engine_sampling(req: LlmRequest) -> Any:
+    """The engine's ``SamplingParams`` for a request, ``None`` for greedy."""
+    if req.sampling.is_greedy:
+        return None
+    from serving.engine import SamplingParams  # lazy: the engine package imports torch
+
+    s = req.sampling
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+
+
+class EngineHost:
+    """Owns the engine runner and the tokenizer; runs planned batches synchronously."""
+
+    def __init__(self, runner: Any, engine_dir: Path, log: Log) -> None:
+        self.runner = runner
+        self.engine_dir = engine_dir
+        self.log = log
+        limits = runner.info.limits
+        self.max_batch_size = int(limits.max_batch_size)
+        self.max_input_len = int(limits.max_input_len)
+        self.max_seq_len = int(limits.max_seq_len)
+        vocab = getattr(getattr(runner.info, "model", None), "vocab_size", None)
+        self.vocab_size = int(vocab) if vocab else None
+        self._tokenizer: Any = None
+        self.executions = 0
+        self.largest_batch = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            path = self.engine_dir / "tokenizer.json"
+            if not path.is_file():
+                raise RequestError(f"text input/output needs {path.name} in the engine folder {self.engine_dir}")
+            from tokenizers import Tokenizer  # lazy: not importable at module import in serving/
+
+            self._tokenizer = Tokenizer.from_file(str(path))
+        return self._tokenizer
+
+    def prompt_ids(self, req: LlmRequest) -> tuple[int, ...]:
+        if req.prompt_ids is not None:
+            return req.prompt_ids
+        ids = tuple(self.tokenizer.encode(req.text or "").ids)
+        if not ids:
+            raise RequestError("input 'text_input' tokenizes to no tokens")
+        return ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def run(self, batch: list[BatchItem], reqs: dict[int, LlmRequest]) -> dict[int, tuple[list[int], str]]:
+        """One ``generate`` call for a planned batch -> {request index: (new token ids, finish reason)}."""
+        first = reqs[batch[0].index]
+        max_new = max(item.max_tokens for item in batch)
+        gens = self.runner.generate([list(item.prompt_ids) for item in batch], max_new_tokens=max_new,
+                                    sampling=engine_sampling(first), stop_token_ids=first.stop_token_ids)
+        self.executions += 1
+        self.largest_batch = max(self.largest_batch, len(batch))
+        out: dict[int, tuple[list[int], str]] = {}
+        for item, gen in zip(batch, gens):
+            ids = list(gen.token_ids)
+            reason = str(getattr(gen, "finish_reason", "length"))
+            if len(ids) > item.max_tokens:
+                ids, reason = ids[: item.max_tokens], "length"
+            out[item.index] = (ids, reason)
+        return out
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if callable(close):
+            close()
+        self.runner = None
+
+
+def _error_response(message: str, *, invalid_arg: bool = False) -> Any:
+    """An error response; a rejected request gets INVALID_ARG (HTTP 400), anything else INTERNAL (500)."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid_arg else None
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+def _requested_outputs(request: Any) -> tuple[str, ...]:
+    names = getattr(request, "requested_output_names", None)
+    return tuple(names()) if callable(names) else ()
+
+
+def _getter(request: Any) -> Callable[[str], np.ndarray | None]:
+    def get(name: str) -> np.ndarray | None:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    return get
+
+
+class TritonPythonModel:
+    """Triton entry points for one instance of one engine version."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        self.model_name = args["model_name"]
+        self.version = args.get("model_version", "?")
+        self.log = Log(f"{self.model_name} v{self.version}")
+        config = json.loads(args["model_config"])
+        params = config_parameters(config)
+        engine_dir = Path(args["model_repository"]) / str(self.version) / "engine"
+        device = params.get("device") or ("cuda" if args.get("model_instance_kind") == "GPU" else "cpu")
+        if device == "cuda":
+            import torch  # lazy: only GPU instances pick a device
+
+            torch.cuda.set_device(int(args.get("model_instance_device_id", "0")))
+        started = time.monotonic()
+        try:
+            loader = resolve(params.get("engine_loader") or DEFAULT_ENGINE_LOADER)
+            runner = loader(engine_dir, device=device)
+        except Exception as exc:
+            raise RuntimeError(
+                f"[{self.model_name} v{self.version}] cannot load the engine in {engine_dir} on device "
+                f"{device!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        self.host = EngineHost(runner, engine_dir, self.log)
+        self.log.info(
+            f"engine {getattr(runner.info, 'fingerprint', '?')} loaded from {engine_dir} on {device} in "
+            f"{time.monotonic() - started:.2f} s (max_batch_size={self.host.max_batch_size}, "
+            f"max_input_len={self.host.max_input_len}, max_seq_len={self.host.max_seq_len})"
+        )
+
+    def _parse(self, index: int, request: Any) -> tuple[LlmRequest, BatchItem]:
+        req = parse_request(_getter(request), _requested_outputs(request))
+        ids = self.host.prompt_ids(req)
+        check_limits(ids, req.max_tokens, max_input_len=self.host.max_input_len,
+                     max_seq_len=self.host.max_seq_len, vocab_size=self.host.vocab_size)
+        return req, BatchItem(index, ids, req.max_tokens, req.group_key())
+
+    def _response(self, req: LlmRequest, ids: list[int], reason: str) -> Any:
+        tensors = [
+            pb_utils.Tensor("output_ids", np.asarray([ids], dtype=np.int32)),
+            pb_utils.Tensor("finish_reason", np.asarray([[reason.encode()]], dtype=np.object_)),
+        ]
+        if req.want_text:
+            text = self.host.detokenize(ids)
+            tensors.append(pb_utils.Tensor("text_output", np.asarray([[text.encode("utf-8")]], dtype=np.object_)))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        started = time.monotonic()
+        responses: list[Any] = [None] * len(requests)
+        reqs: dict[int, LlmRequest] = {}
+        items: list[BatchItem] = []
+        for i, request in enumerate(requests):
+            try:
+                reqs[i], item = self._parse(i, request)
+                items.append(item)
+            except RequestError as exc:
+                responses[i] = _error_response(f"{self.model_name} v{self.version}: {exc}", invalid_arg=True)
+            except Exception as exc:  # noqa: BLE001 - never crash the instance on one request
+                self.log.error(f"request {i}: {type(exc).__name__}: {exc}")
+                responses[i] = _error_response(f"{self.model_name} v{self.version}: internal error: {exc}")
+        batches = plan_batches(items, max_batch_size=self.host.max_batch_size, max_seq_len=self.host.max_seq_len)
+        for batch in batches:
+            try:
+                results = self.host.run(batch, reqs)
+                for item in batch:
+                    ids, reason = results[item.index]
+                    responses[item.index] = self._response(reqs[item.index], ids, reason)
+            except Exception as exc:  # noqa: BLE001 - a failed batch answers its requests
+                self.log.error(f"generate failed for a batch of {len(batch)}: {type(exc).__name__}: {exc}")
+                for item in batch:
+                    responses[item.index] = _error_response(
+                        f"{self.model_name} v{self.version}: generate failed: {type(exc).__name__}: {exc}")
+        self.log.verbose(f"execute: {len(requests)} requests in {len(batches)} generate calls "
+                         f"(sizes {[len(b) for b in batches]}) in {time.monotonic() - started:.3f} s")
+        return responses
+
+    def finalize(self) -> None:
+        host = getattr(self, "host", None)
+        if host is not None:
+            self.log.info(f"finalize after {host.executions} generate calls (largest batch {host.largest_batch})")
+            host.close()
+            self.host = None

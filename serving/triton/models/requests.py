@@ -1,0 +1,165 @@
+"""Parsing and batching of ``llm`` model requests, independent of ``triton_python_backend_utils``.
+
+A request is read through a getter ``name -> numpy array | None`` so the same code runs inside Triton
+and in unit tests. Inputs (the batch dim of 1 added by Triton's dynamic batcher is dropped here):
+``input_ids`` INT32 [-1] or ``text_input`` BYTES [1] (exactly one), ``max_tokens`` INT32 [1],
+optional ``temperature`` FP32, ``top_k`` INT32, ``top_p`` FP32, ``seed`` INT64, ``stop_token_ids`` INT32 [-1].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+GetInput = Callable[[str], "np.ndarray | None"]
+
+INPUT_NAMES = ("input_ids", "text_input", "max_tokens", "temperature", "top_k", "top_p", "seed",
+               "stop_token_ids")
+OUTPUT_NAMES = ("output_ids", "text_output", "finish_reason")
+
+
+class RequestError(ValueError):
+    """A request the model rejects; its message goes back to the client as the response error."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling; ``temperature == 0`` (the default) is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class LlmRequest:
+    """One parsed request. Exactly one of ``prompt_ids`` / ``text`` is set."""
+
+    prompt_ids: tuple[int, ...] | None
+    text: str | None
+    max_tokens: int
+    sampling: Sampling
+    stop_token_ids: tuple[int, ...]
+    want_text: bool
+
+    def group_key(self) -> tuple:
+        """Requests with equal keys can share one ``generate`` call."""
+        return (self.sampling if not self.sampling.is_greedy else None, self.stop_token_ids)
+
+
+def _scalar(arr: np.ndarray | None, name: str) -> np.generic | None:
+    if arr is None:
+        return None
+    flat = np.asarray(arr).reshape(-1)
+    if flat.size != 1:
+        raise RequestError(f"input {name!r} must hold exactly one value, got shape {list(np.shape(arr))}")
+    return flat[0]
+
+
+def _ids(arr: np.ndarray | None, name: str) -> tuple[int, ...] | None:
+    if arr is None:
+        return None
+    a = np.asarray(arr)
+    if a.ndim == 2 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 1:
+        raise RequestError(f"input {name!r} must be [1, n] token ids, got shape {list(np.shape(arr))}")
+    if a.size and (a.min() < 0):
+        raise RequestError(f"input {name!r} holds a negative token id {int(a.min())}")
+    return tuple(int(x) for x in a)
+
+
+def _text(arr: np.ndarray | None, name: str) -> str | None:
+    value = _scalar(arr, name)
+    if value is None:
+        return None
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"input {name!r} is not valid UTF-8: {exc}") from exc
+    return str(value)
+
+
+def parse_request(get_input: GetInput, requested_outputs: tuple[str, ...] = ()) -> LlmRequest:
+    """Read and check one request's inputs (not yet against the engine's limits)."""
+    prompt_ids = _ids(get_input("input_ids"), "input_ids")
+    text = _text(get_input("text_input"), "text_input")
+    if (prompt_ids is None) == (text is None):
+        raise RequestError("exactly one of inputs 'input_ids' and 'text_input' must be given")
+    if prompt_ids is not None and not prompt_ids:
+        raise RequestError("input 'input_ids' is empty")
+    max_tokens = _scalar(get_input("max_tokens"), "max_tokens")
+    if max_tokens is None:
+        raise RequestError("input 'max_tokens' is required")
+    if int(max_tokens) < 1:
+        raise RequestError(f"input 'max_tokens'={int(max_tokens)} must be >= 1")
+    temperature = _scalar(get_input("temperature"), "temperature")
+    top_k = _scalar(get_input("top_k"), "top_k")
+    top_p = _scalar(get_input("top_p"), "top_p")
+    seed = _scalar(get_input("seed"), "seed")
+    sampling = Sampling(
+        temperature=0.0 if temperature is None else float(temperature),
+        top_k=0 if top_k is None else int(top_k),
+        top_p=1.0 if top_p is None else float(top_p),
+        seed=None if seed is None else int(seed),
+    )
+    if sampling.temperature < 0 or not np.isfinite(sampling.temperature):
+        raise RequestError(f"input 'temperature'={sampling.temperature} must be a finite number >= 0")
+    if sampling.top_k < 0:
+        raise RequestError(f"input 'top_k'={sampling.top_k} must be >= 0 (0 = off)")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise RequestError(f"input 'top_p'={sampling.top_p} must be in (0, 1]")
+    stop = _ids(get_input("stop_token_ids"), "stop_token_ids") or ()
+    want_text = text is not None or "text_output" in requested_outputs
+    return LlmRequest(prompt_ids, text, int(max_tokens), sampling, stop, want_text)
+
+
+def check_limits(prompt_ids: tuple[int, ...], max_tokens: int, *, max_input_len: int, max_seq_len: int,
+                 vocab_size: int | None = None) -> None:
+    """Reject a prompt the engine cannot serve, naming the value and the engine limit."""
+    if len(prompt_ids) > max_input_len:
+        raise RequestError(
+            f"prompt of {len(prompt_ids)} tokens exceeds the engine limit max_input_len={max_input_len}"
+        )
+    if len(prompt_ids) + max_tokens > max_seq_len:
+        raise RequestError(
+            f"prompt of {len(prompt_ids)} tokens + max_tokens={max_tokens} exceeds the engine limit "
+            f"max_seq_len={max_seq_len}"
+        )
+    if vocab_size is not None and prompt_ids and max(prompt_ids) >= vocab_size:
+        raise RequestError(f"token id {max(prompt_ids)} in 'input_ids' is outside the vocabulary ({vocab_size})")
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """A request ready to run: its index in the Triton batch, prompt and settings."""
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    key: tuple
+
+
+def plan_batches(items: list[BatchItem], *, max_batch_size: int, max_seq_len: int) -> list[list[BatchItem]]:
+    """Group items into ``generate`` calls: same key, at most ``max_batch_size``, and the longest prompt
+    plus the largest ``max_tokens`` of a group within ``max_seq_len`` (each item fits alone)."""
+    groups: dict[tuple, list[list[BatchItem]]] = {}
+    for item in items:
+        chunks = groups.setdefault(item.key, [])
+        for chunk in chunks:
+            longest = max(len(i.prompt_ids) for i in chunk + [item])
+            most = max(i.max_tokens for i in chunk + [item])
+            if len(chunk) < max_batch_size and longest + most <= max_seq_len:
+                chunk.append(item)
+                break
+        else:
+            chunks.append([item])
+    return [chunk for chunks in groups.values() for chunk in chunks]

@@ -1,0 +1,116 @@
+"""The ``router`` Triton python-backend model (BLS): the stable name clients call during a gray release.
+
+Parameters (config ``parameters``): ``target_model`` (the ``<name>_engine`` model) and ``weights``
+(JSON ``{"1": 90, "2": 10}``). Per request it picks a version by weight, forwards the request's inputs
+to that version with an async BLS call, and returns the target's outputs plus ``routed_version``; an
+error from the target comes back as this request's error. Weights change by reloading the router with a
+complete config override (which also resets the counters).
+
+Counters per version (requests, errors, latency) live in memory; Triton's own metrics count an error
+response as a success, so these are the error counts to trust. Read them with a request carrying the
+``stats`` input (any value): the answer is a ``stats_json`` output, nothing is forwarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import numpy as np
+
+from serving.triton.models.routing import RouterStats, choose_version, parse_weights
+
+try:  # only present inside Triton's python backend; unit tests install a fake module
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover - exercised outside Triton
+    pb_utils = None
+
+ROUTER_INPUTS_ONLY = frozenset({"stats"})
+ROUTER_OUTPUTS_ONLY = frozenset({"routed_version", "stats_json"})
+LOG_EVERY_S = 30.0
+
+
+def _log(level: str, msg: str) -> None:
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is not None:
+        getattr(logger, f"log_{level}")(msg)
+    else:
+        print(msg, flush=True)
+
+
+def _forwarded_error(message: str, error: Any) -> Any:
+    """A TritonError with ``message`` and the target's error code (when this backend exposes codes)."""
+    code = getattr(error, "code", None)
+    if callable(code):
+        try:
+            return pb_utils.TritonError(message, code())
+        except TypeError:
+            pass
+    return pb_utils.TritonError(message)
+
+
+class TritonPythonModel:
+    """Weighted BLS router in front of the versions of ``target_model``."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        self.model_name = args["model_name"]
+        config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        self.target_model = params.get("target_model", "")
+        if not self.target_model:
+            raise RuntimeError(f"[{self.model_name}] config parameter target_model is missing or empty")
+        try:
+            self.weights = parse_weights(params.get("weights", ""))
+        except ValueError as exc:
+            raise RuntimeError(f"[{self.model_name}] {exc}") from exc
+        self.rng = random.Random(int(params["seed"])) if params.get("seed") else random.Random()
+        self.stats = RouterStats(self.target_model, self.weights)
+        self._last_log = time.monotonic()
+        _log("info", f"[{self.model_name}] routing to {self.target_model} with weights {self.weights}")
+
+    async def execute(self, requests: list[Any]) -> list[Any]:
+        responses = await asyncio.gather(*(self._route(r) for r in requests))
+        if time.monotonic() - self._last_log > LOG_EVERY_S:
+            self._last_log = time.monotonic()
+            _log("info", f"[{self.model_name}] counters {self.stats.to_json()}")
+        return list(responses)
+
+    def _stats_response(self) -> Any:
+        payload = np.asarray([[self.stats.to_json().encode()]], dtype=np.object_)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("stats_json", payload)])
+
+    async def _route(self, request: Any) -> Any:
+        if pb_utils.get_input_tensor_by_name(request, "stats") is not None:
+            return self._stats_response()
+        version = choose_version(self.weights, self.rng)
+        inputs = [t for t in request.inputs() if t.name() not in ROUTER_INPUTS_ONLY]
+        names = getattr(request, "requested_output_names", None)
+        requested = [n for n in (names() if callable(names) else ()) if n not in ROUTER_OUTPUTS_ONLY]
+        if not requested:
+            requested = ["output_ids", "finish_reason"]
+            if any(t.name() == "text_input" for t in inputs):
+                requested.append("text_output")
+        started = time.monotonic()
+        try:
+            bls = pb_utils.InferenceRequest(model_name=self.target_model, model_version=version,
+                                            requested_output_names=requested, inputs=inputs)
+            response = await bls.async_exec()
+        except Exception as exc:  # noqa: BLE001 - a BLS failure is this request's error, never a crash
+            self.stats.record(version, ok=False, latency_s=time.monotonic() - started)
+            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                f"{self.model_name}: forwarding to {self.target_model} version {version} failed: {exc}"))
+        latency = time.monotonic() - started
+        if response.has_error():
+            self.stats.record(version, ok=False, latency_s=latency)
+            return pb_utils.InferenceResponse(output_tensors=[], error=_forwarded_error(
+                f"{self.target_model} version {version}: {response.error().message()}", response.error()))
+        self.stats.record(version, ok=True, latency_s=latency)
+        outputs = list(response.output_tensors())
+        outputs.append(pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32)))
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    def finalize(self) -> None:
+        _log("info", f"[{self.model_name}] final counters {self.stats.to_json()}")

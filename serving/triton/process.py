@@ -1,0 +1,253 @@
+"""Start and stop the bundled ``tritonserver`` as a child process on loopback, explicit model control.
+
+The server runs in its own session so ``stop()`` can signal it by PID (SIGTERM, then SIGKILL after a
+timeout) without touching anything else. CPU-only flags are added only when no GPU is visible.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from serving.triton.control import TritonControl
+from serving.triton.errors import TritonStartError, TritonUnreachableError
+from serving.triton.install import TritonInstall, locate_triton
+
+CPU_FLAGS = (
+    "--allow-gpu-metrics=false",
+    "--pinned-memory-pool-byte-size=0",
+)
+COMMON_FLAGS = (
+    "--model-control-mode=explicit",
+    "--exit-timeout-secs=5",
+    "--metrics-config=summary_latencies=true",
+    "--strict-readiness=true",
+)
+TMP_COPY_GLOB = "folder*"  # python backend copies of models it localises (left behind in /tmp)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def gpu_available() -> bool:
+    """True when torch sees a CUDA device (checked lazily; torch may be absent on a client)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _tmp_copies() -> set[Path]:
+    tmp = Path("/tmp")
+    uid = os.getuid()
+    found: set[Path] = set()
+    for p in tmp.glob(TMP_COPY_GLOB):
+        try:
+            if p.is_dir() and not p.is_symlink() and p.stat().st_uid == uid:
+                found.add(p)
+        except OSError:
+            continue
+    return found
+
+
+def _stub_model_dirs(server_pid: int) -> set[Path]:
+    """``/tmp/folder*`` dirs named on the command lines of this server's python stubs."""
+    dirs: set[Path] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != server_pid:
+                continue
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        for arg in argv[1:2]:  # argv[1] is the model.py path
+            path = Path(arg.decode(errors="replace"))
+            for parent in path.parents:
+                if parent.parent == Path("/tmp") and parent.name.startswith("folder"):
+                    dirs.add(parent)
+    return dirs
+
+
+@dataclass
+class TritonProcess:
+    """A running tritonserver; use as a context manager or call ``stop()``."""
+
+    pid: int
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+    model_repository: Path
+    log_path: Path
+    popen: subprocess.Popen = field(repr=False)
+    started_s: float = 0.0
+    _tmp_before: set[Path] = field(default_factory=set, repr=False)
+    _tmp_seen: set[Path] = field(default_factory=set, repr=False)
+
+    def control(self, *, setting: str = "triton.http_url") -> TritonControl:
+        return TritonControl(self.http_url, setting=setting)
+
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+    def note_tmp_copies(self) -> None:
+        """Remember the python backend's ``/tmp/folder*`` copies used by this server's live stubs."""
+        if self.running():
+            self._tmp_seen |= _stub_model_dirs(self.pid)
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM the server by PID, SIGKILL after ``timeout_s``; remove its /tmp copies; return the exit code."""
+        self.note_tmp_copies()
+        if self.running():
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)  # own session: the group is the server + its stubs
+                except ProcessLookupError:
+                    pass
+                self.popen.wait(timeout=timeout_s)
+        self._kill_leftover_stubs()
+        self._remove_tmp_copies()
+        return int(self.popen.returncode)
+
+    def _kill_leftover_stubs(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _remove_tmp_copies(self) -> None:
+        # Only dirs this server's stubs ran from, or that appeared while it ran and hold a copy of one of
+        # its repository's models (config.pbtxt identical to one in our repository).
+        ours = set(self._tmp_seen)
+        configs = {p.read_bytes() for p in self.model_repository.glob("*/config.pbtxt") if p.is_file()}
+        for cand in _tmp_copies() - self._tmp_before:
+            try:
+                if cand.stat().st_mtime < self.started_s:
+                    continue
+                cfg = cand / "config.pbtxt"
+                if cfg.is_file() and cfg.read_bytes() in configs:
+                    ours.add(cand)
+            except OSError:
+                continue
+        for path in ours:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def __enter__(self) -> TritonProcess:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def build_command(install: TritonInstall, model_repository: Path, *, host: str, http_port: int,
+                  grpc_port: int, metrics_port: int, gpu: bool, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The tritonserver argv for one loopback server."""
+    args = [
+        str(install.server_bin),
+        f"--model-repository={model_repository}",
+        f"--backend-directory={install.backends_dir}",
+        f"--http-address={host}", f"--http-port={http_port}",
+        f"--grpc-address={host}", f"--grpc-port={grpc_port}",
+        f"--metrics-address={host}", f"--metrics-port={metrics_port}",
+        *COMMON_FLAGS,
+    ]
+    if not gpu:
+        args.extend(CPU_FLAGS)
+    args.extend(extra_args)
+    return args
+
+
+def start_triton(
+    model_repository: Path,
+    *,
+    host: str = "127.0.0.1",
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    metrics_port: int | None = None,
+    log_path: Path,
+    ready_timeout_s: float = 30.0,
+    load_models: tuple[str, ...] = (),
+    extra_args: tuple[str, ...] = (),
+    install: TritonInstall | None = None,
+) -> TritonProcess:
+    """Start tritonserver on ``model_repository`` and wait until ``/v2/health/ready`` answers."""
+    model_repository = Path(model_repository).resolve()
+    if not model_repository.is_dir():
+        raise TritonStartError(f"model repository {model_repository} (argument model_repository) is not a folder")
+    install = install or locate_triton()
+    ports = [p or free_port(host) for p in (http_port, grpc_port, metrics_port)]
+    gpu = gpu_available()
+    argv = build_command(install, model_repository, host=host, http_port=ports[0], grpc_port=ports[1],
+                         metrics_port=ports[2], gpu=gpu,
+                         extra_args=tuple(f"--load-model={m}" for m in load_models) + tuple(extra_args))
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_before = _tmp_copies()
+    started = time.time()
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(argv, env=install.env, stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = TritonProcess(
+        pid=popen.pid,
+        http_url=f"http://{host}:{ports[0]}",
+        grpc_url=f"{host}:{ports[1]}",
+        metrics_url=f"http://{host}:{ports[2]}",
+        model_repository=model_repository,
+        log_path=log_path,
+        popen=popen,
+        started_s=started,
+        _tmp_before=tmp_before,
+    )
+    control = proc.control(setting="start_triton(http_port)")
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        if not proc.running():
+            proc.stop()
+            raise TritonStartError(
+                f"tritonserver exited with code {popen.returncode} while starting on {proc.http_url} "
+                f"(repository {model_repository}); log {log_path}:\n{_tail(log_path)}"
+            )
+        if control.server_ready():
+            return proc
+        if time.monotonic() > deadline:
+            proc.stop()
+            raise TritonStartError(
+                f"tritonserver at {proc.http_url} was not ready within {ready_timeout_s:g} s "
+                f"(argument ready_timeout_s); log {log_path}:\n{_tail(log_path)}"
+            )
+        time.sleep(0.05)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+__all__ = [
+    "TritonProcess",
+    "TritonUnreachableError",
+    "build_command",
+    "free_port",
+    "gpu_available",
+    "start_triton",
+]

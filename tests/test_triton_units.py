@@ -1,0 +1,332 @@
+"""Unit tests of serving.triton: pbtxt, configs (parsed with Triton's own schema), atomic staging,
+request parsing and batching, router choice, and both models under a fake triton_python_backend_utils."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from triton_support import FakeLimits, FakeRequest, FakeResponse, FakeRunner, FakeTensor, make_fake_pb_utils
+from tritonclient.grpc import model_config_pb2
+
+from serving.triton import repository as repo_mod
+from serving.triton.errors import ConfigError, RepositoryError, TritonStartError
+from serving.triton.install import locate_triton
+from serving.triton.model_configs import llm_config, router_config
+from serving.triton.models import llm as llm_mod
+from serving.triton.models import router as router_mod
+from serving.triton.models.requests import BatchItem, RequestError, check_limits, parse_request, plan_batches
+from serving.triton.models.routing import RouterStats, WeightsError, choose_version, parse_weights
+from serving.triton.pbtxt import to_pbtxt
+from serving.triton.process import build_command, start_triton
+
+
+def parse_pbtxt(text: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def fake_engine_dir(tmp_path: Path, name: str = "engine") -> Path:
+    d = tmp_path / name
+    (d / "sub").mkdir(parents=True)
+    (d / "engine.json").write_text("{}")
+    (d / "weights.pt").write_bytes(b"\0" * 1000)
+    (d / "sub" / "x.bin").write_bytes(b"x")
+    return d
+
+
+# ---------------------------------------------------------------- pbtxt and configs
+
+
+def test_pbtxt_scalars_enums_maps_and_lists() -> None:
+    text = to_pbtxt({"name": 'a"b', "max_batch_size": 4, "input": [{"name": "x", "data_type": "TYPE_FP32",
+                     "dims": [-1, 2], "optional": True}], "parameters": {"k": {"string_value": "v\n"}}})
+    assert 'name: "a\\"b"' in text and "data_type: TYPE_FP32" in text and "dims: [-1, 2]" in text
+    cfg = parse_pbtxt(text)
+    assert cfg.name == 'a"b' and cfg.parameters["k"].string_value == "v\n"
+    assert cfg.input[0].data_type == model_config_pb2.TYPE_FP32 and list(cfg.input[0].dims) == [-1, 2]
+
+
+def test_pbtxt_rejects_bad_enum() -> None:
+    with pytest.raises(ConfigError, match="data_type"):
+        to_pbtxt({"input": [{"data_type": "TYPE FP32"}]})
+
+
+def test_llm_config_parses_with_triton_schema() -> None:
+    cfg = parse_pbtxt(to_pbtxt(llm_config("m_engine", versions=[2, 1], max_batch_size=8, device_kind="KIND_CPU",
+                                          max_queue_size=5, max_queue_delay_us=100, parameters={"device": "cpu"})))
+    assert cfg.backend == "python" and cfg.max_batch_size == 8
+    assert list(cfg.version_policy.specific.versions) == [1, 2]
+    assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 5
+    assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
+    inputs = {i.name: i for i in cfg.input}
+    assert inputs["input_ids"].allow_ragged_batch and inputs["input_ids"].optional
+    assert inputs["text_input"].data_type == model_config_pb2.TYPE_STRING
+    assert not inputs["max_tokens"].optional
+    assert {o.name for o in cfg.output} == {"output_ids", "text_output", "finish_reason"}
+    assert cfg.parameters["device"].string_value == "cpu"
+
+
+def test_router_config_parses_and_validates() -> None:
+    cfg = parse_pbtxt(to_pbtxt(router_config("m", {1: 90, 2: 10})))
+    assert cfg.parameters["target_model"].string_value == "m_engine"
+    assert json.loads(cfg.parameters["weights"].string_value) == {"1": 90, "2": 10}
+    assert {o.name for o in cfg.output} >= {"routed_version", "stats_json", "output_ids"}
+    assert all(i.optional for i in cfg.input)
+    for bad in ({}, {1: 0}, {0: 10}, {1: -1}):
+        with pytest.raises(ConfigError, match="weights"):
+            router_config("m", bad)
+
+
+# ---------------------------------------------------------------- repository
+
+
+def test_stage_versions_layout_and_served(tmp_path: Path) -> None:
+    root = repo_mod.init_repository(tmp_path / "repo")
+    engine = fake_engine_dir(tmp_path)
+    assert repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, device_kind="cpu") == 1
+    assert repo_mod.stage_engine_version(root, "m", engine, max_batch_size=4) == 2
+    vdir = root / "m_engine" / "2"
+    assert (vdir / "model.py").read_text() == (repo_mod.MODELS_DIR / "llm.py").read_text()
+    assert (vdir / "engine" / "sub" / "x.bin").read_bytes() == b"x"
+    assert (vdir / "engine" / "weights.pt").stat().st_ino == (engine / "weights.pt").stat().st_ino  # hardlink
+    assert repo_mod.served_versions(root, "m") == [1]
+    cfg = parse_pbtxt((root / "m_engine" / "config.pbtxt").read_text())
+    assert list(cfg.version_policy.specific.versions) == [1] and cfg.max_batch_size == 8
+    repo_mod.set_served_versions(root, "m", [1, 2])
+    cfg = parse_pbtxt((root / "m_engine" / "config.pbtxt").read_text())
+    assert list(cfg.version_policy.specific.versions) == [1, 2] and cfg.max_batch_size == 4  # min over versions
+    with pytest.raises(RepositoryError, match="still served"):
+        repo_mod.remove_version(root, "m", 1)
+    repo_mod.set_served_versions(root, "m", [2])
+    repo_mod.remove_version(root, "m", 1)
+    assert repo_mod.list_versions(root, "m") == [2]
+    # numbers are never reused
+    assert repo_mod.stage_engine_version(root, "m", engine, max_batch_size=4) == 3
+    assert not [p for p in (root / "m_engine").iterdir() if p.name.startswith(".")]
+    with pytest.raises(RepositoryError, match="not staged"):
+        repo_mod.set_served_versions(root, "m", [1])
+
+
+def test_stage_failure_mid_copy_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = repo_mod.init_repository(tmp_path / "repo")
+    engine = fake_engine_dir(tmp_path)
+    repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8)
+    before = sorted(p.name for p in (root / "m_engine").iterdir())
+    config_before = (root / "m_engine" / "config.pbtxt").read_bytes()
+    real = repo_mod._place_file
+    placed: list[Path] = []
+
+    def flaky(src: Path, dst: Path, *, link: bool) -> None:
+        if placed:
+            raise OSError(f"disk full while writing {dst}")
+        placed.append(dst)
+        real(src, dst, link=link)
+
+    monkeypatch.setattr(repo_mod, "_place_file", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8)
+    assert placed, "the failure must happen after a first file was written"
+    assert sorted(p.name for p in (root / "m_engine").iterdir()) == before
+    assert (root / "m_engine" / "config.pbtxt").read_bytes() == config_before
+
+
+def test_stage_missing_engine_names_it(tmp_path: Path) -> None:
+    with pytest.raises(RepositoryError, match="argument engine_dir"):
+        repo_mod.stage_engine_version(tmp_path / "repo", "m", tmp_path / "nope", max_batch_size=1)
+
+
+def test_write_router_files(tmp_path: Path) -> None:
+    cfg = repo_mod.write_router(tmp_path, "m", {1: 100})
+    assert (tmp_path / "m" / "1" / "model.py").read_text() == (repo_mod.MODELS_DIR / "router.py").read_text()
+    assert parse_pbtxt((tmp_path / "m" / "config.pbtxt").read_text()).name == cfg["name"] == "m"
+
+
+# ---------------------------------------------------------------- install / process
+
+
+def test_locate_triton_and_command(tmp_path: Path) -> None:
+    inst = locate_triton(tmp_path / "backends")
+    assert (inst.backends_dir / "python" / "triton_python_backend_stub").is_file()
+    assert inst.env["LD_LIBRARY_PATH"].split(":")[0].endswith("/lib")
+    argv = build_command(inst, tmp_path, host="127.0.0.1", http_port=1, grpc_port=2, metrics_port=3, gpu=False)
+    assert "--model-control-mode=explicit" in argv and "--http-address=127.0.0.1" in argv
+    assert "--pinned-memory-pool-byte-size=0" in argv
+    assert "--pinned-memory-pool-byte-size=0" not in build_command(
+        inst, tmp_path, host="127.0.0.1", http_port=1, grpc_port=2, metrics_port=3, gpu=True)
+
+
+def test_start_triton_missing_repository(tmp_path: Path) -> None:
+    with pytest.raises(TritonStartError, match="argument model_repository"):
+        start_triton(tmp_path / "missing", log_path=tmp_path / "log")
+
+
+# ---------------------------------------------------------------- request parsing and batching
+
+
+def getter(**inputs):
+    return lambda name: None if name not in inputs else np.asarray(inputs[name])
+
+
+def test_parse_request_ids_and_text() -> None:
+    req = parse_request(getter(input_ids=[[1, 2, 3]], max_tokens=[[4]], temperature=[[0.5]], seed=[[7]]))
+    assert req.prompt_ids == (1, 2, 3) and req.max_tokens == 4 and not req.want_text
+    assert req.sampling.temperature == 0.5 and req.sampling.seed == 7 and not req.sampling.is_greedy
+    req = parse_request(getter(text_input=np.array([[b"hi"]], dtype=object), max_tokens=[[2]]))
+    assert req.text == "hi" and req.want_text and req.sampling.is_greedy
+    assert parse_request(getter(input_ids=[[1]], max_tokens=[[1]]), ("text_output",)).want_text
+
+
+@pytest.mark.parametrize(("inputs", "match"), [
+    ({"max_tokens": [[1]]}, "exactly one of"),
+    ({"input_ids": [[1]], "text_input": np.array([[b"x"]], dtype=object), "max_tokens": [[1]]}, "exactly one of"),
+    ({"input_ids": [[1]]}, "'max_tokens' is required"),
+    ({"input_ids": [[1]], "max_tokens": [[0]]}, "'max_tokens'=0"),
+    ({"input_ids": [[-1]], "max_tokens": [[1]]}, "negative token id"),
+    ({"input_ids": [[1]], "max_tokens": [[1, 2]]}, "exactly one value"),
+    ({"input_ids": [[1]], "max_tokens": [[1]], "top_p": [[0.0]]}, "'top_p'"),
+    ({"input_ids": [[1]], "max_tokens": [[1]], "temperature": [[-1.0]]}, "'temperature'"),
+    ({"text_input": np.array([[b"\xff"]], dtype=object), "max_tokens": [[1]]}, "UTF-8"),
+])
+def test_parse_request_rejects(inputs: dict, match: str) -> None:
+    with pytest.raises(RequestError, match=match):
+        parse_request(getter(**inputs))
+
+
+def test_check_limits_names_limit() -> None:
+    with pytest.raises(RequestError, match="max_input_len=4"):
+        check_limits((1,) * 5, 1, max_input_len=4, max_seq_len=100)
+    with pytest.raises(RequestError, match="max_seq_len=10"):
+        check_limits((1,) * 4, 7, max_input_len=4, max_seq_len=10)
+
+
+def test_plan_batches_groups_and_bounds() -> None:
+    items = [BatchItem(i, (1,) * n, t, k) for i, (n, t, k) in enumerate(
+        [(2, 4, "a"), (3, 4, "a"), (2, 4, "b"), (2, 4, "a"), (20, 4, "a"), (2, 30, "a")])]
+    batches = plan_batches(items, max_batch_size=2, max_seq_len=32)
+    assert [[i.index for i in b] for b in batches] == [[0, 1], [3, 4], [5], [2]]
+    assert all(max(len(i.prompt_ids) for i in b) + max(i.max_tokens for i in b) <= 32 for b in batches)
+
+
+# ---------------------------------------------------------------- routing
+
+
+def test_parse_weights() -> None:
+    assert parse_weights('{"1": 90, "2": 10}') == {1: 90, 2: 10}
+    for bad in ("", "[]", "{}", '{"a": 1}', '{"1": -1}', '{"1": 0}', '{"1": 1.5}', '{"0": 5}'):
+        with pytest.raises(WeightsError, match="weights="):
+            parse_weights(bad)
+
+
+def test_choose_version_follows_weights() -> None:
+    """4000 draws at 75/25: the count of version 2 is ~Binomial(4000, .25), sd 27; the band is +-5.8 sd."""
+    rng = random.Random(0)
+    picks = [choose_version({1: 75, 2: 25, 3: 0}, rng) for _ in range(4000)]
+    assert 3 not in picks and 840 < picks.count(2) < 1160
+
+
+def test_router_stats() -> None:
+    s = RouterStats("m_engine", {1: 100})
+    s.record(1, ok=True, latency_s=0.5)
+    s.record(1, ok=False, latency_s=1.5)
+    snap = json.loads(s.to_json())
+    assert snap["versions"]["1"] == {"requests": 2, "errors": 1, "latency_sum_s": 2.0, "latency_max_s": 1.5}
+
+
+# ---------------------------------------------------------------- models under a fake pb_utils
+
+
+def llm_model(monkeypatch: pytest.MonkeyPatch, runner: FakeRunner, tmp_path: Path):
+    pb = make_fake_pb_utils()
+    monkeypatch.setattr(llm_mod, "pb_utils", pb)
+    model = llm_mod.TritonPythonModel()
+    model.model_name, model.version = "m_engine", "1"
+    model.log = llm_mod.Log("m_engine v1")
+    model.host = llm_mod.EngineHost(runner, tmp_path, model.log)
+    return model
+
+
+def test_llm_execute_batches_and_isolates_errors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    runner = FakeRunner(FakeLimits(max_batch_size=2, max_input_len=8, max_seq_len=32))
+    model = llm_model(monkeypatch, runner, tmp_path)
+    reqs = [
+        FakeRequest({"input_ids": [[1, 2]], "max_tokens": [[3]]}),
+        FakeRequest({"input_ids": [[5]], "max_tokens": [[2]]}),
+        FakeRequest({"input_ids": [list(range(9))], "max_tokens": [[2]]}),  # too long
+        FakeRequest({"max_tokens": [[2]]}),  # no prompt
+        FakeRequest({"input_ids": [[7]], "max_tokens": [[4]], "stop_token_ids": [[9]]}),
+        FakeRequest({"input_ids": [[10]], "max_tokens": [[1]]}),
+    ]
+    out = model.execute(reqs)
+    assert len(out) == 6
+    assert out[0].output("output_ids").tolist() == [[3, 4, 5]]
+    assert out[1].output("output_ids").tolist() == [[6, 7]]  # truncated to its own max_tokens
+    assert out[1].output("finish_reason").tolist() == [[b"length"]]
+    assert "max_input_len=8" in out[2].error().message() and "m_engine v1" in out[2].error().message()
+    assert "exactly one of" in out[3].error().message()
+    assert out[4].output("output_ids").tolist() == [[8, 9]] and out[4].output("finish_reason")[0, 0] == b"stop"
+    assert out[5].output("output_ids").tolist() == [[11]]
+    # greedy requests without stop tokens share calls of at most max_batch_size; the stop-token one runs alone
+    assert [len(c["prompts"]) for c in runner.calls] == [2, 1, 1]
+
+
+def test_llm_generate_failure_is_a_response(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    runner = FakeRunner()
+
+    def boom(*a, **k):
+        raise RuntimeError("CUDA out of memory")
+
+    runner.generate = boom
+    model = llm_model(monkeypatch, runner, tmp_path)
+    out = model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]})])
+    assert "CUDA out of memory" in out[0].error().message()
+
+
+def test_llm_initialize_error_names_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(llm_mod, "pb_utils", make_fake_pb_utils())
+    args = {"model_name": "m_engine", "model_version": "3", "model_repository": str(tmp_path),
+            "model_instance_kind": "CPU", "model_config": json.dumps({"parameters": {}})}
+    with pytest.raises(RuntimeError, match=r"\[m_engine v3\] cannot load the engine in .*3/engine"):
+        llm_mod.TritonPythonModel().initialize(args)
+
+
+def router_model(monkeypatch: pytest.MonkeyPatch, handler, weights: str):
+    pb = make_fake_pb_utils(handler)
+    monkeypatch.setattr(router_mod, "pb_utils", pb)
+    model = router_mod.TritonPythonModel()
+    model.initialize({"model_name": "m", "model_config": json.dumps({"parameters": {
+        "target_model": {"string_value": "m_engine"}, "weights": {"string_value": weights},
+        "seed": {"string_value": "1"}}})})
+    return model, pb
+
+
+def test_router_forwards_counts_and_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    def handler(model, version, inputs, requested):
+        if version == 2:
+            return FakeResponse(error=make_fake_pb_utils().TritonError("v2 broke"))
+        return FakeResponse([FakeTensor("output_ids", np.array([[version]], dtype=np.int32))])
+
+    model, pb = router_model(monkeypatch, handler, '{"1": 50, "2": 50}')
+    reqs = [FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]}, ("output_ids", "routed_version"))
+            for _ in range(40)]
+    out = asyncio.run(model.execute(reqs))
+    routed = [r.output("routed_version") for r in out]
+    ok = [r for r in out if not r.has_error()]
+    assert ok and all(r.output("routed_version")[0, 0] == 1 for r in ok)
+    assert any(r.has_error() and "m_engine version 2: v2 broke" in r.error().message() for r in out)
+    assert {c[3] and tuple(c[3]) for c in pb.calls} == {("output_ids",)}  # router-only names not forwarded
+    assert len(routed) == 40
+    stats = json.loads(asyncio.run(model.execute([FakeRequest({"stats": np.array([[b"1"]], dtype=object)})]))[0]
+                       .output("stats_json")[0, 0])
+    assert stats["versions"]["1"]["errors"] == 0 and stats["versions"]["2"]["errors"] == stats["versions"]["2"][
+        "requests"] > 0
+    assert stats["versions"]["1"]["requests"] + stats["versions"]["2"]["requests"] == 40
+
+
+def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(RuntimeError, match=r"\[m\] router parameter weights="):
+        router_model(monkeypatch, None, '{"1": 0}')

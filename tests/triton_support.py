@@ -1,0 +1,209 @@
+"""Helpers for tests that touch Triton: a fake ``triton_python_backend_utils``, an engine-shaped fake
+runner, a tiny real engine builder and a ``TritonServers`` factory that stops every server by PID.
+
+Import from tests as ``from triton_support import ...`` (pytest puts ``tests/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from serving.triton.process import TritonProcess, start_triton
+
+# ---------------------------------------------------------------- fake triton_python_backend_utils
+
+
+class FakeTritonError(Exception):
+    def __init__(self, msg: str, code: int | None = None) -> None:
+        super().__init__(msg)
+        self.msg = msg
+
+    def message(self) -> str:
+        return self.msg
+
+
+class FakeTensor:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self._name = name
+        self._array = np.asarray(array)
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+
+class FakeResponse:
+    def __init__(self, output_tensors: list[FakeTensor] | None = None, error: FakeTritonError | None = None) -> None:
+        self._outputs = list(output_tensors or [])
+        self._error = error
+
+    def output_tensors(self) -> list[FakeTensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> FakeTritonError | None:
+        return self._error
+
+    def output(self, name: str) -> np.ndarray | None:
+        for t in self._outputs:
+            if t.name() == name:
+                return t.as_numpy()
+        return None
+
+
+class FakeRequest:
+    """A server-side request: named numpy inputs (with the batch dim) and requested output names."""
+
+    def __init__(self, inputs: dict[str, Any], requested: tuple[str, ...] = ()) -> None:
+        self._inputs = [FakeTensor(k, np.asarray(v)) for k, v in inputs.items()]
+        self._requested = list(requested)
+
+    def inputs(self) -> list[FakeTensor]:
+        return self._inputs
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested
+
+
+def make_fake_pb_utils(bls_handler: Any = None) -> types.ModuleType:
+    """A module with the parts of ``triton_python_backend_utils`` our models use.
+
+    ``bls_handler(model_name, model_version, inputs, requested) -> FakeResponse`` answers BLS calls.
+    """
+    mod = types.ModuleType("triton_python_backend_utils")
+    mod.TritonError = FakeTritonError
+    mod.Tensor = FakeTensor
+    mod.InferenceResponse = FakeResponse
+    mod.calls = []
+
+    def get_input_tensor_by_name(request: FakeRequest, name: str) -> FakeTensor | None:
+        return next((t for t in request.inputs() if t.name() == name), None)
+
+    class InferenceRequest:
+        def __init__(self, *, model_name: str, model_version: int = -1, requested_output_names: list[str],
+                     inputs: list[FakeTensor]) -> None:
+            self.args = (model_name, model_version, list(inputs), list(requested_output_names))
+
+        def exec(self) -> FakeResponse:
+            mod.calls.append(self.args)
+            return bls_handler(*self.args)
+
+        async def async_exec(self) -> FakeResponse:
+            return self.exec()
+
+    class Logger:
+        lines: ClassVar[list[str]] = []
+
+        @classmethod
+        def log_info(cls, msg: str) -> None:
+            cls.lines.append(msg)
+
+        log_verbose = log_error = log_warn = log_info
+
+    mod.get_input_tensor_by_name = get_input_tensor_by_name
+    mod.InferenceRequest = InferenceRequest
+    mod.Logger = Logger
+    return mod
+
+
+# ---------------------------------------------------------------- engine-shaped fake runner
+
+
+@dataclass(frozen=True)
+class FakeLimits:
+    max_batch_size: int = 4
+    max_input_len: int = 16
+    max_seq_len: int = 32
+
+
+@dataclass(frozen=True)
+class FakeInfo:
+    limits: FakeLimits = field(default_factory=FakeLimits)
+    fingerprint: str = "fake"
+
+
+@dataclass
+class FakeGeneration:
+    token_ids: list[int]
+    finish_reason: str = "length"
+
+
+class FakeRunner:
+    """Deterministic: the new tokens are ``last + 1, last + 2, ...``; records every generate call."""
+
+    def __init__(self, limits: FakeLimits | None = None) -> None:
+        self.info = FakeInfo(limits or FakeLimits())
+        self.calls: list[dict[str, Any]] = []
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, sampling: Any = None,
+                 stop_token_ids: tuple[int, ...] = ()) -> list[FakeGeneration]:
+        self.calls.append({"prompts": prompts, "max_new_tokens": max_new_tokens, "sampling": sampling,
+                           "stop_token_ids": tuple(stop_token_ids)})
+        if len(prompts) > self.info.limits.max_batch_size:
+            raise ValueError(f"batch of {len(prompts)} > max_batch_size")
+        out = []
+        for p in prompts:
+            ids, reason = [], "length"
+            for k in range(max_new_tokens):
+                ids.append(p[-1] + k + 1)
+                if ids[-1] in stop_token_ids:
+                    reason = "stop"
+                    break
+            out.append(FakeGeneration(ids, reason))
+        return out
+
+
+# ---------------------------------------------------------------- real tiny engine
+
+
+def make_tiny_engine(work_dir: Path, *, seed: int = 0, max_batch_size: int = 8) -> Path:
+    """Tiny HF model -> engine checkpoint -> CPU float32 engine folder (about 4 s)."""
+    from serving.engine import EngineLimits, build_engine, convert_checkpoint
+    from tasks.tiny_model import make_tiny_model
+
+    hf = make_tiny_model(work_dir / f"hf-{seed}", seed=seed)
+    ckpt = convert_checkpoint(hf, work_dir / f"ckpt-{seed}", dtype="float32")
+    engine_dir = work_dir / f"engine-{seed}"
+    build_engine(ckpt, engine_dir, limits=EngineLimits(dtype="float32", max_batch_size=max_batch_size,
+                                                       max_input_len=128, max_seq_len=256))
+    return engine_dir
+
+
+# ---------------------------------------------------------------- servers
+
+
+class TritonServers:
+    """Start servers for a test; ``stop_all`` stops each by PID and removes its /tmp copies."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[TritonProcess] = []
+
+    def start(self, repository: Path, **kwargs: Any) -> TritonProcess:
+        log_path = self.log_dir / f"triton-{len(self.started)}.log"
+        proc = start_triton(repository, log_path=log_path, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.started:
+            proc.stop(timeout_s=10)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while a process (not a reaped zombie) with ``pid`` exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
