@@ -1,0 +1,170 @@
+"""The human gate: wait for a person to set the version tag ``approval`` in the MLflow UI.
+
+OSS MLflow has no approval workflow of its own, so the decision is a model-version tag:
+``approval`` = ``approved`` or ``rejected`` (case-insensitive), optionally with ``approved_by`` /
+``rejected_by`` and ``approval_note``. Automatic approval writes the same tags, so the record is
+explicit either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from mlflow.exceptions import MlflowException
+
+from registry._client import ClientOrUri, mlflow_client
+from registry.errors import ApprovalTimeoutError, ModelVersionNotFoundError, RegistryError
+from registry.model_registry import get_version, version_ui_url
+
+log = logging.getLogger(__name__)
+
+TAG_APPROVAL = "approval"
+TAG_APPROVAL_NOTE = "approval_note"
+APPROVED = "approved"
+REJECTED = "rejected"
+AUTO_APPROVER = "enginewright-auto"
+_BY_TAG = {APPROVED: "approved_by", REJECTED: "rejected_by"}
+
+
+@dataclass(frozen=True)
+class ApprovalDecision:
+    """A person's (or the automatic) decision on one version."""
+
+    model_name: str
+    version: str
+    decision: str  # "approved" or "rejected"
+    decided_by: str | None
+    note: str | None
+    observed_at: datetime  # when enginewright saw the decision (MLflow tags carry no timestamp)
+
+    @property
+    def approved(self) -> bool:
+        """Whether the version was approved."""
+        return self.decision == APPROVED
+
+
+def read_decision(model_name: str, version: str, *, tracking_uri: ClientOrUri) -> ApprovalDecision | None:
+    """The decision recorded on the version now, or None if the ``approval`` tag is unset or not a decision."""
+    return read_decision_from_tags(model_name, version, get_version(tracking_uri, model_name, version).tags)
+
+
+def wait_for_approval(
+    model_name: str,
+    version: str,
+    *,
+    tracking_uri: ClientOrUri,
+    timeout_s: float,
+    poll_s: float = 5.0,
+    on_waiting: Callable[[str], None] | None = None,
+    ui_base: str | None = None,
+) -> ApprovalDecision:
+    """Poll the version tag ``approval`` until approved/rejected; ApprovalTimeoutError after ``timeout_s``.
+
+    ``on_waiting`` is called once, with a message saying what to do (and the UI link when
+    ``ui_base`` is given), the first time the version is seen undecided.
+    """
+    if timeout_s < 0 or poll_s <= 0:
+        raise RegistryError(
+            f"Invalid approval timing timeout_s={timeout_s}, poll_s={poll_s} (settings approval.timeout_s, "
+            "approval.poll_s): expected timeout_s >= 0 and poll_s > 0."
+        )
+    client = mlflow_client(tracking_uri)
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    ignored: set[str] = set()
+    last_value: str | None = None
+    while True:
+        tags: Mapping[str, str] | None
+        try:
+            tags = get_version(client, model_name, version).tags
+        except ModelVersionNotFoundError:
+            raise
+        except MlflowException as e:  # a server restart during a long wait is not a decision
+            log.warning("could not read model '%s' version %s (will retry): %s", model_name, version, e.message)
+            tags = None
+        if tags is not None:
+            last_value = tags.get(TAG_APPROVAL)
+            decision = read_decision_from_tags(model_name, version, tags)
+            if decision is not None:
+                log.info("model '%s' version %s %s by %s", model_name, version, decision.decision,
+                         decision.decided_by or "unknown")
+                return decision
+            if last_value is not None and last_value not in ignored:
+                ignored.add(last_value)
+                log.warning(
+                    "ignoring tag approval='%s' on model '%s' version %s: expected 'approved' or 'rejected'",
+                    last_value, model_name, version,
+                )
+            if not announced:
+                announced = True
+                if on_waiting is not None:
+                    on_waiting(_waiting_message(model_name, version, timeout_s, ui_base))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ApprovalTimeoutError(model_name, str(version), timeout_s, last_value=last_value)
+        time.sleep(min(poll_s, remaining))
+
+
+def read_decision_from_tags(model_name: str, version: str, tags: Mapping[str, str]) -> ApprovalDecision | None:
+    """The decision in a version's tags, or None if there is none."""
+    value = tags.get(TAG_APPROVAL)
+    if value is None or value.strip().lower() not in _BY_TAG:
+        return None
+    decision = value.strip().lower()
+    return ApprovalDecision(
+        model_name=model_name,
+        version=str(version),
+        decision=decision,
+        decided_by=tags.get(_BY_TAG[decision]),
+        note=tags.get(TAG_APPROVAL_NOTE),
+        observed_at=datetime.now(timezone.utc),
+    )
+
+
+def record_decision(
+    model_name: str,
+    version: str,
+    decision: str,
+    *,
+    tracking_uri: ClientOrUri,
+    by: str,
+    note: str | None = None,
+) -> None:
+    """Write a decision as tags (who and note first, then ``approval`` itself, which pollers react to)."""
+    if decision not in _BY_TAG:
+        raise RegistryError(f"Invalid approval decision '{decision}': expected 'approved' or 'rejected'.")
+    client = mlflow_client(tracking_uri)
+    get_version(client, model_name, version)  # clear error for a missing version
+    client.set_model_version_tag(model_name, str(version), _BY_TAG[decision], by)
+    if note is not None:
+        client.set_model_version_tag(model_name, str(version), TAG_APPROVAL_NOTE, note)
+    client.set_model_version_tag(model_name, str(version), TAG_APPROVAL, decision)
+
+
+def auto_approve(
+    model_name: str, version: str, *, tracking_uri: ClientOrUri, note: str | None = None
+) -> ApprovalDecision:
+    """Approve without a person (``approval.mode=auto``): tags ``approval=approved``, ``approved_by=enginewright-auto``."""
+    client = mlflow_client(tracking_uri)
+    record_decision(model_name, version, APPROVED, tracking_uri=client, by=AUTO_APPROVER,
+                    note=note or "approval.mode=auto")
+    decision = read_decision(model_name, version, tracking_uri=client)
+    assert decision is not None
+    return decision
+
+
+def reject(model_name: str, version: str, *, tracking_uri: ClientOrUri, by: str, note: str) -> None:
+    """Mark a version rejected (e.g. after a failed gray release), with who and why."""
+    record_decision(model_name, version, REJECTED, tracking_uri=tracking_uri, by=by, note=note)
+
+
+def _waiting_message(model_name: str, version: str, timeout_s: float, ui_base: str | None) -> str:
+    where = f" at {version_ui_url(ui_base, model_name, version)}" if ui_base else " in the MLflow UI"
+    return (
+        f"Waiting up to {timeout_s:g} s (approval.timeout_s) for a decision on model '{model_name}' "
+        f"version {version}: set the version tag 'approval' to 'approved' or 'rejected'{where}."
+    )

@@ -1,0 +1,294 @@
+"""Real services for tests, on loopback: an ``mlflow server`` process and moto's S3 server.
+
+Use from a test module (or list ``"services"`` in ``pytest_plugins`` of ``tests/conftest.py``)::
+
+    from services import mlflow_server, s3_bucket, s3_env, s3_server  # noqa: F401
+
+Fixtures:
+
+- ``mlflow_server`` (session): ``MlflowServer`` with ``tracking_uri`` / ``ui_base``; a real
+  ``mlflow server`` (sqlite backend, proxied artifacts in a temp folder, webhooks to loopback
+  allowed), started once per test session and stopped by PID at the end.
+- ``mlflow_embedded`` (session): ``EmbeddedLocations`` of a sqlite tracking URI and ``file://``
+  folders in a temp state folder, no server.
+- ``s3_server`` (session): ``S3Server`` with ``endpoint_url`` and test credentials; moto's
+  ``ThreadedMotoServer`` on 127.0.0.1 (in-process thread, real HTTP).
+- ``s3_env`` (function): sets ``ENGINEWRIGHT_S3_ENDPOINT_URL``, ``MLFLOW_S3_ENDPOINT_URL`` and the
+  ``AWS_*`` test credentials in the environment for the test.
+- ``s3_bucket`` (function): a fresh, empty bucket name (``s3_env`` applied).
+
+Session fixtures are shared even when several modules import them: each service is started on
+first use, reference-counted, and stopped when the last user finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import pytest
+
+from registry.embedded import EmbeddedLocations, embedded_locations
+
+T = TypeVar("T")
+
+MLFLOW_START_TIMEOUT_S = 120.0
+TEST_ACCESS_KEY_ID = "testing"
+TEST_SECRET_ACCESS_KEY = "testing"  # moto accepts any credentials
+TEST_REGION = "us-east-1"
+
+
+class _Shared(Generic[T]):
+    """A service started on first acquire and stopped when the last holder releases it."""
+
+    def __init__(self, start: Callable[[Path], T], stop: Callable[[T], None]) -> None:
+        self._start, self._stop = start, stop
+        self._value: T | None = None
+        self._holders = 0
+
+    def acquire(self, workdir: Path) -> T:
+        if self._holders == 0:
+            self._value = self._start(workdir)
+        self._holders += 1
+        assert self._value is not None
+        return self._value
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0 and self._value is not None:
+            value, self._value = self._value, None
+            self._stop(value)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- MLflow server -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MlflowServer:
+    """A running ``mlflow server`` on loopback."""
+
+    tracking_uri: str
+    ui_base: str
+    pid: int
+    port: int
+    backend_store_uri: str
+    artifacts_destination: str
+    log_path: Path
+    startup_s: float
+
+
+def start_mlflow_server(workdir: Path, *, env: dict[str, str] | None = None) -> MlflowServer:
+    """Start ``mlflow server`` (sqlite, proxied artifacts under ``workdir``) and wait for ``/health``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    backend = f"sqlite:///{workdir / 'mlflow.db'}"
+    artifacts = str(workdir / "mlartifacts")
+    log_path = workdir / "mlflow-server.log"
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING")}
+    child_env.update(
+        MLFLOW_WEBHOOK_ALLOWED_SCHEMES="http,https",
+        MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS="true",
+        MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY=_fernet_key(),
+    )
+    child_env.update(env or {})
+    cmd = [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", backend,
+        "--artifacts-destination", artifacts,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--workers", "1",
+        # open keep-alive connections from clients would otherwise hold shutdown for ~10 s
+        "--uvicorn-opts", "--timeout-graceful-shutdown 1",
+    ]
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=workdir, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with {proc.returncode}:\n{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() - t0 > MLFLOW_START_TIMEOUT_S:
+            _kill_group(proc.pid)
+            raise RuntimeError(f"mlflow server not healthy after {MLFLOW_START_TIMEOUT_S} s:\n{_tail(log_path)}")
+        time.sleep(0.3)
+    return MlflowServer(
+        tracking_uri=url,
+        ui_base=url,
+        pid=proc.pid,
+        port=port,
+        backend_store_uri=backend,
+        artifacts_destination=artifacts,
+        log_path=log_path,
+        startup_s=time.monotonic() - t0,
+    )
+
+
+def stop_mlflow_server(server: MlflowServer) -> None:
+    """Stop the server's process group by its PID (SIGTERM, then SIGKILL after 10 s)."""
+    _kill_group(server.pid)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done == pid:
+            break
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # workers left behind, if any
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "<no log>"
+
+
+def _fernet_key() -> str:
+    from cryptography.fernet import Fernet
+
+    return Fernet.generate_key().decode()
+
+
+# -- S3 (moto) -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """moto's S3 server on loopback, with the credentials tests use."""
+
+    endpoint_url: str
+    access_key_id: str
+    secret_access_key: str
+    region: str
+    server: Any
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that point boto3, enginewright and MLflow at this server."""
+        return {
+            "ENGINEWRIGHT_S3_ENDPOINT_URL": self.endpoint_url,
+            "MLFLOW_S3_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": self.secret_access_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
+
+    def client(self) -> Any:
+        """A plain boto3 S3 client for this server (for test set-up and tampering)."""
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.access_key_id,
+            aws_secret_access_key=self.secret_access_key,
+            region_name=self.region,
+        )
+
+
+def start_s3_server(_workdir: Path | None = None) -> S3Server:
+    """Start moto's ThreadedMotoServer on 127.0.0.1 and a free port."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    return S3Server(
+        endpoint_url=f"http://{host}:{port}",
+        access_key_id=TEST_ACCESS_KEY_ID,
+        secret_access_key=TEST_SECRET_ACCESS_KEY,
+        region=TEST_REGION,
+        server=server,
+    )
+
+
+def stop_s3_server(s3: S3Server) -> None:
+    """Stop the moto server thread."""
+    s3.server.stop()
+
+
+_MLFLOW: _Shared[MlflowServer] = _Shared(start_mlflow_server, stop_mlflow_server)
+_S3: _Shared[S3Server] = _Shared(start_s3_server, stop_s3_server)
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """A real ``mlflow server`` on loopback for the whole session (stopped by PID)."""
+    server = _MLFLOW.acquire(tmp_path_factory.mktemp("mlflow-server"))
+    try:
+        yield server
+    finally:
+        _MLFLOW.release()
+
+
+@pytest.fixture(scope="session")
+def mlflow_embedded(tmp_path_factory: pytest.TempPathFactory) -> EmbeddedLocations:
+    """Embedded MLflow (sqlite URI, ``file://`` folders) in a temp state folder, no server."""
+    return embedded_locations(tmp_path_factory.mktemp("state"))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """moto's S3 server on loopback for the whole session."""
+    s3 = _S3.acquire(tmp_path_factory.getbasetemp())
+    try:
+        yield s3
+    finally:
+        _S3.release()
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """Point ENGINEWRIGHT_S3_ENDPOINT_URL, MLFLOW_S3_ENDPOINT_URL and AWS_* at the moto server."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+@pytest.fixture
+def s3_bucket(s3_env: S3Server) -> str:
+    """A fresh empty bucket on the moto server."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    s3_env.client().create_bucket(Bucket=name)
+    return name
