@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -91,7 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_defaults() -> None:
+    """Keep a person's terminal to what matters: no telemetry from the ephemeral Prefect API, no tqdm bars."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_defaults()
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

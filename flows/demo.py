@@ -78,10 +78,11 @@ def run_demo(state_dir: Path) -> int:
 
 def summary(spec: ReleaseSpec, released: Outcome, promoted: Outcome) -> str:
     """What a person wants to see at the end: the version, its fingerprint, the gates and where it serves."""
-    from flows.embedded import running_server
+    from flows.embedded import recorded_server
 
     rel, prom = released.result, promoted.result
-    server = running_server(spec.triton.model_repository.absolute())
+    repository = spec.triton.model_repository.absolute()
+    server = recorded_server(repository)
     endpoint = prom.endpoints[0]
     example = json.dumps({"inputs": [
         {"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": ["The capital of France is"]},
@@ -99,6 +100,13 @@ def summary(spec: ReleaseSpec, released: Outcome, promoted: Outcome) -> str:
         f"{prom.rollout.metrics['rollout_failed_requests']} failed; timeline {prom.timeline_png}",
         f"live Triton:  {endpoint} (model {prom.model_name}; {grpc})",
         f"try it:       curl -s {endpoint}/v2/models/{prom.model_name}/infer -d '{example}'",
-        "stop it:      .venv/bin/enginewright triton stop",
+        f"stop it:      .venv/bin/enginewright triton stop --repository {_relative(repository)}",
         f"MLflow UI:    .venv/bin/mlflow ui --backend-store-uri {spec.mlflow.tracking_uri} --host 127.0.0.1",
     ])
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

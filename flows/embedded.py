@@ -35,15 +35,21 @@ def _alive(pid: int) -> bool:
     return b"tritonserver" in cmdline
 
 
-def running_server(repository: Path) -> EmbeddedServer | None:
-    """The recorded server if its process still runs and answers ready."""
-    from serving.triton.control import TritonControl
-
+def recorded_server(repository: Path) -> EmbeddedServer | None:
+    """The recorded server if its process still runs."""
     path = record_path(repository)
     if not path.is_file():
         return None
     server = EmbeddedServer(**json.loads(path.read_text()))
-    if _alive(server.pid) and TritonControl(server.http_url, request_timeout_s=2).server_ready():
+    return server if _alive(server.pid) else None
+
+
+def running_server(repository: Path) -> EmbeddedServer | None:
+    """The recorded server if its process still runs and answers ready."""
+    from serving.triton.control import TritonControl
+
+    server = recorded_server(repository)
+    if server is not None and TritonControl(server.http_url, request_timeout_s=5).server_ready():
         return server
     return None
 

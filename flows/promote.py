@@ -49,9 +49,9 @@ def promote_flow(spec: ReleaseSpec, version: str) -> PromoteResult | State:
     from serving.engine import read_engine_info
 
     name, uri = spec.model_name, spec.mlflow.tracking_uri
-    info = mr.get_version(uri, name, version)
     targets = _targets(spec)
     check_reachable(targets)
+    info = mr.get_version(uri, name, version)
 
     try:
         approved_by = approve_task(spec.approval, tracking_uri=uri, model_name=name, version=version)

@@ -37,12 +37,19 @@ def outcome_of(state: State, *, what: str) -> Outcome:
 
 
 def run_release(spec: ReleaseSpec) -> Outcome:
+    """Check what can be checked without a flow run (so a bad input costs seconds), then run the flow."""
     from flows.release import release_flow
+    from tasks.convert import check_checkpoint
 
+    check_checkpoint(spec.source.checkpoint)
     return outcome_of(release_flow(spec, return_state=True), what="release")
 
 
 def run_promote(spec: ReleaseSpec, version: str) -> Outcome:
+    """Check that every Triton endpoint answers before the flow run changes anything, then run it."""
     from flows.promote import promote_flow
+    from tasks.targets import check_reachable, resolve_targets
 
+    if spec.triton.endpoints:
+        check_reachable(resolve_targets(spec.triton))
     return outcome_of(promote_flow(spec, version, return_state=True), what="promote")

@@ -42,7 +42,7 @@ def convert(checkpoint: Path, engine: EngineSpec, work_dir: Path) -> ConvertedCh
     source_digest = tree_digest(checkpoint)
     key = value_digest({"source": source_digest, "dtype": engine.dtype, "kind": engine.kind})[:16]
     out = work_dir / "checkpoints" / key
-    if (out / "config.json").is_file():
+    if (out / "checkpoint.json").is_file():  # written last by convert_checkpoint: the conversion finished
         log.info("conversion of %s (%s) already done: %s", checkpoint, engine.dtype, out)
         return ConvertedCheckpoint(out, source_digest)
     out.parent.mkdir(parents=True, exist_ok=True)

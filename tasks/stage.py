@@ -30,6 +30,7 @@ def fetch_engine(*, artifacts_uri: str, model_name: str, fingerprint: str, cache
     """Download the engine (every file checked against the manifest) and check its toolchain here."""
     from registry.stores import artifact_key, open_store
     from serving.engine import check_toolchain, read_engine_info
+    from serving.engine.runner import resolve_device
 
     local = cache_dir / model_name / fingerprint
     store = open_store(artifacts_uri)
@@ -39,7 +40,7 @@ def fetch_engine(*, artifacts_uri: str, model_name: str, fingerprint: str, cache
         raise ValueError(
             f"artifact {model_name}/{fingerprint} holds an engine with fingerprint {info.fingerprint}"
         )
-    check_toolchain(info, device=device)
+    check_toolchain(info, device=resolve_device(device))
     return local
 
 
@@ -54,7 +55,7 @@ def live_version(target: Target, model_name: str) -> int | None:
 
 def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: int, triton: TritonSpec) -> StagedVersion:
     """Stage `engine_dir` as `version` beside the live version on every target and load both."""
-    from serving.triton.operations import serve_versions
+    from serving.triton.operations import apply_router_weights, serve_versions
     from serving.triton.repository import remove_version, served_versions, stage_engine_version
 
     lives = {live_version(t, model_name) for t in targets}
@@ -77,6 +78,9 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
             done.append((target, before))
             serving = sorted({*before, version})
             serve_versions(target.control(), target.model_repository, model_name, serving, timeout_s=triton.load_timeout_s)
+            if live is None:  # first release: the router appears, pointing at the only version there is
+                apply_router_weights(target.control(), target.model_repository, model_name, {version: 100},
+                                     timeout_s=triton.load_timeout_s)
             log.info("staged %s version %d on %s (serving %s)", model_name, version, target.url, serving)
     except BaseException:
         for target, before in reversed(done):
@@ -87,11 +91,14 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
 
 def _unstage(target: Target, model_name: str, version: int, before: list[int], timeout_s: float, remove_version) -> None:
     from serving.triton.operations import serve_versions
+    from serving.triton.repository import remove_model
 
     try:
         if before:
             serve_versions(target.control(), target.model_repository, model_name, before, timeout_s=timeout_s)
-        remove_version(target.model_repository, model_name, version, force=not before)
+            remove_version(target.model_repository, model_name, version)
+        else:
+            remove_model(target.control(), target.model_repository, model_name, timeout_s=timeout_s)
     except Exception as exc:  # noqa: BLE001 - keep unstaging the other endpoints
         log.error("could not unstage %s version %d on %s: %s", model_name, version, target.url, exc)
 

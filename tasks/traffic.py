@@ -40,6 +40,8 @@ class TrafficLog:
             return list(self.records[index:])
 
 
+ERROR_BACKOFF_S = 0.05  # a failing endpoint answers fast; do not turn the stream into a flood
+
 SendFn = Callable[[str, int], tuple[int | None, str]]  # (endpoint url, request number) -> (version, "" or error)
 
 
@@ -99,6 +101,8 @@ class TrafficGenerator:
             self.log.add(
                 RequestRecord(started - self.t0, time.monotonic() - started, version, not error, error, endpoint)
             )
+            if error:
+                self._stop.wait(ERROR_BACKOFF_S)
 
     def wait_for(self, count: int, *, timeout_s: float) -> list[RequestRecord]:
         """Block until `count` more requests have finished; return them."""
