@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -10,6 +11,9 @@ from typing import Callable
 
 EXIT_GATE = 1
 EXIT_BAD_INPUT = 2
+
+# Each module has `register(subparsers)` adding its subcommand(s) with a `func` default.
+EXTRA_COMMANDS: tuple[str, ...] = ()
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
@@ -89,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["status", "stop"])
     p.add_argument("--repository", default=".state/triton-repository", help="model repository it serves")
     p.set_defaults(func=cmd_triton)
+
+    for module in EXTRA_COMMANDS:
+        importlib.import_module(module).register(sub)
     return parser
 
 
