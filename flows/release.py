@@ -63,6 +63,7 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
     if not timed.passed:
         return _gate_failed("performance", "; ".join(timed.failures), perf_report)
 
+    production = report_production(spec)
     published = publish_task(
         model_name=spec.model_name,
         tracking_uri=spec.mlflow.tracking_uri,
@@ -80,7 +81,46 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
     )
     status = "already published as" if published.already_existed else "published as"
     print(f"{status} {published.model_name} version {published.version} ({published.manifest_uri})")
+    review = write_release_report(spec, engine.fingerprint, checked, timed, published, report_dir, production)
+    print(f"release report: {review}")
     return ReleaseResult(published, checked.metrics, timed.metrics, report_dir)
+
+
+def write_release_report(spec: ReleaseSpec, fingerprint: str, checked, timed, published: PublishedVersion,
+                         report_dir: Path, production) -> Path:
+    """Render the reviewer's report with its plots; attach it to the flow run and the MLflow run."""
+    from registry import model_registry as mr
+    from registry import tracking
+    from tasks import report
+
+    images = {
+        "latency distributions": report.plot_latency_distributions(timed, report_dir / "latency.png"),
+        "validation divergence": report.plot_validation_divergence(
+            checked, spec.validation.max_new_tokens, report_dir / "validation-divergence.png"
+        ),
+    }
+    links = {"artifacts (manifest)": published.manifest_uri, "MLflow tracking": spec.mlflow.tracking_uri}
+    if spec.mlflow.tracking_uri.startswith("http"):
+        base = spec.approval.ui_url or spec.mlflow.tracking_uri
+        links["approve here"] = mr.version_ui_url(base.rstrip("/"), spec.model_name, published.version)
+    if published.run_id:
+        links["MLflow run"] = published.run_id
+    text = report.render_release_report(
+        model_name=spec.model_name, fingerprint=fingerprint, validation=checked, perf=timed,
+        validation_report=validate.render_report(checked), perf_report=perf_gate.render_report(timed),
+        production=production, links=links, images=images,
+    )
+    path = save_report(report_dir, "release-report.md", text)
+    if published.run_id:
+        for file in (path, *images.values()):
+            tracking.log_artifact_file(spec.mlflow.tracking_uri, published.run_id, file, artifact_path="report")
+    return path
+
+
+def report_production(spec: ReleaseSpec):
+    from tasks.report import production_figures
+
+    return production_figures(spec.mlflow.tracking_uri, spec.model_name)
 
 
 def _gate_failed(gate: str, summary: str, report_path: Path) -> State:

@@ -10,7 +10,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prefect import task
@@ -54,6 +54,8 @@ class PerfResult:
     tpot_p99_ms: float
     workload: dict
     failures: list[str]
+    ttft_samples_ms: list[float] = field(default_factory=list)
+    tpot_samples_ms: list[float] = field(default_factory=list)
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -105,6 +107,8 @@ def measure_engine(engine_dir: Path, spec: PerfSpec) -> PerfResult:
         tpot_p99_ms=percentile(tpots, 99) * 1e3,
         workload=spec.model_dump(exclude={"slo"}),
         failures=[],
+        ttft_samples_ms=[t * 1e3 for t in ttfts],
+        tpot_samples_ms=[t * 1e3 for t in tpots],
     )
     result.failures = check_slos(result, spec.slo)
     result.passed = not result.failures

@@ -102,6 +102,12 @@ def test_release_and_promote_end_to_end(tmp_path, checkpoint, triton, prefect_ha
     assert released2.published.version != published.version
     promoted2: PromoteResult = promote_flow(spec2, released2.published.version, return_state=True).result()
     v2 = int(released2.published.version)
+    review = (released2.report_dir / "release-report.md").read_text()
+    assert f"against production (version {published.version}, recorded figures)" in review
+    assert "| output tokens/s |" in review and "| top-1 agreement | 1 | 1 | 1.000 better |" in review
+    for image in ("latency.png", "validation-divergence.png"):
+        assert f"]({image})" in review
+        assert (released2.report_dir / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert router_weights(triton.model_repository, MODEL) == {v2: 100}
     assert {r.version for r in promoted2.rollout.records} == {version, v2}, "both versions served during rollout"
     assert promoted2.rollout.metrics["rollout_failed_requests"] == 0
