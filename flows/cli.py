@@ -13,7 +13,7 @@ EXIT_GATE = 1
 EXIT_BAD_INPUT = 2
 
 # Each module has `register(subparsers)` adding its subcommand(s) with a `func` default.
-EXTRA_COMMANDS: tuple[str, ...] = ()
+EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_serve",)
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:

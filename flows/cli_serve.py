@@ -1,0 +1,23 @@
+"""`enginewright serve`: the OpenAI-compatible HTTP front over the Triton router models."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serving.openai.server import run_server
+
+    run_server(grpc_url=args.triton_grpc, models=args.model, host=args.host, port=args.port,
+               timeout_s=args.timeout_s)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible API (/v1/completions, /v1/chat/completions) over Triton")
+    p.add_argument("--triton-grpc", required=True, help="Triton gRPC address, e.g. 127.0.0.1:8001")
+    p.add_argument("--model", action="append", required=True, help="a router model to serve (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of one request to Triton")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,178 @@
+"""`enginewright serve` in front of a real Triton, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from triton_support import make_tiny_engine
+
+from serving.triton.client import infer_text
+from serving.triton.operations import apply_router_weights, serve_versions
+from serving.triton.process import free_port, start_triton
+from serving.triton.repository import init_repository, stage_engine_version
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-openai"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def triton(tmp_path_factory):
+    work = tmp_path_factory.mktemp("openai")
+    repo = init_repository(work / "repository")
+    engine = make_tiny_engine(work, max_batch_size=8)
+    server = start_triton(repo, log_path=work / "triton.log")
+    try:
+        version = stage_engine_version(repo, MODEL, engine, device_kind="cpu", max_queue_size=256)
+        serve_versions(server.control(), repo, MODEL, [version])
+        apply_router_weights(server.control(), repo, MODEL, {version: 100})
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def front(triton, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("front") / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "serve", "--triton-grpc", triton.grpc_url, "--model", MODEL,
+             "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"front never became healthy: {log.read_text()}")
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+
+
+@pytest.fixture
+def client(front):
+    return openai.OpenAI(base_url=f"{front}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_are_listed(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_equals_tritons_own_answer(client, triton):
+    expected = infer_text(triton.http_url, MODEL, PROMPT, max_tokens=12).text
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert done.choices[0].text == expected
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 12
+
+
+def test_streamed_completion_adds_up_to_the_whole(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_and_streamed_chat(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    done = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    text = done.choices[0].message.content
+    assert done.choices[0].message.role == "assistant" and text
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == text
+
+
+def test_stop_string_cuts_the_text(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stop = whole[3:5]
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == whole[: whole.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_hundred_concurrent_streams_all_finish(client):
+    def one(i: int) -> tuple[str, str | None]:
+        chunks = list(client.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=6,
+                                                temperature=0, stream=True))
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=100) as pool:
+        results = list(pool.map(one, range(100)))
+    assert len(results) == 100
+    assert all(reason == "length" for _, reason in results), [r for _, r in results if r != "length"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": 5}, "temperature"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": "hi"}, "model"),
+    ],
+)
+def test_malformed_requests_get_400_naming_the_field(front, body, field):
+    reply = httpx.post(f"{front}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == field and field in error["message"]
+
+
+def test_unknown_model_is_404(front):
+    reply = httpx.post(f"{front}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
+    assert reply.status_code == 404 and "nope" in reply.json()["error"]["message"]
+
+
+def test_metrics_count_requests(front, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    text = httpx.get(f"{front}/metrics", timeout=10).text
+    assert 'enginewright_openai_requests_total{model="tiny-openai",route="/v1/completions",status="200"}' in text
+
+
+def test_full_triton_queue_becomes_429_with_retry_after(front, triton):
+    """A router queue of one request: a burst overflows it, and the overflow is told when to come back."""
+    repo = triton.model_repository
+    version = next(iter(_weights(repo)))
+    apply_router_weights(triton.control(), repo, MODEL, {version: 100}, max_queue_size=1)
+    try:
+        def one(i: int) -> httpx.Response:
+            body = {"model": MODEL, "prompt": f"{PROMPT} {i}", "max_tokens": 48}
+            return httpx.post(f"{front}/v1/completions", json=body, timeout=120)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
+            replies = list(pool.map(one, range(24)))
+    finally:
+        apply_router_weights(triton.control(), repo, MODEL, {version: 100})
+    statuses = sorted({r.status_code for r in replies})
+    assert set(statuses) <= {200, 429}, [r.text for r in replies if r.status_code not in (200, 429)]
+    refused = [r for r in replies if r.status_code == 429]
+    assert refused, f"no request was refused with a queue of one: {statuses}"
+    assert all(r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "rate_limit_error" for r in refused)
+
+
+def _weights(repo: Path) -> dict[int, int]:
+    from serving.triton.repository import router_weights
+
+    return router_weights(repo, MODEL)
