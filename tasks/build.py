@@ -16,6 +16,10 @@ log = logging.getLogger(__name__)
 
 def build(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path):
     """Build once per (converted checkpoint, limits); returns the engine's EngineInfo."""
+    if engine.kind != "torch":  # TensorRT-LLM kinds: tasks/engine_kinds.py (returns a TrtllmArtifact)
+        from tasks.engine_kinds import build_for_kind
+
+        return build_for_kind(converted, engine, work_dir)
     from serving.engine import EngineLimits, build_engine, read_engine_info
 
     limits = EngineLimits(
@@ -24,7 +28,7 @@ def build(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path):
         max_input_len=engine.max_input_len,
         max_seq_len=engine.max_seq_len,
     )
-    key = value_digest({"checkpoint": converted.path.name, "engine": engine.model_dump()})[:16]
+    key = value_digest({"checkpoint": converted.path.name, "engine": engine.model_dump(exclude={"trtllm"})})[:16]
     out = work_dir / "engines" / key
     if (out / "engine.json").is_file():
         log.info("engine already built: %s", out)

@@ -36,6 +36,10 @@ def check_checkpoint(checkpoint: Path) -> None:
 
 def convert(checkpoint: Path, engine: EngineSpec, work_dir: Path) -> ConvertedCheckpoint:
     """Convert once per (checkpoint content, dtype); a finished conversion is reused."""
+    if engine.kind != "torch":  # TensorRT-LLM kinds: tasks/engine_kinds.py
+        from tasks.engine_kinds import convert_for_kind
+
+        return convert_for_kind(checkpoint, engine, work_dir)
     from serving.engine import convert_checkpoint
 
     check_checkpoint(checkpoint)

@@ -7,6 +7,59 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+EngineKind = Literal["torch", "trtllm-engine", "trtllm-llmapi"]
+
+
+class TargetToolchain(BaseModel):
+    """The Triton fleet's TensorRT-LLM toolchain; staging checks the artifact against it (None: detect here)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensorrt_llm: str | None = Field(None, description="TensorRT-LLM version in the serving image, e.g. 1.2.0.")
+    tensorrt: str | None = Field(None, description="TensorRT version in the serving image.")
+    compute_capability: str | None = Field(None, description="GPU compute capability of the fleet, e.g. 9.0.")
+    container_image: str | None = Field(None, description="Serving image, e.g. nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3.")
+
+
+class TrtllmSpec(BaseModel):
+    """Build and serving options of the TensorRT-LLM kinds (docs/tensorrt-llm.md maps each to its flag)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_num_tokens: int | None = Field(8192, ge=1, description="trtllm-build --max_num_tokens / LLM(max_num_tokens).")
+    paged_kv_cache: bool = Field(True, description="--kv_cache_type paged (else continuous).")
+    tokens_per_block: int | None = Field(None, ge=1, description="--tokens_per_block; None keeps the default.")
+    gpt_attention_plugin: Literal["auto", "float16", "bfloat16", "float32", "disable"] = Field(
+        "auto", description="--gpt_attention_plugin.")
+    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"] = Field(
+        "auto", description="--gemm_plugin (fp8 only with an FP8 quantization).")
+    context_fmha: bool = Field(True, description="--context_fmha enable/disable.")
+    use_paged_context_fmha: bool = Field(True, description="--use_paged_context_fmha (needed for chunked context).")
+    use_fp8_context_fmha: bool = Field(False, description="--use_fp8_context_fmha (FP8 quantizations only).")
+    remove_input_padding: bool = Field(True, description="--remove_input_padding.")
+    multiple_profiles: bool = Field(False, description="--multiple_profiles.")
+    quantization: Literal["none", "fp8", "int4_awq", "w4a8_awq", "nvfp4", "int8_weight_only", "int4_weight_only",
+                          "w8a8_sq"] = Field("none", description="Weight/activation quantization (ModelOpt or convert_checkpoint).")
+    kv_cache_dtype: Literal["auto", "fp8", "int8"] = Field("auto", description="KV cache quantization.")
+    calib_size: int = Field(512, ge=1, description="Calibration samples for ModelOpt quantization.")
+    awq_block_size: int = Field(128, ge=1, description="AWQ group size.")
+    tp_size: int = Field(1, ge=1, description="Tensor parallel size.")
+    pp_size: int = Field(1, ge=1, description="Pipeline parallel size.")
+    model_family: Literal["llama", "mistral", "qwen"] = Field("llama", description="Which convert_checkpoint.py to use.")
+    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, le=1, description="Share of free GPU memory for the KV cache.")
+    enable_kv_cache_reuse: bool = Field(False, description="KV cache block reuse across requests.")
+    enable_chunked_context: bool = Field(False, description="Chunked prefill.")
+    batching_strategy: Literal["inflight_fused_batching", "v1"] = Field(
+        "inflight_fused_batching", description="tensorrt_llm backend gpt_model_type.")
+    batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = Field(
+        "guaranteed_no_evict", description="tensorrt_llm backend batch_scheduler_policy.")
+    decoupled_mode: bool = Field(False, description="Decoupled (streaming) tensorrt_llm model.")
+    convert_timeout_s: float = Field(3600, gt=0, description="Timeout of conversion / quantization.")
+    build_timeout_s: float = Field(7200, gt=0, description="Timeout of trtllm-build.")
+    examples_dir: str | None = Field(None, description="TensorRT-LLM examples/ folder ($TRTLLM_EXAMPLES_DIR).")
+    modelopt_examples_dir: str | None = Field(None, description="ModelOpt examples/ folder for trtllm-llmapi quantization.")
+    target_toolchain: TargetToolchain = Field(default_factory=TargetToolchain,
+                                              description="Toolchain of the serving fleet, checked at stage time.")
 
 
 class EngineSpec(BaseModel):
@@ -14,11 +67,13 @@ class EngineSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["torch"] = Field("torch", description="Engine kind. `torch` runs everywhere (CPU and CUDA).")
+    kind: EngineKind = Field("torch", description="Engine kind. `torch` runs everywhere (CPU and CUDA); "
+                             "`trtllm-engine` / `trtllm-llmapi` need TensorRT-LLM (docs/tensorrt-llm.md).")
     dtype: Dtype = Field("float32", description="Weight and activation dtype of the engine.")
     max_batch_size: int = Field(8, ge=1, le=1024, description="Most sequences the engine decodes at once.")
     max_input_len: int = Field(128, ge=1, description="Longest prompt, in tokens.")
     max_seq_len: int = Field(256, ge=2, description="Longest prompt + generated tokens, in tokens.")
+    trtllm: TrtllmSpec = Field(default_factory=TrtllmSpec, description="Options of the TensorRT-LLM kinds.")
 
     @model_validator(mode="after")
     def _input_fits_sequence(self) -> EngineSpec:
