@@ -13,7 +13,7 @@ EXIT_GATE = 1
 EXIT_BAD_INPUT = 2
 
 # Each module has `register(subparsers)` adding its subcommand(s) with a `func` default.
-EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_serve",)
+EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_serve", "flows.cli_registry")
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_defaults() -> None:
     """Keep a person's terminal to what matters: no telemetry from the ephemeral Prefect API, no tqdm bars."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Progress lines of the steps (conversion per shard, staging, rollout steps) go to the flow run's log.
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks,serving,registry,flows")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

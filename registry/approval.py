@@ -17,7 +17,12 @@ from datetime import datetime, timezone
 from mlflow.exceptions import MlflowException
 
 from registry._client import ClientOrUri, mlflow_client
-from registry.errors import ApprovalTimeoutError, ModelVersionNotFoundError, RegistryError
+from registry.errors import (
+    ApprovalNotAuthorizedError,
+    ApprovalTimeoutError,
+    ModelVersionNotFoundError,
+    RegistryError,
+)
 from registry.model_registry import get_version, version_ui_url
 
 log = logging.getLogger(__name__)
@@ -168,3 +173,88 @@ def _waiting_message(model_name: str, version: str, timeout_s: float, ui_base: s
         f"Waiting up to {timeout_s:g} s (approval.timeout_s) for a decision on model '{model_name}' "
         f"version {version}: set the version tag 'approval' to 'approved' or 'rejected'{where}."
     )
+
+
+# -- who approved: permissions, not tags -------------------------------------------------------
+
+ENV_APPROVERS = "ENGINEWRIGHT_APPROVERS"
+ENV_PUBLISHER = "ENGINEWRIGHT_PUBLISHER"
+ENV_AUDITOR_PREFIX = "ENGINEWRIGHT_MLFLOW_AUDITOR"
+
+
+@dataclass(frozen=True)
+class ApprovalPolicy:
+    """Who may approve (MLflow usernames) and which account publishes (never an approver)."""
+
+    approvers: frozenset[str]
+    publisher: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ApprovalPolicy | None:
+        """``ENGINEWRIGHT_APPROVERS`` (comma-separated) and ``ENGINEWRIGHT_PUBLISHER``; None if unset."""
+        import os
+
+        env = os.environ if environ is None else environ
+        names = frozenset(n.strip() for n in env.get(ENV_APPROVERS, "").split(",") if n.strip())
+        if not names:
+            return None
+        return cls(names, env.get(ENV_PUBLISHER) or None)
+
+
+@dataclass(frozen=True)
+class VerifiedApproval:
+    """An approval whose possible authors are all approvers (MLflow records no single author)."""
+
+    decision: ApprovalDecision
+    possible_authors: tuple[str, ...]  # accounts that could have set the tag; every one an approver or admin
+    claimed_by: str | None  # the `approved_by` tag, as written (not evidence)
+
+
+def verify_approval(
+    model_name: str,
+    version: str,
+    *,
+    tracking_uri: ClientOrUri,
+    policy: ApprovalPolicy,
+    auditor,
+) -> VerifiedApproval:
+    """Accept the version's ``approval=approved`` only if nobody but approvers (and admins) could have set it.
+
+    ``auditor`` is a ``registry.auth.AuthApi`` of an MLflow admin (listing users and their grants
+    needs one). Raises ApprovalNotAuthorizedError when the version is not approved, when the
+    publishing account (or any account outside ``policy.approvers``) can write version tags of the
+    model, or when no approver can.
+    """
+    from registry.auth import version_tag_writers
+
+    if policy.publisher and policy.publisher in policy.approvers:
+        raise ApprovalNotAuthorizedError(
+            f"The publishing account '{policy.publisher}' ({ENV_PUBLISHER}) is also an approver ({ENV_APPROVERS}): "
+            "it could approve its own builds."
+        )
+    decision = read_decision(model_name, version, tracking_uri=tracking_uri)
+    if decision is None or not decision.approved:
+        state = decision.decision if decision else "not decided"
+        raise ApprovalNotAuthorizedError(f"Model '{model_name}' version {version} is not approved ({state}).")
+    writers = version_tag_writers(auditor, model_name)
+    problems = []
+    if policy.publisher and policy.publisher in writers:
+        problems.append(f"the publishing account '{policy.publisher}' can set version tags "
+                        f"({writers[policy.publisher]}), so it could have approved its own build")
+    outsiders = sorted(u for u, why in writers.items() if u not in policy.approvers and why != "admin"
+                       and u != policy.publisher)
+    if outsiders:
+        problems.append("accounts outside the approvers can set version tags: "
+                        + ", ".join(f"'{u}' ({writers[u]})" for u in outsiders))
+    if not any(u in policy.approvers for u in writers):
+        problems.append("no approver can set version tags")
+    if problems:
+        raise ApprovalNotAuthorizedError(
+            f"The approval of model '{model_name}' version {version} does not count: "
+            + "; ".join(problems)
+            + f". MLflow records no author for a tag, so an approval counts only when every account able to "
+            f"write it is an approver ({ENV_APPROVERS}={','.join(sorted(policy.approvers))})."
+        )
+    log.info("approval of model '%s' version %s verified: only %s could set it", model_name, version,
+             ", ".join(sorted(writers)))
+    return VerifiedApproval(decision, tuple(sorted(writers)), decision.decided_by)

@@ -109,3 +109,7 @@ class ApprovalTimeoutError(RegistryError):
             f"(setting approval.timeout_s); the version tag 'approval' was {seen}. Set it to "
             "'approved' or 'rejected' in the MLflow UI, then re-run."
         )
+
+
+class ApprovalNotAuthorizedError(RegistryError):
+    """An approval exists but cannot be shown to come from an approver other than the publisher."""

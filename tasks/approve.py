@@ -47,7 +47,23 @@ def approve(spec: ApprovalSpec, *, tracking_uri: str, model_name: str, version: 
     )
     if not decision.approved:
         raise ApprovalRejected(f"{model_name} version {version} was rejected in MLflow ({decision})")
-    return decision.decided_by or "unknown"
+    return verified_approver(tracking_uri, model_name, version, claimed=decision.decided_by)
+
+
+def verified_approver(tracking_uri: str, model_name: str, version: str, *, claimed: str | None) -> str:
+    """Who approved, once MLflow's permissions show only approvers could have (raises otherwise).
+
+    On a server with the basic-auth app the approval tag counts only if every account able to
+    write it is an approver and the publisher is not one (``registry.promotion``); without auth
+    there are no accounts and the ``approved_by`` tag is all there is.
+    """
+    from registry.promotion import require_authorized_approval
+
+    verified = require_authorized_approval(tracking_uri, model_name, version)
+    if verified is None:
+        return claimed or "unknown"
+    who = "/".join(verified.possible_authors)
+    return f"{claimed} (verified: only {who} can approve)" if claimed else f"one of {who}"
 
 
 @task(name="approval", retries=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ def code_revision() -> str:
     """The git revision of this code, or 'unknown' outside a checkout."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+            ["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
         )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
@@ -40,13 +41,16 @@ def code_revision() -> str:
 
 
 def flatten(prefix: str, value: Any) -> dict[str, str]:
-    """Nested spec values as MLflow params: dotted keys, string values."""
+    """Nested spec values as MLflow params: dotted keys, string values, no ``user:password@`` in URIs."""
+    from registry.auth import strip_userinfo
+
     if isinstance(value, dict):
         out: dict[str, str] = {}
         for key, sub in value.items():
             out.update(flatten(f"{prefix}.{key}" if prefix else str(key), sub))
         return out
-    return {prefix: json.dumps(value, default=str) if isinstance(value, (list, tuple)) else str(value)}
+    text = json.dumps(value, default=str) if isinstance(value, (list, tuple)) else str(value)
+    return {prefix: strip_userinfo(text) if "://" in text else text}
 
 
 def publish(
@@ -59,6 +63,7 @@ def publish(
     params: dict[str, Any],
     metrics: dict[str, float],
     reports: dict[str, str],
+    progress: Callable[[str, int], None] | None = None,
 ) -> PublishedVersion:
     """Upload the engine (manifest last), record the run, register the version as `candidate`."""
     from registry import model_registry, tracking
@@ -73,10 +78,14 @@ def publish(
         return PublishedVersion(model_name, existing, fingerprint, store.manifest_uri(key), None, True)
 
     meta = {"model_name": model_name, "fingerprint": fingerprint, "toolchain": engine_info.toolchain}
-    artifact = store.put_tree(Path(engine_info.path), key, manifest_meta=meta)
+    artifact = store.put_tree(Path(engine_info.path), key, manifest_meta=meta, progress=progress)
+    log.info("artifact %s: %d files uploaded, %d already there%s", artifact.manifest_uri, artifact.uploaded_files,
+             artifact.skipped_files, " (already published)" if artifact.already_existed else "")
+    run_tags = {"fingerprint": fingerprint, "code_revision": code_revision(), "manifest_uri": artifact.manifest_uri}
+    run_tags.update({f"toolchain.{k}": str(v) for k, v in engine_info.toolchain.items()})
     run_id = tracking.start_release_run(
         tracking_uri, experiment, run_name=f"{model_name}-{fingerprint[:12]}", params=flatten("", params),
-        tags={"fingerprint": fingerprint, "code_revision": code_revision()},
+        tags=run_tags,
     )
     try:
         tracking.log_metrics(tracking_uri, run_id, metrics)
@@ -101,7 +110,7 @@ def version_tags(engine_info, artifact, metrics: dict[str, float]) -> dict[str, 
     """Registry tags a reviewer and the promote flow rely on."""
     tags = {
         "fingerprint": engine_info.fingerprint,
-        "engine_kind": "torch",
+        "engine_kind": str(getattr(engine_info, "kind", None) or "torch"),
         "manifest_uri": artifact.manifest_uri,
         "manifest_files": str(len(artifact.manifest.files)),
         "code_revision": code_revision(),

@@ -94,12 +94,18 @@ class MlflowServer:
     startup_s: float
 
 
-def start_mlflow_server(workdir: Path, *, env: dict[str, str] | None = None) -> MlflowServer:
+def start_mlflow_server(
+    workdir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    artifacts_destination: str | None = None,
+    extra_args: list[str] | None = None,
+) -> MlflowServer:
     """Start ``mlflow server`` (sqlite, proxied artifacts under ``workdir``) and wait for ``/health``."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     backend = f"sqlite:///{workdir / 'mlflow.db'}"
-    artifacts = str(workdir / "mlartifacts")
+    artifacts = artifacts_destination or str(workdir / "mlartifacts")
     log_path = workdir / "mlflow-server.log"
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING")}
     child_env.update(
@@ -116,6 +122,7 @@ def start_mlflow_server(workdir: Path, *, env: dict[str, str] | None = None) -> 
         "--workers", "1",
         # open keep-alive connections from clients would otherwise hold shutdown for ~10 s
         "--uvicorn-opts", "--timeout-graceful-shutdown 1",
+        *(extra_args or []),
     ]
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
@@ -247,6 +254,89 @@ _MLFLOW: _Shared[MlflowServer] = _Shared(start_mlflow_server, stop_mlflow_server
 _S3: _Shared[S3Server] = _Shared(start_s3_server, stop_s3_server)
 
 
+# -- MLflow with the basic-auth app and artifacts proxied to S3 -------------------------------------
+
+
+@dataclass(frozen=True)
+class Account:
+    """An MLflow basic-auth account (the password is a fresh random secret per session)."""
+
+    username: str
+    password: str
+
+    @property
+    def auth(self) -> tuple[str, str]:
+        return (self.username, self.password)
+
+    def env(self) -> dict[str, str]:
+        return {"MLFLOW_TRACKING_USERNAME": self.username, "MLFLOW_TRACKING_PASSWORD": self.password}
+
+
+@dataclass(frozen=True)
+class MlflowAuthServer:
+    """``mlflow server --app-name basic-auth`` with run artifacts proxied to a moto S3 bucket."""
+
+    server: MlflowServer
+    admin: Account
+    publisher: Account
+    approver: Account
+    outsider: Account
+    artifacts_bucket: str
+    s3: S3Server
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.server.tracking_uri
+
+    @property
+    def passwords(self) -> list[str]:
+        return [a.password for a in (self.admin, self.publisher, self.approver, self.outsider)]
+
+
+def _account(name: str) -> Account:
+    return Account(name, f"{name}-{uuid.uuid4().hex}")
+
+
+def start_mlflow_auth_server(workdir: Path, s3: S3Server) -> MlflowAuthServer:
+    """Start the auth app (sqlite user store, fresh admin password), create the test accounts."""
+    import requests
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    admin = _account("admin")
+    ini = workdir / "basic_auth.ini"
+    ini.write_text(
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = sqlite:///{workdir / 'auth.db'}\n"
+        f"admin_username = {admin.username}\nadmin_password = {admin.password}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    ini.chmod(0o600)
+    bucket = f"mlartifacts-{uuid.uuid4().hex[:8]}"
+    s3.client().create_bucket(Bucket=bucket)
+    env = {**s3.env(), "MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex,
+           # the server caches each event's webhook list (60 s by default): a new webhook would stay silent
+           "MLFLOW_WEBHOOK_CACHE_TTL": "1"}
+    server = start_mlflow_server(workdir, env=env, artifacts_destination=f"s3://{bucket}/proxied",
+                                 extra_args=["--app-name", "basic-auth"])
+    accounts = {name: _account(name) for name in ("publisher", "approver", "outsider")}
+    for account in accounts.values():
+        resp = requests.post(f"{server.tracking_uri}/api/2.0/mlflow/users/create", auth=admin.auth, timeout=30,
+                             json={"username": account.username, "password": account.password})
+        resp.raise_for_status()
+    return MlflowAuthServer(server, admin, accounts["publisher"], accounts["approver"], accounts["outsider"],
+                            bucket, s3)
+
+
+@pytest.fixture(scope="session")
+def mlflow_auth_server(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Iterator[MlflowAuthServer]:
+    """A real ``mlflow server --app-name basic-auth`` on loopback, artifacts proxied to moto S3."""
+    auth = start_mlflow_auth_server(tmp_path_factory.mktemp("mlflow-auth"), s3_server)
+    try:
+        yield auth
+    finally:
+        stop_mlflow_server(auth.server)
+
+
 # -- fixtures ------------------------------------------------------------------------------------
 
 
@@ -292,3 +382,31 @@ def s3_bucket(s3_env: S3Server) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     s3_env.client().create_bucket(Bucket=name)
     return name
+
+
+# -- a stand-in engine folder for publishing tests ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FakeEngine:
+    """What ``tasks.publish.publish`` reads from a built engine: fingerprint, toolchain, path."""
+
+    fingerprint: str
+    path: str
+    toolchain: dict[str, str]
+    kind: str = "torch"
+
+
+def make_engine_folder(root: Path, *, big_mib: int = 12, seed: int = 0) -> FakeEngine:
+    """An engine-like folder (one multipart-sized weight file, small json files), random content."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "weights").mkdir(exist_ok=True)
+    (root / "engine.json").write_text(json.dumps({"seed": seed, "kind": "torch"}))
+    (root / "tokenizer.json").write_text(json.dumps({"vocab": [f"t{i}" for i in range(200)]}))
+    (root / "weights" / "rank0.bin").write_bytes(rng.randbytes(big_mib * 1024 * 1024))
+    (root / "weights" / "rank1.bin").write_bytes(rng.randbytes(3 * 1024 * 1024))
+    return FakeEngine(f"fp{seed}-{uuid.uuid4().hex[:12]}", str(root), {"torch": "2.13.0", "cuda": "none"})

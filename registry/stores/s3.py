@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +171,26 @@ class S3Store(TreeStore):
         return head.get("ContentLength") == entry.size and head.get("Metadata", {}).get("sha256") == entry.sha256
 
     def _upload(self, local: Path, key: str, rel: str, entry: FileEntry, progress: ProgressFn | None) -> None:
+        """Upload with whole-file retries (exponential backoff) on top of botocore's per-request ones."""
+        from boto3.exceptions import S3UploadFailedError
+        from botocore.exceptions import BotoCoreError
+
+        attempts = self.settings.max_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                self._upload_once(local, key, rel, entry, progress)
+                return
+            except StoreConfigError:
+                raise
+            except (UploadError, S3UploadFailedError, BotoCoreError, OSError) as e:
+                if attempt == attempts:
+                    raise
+                delay = min(0.5 * 2 ** (attempt - 1), 8.0)
+                log.warning("upload of '%s' failed (attempt %d of %d, retrying in %.1f s): %s",
+                            rel, attempt, attempts, delay, e)
+                time.sleep(delay)
+
+    def _upload_once(self, local: Path, key: str, rel: str, entry: FileEntry, progress: ProgressFn | None) -> None:
         from boto3.exceptions import S3UploadFailedError
 
         try:
