@@ -13,17 +13,18 @@ EXIT_GATE = 1
 EXIT_BAD_INPUT = 2
 
 # Each module has `register(subparsers)` adding its subcommand(s) with a `func` default.
-EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_serve", "flows.cli_registry")
+EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_serve", "flows.cli_registry", "flows.cli_deploy")
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
+    from flows.deploy import DeployError
     from flows.spec import SpecError
     from registry.errors import RegistryError
     from serving.engine.errors import EngineError
     from serving.triton.errors import ServingError
     from tasks.errors import StepError
 
-    return (SpecError, StepError, RegistryError, EngineError, ServingError)
+    return (SpecError, StepError, RegistryError, EngineError, ServingError, DeployError)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
