@@ -13,7 +13,7 @@ EXIT_GATE = 1
 EXIT_BAD_INPUT = 2
 
 # Each module has `register(subparsers)` adding its subcommand(s) with a `func` default.
-EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_serve", "flows.cli_registry", "flows.cli_deploy")
+EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_bench", "flows.cli_serve", "flows.cli_registry", "flows.cli_deploy")
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
@@ -41,6 +41,11 @@ def cmd_release(args: argparse.Namespace) -> int:
 
     outcome = run_release(load_spec(Path(args.spec)))
     print(outcome.summary())
+    if outcome.ok:
+        done = outcome.result
+        print(f"version {done.published.version} of {done.published.model_name}, fingerprint "
+              f"{done.published.fingerprint}; cache hits: {', '.join(done.cache_hits) or 'none'}; "
+              f"report {done.report_dir / 'release-report.md'}")
     return 0 if outcome.ok else EXIT_GATE
 
 

@@ -5,11 +5,16 @@ A Llama-family decoder (Llama 2/3, Mistral, Qwen2) in the layout of pytorch-labs
 Hugging Face "rotate half" layout (so HF weights need no permutation). The engine speaks token ids,
 not text: tokenization lives with the caller.
 
-One forward serves prefill and decode: `tokens: [B, S]` at cache positions `input_pos: [B, S]`
-(one row per sequence, so sequences of a batch may sit at different positions). K/V are written
-into the cache at those positions, then every query attends to the cache slots at or before its
-own position. Decode (S == 1) attends over the whole static cache, so its shapes depend only on the
-batch size: the step can go under `torch.compile(mode="reduce-overhead", fullgraph=True)`.
+Three entry points share the weights and the cache:
+
+- `Transformer.forward(tokens [B, S], input_pos [B, S], kv_len)`: the general masked forward (teacher-
+  forced logits for validation, the reference the fast paths are tested against).
+- `prefill_packed`: prompts of unequal lengths packed into one `[T]` row (no padding): projections
+  and MLP run on the packed tokens, attention runs per prompt (flash SDPA, causal), K/V go into each
+  prompt's cache slot (row). Nothing is computed for padding.
+- `decode_step(tokens [B], input_pos [B], kv_len)`: one token per cache row; attention reads only
+  the first `kv_len` cache positions (a bucket covering the filled prefix), so its shapes depend only
+  on (B, kv_len): `cuda_graphs.DecodeGraphs` captures one CUDA graph per (batch bucket, kv bucket).
 
 Imports: stdlib and torch only (this module runs inside Triton's python backend).
 """
@@ -360,6 +365,105 @@ def prefill(model: Transformer, tokens: torch.Tensor, lengths: torch.Tensor) -> 
     h = model(tokens, input_pos, seqlen)  # [B, S, D]
     last = h[torch.arange(bsz, device=tokens.device), lengths - 1]  # [B, D]
     return model.logits(last)
+
+
+def _rope_1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [N, H, hd]; cos, sin: [N, hd]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """One decode step of cache rows [0, B): tokens, input_pos: [B] -> float32 logits [B, V].
+
+    Row b writes its K/V at `input_pos[b]` and attends over cache positions `[0, kv_len)` masked to
+    `<= input_pos[b]`; `kv_len` must exceed every `input_pos`. Shapes depend only on (B, kv_len) and
+    there is no host sync: CUDA-graph and torch.compile friendly.
+    """
+    a = model.args
+    bsz = tokens.shape[0]
+    group = a.n_heads // a.n_kv_heads
+    scale = 1.0 / math.sqrt(a.head_dim)
+    rows = torch.arange(bsz, device=tokens.device)
+    visible = model.slots[:kv_len].unsqueeze(0) <= input_pos.unsqueeze(1)  # [B, L]
+    neg = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device).masked_fill(
+        ~visible, float("-inf")).view(bsz, 1, 1, kv_len)  # [B, 1, 1, L] additive mask
+    cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]  # [B, hd]
+    x = model.tok_embeddings(tokens)  # [B, D]
+    for layer in model.layers:
+        attn = layer.attention
+        h = layer.attention_norm(x)
+        q, k, v = attn.wqkv(h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = _rope_1(q.view(bsz, a.n_heads, a.head_dim), cos, sin)  # [B, H, hd]
+        k = _rope_1(k.view(bsz, a.n_kv_heads, a.head_dim), cos, sin)  # [B, Hkv, hd]
+        cache = attn.kv_cache
+        cache.k_cache[rows, :, input_pos] = k
+        cache.v_cache[rows, :, input_pos] = v.view(bsz, a.n_kv_heads, a.head_dim)
+        keys = cache.k_cache[:bsz, :, :kv_len]  # [B, Hkv, L, hd] (strided view, no copy)
+        values = cache.v_cache[:bsz, :, :kv_len]
+        qg = q.view(bsz, a.n_kv_heads, group, a.head_dim)  # [B, Hkv, G, hd]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + neg  # [B, Hkv, G, L]
+        probs = scores.softmax(dim=-1).to(values.dtype)
+        y = torch.matmul(probs, values).reshape(bsz, a.q_size)  # [B, H * hd]
+        x = x + attn.wo(y)
+        x = x + layer.feed_forward(layer.ffn_norm(x))
+    return model.logits(model.norm(x))
+
+
+def prefill_packed(model: Transformer, tokens: torch.Tensor, lengths: list[int], rows: torch.Tensor
+                   ) -> torch.Tensor:
+    """Prefill prompts packed back to back, each from position 0 into its own cache row.
+
+    tokens: [T] (T = sum(lengths)); rows: [N] cache row of each prompt -> float32 logits of each
+    prompt's last token [N, V]. Attention is per prompt (causal), so no work is spent on padding.
+    """
+    a = model.args
+    dev = tokens.device
+    n = len(lengths)
+    total = tokens.shape[0]
+    lens = torch.tensor(lengths, device=dev)
+    starts = torch.cumsum(lens, 0) - lens  # [N]
+    seq_of = torch.repeat_interleave(torch.arange(n, device=dev), lens)  # [T]
+    pos = torch.arange(total, device=dev) - starts[seq_of]  # [T]
+    row_of = rows[seq_of]  # [T]
+    group = a.n_heads // a.n_kv_heads
+    equal = all(length == lengths[0] for length in lengths)
+    cos, sin = model.rope_cos[pos], model.rope_sin[pos]  # [T, hd]
+    x = model.tok_embeddings(tokens)  # [T, D]
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    for layer in model.layers:
+        attn = layer.attention
+        h = layer.attention_norm(x)
+        q, k, v = attn.wqkv(h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = _rope_1(q.view(total, a.n_heads, a.head_dim), cos, sin)  # [T, H, hd]
+        k = _rope_1(k.view(total, a.n_kv_heads, a.head_dim), cos, sin)  # [T, Hkv, hd]
+        v = v.view(total, a.n_kv_heads, a.head_dim)
+        attn.kv_cache.k_cache[row_of, :, pos] = k
+        attn.kv_cache.v_cache[row_of, :, pos] = v
+        if group > 1:  # expand K/V heads so SDPA can take its flash kernel
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if equal:
+            s = lengths[0]
+            y = F.scaled_dot_product_attention(
+                q.view(n, s, a.n_heads, a.head_dim).transpose(1, 2), k.view(n, s, a.n_heads, a.head_dim).transpose(1, 2),
+                v.view(n, s, a.n_heads, a.head_dim).transpose(1, 2), is_causal=True,
+            ).transpose(1, 2).reshape(total, a.q_size)  # [T, H * hd]
+        else:
+            parts = []
+            for i in range(n):
+                lo, hi = bounds[i], bounds[i + 1]
+                parts.append(F.scaled_dot_product_attention(
+                    q[lo:hi].transpose(0, 1).unsqueeze(0), k[lo:hi].transpose(0, 1).unsqueeze(0),
+                    v[lo:hi].transpose(0, 1).unsqueeze(0), is_causal=True,
+                )[0].transpose(0, 1).reshape(hi - lo, a.q_size))
+            y = torch.cat(parts, dim=0)
+        x = x + attn.wo(y)
+        x = x + layer.feed_forward(layer.ffn_norm(x))
+    last = torch.tensor([b - 1 for b in bounds[1:]], device=dev)
+    return model.logits(model.norm(x[last]))
 
 
 def decode_one_token(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:

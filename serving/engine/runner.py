@@ -3,11 +3,16 @@
 The engine speaks token ids, not text: prompts are lists of token ids and generations are lists of
 token ids (the tokenizer files in the engine folder are for the caller).
 
-`EngineRunner.generate` pads prompts on the right, prefills them in one batched forward (each row
-at positions 0..len-1), then decodes one token per step for the whole batch, each row at its own
-position (`decode_one_token`, a function of tensors only, which `compile_decode` can put under
-`torch.compile`). Requests with more prompts than `max_batch_size` are split into chunks of
-`max_batch_size` and run one after the other. Not thread-safe: one runner serves one loop.
+`EngineRunner.generate` packs the prompts back to back and prefills them in one forward (per-prompt
+causal attention, nothing spent on padding; prompt b goes into cache row b), then decodes one token
+per step for the whole batch, each row at its own position. On CUDA the decode step replays CUDA
+graphs captured per (batch bucket, KV-length bucket) (`cuda_graphs.DecodeGraphs`), and attention
+reads only the filled prefix of the cache; `compile_decode()` puts the step under torch.compile
+first. On the CPU the same `decode_step` runs eagerly. The loop keeps tokens on the device and
+syncs with the host only every `STOP_CHECK_EVERY` steps (when stop tokens are given) and at the end.
+Requests with more prompts than `max_batch_size` are split into chunks of `max_batch_size` and run
+one after the other. Not thread-safe: one runner serves one loop (`scheduler.Scheduler` for
+in-flight batching drives the same pieces).
 
 Imports: stdlib and torch only.
 """
@@ -22,10 +27,11 @@ import torch
 
 from serving.engine.build import EngineInfo, check_toolchain, read_engine_info
 from serving.engine.errors import EngineLimitError
-from serving.engine.model import Transformer, decode_one_token, prefill
+from serving.engine.model import Transformer, decode_step, prefill_packed
 from serving.engine.sampling import SamplingParams, chosen_logprobs, sample
 
-DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor], torch.Tensor]
+DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
+STOP_CHECK_EVERY = 8  # decode steps between host checks of "every row has stopped"
 
 
 @dataclass
@@ -50,17 +56,44 @@ def resolve_device(device: str | torch.device) -> torch.device:
 class EngineRunner:
     """A loaded engine: weights on `device`, static KV caches sized by the engine's limits."""
 
-    def __init__(self, info: EngineInfo, model: Transformer, device: torch.device) -> None:
+    def __init__(self, info: EngineInfo, model: Transformer, device: torch.device, *,
+                 cuda_graphs: bool = True) -> None:
         self.info = info
         self.model = model
         self.device = device
-        self.decode_fn: DecodeFn = decode_one_token
+        self.decode_fn: DecodeFn = decode_step
+        self.graphs = None
+        if device.type == "cuda" and cuda_graphs:
+            from serving.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model)
 
     # -- setup ------------------------------------------------------------------------------
     def compile_decode(self, **compile_kwargs) -> None:
-        """Put the decode step under torch.compile (default mode="reduce-overhead", fullgraph=True)."""
-        kwargs = {"mode": "reduce-overhead", "fullgraph": True, **compile_kwargs}
-        self.decode_fn = torch.compile(decode_one_token, **kwargs)
+        """Compile the decode step: on CUDA, graphs of the torch.compile'd step (dynamic shapes, one
+        compile for all buckets); on the CPU, torch.compile(decode_step, dynamic=True, fullgraph=True)."""
+        if self.graphs is not None:
+            from serving.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, compile=True)
+            return
+        kwargs = {"dynamic": True, "fullgraph": True, **compile_kwargs}
+        self.decode_fn = torch.compile(decode_step, **kwargs)
+
+    def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_needed: int) -> torch.Tensor:
+        """One decode step of cache rows [0, len(tokens)) -> float32 logits [b, V]; `kv_needed` must
+        exceed every position. The result may be a view that the next call overwrites."""
+        if self.graphs is not None:
+            return self.graphs.step(tokens, input_pos, kv_needed)
+        return self.decode_fn(self.model, tokens, input_pos, kv_needed)
+
+    def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
+        """Prefill `prompts` into cache `rows` (packed, no padding) -> float32 last-token logits [N, V]."""
+        flat = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        flat = flat.pin_memory() if self.device.type == "cuda" else flat
+        rows_t = torch.tensor(list(rows), dtype=torch.long)
+        return prefill_packed(self.model, flat.to(self.device, non_blocking=True), [len(p) for p in prompts],
+                              rows_t.to(self.device, non_blocking=True))
 
     # -- checks -----------------------------------------------------------------------------
     def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_logprobs: int) -> None:
@@ -88,8 +121,14 @@ class EngineRunner:
     # -- public API -------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
-                 top_logprobs: int = 0) -> list[Generation]:
-        """New tokens for each prompt; greedy when `sampling` is None. Chunks of max_batch_size."""
+                 top_logprobs: int = 0, logprobs: bool = True,
+                 events: list | None = None) -> list[Generation]:
+        """New tokens for each prompt; greedy when `sampling` is None. Chunks of max_batch_size.
+
+        `logprobs=False` skips the log-softmax per step (Generation.logprobs is then empty);
+        `events` (CUDA only), when a list, receives a CUDA event recorded at the start of each chunk,
+        after its first token and after each decode step (for the benchmark's TTFT/TPOT).
+        """
         self._check_prompts(prompts, max_new_tokens, top_logprobs)
         generator = None
         if sampling is not None and sampling.seed is not None:
@@ -99,7 +138,7 @@ class EngineRunner:
         out: list[Generation] = []
         for start in range(0, len(prompts), n):
             out += self._generate_batch(prompts[start:start + n], max_new_tokens, sampling, stop_token_ids,
-                                        top_logprobs, generator)
+                                        top_logprobs, generator, logprobs or top_logprobs > 0, events)
         return out
 
     @torch.no_grad()
@@ -123,38 +162,47 @@ class EngineRunner:
     @torch.no_grad()
     def _generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                         sampling: SamplingParams | None, stop_token_ids: Sequence[int], top_n: int,
-                        generator: torch.Generator | None) -> list[Generation]:
+                        generator: torch.Generator | None, want_logprobs: bool = True,
+                        events: list | None = None) -> list[Generation]:
         dev, bsz = self.device, len(prompts)
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)  # [B]
-        tokens = torch.zeros((bsz, max(len(p) for p in prompts)), dtype=torch.long)  # [B, S] right-padded
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+        lengths = [len(p) for p in prompts]
+        timed = events is not None and dev.type == "cuda"
+
+        def mark() -> None:
+            if timed:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                events.append(ev)
+
+        mark()
         stop_ids = torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
         done = torch.zeros(bsz, dtype=torch.bool, device=dev)
-
-        logits = prefill(self.model, tokens.to(dev), lengths)  # [B, V]
-        input_pos = lengths.clone()  # [B]: where each row's next token goes
+        logits = self.prefill(prompts, range(bsz))  # [B, V]
+        input_pos = torch.tensor(lengths, dtype=torch.long, device=dev)  # [B]: where the next token goes
+        longest = max(lengths)
         steps: list[torch.Tensor] = []
         chosen: list[torch.Tensor] = []
         tops: list[tuple[torch.Tensor, torch.Tensor]] = []
         for step in range(max_new_tokens):
             next_tokens = sample(logits, sampling, generator)  # [B]
-            lp, top_v, top_i = chosen_logprobs(logits, next_tokens, top_n)
+            if want_logprobs:
+                lp, top_v, top_i = chosen_logprobs(logits, next_tokens, top_n)
+                chosen.append(lp)
+                if top_v is not None:
+                    tops.append((top_v, top_i))
             steps.append(next_tokens)
-            chosen.append(lp)
-            if top_v is not None:
-                tops.append((top_v, top_i))
+            mark()
             if len(stop_token_ids):
                 done |= torch.isin(next_tokens, stop_ids)
-                if bool(done.all()):
+                if (step + 1) % STOP_CHECK_EVERY == 0 and bool(done.all()):
                     break
             if step + 1 == max_new_tokens:
                 break
-            logits = self.decode_fn(self.model, next_tokens, input_pos)  # [B, V]
+            logits = self.decode(next_tokens, input_pos, longest + step + 1)  # [B, V]
             input_pos = input_pos + 1
 
         token_mat = torch.stack(steps, dim=1).cpu().tolist()  # [B, T]
-        lp_mat = torch.stack(chosen, dim=1).cpu().tolist()
+        lp_mat = torch.stack(chosen, dim=1).cpu().tolist() if chosen else [[] for _ in range(bsz)]
         if tops:
             top_v_mat = torch.stack([v for v, _ in tops], dim=1).cpu().tolist()  # [B, T, N]
             top_i_mat = torch.stack([i for _, i in tops], dim=1).cpu().tolist()
@@ -173,8 +221,10 @@ class EngineRunner:
         return results
 
 
-def load_engine(engine_dir: Path, *, device: str = "auto") -> EngineRunner:
-    """Read, check (toolchain) and load an engine folder onto `device` ("auto": cuda if available)."""
+def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = True) -> EngineRunner:
+    """Read, check (toolchain) and load an engine folder onto `device` ("auto": cuda if available).
+
+    On CUDA the decode step replays CUDA graphs unless `cuda_graphs=False`."""
     info = read_engine_info(Path(engine_dir))
     dev = resolve_device(device)
     check_toolchain(info, device=dev)
@@ -186,4 +236,4 @@ def load_engine(engine_dir: Path, *, device: str = "auto") -> EngineRunner:
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(dev).eval().requires_grad_(False)
     model.setup_caches(info.limits.max_batch_size, info.limits.max_seq_len)
-    return EngineRunner(info, model, dev)
+    return EngineRunner(info, model, dev, cuda_graphs=cuda_graphs)

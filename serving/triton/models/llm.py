@@ -7,14 +7,26 @@ the model name if it cannot; ``execute`` takes the dynamic batch, parses every r
 (greedy requests all share one call) and answers each request, a bad one with an error response,
 never by raising. Text is tokenized/detokenized lazily with ``tokenizers`` from the engine folder.
 
-The engine work sits behind ``EngineHost.run`` so a later in-flight-batching engine thread can replace
-it without touching request parsing or responses.
+Two modes, chosen by the config (``model_transaction_policy { decoupled: true }``, written by
+``llm_config`` when the parameter ``decoupled`` is "true"):
+
+- plain: ``execute`` runs planned ``generate`` calls and returns one response per request.
+- decoupled (in-flight batching): an ``EngineThread`` owns the runner and runs
+  ``serving.engine.scheduler.Scheduler``; ``execute`` parses each request and submits it with a
+  callback that answers through the request's response sender: with ``stream`` true one response per
+  token (``output_ids`` [1, 1]), the last one flagged FINAL and carrying ``finish_reason``; otherwise one
+  FINAL response with every token (accumulated). ``execute`` returns at once. Startup errors of the
+  thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
+  request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
+  get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
+  step, ~30-50 s more at load on an H200), ``warmup`` ("false" to skip capturing graphs at load).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -169,6 +181,76 @@ def _getter(request: Any) -> Callable[[str], np.ndarray | None]:
     return get
 
 
+def _truthy(value: str | None) -> bool:
+    return str(value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class EngineThread:
+    """The engine loop on its own thread: prepare (compile, capture graphs), then the scheduler forever."""
+
+    def __init__(self, runner: Any, log: Log, *, device_id: int | None, compile_decode: bool,
+                 warmup: bool) -> None:
+        self.runner = runner
+        self.log = log
+        self.device_id = device_id
+        self.compile_decode = compile_decode
+        self.warmup = warmup
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.scheduler: Any = None
+        self.thread = threading.Thread(target=self._main, name=f"engine-{log.prefix}", daemon=True)
+
+    def start(self, timeout_s: float = 900.0) -> None:
+        """Start the thread and wait until it serves; re-raise its startup error here."""
+        self.thread.start()
+        if not self.ready.wait(timeout_s):
+            raise RuntimeError(f"engine thread not ready after {timeout_s:.0f} s")
+        if self.error is not None:
+            raise self.error
+
+    def _main(self) -> None:
+        try:
+            from serving.engine.scheduler import Scheduler  # lazy: imports torch
+
+            if self.device_id is not None:
+                import torch
+
+                torch.cuda.set_device(self.device_id)
+            started = time.monotonic()
+            if self.compile_decode and getattr(self.runner, "graphs", None) is not None:
+                try:
+                    self.runner.compile_decode()
+                    self._warmup()
+                except Exception as exc:  # noqa: BLE001 - serve with the eager graphs rather than not at all
+                    self.log.error(f"compiled decode failed, using eager CUDA graphs: {type(exc).__name__}: {exc}")
+                    from serving.engine.cuda_graphs import DecodeGraphs
+
+                    self.runner.graphs = DecodeGraphs(self.runner.model)
+                    self.compile_decode = False
+            self._warmup()
+            graphs = getattr(self.runner, "graphs", None)
+            self.scheduler = Scheduler(self.runner, on_error=self.log.error)
+            self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
+                          f"{self.compile_decode}, graphs={'yes' if graphs is not None else 'no'})")
+        except BaseException as exc:  # noqa: BLE001 - carried back to initialize
+            self.error = exc
+            self.ready.set()
+            return
+        self.ready.set()
+        self.scheduler.run_forever()
+
+    def _warmup(self) -> None:
+        graphs = getattr(self.runner, "graphs", None)
+        if self.warmup and graphs is not None:
+            for bucket in graphs.buckets:
+                graphs.prepare(bucket, 1)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop(timeout_s=0)
+        self.thread.join(timeout_s)
+
+
 class TritonPythonModel:
     """Triton entry points for one instance of one engine version."""
 
@@ -194,10 +276,24 @@ class TritonPythonModel:
                 f"{device!r}: {type(exc).__name__}: {exc}"
             ) from exc
         self.host = EngineHost(runner, engine_dir, self.log)
+        uses_decoupled = getattr(pb_utils, "using_decoupled_model_transaction_policy", None)
+        self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else _truthy(params.get("decoupled"))
+        self.engine_thread: EngineThread | None = None
+        if self.decoupled:
+            device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
+            self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
+                                              compile_decode=_truthy(params.get("compile_decode")),
+                                              warmup=params.get("warmup", "true") != "false")
+            try:
+                self.engine_thread.start()
+            except BaseException as exc:
+                raise RuntimeError(f"[{self.model_name} v{self.version}] engine thread failed to start: "
+                                   f"{type(exc).__name__}: {exc}") from exc
         self.log.info(
             f"engine {getattr(runner.info, 'fingerprint', '?')} loaded from {engine_dir} on {device} in "
             f"{time.monotonic() - started:.2f} s (max_batch_size={self.host.max_batch_size}, "
-            f"max_input_len={self.host.max_input_len}, max_seq_len={self.host.max_seq_len})"
+            f"max_input_len={self.host.max_input_len}, max_seq_len={self.host.max_seq_len}, "
+            f"decoupled={self.decoupled})"
         )
 
     def _parse(self, index: int, request: Any) -> tuple[LlmRequest, BatchItem]:
@@ -217,7 +313,59 @@ class TritonPythonModel:
             tensors.append(pb_utils.Tensor("text_output", np.asarray([[text.encode("utf-8")]], dtype=np.object_)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
-    def execute(self, requests: list[Any]) -> list[Any]:
+    def _tensors(self, req: LlmRequest, ids: list[int], reason: str) -> list[Any]:
+        tensors = [
+            pb_utils.Tensor("output_ids", np.asarray([ids], dtype=np.int32)),
+            pb_utils.Tensor("finish_reason", np.asarray([[reason.encode()]], dtype=np.object_)),
+        ]
+        if req.want_text and (req.text is not None or (self.host.engine_dir / "tokenizer.json").is_file()):
+            text = self.host.detokenize(ids)
+            tensors.append(pb_utils.Tensor("text_output", np.asarray([[text.encode("utf-8")]], dtype=np.object_)))
+        return tensors
+
+    def _submit(self, index: int, request: Any) -> None:
+        """Decoupled: parse one request and hand it to the scheduler; answer errors on its sender."""
+        from serving.engine.scheduler import GenRequest  # lazy: imports torch
+
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        tag = f"{self.model_name} v{self.version}"
+        try:
+            req, item = self._parse(index, request)
+        except RequestError as exc:
+            sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
+            return
+        except Exception as exc:  # noqa: BLE001
+            self.log.error(f"request {index}: {type(exc).__name__}: {exc}")
+            sender.send(_error_response(f"{tag}: internal error: {exc}"), flags=final)
+            return
+        collected: list[int] = []
+
+        def emit(ids: list[int], reason: str | None) -> None:
+            if req.stream:
+                tensors = self._tensors(req, ids, reason or "")
+                sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if reason else 0)
+            else:
+                collected.extend(ids)
+                if reason is not None:
+                    sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(req, collected, reason)),
+                                flags=final)
+
+        def fail(exc: BaseException) -> None:
+            sender.send(_error_response(f"{tag}: generate failed: {type(exc).__name__}: {exc}"), flags=final)
+
+        sampling = engine_sampling(req)
+        try:
+            self.engine_thread.scheduler.submit(GenRequest(list(item.prompt_ids), req.max_tokens, emit, fail,
+                                                           sampling, req.stop_token_ids))
+        except Exception as exc:  # noqa: BLE001 - limits the parse did not catch, or stopping
+            sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
+
+    def execute(self, requests: list[Any]) -> list[Any] | None:
+        if getattr(self, "decoupled", False):
+            for i, request in enumerate(requests):
+                self._submit(i, request)
+            return None
         started = time.monotonic()
         responses: list[Any] = [None] * len(requests)
         reqs: dict[int, LlmRequest] = {}
@@ -248,6 +396,12 @@ class TritonPythonModel:
         return responses
 
     def finalize(self) -> None:
+        engine_thread = getattr(self, "engine_thread", None)
+        if engine_thread is not None:
+            stats = getattr(engine_thread.scheduler, "stats", None)
+            engine_thread.stop()
+            self.log.info(f"engine thread joined (alive={engine_thread.thread.is_alive()}); scheduler {stats}")
+            self.engine_thread = None
         host = getattr(self, "host", None)
         if host is not None:
             self.log.info(f"finalize after {host.executions} generate calls (largest batch {host.largest_batch})")

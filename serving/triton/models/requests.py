@@ -3,7 +3,8 @@
 A request is read through a getter ``name -> numpy array | None`` so the same code runs inside Triton
 and in unit tests. Inputs (the batch dim of 1 added by Triton's dynamic batcher is dropped here):
 ``input_ids`` INT32 [-1] or ``text_input`` BYTES [1] (exactly one), ``max_tokens`` INT32 [1],
-optional ``temperature`` FP32, ``top_k`` INT32, ``top_p`` FP32, ``seed`` INT64, ``stop_token_ids`` INT32 [-1].
+optional ``temperature`` FP32, ``top_k`` INT32, ``top_p`` FP32, ``seed`` INT64, ``stop_token_ids`` INT32 [-1],
+and (decoupled models only) ``stream`` BOOL [1]: one response per token instead of one at the end.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 GetInput = Callable[[str], "np.ndarray | None"]
 
 INPUT_NAMES = ("input_ids", "text_input", "max_tokens", "temperature", "top_k", "top_p", "seed",
-               "stop_token_ids")
+               "stop_token_ids", "stream")
 OUTPUT_NAMES = ("output_ids", "text_output", "finish_reason")
 
 
@@ -48,6 +49,7 @@ class LlmRequest:
     sampling: Sampling
     stop_token_ids: tuple[int, ...]
     want_text: bool
+    stream: bool = False
 
     def group_key(self) -> tuple:
         """Requests with equal keys can share one ``generate`` call."""
@@ -119,7 +121,9 @@ def parse_request(get_input: GetInput, requested_outputs: tuple[str, ...] = ()) 
         raise RequestError(f"input 'top_p'={sampling.top_p} must be in (0, 1]")
     stop = _ids(get_input("stop_token_ids"), "stop_token_ids") or ()
     want_text = text is not None or "text_output" in requested_outputs
-    return LlmRequest(prompt_ids, text, int(max_tokens), sampling, stop, want_text)
+    stream = _scalar(get_input("stream"), "stream")
+    return LlmRequest(prompt_ids, text, int(max_tokens), sampling, stop, want_text,
+                      stream=bool(stream) if stream is not None else False)
 
 
 def check_limits(prompt_ids: tuple[int, ...], max_tokens: int, *, max_input_len: int, max_seq_len: int,

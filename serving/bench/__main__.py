@@ -1,0 +1,77 @@
+"""`python3 -m serving.bench ...`: the benchmark command line (also `enginewright bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _pairs(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for item in text.split(","):
+        p, _, g = item.partition("/")
+        out.append((int(p), int(g)))
+    return tuple(out)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_mode", required=True)
+    off = sub.add_parser("offline", help="engine vs HF transformers (eager, static+compile), random weights")
+    off.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b", help="comma list (llama-3.2-1b, llama-3.1-8b, tiny)")
+    off.add_argument("--workloads", default="128/128,512/128,2048/128", help="prompt/generated, comma list")
+    off.add_argument("--batch-sizes", default="1,64", help="comma list")
+    off.add_argument("--peers", default="hf-eager,hf-static-compile", help="HF peers ('' for none)")
+    off.add_argument("--peer-workloads", default="128/128", help="workloads the peers and the compiled step run on")
+    off.add_argument("--no-compiled", action="store_true", help="skip the torch.compile'd decode step")
+    off.add_argument("--no-check", action="store_true", help="skip the logits/greedy check against HF")
+    off.add_argument("--repeats", type=int, default=3)
+    off.add_argument("--deadline-s", type=float, default=1e9, help="skip cells starting after this many seconds")
+    off.add_argument("--out", type=Path, default=Path("bench-offline.json"), help="JSON written after each cell")
+    srv = sub.add_parser("served", help="concurrent streaming gRPC clients against Triton (in-flight batching)")
+    srv.add_argument("--shape", default="llama-3.2-1b")
+    srv.add_argument("--clients", type=int, default=64)
+    srv.add_argument("--requests-per-client", type=int, default=4)
+    srv.add_argument("--prompt-len", type=int, default=128)
+    srv.add_argument("--gen-len", type=int, default=128)
+    srv.add_argument("--max-batch-size", type=int, default=64)
+    srv.add_argument("--work", type=Path, default=Path("build/bench-served"))
+    srv.add_argument("--out", type=Path, default=Path("bench-served.json"))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_mode == "offline":
+        from serving.bench.offline import OfflineConfig, render_table, run_offline
+
+        cfg = OfflineConfig(
+            shapes=tuple(args.shapes.split(",")), workloads=_pairs(args.workloads), batch_sizes=_ints(args.batch_sizes),
+            peers=tuple(p for p in args.peers.split(",") if p), peer_workloads=_pairs(args.peer_workloads),
+            compiled=not args.no_compiled, repeats=args.repeats, deadline_s=args.deadline_s, check=not args.no_check,
+        )
+        report = run_offline(cfg, out_json=args.out)
+        print(render_table(report))
+        for err in report["errors"]:
+            print("ERROR", err)
+        return 0
+    from serving.bench.served import run_served
+
+    report = run_served(shape=args.shape, clients=args.clients, requests_per_client=args.requests_per_client,
+                        prompt_len=args.prompt_len, gen_len=args.gen_len, max_batch_size=args.max_batch_size,
+                        work=args.work, out_json=args.out)
+    print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m serving.bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Random-weight models of real shapes for the benchmark: an HF `LlamaForCausalLM` and the engine's
+`Transformer` holding the SAME weights (HF q/k/v and gate/up fused through the conversion table).
+
+No downloads: the shapes are the published `config.json` values of Llama-3.2-1B and Llama-3.1-8B.
+transformers is imported lazily (only the benchmark needs it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.engine.build import EngineInfo, EngineLimits
+from serving.engine.convert import map_hf_name
+from serving.engine.model import ModelArgs, Transformer
+from serving.engine.runner import EngineRunner
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0}, "tie_word_embeddings": True,
+        "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}, "tie_word_embeddings": False,
+        "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    # a few-MB shape for CPU tests of the harness itself
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 0, "eos_token_id": 1,
+    },
+}
+
+
+def model_args(shape: str) -> ModelArgs:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
+    return ModelArgs.from_hf_config(SHAPES[shape], source=f"shape {shape}")
+
+
+def random_hf_model(shape: str, *, dtype: torch.dtype, device: str, seed: int = 0) -> Any:
+    """An HF LlamaForCausalLM with random weights (normal, std 0.02) of `shape`, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = {k: v for k, v in SHAPES[shape].items() if k not in ("architectures", "model_type")}
+    config = LlamaConfig(**cfg)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval().requires_grad_(False)
+
+
+def engine_state_from_hf(hf_state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF state dict -> engine tensors (fused wqkv / w13) through the conversion table."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    n_parts: dict[str, int] = {}
+    for name, tensor in hf_state.items():
+        mapped = map_hf_name(name, args)
+        if mapped is None:
+            continue
+        target, part, n = mapped
+        parts.setdefault(target, {})[part] = tensor
+        n_parts[target] = n
+    return {t: p[0] if n_parts[t] == 1 else torch.cat([p[i] for i in range(n_parts[t])], dim=0)
+            for t, p in parts.items()}
+
+
+def runner_from_hf(hf_model: Any, args: ModelArgs, limits: EngineLimits, *, cuda_graphs: bool = True,
+                   ) -> EngineRunner:
+    """An EngineRunner over the weights of `hf_model` (fused copies; norms and embeddings shared)."""
+    state = engine_state_from_hf(hf_model.state_dict(), args)
+    device = hf_model.device
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.eval().requires_grad_(False)
+    model.setup_caches(limits.max_batch_size, limits.max_seq_len)
+    info = EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."))
+    return EngineRunner(info, model, torch.device(device), cuda_graphs=cuda_graphs)
+
+
+def weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
+    """Bytes of every weight (the embedding table counted once when tied), as the issue's roofline."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    """K and V of one token over all layers."""
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()

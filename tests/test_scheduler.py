@@ -1,0 +1,112 @@
+"""In-flight batching scheduler on the CPU (tiny float32 llama): same tokens as `generate`, requests
+admitted into freed slots mid-flight, per-request max_tokens / stop tokens / seeds, failures isolated."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from serving.engine import (
+    EngineLimitError,
+    EngineLimits,
+    SamplingParams,
+    build_engine,
+    convert_checkpoint,
+    load_engine,
+)
+from serving.engine.scheduler import GenRequest, Scheduler, SchedulerStopped, collect
+from tasks.tiny_model import make_tiny_model
+
+LIMITS = EngineLimits(dtype="float32", max_batch_size=3, max_input_len=32, max_seq_len=64)
+PROMPTS = [[0, 5, 6, 7], [0, 9, 10, 11, 12, 13, 14, 15], [0, 100], [0, 42, 283], [0, 7], [0, 1, 2, 3, 4, 5]]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sched")
+    ckpt = convert_checkpoint(make_tiny_model(root / "hf"), root / "ckpt", dtype="float32")
+    return load_engine(build_engine(ckpt, root / "engine", limits=LIMITS).path, device="cpu")
+
+
+def test_greedy_equals_generate_with_more_requests_than_slots(runner):
+    """6 requests, 3 slots, unequal max_tokens: later requests join as earlier ones retire."""
+    max_tokens = [5, 12, 3, 9, 7, 10]
+    sched = Scheduler(runner)
+    got = collect(sched, PROMPTS, max_tokens=max_tokens)
+    for p, n, (ids, reason) in zip(PROMPTS, max_tokens, got):
+        assert ids == runner.generate([p], max_new_tokens=n)[0].token_ids
+        assert reason == "length"
+    assert sched.stats.prefills >= 2, "requests should be admitted in several waves"
+    assert sched.stats.largest_batch == 3 and sched.live == 0
+
+
+def test_stop_token_retires_early(runner):
+    ref = runner.generate([PROMPTS[1]], max_new_tokens=10)[0].token_ids
+    stop = ref[3]
+    ids, reason = collect(Scheduler(runner), [PROMPTS[1]], max_tokens=10, stop_token_ids=[stop])[0]
+    assert ids == ref[: ref.index(stop) + 1] and reason == "stop"
+
+
+def test_seeded_sampling_independent_of_batch_mates(runner):
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=7)
+    alone = collect(Scheduler(runner), [PROMPTS[0]], max_tokens=12, sampling=params)[0][0]
+    sched = Scheduler(runner)
+    out: list[int] = []
+    sched.submit(GenRequest(PROMPTS[3], 12, lambda ids, r: None, lambda e: None))  # greedy batch mate
+    sched.submit(GenRequest(PROMPTS[0], 12, lambda ids, r: out.extend(ids), lambda e: None, params))
+    sched.run_until_idle()
+    assert out == alone
+    greedy = runner.generate([PROMPTS[0]], max_new_tokens=12)[0].token_ids
+    assert alone != greedy
+
+
+def test_limits_checked_at_submit(runner):
+    sched = Scheduler(runner)
+    with pytest.raises(EngineLimitError, match="max_input_len=32"):
+        sched.submit(GenRequest([1] * 33, 4, lambda *a: None, lambda e: None))
+    with pytest.raises(EngineLimitError, match="max_seq_len=64"):
+        sched.submit(GenRequest([1] * 30, 40, lambda *a: None, lambda e: None))
+    with pytest.raises(EngineLimitError, match="vocab_size"):
+        sched.submit(GenRequest([10**6], 4, lambda *a: None, lambda e: None))
+    assert sched.idle()
+
+
+def test_failed_step_fails_its_requests_and_loop_goes_on(runner, monkeypatch):
+    sched = Scheduler(runner)
+    errors: list[BaseException] = []
+    real = runner.decode
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "decode", flaky)
+    sched.submit(GenRequest(PROMPTS[0], 8, lambda *a: None, errors.append))
+    sched.run_until_idle()
+    assert len(errors) == 1 and "boom" in str(errors[0])
+    monkeypatch.setattr(runner, "decode", real)
+    assert collect(sched, [PROMPTS[2]], max_tokens=4)[0][0] == runner.generate([PROMPTS[2]], max_new_tokens=4)[0].token_ids
+
+
+def test_thread_streams_and_stop_fails_pending(runner):
+    sched = Scheduler(runner)
+    sched.start()
+    done = threading.Event()
+    stream: list[tuple[list[int], str | None]] = []
+
+    def emit(ids, reason):
+        stream.append((ids, reason))
+        if reason:
+            done.set()
+
+    sched.submit(GenRequest(PROMPTS[4], 6, emit, lambda e: None))
+    assert done.wait(30)
+    assert [len(ids) for ids, _ in stream] == [1] * 6 and [r for _, r in stream] == [None] * 5 + ["length"]
+    sched.stop()
+    assert not sched.thread.is_alive()
+    with pytest.raises(SchedulerStopped):
+        sched.submit(GenRequest(PROMPTS[4], 6, emit, lambda e: None))
