@@ -26,6 +26,7 @@ class ReleaseResult:
     validation_metrics: dict[str, float]
     perf_metrics: dict[str, float]
     report_dir: Path
+    cache_hits: list[str]
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,11 @@ def save_report(report_dir: Path, name: str, text: str) -> Path:
 def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
     """Build the engine from the spec's checkpoint, gate it twice, and publish it."""
     converted = convert_task(spec.source.checkpoint, spec.engine, spec.work_dir)
-    engine = build_task(converted, spec.engine, spec.work_dir)
+    built = build_task(converted, spec.engine, spec.work_dir)
+    engine = built.info
+    cache_hits = [step for step, hit in (("convert", converted.reused), ("build", built.reused)) if hit]
     report_dir = spec.work_dir / "reports" / engine.fingerprint[:16]
-    print(f"engine {engine.fingerprint[:16]} built at {engine.path}")
+    print(f"engine {engine.fingerprint} at {engine.path}; cache hits: {', '.join(cache_hits) or 'none'}")
 
     checked = validate.validate_task(Path(engine.path), spec.source.checkpoint, spec.validation)
     validation_report = save_report(report_dir, "validation.md", validate.render_report(checked))
@@ -83,7 +86,7 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
     print(f"{status} {published.model_name} version {published.version} ({published.manifest_uri})")
     review = write_release_report(spec, engine.fingerprint, checked, timed, published, report_dir, production)
     print(f"release report: {review}")
-    return ReleaseResult(published, checked.metrics, timed.metrics, report_dir)
+    return ReleaseResult(published, checked.metrics, timed.metrics, report_dir, cache_hits)
 
 
 def write_release_report(spec: ReleaseSpec, fingerprint: str, checked, timed, published: PublishedVersion,

@@ -3,24 +3,42 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 
-from tasks.convert import ConvertedCheckpoint
+from tasks.convert import ConvertedCheckpoint, toolchain_key
 from tasks.engine_spec import EngineSpec
 from tasks.hashing import value_digest
 
 log = logging.getLogger(__name__)
 
 
-def build(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path):
-    """Build once per (converted checkpoint, limits); returns the engine's EngineInfo."""
+@dataclass(frozen=True)
+class BuiltEngine:
+    info: Any  # serving.engine.EngineInfo, or a TrtllmArtifact for the TensorRT-LLM kinds (.path, .fingerprint)
+    reused: bool  # the engine folder was already there: nothing was rebuilt
+
+
+def build(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path) -> BuiltEngine:
+    """Build once per (converted checkpoint, limits, toolchain); a finished build is reused."""
+    engines = work_dir / "engines"
+    before = {p.name for p in engines.iterdir()} if engines.is_dir() else set()
+    info = _build(converted, engine, work_dir)
+    reused = Path(info.path).name in before
+    if reused:
+        log.info("build: cache hit, reusing %s (fingerprint %s)", info.path, info.fingerprint[:16])
+    return BuiltEngine(info, reused)
+
+
+def _build(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path):
     if engine.kind != "torch":  # TensorRT-LLM kinds: tasks/engine_kinds.py (returns a TrtllmArtifact)
         from tasks.engine_kinds import build_for_kind
 
         return build_for_kind(converted, engine, work_dir)
-    from serving.engine import EngineLimits, build_engine, read_engine_info
+    from serving.engine import EngineLimits, build_engine, current_toolchain, read_engine_info
 
     limits = EngineLimits(
         dtype=engine.dtype,
@@ -28,16 +46,19 @@ def build(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path):
         max_input_len=engine.max_input_len,
         max_seq_len=engine.max_seq_len,
     )
-    key = value_digest({"checkpoint": converted.path.name, "engine": engine.model_dump(exclude={"trtllm"})})[:16]
+    key = value_digest({
+        "checkpoint": converted.path.name,
+        "engine": engine.model_dump(exclude={"trtllm"}),
+        "toolchain": {**toolchain_key(), **{k: str(v) for k, v in current_toolchain().items()}},
+    })[:16]
     out = work_dir / "engines" / key
-    if (out / "engine.json").is_file():
-        log.info("engine already built: %s", out)
+    if (out / "engine.json").is_file():  # build_engine renames a complete folder into place
         return read_engine_info(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return build_engine(converted.path, out, limits=limits)
 
 
 @task(name="build", retries=0)
-def build_task(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path):
+def build_task(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path) -> BuiltEngine:
     """Build the engine folder from the converted checkpoint."""
     return build(converted, engine, work_dir)

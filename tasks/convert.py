@@ -19,6 +19,16 @@ log = logging.getLogger(__name__)
 class ConvertedCheckpoint:
     path: Path
     source_digest: str
+    reused: bool = False  # a finished conversion with the same key was found: nothing was redone
+
+
+def toolchain_key() -> dict[str, str]:
+    """What a conversion or build depends on besides its inputs: a new torch or engine format rebuilds."""
+    import torch
+
+    from serving.engine import ENGINE_FORMAT_VERSION
+
+    return {"torch": torch.__version__.split("+")[0], "engine_format": str(ENGINE_FORMAT_VERSION)}
 
 
 def check_checkpoint(checkpoint: Path) -> None:
@@ -44,11 +54,13 @@ def convert(checkpoint: Path, engine: EngineSpec, work_dir: Path) -> ConvertedCh
 
     check_checkpoint(checkpoint)
     source_digest = tree_digest(checkpoint)
-    key = value_digest({"source": source_digest, "dtype": engine.dtype, "kind": engine.kind})[:16]
+    key = value_digest(
+        {"source": source_digest, "dtype": engine.dtype, "kind": engine.kind, "toolchain": toolchain_key()}
+    )[:16]
     out = work_dir / "checkpoints" / key
     if (out / "checkpoint.json").is_file():  # written last by convert_checkpoint: the conversion finished
-        log.info("conversion of %s (%s) already done: %s", checkpoint, engine.dtype, out)
-        return ConvertedCheckpoint(out, source_digest)
+        log.info("convert: cache hit, reusing %s for %s (%s)", out, checkpoint, engine.dtype)
+        return ConvertedCheckpoint(out, source_digest, reused=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     convert_checkpoint(checkpoint, out, dtype=engine.dtype, progress=lambda msg: log.info("convert: %s", msg))
     return ConvertedCheckpoint(out, source_digest)
