@@ -7,9 +7,6 @@ generation over that prefill, per further token. Iterations alternate the two ca
 from __future__ import annotations
 
 import json
-import random
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -79,46 +76,30 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure_engine(engine_dir: Path, spec: PerfSpec) -> PerfResult:
-    """Time the workload on the engine and judge the figures against the SLOs."""
+    """Time the workload on the engine with the benchmark harness (`serving.bench.offline.bench_engine`,
+    the same code as `enginewright bench`: CUDA events per step on a GPU, wall clock on the CPU) and
+    judge the figures against the SLOs. Throughput is end-to-end output tokens/s (prefill included)."""
+    from serving.bench.offline import bench_engine
     from serving.engine import load_engine
 
     runner = load_engine(engine_dir)
-    vocab = runner.info.model.vocab_size
-    rng = random.Random(spec.seed)
-    prompts = [[rng.randrange(vocab) for _ in range(spec.input_len)] for _ in range(spec.batch_size)]
-
-    ttfts: list[float] = []
-    tpots: list[float] = []
-    full_times: list[float] = []
-    for i in range(spec.warmup + spec.iterations):
-        first = _timed(lambda: runner.generate(prompts, max_new_tokens=1))
-        full = _timed(lambda: runner.generate(prompts, max_new_tokens=spec.output_len))
-        if i >= spec.warmup:
-            ttfts.append(first)
-            full_times.append(full)
-            tpots.append(max(full - first, 0.0) / (spec.output_len - 1))
-    throughput = spec.batch_size * spec.output_len / statistics.median(full_times)
+    cell = bench_engine(runner, batch=spec.batch_size, prompt_len=spec.input_len, gen_len=spec.output_len,
+                        repeats=spec.iterations, warmup=spec.warmup, seed=spec.seed, impl="perf-gate")
     result = PerfResult(
         passed=True,
-        output_tokens_per_s=throughput,
-        ttft_p50_ms=percentile(ttfts, 50) * 1e3,
-        ttft_p99_ms=percentile(ttfts, 99) * 1e3,
-        tpot_p50_ms=percentile(tpots, 50) * 1e3,
-        tpot_p99_ms=percentile(tpots, 99) * 1e3,
+        output_tokens_per_s=cell.e2e_tok_s,
+        ttft_p50_ms=cell.ttft_ms_p50,
+        ttft_p99_ms=cell.ttft_ms_p99,
+        tpot_p50_ms=cell.tpot_ms_p50,
+        tpot_p99_ms=cell.tpot_ms_p99,
         workload=spec.model_dump(exclude={"slo"}),
         failures=[],
-        ttft_samples_ms=[t * 1e3 for t in ttfts],
-        tpot_samples_ms=[t * 1e3 for t in tpots],
+        ttft_samples_ms=list(cell.ttft_samples_ms),
+        tpot_samples_ms=list(cell.tpot_samples_ms),
     )
     result.failures = check_slos(result, spec.slo)
     result.passed = not result.failures
     return result
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def check_slos(result: PerfResult, slo: PerfSlo) -> list[str]:

@@ -93,21 +93,23 @@ def test_failed_convert_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
-def make_random_checkpoint(out: Path, *, shards: int = 4) -> tuple[int, int]:
-    """~88 MB float32 Llama-shaped checkpoint (dim 512, 8 layers) in `shards` files; (total, largest) bytes."""
+def make_random_checkpoint(out: Path, *, shards: int = 4, dim: int = 512) -> tuple[int, int]:
+    """Float32 Llama-shaped checkpoint (dim `dim`, 8 layers; ~88 MB at 512, ~352 MB at 1024) in `shards`
+    files; (total, largest) bytes."""
     out.mkdir()
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 512,
-           "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 1024,
+    h, f = dim, 2 * dim
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": f, "hidden_size": h,
+           "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": f,
            "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
     (out / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(0)
-    shapes = {"model.embed_tokens.weight": (1024, 512), "model.norm.weight": (512,), "lm_head.weight": (1024, 512)}
+    shapes = {"model.embed_tokens.weight": (f, h), "model.norm.weight": (h,), "lm_head.weight": (f, h)}
     for i in range(8):
         p = f"model.layers.{i}."
-        shapes |= {p + f"self_attn.{x}_proj.weight": (512, 512) for x in "qkvo"}
-        shapes |= {p + "mlp.gate_proj.weight": (1024, 512), p + "mlp.up_proj.weight": (1024, 512),
-                   p + "mlp.down_proj.weight": (512, 1024), p + "input_layernorm.weight": (512,),
-                   p + "post_attention_layernorm.weight": (512,)}
+        shapes |= {p + f"self_attn.{x}_proj.weight": (h, h) for x in "qkvo"}
+        shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                   p + "mlp.down_proj.weight": (h, f), p + "input_layernorm.weight": (h,),
+                   p + "post_attention_layernorm.weight": (h,)}
     names = list(shapes)
     per = -(-len(names) // shards)
     weight_map, sizes = {}, []
@@ -124,7 +126,7 @@ def make_random_checkpoint(out: Path, *, shards: int = 4) -> tuple[int, int]:
 MEASURE = textwrap.dedent("""
     import sys, resource
     from pathlib import Path
-    import torch, safetensors.torch
+    import torch
     from serving.engine import convert_checkpoint
 
     def status(key):
@@ -141,9 +143,11 @@ MEASURE = textwrap.dedent("""
 """)
 
 
-def test_streaming_convert_peak_rss_tracks_largest_shard(tmp_path):
-    """Peak RSS growth during conversion of a 4-shard ~88 MB checkpoint, measured in a fresh process."""
-    total, largest = make_random_checkpoint(tmp_path / "hf", shards=4)
+@pytest.mark.parametrize("dim", [512, 1024], ids=["24MiB-shards", "88MiB-shards"])
+def test_streaming_convert_peak_rss_under_1_5x_largest_shard(tmp_path, dim):
+    """Acceptance (issue 7): peak RSS growth while converting a 4-shard checkpoint stays under 1.5x the
+    largest shard (VmHWM in a fresh process, after imports); the figure is printed."""
+    total, largest = make_random_checkpoint(tmp_path / "hf", shards=4, dim=dim)
     res = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "hf"), str(tmp_path / "out")],
                          capture_output=True, text=True, cwd=REPO, check=True)
     before, peak = map(int, res.stdout.split())
@@ -151,5 +155,8 @@ def test_streaming_convert_peak_rss_tracks_largest_shard(tmp_path):
     mib = 1 << 20
     print(f"\nconvert peak RSS growth {growth / mib:.1f} MiB; largest shard {largest / mib:.1f} MiB "
           f"(ratio {growth / largest:.2f}); checkpoint {total / mib:.1f} MiB (ratio {growth / total:.2f})")
-    assert growth < 0.75 * total, "conversion looks like it holds the whole model in memory"
-    assert growth < 2.5 * largest
+    assert growth < 1.5 * largest, f"peak RSS growth {growth / largest:.2f}x the largest shard"
+    state = {}
+    for file in sorted((tmp_path / "out").glob("weights-*.pt")):
+        state.update(torch.load(file, weights_only=True, mmap=True))
+    assert len(state) == 3 + 8 * 6  # embeddings, norm, output + per layer wqkv, wo, w13, w2, 2 norms

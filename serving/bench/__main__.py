@@ -42,6 +42,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-batch-size", type=int, default=64)
     srv.add_argument("--work", type=Path, default=Path("build/bench-served"))
     srv.add_argument("--out", type=Path, default=Path("bench-served.json"))
+    srv.add_argument("--no-compile", action="store_true", help="eager kernels in CUDA graphs (no torch.compile)")
+    srv.add_argument("--wait-for", type=Path, action="append", default=[],
+                     help="file that must exist before the clients start (repeatable)")
+    srv.add_argument("--offline-json", type=Path, help="an engine-offline report to compare with")
+    eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
+    eng.add_argument("--shape", default="llama-3.2-1b")
+    eng.add_argument("--batch", type=int, default=64)
+    eng.add_argument("--prompt-len", type=int, default=128)
+    eng.add_argument("--gen-len", type=int, default=128)
+    eng.add_argument("--max-batch-size", type=int, default=64)
+    eng.add_argument("--repeats", type=int, default=3)
+    eng.add_argument("--no-compile", action="store_true")
+    eng.add_argument("--built-marker", type=Path, help="file touched once the engine is built")
+    eng.add_argument("--work", type=Path, default=Path("build/bench-served"))
+    eng.add_argument("--out", type=Path, default=Path("bench-engine-offline.json"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,11 +73,25 @@ def run(args: argparse.Namespace) -> int:
         for err in report["errors"]:
             print("ERROR", err)
         return 0
+    if args.bench_mode == "engine-offline":
+        from serving.bench.served import bench_offline_engine, build_random_engine
+
+        args.work.mkdir(parents=True, exist_ok=True)
+        max_seq = -(-(args.prompt_len + args.gen_len) // 256) * 256
+        engine_dir = build_random_engine(args.shape, args.work, max_batch_size=args.max_batch_size,
+                                         max_seq_len=max_seq)
+        if args.built_marker is not None:
+            args.built_marker.write_text(str(engine_dir))
+        report = bench_offline_engine(engine_dir, batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                                      repeats=args.repeats, compile_decode=not args.no_compile, out_json=args.out)
+        print(json.dumps(report, indent=1))
+        return 0
     from serving.bench.served import run_served
 
     report = run_served(shape=args.shape, clients=args.clients, requests_per_client=args.requests_per_client,
                         prompt_len=args.prompt_len, gen_len=args.gen_len, max_batch_size=args.max_batch_size,
-                        work=args.work, out_json=args.out)
+                        work=args.work, out_json=args.out, compile_decode=not args.no_compile,
+                        wait_for=tuple(args.wait_for), offline_json=args.offline_json)
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=1))
     return 0
 

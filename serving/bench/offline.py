@@ -66,6 +66,7 @@ class CellResult:
     repeats: int = 0
     note: str = ""
     tpot_samples_ms: list[float] = field(default_factory=list)
+    ttft_samples_ms: list[float] = field(default_factory=list)
 
     def row(self) -> str:
         return (f"{self.shape:>13} {self.prompt_len:>4}/{self.gen_len:<4} b={self.batch:<3} {self.impl:<16} "
@@ -148,6 +149,7 @@ def bench_engine(runner: Any, *, batch: int, prompt_len: int, gen_len: int, repe
         ttft_ms_p50=percentile(ttfts, 50), ttft_ms_p99=percentile(ttfts, 99),
         tpot_ms_p50=percentile(tpots, 50), tpot_ms_p99=percentile(tpots, 99),
         setup_s=setup_s, repeats=repeats, tpot_samples_ms=[round(t, 4) for t in tpots],
+        ttft_samples_ms=[round(t, 4) for t in ttfts],
     )
 
 

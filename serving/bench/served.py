@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import queue
 import random
 import time
 from pathlib import Path
 from typing import Any
 
 from serving.bench.offline import percentile
-
-MODEL = "bench"
+from serving.bench.stream_client import MODEL, stream_client
 
 
 def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_len: int) -> Path:
@@ -43,53 +41,50 @@ def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_
     return build_engine(ckpt, engine_dir, limits=limits).path
 
 
-def _client(url: str, prompts: list[list[int]], gen_len: int, out: Any) -> None:
-    import numpy as np
-    import tritonclient.grpc as grpcclient
+def bench_offline_engine(engine_dir: Path, *, batch: int, prompt_len: int, gen_len: int, repeats: int = 3,
+                         compile_decode: bool = True, out_json: Path | None = None) -> dict[str, Any]:
+    """The offline figure the served one is compared with: the SAME engine folder, loaded like the `llm`
+    model loads it (compiled decode in CUDA graphs on a GPU), timed by `bench_engine` at `batch`."""
+    from dataclasses import asdict
 
-    events: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
-    records = []
-    try:
-        for prompt in prompts:
-            inputs = []
-            for name, arr, dt in (("input_ids", np.asarray([prompt], dtype=np.int32), "INT32"),
-                                  ("max_tokens", np.asarray([[gen_len]], dtype=np.int32), "INT32"),
-                                  ("stream", np.asarray([[True]], dtype=bool), "BOOL")):
-                t = grpcclient.InferInput(name, list(arr.shape), dt)
-                t.set_data_from_numpy(arr)
-                inputs.append(t)
-            sent = time.perf_counter()
-            client.async_stream_infer(MODEL + "_engine", inputs, enable_empty_final_response=True)
-            stamps, error = [], None
-            while True:
-                at, result, err = events.get(timeout=600)
-                if err is not None:
-                    error = str(err)
-                    break
-                resp = result.get_response()
-                if result.as_numpy("output_ids") is not None:
-                    stamps.append(at)
-                if resp.parameters["triton_final_response"].bool_param:
-                    break
-            records.append({"sent": sent, "stamps": stamps, "error": error})
-    finally:
-        client.stop_stream()
-        client.close()
-    out.put(records)
+    import torch
+
+    from serving.bench.offline import bench_engine
+    from serving.engine import load_engine
+
+    t0 = time.perf_counter()
+    runner = load_engine(engine_dir, device="auto")
+    compiled = compile_decode and runner.device.type == "cuda"
+    if compiled:
+        runner.compile_decode()
+    cell = bench_engine(runner, batch=batch, prompt_len=prompt_len, gen_len=gen_len, repeats=repeats,
+                        shape=str(engine_dir), impl="engine-compiled" if compiled else "engine-graphs")
+    report = {k: v for k, v in asdict(cell).items() if k not in ("tpot_samples_ms", "ttft_samples_ms")}
+    report.update({"setup_total_s": time.perf_counter() - t0, "device": str(runner.device),
+                   "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None})
+    if out_json is not None:
+        out_json.write_text(json.dumps(report, indent=1))
+    return report
 
 
 def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len: int, gen_len: int,
                max_batch_size: int, work: Path, out_json: Path | None = None, compile_decode: bool = True,
-               load_timeout_s: float = 420.0) -> dict[str, Any]:
+               load_timeout_s: float = 420.0, wait_for: tuple[Path, ...] = (), wait_timeout_s: float = 300.0,
+               offline_json: Path | None = None, get_timeout_s: float = 300.0) -> dict[str, Any]:
+    """`wait_for`: files that must exist before the clients start (another job on the GPU finishing);
+    `offline_json`: a `bench_offline_engine` report whose e2e/decode tok/s the served figure is set against."""
     import os
+    import signal
 
     import torch
 
     from serving.triton import init_repository, stage_engine_version
     from serving.triton.process import start_triton
 
+    def _terminated(signum: int, frame: Any) -> None:  # `timeout` sends SIGTERM: stop Triton, write the JSON
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminated)
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("LC_ALL", "C.UTF-8")  # inductor inside the stub reads its sources as UTF-8
     compile_decode = compile_decode and torch.cuda.is_available()
@@ -109,20 +104,25 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
         t1 = time.perf_counter()
         proc.control().load_model(MODEL + "_engine", timeout_s=load_timeout_s)
         report["load_s"] = time.perf_counter() - t1
+        waited = time.perf_counter()
+        while not all(p.exists() for p in wait_for) and time.perf_counter() - waited < wait_timeout_s:
+            time.sleep(0.5)
+        report["waited_s"] = time.perf_counter() - waited
         rng = random.Random(0)
         vocab = 128256 if shape.startswith("llama") else 512
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
+        barrier = ctx.Barrier(clients)
         procs = []
         started = time.perf_counter()
         for _ in range(clients):
             prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(requests_per_client)]
-            p = ctx.Process(target=_client, args=(proc.grpc_url, prompts, gen_len, out))
+            p = ctx.Process(target=stream_client, args=(proc.grpc_url, prompts, gen_len, out, barrier))
             p.start()
             procs.append(p)
         records = []
         for _ in procs:
-            records += out.get(timeout=900)
+            records += out.get(timeout=get_timeout_s)
         for p in procs:
             p.join(30)
         ok = [r for r in records if r["error"] is None and r["stamps"]]
@@ -140,6 +140,11 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
             "clients_spawned_s": time.perf_counter() - started,
             "samples": {"ttft_ms": [round(x, 3) for x in ttft], "tpot_ms": [round(x, 3) for x in tpot[::7]]},
         })
+        if offline_json is not None and offline_json.is_file():
+            offline = json.loads(offline_json.read_text())
+            report["offline"] = offline
+            report["served_over_offline_e2e"] = report["output_tok_s"] / offline["e2e_tok_s"]
+            report["served_over_offline_decode"] = report["output_tok_s"] / offline["decode_tok_s"]
     finally:
         proc.stop(timeout_s=20)
         if out_json is not None:

@@ -5,14 +5,17 @@ The input is a Hugging Face folder (`config.json` + `*.safetensors`, sharded wit
 alone (`torch.load(weights_only=True, mmap=True)`):
 
     checkpoint.json                       format, dtype, model args, tensor -> file map
-    weights-00001-of-0000N.pt ...         one file per input shard (torch.save of a name -> tensor dict)
+    weights-00001-of-0000N.pt ...         torch.save of a name -> tensor dict each, about a quarter of
+                                          the largest input shard per file
     tokenizer.json, tokenizer_config.json, ...   copied along when present
 
-Shards are read one at a time through safetensors' lazy `safe_open`; a fused tensor whose parts
-straddle two shards waits in a small pending buffer, so peak memory is about one shard, not the
-model. The output is written into a temp sibling and renamed at the end.
+Tensors are read one at a time from each shard (the safetensors header parsed here, the bytes read
+with `readinto` into the tensor: no mmap, whose pages count in RSS), cast, and written out in
+files of about a quarter shard; a fused tensor whose parts straddle two shards waits in a small
+pending buffer. Peak memory stays under the largest shard (measured: tests/test_engine_convert.py
+prints it), not the model. The output is written into a temp sibling and renamed at the end.
 
-Imports at module load: stdlib and torch only; safetensors is imported inside `convert_checkpoint`.
+Imports at module load: stdlib and torch only (no safetensors needed).
 """
 
 from __future__ import annotations
@@ -114,48 +117,135 @@ def list_shards(hf_dir: Path) -> list[Path]:
     return shards
 
 
-def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
-                       progress: Callable[[str], None] | None = None) -> Path:
-    """Convert an HF Llama-family checkpoint into an engine checkpoint at `out_dir`; returns `out_dir`."""
-    from safetensors import safe_open  # lazy: not importable inside Triton's python backend
+# safetensors dtype codes -> torch dtypes (the ones a Llama-family checkpoint can hold)
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
 
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """({tensor name: {dtype, shape, data_offsets}}, byte offset of the data) of a safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than its header length)")
+        n = int.from_bytes(raw, "little")
+        if n > 100 * 2**20:
+            raise CheckpointError(f"{path}: safetensors header of {n} bytes is implausible")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: unreadable safetensors header: {exc}") from exc
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _read_tensor(f: Any, entry: dict[str, Any], data_start: int, *, path: Path, name: str) -> torch.Tensor:
+    """One tensor read with `readinto` straight into a fresh tensor: no mmap (whose pages would count in
+    RSS until the file is closed), no intermediate bytes object."""
+    import ctypes
+
+    dtype = _ST_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {entry['dtype']!r}, not supported")
+    begin, end = entry["data_offsets"]
+    t = torch.empty(entry["shape"], dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if end - begin != nbytes:
+        raise CheckpointError(f"{path}: tensor {name!r} spans {end - begin} bytes, its shape needs {nbytes}")
+    if nbytes:
+        f.seek(data_start + begin)
+        view = memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+        got = 0
+        while got < nbytes:
+            k = f.readinto(view[got:])
+            if not k:
+                raise CheckpointError(f"{path}: truncated while reading tensor {name!r}")
+            got += k
+    return t
+
+
+def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
+                       progress: Callable[[str], None] | None = None,
+                       flush_bytes: int | None = None) -> Path:
+    """Convert an HF Llama-family checkpoint into an engine checkpoint at `out_dir`; returns `out_dir`.
+
+    Tensors are read one at a time (in file order), cast, and buffered until `flush_bytes` (default: a
+    quarter of the largest input shard, at least 4 MiB) are waiting, then written as one
+    `torch.save`'d file; so peak memory is about that buffer plus the tensor in hand and the fused
+    parts still waiting for their siblings, not a whole shard (and never the model).
+    """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     target_dtype = parse_dtype(dtype)
     config, args = read_hf_config(hf_dir)
     shards = list_shards(hf_dir)
     if out_dir.exists():
         raise EngineExistsError(f"convert output {str(out_dir)!r} already exists; remove it or pick another")
+    if flush_bytes is None:
+        flush_bytes = max(4 * 2**20, max(p.stat().st_size for p in shards) // 4)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         pending: dict[str, dict[int, torch.Tensor]] = {}  # fused tensors still missing parts
-        weights: dict[str, str] = {}  # engine tensor name -> file
+        weights: dict[str, str] = {}  # engine tensor name -> file (temporary names until the end)
+        files: list[str] = []
+        out: dict[str, torch.Tensor] = {}
+        buffered = 0
+
+        def flush() -> None:
+            nonlocal out, buffered
+            if not out:
+                return
+            file = f"part-{len(files) + 1:05d}.pt"
+            torch.save(out, tmp / file)
+            files.append(file)
+            weights.update(dict.fromkeys(out, file))
+            out, buffered = {}, 0
+
+        def put(target: str, t: torch.Tensor) -> None:
+            nonlocal buffered
+            out[target] = t
+            buffered += t.numel() * t.element_size()
+            if buffered >= flush_bytes:
+                flush()
+
         n = len(shards)
         for i, shard in enumerate(shards):
-            out: dict[str, torch.Tensor] = {}
-            with safe_open(str(shard), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            header, data_start = read_safetensors_header(shard)
+            ordered = sorted(header, key=lambda k: header[k]["data_offsets"][0])  # sequential reads
+            count = 0
+            with open(shard, "rb", buffering=0) as f:
+                for name in ordered:
                     mapped = map_hf_name(name, args)
                     if mapped is None:
                         continue
                     target, part, n_parts = mapped
-                    t = f.get_tensor(name)
-                    t = t.to(target_dtype) if t.is_floating_point() else t
+                    t = _read_tensor(f, header[name], data_start, path=shard, name=name)
+                    if t.is_floating_point() and t.dtype != target_dtype:
+                        t = t.to(target_dtype)  # the source copy is freed here (last reference)
+                    count += 1
                     if n_parts == 1:
-                        out[target] = t.contiguous()
+                        put(target, t)
                         continue
                     parts = pending.setdefault(target, {})
                     parts[part] = t
+                    del t
                     if len(parts) == n_parts:
-                        out[target] = torch.cat([parts[p] for p in range(n_parts)], dim=0)
-                        del pending[target]
-            file = f"weights-{i + 1:05d}-of-{n:05d}.pt"
-            torch.save(out, tmp / file)
-            weights.update(dict.fromkeys(out, file))
+                        fused = torch.cat([parts[p] for p in range(n_parts)], dim=0)
+                        del pending[target], parts
+                        put(target, fused)
+                        del fused
             if progress is not None:
-                progress(f"shard {i + 1}/{n}: {shard.name} -> {file} ({len(out)} tensors)")
-            del out
+                progress(f"shard {i + 1}/{n}: {shard.name} ({count} tensors read, {len(files)} files written)")
+        flush()
+        # final names: weights-0000i-of-0000N.pt (the layout loaders know: any number of dict files)
+        names = {old: f"weights-{k + 1:05d}-of-{len(files):05d}.pt" for k, old in enumerate(files)}
+        for old, new in names.items():
+            os.rename(tmp / old, tmp / new)
+        weights = {k: names[v] for k, v in weights.items()}
         if pending:
             raise CheckpointError(f"fused tensors incomplete after all shards of {str(hf_dir)!r}: "
                                   f"{ {k: sorted(v) for k, v in pending.items()} } (parts present)")

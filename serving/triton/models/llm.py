@@ -15,7 +15,8 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   ``serving.engine.scheduler.Scheduler``; ``execute`` parses each request and submits it with a
   callback that answers through the request's response sender: with ``stream`` true one response per
   token (``output_ids`` [1, 1]), the last one flagged FINAL and carrying ``finish_reason``; otherwise one
-  FINAL response with every token (accumulated). ``execute`` returns at once. Startup errors of the
+  FINAL response with every token (accumulated). Responses are built and sent by a ``SendThread``, so
+  the scheduler thread only enqueues between steps. ``execute`` returns at once. Startup errors of the
   thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
@@ -185,6 +186,43 @@ def _truthy(value: str | None) -> bool:
     return str(value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+class SendThread:
+    """Builds and sends the decoupled responses off the scheduler thread.
+
+    ``emit`` runs on the scheduler thread after every decode step, once per live request; building the
+    response tensors and ``sender.send`` (an IPC to the server) cost tens of microseconds each, which at
+    64 streams would stall the next step by milliseconds. Here they run on one FIFO thread (so a
+    request's responses keep their order) while the scheduler thread waits on the GPU (torch releases
+    the GIL there).
+    """
+
+    def __init__(self, log: Log) -> None:
+        import queue
+
+        self.log = log
+        self.queue: Any = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._main, name=f"send-{log.prefix}", daemon=True)
+        self.thread.start()
+
+    def put(self, job: Callable[[], None]) -> None:
+        self.queue.put(job)
+
+    def _main(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception as exc:  # noqa: BLE001 - one failed send must not stop the others
+                self.log.error(f"sending a response failed: {type(exc).__name__}: {exc}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Send what is queued, then end the thread."""
+        self.queue.put(None)
+        self.thread.join(timeout_s)
+
+
 class EngineThread:
     """The engine loop on its own thread: prepare (compile, capture graphs), then the scheduler forever."""
 
@@ -279,7 +317,9 @@ class TritonPythonModel:
         uses_decoupled = getattr(pb_utils, "using_decoupled_model_transaction_policy", None)
         self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else _truthy(params.get("decoupled"))
         self.engine_thread: EngineThread | None = None
+        self.send_thread: SendThread | None = None
         if self.decoupled:
+            self.send_thread = SendThread(self.log)
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
                                               compile_decode=_truthy(params.get("compile_decode")),
@@ -341,18 +381,23 @@ class TritonPythonModel:
             return
         collected: list[int] = []
 
-        def emit(ids: list[int], reason: str | None) -> None:
+        send_thread = self.send_thread
+
+        def send_tokens(ids: list[int], reason: str | None) -> None:
+            tensors = self._tensors(req, ids, reason or "")
+            sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if reason else 0)
+
+        def emit(ids: list[int], reason: str | None) -> None:  # on the scheduler thread: only enqueue
             if req.stream:
-                tensors = self._tensors(req, ids, reason or "")
-                sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if reason else 0)
+                send_thread.put(lambda: send_tokens(ids, reason))
             else:
                 collected.extend(ids)
                 if reason is not None:
-                    sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(req, collected, reason)),
-                                flags=final)
+                    send_thread.put(lambda: send_tokens(list(collected), reason))
 
         def fail(exc: BaseException) -> None:
-            sender.send(_error_response(f"{tag}: generate failed: {type(exc).__name__}: {exc}"), flags=final)
+            message = f"{tag}: generate failed: {type(exc).__name__}: {exc}"
+            send_thread.put(lambda: sender.send(_error_response(message), flags=final))
 
         sampling = engine_sampling(req)
         try:
@@ -402,6 +447,10 @@ class TritonPythonModel:
             engine_thread.stop()
             self.log.info(f"engine thread joined (alive={engine_thread.thread.is_alive()}); scheduler {stats}")
             self.engine_thread = None
+        send_thread = getattr(self, "send_thread", None)
+        if send_thread is not None:
+            send_thread.stop()
+            self.send_thread = None
         host = getattr(self, "host", None)
         if host is not None:
             self.log.info(f"finalize after {host.executions} generate calls (largest batch {host.largest_batch})")

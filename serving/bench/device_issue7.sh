@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Issue 7 on the device (one H200, from the repo root, wheels carried in .whl/): in one call,
+#  - the 1B engine built (random bf16 weights -> HF checkpoint -> convert -> build) and timed offline at
+#    batch 64, 128/128, compiled decode in CUDA graphs (system python: the image's numpy 2),
+#  - the same engine served by the bundled Triton (decoupled llm model, in-flight batching) to 64
+#    concurrent streaming gRPC clients; Triton's stub and the clients run in /tmp/venv, where numpy 1.26
+#    shadows the image's numpy 2 (the bundled python backend sends empty tensors with numpy 2),
+#  - the bf16 parity test (tests/test_engine_gpu.py -k parity) while Triton loads and compiles; the
+#    clients wait for it, so nothing else is on the GPU while they are timed.
+# Whole script <= ~430 s. Results under $OUT: steps.log, offline.json/.log, served.json/.log, parity.json/.log, triton.log.
+set -u
+OUT=${OUT:-/tmp/issue7-out}
+W=/tmp/bs
+mkdir -p "$OUT" "$W"
+export PYTHONUNBUFFERED=1 LC_ALL=C.UTF-8
+T0=$(date +%s)
+log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
+{ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
+  python3 -c 'import sys, numpy, torch; print(sys.version.split()[0], "numpy", numpy.__version__, "torch", torch.__version__, "cuda", torch.version.cuda)'
+  nproc; } >>"$OUT/steps.log" 2>&1
+
+# venv for the Triton stub (it finds packages through the first python3 on PATH) and the clients
+(
+  set -e
+  python3 -m venv --without-pip --system-site-packages /tmp/venv
+  SP=$(/tmp/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SP" \
+    .whl/numpy-1.26.4-*.whl .whl/python_rapidjson-*.whl
+  # the image's packages are not all in the base interpreter's site-packages: list every sys.path folder
+  # of the system python3 in a .pth (processed after the venv's own folder, so numpy 1.26 still wins)
+  python3 -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+    >"$SP/zz-system-packages.pth"
+  tar -xJf .whl/pytriton-312.tar.xz -C "$SP"
+  cp -r .whl/site/tritonclient "$SP"/
+  /tmp/venv/bin/python -c 'import importlib.util, numpy, torch, tritonclient.grpc; assert importlib.util.find_spec("pytriton"); print("venv: numpy", numpy.__version__, "torch", torch.__version__, torch.from_numpy(numpy.ones(2)).sum().item())'
+) >>"$OUT/steps.log" 2>&1 &
+VENV_PID=$!
+
+# pydantic (tasks.validate) for the parity test; prefect is only its @task decorator: a shim
+(
+  set -e
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-val .whl/pyd/*.whl
+  mkdir -p /tmp/site-val/prefect
+  printf 'def task(*args, **kwargs):\n    if args and callable(args[0]):\n        return args[0]\n    return lambda fn: fn\n' \
+    >/tmp/site-val/prefect/__init__.py
+) >>"$OUT/steps.log" 2>&1 &
+VAL_PID=$!
+
+timeout 200 python3 -m serving.bench engine-offline --shape llama-3.2-1b --batch 64 --prompt-len 128 --gen-len 128 \
+  --max-batch-size 64 --work "$W" --out "$OUT/offline.json" --built-marker "$W/built" >"$OUT/offline.log" 2>&1 &
+OFF_PID=$!
+wait $VENV_PID; log "venv rc=$?"
+wait $VAL_PID; log "validation site rc=$?"
+while [ ! -e "$W/built" ] && kill -0 $OFF_PID 2>/dev/null; do sleep 1; done
+log "engine built: $(cat "$W/built" 2>/dev/null)"
+
+
+wait $OFF_PID; log "offline rc=$?"
+touch "$W/offline.done"
+# served starts once the offline figure is taken (Triton's compile and graph capture would disturb it)
+SRV_T=$((${TOTAL_S:-425} - ($(date +%s) - T0)))
+log "served: ${SRV_T} s left"
+(
+  export PATH=/tmp/venv/bin:$PATH
+  timeout "$SRV_T" /tmp/venv/bin/python -m serving.bench served --shape llama-3.2-1b --clients 64 --requests-per-client 16 \
+    --prompt-len 128 --gen-len 128 --max-batch-size 64 --work "$W" --out "$OUT/served.json" \
+    --wait-for "$W/offline.done" --wait-for "$W/parity.done" --offline-json "$OUT/offline.json"
+) >"$OUT/served.log" 2>&1 &
+SRV_PID=$!
+if [ "${SKIP_PARITY:-0}" != 1 ]; then
+  PYTHONPATH=/tmp/site-val ENGINEWRIGHT_PARITY_JSON="$OUT/parity.json" timeout 150 \
+    python3 -m pytest -q -s -p no:cacheprovider tests/test_engine_gpu.py -k parity >"$OUT/parity.log" 2>&1
+  log "parity rc=$?"
+fi
+touch "$W/parity.done"
+wait $SRV_PID; log "served rc=$?"
+tail -c 2000000 "$W/triton.log" >"$OUT/triton.log" 2>/dev/null
+python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/steps.log"
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+def load(name):
+    try:
+        return json.loads((out / name).read_text())
+    except Exception as exc:
+        return {"missing": repr(exc)}
+off, srv, par = load("offline.json"), load("served.json"), load("parity.json")
+print("OFFLINE", {k: off.get(k) for k in ("impl", "decode_tok_s", "e2e_tok_s", "ttft_ms_p50", "tpot_ms_p50", "missing")})
+print("SERVED", {k: v for k, v in srv.items() if k not in ("samples", "offline")})
+for name in ("peaked", "standard_init"):
+    e = par.get(name, {})
+    print("PARITY", name, {k: v for k, v in e.items() if k != "gate"})
+    if "gate" in e:
+        print("GATE", e["gate"]["passed"], e["gate"]["failures"], e["gate"]["metrics"])
+PY
+log done

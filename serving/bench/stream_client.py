@@ -1,0 +1,55 @@
+"""One streaming gRPC client of the served benchmark (a spawned process: imports no torch).
+
+`stream_client` opens one stream to Triton, waits at the barrier so that every client starts together,
+sends its prompts one after the other (`stream=True`) and puts one record per request on `out`:
+send time, the arrival time of every token response, and an error if any.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+MODEL = "bench"
+
+
+def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, barrier: Any = None) -> None:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    events: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
+    records: list[dict[str, Any]] = []
+    try:
+        if barrier is not None:  # every client connected and imported before the first request
+            barrier.wait(timeout=300)
+        for prompt in prompts:
+            inputs = []
+            for name, arr, dt in (("input_ids", np.asarray([prompt], dtype=np.int32), "INT32"),
+                                  ("max_tokens", np.asarray([[gen_len]], dtype=np.int32), "INT32"),
+                                  ("stream", np.asarray([[True]], dtype=bool), "BOOL")):
+                t = grpcclient.InferInput(name, list(arr.shape), dt)
+                t.set_data_from_numpy(arr)
+                inputs.append(t)
+            sent = time.perf_counter()
+            client.async_stream_infer(MODEL + "_engine", inputs, enable_empty_final_response=True)
+            stamps, error = [], None
+            while True:
+                at, result, err = events.get(timeout=600)
+                if err is not None:
+                    error = str(err)
+                    break
+                resp = result.get_response()
+                if result.as_numpy("output_ids") is not None:
+                    stamps.append(at)
+                if resp.parameters["triton_final_response"].bool_param:
+                    break
+            records.append({"sent": sent, "stamps": stamps, "error": error})
+    except Exception as exc:  # noqa: BLE001 - reported, never a hang of the parent
+        records.append({"sent": time.perf_counter(), "stamps": [], "error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        client.stop_stream()
+        client.close()
+    out.put(records)
