@@ -13,7 +13,7 @@ EXIT_GATE = 1
 EXIT_BAD_INPUT = 2
 
 # Each module has `register(subparsers)` adding its subcommand(s) with a `func` default.
-EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_bench", "flows.cli_serve", "flows.cli_registry", "flows.cli_deploy")
+EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_bench", "flows.cli_rollout", "flows.cli_serve", "flows.cli_registry", "flows.cli_deploy")
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:

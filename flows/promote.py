@@ -1,25 +1,48 @@
 """The promote flow: approval -> fetch and verify -> stage -> gray release -> finish or roll back.
 
 MLflow records the outcome: alias `canary` while the rollout runs, `production` when it finishes; a
-rolled-back version is tagged `rollout` = `failed` with the reason. Triton model versions carry the
+version rolled back by the analysis is tagged `rollout` = `failed` with `rollout.reason` and
+`rollout.analysis` (the figures) and marked `approval` = `rejected`. Triton model versions carry the
 MLflow version number, so `<model>_engine` version 3 is registered version 3.
+
+Crash safety: every change is preceded by a record in the rollout journal (`tasks.rollout_state`). A run
+that finds an unfinished record first reconciles: `finishing` is completed, any other phase is rolled back
+to the live version on every endpoint, and MLflow is brought in line, before anything new starts.
+The same logic is a plain function (`promote`), so it also runs without Prefect (tests kill it with SIGKILL).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed, State
 
 from flows.spec import ReleaseSpec
-from tasks.approve import approve_task
-from tasks.errors import ApprovalRejected, RolloutAborted
-from tasks.gray_release import RolloutReport, gray_release_task
-from tasks.stage import fetch_engine, stage_task
+from tasks.errors import ApprovalRejected, RolloutAborted, StepError
+from tasks.gray_release import RolloutReport, gray_release, gray_release_task
+from tasks.promote_spec import RolloutSpec
+from tasks.rollout_state import Journal, read_journal, write_journal
+from tasks.stage import fetch_engine, fleet_live_version, stage, stage_task
 from tasks.targets import Target, check_reachable, resolve_targets
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_AUTHOR = "enginewright-rollout"
+TAG_DECISION = "rollout.decision"
+
+
+class RolloutInterrupted(StepError):
+    """A previous run was killed mid-rollout; this run rolled every endpoint back and stopped."""
+
+
+class StageFailed(StepError):
+    """The candidate could not be staged on every endpoint; all endpoints were rolled back."""
 
 
 @dataclass(frozen=True)
@@ -39,43 +62,161 @@ def _targets(spec: ReleaseSpec) -> list[Target]:
     from flows.embedded import ensure_embedded
 
     server = ensure_embedded(spec.triton.model_repository)
-    return resolve_targets(spec.triton, embedded_url=server.http_url)
+    return resolve_targets(spec.triton, embedded_url=server.http_url, embedded_metrics_url=server.metrics_url)
 
 
-@flow(name="promote", log_prints=True)
-def promote_flow(spec: ReleaseSpec, version: str) -> PromoteResult | State:
-    """Promote a published version of the spec's model into Triton through a gray release."""
+def _in_flow() -> bool:
+    from prefect.context import FlowRunContext
+
+    return FlowRunContext.get() is not None
+
+
+def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollback"] = "promote",
+            rollout: RolloutSpec | None = None, skip_approval: bool = False) -> PromoteResult:
+    """Reconcile any unfinished rollout, then approve, stage and gray-release `version` (plain function).
+
+    Raises ApprovalRejected, StageFailed, RolloutAborted or RolloutInterrupted; each leaves every endpoint
+    serving exactly one version and MLflow saying which and why.
+    """
     from registry import model_registry as mr
     from serving.engine import read_engine_info
+    from tasks.approve import approve
 
-    name, uri = spec.model_name, spec.mlflow.tracking_uri
+    name, uri, cand = spec.model_name, spec.mlflow.tracking_uri, int(version)
+    rollout = rollout or spec.rollout
     targets = _targets(spec)
     check_reachable(targets)
-    info = mr.get_version(uri, name, version)
+    repos = [t.model_repository for t in targets]
+    timeline = spec.work_dir / "reports" / f"{kind}-{name}-v{version}.png"
 
-    try:
-        approved_by = approve_task(spec.approval, tracking_uri=uri, model_name=name, version=version)
-    except ApprovalRejected as exc:
-        return Failed(message=str(exc))
-    print(f"{name} version {version} approved by {approved_by}")
+    previous = read_journal(repos, name)
+    if previous is not None and not previous.terminal:
+        done = reconcile(spec, targets, previous)
+        if previous.candidate == cand and previous.kind == kind:
+            if done == "finished":
+                info = mr.get_version(uri, name, version)
+                report = RolloutReport(name, cand, previous.live, reason="finished by reconciliation after a crash")
+                return PromoteResult(name, version, info.fingerprint or "", [t.url for t in targets],
+                                     "(approved before the crash)", report, timeline)
+            raise RolloutInterrupted(
+                f"the previous {kind} of {name} version {version} was interrupted in phase {previous.phase!r} "
+                f"(step {previous.step}); every endpoint was rolled back to version {previous.live} and MLflow "
+                f"tagged rollout=interrupted. Run the {kind} again to retry.")
+
+    live = fleet_live_version(targets, name)
+    info = mr.get_version(uri, name, version)
+    if live == cand:  # already live: converge (idempotent) and make MLflow agree
+        from tasks.rollback import make_live
+
+        make_live(targets, name, cand, spec.triton.load_timeout_s)
+        mr.set_alias(uri, name, mr.ALIAS_PRODUCTION, version)
+        report = RolloutReport(name, cand, live, reason=f"version {version} was already live")
+        return PromoteResult(name, version, info.fingerprint or "", [t.url for t in targets], "(already live)",
+                             report, timeline)
+
+    approved_by = "(rollback to an earlier published version)"
+    if not skip_approval:
+        approved_by = approve(spec.approval, tracking_uri=uri, model_name=name, version=version)
+        print(f"{name} version {version} approved by {approved_by}")
 
     device = "cuda" if spec.triton.device == "cuda" else "cpu" if spec.triton.device == "cpu" else "auto"
     engine_dir = fetch_engine(
         artifacts_uri=spec.artifacts.uri, model_name=name, fingerprint=info.fingerprint,
         cache_dir=spec.work_dir / "fetched", device=device,
     )
+    journal = Journal(name, cand, live, "staging", kind=kind, endpoints=[t.url for t in targets],
+                      seq=previous.seq if previous else 0)
+    write_journal(repos, journal)
     mr.set_alias(uri, name, mr.ALIAS_CANARY, version)
-    staged = stage_task(targets, model_name=name, engine_dir=engine_dir, version=int(version), triton=spec.triton)
-    vocab = read_engine_info(engine_dir).model.vocab_size
-    timeline = spec.work_dir / "reports" / f"rollout-{name}-v{version}.png"
     try:
-        report = gray_release_task(targets, staged, rollout=spec.rollout, triton=spec.triton, vocab_size=vocab)
-    except RolloutAborted as exc:
-        _record_rollback(uri, name, version, info.run_id, exc, timeline)
-        return Failed(message=f"{exc}. {name} version {version} is tagged rollout=failed; live version unchanged.")
+        if _in_flow():
+            staged = stage_task(targets, model_name=name, engine_dir=engine_dir, version=cand, triton=spec.triton,
+                                live=live)
+        else:
+            staged = stage(targets, model_name=name, engine_dir=engine_dir, version=cand, triton=spec.triton, live=live)
+    except Exception as exc:
+        reason = f"staging failed: {type(exc).__name__}: {exc}"
+        write_journal(repos, journal, phase="aborting", reason=reason)
+        from tasks.rollback import restore_live
 
-    _record_success(uri, name, version, info.run_id, staged.live_version, report, timeline)
-    return PromoteResult(name, version, info.fingerprint or "", [t.url for t in targets], approved_by, report, timeline)
+        restore_live(targets, name, live, spec.triton.load_timeout_s)  # idempotent; stage() already tried
+        _record_failure(uri, name, version, reason, {}, reject=False)
+        write_journal(repos, journal, phase="aborted")
+        raise StageFailed(f"{name} version {version} was not staged ({reason}); every endpoint serves version "
+                          f"{live} again; MLflow tagged rollout=failed") from exc
+
+    vocab = read_engine_info(engine_dir).model.vocab_size
+    decide = _decider(spec, version)
+    try:
+        args = {"rollout": rollout, "triton": spec.triton, "vocab_size": vocab, "journal": journal, "decide": decide}
+        report = gray_release_task(targets, staged, **args) if _in_flow() else gray_release(targets, staged, **args)
+    except RolloutAborted as exc:
+        journal = read_journal(repos, name) or journal  # the task may have worked on a copy
+        report = exc.report if isinstance(exc.report, RolloutReport) else None
+        if report is not None:
+            _attach_timeline(uri, info.run_id, report, timeline)
+        figures = report.figures() if report is not None else {}
+        # the analysis judged the engine: reject it; a step that failed (a reload on one endpoint) may be the
+        # infrastructure's fault: tag the failure, leave the approval as it is
+        _record_failure(uri, name, version, exc.reason, figures,
+                        reject=kind == "promote" and exc.reason.startswith("analysis"))
+        write_journal(repos, journal, phase="aborted")
+        raise
+    journal = read_journal(repos, name) or journal
+    _attach_timeline(uri, info.run_id, report, timeline)
+    _record_success(uri, name, version, live, kind)
+    write_journal(repos, journal, phase="done")
+    return PromoteResult(name, version, info.fingerprint or "", [t.url for t in targets], approved_by, report,
+                         timeline)
+
+
+def reconcile(spec: ReleaseSpec, targets: list[Target], journal: Journal) -> Literal["finished", "rolled_back"]:
+    """Bring Triton, the router and MLflow to one consistent state after a run died mid-rollout."""
+    from tasks.rollback import make_live, restore_live
+
+    uri, name, repos = spec.mlflow.tracking_uri, journal.model_name, [t.model_repository for t in targets]
+    timeout = spec.triton.load_timeout_s
+    print(f"reconciling an unfinished {journal.kind} of {name} version {journal.candidate} "
+          f"(phase {journal.phase}, step {journal.step})")
+    if journal.phase == "finishing":
+        make_live(targets, name, journal.candidate, timeout)
+        _record_success(uri, name, str(journal.candidate), journal.live, journal.kind)
+        write_journal(repos, journal, phase="done")
+        return "finished"
+    restore_live(targets, name, journal.live, timeout)
+    if journal.phase == "aborting":
+        _record_failure(uri, name, str(journal.candidate), journal.reason, journal.figures,
+                        reject=journal.kind == "promote" and journal.reason.startswith("analysis"))
+        write_journal(repos, journal, phase="aborted")
+    else:
+        reason = (f"interrupted in phase {journal.phase} (step {journal.step}, weights {journal.weights}); "
+                  f"rolled back to version {journal.live}")
+        _record_interrupted(uri, name, str(journal.candidate), reason)
+        write_journal(repos, journal, phase="interrupted", reason=reason)
+    return "rolled_back"
+
+
+def _decider(spec: ReleaseSpec, version: str):
+    """Hold for a person: poll the MLflow version tag `rollout.decision` (continue / abort) until the timeout."""
+    from registry import model_registry as mr
+
+    hold = spec.rollout.hold
+
+    def decide(reason: str) -> Literal["continue", "abort"]:
+        uri, name = spec.mlflow.tracking_uri, spec.model_name
+        mr.set_version_tag(uri, name, version, "rollout.hold", reason[:5000])
+        print(f"analysis inconclusive ({reason}); holding the weight. Set the tag {TAG_DECISION}=continue or "
+              f"abort on {name} version {version} (timeout {hold.timeout_s:g} s -> abort)")
+        deadline = time.monotonic() + hold.timeout_s
+        while time.monotonic() < deadline:
+            value = mr.get_version_tags(uri, name, version).get(TAG_DECISION, "").strip().lower()
+            if value in ("continue", "abort"):
+                mr.set_version_tag(uri, name, version, TAG_DECISION, f"{value} (used)")
+                return value  # type: ignore[return-value]
+            time.sleep(hold.poll_s)
+        return "abort"
+
+    return decide
 
 
 def _attach_timeline(uri: str, run_id: str | None, report: RolloutReport, png: Path) -> None:
@@ -83,11 +224,14 @@ def _attach_timeline(uri: str, run_id: str | None, report: RolloutReport, png: P
     from tasks.rollout_plot import plot_timeline
 
     plot_timeline(report, png)
-    create_markdown_artifact(
-        key=f"rollout-{report.model_name.lower().replace('_', '-').replace('.', '-')}-v{report.candidate}",
-        markdown=_rollout_markdown(report, png),
-        description="gray release timeline",
-    )
+    if _in_flow():
+        from prefect.artifacts import create_markdown_artifact
+
+        create_markdown_artifact(
+            key=f"rollout-{report.model_name.lower().replace('_', '-').replace('.', '-')}-v{report.candidate}",
+            markdown=_rollout_markdown(report, png),
+            description="gray release timeline",
+        )
     if run_id:
         tracking.log_artifact_file(uri, run_id, png, artifact_path="rollout")
         tracking.log_metrics(uri, run_id, report.metrics)
@@ -95,32 +239,58 @@ def _attach_timeline(uri: str, run_id: str | None, report: RolloutReport, png: P
 
 def _rollout_markdown(report: RolloutReport, png: Path) -> str:
     rows = "\n".join(
-        f"| {a.t_s:.1f} | {a.outcome} | {a.requests} | {a.success_rate:.3f} | {a.per_version} |" for a in report.analyses
+        f"| {a.t_s:.1f} | {a.outcome} | {a.requests} | {a.success_rate:.3f} | {a.per_version} | {a.reason} |"
+        for a in report.analyses
     )
     return (
         f"# Rollout of {report.model_name} version {report.candidate}: {report.outcome}\n\n{report.reason}\n\n"
-        f"| t (s) | outcome | requests | success rate | per version |\n| --- | --- | --- | --- | --- |\n{rows}\n\n"
-        f"Timeline: `{png}`\n"
+        f"| t (s) | outcome | requests | success rate | per version | reason |\n"
+        f"| --- | --- | --- | --- | --- | --- |\n{rows}\n\nTimeline: `{png}`\n"
     )
 
 
-def _record_success(uri, name, version, run_id, live, report, png) -> None:
+def _record_success(uri: str, name: str, version: str, live: int | None, kind: str) -> None:
     from registry import model_registry as mr
 
-    _attach_timeline(uri, run_id, report, png)
     mr.set_alias(uri, name, mr.ALIAS_PRODUCTION, version)
     mr.delete_alias(uri, name, mr.ALIAS_CANARY)
     mr.set_version_tag(uri, name, version, "rollout", "succeeded")
     if live is not None and str(live) != str(version):
         mr.set_version_tag(uri, name, str(live), "superseded_by", str(version))
+        if kind == "rollback":
+            mr.set_version_tag(uri, name, str(live), "rollout", "rolled_back")
+            mr.set_version_tag(uri, name, str(live), "rolled_back_to", str(version))
     print(f"{name} version {version} is production: router sends it 100% of traffic")
 
 
-def _record_rollback(uri, name, version, run_id, exc: RolloutAborted, png) -> None:
+def _record_failure(uri: str, name: str, version: str, reason: str, figures: dict, *, reject: bool) -> None:
+    from registry import approval
     from registry import model_registry as mr
 
-    if isinstance(exc.report, RolloutReport):
-        _attach_timeline(uri, run_id, exc.report, png)
     mr.delete_alias(uri, name, mr.ALIAS_CANARY)
     mr.set_version_tag(uri, name, version, "rollout", "failed")
-    mr.set_version_tag(uri, name, version, "rollout.reason", exc.reason[:5000])
+    mr.set_version_tag(uri, name, version, "rollout.reason", reason[:5000])
+    if figures:
+        mr.set_version_tag(uri, name, version, "rollout.analysis", json.dumps(figures, default=str)[:5000])
+    if reject:
+        approval.reject(name, version, tracking_uri=uri, by=ROLLOUT_AUTHOR, note=reason[:5000])
+
+
+def _record_interrupted(uri: str, name: str, version: str, reason: str) -> None:
+    from registry import model_registry as mr
+
+    if mr.get_version_by_alias(uri, name, mr.ALIAS_CANARY) == version:
+        mr.delete_alias(uri, name, mr.ALIAS_CANARY)
+    mr.set_version_tag(uri, name, version, "rollout", "interrupted")
+    mr.set_version_tag(uri, name, version, "rollout.reason", reason[:5000])
+
+
+@flow(name="promote", log_prints=True)
+def promote_flow(spec: ReleaseSpec, version: str) -> PromoteResult | State:
+    """Promote a published version of the spec's model into Triton through a gray release."""
+    try:
+        return promote(spec, version)
+    except (ApprovalRejected, RolloutAborted, RolloutInterrupted, StageFailed) as exc:
+        suffix = (f" {spec.model_name} version {version} is tagged rollout=failed; live version unchanged."
+                  if isinstance(exc, RolloutAborted) else "")
+        return Failed(message=f"{exc}.{suffix}")

@@ -2,42 +2,55 @@
 requests flow, analyse each window, and finish (candidate takes all traffic) or roll back.
 
 Triton has no traffic splitting: the stable model name is a BLS router whose weights change by a reload
-with a complete config override. Every step is applied to every endpoint of the fleet.
+with a complete config override. Every step is applied to every endpoint of the fleet; a failure on one
+endpoint (a reload that fails, a router that does not answer) aborts the rollout and rolls ALL back.
+Each step is written to the rollout journal before it is applied (``tasks.rollout_state``).
+
+Analysis (per ``analysis`` step): the test traffic of the window (``requests``), the spec's metrics over
+the router's counters and Triton's Prometheus endpoint, and a baseline-vs-canary comparison of TTFT and
+time per output token (``tasks.analysis.compare``). Outcomes: Successful -> next step, Failed -> abort,
+Inconclusive -> hold for a person (MLflow tag ``rollout.decision``) or decide per ``rollout.hold``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
+from tasks.analysis import (
+    AnalysisResult,
+    combine,
+    compare,
+    prometheus_value,
+    router_value,
+    run_metrics,
+    take_readings,
+)
 from tasks.errors import RolloutAborted
-from tasks.promote_spec import Analysis, AnalysisSpec, Pause, RolloutSpec, SetWeight, TritonSpec
+from tasks.promote_spec import Analysis, MetricSpec, Pause, RolloutSpec, SetWeight, TritonSpec
+from tasks.rollback import make_live, restore_live
+from tasks.rollout_state import Journal, write_journal
 from tasks.stage import StagedVersion
 from tasks.targets import Target
 from tasks.traffic import RequestRecord, TrafficGenerator
 
 log = logging.getLogger(__name__)
 
+DecideFn = Callable[[str], Literal["continue", "abort"]]  # reason -> a person's (or a timeout's) decision
+
 
 @dataclass(frozen=True)
 class WeightChange:
     t_s: float
     weights: dict[int, int]
-
-
-@dataclass(frozen=True)
-class AnalysisResult:
-    t_s: float
-    requests: int
-    success_rate: float
-    per_version: dict[int, dict[str, float]]
-    outcome: Literal["Successful", "Failed", "Inconclusive"]
-    reason: str
 
 
 @dataclass
@@ -50,6 +63,7 @@ class RolloutReport:
     weight_changes: list[WeightChange] = field(default_factory=list)
     analyses: list[AnalysisResult] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list)
+    holds: list[str] = field(default_factory=list)
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -60,42 +74,54 @@ class RolloutReport:
             "rollout_candidate_requests": sum(r.version == self.candidate for r in self.records),
         }
 
-
-def analyse(records: list[RequestRecord], spec: AnalysisSpec, t_s: float) -> AnalysisResult:
-    """Judge one window of requests: overall success rate against the threshold, per-version figures."""
-    if not records:
-        return AnalysisResult(t_s, 0, 0.0, {}, "Inconclusive", "no request finished in the analysis window")
-    per_version: dict[int, dict[str, float]] = {}
-    for version in sorted({r.version for r in records if r.version is not None}):
-        mine = [r for r in records if r.version == version]
-        per_version[version] = {
-            "requests": len(mine),
-            "success_rate": sum(r.ok for r in mine) / len(mine),
-            "latency_p50_ms": sorted(r.latency_s for r in mine)[len(mine) // 2] * 1e3,
-        }
-    rate = sum(r.ok for r in records) / len(records)
-    if rate < spec.min_success_rate:
-        errors = sorted({r.error for r in records if not r.ok})[:3]
-        return AnalysisResult(
-            t_s, len(records), rate, per_version, "Failed",
-            f"success rate {rate:.3f} < analysis.min_success_rate {spec.min_success_rate} "
-            f"over {len(records)} requests; errors: {errors}",
-        )
-    return AnalysisResult(t_s, len(records), rate, per_version, "Successful", "")
+    def figures(self) -> dict:
+        return {"outcome": self.outcome, "reason": self.reason, **self.metrics,
+                "analyses": [a.figures() for a in self.analyses]}
 
 
 def step_weights(live: int | None, candidate: int, percent: int) -> dict[int, int]:
     """Router weights for `percent` on the candidate; before any live version the candidate takes all."""
     if live is None or live == candidate:
         return {candidate: 100}
+    if percent == 100:
+        return {live: 0, candidate: 100}
+    if percent == 0:
+        return {live: 100, candidate: 0}
     return {live: 100 - percent, candidate: percent}
 
 
 def apply_weights(targets: list[Target], model_name: str, weights: dict[int, int], timeout_s: float) -> None:
+    """Reload the router on every endpoint; the first failure raises (the caller rolls all back)."""
     from serving.triton.operations import apply_router_weights
 
     for target in targets:
         apply_router_weights(target.control(), target.model_repository, model_name, weights, timeout_s=timeout_s)
+
+
+# ---------------------------------------------------------------- readers for the metrics
+
+
+def _router_reading(targets: list[Target], name: str) -> dict:
+    from serving.triton.client import router_stats
+    from serving.triton.models.routing import merge_counters
+
+    return merge_counters([router_stats(t.url, name, setting=t.setting)["cumulative"] for t in targets])
+
+
+PROM_FAMILIES = ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_request_duration_us",
+                 "nv_inference_queue_duration_us")
+
+
+def _prometheus_reading(targets: list[Target], name: str, version: int | None) -> dict[str, float]:
+    from serving.triton.metrics import model_counter, scrape
+    from serving.triton.repository import engine_model_name
+
+    out = dict.fromkeys(PROM_FAMILIES, 0.0)
+    for t in targets:
+        samples = scrape(t.metrics_url, setting=f"{t.setting} (metrics_url)")
+        for fam in PROM_FAMILIES:
+            out[fam] += model_counter(samples, fam, engine_model_name(name), version)
+    return out
 
 
 def gray_release(
@@ -105,87 +131,175 @@ def gray_release(
     rollout: RolloutSpec,
     triton: TritonSpec,
     vocab_size: int,
+    journal: Journal | None = None,
+    decide: DecideFn | None = None,
 ) -> RolloutReport:
-    """Run the rollout steps; on success the candidate serves alone, on failure the live version does."""
+    """Run the rollout steps; on success the candidate serves alone, on failure the live version does.
+
+    Raises ``RolloutAborted`` (carrying the report) after rolling every endpoint back.
+    """
     from serving.triton.client import infer_ids
 
     name, cand, live = staged.model_name, staged.version, staged.live_version
+    repos = [t.model_repository for t in targets]
+    journal = journal or Journal(name, cand, live, "shifting", endpoints=[t.url for t in targets])
     report = RolloutReport(name, cand, live)
+    _check_metric_sources(rollout, targets)
     max_new = max([s.analysis.max_new_tokens for s in rollout.steps if isinstance(s, Analysis)] or [8])
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(4, 12))] for _ in range(16)]
+    probe = rollout.ttft_probe_every
 
-    def send(url: str, n: int) -> tuple[int | None, str]:
-        result = infer_ids(url, name, prompts[n % len(prompts)], max_tokens=max_new, timeout_s=triton.request_timeout_s)
-        return result.routed_version, ""
+    def send(url: str, n: int) -> tuple[int | None, str, int]:
+        tokens = 1 if probe and n % probe == 0 else max_new
+        result = infer_ids(url, name, prompts[n % len(prompts)], max_tokens=tokens, timeout_s=triton.request_timeout_s)
+        return result.routed_version, "", len(result.output_ids)
 
     traffic = TrafficGenerator([t.url for t in targets], send, concurrency=rollout.concurrency, max_seconds=3600)
     try:
         with traffic:
-            for step in rollout.steps:
-                _run_step(step, targets, report, traffic, triton, live, cand)
+            for index, step in enumerate(rollout.steps):
+                try:
+                    _run_step(index, step, targets, report, traffic, triton, rollout, journal, decide)
+                except RolloutAborted:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - any failure on any endpoint aborts the whole fleet
+                    report.outcome = "Failed"
+                    report.reason = f"step {index} ({_describe(step)}) failed: {type(exc).__name__}: {exc}"
                 if report.outcome == "Failed":
                     break
+            if report.outcome == "Failed":
+                write_journal(repos, journal, phase="aborting", reason=report.reason, figures=report.figures())
+                restore_live(targets, name, live, triton.load_timeout_s)
+                report.weight_changes.append(WeightChange(time.monotonic() - traffic.t0, step_weights(live, cand, 0)
+                                                          if live is not None else {}))
+                time.sleep(0.5)  # a little traffic after the rollback, for the timeline
     finally:
         report.records = traffic.log.since(0)
     if report.outcome == "Failed":
-        roll_back(targets, staged, triton)
         raise RolloutAborted(report.reason, report)
-    finish(targets, staged, triton)
+    write_journal(repos, journal, phase="finishing", weights={cand: 100}, figures=report.figures())
+    make_live(targets, name, cand, triton.load_timeout_s)
     return report
 
 
-def _run_step(step, targets, report: RolloutReport, traffic: TrafficGenerator, triton: TritonSpec,
-              live: int | None, cand: int) -> None:
-    now = time.monotonic() - traffic.t0
+def _describe(step) -> str:
+    if isinstance(step, SetWeight):
+        return f"set_weight {step.set_weight}"
+    if isinstance(step, Pause):
+        return f"pause {step.pause.duration_s:g} s"
+    return "analysis"
+
+
+def _check_metric_sources(rollout: RolloutSpec, targets: list[Target]) -> None:
+    uses_prom = any(m.provider == "prometheus" for s in rollout.steps if isinstance(s, Analysis)
+                    for m in s.analysis.metrics)
+    missing = [t.setting for t in targets if not t.metrics_url]
+    if uses_prom and missing:
+        raise ValueError(f"analysis metrics with provider prometheus need a metrics_url; missing for {missing}")
+
+
+def _run_step(index: int, step, targets: list[Target], report: RolloutReport, traffic: TrafficGenerator,
+              triton: TritonSpec, rollout: RolloutSpec, journal: Journal, decide: DecideFn | None) -> None:
+    name, cand, live = report.model_name, report.candidate, report.live
     if isinstance(step, SetWeight):
         weights = step_weights(live, cand, step.set_weight)
-        apply_weights(targets, report.model_name, weights, triton.load_timeout_s)
-        report.weight_changes.append(WeightChange(now, weights))
-        log.info("set_weight %d%% -> router weights %s", step.set_weight, weights)
+        write_journal([t.model_repository for t in targets], journal, phase="shifting", step=index, weights=weights)
+        apply_weights(targets, name, weights, triton.load_timeout_s)
+        report.weight_changes.append(WeightChange(time.monotonic() - traffic.t0, weights))
+        log.info("set_weight %d%% -> router weights %s on %d endpoint(s)", step.set_weight, weights, len(targets))
     elif isinstance(step, Pause):
         time.sleep(step.pause.duration_s)
     elif isinstance(step, Analysis):
-        window = traffic.wait_for(step.analysis.requests, timeout_s=triton.request_timeout_s * 2)
-        result = analyse(window, step.analysis, time.monotonic() - traffic.t0)
+        result = analyse_step(step, targets, report, traffic)
         report.analyses.append(result)
-        log.info("analysis: %s (%d requests, success %.3f) %s", result.outcome, result.requests,
-                 result.success_rate, result.per_version)
-        if result.outcome != "Successful":
-            report.outcome = "Failed"
-            report.reason = result.reason
+        print(f"analysis at step {index}: {result.outcome} ({result.requests} requests, success "
+              f"{result.success_rate:.3f}) {json.dumps(result.figures(), default=str)}")
+        if result.outcome == "Failed":
+            report.outcome, report.reason = "Failed", f"analysis at step {index} Failed: {result.reason}"
+        elif result.outcome == "Inconclusive":
+            choice = _on_inconclusive(rollout, result.reason, decide)
+            report.holds.append(f"step {index}: {result.reason} -> {choice}")
+            if choice == "abort":
+                report.outcome = "Failed"
+                report.reason = f"analysis at step {index} Inconclusive ({result.reason}); decision: abort"
+
+
+def _on_inconclusive(rollout: RolloutSpec, reason: str, decide: DecideFn | None) -> str:
+    policy = rollout.hold.on_inconclusive
+    if policy != "hold":
+        return policy
+    if decide is None:
+        log.warning("analysis inconclusive and nobody to ask (no decide function): aborting")
+        return "abort"
+    return decide(reason)
+
+
+def analyse_step(step: Analysis, targets: list[Target], report: RolloutReport,
+                 traffic: TrafficGenerator) -> AnalysisResult:
+    """Metrics (measured while traffic flows) + the window's traffic + the baseline-vs-canary comparison."""
+    spec = step.analysis
+    name, cand, live = report.model_name, report.candidate, report.live
+    start = traffic.log.count()
+
+    def version_key(metric: MetricSpec) -> str:
+        return {"candidate": str(cand), "live": str(live), "all": "all"}[metric.version]
+
+    def read(metric: MetricSpec):
+        if metric.provider == "router":
+            return _router_reading(targets, name)
+        version = {"candidate": cand, "live": live, "all": None}[metric.version]
+        return _prometheus_reading(targets, name, version)
+
+    def value_of(metric: MetricSpec, before, after):
+        if metric.provider == "router":
+            from serving.triton.models.routing import diff_counters
+
+            return router_value(metric.query, diff_counters(after, before), version_key(metric))
+        return prometheus_value(metric.query, before, after)
+
+    initial = take_readings(spec.metrics, read)
+    deadline = time.monotonic() + spec.timeout_s
+    while time.monotonic() < deadline and not _window_complete(traffic.log.since(start), spec, report):
+        time.sleep(0.05)
+    metrics = run_metrics(spec.metrics, read, value_of, initial=initial)
+    window = traffic.log.since(start)
+    weights = report.weight_changes[-1].weights if report.weight_changes else {}
+    comparisons = (compare(window, live=live, candidate=cand, spec=spec.compare, candidate_weight=weights.get(cand))
+                   if spec.compare else [])
+    return combine(time.monotonic() - traffic.t0, window, spec, metrics, comparisons)
+
+
+def _window_complete(window: list[RequestRecord], spec, report: RolloutReport) -> bool:
+    """``requests`` finished, and when versions are compared, ``min_samples`` of each kind on both sides
+    (only while both carry traffic: at 100% there is no baseline left)."""
+    if len(window) < spec.requests:
+        return False
+    weights = report.weight_changes[-1].weights if report.weight_changes else {}
+    live, cand = report.live, report.candidate
+    from tasks.analysis import comparable, latency_samples
+
+    if spec.compare is None or live is None or not weights.get(live) or not weights.get(cand) \
+            or not comparable(spec.compare, weights.get(cand)):
+        return True
+
+    need = spec.compare.min_samples
+    return all(len(latency_samples(window, v, kind)) >= need for v in (live, cand) for kind in spec.compare.metrics)
 
 
 def finish(targets: list[Target], staged: StagedVersion, triton: TritonSpec) -> None:
-    """The candidate takes all traffic and is the only version served; the old version's folder goes."""
-    from serving.triton.operations import serve_versions
-    from serving.triton.repository import remove_version
-
-    name, cand, live = staged.model_name, staged.version, staged.live_version
-    apply_weights(targets, name, {cand: 100}, triton.load_timeout_s)
-    for target in targets:
-        serve_versions(target.control(), target.model_repository, name, [cand], timeout_s=triton.load_timeout_s)
-        if live is not None and live != cand:
-            remove_version(target.model_repository, name, live)
+    """The candidate takes all traffic and is the only version served; other version folders go."""
+    make_live(targets, staged.model_name, staged.version, triton.load_timeout_s)
 
 
 def roll_back(targets: list[Target], staged: StagedVersion, triton: TritonSpec) -> None:
     """Weight back to the live version, candidate unloaded and removed; before any live version, remove all."""
-    from serving.triton.operations import serve_versions
-    from serving.triton.repository import remove_model, remove_version
-
-    name, cand, live = staged.model_name, staged.version, staged.live_version
-    for target in targets:
-        if live is None:
-            remove_model(target.control(), target.model_repository, name, timeout_s=triton.load_timeout_s)
-            continue
-        apply_weights([target], name, {live: 100}, triton.load_timeout_s)
-        serve_versions(target.control(), target.model_repository, name, [live], timeout_s=triton.load_timeout_s)
-        remove_version(target.model_repository, name, cand)
+    restore_live(targets, staged.model_name, staged.live_version, triton.load_timeout_s)
 
 
-@task(name="gray-release", retries=0)
+@task(name="gray-release", retries=0, cache_policy=NO_CACHE)
 def gray_release_task(targets: list[Target], staged: StagedVersion, *, rollout: RolloutSpec, triton: TritonSpec,
-                      vocab_size: int) -> RolloutReport:
+                      vocab_size: int, journal: Journal | None = None, decide: DecideFn | None = None) -> RolloutReport:
     """Shift traffic to the candidate step by step, analysing each window."""
-    return gray_release(targets, staged, rollout=rollout, triton=triton, vocab_size=vocab_size)
+    return gray_release(targets, staged, rollout=rollout, triton=triton, vocab_size=vocab_size, journal=journal,
+                        decide=decide)

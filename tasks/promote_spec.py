@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ApprovalSpec(BaseModel):
@@ -32,6 +33,9 @@ class TritonEndpoint(BaseModel):
 
     url: str = Field(description="HTTP URL of the server, e.g. http://127.0.0.1:8000.")
     model_repository: Path = Field(description="Local path of the model repository that server reads.")
+    metrics_url: str | None = Field(
+        None, description="Prometheus endpoint of that server (e.g. http://127.0.0.1:8002); needed by analysis "
+        "metrics with provider `prometheus`.")
 
     @field_validator("url")
     @classmethod
@@ -61,6 +65,13 @@ class TritonSpec(BaseModel):
     max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic batching: longest wait to fill a batch.")
     load_timeout_s: float = Field(120, gt=0, description="Longest wait for a model to load.")
     request_timeout_s: float = Field(60, gt=0, description="Client timeout of one inference request.")
+    warmup_requests: int = Field(
+        3, ge=0, description="Requests sent straight to the candidate version after it loads, before it gets "
+        "traffic; one that fails fails the staging.")
+    engine_parameters: dict[str, str] = Field(
+        default_factory=dict,
+        description="Config parameters of the `<model>_engine` Triton model (all its versions), e.g. `device` or "
+        "`engine_loader`. Tests use `engine_loader: tasks.fault_injection:load_engine` to make a bad engine.")
 
 
 class SetWeight(BaseModel):
@@ -69,8 +80,9 @@ class SetWeight(BaseModel):
 
 
 class PauseSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    duration_s: float = Field(ge=0, description="Seconds to hold the current weight while traffic flows.")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    duration_s: float = Field(ge=0, validation_alias=AliasChoices("duration_s", "duration"),
+                              description="Seconds to hold the current weight while traffic flows (alias duration).")
 
 
 class Pause(BaseModel):
@@ -78,11 +90,97 @@ class Pause(BaseModel):
     pause: PauseSpec
 
 
+_CONDITION = re.compile(r"^\s*result\s*(<=|>=|==|!=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+ROUTER_QUERIES = ("success_rate", "error_rate", "requests", "errors", "latency_mean_s", "latency_p50_s",
+                  "latency_p99_s", "latency_per_token_s")
+PROMETHEUS_QUERIES = ("success_rate", "requests", "failures", "request_mean_s", "queue_mean_s")
+
+
+def parse_condition(text: str) -> tuple[str, float]:
+    """``"result <= 0.01"`` -> ``("<=", 0.01)``; the only form a success_condition may take."""
+    m = _CONDITION.match(text)
+    if not m:
+        raise ValueError(f"success_condition {text!r} must look like 'result <op> <number>' with op in "
+                         "<, <=, >, >=, ==, !=")
+    return m.group(1), float(m.group(2))
+
+
+class MetricSpec(BaseModel):
+    """One analysis metric, measured `count` times every `interval` seconds (Argo Rollouts' AnalysisTemplate)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Name shown in reports and MLflow tags.")
+    provider: Literal["router", "prometheus"] = Field(
+        "router", description="`router`: the router's own per-version counters (errors counted right). "
+        "`prometheus`: Triton's metrics endpoint (`triton.endpoints[].metrics_url`) for `<model>_engine`.")
+    query: str = Field(description=f"What to measure over one interval. router: {', '.join(ROUTER_QUERIES)}; "
+                       f"prometheus: {', '.join(PROMETHEUS_QUERIES)}.")
+    version: Literal["candidate", "live", "all"] = Field("candidate", description="Which version's figures.")
+    interval: float = Field(1.0, ge=0, description="Seconds between two measurements.")
+    count: int = Field(1, ge=1, description="Number of measurements.")
+    success_condition: str = Field(description="`result <op> <number>`, e.g. `result <= 0.01`.")
+    failure_limit: int = Field(0, ge=0, description="Failed measurements tolerated; more -> Failed.")
+    inconclusive_limit: int = Field(0, ge=0, description="Measurements without data tolerated; more -> Inconclusive.")
+    min_requests: int = Field(1, ge=0, description="A measurement over fewer requests has no data (inconclusive).")
+
+    @model_validator(mode="after")
+    def _check(self) -> MetricSpec:
+        parse_condition(self.success_condition)
+        allowed = ROUTER_QUERIES if self.provider == "router" else PROMETHEUS_QUERIES
+        if self.query not in allowed:
+            raise ValueError(f"metric {self.name!r}: query {self.query!r} is not one of {allowed} "
+                             f"(provider {self.provider})")
+        return self
+
+
+def _default_metrics() -> list[MetricSpec]:
+    # One measurement over the analysis window. No candidate request in the window (likely at a 10% weight with
+    # a small window) is not a reason to hold a person: inconclusive_limit=1; later steps carry more traffic.
+    return [MetricSpec(name="candidate-error-rate", provider="router", query="error_rate", interval=0, count=1,
+                       success_condition="result <= 0", min_requests=1, inconclusive_limit=1)]
+
+
+class ComparisonSpec(BaseModel):
+    """Baseline (live) vs canary: is the candidate slower? One-sided Mann-Whitney U per metric.
+
+    H0: the candidate's values are not stochastically larger than the live version's. Failed when
+    p < alpha AND the candidate's median exceeds the baseline's by more than min_effect (relative) AND by
+    more than min_abs_effect_ms (absolute), so a significant but negligible slowdown passes. Fewer than min_samples on either side: Inconclusive.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    metrics: list[Literal["ttft", "tpot"]] = Field(
+        default_factory=lambda: ["ttft", "tpot"],
+        description="ttft: latency of max_tokens=1 probe requests; tpot: latency per output token of the others.")
+    alpha: float = Field(0.01, gt=0, lt=1, description="Significance level of the one-sided test.")
+    min_effect: float = Field(0.5, ge=0, description="Smallest relative slowdown of the median that fails "
+                              "(0.5: the candidate's median is more than 1.5x the live one's).")
+    min_abs_effect_ms: dict[Literal["ttft", "tpot"], float] = Field(
+        default_factory=lambda: {"ttft": 50.0, "tpot": 5.0},
+        description="Smallest absolute slowdown of the median (ms) that fails, per metric: a tiny engine at a few "
+        "ms per request can be 3x 'slower' by 15 ms of scheduling noise (measured), which no user notices.")
+    min_samples: int = Field(8, ge=3, description="Fewest samples per side for a verdict.")
+    weight_range: tuple[int, int] = Field(
+        (25, 75), description="Compare only while the candidate's weight is within [low, high]. Measured: at a 10% "
+        "weight the canary is mostly idle and a good engine showed a 3.7x higher median latency per token than "
+        "the busy baseline (fixed per-request costs are not amortized), so unequal loads are not compared.")
+    insufficient: Literal["pass", "inconclusive"] = Field(
+        "pass", description="Fewer than min_samples on a side (typical at a 10% weight): `pass` leaves the verdict "
+        "to a later step with more candidate traffic; `inconclusive` holds the rollout.")
+
+
 class AnalysisSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    requests: int = Field(20, ge=1, description="Requests sent through the router in this analysis.")
+    requests: int = Field(20, ge=1, description="Requests the analysis waits for (the window of the test traffic); "
+                          "with `compare`, it also waits for compare.min_samples per version, up to timeout_s.")
     min_success_rate: float = Field(1.0, ge=0, le=1, description="Least fraction of successful requests.")
     max_new_tokens: int = Field(8, ge=1, description="Tokens generated per analysis request.")
+    metrics: list[MetricSpec] = Field(default_factory=_default_metrics, description="Argo-style metrics.")
+    compare: ComparisonSpec | None = Field(
+        default_factory=ComparisonSpec, description="Baseline-vs-canary latency test; null to skip.")
+    timeout_s: float = Field(120, gt=0, description="Longest wait for the requests (and samples) of the window.")
 
 
 class Analysis(BaseModel):
@@ -90,7 +188,7 @@ class Analysis(BaseModel):
     analysis: AnalysisSpec
 
 
-RolloutStep = Annotated[Union[SetWeight, Pause, Analysis], Field(union_mode="left_to_right")]
+RolloutStep = Annotated[SetWeight | Pause | Analysis, Field(union_mode="left_to_right")]
 
 
 def _default_steps() -> list[RolloutStep]:
@@ -104,6 +202,18 @@ def _default_steps() -> list[RolloutStep]:
     ]
 
 
+class HoldSpec(BaseModel):
+    """What an Inconclusive analysis does: hold the weight and wait for a person, or decide alone."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    on_inconclusive: Literal["hold", "abort", "continue"] = Field(
+        "hold", description="`hold`: keep the weight and wait for the MLflow version tag `rollout.decision` "
+        "= `continue` or `abort`; `abort`/`continue` decide without a person.")
+    timeout_s: float = Field(600, gt=0, description="Longest hold; then the rollout is aborted (the safe side).")
+    poll_s: float = Field(2, gt=0, description="Seconds between two reads of the decision tag.")
+
+
 class RolloutSpec(BaseModel):
     """The gray release plan: steps in Argo Rollouts' vocabulary, applied to every endpoint."""
 
@@ -111,6 +221,9 @@ class RolloutSpec(BaseModel):
 
     steps: list[RolloutStep] = Field(default_factory=_default_steps, description="set_weight / pause / analysis.")
     concurrency: int = Field(2, ge=1, le=64, description="Parallel clients sending traffic during analysis.")
+    ttft_probe_every: int = Field(
+        3, ge=0, description="Every n-th test request asks for one token (a TTFT probe); 0: none.")
+    hold: HoldSpec = Field(default_factory=HoldSpec, description="Inconclusive analyses.")
 
     @model_validator(mode="after")
     def _ends_at_full_weight(self) -> RolloutSpec:

@@ -1,52 +1,87 @@
-"""The rollout timeline as a picture: router weights, request latencies per version, failures."""
+"""The rollout timeline as a picture: router weights, request rate, error rate and latency percentiles per
+version over time, with the analyses marked (green Successful, orange Inconclusive, red Failed)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from tasks.gray_release import RolloutReport
 
 
+def _bins(end: float) -> tuple[float, int]:
+    width = max(0.5, math.ceil(end / 60 * 2) / 2)  # about 60 bins, at least half a second
+    return width, int(end // width) + 1
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
 def plot_timeline(report: RolloutReport, path: Path) -> Path:
-    """Save a three-panel timeline (weights, latency per version, failures) as PNG."""
+    """Save a four-panel timeline as PNG and return its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_w, ax_lat, ax_err) = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
-    end = max([r.started_s + r.latency_s for r in report.records] + [c.t_s for c in report.weight_changes] + [1.0])
-    versions = sorted({v for c in report.weight_changes for v in c.weights} | {r.version for r in report.records if r.version})
+    records = report.records
+    end = max([r.started_s + r.latency_s for r in records] + [c.t_s for c in report.weight_changes] + [1.0])
+    width, n = _bins(end)
+    versions = sorted({v for c in report.weight_changes for v in c.weights} | {r.version for r in records if r.version})
+    fig, (ax_w, ax_rate, ax_err, ax_lat) = plt.subplots(4, 1, figsize=(10, 9), sharex=True)
+    xs_bins = [(i + 0.5) * width for i in range(n)]
     for version in versions:
-        xs, ys = [0.0], [0]
+        xs, ys = [0.0], [100 if version == report.live else 0]  # before the first step: live takes all
         for change in report.weight_changes:
             xs += [change.t_s, change.t_s]
             ys += [ys[-1], change.weights.get(version, 0)]
         xs.append(end)
         ys.append(ys[-1])
-        ax_w.plot(xs, ys, label=f"version {version}")
-        mine = [r for r in report.records if r.version == version and r.ok]
-        ax_lat.scatter([r.started_s for r in mine], [r.latency_s * 1e3 for r in mine], s=6, label=f"version {version}")
+        (line,) = ax_w.plot(xs, ys, label=f"version {version}")
+        color = line.get_color()
+        mine = [r for r in records if r.version == version]
+        counts = [0] * n
+        lat: list[list[float]] = [[] for _ in range(n)]
+        for r in mine:
+            i = int(r.started_s // width)
+            counts[i] += 1
+            if r.ok:
+                lat[i].append(r.latency_s * 1e3)
+        ax_rate.plot(xs_bins, [c / width for c in counts], color=color, label=f"version {version}")
+        p50 = [(x, _percentile(v, 0.5)) for x, v in zip(xs_bins, lat) if v]
+        p99 = [(x, _percentile(v, 0.99)) for x, v in zip(xs_bins, lat) if v]
+        if p50:
+            ax_lat.plot(*zip(*p50), color=color, label=f"v{version} p50")
+            ax_lat.plot(*zip(*p99), color=color, linestyle=":", label=f"v{version} p99")
+    failed_by_bin = [0] * n
+    total_by_bin = [0] * n
+    for r in records:
+        i = int(r.started_s // width)
+        total_by_bin[i] += 1
+        failed_by_bin[i] += not r.ok
+    ax_err.plot(xs_bins, [f / t if t else 0.0 for f, t in zip(failed_by_bin, total_by_bin)], color="red")
     for analysis in report.analyses:
         color = {"Successful": "green", "Failed": "red"}.get(analysis.outcome, "orange")
-        for ax in (ax_w, ax_lat, ax_err):
-            ax.axvline(analysis.t_s, color=color, alpha=0.4, linestyle="--")
-    failed = [r for r in report.records if not r.ok]
-    ax_err.scatter([r.started_s for r in failed], [1] * len(failed), marker="x", color="red")
-    ax_w.set_ylabel("weight %")
+        for ax in (ax_w, ax_rate, ax_err, ax_lat):
+            ax.axvline(analysis.t_s, color=color, alpha=0.5, linestyle="--")
+    ax_w.set_ylabel("router weight %")
     ax_w.set_ylim(-5, 105)
-    ax_w.legend(loc="center right")
+    ax_w.legend(loc="center right", fontsize=8)
+    ax_rate.set_ylabel("requests/s")
+    ax_rate.legend(loc="upper right", fontsize=8)
+    ax_err.set_ylabel("error rate")
+    ax_err.set_ylim(-0.05, 1.05)
     ax_lat.set_ylabel("latency ms")
-    ax_lat.legend(loc="upper right")
-    ax_err.set_ylabel("failed")
-    ax_err.set_yticks([])
-    ax_err.set_xlabel("seconds since rollout start (dashed: analyses; green passed, red failed)")
-    fig.suptitle(
-        f"{report.model_name}: rollout of version {report.candidate} over {report.live}: {report.outcome}"
-        f" ({len(report.records)} requests, {len(failed)} failed)"
-    )
+    ax_lat.legend(loc="upper right", fontsize=7, ncol=2)
+    ax_lat.set_xlabel(f"seconds since rollout start ({width:g} s bins; dashed: analyses, green passed, "
+                      "orange inconclusive, red failed)")
+    failed = sum(not r.ok for r in records)
+    fig.suptitle(f"{report.model_name}: rollout of version {report.candidate} over {report.live}: {report.outcome}"
+                 f" ({len(records)} requests, {failed} failed)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

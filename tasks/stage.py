@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from tasks.promote_spec import TritonSpec
 from tasks.targets import Target
@@ -53,19 +54,32 @@ def live_version(target: Target, model_name: str) -> int | None:
     return full[0] if full else None
 
 
-def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: int, triton: TritonSpec) -> StagedVersion:
-    """Stage `engine_dir` as `version` beside the live version on every target and load both."""
-    from serving.triton.operations import apply_router_weights, serve_versions
-    from serving.triton.repository import remove_version, served_versions, stage_engine_version
-
+def fleet_live_version(targets: list[Target], model_name: str) -> int | None:
+    """The live version, the same on every endpoint (else the fleet is inconsistent: ValueError)."""
     lives = {live_version(t, model_name) for t in targets}
     if len(lives) > 1:
         raise ValueError(f"the fleet is inconsistent: live versions of {model_name} differ across endpoints: {lives}")
-    live = lives.pop()
-    done: list[tuple[Target, list[int]]] = []
+    return lives.pop()
+
+
+def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: int, triton: TritonSpec,
+          live: int | None = None) -> StagedVersion:
+    """Stage `engine_dir` as `version` beside the live version on every target and load both.
+
+    Any failure on any endpoint rolls every endpoint back to the live version before raising.
+    """
+    from serving.triton.operations import apply_router_weights, serve_versions
+    from serving.triton.repository import list_versions, served_versions, stage_engine_version
+    from tasks.rollback import remove_leftovers, restore_live
+    from tasks.rollout_state import checkpoint
+
     try:
         for target in targets:
+            remove_leftovers(target.model_repository, model_name)
             before = served_versions(target.model_repository, model_name) if live is not None else []
+            if version in list_versions(target.model_repository, model_name):
+                raise ValueError(f"version {version} of {model_name} is already staged on {target.url} but not "
+                                 "live; the rollout journal should have rolled it back")
             stage_engine_version(
                 target.model_repository,
                 model_name,
@@ -74,36 +88,39 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
                 device_kind=triton.device,
                 max_queue_size=triton.max_queue_size,
                 max_queue_delay_us=triton.max_queue_delay_us,
+                parameters=dict(triton.engine_parameters) if triton.engine_parameters else None,
             )
-            done.append((target, before))
+            checkpoint(f"stage {target.url}: version {version} folder in place")
             serving = sorted({*before, version})
             serve_versions(target.control(), target.model_repository, model_name, serving, timeout_s=triton.load_timeout_s)
+            checkpoint(f"stage {target.url}: serving {serving}")
+            warm_up(target, model_name, version, triton)
             if live is None:  # first release: the router appears, pointing at the only version there is
                 apply_router_weights(target.control(), target.model_repository, model_name, {version: 100},
                                      timeout_s=triton.load_timeout_s)
             log.info("staged %s version %d on %s (serving %s)", model_name, version, target.url, serving)
-    except BaseException:
-        for target, before in reversed(done):
-            _unstage(target, model_name, version, before, triton.load_timeout_s, remove_version)
+    except BaseException as exc:
+        log.error("staging %s version %d failed (%s): rolling every endpoint back to %s", model_name, version, exc, live)
+        try:
+            restore_live(targets, model_name, live, triton.load_timeout_s)
+        except Exception as undo:  # noqa: BLE001 - report both; the journal makes the next run retry
+            log.error("%s", undo)
         raise
     return StagedVersion(model_name, version, live, engine_dir)
 
 
-def _unstage(target: Target, model_name: str, version: int, before: list[int], timeout_s: float, remove_version) -> None:
-    from serving.triton.operations import serve_versions
-    from serving.triton.repository import remove_model
+def warm_up(target: Target, model_name: str, version: int, triton: TritonSpec) -> None:
+    """A few requests straight to the new version (first calls are slow; a version that cannot answer fails here)."""
+    from serving.triton.client import infer_ids
+    from serving.triton.repository import engine_model_name
 
-    try:
-        if before:
-            serve_versions(target.control(), target.model_repository, model_name, before, timeout_s=timeout_s)
-            remove_version(target.model_repository, model_name, version)
-        else:
-            remove_model(target.control(), target.model_repository, model_name, timeout_s=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - keep unstaging the other endpoints
-        log.error("could not unstage %s version %d on %s: %s", model_name, version, target.url, exc)
+    for i in range(triton.warmup_requests):
+        infer_ids(target.url, engine_model_name(model_name), [1 + i, 2, 3], max_tokens=4, version=version,
+                  timeout_s=triton.request_timeout_s, setting=target.setting)
 
 
-@task(name="stage", retries=0)
-def stage_task(targets: list[Target], *, model_name: str, engine_dir: Path, version: int, triton: TritonSpec) -> StagedVersion:
+@task(name="stage", retries=0, cache_policy=NO_CACHE)
+def stage_task(targets: list[Target], *, model_name: str, engine_dir: Path, version: int, triton: TritonSpec,
+               live: int | None = None) -> StagedVersion:
     """Stage the candidate version on every Triton endpoint."""
-    return stage(targets, model_name=model_name, engine_dir=engine_dir, version=version, triton=triton)
+    return stage(targets, model_name=model_name, engine_dir=engine_dir, version=version, triton=triton, live=live)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.promote_spec import TritonSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -13,6 +17,7 @@ class Target:
     url: str
     model_repository: Path
     setting: str
+    metrics_url: str | None = None
 
     def control(self, *, request_timeout_s: float = 10.0):
         from serving.triton.control import TritonControl
@@ -20,26 +25,47 @@ class Target:
         return TritonControl(self.url, setting=self.setting, request_timeout_s=request_timeout_s)
 
 
-def resolve_targets(triton: TritonSpec, *, embedded_url: str | None = None) -> list[Target]:
+def resolve_targets(triton: TritonSpec, *, embedded_url: str | None = None,
+                    embedded_metrics_url: str | None = None) -> list[Target]:
     """The spec's endpoints, or the embedded server when the spec names none."""
     if triton.endpoints:
         return [
-            Target(e.url, Path(e.model_repository), f"triton.endpoints[{i}].url")
+            Target(e.url, Path(e.model_repository), f"triton.endpoints[{i}].url", e.metrics_url)
             for i, e in enumerate(triton.endpoints)
         ]
     if embedded_url is None:
         raise ValueError("no Triton endpoints in the spec and no embedded server running")
-    return [Target(embedded_url, Path(triton.model_repository), "triton.model_repository (embedded server)")]
+    return [Target(embedded_url, Path(triton.model_repository), "triton.model_repository (embedded server)",
+                   embedded_metrics_url)]
 
 
-def check_reachable(targets: list[Target], *, timeout_s: float = 5.0) -> None:
-    """Fail before any change when one endpoint of the fleet does not answer ready."""
+def check_reachable(targets: list[Target], *, timeout_s: float = 10.0) -> None:
+    """Fail before any change when one endpoint of the fleet does not answer.
+
+    Triton runs with ``--strict-readiness``: while a version unloads (the tail of a previous rollout) the
+    server answers not-ready for a moment, and after a FAILED load it stays not-ready (the version remains
+    UNAVAILABLE in the index) although it serves everything else. So readiness is polled up to
+    ``timeout_s``; a server that is live and answers its repository index is then accepted with a warning.
+    A server that does not answer at all fails at once.
+    """
     from serving.triton.errors import TritonUnreachableError
 
     for target in targets:
-        control = target.control(request_timeout_s=min(timeout_s, 5.0))
-        if not control.server_ready():
-            raise TritonUnreachableError(
-                f"Triton at {target.url} (setting {target.setting}) is not reachable or not ready; "
-                "nothing was staged. Start the server or fix the URL, then run the promotion again."
-            )
+        control = target.control(request_timeout_s=5.0)
+        deadline = time.monotonic() + timeout_s
+        while control.server_live() and not control.server_ready() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if control.server_ready():
+            continue
+        if control.server_live():
+            try:
+                bad = [f"{m.name} v{m.version}: {m.state}" for m in control.repository_index() if m.state != "READY"]
+            except Exception:  # noqa: BLE001 - falls through to the error below
+                bad = None
+            if bad is not None:
+                log.warning("Triton at %s is live but not ready (strict readiness): %s", target.url, bad)
+                continue
+        raise TritonUnreachableError(
+            f"Triton at {target.url} (setting {target.setting}) is not reachable or not ready; "
+            "nothing was staged. Start the server or fix the URL, then run the promotion again."
+        )

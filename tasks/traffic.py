@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class RequestRecord:
     ok: bool
     error: str = ""
     endpoint: str = ""
+    tokens: int = 0  # output tokens of a successful answer (0 when unknown or failed)
 
 
 @dataclass
@@ -42,7 +43,8 @@ class TrafficLog:
 
 ERROR_BACKOFF_S = 0.05  # a failing endpoint answers fast; do not turn the stream into a flood
 
-SendFn = Callable[[str, int], tuple[int | None, str]]  # (endpoint url, request number) -> (version, "" or error)
+# (endpoint url, request number) -> (version, "" or error) or (version, "" or error, output tokens)
+SendFn = Callable[[str, int], tuple]
 
 
 class TrafficGenerator:
@@ -62,7 +64,7 @@ class TrafficGenerator:
         self._threads: list[threading.Thread] = []
         self.t0 = time.monotonic()
 
-    def __enter__(self) -> TrafficGenerator:
+    def __enter__(self) -> TrafficGenerator:  # noqa: PYI034
         self.start()
         return self
 
@@ -94,12 +96,16 @@ class TrafficGenerator:
                 return
             endpoint = self.endpoints[n % len(self.endpoints)]
             started = time.monotonic()
+            tokens = 0
             try:
-                version, error = self.send(endpoint, n)
+                answer = self.send(endpoint, n)
+                version, error = answer[0], answer[1]
+                tokens = int(answer[2]) if len(answer) > 2 else 0
             except Exception as exc:  # noqa: BLE001 - every failure is a data point
                 version, error = None, f"{type(exc).__name__}: {exc}"
             self.log.add(
-                RequestRecord(started - self.t0, time.monotonic() - started, version, not error, error, endpoint)
+                RequestRecord(started - self.t0, time.monotonic() - started, version, not error, error, endpoint,
+                              tokens if not error else 0)
             )
             if error:
                 self._stop.wait(ERROR_BACKOFF_S)

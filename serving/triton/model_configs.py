@@ -13,6 +13,7 @@ from serving.triton.errors import ConfigError
 from serving.triton.models.routing import dump_weights
 
 ROUTER_MAX_BATCH_SIZE = 64
+ROUTER_INSTANCES = 4  # requests the router forwards at once
 
 
 def _tensor(name: str, data_type: str, dims: list[int], *, optional: bool = False,
@@ -62,7 +63,12 @@ def llm_config(
     instance_count: int = 1,
     parameters: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Complete config of ``<name>_engine`` serving ``versions``."""
+    """Complete config of ``<name>_engine`` serving ``versions``.
+
+    ``parameters["decoupled"] == "true"`` makes it a decoupled model (in-flight batching on an engine
+    thread, responses streamed; adds the optional ``stream`` BOOL input). Decoupled models are called
+    over gRPC streaming (``async_stream_infer``); BLS callers need ``exec(decoupled=True)``.
+    """
     if device_kind not in ("KIND_CPU", "KIND_GPU"):
         raise ConfigError(f"device_kind={device_kind!r} must be KIND_CPU or KIND_GPU")
     if not versions:
@@ -70,11 +76,12 @@ def llm_config(
     if max_batch_size < 1 or max_queue_size < 1:
         raise ConfigError(f"model {model_name!r}: max_batch_size={max_batch_size} and "
                           f"max_queue_size={max_queue_size} must be >= 1")
-    return {
+    decoupled = str((parameters or {}).get("decoupled", "")).lower() in ("1", "true", "yes")
+    config: dict[str, Any] = {
         "name": model_name,
         "backend": "python",
         "max_batch_size": max_batch_size,
-        "input": llm_inputs(),
+        "input": llm_inputs() + ([_tensor("stream", "TYPE_BOOL", [1], optional=True)] if decoupled else []),
         "output": llm_outputs(),
         "dynamic_batching": {
             "max_queue_delay_microseconds": max_queue_delay_us,
@@ -84,6 +91,9 @@ def llm_config(
         "version_policy": {"specific": {"versions": sorted(versions)}},
         "parameters": _string_params(parameters or {}),
     }
+    if decoupled:
+        config["model_transaction_policy"] = {"decoupled": True}
+    return config
 
 
 def router_config(
@@ -92,25 +102,34 @@ def router_config(
     *,
     target_model: str | None = None,
     max_batch_size: int = ROUTER_MAX_BATCH_SIZE,
-    max_queue_size: int = 256,
     seed: int | None = None,
+    instance_count: int = ROUTER_INSTANCES,
+    load_id: str | None = None,
 ) -> dict[str, Any]:
-    """Complete config of the router ``name`` (also the JSON for a load override that changes weights)."""
+    """Complete config of the router ``name`` (also the JSON for a load override that changes weights).
+
+    No dynamic batching and several instances: a non-decoupled python model answers a batch only when its
+    slowest request is done (an ``async`` execute runs in the background only for decoupled models, and
+    decoupled models cannot be called over HTTP ``/infer``), so batching in the router made requests to the
+    live version wait for a slow candidate (measured: live TTFT median 0.83 s beside a slow canary).
+    Each instance forwards one request at a time; the llm's own dynamic batcher still groups the BLS calls.
+    """
     if not weights or sum(weights.values()) <= 0 or any(w < 0 or v < 1 for v, w in weights.items()):
         raise ConfigError(f"router {name!r}: weights={weights!r} need versions >= 1, weights >= 0, a positive sum")
     params = {"target_model": target_model or f"{name}_engine", "weights": dump_weights(weights)}
     if seed is not None:
         params["seed"] = str(seed)
+    if load_id:
+        params["load_id"] = load_id  # the instances of one load add up their counters
     return {
         "name": name,
         "backend": "python",
         "max_batch_size": max_batch_size,
-        "input": llm_inputs(all_optional=True) + [_tensor("stats", "TYPE_STRING", [1], optional=True)],
+        "input": llm_inputs(all_optional=True) + [_tensor("stats", "TYPE_STRING", [1], optional=True),
+                                                   _tensor("routing_key", "TYPE_STRING", [1], optional=True)],
         "output": llm_outputs() + [_tensor("routed_version", "TYPE_INT32", [1]),
                                    _tensor("stats_json", "TYPE_STRING", [1])],
-        "dynamic_batching": {"max_queue_delay_microseconds": 0,
-                             "default_queue_policy": {"max_queue_size": max_queue_size}},
-        "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+        "instance_group": [{"kind": "KIND_CPU", "count": instance_count}],
         "version_policy": {"specific": {"versions": [1]}},
         "parameters": _string_params(params),
     }

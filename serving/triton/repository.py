@@ -294,7 +294,10 @@ def write_router(root: Path, name: str, weights: dict[int, int], **config_kwargs
     The file change alone does not reach a loaded router: apply it with
     ``TritonControl.load_model(name, config=<returned dict>)``.
     """
+    from serving.triton.models.routing import new_generation
+
     root = init_repository(root)
+    config_kwargs.setdefault("load_id", new_generation())  # fresh per write: each load counts on its own
     config = router_config(name, weights, **config_kwargs)
     model_dir = root / name
     version_dir = model_dir / "1"

@@ -6,9 +6,18 @@ to that version with an async BLS call, and returns the target's outputs plus ``
 error from the target comes back as this request's error. Weights change by reloading the router with a
 complete config override (which also resets the counters).
 
-Counters per version (requests, errors, latency) live in memory; Triton's own metrics count an error
-response as a success, so these are the error counts to trust. Read them with a request carrying the
-``stats`` input (any value): the answer is a ``stats_json`` output, nothing is forwarded.
+Sticky routing: a request carrying the optional ``routing_key`` BYTES input goes to the version whose
+slice of [0, 1) holds the key's SHA-256 point (``routing.choose_sticky``), so one user (or session)
+stays on one version while the weights move in one direction; requests without a key are weighted at
+random. ``routing_key`` is not forwarded.
+
+Counters per version (requests, errors, latency sum/max/histogram, output tokens) live in memory and
+are written to ``<router dir>/counters/<generation>.json`` after every execute and at finalize, so a
+weight change (a reload = a new generation) loses nothing and the router's several instances (each its own
+generation) add up: the stats answer carries the counters of this load (``versions``, ``detail``: every
+instance sharing the config parameter ``load_id``) and the ``cumulative`` sum over all loads. Triton's own metrics count an error response
+as a success, so these are the error counts to trust. Read them with a request carrying the ``stats``
+input (any value): the answer is a ``stats_json`` output, nothing is forwarded.
 """
 
 from __future__ import annotations
@@ -17,18 +26,25 @@ import asyncio
 import json
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from serving.triton.models.routing import RouterStats, choose_version, parse_weights
+from serving.triton.models.routing import (
+    COUNTERS_DIR,
+    RouterStats,
+    choose_sticky,
+    choose_version,
+    parse_weights,
+)
 
 try:  # only present inside Triton's python backend; unit tests install a fake module
     import triton_python_backend_utils as pb_utils
 except ImportError:  # pragma: no cover - exercised outside Triton
     pb_utils = None
 
-ROUTER_INPUTS_ONLY = frozenset({"stats"})
+ROUTER_INPUTS_ONLY = frozenset({"stats", "routing_key"})
 ROUTER_OUTPUTS_ONLY = frozenset({"routed_version", "stats_json"})
 LOG_EVERY_S = 30.0
 
@@ -67,12 +83,16 @@ class TritonPythonModel:
         except ValueError as exc:
             raise RuntimeError(f"[{self.model_name}] {exc}") from exc
         self.rng = random.Random(int(params["seed"])) if params.get("seed") else random.Random()
-        self.stats = RouterStats(self.target_model, self.weights)
+        model_dir = args.get("model_repository")
+        counters_dir = Path(model_dir) / COUNTERS_DIR if model_dir else None
+        self.stats = RouterStats(self.target_model, self.weights, counters_dir=counters_dir,
+                                 load_id=params.get("load_id", ""))
         self._last_log = time.monotonic()
         _log("info", f"[{self.model_name}] routing to {self.target_model} with weights {self.weights}")
 
     async def execute(self, requests: list[Any]) -> list[Any]:
         responses = await asyncio.gather(*(self._route(r) for r in requests))
+        self._persist()  # every execute: other instances read this file for their cumulative figures
         if time.monotonic() - self._last_log > LOG_EVERY_S:
             self._last_log = time.monotonic()
             _log("info", f"[{self.model_name}] counters {self.stats.to_json()}")
@@ -85,7 +105,8 @@ class TritonPythonModel:
     async def _route(self, request: Any) -> Any:
         if pb_utils.get_input_tensor_by_name(request, "stats") is not None:
             return self._stats_response()
-        version = choose_version(self.weights, self.rng)
+        key = pb_utils.get_input_tensor_by_name(request, "routing_key")
+        version = self._sticky(key) if key is not None else choose_version(self.weights, self.rng)
         inputs = [t for t in request.inputs() if t.name() not in ROUTER_INPUTS_ONLY]
         names = getattr(request, "requested_output_names", None)
         requested = [n for n in (names() if callable(names) else ()) if n not in ROUTER_OUTPUTS_ONLY]
@@ -107,10 +128,29 @@ class TritonPythonModel:
             self.stats.record(version, ok=False, latency_s=latency)
             return pb_utils.InferenceResponse(output_tensors=[], error=_forwarded_error(
                 f"{self.target_model} version {version}: {response.error().message()}", response.error()))
-        self.stats.record(version, ok=True, latency_s=latency)
         outputs = list(response.output_tensors())
+        self.stats.record(version, ok=True, latency_s=latency, output_tokens=_count_tokens(outputs))
         outputs.append(pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32)))
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
+    def _sticky(self, tensor: Any) -> int:
+        raw = tensor.as_numpy().reshape(-1)
+        value = raw[0] if raw.size else b""
+        return choose_sticky(self.weights, value if isinstance(value, bytes) else str(value).encode())
+
+    def _persist(self, *, final: bool = False) -> None:
+        try:
+            self.stats.persist(final=final)
+        except OSError as exc:  # counters on disk are a convenience; serving goes on
+            _log("warn", f"[{self.model_name}] cannot write counters: {exc}")
+
     def finalize(self) -> None:
+        self._persist(final=True)
         _log("info", f"[{self.model_name}] final counters {self.stats.to_json()}")
+
+
+def _count_tokens(outputs: list[Any]) -> int:
+    for tensor in outputs:
+        if tensor.name() == "output_ids":
+            return int(np.asarray(tensor.as_numpy()).size)
+    return 0

@@ -1,0 +1,290 @@
+"""Analysis of one rollout step: Argo-style metrics over the router's counters and Triton's Prometheus
+endpoint, plus a baseline-vs-canary latency comparison (one-sided Mann-Whitney U).
+
+Outcomes follow Argo Rollouts: ``Successful`` (continue), ``Failed`` (abort), ``Inconclusive`` (hold for a
+person). The pieces here are plain functions over numbers; ``gray_release`` supplies the readers.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tasks.promote_spec import AnalysisSpec, ComparisonSpec, MetricSpec, parse_condition
+from tasks.traffic import RequestRecord
+
+Outcome = Literal["Successful", "Failed", "Inconclusive"]
+_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq,
+        "!=": operator.ne}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    metric: str
+    value: float | None  # None: no data (inconclusive)
+    outcome: Outcome
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class MetricResult:
+    name: str
+    outcome: Outcome
+    measurements: list[Measurement]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    metric: str  # ttft | tpot
+    outcome: Outcome
+    n_baseline: int
+    n_canary: int
+    median_baseline_s: float | None
+    median_canary_s: float | None
+    p_value: float | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class AnalysisResult:
+    t_s: float
+    requests: int
+    success_rate: float
+    per_version: dict[int, dict[str, float]]
+    outcome: Outcome
+    reason: str
+    metrics: list[MetricResult] = field(default_factory=list)
+    comparisons: list[Comparison] = field(default_factory=list)
+
+    def figures(self) -> dict[str, Any]:
+        """Numbers a person reads (MLflow tags, reports)."""
+        return {
+            "outcome": self.outcome, "requests": self.requests, "success_rate": round(self.success_rate, 4),
+            "metrics": {m.name: [x.value for x in m.measurements] for m in self.metrics},
+            "comparisons": {c.metric: {"p": c.p_value, "median_live_ms": _ms(c.median_baseline_s),
+                                       "median_candidate_ms": _ms(c.median_canary_s), "n": [c.n_baseline, c.n_canary]}
+                            for c in self.comparisons},
+        }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 3)
+
+
+# ---------------------------------------------------------------- metric values from counters
+
+
+def router_value(query: str, delta: dict[str, dict[str, Any]], version: str) -> tuple[float | None, int]:
+    """Value of a router query over a counters delta (``routing.diff_counters``); (None, n) without data."""
+    from serving.triton.models.routing import hist_quantile
+
+    rows = list(delta.values()) if version == "all" else [delta.get(version) or {}]
+    req = sum(int(r.get("requests", 0)) for r in rows)
+    err = sum(int(r.get("errors", 0)) for r in rows)
+    lat = sum(float(r.get("latency_sum_s", 0.0)) for r in rows)
+    tokens = sum(int(r.get("output_tokens", 0)) for r in rows)
+    hist: list[int] = []
+    for r in rows:
+        h = r.get("latency_hist") or []
+        hist = [a + b for a, b in zip(hist, h)] if hist else list(h)
+    if query == "requests":
+        return float(req), req
+    if query == "errors":
+        return float(err), req
+    if req == 0:
+        return None, 0
+    values = {
+        "success_rate": lambda: (req - err) / req,
+        "error_rate": lambda: err / req,
+        "latency_mean_s": lambda: lat / req,
+        "latency_p50_s": lambda: hist_quantile(hist, 0.5),
+        "latency_p99_s": lambda: hist_quantile(hist, 0.99),
+        "latency_per_token_s": lambda: lat / tokens if tokens else None,
+    }
+    return values[query](), req
+
+
+def prometheus_value(query: str, before: dict[str, float], after: dict[str, float]) -> tuple[float | None, int]:
+    """Value of a Prometheus query from two scrapes of ``{metric name: summed value}`` for one model version."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    ok, failed = d.get("nv_inference_request_success", 0.0), d.get("nv_inference_request_failure", 0.0)
+    n = int(ok + failed)
+    if query == "requests":
+        return float(n), n
+    if query == "failures":
+        return failed, n
+    if n == 0:
+        return None, 0
+    if query == "success_rate":
+        return ok / n, n
+    if query == "request_mean_s":
+        return d.get("nv_inference_request_duration_us", 0.0) / 1e6 / n, n
+    if query == "queue_mean_s":
+        return d.get("nv_inference_queue_duration_us", 0.0) / 1e6 / n, n
+    raise ValueError(f"unknown prometheus query {query!r}")
+
+
+def judge(metric: MetricSpec, value: float | None, n: int) -> Measurement:
+    """One measurement against the metric's success_condition."""
+    if value is None or (metric.query not in ("requests",) and n < metric.min_requests):
+        return Measurement(metric.name, value, "Inconclusive", f"{n} requests < min_requests {metric.min_requests}")
+    op, bound = parse_condition(metric.success_condition)
+    ok = _OPS[op](value, bound)
+    return Measurement(metric.name, value, "Successful" if ok else "Failed",
+                       f"{metric.query}={value:.6g} over {n} requests; {metric.success_condition}")
+
+
+def summarize_metric(metric: MetricSpec, measurements: list[Measurement]) -> MetricResult:
+    """Argo's rule: more failures than failure_limit -> Failed; more no-data than inconclusive_limit -> Inconclusive."""
+    failed = [m for m in measurements if m.outcome == "Failed"]
+    unknown = [m for m in measurements if m.outcome == "Inconclusive"]
+    if len(failed) > metric.failure_limit:
+        return MetricResult(metric.name, "Failed", measurements,
+                            f"metric {metric.name}: {len(failed)} of {len(measurements)} measurements failed "
+                            f"(failure_limit {metric.failure_limit}); last: {failed[-1].detail}")
+    if len(unknown) > metric.inconclusive_limit:
+        return MetricResult(metric.name, "Inconclusive", measurements,
+                            f"metric {metric.name}: {len(unknown)} measurements without data "
+                            f"(inconclusive_limit {metric.inconclusive_limit}); {unknown[-1].detail}")
+    return MetricResult(metric.name, "Successful", measurements)
+
+
+def take_readings(metrics: list[MetricSpec], read: Callable[[MetricSpec], Any],
+                  clock: Callable[[], float] = time.monotonic) -> dict[str, tuple[Any, float]]:
+    """The first reading of every metric (taken when the analysis window opens)."""
+    return {m.name: (read(m), clock()) for m in metrics}
+
+
+def run_metrics(metrics: list[MetricSpec], read: Callable[[MetricSpec], Any],
+                value_of: Callable[[MetricSpec, Any, Any], tuple[float | None, int]],
+                *, initial: dict[str, tuple[Any, float]] | None = None,
+                sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic
+                ) -> list[MetricResult]:
+    """Measure every metric ``count`` times, each ``interval`` after its previous reading (in lock-step).
+
+    ``read(metric)`` takes a reading (counters); ``value_of(metric, before, after)`` turns two readings into
+    (value, requests). ``initial`` (from ``take_readings``) opens the first interval earlier, e.g. when the
+    analysis window opened, so the first measurement covers the whole window of traffic.
+    """
+    if not metrics:
+        return []
+    initial = initial or take_readings(metrics, read, clock)
+    state = {m.name: {"last": initial[m.name][0], "at": initial[m.name][1], "done": []} for m in metrics}
+    while True:
+        pending = [m for m in metrics if len(state[m.name]["done"]) < m.count]
+        if not pending:
+            break
+        due = min(state[m.name]["at"] + m.interval for m in pending)
+        wait = due - clock()
+        if wait > 0:
+            sleep(wait)
+        now = clock()
+        for m in pending:
+            s = state[m.name]
+            if now + 1e-6 >= s["at"] + m.interval:
+                reading = read(m)
+                s["done"].append(judge(m, *value_of(m, s["last"], reading)))
+                s["last"], s["at"] = reading, now
+    return [summarize_metric(m, state[m.name]["done"]) for m in metrics]
+
+
+# ---------------------------------------------------------------- baseline vs canary
+
+
+def latency_samples(records: list[RequestRecord], version: int | None, kind: str) -> list[float]:
+    """ttft: latency of successful one-token probes; tpot: latency per output token of the others."""
+    mine = [r for r in records if r.ok and r.version == version]
+    if kind == "ttft":
+        return [r.latency_s for r in mine if r.tokens == 1]
+    return [r.latency_s / r.tokens for r in mine if r.tokens > 1]
+
+
+def comparable(spec: ComparisonSpec, candidate_weight: int | None) -> bool:
+    """Whether the candidate's current weight is in ``spec.weight_range`` (None: unknown -> compare)."""
+    low, high = spec.weight_range
+    return candidate_weight is None or low <= candidate_weight <= high
+
+
+def compare(records: list[RequestRecord], *, live: int | None, candidate: int, spec: ComparisonSpec,
+            candidate_weight: int | None = None) -> list[Comparison]:
+    """One-sided Mann-Whitney U per metric: H1 = candidate values stochastically larger than live's."""
+    from scipy.stats import mannwhitneyu
+
+    out = []
+    for kind in spec.metrics:
+        if not comparable(spec, candidate_weight):
+            out.append(Comparison(kind, "Successful", 0, 0, None, None, None,
+                                  f"{kind}: not compared at candidate weight {candidate_weight}% (weight_range "
+                                  f"{list(spec.weight_range)})"))
+            continue
+        base = latency_samples(records, live, kind)
+        cand = latency_samples(records, candidate, kind)
+        mb = _median(base)
+        mc = _median(cand)
+        if live is None or live == candidate:
+            out.append(Comparison(kind, "Successful", len(base), len(cand), mb, mc, None, "no baseline version"))
+            continue
+        if len(base) < spec.min_samples or len(cand) < spec.min_samples:
+            verdict: Outcome = "Successful" if spec.insufficient == "pass" else "Inconclusive"
+            out.append(Comparison(kind, verdict, len(base), len(cand), mb, mc, None,
+                                  f"{kind}: {len(base)} live and {len(cand)} candidate samples; need "
+                                  f"{spec.min_samples} each (compare.min_samples)"))
+            continue
+        p = float(mannwhitneyu(cand, base, alternative="greater").pvalue)
+        effect = (mc / mb - 1.0) if mb and mb > 0 else math.inf
+        floor_ms = spec.min_abs_effect_ms.get(kind, 0.0)
+        slower = p < spec.alpha and effect > spec.min_effect and (mc - mb) * 1e3 > floor_ms
+        reason = (f"{kind}: candidate median {mc * 1e3:.2f} ms vs live {mb * 1e3:.2f} ms ({effect:+.0%}), "
+                  f"one-sided Mann-Whitney U p={p:.2g} (alpha {spec.alpha}, min_effect {spec.min_effect:.0%} and "
+                  f"{floor_ms:g} ms, n={len(cand)}/{len(base)})")
+        out.append(Comparison(kind, "Failed" if slower else "Successful", len(base), len(cand), mb, mc, p, reason))
+    return out
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def per_version(records: list[RequestRecord]) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for version in sorted({r.version for r in records if r.version is not None}):
+        mine = [r for r in records if r.version == version]
+        lat = sorted(r.latency_s for r in mine)
+        out[version] = {
+            "requests": len(mine),
+            "success_rate": sum(r.ok for r in mine) / len(mine),
+            "latency_p50_ms": lat[len(lat) // 2] * 1e3,
+            "latency_p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3,
+        }
+    return out
+
+
+def combine(t_s: float, records: list[RequestRecord], spec: AnalysisSpec, metrics: list[MetricResult],
+            comparisons: list[Comparison]) -> AnalysisResult:
+    """Failed if anything failed (traffic success rate, a metric, a comparison); else Inconclusive if anything
+    was; else Successful. The reason lists every failing (or inconclusive) part."""
+    n = len(records)
+    rate = sum(r.ok for r in records) / n if n else 0.0
+    failed, unsure = [], []
+    if not records:
+        unsure.append("no request finished in the analysis window")
+    elif rate < spec.min_success_rate:
+        errors = sorted({r.error for r in records if not r.ok})[:3]
+        failed.append(f"success rate {rate:.3f} < analysis.min_success_rate {spec.min_success_rate} over {n} "
+                      f"requests; errors: {errors}")
+    for m in metrics:
+        (failed if m.outcome == "Failed" else unsure if m.outcome == "Inconclusive" else []).append(m.reason)
+    for c in comparisons:
+        (failed if c.outcome == "Failed" else unsure if c.outcome == "Inconclusive" else []).append(c.reason)
+    outcome: Outcome = "Failed" if failed else "Inconclusive" if unsure else "Successful"
+    reason = "; ".join(failed or unsure)
+    return AnalysisResult(t_s, n, rate, per_version(records), outcome, reason, metrics, comparisons)

@@ -1,0 +1,107 @@
+"""Converge every endpoint of a fleet to ONE served version: the live one (roll back) or the candidate
+(finish). Both are idempotent and safe to run from any intermediate state a crash can leave, which is
+what makes reconciliation after a killed promote possible.
+
+Order matters for zero dropped requests: the router stops choosing a version (reload with a complete
+config override; Triton keeps the old router instance serving until the new one is ready) BEFORE that
+version is unloaded, and only then is its folder renamed aside and deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from tasks.rollout_state import checkpoint
+from tasks.targets import Target
+
+log = logging.getLogger(__name__)
+
+
+class FleetError(RuntimeError):
+    """One or more endpoints could not be converged; every endpoint was still attempted."""
+
+
+def remove_leftovers(root: Path, name: str) -> list[str]:
+    """Delete ``.staging-*`` / ``.removing-*`` folders a crash left in ``<name>_engine`` (Triton ignores them)."""
+    from serving.triton.repository import REMOVING_PREFIX, STAGING_PREFIX, engine_model_name
+
+    model_dir = Path(root) / engine_model_name(name)
+    gone = []
+    if model_dir.is_dir():
+        for path in model_dir.iterdir():
+            if path.is_dir() and path.name.startswith((STAGING_PREFIX, REMOVING_PREFIX)):
+                shutil.rmtree(path, ignore_errors=True)
+                gone.append(path.name)
+    for path in Path(root).glob(f"{REMOVING_PREFIX}*"):
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path.name)
+    return gone
+
+
+def converge(target: Target, name: str, version: int, timeout_s: float) -> None:
+    """On one endpoint: router 100% to ``version``, ``version`` the only one served, other folders removed."""
+    from serving.triton.operations import apply_router_weights, serve_versions
+    from serving.triton.repository import list_versions, remove_version
+
+    control = target.control()
+    apply_router_weights(control, target.model_repository, name, {version: 100}, timeout_s=timeout_s)
+    checkpoint(f"converge {target.url}: router -> {version}")
+    serve_versions(control, target.model_repository, name, [version], timeout_s=timeout_s)
+    checkpoint(f"converge {target.url}: served [{version}]")
+    for other in list_versions(target.model_repository, name):
+        if other != version:
+            remove_version(target.model_repository, name, other)
+    remove_leftovers(target.model_repository, name)
+
+
+def remove_everywhere(target: Target, name: str, timeout_s: float) -> None:
+    """Before any live version: unload and delete the router and the engine model (absent is fine)."""
+    from serving.triton.repository import REMOVING_PREFIX, engine_model_name
+
+    control = target.control()
+    for model in (name, engine_model_name(name)):
+        try:
+            control.unload_model(model, timeout_s=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a model Triton never loaded cannot be unloaded
+            log.info("unload %s on %s: %s", model, target.url, exc)
+        path = Path(target.model_repository) / model
+        if path.is_dir():
+            import secrets
+
+            aside = path.parent / f"{REMOVING_PREFIX}{model}-{secrets.token_hex(4)}"
+            path.rename(aside)
+            shutil.rmtree(aside)
+    remove_leftovers(target.model_repository, name)
+
+
+def restore_live(targets: list[Target], name: str, live: int | None, timeout_s: float) -> None:
+    """Roll back every endpoint to ``live`` (or remove the model when there was none). Tries all; raises after."""
+    errors = []
+    for target in targets:
+        try:
+            if live is None:
+                remove_everywhere(target, name, timeout_s)
+            else:
+                converge(target, name, live, timeout_s)
+            log.info("%s on %s rolled back to version %s", name, target.url, live)
+        except Exception as exc:  # noqa: BLE001 - keep going: every endpoint must be attempted
+            log.error("rollback of %s on %s failed: %s", name, target.url, exc)
+            errors.append(f"{target.url} ({target.setting}): {type(exc).__name__}: {exc}")
+    if errors:
+        raise FleetError(f"rollback of {name} to version {live} failed on {len(errors)} endpoint(s): "
+                         + "; ".join(errors) + ". Run the promotion (or `enginewright rollback`) again to retry.")
+
+
+def make_live(targets: list[Target], name: str, candidate: int, timeout_s: float) -> None:
+    """Finish on every endpoint: the candidate takes all traffic and is the only version served."""
+    errors = []
+    for target in targets:
+        try:
+            converge(target, name, candidate, timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{target.url} ({target.setting}): {type(exc).__name__}: {exc}")
+    if errors:
+        raise FleetError(f"finishing {name} version {candidate} failed on: " + "; ".join(errors)
+                         + ". Run the promotion again: it resumes the finish.")

@@ -1,0 +1,58 @@
+"""Fleets: two local Triton servers promoted as one. A load failure injected on ONE of them (its copy of
+the candidate cannot load: ``tasks.fault_injection`` ``fail_load``) rolls BOTH back to the live version,
+with requests flowing to both the whole time; without the fault the same version goes live on both."""
+
+from __future__ import annotations
+
+import pytest
+from test_rollout_support import Load, assert_consistent, make_spec, publish
+from triton_support import TritonServers, make_tiny_engine
+
+from flows.promote import StageFailed, promote
+from registry import model_registry as mr
+from serving.triton.repository import init_repository
+from tasks.fault_injection import write_fault
+
+pytestmark = pytest.mark.slow
+NAME = "fleet"
+STEPS = [{"set_weight": 50}, {"analysis": {"requests": 8, "compare": None}}, {"set_weight": 100}]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("fleet")
+    for seed in (0, 1):
+        publish(tmp, NAME, make_tiny_engine(tmp / "engines", seed=seed))
+    servers = TritonServers(tmp)
+    procs = [servers.start(init_repository(tmp / f"repo-{i}")) for i in range(2)]
+    yield {"tmp": tmp, "procs": procs, "spec": make_spec(tmp, NAME, procs, steps=STEPS, warmup_requests=1)}
+    servers.stop_all()
+
+
+def test_load_failure_on_one_endpoint_rolls_back_both(world) -> None:
+    spec, procs = world["spec"], world["procs"]
+    promote(spec, "1")
+    assert_consistent(spec, 1)
+    write_fault(procs[1].model_repository, f"{NAME}_engine", 2, {"fail_load": "injected on server 2 only"})
+    with Load([p.http_url for p in procs], NAME) as load:
+        load.mark("before")
+        load.gen.wait_for(20, timeout_s=60)
+        load.mark("failed fleet promotion of v2")
+        with pytest.raises(StageFailed, match="injected on server 2 only"):
+            promote(spec, "2")
+        load.mark("after")
+        load.gen.wait_for(20, timeout_s=60)
+    print("\n" + load.table())
+    assert_consistent(spec, 1)
+    tags = mr.get_version_tags(spec.mlflow.tracking_uri, NAME, "2")
+    assert tags["rollout"] == "failed" and "injected on server 2 only" in tags["rollout.reason"]
+    records = load.gen.log.since(0)
+    assert {r.endpoint for r in records} == {p.http_url for p in procs}
+    failures = [r.error for r in records if not r.ok]
+    assert not failures, sorted(set(failures))[:3]
+
+    write_fault(procs[1].model_repository, f"{NAME}_engine", 2, None)
+    result = promote(spec, "2")
+    assert result.rollout.outcome == "Successful" and len(result.endpoints) == 2
+    assert {r.endpoint for r in result.rollout.records} == {p.http_url for p in procs}
+    assert_consistent(spec, 2)

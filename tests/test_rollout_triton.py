@@ -1,0 +1,107 @@
+"""Acceptance: a gray release under load on a real Triton (bundled 2.51, loopback, real tiny engines).
+
+A bounded load generator (2 clients, at most 20,000 requests / 400 s) calls the router the whole time:
+before, during a full rollout 0 -> 10 -> 50 -> 100, between, during the automatic rollback of a
+deliberately slow candidate (a real engine behind ``tasks.fault_injection``: it sleeps per token), and
+during ``rollback`` to an earlier version. Zero failed requests; p50/p99 per phase are printed (and
+written to ``$ENGINEWRIGHT_ROLLOUT_REPORT_DIR`` with the timelines when that is set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from test_rollout_support import Load, assert_consistent, make_spec, publish
+from triton_support import TritonServers, make_tiny_engine
+
+from flows.promote import promote
+from flows.rollback import rollback
+from registry import model_registry as mr
+from serving.triton.repository import init_repository
+from tasks.errors import RolloutAborted
+from tasks.fault_injection import write_fault
+
+pytestmark = pytest.mark.slow
+NAME = "gray"
+
+ANALYSIS = {"requests": 16, "max_new_tokens": 8,
+            "metrics": [
+                {"name": "candidate-errors", "provider": "router", "query": "error_rate", "interval": 0.5,
+                 "count": 2, "success_condition": "result <= 0", "failure_limit": 0, "inconclusive_limit": 2},
+                {"name": "triton-success", "provider": "prometheus", "query": "success_rate", "version": "candidate",
+                 "interval": 1.0, "count": 1, "success_condition": "result >= 1", "inconclusive_limit": 1}],
+            "compare": {"metrics": ["ttft", "tpot"], "alpha": 0.01, "min_effect": 0.5, "min_samples": 6}}
+STEPS = [{"set_weight": 10}, {"analysis": ANALYSIS}, {"set_weight": 50}, {"analysis": ANALYSIS},
+         {"set_weight": 100}, {"analysis": ANALYSIS}]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("gray")
+    engines = [make_tiny_engine(tmp / "engines", seed=s) for s in (0, 1, 2)]
+    versions = [publish(tmp, NAME, e) for e in engines]
+    assert versions == ["1", "2", "3"]
+    servers = TritonServers(tmp)
+    proc = servers.start(init_repository(tmp / "repo"))
+    spec = make_spec(tmp, NAME, [proc], steps=STEPS)
+    yield {"tmp": tmp, "proc": proc, "spec": spec}
+    servers.stop_all()
+
+
+def test_rollout_and_automatic_rollback_under_load_drop_nothing(world) -> None:
+    spec, proc, tmp = world["spec"], world["proc"], world["tmp"]
+    first = promote(spec, "1")  # first release: the router appears at 100% on version 1
+    assert first.rollout.outcome == "Successful"
+    assert_consistent(spec, 1)
+
+    with Load([proc.http_url], NAME) as load:
+        load.mark("before")
+        load.gen.wait_for(40, timeout_s=60)
+        load.mark("rollout 1->2 (10/50/100)")
+        good = promote(spec, "2")
+        load.mark("between")
+        load.gen.wait_for(40, timeout_s=60)
+        write_fault(proc.model_repository, f"{NAME}_engine", 3, {"delay_per_token_s": 0.1})
+        load.mark("automatic rollback of slow v3")
+        with pytest.raises(RolloutAborted) as aborted:
+            promote(spec, "3")
+        load.mark("after")
+        load.gen.wait_for(40, timeout_s=60)
+        load.mark("rollback 2->1 (immediate)")
+        back = rollback(spec, immediate=True)
+        load.mark("after rollback")
+        load.gen.wait_for(40, timeout_s=60)
+    table = load.table()
+    print("\n" + table)
+    records = load.gen.log.since(0)
+    failures = [r.error for r in records if not r.ok]
+
+    assert good.rollout.outcome == "Successful" and good.rollout.metrics["rollout_failed_requests"] == 0
+    assert [a.outcome for a in good.rollout.analyses] == ["Successful"] * 3
+    assert [c.weights for c in good.rollout.weight_changes] == [{1: 90, 2: 10}, {1: 50, 2: 50}, {1: 0, 2: 100}]
+    bad = aborted.value.report
+    assert bad.metrics["rollout_failed_requests"] == 0
+    assert "Mann-Whitney" in aborted.value.reason and "tpot" in aborted.value.reason
+    tags = mr.get_version_tags(spec.mlflow.tracking_uri, NAME, "3")
+    assert tags["rollout"] == "failed" and "Mann-Whitney" in tags["rollout.reason"]
+    assert tags["approval"] == "rejected" and "comparisons" in tags["rollout.analysis"]
+    assert back.version == "1"
+    v2 = mr.get_version_tags(spec.mlflow.tracking_uri, NAME, "2")
+    assert v2["rollout"] == "rolled_back" and v2["rolled_back_to"] == "1"
+    assert_consistent(spec, 1)
+    assert not failures, f"{len(failures)} of {len(records)} requests failed: {sorted(set(failures))[:3]}\n{table}"
+    assert len(records) > 200
+
+    out = os.environ.get("ENGINEWRIGHT_ROLLOUT_REPORT_DIR")
+    if out:
+        out_dir = Path(out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "load-test.md").write_text(table + "\n")
+        (out_dir / "load-test.json").write_text(json.dumps({"requests": len(records), "failed": len(failures),
+                                                            "slow_rollback_reason": aborted.value.reason}, indent=2))
+        for png in (good.timeline_png, tmp / "work" / "reports" / f"promote-{NAME}-v3.png"):
+            shutil.copy(png, out_dir / png.name)

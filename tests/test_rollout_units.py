@@ -1,0 +1,202 @@
+"""Units of the gray release: sticky routing, counters that survive reloads, the analysis (metrics,
+success conditions, Mann-Whitney comparison), the journal, and the spec's rollout vocabulary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+from triton_support import FakeRequest, FakeResponse, FakeTensor, make_fake_pb_utils
+
+from serving.triton.models import router as router_mod
+from serving.triton.models.routing import (
+    LATENCY_BUCKETS_S,
+    RouterStats,
+    choose_sticky,
+    diff_counters,
+    hist_quantile,
+    merge_counters,
+)
+from tasks.analysis import combine, compare, judge, router_value, run_metrics, summarize_metric
+from tasks.promote_spec import AnalysisSpec, ComparisonSpec, MetricSpec, RolloutSpec
+from tasks.rollout_state import Journal, journal_path, read_journal, write_journal
+from tasks.traffic import RequestRecord
+
+# ---------------------------------------------------------------- sticky routing
+
+
+def test_sticky_routing_is_stable_and_monotone() -> None:
+    keys = [f"user-{i}".encode() for i in range(2000)]
+    at = {p: {k: choose_sticky({1: 100 - p, 2: p}, k) for k in keys} for p in (10, 50, 100)}
+    share = {p: sum(v == 2 for v in at[p].values()) / len(keys) for p in at}
+    # 2000 keys, Binomial sd <= 1.2 %: a +-5 % band is > 4 sd
+    assert abs(share[10] - 0.10) < 0.05 and abs(share[50] - 0.50) < 0.05 and share[100] == 1.0
+    assert all(at[50][k] == 2 for k in keys if at[10][k] == 2), "a key on the candidate at 10% moved back at 50%"
+    assert all(choose_sticky({1: 90, 2: 10}, k) == at[10][k] for k in keys[:100]), "same key, same version"
+    assert all(choose_sticky({1: 100, 2: 0}, k) == 1 for k in keys[:100])
+
+
+def test_router_routing_key_under_fake_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    def handler(model, version, inputs, requested):
+        assert "routing_key" not in {t.name() for t in inputs}
+        return FakeResponse([FakeTensor("output_ids", np.array([[7, 8, 9]], dtype=np.int32))])
+
+    pb = make_fake_pb_utils(handler)
+    monkeypatch.setattr(router_mod, "pb_utils", pb)
+    model = router_mod.TritonPythonModel()
+    model.initialize({"model_name": "m", "model_config": json.dumps({"parameters": {
+        "target_model": {"string_value": "m_engine"}, "weights": {"string_value": '{"1": 50, "2": 50}'}}})})
+    reqs = [FakeRequest({"input_ids": [[1]], "max_tokens": [[3]], "routing_key": np.array([[b"alice"]], dtype=object)},
+                        ("output_ids",)) for _ in range(20)]
+    out = asyncio.run(model.execute(reqs))
+    assert len({int(r.output("routed_version")[0, 0]) for r in out}) == 1
+    snap = model.stats.snapshot()
+    version = str(out[0].output("routed_version")[0, 0])
+    assert snap["detail"][version]["output_tokens"] == 60 and sum(snap["detail"][version]["latency_hist"]) == 20
+
+
+# ---------------------------------------------------------------- counters across generations
+
+
+def test_counters_survive_a_reload(tmp_path: Path) -> None:
+    old = RouterStats("m_engine", {1: 100}, counters_dir=tmp_path, generation="0001")
+    for _ in range(5):
+        old.record(1, ok=True, latency_s=0.02, output_tokens=4)
+    old.record(1, ok=False, latency_s=0.3)
+    old.persist()
+    new = RouterStats("m_engine", {1: 50, 2: 50}, counters_dir=tmp_path, generation="0002")
+    new.record(2, ok=True, latency_s=0.04, output_tokens=4)
+    old.record(1, ok=True, latency_s=0.02, output_tokens=4)  # the old instance drains after the new one loaded
+    old.persist(final=True)
+    snap = new.snapshot()
+    assert snap["versions"] == {"2": {"requests": 1, "errors": 0, "latency_sum_s": 0.04, "latency_max_s": 0.04}}
+    assert snap["cumulative"]["1"]["requests"] == 7 and snap["cumulative"]["1"]["errors"] == 1
+    assert snap["cumulative"]["2"]["output_tokens"] == 4 and snap["generations"] == 2
+    hist = snap["cumulative"]["1"]["latency_hist"]
+    assert sum(hist) == 7 and hist[LATENCY_BUCKETS_S.index(0.025)] == 6
+    assert hist_quantile(hist, 0.5) == 0.025 and hist_quantile(hist, 0.99) == 0.5
+
+
+def test_router_value_from_counter_deltas() -> None:
+    before = merge_counters([{"2": {"requests": 10, "errors": 1, "latency_sum_s": 1.0, "output_tokens": 80,
+                                    "latency_hist": [0] * 13}}])
+    after = merge_counters([{"2": {"requests": 30, "errors": 2, "latency_sum_s": 3.0, "output_tokens": 240,
+                                   "latency_hist": [0] * 5 + [20] + [0] * 7}}])
+    delta = diff_counters(after, before)
+    assert router_value("error_rate", delta, "2") == (pytest.approx(0.05), 20)
+    assert router_value("latency_per_token_s", delta, "2")[0] == pytest.approx(2.0 / 160)
+    assert router_value("latency_p99_s", delta, "2")[0] == 0.25
+    assert router_value("error_rate", delta, "3") == (None, 0)
+
+
+# ---------------------------------------------------------------- analysis
+
+
+def metric(**kw) -> MetricSpec:
+    base = {"name": "err", "query": "error_rate", "success_condition": "result <= 0.01"}
+    return MetricSpec(**{**base, **kw})
+
+
+def test_measurements_and_argo_limits() -> None:
+    m = metric(count=3, failure_limit=1)
+    ok, bad, none = judge(m, 0.0, 10), judge(m, 0.5, 10), judge(m, None, 0)
+    assert (ok.outcome, bad.outcome, none.outcome) == ("Successful", "Failed", "Inconclusive")
+    assert summarize_metric(m, [ok, bad, ok]).outcome == "Successful"  # one failure tolerated
+    assert summarize_metric(m, [bad, bad, ok]).outcome == "Failed"
+    assert summarize_metric(m, [ok, none, ok]).outcome == "Inconclusive"
+
+
+def test_run_metrics_lock_step_with_fake_clock() -> None:
+    now = [0.0]
+    taken = []
+
+    def read(m):
+        taken.append((m.name, now[0]))
+        return {"v": now[0]}
+
+    def value_of(m, before, after):
+        return float(after["v"] - before["v"]), 10
+
+    ms = [metric(name="a", interval=1, count=2, success_condition="result == 0"),
+          metric(name="b", interval=2, count=2, success_condition="result >= 0")]
+    results = run_metrics(ms, read, value_of, sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
+    assert [r.outcome for r in results] == ["Failed", "Successful"]
+    assert [x.value for x in results[0].measurements] == [1.0, 1.0]
+    assert [t for n, t in taken if n == "a"] == [0.0, 1.0, 2.0]
+    assert [t for n, t in taken if n == "b"] == [0.0, 2.0, 4.0]
+
+
+def records(version: int, latencies: list[float], tokens: int) -> list[RequestRecord]:
+    return [RequestRecord(0.0, x, version, True, tokens=tokens) for x in latencies]
+
+
+def test_mann_whitney_flags_a_slow_candidate_and_passes_an_equal_one() -> None:
+    """Seeded lognormal latencies. Slow: candidate 2x slower (p ~ 1e-7 at n=30/30, far below alpha 0.01).
+    Equal: same distribution; with alpha 0.01 a false alarm has probability 1 % at most, and this seed passes."""
+    rng = random.Random(1)
+    base = [0.01 * rng.lognormvariate(0, 0.2) for _ in range(30)]
+    same = [0.01 * rng.lognormvariate(0, 0.2) for _ in range(30)]
+    slow = [2 * x for x in same]
+    spec = ComparisonSpec(metrics=["tpot"], alpha=0.01, min_effect=0.25, insufficient="inconclusive",
+                          min_abs_effect_ms={"tpot": 0.5})
+    bad = compare(records(1, base, 8) + records(2, slow, 8), live=1, candidate=2, spec=spec)[0]
+    assert bad.outcome == "Failed" and bad.p_value < 1e-5 and "Mann-Whitney" in bad.reason
+    good = compare(records(1, base, 8) + records(2, same, 8), live=1, candidate=2, spec=spec)[0]
+    assert good.outcome == "Successful"
+    few = compare(records(1, base[:3], 8) + records(2, slow[:3], 8), live=1, candidate=2, spec=spec)[0]
+    assert few.outcome == "Inconclusive"
+    # significant but smaller than min_effect: passes
+    tiny = compare(records(1, base, 8) + records(2, [x * 1.1 for x in base], 8), live=1, candidate=2,
+                   spec=spec)[0]
+    assert tiny.outcome == "Successful"
+    # 2x slower but by 10 ms per token on a 10 ms baseline: above a 5 ms floor fails, under a 20 ms floor passes
+    floor = ComparisonSpec(metrics=["tpot"], min_effect=0.25, min_abs_effect_ms={"tpot": 20.0})
+    assert compare(records(1, base, 8) + records(2, slow, 8), live=1, candidate=2, spec=floor)[0].outcome == "Successful"
+
+
+def test_combine_outcomes() -> None:
+    spec = AnalysisSpec(requests=4, min_success_rate=1.0)
+    ok = records(1, [0.01] * 4, 8)
+    assert combine(1.0, ok, spec, [], []).outcome == "Successful"
+    failing = ok + [RequestRecord(0.0, 0.01, 2, False, "boom")]
+    result = combine(1.0, failing, spec, [], [])
+    assert result.outcome == "Failed" and "boom" in result.reason
+    assert combine(1.0, [], spec, [], []).outcome == "Inconclusive"
+
+
+def test_spec_vocabulary_and_errors() -> None:
+    spec = RolloutSpec.model_validate({"steps": [
+        {"set_weight": 10}, {"pause": {"duration": 2}},
+        {"analysis": {"metrics": [{"name": "e", "provider": "prometheus", "query": "success_rate", "interval": 1,
+                                   "count": 3, "success_condition": "result >= 0.99", "failure_limit": 1}]}},
+        {"set_weight": 100}]})
+    assert spec.steps[1].pause.duration_s == 2
+    with pytest.raises(ValidationError, match="success_condition"):
+        metric(success_condition="import os")
+    with pytest.raises(ValidationError, match="query 'p99'"):
+        metric(query="p99")
+    with pytest.raises(ValidationError, match="last set_weight step must be 100"):
+        RolloutSpec.model_validate({"steps": [{"set_weight": 50}]})
+
+
+# ---------------------------------------------------------------- journal
+
+
+def test_journal_written_everywhere_newest_wins(tmp_path: Path) -> None:
+    repos = [tmp_path / "a", tmp_path / "b"]
+    for r in repos:
+        r.mkdir()
+    j = Journal("m", 2, 1, "staging")
+    write_journal(repos, j)
+    write_journal(repos, j, phase="shifting", step=0, weights={1: 90, 2: 10})
+    assert all(journal_path(r, "m").is_file() for r in repos)
+    assert not any(p.name.endswith(".tmp") for r in repos for p in r.iterdir())
+    journal_path(repos[1], "m").write_text(Journal("m", 2, 1, "staging", seq=1).to_json())  # a stale copy
+    got = read_journal(repos, "m")
+    assert got.phase == "shifting" and got.weights == {1: 90, 2: 10} and not got.terminal
+    assert [h["phase"] for h in got.history] == ["staging", "shifting"]

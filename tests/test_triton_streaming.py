@@ -1,0 +1,118 @@
+"""Integration: the decoupled llm model (in-flight batching on an engine thread) in a real tritonserver,
+streamed over gRPC with tritonclient: per-token responses with a final flag, the accumulated
+(non-streaming) answer, concurrent requests batched in flight, errors as responses, clean unload."""
+
+from __future__ import annotations
+
+import queue
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from triton_support import TritonServers, make_tiny_engine
+
+from serving.engine import load_engine
+from serving.triton import init_repository, stage_engine_version
+
+pytestmark = pytest.mark.slow
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+ENGINE = "tiny_engine"
+PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 300, 12, 9, 3], [9, 9, 9]]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("stream")
+    engine_dir = make_tiny_engine(work, seed=0, max_batch_size=4)
+    root = init_repository(work / "repo")
+    stage_engine_version(root, "tiny", engine_dir, device_kind="cpu", parameters={"decoupled": "true"})
+    servers = TritonServers(work)
+    proc = servers.start(root)
+    control = proc.control()
+    control.load_model(ENGINE, timeout_s=90)
+    yield {"proc": proc, "control": control, "engine": engine_dir, "work": work}
+    servers.stop_all()
+
+
+def inputs(prompt: list[int], max_tokens: int, *, stream: bool, stop: list[int] | None = None):
+    items = [("input_ids", np.asarray([prompt], dtype=np.int32), "INT32"),
+             ("max_tokens", np.asarray([[max_tokens]], dtype=np.int32), "INT32"),
+             ("stream", np.asarray([[stream]], dtype=bool), "BOOL")]
+    if stop:
+        items.append(("stop_token_ids", np.asarray([stop], dtype=np.int32), "INT32"))
+    out = []
+    for name, arr, dt in items:
+        t = grpcclient.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def run_stream(url: str, requests: list[tuple[list[int], int, bool]], timeout_s: float = 60.0) -> dict[str, list]:
+    """Send all requests on one stream; collect (ids, finish_reason, final flag) or errors per request id."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i, (prompt, n, stream) in enumerate(requests):
+            client.async_stream_infer(ENGINE, inputs(prompt, n, stream=stream), request_id=str(i),
+                                      enable_empty_final_response=True)
+        out: dict[str, list] = {str(i): [] for i in range(len(requests))}
+        finished: set[str] = set()
+        deadline = time.monotonic() + timeout_s
+        while len(finished) < len(requests) and time.monotonic() < deadline:
+            result, error = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            if error is not None:
+                out.setdefault("errors", []).append(str(error))
+                finished.add(f"error-{len(out['errors'])}")  # an error response is its request's last
+                continue
+            resp = result.get_response()
+            final = resp.parameters["triton_final_response"].bool_param
+            ids = result.as_numpy("output_ids")
+            reason = result.as_numpy("finish_reason")
+            out[resp.id].append((None if ids is None else ids.reshape(-1).tolist(),
+                                 None if reason is None else reason.reshape(-1)[0].decode(), final))
+            if final:
+                finished.add(resp.id)
+        return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def reference(engine_dir: Path, prompt: list[int], n: int) -> list[int]:
+    return load_engine(engine_dir, device="cpu").generate([prompt], max_new_tokens=n)[0].token_ids
+
+
+def test_stream_one_response_per_token_then_final(world) -> None:
+    out = run_stream(world["proc"].grpc_url, [(PROMPTS[0], 6, True)])["0"]
+    assert [len(ids) for ids, _, _ in out] == [1] * 6
+    assert [final for _, _, final in out] == [False] * 5 + [True]
+    assert out[-1][1] == "length"
+    assert [ids[0] for ids, _, _ in out] == reference(world["engine"], PROMPTS[0], 6)
+
+
+def test_concurrent_streams_and_accumulated_match_engine(world) -> None:
+    """More requests than slots (4), mixed streaming and accumulated, unequal max_tokens."""
+    reqs = [(PROMPTS[i % 4], 3 + i, i % 2 == 0) for i in range(7)]
+    out = run_stream(world["proc"].grpc_url, reqs)
+    assert "errors" not in out
+    for i, (prompt, n, stream) in enumerate(reqs):
+        ids = [t for chunk, _, _ in out[str(i)] for t in chunk]
+        assert ids == reference(world["engine"], prompt, n), f"request {i}"
+        assert len(out[str(i)]) == (n if stream else 1)
+
+
+def test_bad_request_is_an_error_response_and_serving_goes_on(world) -> None:
+    out = run_stream(world["proc"].grpc_url, [([5] * 200, 4, True), (PROMPTS[1], 2, True)])
+    assert any("max_input_len=128" in e for e in out.get("errors", [])), out
+    assert [ids[0] for ids, _, _ in out["1"]] == reference(world["engine"], PROMPTS[1], 2)
+
+
+def test_unload_joins_engine_thread(world) -> None:
+    control = world["control"]
+    control.unload_model(ENGINE, wait=True)
+    logs = "".join(p.read_text() for p in Path(world["work"]).glob("triton-*.log"))
+    assert "engine thread joined (alive=False)" in logs
