@@ -17,6 +17,13 @@ import numpy as np
 # Errors worth another try: the server (or its queue) is momentarily unable to take the request.
 RETRYABLE_GRPC = {"StatusCode.UNAVAILABLE", "StatusCode.RESOURCE_EXHAUSTED"}
 RETRYABLE_HTTP = {429, 502, 503, 504}
+# Through the BLS router a full engine queue arrives as INTERNAL with Triton's own words.
+OVERLOAD_WORDS = ("exceeds maximum queue size", "resource exhausted")
+
+
+def is_overload(status: str, message: str) -> bool:
+    """Whether Triton refused the request for lack of room (try again later), whatever the status says."""
+    return status in RETRYABLE_GRPC or status in {"429", "503"} or any(w in message.lower() for w in OVERLOAD_WORDS)
 
 
 class LLMClientError(Exception):
@@ -152,11 +159,12 @@ class LLMClient:
 
     def _classify(self, exc: Exception, request_id: str) -> LLMClientError:
         status = str(getattr(exc, "status", lambda: None)() or "unknown")
+        message = getattr(exc, "message", lambda: str(exc))() or str(exc)
         if self.protocol == "grpc":
             retryable = status in RETRYABLE_GRPC
         else:
             retryable = status.isdigit() and int(status) in RETRYABLE_HTTP
-        message = getattr(exc, "message", lambda: str(exc))() or str(exc)
+        retryable = retryable or is_overload(status, message)
         return LLMClientError(message, status=status, retryable=retryable, request_id=request_id)
 
     def stream(self, model: str, prompt: str | list[int], params: GenerationParams = GenerationParams(), *,

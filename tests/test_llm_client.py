@@ -17,6 +17,7 @@ from serving.triton.repository import init_repository, stage_engine_version
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-client"
+TIGHT = "tiny-client-tight"  # the same engine behind a queue of one request
 PROMPT = [5, 17, 42, 99, 7]
 
 
@@ -27,10 +28,10 @@ def triton(tmp_path_factory):
     engine = make_tiny_engine(work, max_batch_size=8)
     server = start_triton(repo, log_path=work / "triton.log")
     try:
-        version = stage_engine_version(repo, MODEL, engine, device_kind="cpu")
-        serve_versions(server.control(), repo, MODEL, [version])
-        apply_router_weights(server.control(), repo, MODEL, {version: 100})
-        server.version = version
+        for name, queue in ((MODEL, 64), (TIGHT, 1)):
+            version = stage_engine_version(repo, name, engine, device_kind="cpu", max_queue_size=queue)
+            serve_versions(server.control(), repo, name, [version])
+            apply_router_weights(server.control(), repo, name, {version: 100})
         yield server
     finally:
         server.stop()
@@ -72,19 +73,14 @@ def test_deadline_is_enforced(triton):
 
 
 def test_overload_is_retried_until_it_succeeds(triton):
-    repo = triton.model_repository
-    apply_router_weights(triton.control(), repo, MODEL, {triton.version: 100}, max_queue_size=1)
-    try:
-        def one(i: int):
-            client = LLMClient(triton.grpc_url, retries=20, backoff_s=0.05, deadline_s=120)
-            try:
-                return client.generate(MODEL, [*PROMPT, i], GenerationParams(max_tokens=32))
-            finally:
-                client.close()
+    def one(i: int):
+        client = LLMClient(triton.grpc_url, retries=40, backoff_s=0.05, deadline_s=120)
+        try:
+            return client.generate(TIGHT, [*PROMPT, i], GenerationParams(max_tokens=32))
+        finally:
+            client.close()
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
-            results = list(pool.map(one, range(12)))
-    finally:
-        apply_router_weights(triton.control(), repo, MODEL, {triton.version: 100})
+    with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
+        results = list(pool.map(one, range(12)))
     assert all(len(r.output_ids) == 32 for r in results)
     assert max(r.attempts for r in results) > 1, "the burst should have overflowed a queue of one"

@@ -23,6 +23,7 @@ from serving.triton.repository import init_repository, stage_engine_version
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-openai"
+TIGHT = "tiny-openai-tight"  # the same engine behind a queue of one request
 PROMPT = "The capital of France is"
 
 
@@ -33,9 +34,10 @@ def triton(tmp_path_factory):
     engine = make_tiny_engine(work, max_batch_size=8)
     server = start_triton(repo, log_path=work / "triton.log")
     try:
-        version = stage_engine_version(repo, MODEL, engine, device_kind="cpu", max_queue_size=256)
-        serve_versions(server.control(), repo, MODEL, [version])
-        apply_router_weights(server.control(), repo, MODEL, {version: 100})
+        for name, queue in ((MODEL, 256), (TIGHT, 1)):
+            version = stage_engine_version(repo, name, engine, device_kind="cpu", max_queue_size=queue)
+            serve_versions(server.control(), repo, name, [version])
+            apply_router_weights(server.control(), repo, name, {version: 100})
         yield server
     finally:
         server.stop()
@@ -48,7 +50,7 @@ def front(triton, tmp_path_factory):
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "serve", "--triton-grpc", triton.grpc_url, "--model", MODEL,
-             "--port", str(port)],
+             "--model", TIGHT, "--port", str(port)],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     base = f"http://127.0.0.1:{port}"
@@ -76,7 +78,7 @@ def client(front):
 
 
 def test_models_are_listed(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == sorted([MODEL, TIGHT])
 
 
 def test_completion_equals_tritons_own_answer(client, triton):
@@ -151,28 +153,16 @@ def test_metrics_count_requests(front, client):
     assert 'enginewright_openai_requests_total{model="tiny-openai",route="/v1/completions",status="200"}' in text
 
 
-def test_full_triton_queue_becomes_429_with_retry_after(front, triton):
-    """A router queue of one request: a burst overflows it, and the overflow is told when to come back."""
-    repo = triton.model_repository
-    version = next(iter(_weights(repo)))
-    apply_router_weights(triton.control(), repo, MODEL, {version: 100}, max_queue_size=1)
-    try:
-        def one(i: int) -> httpx.Response:
-            body = {"model": MODEL, "prompt": f"{PROMPT} {i}", "max_tokens": 48}
-            return httpx.post(f"{front}/v1/completions", json=body, timeout=120)
+def test_full_triton_queue_becomes_429_with_retry_after(front):
+    """An engine queue of one request: a burst overflows it, and the overflow is told when to come back."""
+    def one(i: int) -> httpx.Response:
+        body = {"model": TIGHT, "prompt": f"{PROMPT} {i}", "max_tokens": 48}
+        return httpx.post(f"{front}/v1/completions", json=body, timeout=120)
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
-            replies = list(pool.map(one, range(24)))
-    finally:
-        apply_router_weights(triton.control(), repo, MODEL, {version: 100})
+    with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
+        replies = list(pool.map(one, range(24)))
     statuses = sorted({r.status_code for r in replies})
     assert set(statuses) <= {200, 429}, [r.text for r in replies if r.status_code not in (200, 429)]
     refused = [r for r in replies if r.status_code == 429]
     assert refused, f"no request was refused with a queue of one: {statuses}"
     assert all(r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "rate_limit_error" for r in refused)
-
-
-def _weights(repo: Path) -> dict[int, int]:
-    from serving.triton.repository import router_weights
-
-    return router_weights(repo, MODEL)

@@ -13,8 +13,8 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-OVERLOAD_STATUSES = {"StatusCode.RESOURCE_EXHAUSTED", "StatusCode.UNAVAILABLE"}
-OVERLOAD_WORDS = ("queue", "exceeds maximum", "resource exhausted")
+from serving.llm_client import is_overload
+
 
 
 class BackendError(Exception):
@@ -82,7 +82,7 @@ def _piece(result: Any) -> Piece:
 def _error(exc: Any, model: str) -> BackendError:
     status = str(exc.status()) if hasattr(exc, "status") else ""
     message = exc.message() if hasattr(exc, "message") else str(exc)
-    if status in OVERLOAD_STATUSES or any(w in message.lower() for w in OVERLOAD_WORDS):
+    if is_overload(status, message):
         return Overloaded(f"model {model!r} is overloaded: {message}", status=status)
     if "unknown model" in message.lower() or "not found" in message.lower():
         return UnknownModel(f"model {model!r} is not served: {message}", status=status)
