@@ -6,8 +6,8 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 EXIT_GATE = 1
 EXIT_BAD_INPUT = 2

@@ -91,13 +91,13 @@ def summary(spec: ReleaseSpec, released: Outcome, promoted: Outcome) -> str:
     return "\n".join([
         "",
         "=== demo finished",
-        f"promoted:     MLflow model {prom.model_name} version {prom.version} (alias production), "
-        f"approved by {prom.approved_by}",
+        (f"promoted:     MLflow model {prom.model_name} version {prom.version} (alias production), "
+         f"approved by {prom.approved_by}"),
         f"fingerprint:  {prom.fingerprint}",
         "validation:   " + ", ".join(f"{k.removeprefix('validation_')}={v:.4g}" for k, v in rel.validation_metrics.items()),
         "performance:  " + ", ".join(f"{k.removeprefix('perf_')}={v:.4g}" for k, v in rel.perf_metrics.items()),
-        f"rollout:      {prom.rollout.outcome}: {len(prom.rollout.records)} requests, "
-        f"{prom.rollout.metrics['rollout_failed_requests']} failed; timeline {prom.timeline_png}",
+        (f"rollout:      {prom.rollout.outcome}: {len(prom.rollout.records)} requests, "
+         f"{prom.rollout.metrics['rollout_failed_requests']} failed; timeline {prom.timeline_png}"),
         f"live Triton:  {endpoint} (model {prom.model_name}; {grpc})",
         f"try it:       curl -s {endpoint}/v2/models/{prom.model_name}/infer -d '{example}'",
         f"stop it:      .venv/bin/enginewright triton stop --repository {_relative(repository)}",

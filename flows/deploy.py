@@ -24,7 +24,7 @@ def prefect_cli() -> list[str]:
 
 
 def _run(args: list[str], env: dict[str, str], timeout_s: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*prefect_cli(), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([*prefect_cli(), *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout_s)
 
 

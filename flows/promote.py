@@ -56,6 +56,16 @@ class PromoteResult:
     timeline_png: Path
 
 
+def vocab_size(engine_dir: Path, spec: ReleaseSpec) -> int:
+    """Vocabulary of the staged engine, for the analysis traffic's random prompts."""
+    if spec.engine.kind == "torch":
+        from serving.engine import read_engine_info
+
+        return read_engine_info(engine_dir).model.vocab_size
+    config = next(engine_dir.rglob("config.json"), None)  # the HF config travels with every artifact kind
+    return int(json.loads(config.read_text()).get("vocab_size", 32000)) if config else 32000
+
+
 def _targets(spec: ReleaseSpec) -> list[Target]:
     if spec.triton.endpoints:
         return resolve_targets(spec.triton)
@@ -79,7 +89,7 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
     serving exactly one version and MLflow saying which and why.
     """
     from registry import model_registry as mr
-    from serving.engine import read_engine_info
+    from registry.promotion import require_complete
     from tasks.approve import approve
 
     name, uri, cand = spec.model_name, spec.mlflow.tracking_uri, int(version)
@@ -120,9 +130,10 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
         print(f"{name} version {version} approved by {approved_by}")
 
     device = "cuda" if spec.triton.device == "cuda" else "cpu" if spec.triton.device == "cpu" else "auto"
+    require_complete(spec.artifacts.uri, info)  # a version without its manifest is never promoted
     engine_dir = fetch_engine(
         artifacts_uri=spec.artifacts.uri, model_name=name, fingerprint=info.fingerprint,
-        cache_dir=spec.work_dir / "fetched", device=device,
+        cache_dir=spec.work_dir / "fetched", device=device, engine=spec.engine,
     )
     journal = Journal(name, cand, live, "staging", kind=kind, endpoints=[t.url for t in targets],
                       seq=previous.seq if previous else 0)
@@ -131,9 +142,10 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
     try:
         if _in_flow():
             staged = stage_task(targets, model_name=name, engine_dir=engine_dir, version=cand, triton=spec.triton,
-                                live=live)
+                                live=live, engine=spec.engine)
         else:
-            staged = stage(targets, model_name=name, engine_dir=engine_dir, version=cand, triton=spec.triton, live=live)
+            staged = stage(targets, model_name=name, engine_dir=engine_dir, version=cand, triton=spec.triton, live=live,
+                           engine=spec.engine)
     except Exception as exc:
         reason = f"staging failed: {type(exc).__name__}: {exc}"
         write_journal(repos, journal, phase="aborting", reason=reason)
@@ -145,7 +157,7 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
         raise StageFailed(f"{name} version {version} was not staged ({reason}); every endpoint serves version "
                           f"{live} again; MLflow tagged rollout=failed") from exc
 
-    vocab = read_engine_info(engine_dir).model.vocab_size
+    vocab = vocab_size(engine_dir, spec)
     decide = _decider(spec, version)
     try:
         args = {"rollout": rollout, "triton": spec.triton, "vocab_size": vocab, "journal": journal, "decide": decide}

@@ -9,8 +9,9 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -141,7 +142,7 @@ class LLMClient:
             try:
                 result = self._infer(module, model, prompt, params, request_id, remaining)
                 return _completion(result, request_id, attempt)
-            except Exception as exc:  # noqa: BLE001 - classified below
+            except Exception as exc:
                 error = self._classify(exc, request_id)
                 if not error.retryable or attempt > self.retries or time.monotonic() + self.backoff_s >= deadline:
                     raise error from exc

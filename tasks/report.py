@@ -106,8 +106,8 @@ def render_release_report(
     lines = [
         f"# Release report: {model_name} `{fingerprint[:16]}`",
         "",
-        f"Validation: **{'passed' if validation.passed else 'FAILED'}** · Performance: "
-        f"**{'passed' if perf.passed else 'FAILED'}**",
+        (f"Validation: **{'passed' if validation.passed else 'FAILED'}** · Performance: "
+         f"**{'passed' if perf.passed else 'FAILED'}**"),
         "",
         *(f"- {name}: {url}" for name, url in links.items()),
         "",

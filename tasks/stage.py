@@ -13,6 +13,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.engine_spec import EngineSpec
 from tasks.promote_spec import TritonSpec
 from tasks.targets import Target
 
@@ -27,8 +28,13 @@ class StagedVersion:
     engine_dir: Path
 
 
-def fetch_engine(*, artifacts_uri: str, model_name: str, fingerprint: str, cache_dir: Path, device: str) -> Path:
-    """Download the engine (every file checked against the manifest) and check its toolchain here."""
+def fetch_engine(*, artifacts_uri: str, model_name: str, fingerprint: str, cache_dir: Path, device: str,
+                 engine: EngineSpec | None = None) -> Path:
+    """Download the engine (every file checked against the manifest) and check its toolchain here.
+
+    TensorRT-LLM artifacts are checked against the spec's target toolchain (GPU compute capability,
+    TensorRT-LLM version) instead: a mismatch is refused before anything is staged.
+    """
     from registry.stores import artifact_key, open_store
     from serving.engine import check_toolchain, read_engine_info
     from serving.engine.runner import resolve_device
@@ -36,6 +42,13 @@ def fetch_engine(*, artifacts_uri: str, model_name: str, fingerprint: str, cache
     local = cache_dir / model_name / fingerprint
     store = open_store(artifacts_uri)
     store.get_tree(artifact_key(model_name, fingerprint), local)
+    if engine is not None and engine.kind != "torch":
+        from serving.trtllm import verify_artifact
+        from tasks.engine_kinds import check_stage_toolchain
+
+        verify_artifact(local)
+        check_stage_toolchain(local, engine)
+        return local
     info = read_engine_info(local)
     if info.fingerprint != fingerprint:
         raise ValueError(
@@ -63,7 +76,7 @@ def fleet_live_version(targets: list[Target], model_name: str) -> int | None:
 
 
 def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: int, triton: TritonSpec,
-          live: int | None = None) -> StagedVersion:
+          live: int | None = None, engine: EngineSpec | None = None) -> StagedVersion:
     """Stage `engine_dir` as `version` beside the live version on every target and load both.
 
     Any failure on any endpoint rolls every endpoint back to the live version before raising.
@@ -80,16 +93,22 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
             if version in list_versions(target.model_repository, model_name):
                 raise ValueError(f"version {version} of {model_name} is already staged on {target.url} but not "
                                  "live; the rollout journal should have rolled it back")
-            stage_engine_version(
-                target.model_repository,
-                model_name,
-                engine_dir,
-                version=version,
-                device_kind=triton.device,
-                max_queue_size=triton.max_queue_size,
-                max_queue_delay_us=triton.max_queue_delay_us,
-                parameters=dict(triton.engine_parameters) if triton.engine_parameters else None,
-            )
+            if engine is not None and engine.kind != "torch":  # toolchain refused here on a mismatch
+                from tasks.engine_kinds import stage_for_kind
+
+                stage_for_kind(target.model_repository, model_name, engine_dir, engine, version=version,
+                               max_queue_delay_us=triton.max_queue_delay_us, max_queue_size=triton.max_queue_size)
+            else:
+                stage_engine_version(
+                    target.model_repository,
+                    model_name,
+                    engine_dir,
+                    version=version,
+                    device_kind=triton.device,
+                    max_queue_size=triton.max_queue_size,
+                    max_queue_delay_us=triton.max_queue_delay_us,
+                    parameters=dict(triton.engine_parameters) if triton.engine_parameters else None,
+                )
             checkpoint(f"stage {target.url}: version {version} folder in place")
             serving = sorted({*before, version})
             serve_versions(target.control(), target.model_repository, model_name, serving, timeout_s=triton.load_timeout_s)
@@ -121,6 +140,7 @@ def warm_up(target: Target, model_name: str, version: int, triton: TritonSpec) -
 
 @task(name="stage", retries=0, cache_policy=NO_CACHE)
 def stage_task(targets: list[Target], *, model_name: str, engine_dir: Path, version: int, triton: TritonSpec,
-               live: int | None = None) -> StagedVersion:
+               live: int | None = None, engine: EngineSpec | None = None) -> StagedVersion:
     """Stage the candidate version on every Triton endpoint."""
-    return stage(targets, model_name=model_name, engine_dir=engine_dir, version=version, triton=triton, live=live)
+    return stage(targets, model_name=model_name, engine_dir=engine_dir, version=version, triton=triton, live=live,
+                 engine=engine)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 from prefect import task
@@ -269,8 +270,8 @@ def render_report(result: ValidationResult) -> str:
         f"| teacher-forced top-1 agreement | {result.top1_agreement:.4f} | >= {result.thresholds['min_top1_agreement']} |",
         f"| max prefill logit error | {result.max_logit_error:.3g} | <= {result.thresholds['max_logit_error']:.3g} |",
         f"| mean prefill logit error | {result.mean_logit_error:.3g} | |",
-        f"| perplexity (reference / engine) | {result.perplexity_reference:.3f} / {result.perplexity_engine:.3f} "
-        f"| ratio <= {result.thresholds['max_perplexity_ratio']} |",
+        (f"| perplexity (reference / engine) | {result.perplexity_reference:.3f} / {result.perplexity_engine:.3f} "
+         f"| ratio <= {result.thresholds['max_perplexity_ratio']} |"),
         "",
         "| prompt | status | first divergence | hf text | engine text |",
         "| --- | --- | --- | --- | --- |",

@@ -67,5 +67,5 @@ def test_every_serving_module_imports_with_torch_and_numpy_only():
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, f"importing serving loaded {done.stdout.strip()} {done.stderr[-2000:]}"

@@ -8,13 +8,13 @@ answer is streamed as one chunk. Triton's full queue (RESOURCE_EXHAUSTED / UNAVA
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import numpy as np
 
 from serving.llm_client import is_overload
-
 
 
 class BackendError(Exception):
@@ -130,7 +130,7 @@ class TritonBackend:
                 model, _inputs(grpc, prompt, sampling), outputs=outputs, request_id=uuid.uuid4().hex,
                 client_timeout=self.timeout_s,
             )
-        except Exception as exc:  # noqa: BLE001 - classified into our errors
+        except Exception as exc:
             raise _error(exc, model) from exc
         return _piece(result)
 
