@@ -100,7 +100,7 @@ CHILD = textwrap.dedent("""
 
     def progress(path, nbytes):
         print("progress", path, nbytes, flush=True)
-        time.sleep(0.02)
+        time.sleep(0.05)
 
     model, bucket, fp, path = sys.argv[1:5]
     engine = FakeEngine(fp, path, {"torch": "2.13.0", "cuda": "none"})
@@ -113,7 +113,7 @@ CHILD = textwrap.dedent("""
 
 def test_killed_mid_upload_then_rerun_completes(pipeline: MlflowAuthServer, s3_bucket: str, tmp_path: Path) -> None:
     model = new_model(pipeline, "killed-model")
-    engine = make_engine_folder(tmp_path / "engine", big_mib=16, seed=5)
+    engine = make_engine_folder(tmp_path / "engine", big_mib=24, seed=5)
     uri = f"s3://{s3_bucket}/engines"
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     proc = subprocess.Popen(

@@ -24,7 +24,7 @@ def publish(tmp: Path, name: str, engine_dir: Path) -> str:
     store = open_store((tmp / "artifacts").as_uri())
     key = artifact_key(name, fingerprint)
     store.put_tree(engine_dir, key, manifest_meta={"model_name": name})
-    return mr.register_engine_version(mlflow_uri(tmp), name, source=store.uri(key), fingerprint=fingerprint)
+    return mr.register_engine_version(mlflow_uri(tmp), name, source=store.manifest_uri(key), fingerprint=fingerprint)
 
 
 def mlflow_uri(tmp: Path) -> str:
