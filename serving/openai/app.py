@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -63,7 +64,12 @@ def apply_stop(text: str, stops: list[str] | None) -> tuple[str, bool]:
 
 
 def create_app(backend: TritonBackend, models: list[str]) -> FastAPI:
-    app = FastAPI(title="enginewright OpenAI-compatible API")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await backend.close()
+
+    app = FastAPI(title="enginewright OpenAI-compatible API", lifespan=lifespan)
     metrics = Metrics()
     served = set(models)
 
@@ -73,10 +79,6 @@ def create_app(backend: TritonBackend, models: list[str]) -> FastAPI:
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         metrics.requests.labels(request.url.path, "-", "400").inc()
         return openai_error(400, f"{param or 'body'}: {first.get('msg')}", param=param)
-
-    @app.on_event("shutdown")
-    async def _close() -> None:
-        await backend.close()
 
     @app.get("/health")
     async def health() -> JSONResponse:
