@@ -98,9 +98,16 @@ CHILD = textwrap.dedent("""
     from services import FakeEngine
     from tasks.publish import publish
 
+    moved = 0
+
     def progress(path, nbytes):
+        # Report every chunk; once the big file is well under way, hold the upload open until the test's
+        # SIGKILL arrives, so the kill lands mid-upload however loaded the machine is.
+        global moved
         print("progress", path, nbytes, flush=True)
-        time.sleep(0.05)
+        moved += nbytes if path == "weights/rank0.bin" else 0
+        if moved > 6 * 1024 * 1024:
+            time.sleep(120)
 
     model, bucket, fp, path = sys.argv[1:5]
     engine = FakeEngine(fp, path, {"torch": "2.13.0", "cuda": "none"})
@@ -113,7 +120,7 @@ CHILD = textwrap.dedent("""
 
 def test_killed_mid_upload_then_rerun_completes(pipeline: MlflowAuthServer, s3_bucket: str, tmp_path: Path) -> None:
     model = new_model(pipeline, "killed-model")
-    engine = make_engine_folder(tmp_path / "engine", big_mib=24, seed=5)
+    engine = make_engine_folder(tmp_path / "engine", big_mib=16, seed=5)
     uri = f"s3://{s3_bucket}/engines"
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
     proc = subprocess.Popen(
