@@ -6,13 +6,10 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
-from triton_support import make_tiny_engine
+from triton_support import tiny_models_served
 
 from serving.llm_client import GenerationParams, LLMClient, LLMClientError
 from serving.triton.client import infer_ids
-from serving.triton.operations import apply_router_weights, serve_versions
-from serving.triton.process import start_triton
-from serving.triton.repository import init_repository, stage_engine_version
 
 pytestmark = pytest.mark.slow
 
@@ -23,18 +20,8 @@ PROMPT = [5, 17, 42, 99, 7]
 
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory):
-    work = tmp_path_factory.mktemp("client")
-    repo = init_repository(work / "repository")
-    engine = make_tiny_engine(work, max_batch_size=8)
-    server = start_triton(repo, log_path=work / "triton.log")
-    try:
-        for name, queue in ((MODEL, 64), (TIGHT, 1)):
-            version = stage_engine_version(repo, name, engine, device_kind="cpu", max_queue_size=queue)
-            serve_versions(server.control(), repo, name, [version])
-            apply_router_weights(server.control(), repo, name, {version: 100})
+    with tiny_models_served(tmp_path_factory.mktemp("client"), {MODEL: 64, TIGHT: 1}) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_grpc_and_http_agree_with_the_plain_client(triton):

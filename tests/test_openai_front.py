@@ -12,12 +12,10 @@ import time
 import httpx
 import openai
 import pytest
-from triton_support import make_tiny_engine
+from triton_support import tiny_models_served
 
 from serving.triton.client import infer_text
-from serving.triton.operations import apply_router_weights, serve_versions
-from serving.triton.process import free_port, start_triton
-from serving.triton.repository import init_repository, stage_engine_version
+from serving.triton.process import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -28,18 +26,8 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory):
-    work = tmp_path_factory.mktemp("openai")
-    repo = init_repository(work / "repository")
-    engine = make_tiny_engine(work, max_batch_size=8)
-    server = start_triton(repo, log_path=work / "triton.log")
-    try:
-        for name, queue in ((MODEL, 256), (TIGHT, 1)):
-            version = stage_engine_version(repo, name, engine, device_kind="cpu", max_queue_size=queue)
-            serve_versions(server.control(), repo, name, [version])
-            apply_router_weights(server.control(), repo, name, {version: 100})
+    with tiny_models_served(tmp_path_factory.mktemp("openai"), {MODEL: 64, TIGHT: 1}) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,9 @@ Import from tests as ``from triton_support import ...`` (pytest puts ``tests/`` 
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -207,3 +209,22 @@ def pid_alive(pid: int) -> bool:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
+
+
+@contextlib.contextmanager
+def tiny_models_served(work_dir: Path, queues: dict[str, int]) -> Iterator[TritonProcess]:
+    """One Triton serving the tiny CPU engine behind a router under each name, with that engine queue size."""
+    from serving.triton.operations import apply_router_weights, serve_versions
+    from serving.triton.repository import init_repository, stage_engine_version
+
+    repo = init_repository(work_dir / "repository")
+    engine = make_tiny_engine(work_dir, max_batch_size=8)
+    server = start_triton(repo, log_path=work_dir / "triton.log")
+    try:
+        for name, queue in queues.items():
+            version = stage_engine_version(repo, name, engine, device_kind="cpu", max_queue_size=queue)
+            serve_versions(server.control(), repo, name, [version])
+            apply_router_weights(server.control(), repo, name, {version: 100})
+        yield server
+    finally:
+        server.stop()
