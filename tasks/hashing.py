@@ -7,15 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-CHUNK = 1 << 20
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+from serving.engine.build import sha256_file as file_sha256  # the engine's own file hash
 
 
 def tree_digest(root: Path) -> str:

@@ -118,16 +118,16 @@ def test_stage_failure_mid_copy_leaves_nothing(tmp_path: Path, monkeypatch: pyte
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8)
     before = sorted(p.name for p in (root / "m_engine").iterdir())
     config_before = (root / "m_engine" / "config.pbtxt").read_bytes()
-    real = repo_mod._place_file
+    real = repo_mod.link_or_copy
     placed: list[Path] = []
 
-    def flaky(src: Path, dst: Path, *, link: bool) -> None:
+    def flaky(src: Path, dst: Path, *, link: bool = True) -> None:
         if placed:
             raise OSError(f"disk full while writing {dst}")
         placed.append(dst)
         real(src, dst, link=link)
 
-    monkeypatch.setattr(repo_mod, "_place_file", flaky)
+    monkeypatch.setattr(repo_mod, "link_or_copy", flaky)
     with pytest.raises(OSError, match="disk full"):
         repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8)
     assert placed, "the failure must happen after a first file was written"

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from serving.files import link_or_copy
 from serving.triton.errors import RepositoryError
 from serving.triton.model_configs import llm_config, router_config
 from serving.triton.pbtxt import to_pbtxt
@@ -130,24 +131,13 @@ def served_versions(root: Path, name: str) -> list[int]:
     return list(_read_state(_model_dir(root, name)).get("served", []))
 
 
-def _place_file(src: Path, dst: Path, *, link: bool) -> None:
-    """Hardlink ``src`` to ``dst`` (copy when linking is impossible or not wanted)."""
-    if link:
-        try:
-            os.link(src, dst)
-            return
-        except OSError:
-            pass
-    shutil.copy2(src, dst)
-
-
 def _place_tree(src: Path, dst: Path, *, link: bool) -> None:
     dst.mkdir()
     for path in sorted(src.iterdir()):
         if path.is_dir():
             _place_tree(path, dst / path.name, link=link)
         elif path.is_file():
-            _place_file(path, dst / path.name, link=link)
+            link_or_copy(path, dst / path.name, link=link)
 
 
 def _engine_summary(engine_dir: Path, max_batch_size: int | None) -> dict[str, Any]:

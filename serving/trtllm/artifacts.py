@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serving.files import link_or_copy
 from serving.trtllm.commands import build_command, convert_command, llm_args, modelopt_command
 from serving.trtllm.errors import TrtllmArtifactError
 from serving.trtllm.options import TrtllmOptions
@@ -103,13 +104,7 @@ def special_tokens(hf_dir: Path) -> dict[str, Any]:
 
 def _place(src: Path, dst: Path, *, link: bool) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if link:
-        try:
-            os.link(src, dst)
-            return
-        except OSError:
-            pass
-    shutil.copy2(src, dst)
+    link_or_copy(src, dst, link=link)
 
 
 def _copy_tokenizer(hf_dir: Path, dst: Path) -> None:
