@@ -1,5 +1,5 @@
 """Integration: the decoupled llm model (in-flight batching on an engine thread) in a real tritonserver,
-streamed over gRPC with tritonclient: per-token responses with a final flag, the accumulated
+streamed over gRPC with tritonclient: token responses with a final flag, the accumulated
 (non-streaming) answer, concurrent requests batched in flight, errors as responses, clean unload."""
 
 from __future__ import annotations
@@ -86,12 +86,14 @@ def reference(engine_dir: Path, prompt: list[int], n: int) -> list[int]:
     return load_engine(engine_dir, device="cpu").generate([prompt], max_new_tokens=n)[0].token_ids
 
 
-def test_stream_one_response_per_token_then_final(world) -> None:
+def test_stream_sends_tokens_as_they_come_then_final(world) -> None:
+    """Tokens arrive in order over several responses (one per token while the sender keeps up, several
+    per response when it falls behind: tests/test_outbox.py), the last one flagged final."""
     out = run_stream(world["proc"].grpc_url, [(PROMPTS[0], 6, True)])["0"]
-    assert [len(ids) for ids, _, _ in out] == [1] * 6
-    assert [final for _, _, final in out] == [False] * 5 + [True]
+    assert 1 < len(out) <= 6 and all(ids for ids, _, _ in out)
+    assert [final for _, _, final in out] == [False] * (len(out) - 1) + [True]
     assert out[-1][1] == "length"
-    assert [ids[0] for ids, _, _ in out] == reference(world["engine"], PROMPTS[0], 6)
+    assert [t for ids, _, _ in out for t in ids] == reference(world["engine"], PROMPTS[0], 6)
 
 
 def test_concurrent_streams_and_accumulated_match_engine(world) -> None:
@@ -102,13 +104,13 @@ def test_concurrent_streams_and_accumulated_match_engine(world) -> None:
     for i, (prompt, n, stream) in enumerate(reqs):
         ids = [t for chunk, _, _ in out[str(i)] for t in chunk]
         assert ids == reference(world["engine"], prompt, n), f"request {i}"
-        assert len(out[str(i)]) == (n if stream else 1)
+        assert 1 < len(out[str(i)]) <= n if stream else len(out[str(i)]) == 1
 
 
 def test_bad_request_is_an_error_response_and_serving_goes_on(world) -> None:
     out = run_stream(world["proc"].grpc_url, [([5] * 200, 4, True), (PROMPTS[1], 2, True)])
     assert any("max_input_len=128" in e for e in out.get("errors", [])), out
-    assert [ids[0] for ids, _, _ in out["1"]] == reference(world["engine"], PROMPTS[1], 2)
+    assert [t for ids, _, _ in out["1"] for t in ids] == reference(world["engine"], PROMPTS[1], 2)
 
 
 def test_unload_joins_engine_thread(world) -> None:

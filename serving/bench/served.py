@@ -3,8 +3,10 @@
 Builds a random-weight engine of a real shape (HF checkpoint -> `convert_checkpoint` -> `build_engine`),
 stages it as a decoupled model (`compile_decode` on), starts the bundled tritonserver, then runs
 `clients` client processes (one gRPC stream each, `requests_per_client` requests one after the other,
-`stream=True`). Figures: output tok/s over the whole run, TTFT (send -> first token) and TPOT
-(gaps between a request's tokens) p50/p99, plus raw samples for plots. Needs `tritonclient[grpc]`.
+`stream=True`). Figures: output tok/s over the whole run, TTFT (send -> first token), TPOT per request
+((last token - first token) / (tokens - 1), vLLM's benchmark definition, since one response may carry
+several tokens) and ITL (gaps between a request's responses) p50/p99, plus raw samples for plots.
+Needs `tritonclient[grpc]`.
 """
 
 from __future__ import annotations
@@ -127,18 +129,24 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
             p.join(30)
         ok = [r for r in records if r["error"] is None and r["stamps"]]
         first_send = min(r["sent"] for r in records)
-        last = max(r["stamps"][-1] for r in ok) if ok else time.perf_counter()
-        tokens = sum(len(r["stamps"]) for r in ok)
-        ttft = [(r["stamps"][0] - r["sent"]) * 1e3 for r in ok]
-        tpot = [(b - a) * 1e3 for r in ok for a, b in zip(r["stamps"], r["stamps"][1:])]
+        last = max(r["stamps"][-1][0] for r in ok) if ok else time.perf_counter()
+        counts = [sum(n for _, n in r["stamps"]) for r in ok]
+        tokens = sum(counts)
+        ttft = [(r["stamps"][0][0] - r["sent"]) * 1e3 for r in ok]
+        tpot = [(r["stamps"][-1][0] - r["stamps"][0][0]) * 1e3 / (n - 1) for r, n in zip(ok, counts) if n > 1]
+        itl = [(b[0] - a[0]) * 1e3 for r in ok for a, b in zip(r["stamps"], r["stamps"][1:])]
+        responses = sum(len(r["stamps"]) for r in ok)
         report.update({
             "requests": len(records), "errors": [r["error"] for r in records if r["error"]][:5],
             "n_errors": sum(r["error"] is not None for r in records), "output_tokens": tokens,
             "wall_s": last - first_send, "output_tok_s": tokens / (last - first_send),
             "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
             "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
+            "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99),
+            "responses": responses, "tokens_per_response": tokens / max(responses, 1),
             "clients_spawned_s": time.perf_counter() - started,
-            "samples": {"ttft_ms": [round(x, 3) for x in ttft], "tpot_ms": [round(x, 3) for x in tpot[::7]]},
+            "samples": {"ttft_ms": [round(x, 3) for x in ttft], "tpot_ms": [round(x, 3) for x in tpot],
+                        "itl_ms": [round(x, 3) for x in itl[::7]]},
         })
         if offline_json is not None and offline_json.is_file():
             offline = json.loads(offline_json.read_text())

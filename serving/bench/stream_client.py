@@ -2,7 +2,8 @@
 
 `stream_client` opens one stream to Triton, waits at the barrier so that every client starts together,
 sends its prompts one after the other (`stream=True`) and puts one record per request on `out`:
-send time, the arrival time of every token response, and an error if any.
+send time, the arrival time and token count of every response (a response carries one token, or
+several when the server's sender fell behind), and an error if any.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, ba
                     error = str(err)
                     break
                 resp = result.get_response()
-                if result.as_numpy("output_ids") is not None:
-                    stamps.append(at)
+                ids = result.as_numpy("output_ids")
+                if ids is not None and ids.size:
+                    stamps.append((at, int(ids.size)))
                 if resp.parameters["triton_final_response"].bool_param:
                     break
             records.append({"sent": sent, "stamps": stamps, "error": error})

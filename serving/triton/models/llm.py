@@ -13,10 +13,12 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
 - plain: ``execute`` runs planned ``generate`` calls and returns one response per request.
 - decoupled (in-flight batching): an ``EngineThread`` owns the runner and runs
   ``serving.engine.scheduler.Scheduler``; ``execute`` parses each request and submits it with a
-  callback that answers through the request's response sender: with ``stream`` true one response per
-  token (``output_ids`` [1, 1]), the last one flagged FINAL and carrying ``finish_reason``; otherwise one
-  FINAL response with every token (accumulated). Responses are built and sent by a ``SendThread``, so
-  the scheduler thread only enqueues between steps. ``execute`` returns at once. Startup errors of the
+  callback that answers through the request's response sender: with ``stream`` true the new tokens
+  (``output_ids`` [1, k]), the last response flagged FINAL and carrying ``finish_reason``; otherwise one
+  FINAL response with every token. Responses are built and sent by ``outbox.Outbox`` on its own thread,
+  so the scheduler thread only appends tokens between steps; a stream's tokens that wait while the
+  sender is busy go out together in its next response (k > 1 under load, 1 otherwise). ``execute``
+  returns at once. Startup errors of the
   thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
@@ -35,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from serving.triton.models.outbox import Outbox
 from serving.triton.models.requests import (
     BatchItem,
     LlmRequest,
@@ -186,43 +189,6 @@ def _truthy(value: str | None) -> bool:
     return str(value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-class SendThread:
-    """Builds and sends the decoupled responses off the scheduler thread.
-
-    ``emit`` runs on the scheduler thread after every decode step, once per live request; building the
-    response tensors and ``sender.send`` (an IPC to the server) cost tens of microseconds each, which at
-    64 streams would stall the next step by milliseconds. Here they run on one FIFO thread (so a
-    request's responses keep their order) while the scheduler thread waits on the GPU (torch releases
-    the GIL there).
-    """
-
-    def __init__(self, log: Log) -> None:
-        import queue
-
-        self.log = log
-        self.queue: Any = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._main, name=f"send-{log.prefix}", daemon=True)
-        self.thread.start()
-
-    def put(self, job: Callable[[], None]) -> None:
-        self.queue.put(job)
-
-    def _main(self) -> None:
-        while True:
-            job = self.queue.get()
-            if job is None:
-                return
-            try:
-                job()
-            except Exception as exc:  # noqa: BLE001 - one failed send must not stop the others
-                self.log.error(f"sending a response failed: {type(exc).__name__}: {exc}")
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Send what is queued, then end the thread."""
-        self.queue.put(None)
-        self.thread.join(timeout_s)
-
-
 class EngineThread:
     """The engine loop on its own thread: prepare (compile, capture graphs), then the scheduler forever."""
 
@@ -317,9 +283,9 @@ class TritonPythonModel:
         uses_decoupled = getattr(pb_utils, "using_decoupled_model_transaction_policy", None)
         self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else _truthy(params.get("decoupled"))
         self.engine_thread: EngineThread | None = None
-        self.send_thread: SendThread | None = None
+        self.outbox: Outbox | None = None
         if self.decoupled:
-            self.send_thread = SendThread(self.log)
+            self.outbox = Outbox(f"{self.model_name}-v{self.version}", self.log.error)
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
                                               compile_decode=_truthy(params.get("compile_decode")),
@@ -379,25 +345,22 @@ class TritonPythonModel:
             self.log.error(f"request {index}: {type(exc).__name__}: {exc}")
             sender.send(_error_response(f"{tag}: internal error: {exc}"), flags=final)
             return
-        collected: list[int] = []
-
-        send_thread = self.send_thread
+        outbox = self.outbox
 
         def send_tokens(ids: list[int], reason: str | None) -> None:
             tensors = self._tensors(req, ids, reason or "")
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if reason else 0)
 
+        def send_error(message: str) -> None:
+            sender.send(_error_response(message), flags=final)
+
+        stream = outbox.open(send_tokens, send_error, streaming=req.stream)
+
         def emit(ids: list[int], reason: str | None) -> None:  # on the scheduler thread: only enqueue
-            if req.stream:
-                send_thread.put(lambda: send_tokens(ids, reason))
-            else:
-                collected.extend(ids)
-                if reason is not None:
-                    send_thread.put(lambda: send_tokens(list(collected), reason))
+            outbox.emit(stream, ids, reason)
 
         def fail(exc: BaseException) -> None:
-            message = f"{tag}: generate failed: {type(exc).__name__}: {exc}"
-            send_thread.put(lambda: sender.send(_error_response(message), flags=final))
+            outbox.fail(stream, f"{tag}: generate failed: {type(exc).__name__}: {exc}")
 
         sampling = engine_sampling(req)
         try:
@@ -447,10 +410,11 @@ class TritonPythonModel:
             engine_thread.stop()
             self.log.info(f"engine thread joined (alive={engine_thread.thread.is_alive()}); scheduler {stats}")
             self.engine_thread = None
-        send_thread = getattr(self, "send_thread", None)
-        if send_thread is not None:
-            send_thread.stop()
-            self.send_thread = None
+        outbox = getattr(self, "outbox", None)
+        if outbox is not None:
+            outbox.stop()
+            self.log.info(f"responses sent: {outbox.stats}")
+            self.outbox = None
         host = getattr(self, "host", None)
         if host is not None:
             self.log.info(f"finalize after {host.executions} generate calls (largest batch {host.largest_batch})")

@@ -1,0 +1,120 @@
+"""The decoupled ``llm`` model's responses, sent off the scheduler thread and coalesced under load.
+
+The scheduler thread only appends tokens to a request's ``Stream`` (a lock and a list append) after
+each step; one sender thread builds and sends the responses. Each visit of the sender takes
+everything a stream gathered since its last visit and sends it as ONE response: while the sender
+keeps up that is one token per response (plain token streaming); when it falls behind (building a
+response and the python backend's IPC cost ~0.1-0.3 ms, and 64 streams produce 64 tokens per ~1.5 ms
+step), a response carries every token that waited, so the sender never becomes the throughput
+ceiling and no token is dropped or reordered.
+
+A stream that is not streaming (``stream`` false) is sent once, when it finishes. A failure is sent
+after the tokens that preceded it, as the final response.
+
+Imports: stdlib only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+SendTokens = Callable[[list[int], "str | None"], None]  # (token ids, finish reason or None) -> one response
+SendError = Callable[[str], None]  # message -> one final error response
+
+
+@dataclass
+class Stream:
+    """What one request has produced and not yet sent."""
+
+    send_tokens: SendTokens
+    send_error: SendError
+    streaming: bool
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None
+    error: str | None = None
+    closed: bool = False  # the final response was taken by the sender
+
+    def take(self) -> tuple[list[int], str | None, str | None]:
+        tokens, self.tokens = self.tokens, []
+        if self.reason is not None or self.error is not None:
+            self.closed = True
+        return tokens, self.reason, self.error
+
+
+@dataclass
+class OutboxStats:
+    responses: int = 0
+    tokens: int = 0
+    largest_chunk: int = 0
+    failed_sends: int = 0
+
+
+class Outbox:
+    """One sender thread for every stream of a model instance."""
+
+    def __init__(self, name: str, log_error: Callable[[str], None]) -> None:
+        self.log_error = log_error
+        self.cond = threading.Condition()
+        self.ready: dict[int, Stream] = {}  # id(stream) -> stream, oldest first
+        self.stopping = False
+        self.stats = OutboxStats()
+        self.thread = threading.Thread(target=self._main, name=f"send-{name}", daemon=True)
+        self.thread.start()
+
+    def open(self, send_tokens: SendTokens, send_error: SendError, *, streaming: bool) -> Stream:
+        return Stream(send_tokens, send_error, streaming)
+
+    def emit(self, stream: Stream, ids: list[int], reason: str | None) -> None:
+        """New tokens of `stream` (its finish reason with the last ones). Any thread; never blocks on a send."""
+        with self.cond:
+            if stream.error is not None or stream.closed:
+                return
+            stream.tokens.extend(ids)
+            stream.reason = reason
+            if stream.streaming or reason is not None:
+                self._ready(stream)
+
+    def fail(self, stream: Stream, message: str) -> None:
+        with self.cond:
+            stream.error = message
+            self._ready(stream)
+
+    def _ready(self, stream: Stream) -> None:
+        if not stream.closed and id(stream) not in self.ready:
+            self.ready[id(stream)] = stream
+            self.cond.notify()
+
+    def _main(self) -> None:
+        while True:
+            with self.cond:
+                while not self.ready and not self.stopping:
+                    self.cond.wait()
+                if not self.ready:
+                    return
+                batch = [(stream, stream.take()) for stream in self.ready.values()]
+                self.ready = {}
+            for stream, (tokens, reason, error) in batch:
+                self._send(stream, tokens, reason, error)
+
+    def _send(self, stream: Stream, tokens: list[int], reason: str | None, error: str | None) -> None:
+        try:
+            if tokens and (stream.streaming or error is None):
+                stream.send_tokens(tokens, None if error is not None else reason)
+                self.stats.responses += 1
+                self.stats.tokens += len(tokens)
+                self.stats.largest_chunk = max(self.stats.largest_chunk, len(tokens))
+            if error is not None:
+                stream.send_error(error)
+                self.stats.responses += 1
+        except Exception as exc:  # noqa: BLE001 - one failed send must not stop the others
+            self.stats.failed_sends += 1
+            self.log_error(f"sending a response failed: {type(exc).__name__}: {exc}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Send what is ready, then end the thread."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join(timeout_s)
