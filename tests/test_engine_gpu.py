@@ -50,6 +50,24 @@ def test_bf16_close_to_hf_bf16(tmp_path):
     assert agree > 0.95
 
 
+def test_scheduler_on_cuda_equals_generate(tmp_path):
+    """In-flight batching on CUDA (graphs, tokens one step ahead of the host, pinned copies + events):
+    more requests than slots, a stop token mid-flight, max_tokens=1; float32 so tokens compare exactly."""
+    from serving.engine.scheduler import Scheduler, collect
+
+    _, info = engine(tmp_path, "float32")
+    runner = load_engine(info.path, device="cuda")
+    prompts = PROMPTS + [[0, 42, 283], [0, 7], [0, 1, 2, 3, 4, 5]]
+    max_tokens = [12, 9, 1, 16, 7, 10]
+    ref = [g.token_ids for g in runner.generate(prompts, max_new_tokens=16)]
+    stop = ref[0][4]
+    got = collect(Scheduler(runner), prompts, max_tokens=max_tokens, stop_token_ids=[stop])
+    for full, n, (ids, reason) in zip(ref, max_tokens, got):
+        full = full[:n]
+        want = full[: full.index(stop) + 1] if stop in full else full
+        assert ids == want and reason == ("stop" if stop in full else "length")
+
+
 def test_compiled_decode_matches_eager(tmp_path):
     """float32: compiled (CUDA graphs) == eager token for token. bf16: inductor rounds differently from
     eager, so compare like vLLM's check_logprobs_close: at the first divergence each side's token must

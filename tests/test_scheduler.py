@@ -48,6 +48,21 @@ def test_stop_token_retires_early(runner):
     assert ids == ref[: ref.index(stop) + 1] and reason == "stop"
 
 
+def test_stop_mid_flight_frees_the_slot_for_the_next_request(runner):
+    """Tokens run one step ahead of the host: the step launched after a stop token is dropped, and the
+    slot it frees serves a waiting request whose tokens equal `generate`; max_tokens=1 needs no decode."""
+    ref = runner.generate([PROMPTS[1]], max_new_tokens=10)[0].token_ids
+    stop = ref[2]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[5]]
+    max_tokens = [10, 9, 1, 8, 6]
+    got = collect(Scheduler(runner), prompts, max_tokens=max_tokens, stop_token_ids=[stop])
+    for p, n, (ids, reason) in zip(prompts, max_tokens, got):
+        full = runner.generate([p], max_new_tokens=n)[0].token_ids
+        want = full[: full.index(stop) + 1] if stop in full else full
+        assert ids == want and reason == ("stop" if stop in full else "length")
+    assert got[0][1] == "stop" and len(got[2][0]) == 1
+
+
 def test_seeded_sampling_independent_of_batch_mates(runner):
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=7)
     alone = collect(Scheduler(runner), [PROMPTS[0]], max_tokens=12, sampling=params)[0][0]

@@ -2,15 +2,23 @@
 
 Between decode steps the scheduler admits waiting requests into free slots (one packed prefill for
 all of them, `EngineRunner.prefill`) and retires finished ones (stop token, their own `max_tokens`,
-or the engine's `max_seq_len`); each decode step runs rows [0, highest live slot] through
-`EngineRunner.decode` (CUDA graphs per batch bucket on GPU), rows of free slots computing harmless
-garbage into their own cache rows. Slots are taken lowest first, so the decode batch stays compact.
+or the engine's `max_seq_len`); each decode step runs rows [0, highest launching slot] through
+`EngineRunner.decode` (CUDA graphs per batch bucket on GPU), rows of free or finished slots computing
+harmless garbage into their own cache rows (position 0, which a prefill rewrites before any decode
+of a new request reads it). Slots are taken lowest first, so the decode batch stays compact.
+
+The host runs one step ahead of the tokens (like vLLM's async scheduling): a step's sampled tokens
+stay on the device and feed the next step directly, positions advance on the host without waiting,
+and the tokens come back through a pinned copy + CUDA event that the host reads only after it has
+launched the following step. So the GPU decodes step t+1 while the host delivers step t's tokens,
+and the one host sync per step no longer leaves the GPU idle. A request that stops on a stop token
+has one step launched past it; those rows' tokens are dropped (its cache row is garbage from then on).
 
 Each request carries its own sampling (greedy requests share one argmax; sampled requests with the
 same parameters and no seed share one draw; a seeded request has its own `torch.Generator`, so its
 output does not depend on what it was batched with), stop tokens and `max_tokens`. Tokens go out
 through the request's `emit(new_ids, finish_reason)` callback (finish_reason None until the last
-emit), called on the scheduler thread after every step: one host sync per step.
+emit), called on the scheduler thread.
 
 Thread model: `submit` is thread-safe; `run_forever` (or `start()`, which runs it on a daemon
 thread) is the only code that touches the runner. `stop()` ends the loop, fails what is still
@@ -55,14 +63,26 @@ class GenRequest:
     request_id: Any = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Live:
     req: GenRequest
-    pos: int  # cache position where `last` goes at the next decode step (= tokens in the cache)
-    last: int = 0  # the last generated token (the next decode input)
-    generated: int = 0
+    slot: int
+    next_pos: int  # cache position of the next decode step's input token (= tokens in the cache then)
+    launched: int = 0  # tokens whose computation has been launched (prefill's first token included)
+    generated: int = 0  # tokens delivered
+    finished: bool = False
     generator: torch.Generator | None = None
     stop: frozenset[int] = field(default_factory=frozenset)
+
+
+@dataclass
+class _Launched:
+    """Tokens on their way back to the host: one prefill or one decode step."""
+
+    lives: list[_Live]
+    index: list[int]  # where each live's token is in `tokens`
+    tokens: torch.Tensor  # on the host (pinned on CUDA), filled once `ready` has fired
+    ready: Any  # torch.cuda.Event, or None on the CPU (the copy was synchronous)
 
 
 @dataclass
@@ -99,6 +119,8 @@ class Scheduler:
         self.thread: threading.Thread | None = None
         self.stats = SchedulerStats()
         self._ids = itertools.count()
+        self.inflight: collections.deque[_Launched] = collections.deque()
+        self.next_tokens = torch.zeros(self.max_slots, dtype=torch.long, device=self.device)  # decode inputs
 
     # -- submission (any thread) --------------------------------------------------------------
     def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
@@ -134,7 +156,7 @@ class Scheduler:
 
     def idle(self) -> bool:
         with self.cond:
-            return not self.waiting and self.live == 0
+            return not self.waiting and self.live == 0 and not self.inflight
 
     # -- the loop (one thread) ----------------------------------------------------------------
     def start(self, name: str = "enginewright-scheduler") -> threading.Thread:
@@ -145,7 +167,7 @@ class Scheduler:
     def run_forever(self) -> None:
         while True:
             with self.cond:
-                while not self.stopping and not self.waiting and self.live == 0:
+                while not self.stopping and not self.waiting and self.live == 0 and not self.inflight:
                     self.cond.wait(self.idle_wait_s)
                 if self.stopping:
                     break
@@ -168,14 +190,20 @@ class Scheduler:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Admit what fits, then one decode step for every live slot."""
+        """Admit what fits, launch one decode step for every live slot, then deliver the tokens of
+        everything launched before it (the newest step's tokens are delivered by the next call)."""
         started = time.perf_counter()
-        self._admit()  # the admitted join this very decode step (their first token came from prefill)
-        if self.live:
-            self._decode()
+        self._admit()  # the admitted join this very decode step (their first token comes from prefill)
+        launched = self._launch_decode()
+        while len(self.inflight) > (1 if launched else 0):
+            self._deliver(self.inflight.popleft())
         self.stats.busy_s += time.perf_counter() - started
 
     # -- internals ----------------------------------------------------------------------------
+    def _can_launch(self, live: _Live) -> bool:
+        return (not live.finished and live.launched < live.req.max_tokens
+                and live.next_pos + 1 < self.max_seq_len)
+
     def _admit(self) -> None:
         free = [i for i, s in enumerate(self.slots) if s is None]
         batch: list[tuple[int, GenRequest]] = []
@@ -187,52 +215,73 @@ class Scheduler:
                 batch.append((free[len(batch)], req))
         if not batch:
             return
-        lives = []
+        rows, lives = [], []
         for slot, req in batch:
-            live = _Live(req=req, pos=len(req.prompt_ids), stop=frozenset(req.stop_token_ids))
+            live = _Live(req=req, slot=slot, next_pos=len(req.prompt_ids), launched=1,
+                         stop=frozenset(req.stop_token_ids))
             if req.sampling is not None and not req.sampling.is_greedy and req.sampling.seed is not None:
                 live.generator = torch.Generator(device=self.device)
                 live.generator.manual_seed(req.sampling.seed)
             self.slots[slot] = live
+            rows.append(slot)
             lives.append(live)
         try:
-            logits = self.runner.prefill([req.prompt_ids for _, req in batch], [slot for slot, _ in batch])
+            logits = self.runner.prefill([req.prompt_ids for _, req in batch], rows)
             tokens = self._sample(logits, lives)
+            self.next_tokens[self._on_device(rows)] = tokens
+            self.inflight.append(self._to_host(lives, list(range(len(lives))), tokens))
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
-            self._fail([slot for slot, _ in batch], exc)
+            self._fail(lives, exc)
             return
         self.stats.prefills += 1
         self.stats.admitted += len(batch)
-        for (slot, _), live, tok in zip(batch, lives, tokens):
-            self._deliver(slot, live, tok, advance=False)
 
-    def _decode(self) -> None:
-        rows = [i for i, s in enumerate(self.slots) if s is not None]
+    def _launch_decode(self) -> bool:
+        rows = [i for i, s in enumerate(self.slots) if s is not None and self._can_launch(s)]
+        if not rows:
+            return False
         b = rows[-1] + 1
-        tokens = [0] * b
         positions = [0] * b
+        lives: list[_Live | None] = [None] * b
         for i in rows:
             live = self.slots[i]
-            tokens[i], positions[i] = live.last, live.pos
-        lives = [self.slots[i] for i in range(b)]
+            positions[i], lives[i] = live.next_pos, live
+        launched = [self.slots[i] for i in rows]
         try:
-            tok_t = torch.tensor(tokens, dtype=torch.long)
-            pos_t = torch.tensor(positions, dtype=torch.long)
-            if self.device.type == "cuda":
-                tok_t, pos_t = tok_t.pin_memory(), pos_t.pin_memory()
-            logits = self.runner.decode(tok_t.to(self.device, non_blocking=True),
-                                        pos_t.to(self.device, non_blocking=True), max(positions) + 1)  # [b, V]
-            sampled = self._sample(logits, lives)
+            logits = self.runner.decode(self.next_tokens[:b], self._on_device(positions), max(positions) + 1)
+            sampled = self._sample(logits, lives)  # [b]
+            self.next_tokens[:b].copy_(sampled)
+            self.inflight.append(self._to_host(launched, rows, sampled))
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
-            self._fail(rows, exc)
-            return
+            self._fail(launched, exc)
+            return False
+        for live in launched:
+            live.next_pos += 1
+            live.launched += 1
         self.stats.steps += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(rows))
-        for i in rows:
-            self._deliver(i, self.slots[i], sampled[i])
+        return True
 
-    def _sample(self, logits: torch.Tensor, lives: Sequence[_Live | None]) -> list[int]:
-        """Next token of every row: argmax for all, then sampled rows overwritten (grouped by params)."""
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        """A long tensor on the device without a host sync (pinned, non-blocking copy on CUDA)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _to_host(self, lives: list[_Live], index: list[int], tokens: torch.Tensor) -> _Launched:
+        """Start copying `tokens` to the host without waiting for them."""
+        if self.device.type != "cuda":
+            return _Launched(lives, index, tokens.to("cpu"), None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Launched(lives, index, host, ready)
+
+    def _sample(self, logits: torch.Tensor, lives: Sequence[_Live | None]) -> torch.Tensor:
+        """Next token of every row, on the device: argmax for all, then sampled rows overwritten
+        (grouped by params)."""
         out = logits.argmax(dim=-1)  # [b]
         groups: dict[SamplingParams, list[int]] = {}
         for row, live in enumerate(lives):
@@ -243,42 +292,57 @@ class Scheduler:
             else:
                 groups.setdefault(live.req.sampling, []).append(row)
         for params, group in groups.items():
-            idx = torch.tensor(group, device=logits.device)
+            idx = self._on_device(group)
             out[idx] = sample(logits[idx], params, None)
-        return out.tolist()  # the one host sync of the step
+        return out
 
-    def _deliver(self, slot: int, live: _Live, token: int, *, advance: bool = True) -> None:
-        live.last = token
-        live.pos += advance  # a decode step wrote the previous `last` at `pos`
+    def _deliver(self, done: _Launched) -> None:
+        try:
+            if done.ready is not None:
+                done.ready.synchronize()
+            tokens = done.tokens.tolist()
+        except Exception as exc:  # noqa: BLE001 - the step failed on the device
+            self._fail(done.lives, exc)
+            return
+        for live, i in zip(done.lives, done.index):
+            if not live.finished:
+                self._deliver_token(live, tokens[i])
+
+    def _deliver_token(self, live: _Live, token: int) -> None:
         live.generated += 1
         self.stats.tokens += 1
         reason = None
         if token in live.stop:
             reason = "stop"
-        elif live.generated >= live.req.max_tokens or live.pos + 1 >= self.max_seq_len:
+        elif live.generated >= live.req.max_tokens or (live.generated == live.launched and not self._can_launch(live)):
             reason = "length"
         if reason is not None:
-            self.slots[slot] = None
+            self._retire(live)
             self.stats.finished += 1
         try:
             live.req.emit([token], reason)
         except Exception as exc:  # noqa: BLE001 - a broken callback must not stop the others
             self.log_error(f"request {live.req.request_id}: emit failed: {type(exc).__name__}: {exc}")
             if reason is None:
-                self.slots[slot] = None
+                self._retire(live)
                 self.stats.failed += 1
             try:
                 live.req.fail(exc)
             except Exception as cb_exc:  # noqa: BLE001
                 self.log_error(f"request {live.req.request_id}: fail callback: {cb_exc}")
 
-    def _fail(self, slots: Sequence[int], exc: BaseException) -> None:
-        self.log_error(f"step failed for {len(slots)} requests: {type(exc).__name__}: {exc}")
-        for i in slots:
-            live = self.slots[i]
-            self.slots[i] = None
-            if live is None:
-                continue
+    def _retire(self, live: _Live) -> None:
+        live.finished = True
+        if self.slots[live.slot] is live:
+            self.slots[live.slot] = None
+
+    def _fail(self, lives: Sequence[_Live], exc: BaseException) -> None:
+        lives = [live for live in lives if not live.finished]
+        if not lives:
+            return
+        self.log_error(f"step failed for {len(lives)} requests: {type(exc).__name__}: {exc}")
+        for live in lives:
+            self._retire(live)
             self.stats.failed += 1
             try:
                 live.req.fail(exc)
@@ -294,7 +358,8 @@ class Scheduler:
                 req.fail(exc)
             except Exception as cb_exc:  # noqa: BLE001
                 self.log_error(f"request {req.request_id}: fail callback: {cb_exc}")
-        self._fail([i for i, s in enumerate(self.slots) if s is not None], exc)
+        self.inflight.clear()
+        self._fail([s for s in self.slots if s is not None], exc)
 
 
 def collect(scheduler: Scheduler, prompts: Sequence[Sequence[int]], *, max_tokens: int | Sequence[int],
