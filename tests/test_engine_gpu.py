@@ -68,6 +68,28 @@ def test_scheduler_on_cuda_equals_generate(tmp_path):
         assert ids == want and reason == ("stop" if stop in full else "length")
 
 
+def test_fused_attention_matches_matmul_compiled_and_eager(tmp_path):
+    """bf16 engine: the fused decode attention (decode_attention.py), eager and under the compiled step,
+    gives the logits of the matmul path within bf16 rounding, and both generate the same first tokens."""
+    _, info = engine(tmp_path, "bfloat16")
+    fused = load_engine(info.path, device="cuda", decode_attention="triton")
+    plain = load_engine(info.path, device="cuda", decode_attention="matmul")
+    assert fused.model.decode_attention_impl == "triton"
+    for compiled in (False, True):
+        if compiled:
+            fused.compile_decode()
+            plain.compile_decode()
+        tokens = torch.tensor([5, 9, 100], device="cuda")
+        pos = torch.tensor([3, 7, 1], device="cuda")
+        for runner in (fused, plain):  # the same cache contents: prefill the same prompts first
+            runner.prefill(PROMPTS, range(3))
+        a = fused.decode(tokens, pos, 8).clone()
+        b = plain.decode(tokens, pos, 8).clone()
+        err = (a - b).abs().max().item()
+        print(f"fused vs matmul decode logits (compiled={compiled}): max abs err {err:.4f} of {b.abs().max():.2f}")
+        assert err < 0.05 * max(b.abs().max().item(), 1.0)
+
+
 def test_compiled_decode_matches_eager(tmp_path):
     """float32: compiled (CUDA graphs) == eager token for token. bf16: inductor rounds differently from
     eager, so compare like vLLM's check_logprobs_close: at the first divergence each side's token must

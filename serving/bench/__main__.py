@@ -46,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--wait-for", type=Path, action="append", default=[],
                      help="file that must exist before the clients start (repeatable)")
     srv.add_argument("--offline-json", type=Path, help="an engine-offline report to compare with")
+    prof = sub.add_parser("profile", help="one decode step's CUDA graph: time, floor, kernels by kind (CUDA)")
+    prof.add_argument("--shape", default="llama-3.2-1b")
+    prof.add_argument("--batch", default="1,64", help="comma list")
+    prof.add_argument("--variants", default="dynamic", help="comma list of <compile>[+<attention>]: compile in "
+                      "eager|dynamic|static, attention in matmul|triton")
+    prof.add_argument("--context", type=int, default=192, help="filled cache positions per row")
+    prof.add_argument("--kv-block", type=int, default=256)
+    prof.add_argument("--out", type=Path, default=Path("bench-profile.json"))
     eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
     eng.add_argument("--shape", default="llama-3.2-1b")
     eng.add_argument("--batch", type=int, default=64)
@@ -72,6 +80,12 @@ def run(args: argparse.Namespace) -> int:
         print(render_table(report))
         for err in report["errors"]:
             print("ERROR", err)
+        return 0
+    if args.bench_mode == "profile":
+        from serving.bench.profile_decode import run_profile
+
+        run_profile(args.shape, list(_ints(args.batch)), args.variants.split(","), context=args.context,
+                    kv_block=args.kv_block, out_json=args.out)
         return 0
     if args.bench_mode == "engine-offline":
         from serving.bench.served import bench_offline_engine, build_random_engine

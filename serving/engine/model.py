@@ -305,6 +305,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_batch_size = 0
+        self.decode_attention_impl = "matmul"  # "triton": serving.engine.decode_attention (CUDA)
         self.max_seq_len = 0
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
@@ -386,9 +387,15 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
     group = a.n_heads // a.n_kv_heads
     scale = 1.0 / math.sqrt(a.head_dim)
     rows = torch.arange(bsz, device=tokens.device)
-    visible = model.slots[:kv_len].unsqueeze(0) <= input_pos.unsqueeze(1)  # [B, L]
-    neg = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device).masked_fill(
-        ~visible, float("-inf")).view(bsz, 1, 1, kv_len)  # [B, 1, 1, L] additive mask
+    fused = getattr(model, "decode_attention_impl", "matmul") == "triton"
+    if fused:
+        from serving.engine.decode_attention import decode_attention
+
+        lengths = input_pos + 1  # [B] visible positions of each row
+    else:
+        visible = model.slots[:kv_len].unsqueeze(0) <= input_pos.unsqueeze(1)  # [B, L]
+        neg = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device).masked_fill(
+            ~visible, float("-inf")).view(bsz, 1, 1, kv_len)  # [B, 1, 1, L] additive mask
     cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]  # [B, hd]
     x = model.tok_embeddings(tokens)  # [B, D]
     for layer in model.layers:
@@ -400,12 +407,15 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
         cache = attn.kv_cache
         cache.k_cache[rows, :, input_pos] = k
         cache.v_cache[rows, :, input_pos] = v.view(bsz, a.n_kv_heads, a.head_dim)
-        keys = cache.k_cache[:bsz, :, :kv_len]  # [B, Hkv, L, hd] (strided view, no copy)
-        values = cache.v_cache[:bsz, :, :kv_len]
         qg = q.view(bsz, a.n_kv_heads, group, a.head_dim)  # [B, Hkv, G, hd]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + neg  # [B, Hkv, G, L]
-        probs = scores.softmax(dim=-1).to(values.dtype)
-        y = torch.matmul(probs, values).reshape(bsz, a.q_size)  # [B, H * hd]
+        if fused:  # reads each row's filled prefix only
+            y = decode_attention(qg, cache.k_cache, cache.v_cache, lengths, kv_len, scale).reshape(bsz, a.q_size)
+        else:
+            keys = cache.k_cache[:bsz, :, :kv_len]  # [B, Hkv, L, hd] (strided view, no copy)
+            values = cache.v_cache[:bsz, :, :kv_len]
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + neg  # [B, Hkv, G, L]
+            probs = scores.softmax(dim=-1).to(values.dtype)
+            y = torch.matmul(probs, values).reshape(bsz, a.q_size)  # [B, H * hd]
         x = x + attn.wo(y)
         x = x + layer.feed_forward(layer.ffn_norm(x))
     return model.logits(model.norm(x))

@@ -69,13 +69,15 @@ class EngineRunner:
             self.graphs = DecodeGraphs(model)
 
     # -- setup ------------------------------------------------------------------------------
-    def compile_decode(self, **compile_kwargs) -> None:
-        """Compile the decode step: on CUDA, graphs of the torch.compile'd step (dynamic shapes, one
-        compile for all buckets); on the CPU, torch.compile(decode_step, dynamic=True, fullgraph=True)."""
+    def compile_decode(self, mode: str = "auto", **compile_kwargs) -> None:
+        """Compile the decode step: on CUDA, graphs of the torch.compile'd step (`mode` "dynamic": one
+        compile for all buckets; "static": one per bucket, tuned; "auto": batch 1 static, the rest
+        dynamic; see `DecodeGraphs`); on the CPU,
+        torch.compile(decode_step, dynamic=True, fullgraph=True)."""
         if self.graphs is not None:
             from serving.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, compile=True)
+            self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, compile=mode)
             return
         kwargs = {"dynamic": True, "fullgraph": True, **compile_kwargs}
         self.decode_fn = torch.compile(decode_step, **kwargs)
@@ -221,10 +223,13 @@ class EngineRunner:
         return results
 
 
-def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = True) -> EngineRunner:
+def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = True,
+                decode_attention: str = "auto") -> EngineRunner:
     """Read, check (toolchain) and load an engine folder onto `device` ("auto": cuda if available).
 
-    On CUDA the decode step replays CUDA graphs unless `cuda_graphs=False`."""
+    On CUDA the decode step replays CUDA graphs unless `cuda_graphs=False`. `decode_attention`:
+    "triton" (the fused split-K kernel of `decode_attention.py`), "matmul", or "auto" (triton for bf16 /
+    fp16 on CUDA when Triton is importable)."""
     info = read_engine_info(Path(engine_dir))
     dev = resolve_device(device)
     check_toolchain(info, device=dev)
@@ -236,4 +241,25 @@ def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = T
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(dev).eval().requires_grad_(False)
     model.setup_caches(info.limits.max_batch_size, info.limits.max_seq_len)
+    model.decode_attention_impl = pick_decode_attention(decode_attention, dev, model.tok_embeddings.weight.dtype)
     return EngineRunner(info, model, dev, cuda_graphs=cuda_graphs)
+
+
+def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"auto" -> "triton" for a half-precision model on CUDA when Triton is importable, else "matmul".
+
+    float32 engines are the exactness reference and keep the matmul path: in the one H200 run of the
+    fused kernel under torch.compile, the float32 compiled-vs-eager token check failed and could not be
+    re-run (docs/benchmarks.md)."""
+    if choice not in ("auto", "triton", "matmul"):
+        raise EngineLimitError(f"decode_attention={choice!r}: expected 'auto', 'triton' or 'matmul'")
+    if choice == "matmul" or (choice == "auto" and (device.type != "cuda" or dtype == torch.float32)):
+        return "matmul"
+    from serving.engine.decode_attention import triton_available
+
+    if triton_available() and device.type == "cuda":
+        return "triton"
+    if choice == "triton":
+        raise EngineLimitError(f"decode_attention='triton' needs CUDA and Triton (device {device}, Triton "
+                               f"{'importable' if triton_available() else 'not importable'})")
+    return "matmul"

@@ -22,13 +22,15 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
-  step, ~30-50 s more at load on an H200), ``warmup`` ("false" to skip capturing graphs at load).
+  step, ~30-50 s more at load on an H200), ``warmup`` ("false" to skip capturing graphs at load),
+  ``gil_switch_interval_ms`` (default 0.5: how long the sender thread may hold the GIL).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -285,6 +287,9 @@ class TritonPythonModel:
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
         if self.decoupled:
+            # the sender thread is pure Python; without a short switch interval it can hold the GIL for
+            # 5 ms (CPython's default) while the scheduler thread waits to launch the next step
+            sys.setswitchinterval(float(params.get("gil_switch_interval_ms") or 0.5) / 1e3)
             self.outbox = Outbox(f"{self.model_name}-v{self.version}", self.log.error)
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,

@@ -1,0 +1,121 @@
+"""Where a decode step's time goes: the step of a random-weight engine of a real shape, in its CUDA
+graph, timed by CUDA events and profiled kernel by kernel (torch.profiler over graph replays).
+
+`python3 -m serving.bench profile --shape llama-3.2-1b --batch 1,64 --compile dynamic,static`
+prints, per variant, the step time against the step's byte floor (weights + filled KV at the copy
+bandwidth measured in the same run), the GPU time summed over kernels (the rest is launch gaps),
+and the kernels by total time grouped as GEMM / attention / fused (inductor) / other.
+A variant is `<compile>` or `<compile>+<attention>`: compile in {eager, dynamic, static}, attention in
+{matmul, triton} (`serving.engine.decode_attention`). Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KINDS = (("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "cublas", "splitk")),
+         ("attention", ("decode_attention", "flash", "attn", "bmm")),
+         ("fused", ("triton_",)),
+         ("copy", ("copy", "memcpy", "memset", "index", "scatter")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def random_model(shape: str, *, batch: int, max_seq: int, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """The engine's Transformer of `shape` on CUDA with N(0, 0.02) weights and caches for `batch` rows."""
+    from serving.bench.models import model_args
+    from serving.engine.model import Transformer
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Transformer(model_args(shape)).to(dtype)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    model = model.eval().requires_grad_(False)
+    model.setup_caches(batch, max_seq)
+    return model
+
+
+def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_block: int, replays: int = 50
+                    ) -> dict[str, Any]:
+    from serving.engine.cuda_graphs import DecodeGraphs
+
+    compile_mode, _, attention = variant.partition("+")
+    model.decode_attention_impl = attention or "matmul"
+    t0 = time.perf_counter()
+    graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode)
+    tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
+    pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
+    graphs.step(tokens, pos, context + 1)
+    torch.cuda.synchronize()
+    setup_s = time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graphs.step(tokens, pos, context + 1)
+    start.record()
+    for _ in range(replays):
+        graphs.step(tokens, pos, context + 1)
+    end.record()
+    end.synchronize()
+    step_ms = start.elapsed_time(end) / replays
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graphs.step(tokens, pos, context + 1)
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel[ev.name]
+            entry[0] += ev.device_time_total / 10
+            entry[1] += 1 / 10
+    kinds: dict[str, float] = defaultdict(float)
+    for name, (us, _) in per_kernel.items():
+        kinds[kernel_kind(name)] += us
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:14]
+    return {"variant": variant, "batch": batch, "context": context, "setup_s": round(setup_s, 1),
+            "step_ms": step_ms, "kernel_ms": sum(kinds.values()) / 1e3,
+            "kernels_per_step": round(sum(n for _, n in per_kernel.values())),
+            "by_kind_ms": {k: round(v / 1e3, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [(name[:90], round(us, 1), round(n, 1)) for name, (us, n) in top]}
+
+
+def run_profile(shape: str, batches: list[int], variants: list[str], *, context: int = 192, kv_block: int = 256,
+                out_json: Path | None = None) -> list[dict[str, Any]]:
+    from serving.bench.models import kv_bytes_per_token, model_args, weight_bytes
+    from serving.bench.offline import copy_bandwidth_gb_s
+
+    bw = copy_bandwidth_gb_s()
+    args = model_args(shape)
+    model = random_model(shape, batch=max(batches), max_seq=max(kv_block, context + 64))
+    results = []
+    for batch in batches:
+        floor_ms = (weight_bytes(args, torch.bfloat16) + kv_bytes_per_token(args, torch.bfloat16) * batch * context
+                    ) / (bw * 1e9) * 1e3
+        for variant in variants:
+            try:
+                r = profile_variant(model, variant=variant, batch=batch, context=context, kv_block=kv_block)
+            except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
+                r = {"variant": variant, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:400]}
+            r.update({"shape": shape, "floor_ms": floor_ms, "bandwidth_gb_s": bw})
+            if "step_ms" in r:
+                r["roofline_frac"] = floor_ms / r["step_ms"]
+                print(f"{shape} b={batch} {variant:<16} step {r['step_ms']:.3f} ms (floor {floor_ms:.3f}, "
+                      f"{r['roofline_frac'] * 100:.1f}%), kernels {r['kernel_ms']:.3f} ms in "
+                      f"{r['kernels_per_step']}, {r['by_kind_ms']}, setup {r['setup_s']} s", flush=True)
+                for name, us, n in r["top"]:
+                    print(f"    {us:8.1f} us  x{n:<5} {name}")
+            else:
+                print(f"{shape} b={batch} {variant}: {r['error']}", flush=True)
+            results.append(r)
+            if out_json is not None:
+                out_json.write_text(json.dumps(results, indent=1))
+    return results
