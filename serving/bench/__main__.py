@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prof.add_argument("--context", type=int, default=192, help="filled cache positions per row")
     prof.add_argument("--kv-block", type=int, default=256)
     prof.add_argument("--out", type=Path, default=Path("bench-profile.json"))
+    plot = sub.add_parser("plot", help="latency distributions of a served report (PNG)")
+    plot.add_argument("--served", type=Path, required=True, help="a `served` report (JSON)")
+    plot.add_argument("--out", type=Path, default=Path("bench-served.png"))
     eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
     eng.add_argument("--shape", default="llama-3.2-1b")
     eng.add_argument("--batch", type=int, default=64)
@@ -80,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
         print(render_table(report))
         for err in report["errors"]:
             print("ERROR", err)
+        return 0
+    if args.bench_mode == "plot":
+        from serving.bench.plots import plot_served
+
+        print(plot_served(args.served, args.out))
         return 0
     if args.bench_mode == "profile":
         from serving.bench.profile_decode import run_profile
