@@ -80,7 +80,7 @@ def _inputs(module: Any, prompt: str | list[int], params: GenerationParams) -> l
     return tensors
 
 
-def _completion(result: Any, request_id: str, attempts: int) -> Completion:
+def _completion(result: Any, request_id: str, attempts: int, missing_reason: str = "length") -> Completion:
     def first(name: str) -> Any:
         array = result.as_numpy(name)
         return None if array is None else array.reshape(-1)
@@ -92,7 +92,7 @@ def _completion(result: Any, request_id: str, attempts: int) -> Completion:
     return Completion(
         text=text[0].decode() if text is not None and len(text) else "",
         output_ids=[int(x) for x in ids] if ids is not None else [],
-        finish_reason=reason[0].decode() if reason is not None and len(reason) else "length",
+        finish_reason=reason[0].decode() if reason is not None and len(reason) else missing_reason,
         routed_version=int(routed[0]) if routed is not None and len(routed) else None,
         request_id=request_id,
         attempts=attempts,
@@ -198,8 +198,8 @@ class LLMClient:
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
                 is_final = bool(final and final.bool_param)
-                if response.outputs:
-                    yield _completion(result, request_id, 1)
+                if response.outputs:  # streamed chunks carry finish_reason only on the final one
+                    yield _completion(result, request_id, 1, missing_reason="")
                 if is_final:
                     return
         finally:

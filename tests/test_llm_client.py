@@ -40,7 +40,7 @@ def test_stream_over_grpc_assembles_the_answer(triton):
     pieces = list(client.stream(MODEL, "Once upon a time", GenerationParams(max_tokens=8)))
     client.close()
     assert [i for p in pieces for i in p.output_ids] == whole.output_ids
-    assert pieces[-1].finish_reason == "length"
+    assert pieces[-1].finish_reason == "length" and all(p.finish_reason == "" for p in pieces[:-1])
 
 
 def test_invalid_request_is_not_retried(triton):

@@ -325,10 +325,11 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _tensors(self, req: LlmRequest, ids: list[int], reason: str) -> list[Any]:
-        tensors = [
-            pb_utils.Tensor("output_ids", np.asarray([ids], dtype=np.int32)),
-            pb_utils.Tensor("finish_reason", np.asarray([[reason.encode()]], dtype=np.object_)),
-        ]
+        """A streamed response's tensors: `finish_reason` only on the final one (a BYTES tensor costs
+        the sender more than the token ids)."""
+        tensors = [pb_utils.Tensor("output_ids", np.asarray([ids], dtype=np.int32))]
+        if reason:
+            tensors.append(pb_utils.Tensor("finish_reason", np.asarray([[reason.encode()]], dtype=np.object_)))
         if req.want_text and (req.text is not None or (self.host.engine_dir / "tokenizer.json").is_file()):
             text = self.host.detokenize(ids)
             tensors.append(pb_utils.Tensor("text_output", np.asarray([[text.encode("utf-8")]], dtype=np.object_)))

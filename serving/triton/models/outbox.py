@@ -17,6 +17,7 @@ Imports: stdlib only.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class OutboxStats:
     tokens: int = 0
     largest_chunk: int = 0
     failed_sends: int = 0
+    send_s: float = 0.0  # time spent building and sending responses (the sender thread's busy time)
 
 
 class Outbox:
@@ -99,6 +101,7 @@ class Outbox:
                 self._send(stream, tokens, reason, error)
 
     def _send(self, stream: Stream, tokens: list[int], reason: str | None, error: str | None) -> None:
+        started = time.perf_counter()
         try:
             if tokens and (stream.streaming or error is None):
                 stream.send_tokens(tokens, None if error is not None else reason)
@@ -111,6 +114,7 @@ class Outbox:
         except Exception as exc:  # noqa: BLE001 - one failed send must not stop the others
             self.stats.failed_sends += 1
             self.log_error(f"sending a response failed: {type(exc).__name__}: {exc}")
+        self.stats.send_s += time.perf_counter() - started
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Send what is ready, then end the thread."""
