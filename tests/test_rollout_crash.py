@@ -1,4 +1,4 @@
-"""Crash safety: a real subprocess runs the promotion and is SIGKILLed at checkpoint k, for EVERY k; a
+"""Crash safety: a real process of its own runs the promotion and is SIGKILLed at checkpoint k, for EVERY k; a
 re-run then reconciles, and Triton (router weights, served/loaded versions, folders), the journal and
 MLflow's aliases must describe one consistent state: the old version (rolled back) or the new one
 (finished), never a mix.
@@ -13,24 +13,92 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from test_rollout_support import assert_consistent, make_spec, publish
+from test_rollout_support import assert_consistent, first_release, make_spec, publish, start_server
 from triton_support import TritonServers, make_tiny_engine
 
 from flows.promote import RolloutInterrupted, promote
-from serving.triton.repository import init_repository
 from tasks.rollout_state import CHECKPOINT_LOG_ENV, CRASH_ENV
 
 pytestmark = pytest.mark.slow
 NAME = "crashy"
 STEPS = [{"set_weight": 50}, {"analysis": {"requests": 4, "metrics": [], "compare": None}}, {"set_weight": 100}]
-SCRIPT = ("import json, sys\nfrom flows.spec import parse_spec\nfrom flows.promote import promote\n"
-          "promote(parse_spec(json.loads(open(sys.argv[1]).read())), sys.argv[2])\n")
+# A promotion in a process of its own, forked from a helper that imported everything once (importing torch,
+# Prefect and MLflow takes seconds per process). Per line on stdin (spec file, version, log file, env):
+# fork, run promote() in the child (stdout and stderr to the log), answer the child's pid, then its exit
+# code (-9: it SIGKILLed itself at the checkpoint). The helper only imports: no connection or thread is forked.
+FORKER = """\
+import json, os, sys, traceback
+import flows.promote, flows.spec, registry.model_registry, registry.promotion, tasks.approve
+import mlflow.store.model_registry.sqlalchemy_store, mlflow.store.tracking.sqlalchemy_store  # promote's first MLflow call
+while line := sys.stdin.readline():
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ.update(job["env"])
+        code = 0
+        try:
+            with open(job["spec"]) as f:
+                flows.promote.promote(flows.spec.parse_spec(json.load(f)), job["version"])
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    print(json.dumps({"code": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
+os._exit(0)  # stdin closed: nothing left to flush, and tearing down torch and MLflow takes a second
+"""
+
+
+class Forker:
+    """The helper process above; ``run`` returns the promotion's exit code and output."""
+
+    def __init__(self, cwd: Path) -> None:
+        # unbuffered: readline() then takes no more than one line, so select() sees the next one
+        self.proc = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     bufsize=0, cwd=cwd)
+
+    def _answer(self, timeout_s: float) -> dict:
+        assert self.proc.stdout is not None
+        if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+            raise TimeoutError(f"no answer from the promotion within {timeout_s:g} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the forking helper exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self, spec_file: Path, version: str, log: Path, **env: str) -> tuple[int, str]:
+        assert self.proc.stdin is not None
+        job = {"spec": str(spec_file), "version": version, "log": str(log), "env": env}
+        self.proc.stdin.write(json.dumps(job).encode() + b"\n")
+        pid = self._answer(60)["pid"]
+        try:
+            code = self._answer(300)["code"]
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            raise
+        return code, log.read_text()
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -39,26 +107,31 @@ def world(tmp_path_factory: pytest.TempPathFactory):
     for seed in (0, 1):
         publish(tmp, NAME, make_tiny_engine(tmp / "engines", seed=seed))
     servers = TritonServers(tmp)
-    proc = servers.start(init_repository(tmp / "repo"))
-    spec = make_spec(tmp, NAME, [proc], steps=STEPS, warmup_requests=1)
-    spec_file = tmp / "spec.json"
-    spec_file.write_text(spec.model_dump_json())
-    yield {"tmp": tmp, "spec": spec, "spec_file": spec_file}
-    servers.stop_all()
+    forker = None
+    try:
+        proc = start_server(servers, tmp / "repo")
+        spec = make_spec(tmp, NAME, [proc], steps=STEPS, warmup_requests=1)
+        spec_file = tmp / "spec.json"
+        spec_file.write_text(spec.model_dump_json())
+        forker = Forker(Path(__file__).resolve().parents[1])
+        yield {"tmp": tmp, "spec": spec, "spec_file": spec_file, "forker": forker}
+    finally:
+        if forker is not None:
+            forker.stop()
+        servers.stop_all()
 
 
-def run_promote(world, version: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(world["spec_file"]), version],
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=300, check=False)
+def run_promote(world, version: str, run: str, **env: str) -> tuple[int, str]:
+    return world["forker"].run(world["spec_file"], version, world["tmp"] / f"promote-{run}.log", **env)
 
 
 def test_kill_at_every_checkpoint_then_rerun_is_consistent(world) -> None:
     spec, tmp = world["spec"], world["tmp"]
-    promote(spec, "1")
+    first_release(spec)
     live = 1
     log = tmp / "checkpoints.txt"
-    clean = run_promote(world, "2", **{CHECKPOINT_LOG_ENV: str(log)})
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    code, output = run_promote(world, "2", "clean", **{CHECKPOINT_LOG_ENV: str(log)})
+    assert code == 0, output[-3000:]
     labels = log.read_text().splitlines()
     live = 2
     assert_consistent(spec, live)
@@ -69,8 +142,8 @@ def test_kill_at_every_checkpoint_then_rerun_is_consistent(world) -> None:
     for k in range(1, len(labels) + 1):
         candidate = 1 if live == 2 else 2
         t0 = time.monotonic()
-        crashed = run_promote(world, str(candidate), **{CRASH_ENV: str(k)})
-        assert crashed.returncode == -signal.SIGKILL, (k, crashed.returncode, crashed.stderr[-3000:])
+        code, output = run_promote(world, str(candidate), f"crash-{k}", **{CRASH_ENV: str(k)})
+        assert code == -signal.SIGKILL, (k, code, output[-3000:])
         try:
             promote(spec, str(candidate))  # the re-run: reconcile (finish), or ...
             live = candidate

@@ -5,12 +5,11 @@ with requests flowing to both the whole time; without the fault the same version
 from __future__ import annotations
 
 import pytest
-from test_rollout_support import Load, assert_consistent, make_spec, publish
+from test_rollout_support import Load, assert_consistent, first_release, make_spec, publish, start_server
 from triton_support import TritonServers, make_tiny_engine
 
 from flows.promote import StageFailed, promote
 from registry import model_registry as mr
-from serving.triton.repository import init_repository
 from tasks.fault_injection import write_fault
 
 pytestmark = pytest.mark.slow
@@ -24,14 +23,16 @@ def world(tmp_path_factory: pytest.TempPathFactory):
     for seed in (0, 1):
         publish(tmp, NAME, make_tiny_engine(tmp / "engines", seed=seed))
     servers = TritonServers(tmp)
-    procs = [servers.start(init_repository(tmp / f"repo-{i}")) for i in range(2)]
-    yield {"tmp": tmp, "procs": procs, "spec": make_spec(tmp, NAME, procs, steps=STEPS, warmup_requests=1)}
-    servers.stop_all()
+    try:
+        procs = [start_server(servers, tmp / f"repo-{i}") for i in range(2)]
+        yield {"tmp": tmp, "procs": procs, "spec": make_spec(tmp, NAME, procs, steps=STEPS, warmup_requests=1)}
+    finally:
+        servers.stop_all()
 
 
 def test_load_failure_on_one_endpoint_rolls_back_both(world) -> None:
     spec, procs = world["spec"], world["procs"]
-    promote(spec, "1")
+    first_release(spec)
     assert_consistent(spec, 1)
     write_fault(procs[1].model_repository, f"{NAME}_engine", 2, {"fail_load": "injected on server 2 only"})
     with Load([p.http_url for p in procs], NAME) as load:

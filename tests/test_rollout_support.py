@@ -1,21 +1,43 @@
 """Shared helpers of the rollout tests (no tests here): publish tiny engines into a local artifact store
-and a sqlite MLflow registry without the release flow, build specs, check that a fleet is consistent,
-and a bounded load generator that reports latency percentiles per phase."""
+and a sqlite MLflow registry without the release flow, start servers, build specs, make a first release,
+check that a fleet is consistent, and a bounded load generator that reports latency percentiles per phase."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+from triton_support import TritonServers
+
+from flows.promote import PromoteResult, promote
 from flows.spec import ReleaseSpec, parse_spec
 from registry import model_registry as mr
 from registry.stores import artifact_key, open_store
 from serving.engine import read_engine_info
 from serving.triton.client import infer_ids
-from serving.triton.repository import engine_model_name, list_versions, router_weights, served_versions
+from serving.triton.process import TritonProcess
+from serving.triton.repository import (
+    engine_model_name,
+    init_repository,
+    list_versions,
+    router_weights,
+    served_versions,
+)
+from tasks.promote_spec import SetWeight
 from tasks.rollout_state import read_journal
 from tasks.targets import Target
 from tasks.traffic import RequestRecord, TrafficGenerator
+
+
+def start_server(servers: TritonServers, repository: Path) -> TritonProcess:
+    """A Triton over a fresh repository, started (and later stopped by PID) by ``servers``."""
+    return servers.start(init_repository(repository))
+
+
+def first_release(spec: ReleaseSpec, version: str = "1") -> PromoteResult:
+    """Promote the first version of a model: with no live version to compare or shift from, the gray steps
+    would only reload the router at 100% again, so the plan is the one step ``set_weight: 100``."""
+    return promote(spec, version, rollout=spec.rollout.model_copy(update={"steps": [SetWeight(set_weight=100)]}))
 
 
 def publish(tmp: Path, name: str, engine_dir: Path) -> str:

@@ -15,13 +15,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_rollout_support import Load, assert_consistent, make_spec, publish
+from test_rollout_support import Load, assert_consistent, first_release, make_spec, publish, start_server
 from triton_support import TritonServers, make_tiny_engine
 
 from flows.promote import promote
 from flows.rollback import rollback
 from registry import model_registry as mr
-from serving.triton.repository import init_repository
 from tasks.errors import RolloutAborted
 from tasks.fault_injection import write_fault
 
@@ -46,35 +45,37 @@ def world(tmp_path_factory: pytest.TempPathFactory):
     versions = [publish(tmp, NAME, e) for e in engines]
     assert versions == ["1", "2", "3"]
     servers = TritonServers(tmp)
-    proc = servers.start(init_repository(tmp / "repo"))
-    spec = make_spec(tmp, NAME, [proc], steps=STEPS)
-    yield {"tmp": tmp, "proc": proc, "spec": spec}
-    servers.stop_all()
+    try:
+        proc = start_server(servers, tmp / "repo")
+        spec = make_spec(tmp, NAME, [proc], steps=STEPS, ttft_probe_every=2)
+        yield {"tmp": tmp, "proc": proc, "spec": spec}
+    finally:
+        servers.stop_all()
 
 
 def test_rollout_and_automatic_rollback_under_load_drop_nothing(world) -> None:
     spec, proc, tmp = world["spec"], world["proc"], world["tmp"]
-    first = promote(spec, "1")  # first release: the router appears at 100% on version 1
+    first = first_release(spec)  # the router appears at 100% on version 1
     assert first.rollout.outcome == "Successful"
     assert_consistent(spec, 1)
 
     with Load([proc.http_url], NAME) as load:
         load.mark("before")
-        load.gen.wait_for(40, timeout_s=60)
+        load.gen.wait_for(20, timeout_s=60)
         load.mark("rollout 1->2 (10/50/100)")
         good = promote(spec, "2")
         load.mark("between")
-        load.gen.wait_for(40, timeout_s=60)
+        load.gen.wait_for(20, timeout_s=60)
         write_fault(proc.model_repository, f"{NAME}_engine", 3, {"delay_per_token_s": 0.1})
         load.mark("automatic rollback of slow v3")
         with pytest.raises(RolloutAborted) as aborted:
             promote(spec, "3")
         load.mark("after")
-        load.gen.wait_for(40, timeout_s=60)
+        load.gen.wait_for(20, timeout_s=60)
         load.mark("rollback 2->1 (immediate)")
         back = rollback(spec, immediate=True)
         load.mark("after rollback")
-        load.gen.wait_for(40, timeout_s=60)
+        load.gen.wait_for(20, timeout_s=60)
     table = load.table()
     print("\n" + table)
     records = load.gen.log.since(0)
