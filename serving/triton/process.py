@@ -23,8 +23,12 @@ CPU_FLAGS = (
     "--allow-gpu-metrics=false",
     "--pinned-memory-pool-byte-size=0",
 )
+# Our model configs are complete and our python models define no ``auto_complete_config``: config
+# auto-complete would only start and tear down a throw-away python stub per model load (~1.3 s of every
+# reload on 2 CPU cores; the configs Triton serves are the same with and without it, measured).
 COMMON_FLAGS = (
     "--model-control-mode=explicit",
+    "--disable-auto-complete-config",
     "--exit-timeout-secs=5",
     "--metrics-config=summary_latencies=true",
     "--strict-readiness=true",
