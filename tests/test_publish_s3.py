@@ -94,18 +94,22 @@ def test_tampered_object_stops_promotion(pipeline: MlflowAuthServer, s3_bucket: 
 
 
 CHILD = textwrap.dedent("""
-    import sys, time
+    import sys, threading, time
     from services import FakeEngine
     from tasks.publish import publish
 
     moved = 0
+    lock = threading.Lock()
 
     def progress(path, nbytes):
-        # Report every chunk; once the big file is well under way, hold the upload open until the test's
-        # SIGKILL arrives, so the kill lands mid-upload however loaded the machine is.
+        # Report every chunk (multipart parts upload on several threads: one whole line at a time); once the
+        # big file is well under way, hold the upload open until the test's SIGKILL arrives, so the kill
+        # lands mid-upload however loaded the machine is.
         global moved
-        print("progress", path, nbytes, flush=True)
-        moved += nbytes if path == "weights/rank0.bin" else 0
+        with lock:
+            sys.stdout.write(f"progress {path} {nbytes}\\n")
+            sys.stdout.flush()
+            moved += nbytes if path == "weights/rank0.bin" else 0
         if moved > 6 * 1024 * 1024:
             time.sleep(120)
 
