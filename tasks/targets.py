@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tasks.promote_spec import TritonSpec
 
@@ -39,21 +40,30 @@ def resolve_targets(triton: TritonSpec, *, embedded_url: str | None = None,
                    embedded_metrics_url)]
 
 
+def _settling(control: Any) -> bool:
+    """Whether a model of the server is still loading or unloading (readiness may yet change)."""
+    try:
+        return any(m.state in ("LOADING", "UNLOADING") for m in control.repository_index())
+    except Exception:  # noqa: BLE001 - cannot tell: keep waiting until the deadline
+        return True
+
+
 def check_reachable(targets: list[Target], *, timeout_s: float = 10.0) -> None:
     """Fail before any change when one endpoint of the fleet does not answer.
 
     Triton runs with ``--strict-readiness``: while a version unloads (the tail of a previous rollout) the
     server answers not-ready for a moment, and after a FAILED load it stays not-ready (the version remains
     UNAVAILABLE in the index) although it serves everything else. So readiness is polled up to
-    ``timeout_s``; a server that is live and answers its repository index is then accepted with a warning.
-    A server that does not answer at all fails at once.
+    ``timeout_s`` while a model is still LOADING or UNLOADING; a server that is live and answers its
+    repository index is then accepted with a warning. A server that does not answer at all fails at once.
     """
     from serving.triton.errors import TritonUnreachableError
 
     for target in targets:
         control = target.control(request_timeout_s=5.0)
         deadline = time.monotonic() + timeout_s
-        while control.server_live() and not control.server_ready() and time.monotonic() < deadline:
+        while (control.server_live() and not control.server_ready() and time.monotonic() < deadline
+               and _settling(control)):
             time.sleep(0.2)
         if control.server_ready():
             continue
