@@ -64,24 +64,22 @@ class DecodeGraphs:
         dev = model.tok_embeddings.weight.device
         self.tokens = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # [maxB]
         self.input_pos = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # [maxB]
-        self.fn: Callable[..., torch.Tensor] = decode_step
         self.compiled = bool(compile)
-        self.fn_single = self.fn  # the step of batch bucket 1
         if compile not in (False, True, "dynamic", "static", "auto"):
             raise ValueError(f"compile={compile!r}: expected False, True, 'dynamic', 'static' or 'auto'")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if compile == "auto" and weight_bytes >= SINGLE_ROW_FUSION_MAX_BYTES:
             compile = "dynamic"
+        static = dynamic = None
         if compile in ("static", "auto"):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
             # a code object of its own: dynamo caches per code object, so the two compiles do not mix
-            self.fn_single = torch.compile(_decode_step_single, dynamic=False, fullgraph=True,
-                                           options={"coordinate_descent_tuning": True})
-        if compile == "static":
-            self.fn = self.fn_single
-        elif compile:
-            self.fn = torch.compile(decode_step, dynamic=True, fullgraph=True)
-            self.fn_single = self.fn_single if compile == "auto" else self.fn
+            static = torch.compile(_decode_step_single, dynamic=False, fullgraph=True,
+                                   options={"coordinate_descent_tuning": True})
+        if compile in (True, "dynamic", "auto"):
+            dynamic = torch.compile(decode_step, dynamic=True, fullgraph=True)
+        self.fn: Callable[..., torch.Tensor] = dynamic or static or decode_step
+        self.fn_single: Callable[..., torch.Tensor] = static or self.fn  # the step of batch bucket 1
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_s = 0.0

@@ -257,9 +257,10 @@ def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype)
         return "matmul"
     from serving.engine.decode_attention import triton_available
 
-    if triton_available() and device.type == "cuda":
+    has_triton = triton_available()
+    if has_triton and device.type == "cuda":
         return "triton"
     if choice == "triton":
         raise EngineLimitError(f"decode_attention='triton' needs CUDA and Triton (device {device}, Triton "
-                               f"{'importable' if triton_available() else 'not importable'})")
+                               f"{'importable' if has_triton else 'not importable'})")
     return "matmul"

@@ -324,12 +324,9 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - a broken callback must not stop the others
             self.log_error(f"request {live.req.request_id}: emit failed: {type(exc).__name__}: {exc}")
             if reason is None:
-                self._retire(live)
-                self.stats.failed += 1
-            try:
-                live.req.fail(exc)
-            except Exception as cb_exc:  # noqa: BLE001
-                self.log_error(f"request {live.req.request_id}: fail callback: {cb_exc}")
+                self._fail_one(live, exc)
+            else:  # already retired as finished
+                self._tell_failed(live, exc)
 
     def _retire(self, live: _Live) -> None:
         live.finished = True
@@ -342,12 +339,18 @@ class Scheduler:
             return
         self.log_error(f"step failed for {len(lives)} requests: {type(exc).__name__}: {exc}")
         for live in lives:
-            self._retire(live)
-            self.stats.failed += 1
-            try:
-                live.req.fail(exc)
-            except Exception as cb_exc:  # noqa: BLE001
-                self.log_error(f"request {live.req.request_id}: fail callback: {cb_exc}")
+            self._fail_one(live, exc)
+
+    def _fail_one(self, live: _Live, exc: BaseException) -> None:
+        self._retire(live)
+        self.stats.failed += 1
+        self._tell_failed(live, exc)
+
+    def _tell_failed(self, live: _Live, exc: BaseException) -> None:
+        try:
+            live.req.fail(exc)
+        except Exception as cb_exc:  # noqa: BLE001
+            self.log_error(f"request {live.req.request_id}: fail callback: {cb_exc}")
 
     def _fail_all(self, exc: BaseException) -> None:
         with self.cond:
