@@ -4,6 +4,9 @@ responses (never a lost or reordered token) while it is behind, errors last."""
 from __future__ import annotations
 
 import threading
+import time
+
+import pytest
 
 from serving.triton.models.outbox import Outbox
 
@@ -108,3 +111,60 @@ def test_a_failing_send_is_logged_and_the_others_still_go_out() -> None:
     box.stop()
     assert rec.sent == [("good", [2], "length")]
     assert box.stats.failed_sends == 1 and "client went away" in errors[0]
+
+
+def _wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def test_stream_interval_paces_middle_responses_but_never_the_first_or_the_final() -> None:
+    rec = Recorder()
+    box = Outbox("t", print, stream_interval_s=0.3)
+    stream = box.open(rec.tokens("a"), rec.error("a"), streaming=True)
+    stamps: list[float] = []
+    started = time.monotonic()
+    box.emit(stream, [0], None)
+    assert _wait_for(lambda: len(rec.sent) == 1)
+    stamps.append(time.monotonic())
+    for t in range(1, 6):
+        box.emit(stream, [t], None)
+    assert _wait_for(lambda: len(rec.sent) == 2)
+    stamps.append(time.monotonic())
+    box.emit(stream, [6], None)
+    box.emit(stream, [7], "length")  # final: goes out at once, with the token that was waiting
+    assert _wait_for(lambda: len(rec.sent) == 3)
+    stamps.append(time.monotonic())
+    box.stop()
+    assert rec.sent == [("a", [0], None), ("a", [1, 2, 3, 4, 5], None), ("a", [6, 7], "length")]
+    assert stamps[0] - started < 0.25  # the first token was not held back
+    assert stamps[1] - stamps[0] >= 0.25  # the middle ones waited out the interval
+    assert stamps[2] - stamps[1] < 0.25  # the final one did not
+
+
+def test_a_paced_stream_failing_is_sent_at_once_and_stop_flushes_without_waiting() -> None:
+    rec = Recorder()
+    box = Outbox("t", print, stream_interval_s=30.0)
+    failing = box.open(rec.tokens("f"), rec.error("f"), streaming=True)
+    waiting = box.open(rec.tokens("w"), rec.error("w"), streaming=True)
+    box.emit(failing, [1], None)
+    box.emit(waiting, [10], None)
+    assert _wait_for(lambda: len(rec.sent) == 2)
+    box.emit(failing, [2], None)
+    box.emit(waiting, [11], None)
+    box.fail(failing, "boom")
+    assert _wait_for(lambda: len(rec.sent) == 4)
+    started = time.monotonic()
+    box.stop()
+    assert time.monotonic() - started < 5.0
+    assert [x for x in rec.sent if x[0] == "f"] == [("f", [1], None), ("f", [2], None), ("f", "error", "boom")]
+    assert [x for x in rec.sent if x[0] == "w"] == [("w", [10], None), ("w", [11], None)]
+
+
+def test_a_negative_stream_interval_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="stream_interval_s=-1"):
+        Outbox("t", print, stream_interval_s=-1)

@@ -330,3 +330,17 @@ def test_router_forwards_counts_and_reports(monkeypatch: pytest.MonkeyPatch) -> 
 def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match=r"\[m\] router parameter weights="):
         router_model(monkeypatch, None, '{"1": 0}')
+
+
+@pytest.mark.parametrize("name, value", [("stream_interval_ms", "-5"), ("stream_interval_ms", "soon"),
+                                         ("gil_switch_interval_ms", "0"), ("gil_switch_interval_ms", "inf")])
+def test_llm_config_refuses_a_bad_millisecond_parameter_by_name(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"{name}='{value}'"):
+        llm_config("m_engine", versions=[1], max_batch_size=8, device_kind="KIND_CPU",
+                   parameters={"decoupled": "true", name: value})
+
+
+def test_llm_config_keeps_good_millisecond_parameters() -> None:
+    cfg = llm_config("m_engine", versions=[1], max_batch_size=8, device_kind="KIND_CPU",
+                     parameters={"stream_interval_ms": "20", "gil_switch_interval_ms": "0.05"})
+    assert cfg["parameters"]["stream_interval_ms"] == {"string_value": "20"}

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--wait-for", type=Path, action="append", default=[],
                      help="file that must exist before the clients start (repeatable)")
     srv.add_argument("--offline-json", type=Path, help="an engine-offline report to compare with")
+    srv.add_argument("--variant", action="append", default=[], metavar="LABEL[:k=v,...]",
+                     help="llm model parameters of one measured variant (repeatable; each runs in turn on one "
+                          "Triton), e.g. paced:stream_interval_ms=20,gil_switch_interval_ms=0.1")
     prof = sub.add_parser("profile", help="one decode step's CUDA graph: time, floor, kernels by kind (CUDA)")
     prof.add_argument("--shape", default="llama-3.2-1b")
     prof.add_argument("--batch", default="1,64", help="comma list")
@@ -57,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plot = sub.add_parser("plot", help="latency distributions of a served report (PNG)")
     plot.add_argument("--served", type=Path, required=True, help="a `served` report (JSON)")
     plot.add_argument("--out", type=Path, default=Path("bench-served.png"))
+    plot.add_argument("--variant", help="which variant of the report (default: the first)")
     eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
     eng.add_argument("--shape", default="llama-3.2-1b")
     eng.add_argument("--batch", type=int, default=64)
@@ -65,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-batch-size", type=int, default=64)
     eng.add_argument("--repeats", type=int, default=3)
     eng.add_argument("--no-compile", action="store_true")
+    eng.add_argument("--scheduler-requests-per-client", type=int, default=4,
+                     help="then BATCH closed-loop clients through the in-flight scheduler (0: skip)")
     eng.add_argument("--built-marker", type=Path, help="file touched once the engine is built")
     eng.add_argument("--work", type=Path, default=Path("build/bench-served"))
     eng.add_argument("--out", type=Path, default=Path("bench-engine-offline.json"))
@@ -87,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_mode == "plot":
         from serving.bench.plots import plot_served
 
-        print(plot_served(args.served, args.out))
+        print(plot_served(args.served, args.out, variant=args.variant))
         return 0
     if args.bench_mode == "profile":
         from serving.bench.profile_decode import run_profile
@@ -105,16 +111,21 @@ def run(args: argparse.Namespace) -> int:
         if args.built_marker is not None:
             args.built_marker.write_text(str(engine_dir))
         report = bench_offline_engine(engine_dir, batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                                      repeats=args.repeats, compile_decode=not args.no_compile, out_json=args.out)
+                                      repeats=args.repeats, compile_decode=not args.no_compile,
+                                      scheduler_requests_per_client=args.scheduler_requests_per_client,
+                                      out_json=args.out)
         print(json.dumps(report, indent=1))
         return 0
-    from serving.bench.served import run_served
+    from serving.bench.served import parse_variant, run_served
 
-    report = run_served(shape=args.shape, clients=args.clients, requests_per_client=args.requests_per_client,
+    variants = tuple(parse_variant(v) for v in args.variant) or (("default", {}),)
+    report = run_served(variants=variants, shape=args.shape, clients=args.clients, requests_per_client=args.requests_per_client,
                         prompt_len=args.prompt_len, gen_len=args.gen_len, max_batch_size=args.max_batch_size,
                         work=args.work, out_json=args.out, compile_decode=not args.no_compile,
                         wait_for=tuple(args.wait_for), offline_json=args.offline_json)
-    print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "variants")}, indent=1))
+    for label, figures in report["variants"].items():
+        print(label, json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=1))
     return 0
 
 

@@ -10,13 +10,17 @@ import json
 from pathlib import Path
 
 
-def plot_served(report_path: Path, out_png: Path) -> Path:
+def plot_served(report_path: Path, out_png: Path, *, variant: str | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     report = json.loads(Path(report_path).read_text())
+    if variant is not None:
+        if variant not in report.get("variants", {}):
+            raise ValueError(f"variant={variant!r} is not in {report_path} (it has {sorted(report.get('variants', {}))})")
+        report = {**report, **report["variants"][variant]}
     samples = report["samples"]
     panels = [("ttft_ms", "TTFT (send -> first token), ms"),
               ("tpot_ms", "TPOT per request, ms ((last - first) / (n - 1))"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,12 @@ def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_
 
 
 def bench_offline_engine(engine_dir: Path, *, batch: int, prompt_len: int, gen_len: int, repeats: int = 3,
-                         compile_decode: bool = True, out_json: Path | None = None) -> dict[str, Any]:
+                         compile_decode: bool = True, scheduler_requests_per_client: int = 4,
+                         out_json: Path | None = None) -> dict[str, Any]:
     """The offline figure the served one is compared with: the SAME engine folder, loaded like the `llm`
-    model loads it (compiled decode in CUDA graphs on a GPU), timed by `bench_engine` at `batch`."""
+    model loads it (compiled decode in CUDA graphs on a GPU), timed by `bench_engine` at `batch`; then
+    (unless `scheduler_requests_per_client` is 0) `batch` closed-loop clients through the in-flight
+    scheduler in this process (`bench_scheduler`: the served workload without Triton)."""
     from dataclasses import asdict
 
     import torch
@@ -62,6 +66,13 @@ def bench_offline_engine(engine_dir: Path, *, batch: int, prompt_len: int, gen_l
     cell = bench_engine(runner, batch=batch, prompt_len=prompt_len, gen_len=gen_len, repeats=repeats,
                         shape=str(engine_dir), impl="engine-compiled" if compiled else "engine-graphs")
     report = {k: v for k, v in asdict(cell).items() if k not in ("tpot_samples_ms", "ttft_samples_ms")}
+    if scheduler_requests_per_client > 0:
+        from serving.bench.scheduler_bench import bench_scheduler
+
+        sizes = {"clients": batch, "prompt_len": prompt_len, "gen_len": gen_len}
+        bench_scheduler(runner, requests_per_client=1, **sizes)  # warm-up: graphs of every bucket it meets
+        report["scheduler"] = bench_scheduler(runner, requests_per_client=scheduler_requests_per_client, **sizes)
+        report["scheduler_over_e2e"] = report["scheduler"]["output_tok_s"] / report["e2e_tok_s"]
     report.update({"setup_total_s": time.perf_counter() - t0, "device": str(runner.device),
                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None})
     if out_json is not None:
@@ -69,12 +80,84 @@ def bench_offline_engine(engine_dir: Path, *, batch: int, prompt_len: int, gen_l
     return report
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``"label:k=v,k=v"`` (or just ``"label"``) -> (label, parameters of the llm model)."""
+    label, _, rest = text.partition(":")
+    if not label.isidentifier():
+        raise ValueError(f"--variant {text!r}: the label {label!r} must be a plain name (letters, digits, _)")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--variant {text!r}: {item!r} is not key=value")
+        params[key.strip()] = value.strip()
+    return label, params
+
+
+def model_counters(triton_log: Path, model: str) -> dict[str, dict[str, float]]:
+    """The scheduler's and the outbox's counters that model `model` logged when it was unloaded."""
+    counters: dict[str, dict[str, float]] = {}
+    text = triton_log.read_text(errors="replace") if triton_log.is_file() else ""
+    for kind, pattern in (("scheduler", r"scheduler SchedulerStats\((.*?)\)"),
+                          ("outbox", r"responses sent: OutboxStats\((.*?)\)")):
+        found = re.findall(rf"\[{re.escape(model)} v\d+\][^\n]*?{pattern}", text)
+        if found:
+            counters[kind] = {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.e+]+)", found[-1])}
+    return counters
+
+
+def run_clients(grpc_url: str, model: str, *, clients: int, requests_per_client: int, prompt_len: int,
+                gen_len: int, vocab: int, get_timeout_s: float) -> dict[str, Any]:
+    """`clients` streaming client processes started together -> the served figures and raw samples."""
+    rng = random.Random(0)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    barrier = ctx.Barrier(clients)
+    procs = []
+    started = time.perf_counter()
+    for _ in range(clients):
+        prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(requests_per_client)]
+        p = ctx.Process(target=stream_client, args=(grpc_url, prompts, gen_len, out, barrier, model))
+        p.start()
+        procs.append(p)
+    records = []
+    for _ in procs:
+        records += out.get(timeout=get_timeout_s)
+    for p in procs:
+        p.join(30)
+    ok = [r for r in records if r["error"] is None and r["stamps"]]
+    first_send = min(r["sent"] for r in records)
+    last = max(r["stamps"][-1][0] for r in ok) if ok else time.perf_counter()
+    counts = [sum(n for _, n in r["stamps"]) for r in ok]
+    tokens = sum(counts)
+    ttft = [(r["stamps"][0][0] - r["sent"]) * 1e3 for r in ok]
+    tpot = [(r["stamps"][-1][0] - r["stamps"][0][0]) * 1e3 / (n - 1) for r, n in zip(ok, counts) if n > 1]
+    itl = [(b[0] - a[0]) * 1e3 for r in ok for a, b in zip(r["stamps"], r["stamps"][1:])]
+    responses = sum(len(r["stamps"]) for r in ok)
+    return {
+        "requests": len(records), "errors": [r["error"] for r in records if r["error"]][:5],
+        "n_errors": sum(r["error"] is not None for r in records), "output_tokens": tokens,
+        "wall_s": last - first_send, "output_tok_s": tokens / (last - first_send),
+        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+        "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
+        "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99),
+        "responses": responses, "tokens_per_response": tokens / max(responses, 1),
+        "clients_spawned_s": time.perf_counter() - started,
+        "samples": {"ttft_ms": [round(x, 3) for x in ttft], "tpot_ms": [round(x, 3) for x in tpot],
+                    "itl_ms": [round(x, 3) for x in itl[::7]]},
+    }
+
+
 def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len: int, gen_len: int,
                max_batch_size: int, work: Path, out_json: Path | None = None, compile_decode: bool = True,
+               variants: tuple[tuple[str, dict[str, str]], ...] = (("default", {}),),
                load_timeout_s: float = 420.0, wait_for: tuple[Path, ...] = (), wait_timeout_s: float = 300.0,
                offline_json: Path | None = None, get_timeout_s: float = 300.0) -> dict[str, Any]:
-    """`wait_for`: files that must exist before the clients start (another job on the GPU finishing);
-    `offline_json`: a `bench_offline_engine` report whose e2e/decode tok/s the served figure is set against."""
+    """Each variant (label, extra parameters of the llm model) is staged as model ``bench_<label>`` and
+    measured in turn on one Triton: load, the clients, unload (its counters are read from the log).
+    The report holds every variant under ``variants``, and the first one's figures at the top level.
+    `wait_for`: files that must exist before the first clients start (another job on the GPU finishing);
+    `offline_json`: a `bench_offline_engine` report whose e2e/decode tok/s the served figures are set against."""
     import os
     import signal
 
@@ -95,64 +178,45 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     engine_dir = build_random_engine(shape, work, max_batch_size=max_batch_size, max_seq_len=max_seq)
     build_s = time.perf_counter() - t0
     root = init_repository(work / "repo")
-    stage_engine_version(root, MODEL, engine_dir, device_kind="auto", max_queue_size=max(1024, 4 * clients),
-                         max_queue_delay_us=100, parameters={"decoupled": "true",
-                                                             "compile_decode": "true" if compile_decode else "false"})
-    proc = start_triton(root, log_path=work / "triton.log", ready_timeout_s=120)
+    base = {"decoupled": "true", "compile_decode": "true" if compile_decode else "false"}
+    for label, params in variants:
+        stage_engine_version(root, f"{MODEL}_{label}", engine_dir, device_kind="auto",
+                             max_queue_size=max(1024, 4 * clients), max_queue_delay_us=100,
+                             parameters={**base, **params})
+    log_path = work / "triton.log"
+    proc = start_triton(root, log_path=log_path, ready_timeout_s=120)
     report: dict[str, Any] = {"shape": shape, "clients": clients, "requests_per_client": requests_per_client,
                               "prompt_len": prompt_len, "gen_len": gen_len, "max_batch_size": max_batch_size,
-                              "build_s": build_s}
+                              "build_s": build_s, "variants": {}}
+    offline = json.loads(offline_json.read_text()) if offline_json is not None and offline_json.is_file() else None
+    if offline is not None:
+        report["offline"] = offline
+    vocab = 128256 if shape.startswith("llama") else 512
     try:
-        t1 = time.perf_counter()
-        proc.control().load_model(MODEL + "_engine", timeout_s=load_timeout_s)
-        report["load_s"] = time.perf_counter() - t1
-        waited = time.perf_counter()
-        while not all(p.exists() for p in wait_for) and time.perf_counter() - waited < wait_timeout_s:
-            time.sleep(0.5)
-        report["waited_s"] = time.perf_counter() - waited
-        rng = random.Random(0)
-        vocab = 128256 if shape.startswith("llama") else 512
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        barrier = ctx.Barrier(clients)
-        procs = []
-        started = time.perf_counter()
-        for _ in range(clients):
-            prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(requests_per_client)]
-            p = ctx.Process(target=stream_client, args=(proc.grpc_url, prompts, gen_len, out, barrier))
-            p.start()
-            procs.append(p)
-        records = []
-        for _ in procs:
-            records += out.get(timeout=get_timeout_s)
-        for p in procs:
-            p.join(30)
-        ok = [r for r in records if r["error"] is None and r["stamps"]]
-        first_send = min(r["sent"] for r in records)
-        last = max(r["stamps"][-1][0] for r in ok) if ok else time.perf_counter()
-        counts = [sum(n for _, n in r["stamps"]) for r in ok]
-        tokens = sum(counts)
-        ttft = [(r["stamps"][0][0] - r["sent"]) * 1e3 for r in ok]
-        tpot = [(r["stamps"][-1][0] - r["stamps"][0][0]) * 1e3 / (n - 1) for r, n in zip(ok, counts) if n > 1]
-        itl = [(b[0] - a[0]) * 1e3 for r in ok for a, b in zip(r["stamps"], r["stamps"][1:])]
-        responses = sum(len(r["stamps"]) for r in ok)
-        report.update({
-            "requests": len(records), "errors": [r["error"] for r in records if r["error"]][:5],
-            "n_errors": sum(r["error"] is not None for r in records), "output_tokens": tokens,
-            "wall_s": last - first_send, "output_tok_s": tokens / (last - first_send),
-            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
-            "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
-            "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99),
-            "responses": responses, "tokens_per_response": tokens / max(responses, 1),
-            "clients_spawned_s": time.perf_counter() - started,
-            "samples": {"ttft_ms": [round(x, 3) for x in ttft], "tpot_ms": [round(x, 3) for x in tpot],
-                        "itl_ms": [round(x, 3) for x in itl[::7]]},
-        })
-        if offline_json is not None and offline_json.is_file():
-            offline = json.loads(offline_json.read_text())
-            report["offline"] = offline
-            report["served_over_offline_e2e"] = report["output_tok_s"] / offline["e2e_tok_s"]
-            report["served_over_offline_decode"] = report["output_tok_s"] / offline["decode_tok_s"]
+        for i, (label, params) in enumerate(variants):
+            model = f"{MODEL}_{label}_engine"
+            figures: dict[str, Any] = {"parameters": {**base, **params}}
+            report["variants"][label] = figures
+            t1 = time.perf_counter()
+            proc.control().load_model(model, timeout_s=load_timeout_s)
+            figures["load_s"] = time.perf_counter() - t1
+            if i == 0:
+                waited = time.perf_counter()
+                while not all(p.exists() for p in wait_for) and time.perf_counter() - waited < wait_timeout_s:
+                    time.sleep(0.5)
+                report["waited_s"] = time.perf_counter() - waited
+            figures.update(run_clients(proc.grpc_url, model, clients=clients, requests_per_client=requests_per_client,
+                                       prompt_len=prompt_len, gen_len=gen_len, vocab=vocab,
+                                       get_timeout_s=get_timeout_s))
+            if offline is not None:
+                figures["served_over_offline_e2e"] = figures["output_tok_s"] / offline["e2e_tok_s"]
+                figures["served_over_offline_decode"] = figures["output_tok_s"] / offline["decode_tok_s"]
+            proc.control().unload_model(model, timeout_s=120)
+            figures["counters"] = model_counters(log_path, model)
+            if i == 0:
+                report.update({k: v for k, v in figures.items() if k != "parameters"})
+            if out_json is not None:
+                out_json.write_text(json.dumps(report, indent=1))
     finally:
         proc.stop(timeout_s=20)
         if out_json is not None:

@@ -15,7 +15,8 @@ from typing import Any
 MODEL = "bench"
 
 
-def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, barrier: Any = None) -> None:
+def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, barrier: Any = None,
+                  model: str = MODEL + "_engine") -> None:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
@@ -35,7 +36,7 @@ def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, ba
                 t.set_data_from_numpy(arr)
                 inputs.append(t)
             sent = time.perf_counter()
-            client.async_stream_infer(MODEL + "_engine", inputs, enable_empty_final_response=True)
+            client.async_stream_infer(model, inputs, enable_empty_final_response=True)
             stamps, error = [], None
             while True:
                 at, result, err = events.get(timeout=600)

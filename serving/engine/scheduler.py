@@ -94,7 +94,10 @@ class SchedulerStats:
     failed: int = 0
     tokens: int = 0
     largest_batch: int = 0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # inside step(): the three below, and the rest of the host work
+    launch_s: float = 0.0  # admitting (prefill) and launching decode steps, GPU work queued, not awaited
+    deliver_s: float = 0.0  # handing tokens to the requests' callbacks, waiting included
+    wait_s: float = 0.0  # blocked until a launched step's tokens reached the host (GPU still busy)
 
 
 class Scheduler:
@@ -195,9 +198,13 @@ class Scheduler:
         started = time.perf_counter()
         self._admit()  # the admitted join this very decode step (their first token comes from prefill)
         launched = self._launch_decode()
+        queued = time.perf_counter()
         while len(self.inflight) > (1 if launched else 0):
             self._deliver(self.inflight.popleft())
-        self.stats.busy_s += time.perf_counter() - started
+        done = time.perf_counter()
+        self.stats.launch_s += queued - started
+        self.stats.deliver_s += done - queued
+        self.stats.busy_s += done - started
 
     # -- internals ----------------------------------------------------------------------------
     def _can_launch(self, live: _Live) -> bool:
@@ -299,7 +306,9 @@ class Scheduler:
     def _deliver(self, done: _Launched) -> None:
         try:
             if done.ready is not None:
+                waiting = time.perf_counter()
                 done.ready.synchronize()
+                self.stats.wait_s += time.perf_counter() - waiting
             tokens = done.tokens.tolist()
         except Exception as exc:  # noqa: BLE001 - the step failed on the device
             self._fail(done.lives, exc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from serving.triton.errors import ConfigError
+from serving.triton.models.params import check_parameters
 from serving.triton.models.routing import dump_weights
 
 ROUTER_MAX_BATCH_SIZE = 64
@@ -76,6 +77,10 @@ def llm_config(
     if max_batch_size < 1 or max_queue_size < 1:
         raise ConfigError(f"model {model_name!r}: max_batch_size={max_batch_size} and "
                           f"max_queue_size={max_queue_size} must be >= 1")
+    try:
+        check_parameters(parameters or {})
+    except ValueError as exc:
+        raise ConfigError(f"model {model_name!r}: {exc}") from exc
     decoupled = str((parameters or {}).get("decoupled", "")).lower() in ("1", "true", "yes")
     config: dict[str, Any] = {
         "name": model_name,

@@ -23,7 +23,9 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
   step, ~30-50 s more at load on an H200), ``warmup`` ("false" to skip capturing graphs at load),
-  ``gil_switch_interval_ms`` (default 0.5: how long the sender thread may hold the GIL).
+  ``gil_switch_interval_ms`` (default 0.5: how long the sender thread may hold the GIL),
+  ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
+  first and the final response are never held back; see ``outbox``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from serving.triton.models.outbox import Outbox
+from serving.triton.models.params import check_parameters, milliseconds
 from serving.triton.models.requests import (
     BatchItem,
     LlmRequest,
@@ -266,6 +269,10 @@ class TritonPythonModel:
         self.log = Log(f"{self.model_name} v{self.version}")
         config = json.loads(args["model_config"])
         params = config_parameters(config)
+        try:
+            check_parameters(params)
+        except ValueError as exc:
+            raise RuntimeError(f"[{self.model_name} v{self.version}] {exc}") from exc
         engine_dir = Path(args["model_repository"]) / str(self.version) / "engine"
         device = params.get("device") or ("cuda" if args.get("model_instance_kind") == "GPU" else "cpu")
         if device == "cuda":
@@ -289,8 +296,9 @@ class TritonPythonModel:
         if self.decoupled:
             # the sender thread is pure Python; without a short switch interval it can hold the GIL for
             # 5 ms (CPython's default) while the scheduler thread waits to launch the next step
-            sys.setswitchinterval(float(params.get("gil_switch_interval_ms") or 0.5) / 1e3)
-            self.outbox = Outbox(f"{self.model_name}-v{self.version}", self.log.error)
+            sys.setswitchinterval(milliseconds(params, "gil_switch_interval_ms") / 1e3)
+            self.outbox = Outbox(f"{self.model_name}-v{self.version}", self.log.error,
+                                 stream_interval_s=milliseconds(params, "stream_interval_ms") / 1e3)
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
                                               compile_decode=_truthy(params.get("compile_decode")),

@@ -8,6 +8,12 @@ response and the python backend's IPC cost ~0.1-0.3 ms, and 64 streams produce 6
 step), a response carries every token that waited, so the sender never becomes the throughput
 ceiling and no token is dropped or reordered.
 
+``stream_interval_s`` (the ``llm`` model's ``stream_interval_ms``; 0 by default) paces a stream's
+middle responses: one goes out at least that long after the stream's previous response, carrying every
+token gathered meanwhile (like TensorRT-LLM's and vLLM's ``stream_interval``, in time rather than steps).
+A stream's first response and its final one are never held back, so TTFT and request latency do not
+grow; fewer responses leave the sender idle more often, and with it the GIL to the scheduler thread.
+
 A stream that is not streaming (``stream`` false) is sent once, when it finishes. A failure is sent
 after the tokens that preceded it, as the final response.
 
@@ -36,12 +42,20 @@ class Stream:
     reason: str | None = None
     error: str | None = None
     closed: bool = False  # the final response was taken by the sender
+    last_sent: float | None = None  # monotonic time the sender last took from this stream
 
-    def take(self) -> tuple[list[int], str | None, str | None]:
+    def take(self, now: float) -> tuple[list[int], str | None, str | None]:
         tokens, self.tokens = self.tokens, []
         if self.reason is not None or self.error is not None:
             self.closed = True
+        self.last_sent = now
         return tokens, self.reason, self.error
+
+    def due(self, interval_s: float) -> float:
+        """When the sender may take from this stream: now for its first and its final response."""
+        if self.last_sent is None or self.reason is not None or self.error is not None:
+            return 0.0
+        return self.last_sent + interval_s
 
 
 @dataclass
@@ -56,8 +70,11 @@ class OutboxStats:
 class Outbox:
     """One sender thread for every stream of a model instance."""
 
-    def __init__(self, name: str, log_error: Callable[[str], None]) -> None:
+    def __init__(self, name: str, log_error: Callable[[str], None], *, stream_interval_s: float = 0.0) -> None:
+        if not stream_interval_s >= 0.0:
+            raise ValueError(f"stream_interval_s={stream_interval_s!r} must be >= 0")
         self.log_error = log_error
+        self.stream_interval_s = stream_interval_s
         self.cond = threading.Condition()
         self.ready: dict[int, Stream] = {}  # id(stream) -> stream, oldest first
         self.stopping = False
@@ -84,21 +101,40 @@ class Outbox:
             self._ready(stream)
 
     def _ready(self, stream: Stream) -> None:
-        if not stream.closed and id(stream) not in self.ready:
+        if stream.closed:
+            return
+        if id(stream) not in self.ready:
             self.ready[id(stream)] = stream
+            self.cond.notify()
+        elif stream.due(self.stream_interval_s) == 0.0:  # waiting out its interval, and now final
             self.cond.notify()
 
     def _main(self) -> None:
         while True:
             with self.cond:
-                while not self.ready and not self.stopping:
-                    self.cond.wait()
-                if not self.ready:
+                batch = self._wait_for_due()
+                if batch is None:
                     return
-                batch = [(stream, stream.take()) for stream in self.ready.values()]
-                self.ready = {}
             for stream, (tokens, reason, error) in batch:
                 self._send(stream, tokens, reason, error)
+
+    def _wait_for_due(self) -> list[tuple[Stream, tuple[list[int], str | None, str | None]]] | None:
+        """Under the lock: take every ready stream that is due, waiting until one is; None once stopped
+        with nothing left (stopping sends what is ready without waiting for the interval)."""
+        while True:
+            if not self.ready:
+                if self.stopping:
+                    return None
+                self.cond.wait()
+                continue
+            now = time.monotonic()
+            interval = 0.0 if self.stopping else self.stream_interval_s
+            due = [s for s in self.ready.values() if s.due(interval) <= now]
+            if due:
+                for stream in due:
+                    del self.ready[id(stream)]
+                return [(stream, stream.take(now)) for stream in due]
+            self.cond.wait(min(s.due(interval) for s in self.ready.values()) - now)
 
     def _send(self, stream: Stream, tokens: list[int], reason: str | None, error: str | None) -> None:
         started = time.perf_counter()

@@ -1,0 +1,32 @@
+"""The ``llm`` model's numeric config parameters, read the same way when a config is written (so a bad
+value fails at staging, naming it) and when the model loads inside Triton.
+
+Imports: stdlib only.
+"""
+
+from __future__ import annotations
+
+# name -> (default in ms, whether 0 is allowed)
+MILLISECOND_PARAMETERS: dict[str, tuple[float, bool]] = {
+    "gil_switch_interval_ms": (0.5, False),
+    "stream_interval_ms": (0.0, True),
+}
+
+
+def milliseconds(params: dict[str, str], name: str) -> float:
+    """The value of one of `MILLISECOND_PARAMETERS` (its default when unset or empty)."""
+    default, zero_ok = MILLISECOND_PARAMETERS[name]
+    raw = str(params.get(name) or "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = float("nan")
+    if not (value > 0.0 or (zero_ok and value == 0.0)) or value == float("inf"):
+        raise ValueError(f"parameter {name}={raw!r} must be a number of milliseconds {'>= 0' if zero_ok else '> 0'}")
+    return value
+
+
+def check_parameters(params: dict[str, str]) -> None:
+    """Raise ValueError naming the first numeric parameter whose value is not valid."""
+    for name in MILLISECOND_PARAMETERS:
+        milliseconds(params, name)
