@@ -27,6 +27,7 @@ from serving.engine.decode_attention import (
     decode_attention_reference,
     decode_attention_triton,
     split_plan,
+    sweep_decode_attention,
     triton_available,
 )
 
@@ -269,5 +270,10 @@ def test_cuda_graph_capture_and_replay(use_compile):
 
 
 if __name__ == "__main__":
-    bench_decode_attention()
-    bench_decode_attention(length=4000, kv_len=4096, max_seq=4096)
+    import sys
+
+    if "--sweep" in sys.argv:
+        sweep_decode_attention()
+    else:
+        bench_decode_attention()
+        bench_decode_attention(length=4000, kv_len=4096, max_seq=4096)

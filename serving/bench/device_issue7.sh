@@ -5,9 +5,11 @@
 #  - the same engine served by the bundled Triton (decoupled llm model, in-flight batching) to 64
 #    concurrent streaming gRPC clients; Triton's stub and the clients run in /tmp/venv, where numpy 1.26
 #    shadows the image's numpy 2 (the bundled python backend sends empty tensors with numpy 2),
-#  - the bf16 parity test (tests/test_engine_gpu.py -k parity) while Triton loads and compiles; the
-#    clients wait for it, so nothing else is on the GPU while they are timed.
-# Whole script <= ~430 s. Results under $OUT: steps.log, offline.json/.log, served.json/.log, parity.json/.log, triton.log.
+#    with every variant of the llm model's parameters in $VARIANTS measured in turn,
+#  - the bf16 parity test (tests/test_engine_gpu.py -k parity), then the other GPU tests, while Triton
+#    loads and compiles; the clients wait for them, so nothing else is on the GPU while they are timed.
+# Whole script <= ~560 s. Results under $OUT: steps.log, offline.json/.log, served.json/.log,
+# parity.json/.log, gpu-tests.log, triton.log.
 set -u
 OUT=${OUT:-/tmp/issue7-out}
 W=/tmp/bs
@@ -58,19 +60,26 @@ log "engine built: $(cat "$W/built" 2>/dev/null)"
 wait $OFF_PID; log "offline rc=$?"
 touch "$W/offline.done"
 # served starts once the offline figure is taken (Triton's compile and graph capture would disturb it)
-SRV_T=$((${TOTAL_S:-425} - ($(date +%s) - T0)))
+SRV_T=$((${TOTAL_S:-560} - ($(date +%s) - T0)))
+VARIANTS=${VARIANTS:-"default gil:gil_switch_interval_ms=0.05 paced:stream_interval_ms=50 both:stream_interval_ms=50,gil_switch_interval_ms=0.05"}
+VARIANT_ARGS=(); for v in $VARIANTS; do VARIANT_ARGS+=(--variant "$v"); done
 log "served: ${SRV_T} s left"
 (
   export PATH=/tmp/venv/bin:$PATH
   timeout "$SRV_T" /tmp/venv/bin/python -m serving.bench served --shape llama-3.2-1b --clients 64 --requests-per-client 16 \
     --prompt-len 128 --gen-len 128 --max-batch-size 64 --work "$W" --out "$OUT/served.json" \
-    --wait-for "$W/offline.done" --wait-for "$W/parity.done" --offline-json "$OUT/offline.json"
+    --wait-for "$W/offline.done" --wait-for "$W/parity.done" --offline-json "$OUT/offline.json" "${VARIANT_ARGS[@]}"
 ) >"$OUT/served.log" 2>&1 &
 SRV_PID=$!
 if [ "${SKIP_PARITY:-0}" != 1 ]; then
   PYTHONPATH=/tmp/site-val ENGINEWRIGHT_PARITY_JSON="$OUT/parity.json" timeout 150 \
     python3 -m pytest -q -s -p no:cacheprovider tests/test_engine_gpu.py -k parity >"$OUT/parity.log" 2>&1
   log "parity rc=$?"
+fi
+if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_engine_gpu.py tests/test_decode_attention.py \
+    -k "not parity" >"$OUT/gpu-tests.log" 2>&1
+  log "gpu tests rc=$?: $(tail -n 1 "$OUT/gpu-tests.log")"
 fi
 touch "$W/parity.done"
 wait $SRV_PID; log "served rc=$?"
@@ -85,7 +94,10 @@ def load(name):
         return {"missing": repr(exc)}
 off, srv, par = load("offline.json"), load("served.json"), load("parity.json")
 print("OFFLINE", {k: off.get(k) for k in ("impl", "decode_tok_s", "e2e_tok_s", "ttft_ms_p50", "tpot_ms_p50", "missing")})
-print("SERVED", {k: v for k, v in srv.items() if k not in ("samples", "offline")})
+print("SCHEDULER", {k: v for k, v in off.get("scheduler", {}).items()}, off.get("scheduler_over_e2e"))
+print("SERVED", {k: v for k, v in srv.items() if k not in ("samples", "offline", "variants")})
+for label, fig in srv.get("variants", {}).items():
+    print("VARIANT", label, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in fig.items() if k != "samples"})
 for name in ("peaked", "standard_init"):
     e = par.get(name, {})
     print("PARITY", name, {k: v for k, v in e.items() if k != "gate"})

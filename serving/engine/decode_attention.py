@@ -89,14 +89,15 @@ def block_n(head_dim: int) -> int:
     return max(16, 8192 // head_dim)
 
 
-def split_plan(bsz: int, n_kv_heads: int, kv_len: int, block: int) -> tuple[int, int]:
+def split_plan(bsz: int, n_kv_heads: int, kv_len: int, block: int, target_programs: int = TARGET_PROGRAMS,
+               max_splits: int = MAX_SPLITS) -> tuple[int, int]:
     """(num_splits, chunk): the split-K grid of a (batch, kv heads, KV bucket) shape.
 
     `chunk` (positions per split) is a multiple of `block` and `num_splits * chunk >= kv_len`. Written
     with floor divisions and `torch.sym_min` only, so symbolic sizes under torch.compile add no guards.
     """
-    wanted = torch.sym_min(_cdiv(kv_len, block), _cdiv(TARGET_PROGRAMS, bsz * n_kv_heads))
-    wanted = torch.sym_min(wanted, MAX_SPLITS)
+    wanted = torch.sym_min(_cdiv(kv_len, block), _cdiv(target_programs, bsz * n_kv_heads))
+    wanted = torch.sym_min(wanted, max_splits)
     chunk = _cdiv(_cdiv(kv_len, wanted), block) * block
     return _cdiv(kv_len, chunk), chunk
 
@@ -192,7 +193,9 @@ if triton is not None:
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
     def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                kv_len: int, scale: float) -> torch.Tensor:
+                kv_len: int, scale: float, *, block: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                target_programs: int = TARGET_PROGRAMS, max_splits: int = MAX_SPLITS) -> torch.Tensor:
+        """The two kernels; the keyword arguments are the tuning knobs (`sweep_decode_attention`)."""
         bsz, n_kv_heads, group, head_dim = q.shape
         group, head_dim = int(group), int(head_dim)
         check_head_dim(head_dim)
@@ -203,8 +206,8 @@ if triton is not None:
                              f"{k_cache.dtype}, {v_cache.dtype}")
         q = q.contiguous()
         group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
-        block = block_n(head_dim)
-        n_splits, chunk = split_plan(bsz, n_kv_heads, kv_len, block)
+        block = block or block_n(head_dim)
+        n_splits, chunk = split_plan(bsz, n_kv_heads, kv_len, block, target_programs, max_splits)
         # flat partials of shape [B, Hkv, n_splits, G(, hd)]: flat, so a symbolic n_splits adds no guard
         rows = bsz * n_kv_heads * n_splits * group
         lse_part = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -215,7 +218,7 @@ if triton is not None:
             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), chunk, scale * math.log2(math.e),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=block,
-            IEEE_DOT=q.dtype == torch.float32, num_warps=4, num_stages=2,
+            IEEE_DOT=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
         )
         wrap_triton(_combine_kernel)[(bsz, n_kv_heads)](
             o_part, lse_part, out, n_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, num_warps=4,
@@ -304,3 +307,32 @@ def bench_decode_attention(length: int = 192, kv_len: int = 256, max_seq: int = 
                 gbs = row_bytes * positions / (us * 1e-6) / 1e9
                 print(f"{name} B={bsz:<3} length={length} kv_len={kv_len} {path:<9}: {us:8.2f} us/call "
                       f"{gbs:8.1f} GB/s of K/V read ({positions} positions)")
+
+
+def sweep_decode_attention() -> None:
+    """Print µs per call of the split kernel's tuning knobs (block, warps, stages, target programs) at the
+    Llama-1B/8B decode shapes, batch 1 and 64, 192 and 2000 filled positions; the first row of each shape
+    is the shipped setting."""
+    if triton is None:
+        raise RuntimeError("the sweep needs Triton on CUDA")
+    shapes = {"llama-1B": (8, 4, 64), "llama-8B": (8, 4, 128)}
+    knobs = [{}] + [{"block": b, "num_warps": w, "num_stages": st, "target_programs": t}
+                    for b in (32, 64, 128) for w in (4, 8) for st in (2, 3) for t in (512, 1024)]
+    for name, (n_kv_heads, group, head_dim) in shapes.items():
+        for bsz, length, kv_len in ((1, 192, 256), (64, 192, 256), (64, 2000, 2048)):
+            q = torch.randn(bsz, n_kv_heads, group, head_dim, device="cuda", dtype=torch.bfloat16)
+            k_cache = torch.randn(bsz, n_kv_heads, kv_len, head_dim, device="cuda", dtype=torch.bfloat16)
+            v_cache = torch.randn_like(k_cache)
+            lengths = torch.full((bsz,), length, device="cuda", dtype=torch.int64)
+            kv_bytes = 2 * bsz * n_kv_heads * head_dim * 2 * length
+            results = []
+            for knob in knobs:
+                if knob.get("block", 0) * head_dim > 16384:
+                    continue
+                us = _time_us(lambda *a, knob=knob: _launch(*a, **knob), q, k_cache, v_cache, lengths, kv_len,
+                              head_dim ** -0.5)
+                results.append((us, knob))
+            shipped = results[0][0]
+            best = sorted(results, key=lambda r: r[0])[:3]
+            print(f"{name} B={bsz} length={length}: shipped {shipped:.2f} us ({kv_bytes / shipped / 1e3:.0f} GB/s); "
+                  + "; ".join(f"{us:.2f} us {knob}" for us, knob in best), flush=True)
