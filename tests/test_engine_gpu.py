@@ -90,6 +90,32 @@ def test_fused_attention_matches_matmul_compiled_and_eager(tmp_path):
         assert err < 0.05 * max(b.abs().max().item(), 1.0)
 
 
+def test_capture_leaves_cache_and_state_alone_and_replay_advances(tmp_path):
+    """Capturing a graph mid-flight (its two warm-up runs write K/V and advance the state) changes no
+    cache entry and no state buffer; the in-place replay then equals `decode` and advances the state."""
+    _, info = engine(tmp_path, "bfloat16")
+    runner = load_engine(info.path, device="cuda")
+    runner.compile_decode()
+    runner.prefill(PROMPTS, range(3))
+    state = runner.state
+    state.tokens[:3] = torch.tensor([5, 9, 100])
+    state.positions[:3] = torch.tensor([4, 8, 2])
+    state.active[:3] = torch.tensor([1, 1, 0])
+    caches = [c for layer in runner.model.layers for c in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache)]
+    before = [t.clone() for t in (state.tokens, state.positions, state.active, *caches)]
+    runner.graphs.prepare(3, 9)
+    after = [state.tokens, state.positions, state.active, *caches]
+    changed = [i for i, (a, b) in enumerate(zip(before, after)) if not torch.equal(a, b)]
+    assert changed == [], f"capture changed buffers {changed} (0-2: state, then K/V caches)"
+    got = runner.decode_inplace(3, 9).clone()
+    assert state.positions[:3].tolist() == [5, 9, 2]
+    assert torch.equal(state.tokens[:3], got.argmax(-1))
+    for i, cache in enumerate(caches):
+        cache.copy_(before[3 + i])
+    want = runner.decode(torch.tensor([5, 9, 100], device="cuda"), torch.tensor([4, 8, 2], device="cuda"), 9)
+    assert torch.equal(got, want)
+
+
 def test_compiled_decode_matches_eager(tmp_path):
     """float32: compiled (CUDA graphs) == eager token for token. bf16: inductor rounds differently from
     eager, so compare like vLLM's check_logprobs_close: at the first divergence each side's token must

@@ -90,7 +90,7 @@ def test_limits_checked_at_submit(runner):
 def test_failed_step_fails_its_requests_and_loop_goes_on(runner, monkeypatch):
     sched = Scheduler(runner)
     errors: list[BaseException] = []
-    real = runner.decode
+    real = runner.decode_inplace
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -99,11 +99,11 @@ def test_failed_step_fails_its_requests_and_loop_goes_on(runner, monkeypatch):
             raise RuntimeError("boom")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "decode", flaky)
+    monkeypatch.setattr(runner, "decode_inplace", flaky)
     sched.submit(GenRequest(PROMPTS[0], 8, lambda *a: None, errors.append))
     sched.run_until_idle()
     assert len(errors) == 1 and "boom" in str(errors[0])
-    monkeypatch.setattr(runner, "decode", real)
+    monkeypatch.setattr(runner, "decode_inplace", real)
     assert collect(sched, [PROMPTS[2]], max_tokens=4)[0][0] == runner.generate([PROMPTS[2]], max_new_tokens=4)[0].token_ids
 
 
@@ -125,3 +125,29 @@ def test_thread_streams_and_stop_fails_pending(runner):
     assert not sched.thread.is_alive()
     with pytest.raises(SchedulerStopped):
         sched.submit(GenRequest(PROMPTS[4], 6, emit, lambda e: None))
+
+
+def test_decode_inplace_equals_decode_and_advances_only_active_rows(runner):
+    import torch
+
+    runner.prefill(PROMPTS[:3], range(3))
+    tokens, positions = torch.tensor([5, 9, 100]), torch.tensor([4, 8, 2])
+    want = runner.decode(tokens, positions, 16).clone()
+    runner.prefill(PROMPTS[:3], range(3))  # the same cache again (decode wrote K/V at those positions)
+    state = runner.state
+    state.tokens[:3], state.positions[:3] = tokens, positions
+    state.active[:3] = torch.tensor([1, 0, 1])
+    got = runner.decode_inplace(3, 16)
+    assert torch.equal(got, want)
+    assert state.tokens[:3].tolist() == want.argmax(-1).tolist()
+    assert state.positions[:3].tolist() == [5, 8, 3]
+
+
+def test_rows_that_stop_launching_stop_advancing(runner):
+    sched = Scheduler(runner)
+    done = collect(sched, PROMPTS[:3], max_tokens=[1, 5, 3])
+    assert [len(ids) for ids, _ in done] == [1, 5, 3]
+    assert sched.advancing == set()  # nothing launches any more: every row is inactive on the device
+    assert runner.state.active.tolist() == [0, 0, 0]
+    # parked rows sit at 0; the max_tokens=1 request never launched and stays at its prompt length
+    assert runner.state.positions.tolist() == [len(PROMPTS[0]), 0, 0]

@@ -61,7 +61,7 @@ wait $OFF_PID; log "offline rc=$?"
 touch "$W/offline.done"
 # served starts once the offline figure is taken (Triton's compile and graph capture would disturb it)
 SRV_T=$((${TOTAL_S:-560} - ($(date +%s) - T0)))
-VARIANTS=${VARIANTS:-"default gil:gil_switch_interval_ms=0.05 paced:stream_interval_ms=50 both:stream_interval_ms=50,gil_switch_interval_ms=0.05"}
+VARIANTS=${VARIANTS:-"default both:stream_interval_ms=50,gil_switch_interval_ms=0.05"}
 VARIANT_ARGS=(); for v in $VARIANTS; do VARIANT_ARGS+=(--variant "$v"); done
 log "served: ${SRV_T} s left"
 (
@@ -84,6 +84,11 @@ fi
 touch "$W/parity.done"
 wait $SRV_PID; log "served rc=$?"
 tail -c 2000000 "$W/triton.log" >"$OUT/triton.log" 2>/dev/null
+# the decode attention's tuning knobs, while time is left (GPU otherwise idle now)
+if [ "$(($(date +%s) - T0))" -lt "${SWEEP_BEFORE_S:-470}" ]; then
+  PYTHONPATH=. timeout 110 python3 tests/test_decode_attention.py --sweep >"$OUT/sweep.log" 2>&1
+  log "sweep rc=$?"
+fi
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/steps.log"
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])

@@ -21,6 +21,13 @@ shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms).
 The replay writes into static buffers: the logits returned are a view that the next replay
 overwrites. Consume them (sample) before the next `step`.
 
+The inputs are the buffers of a `DecodeState` (the runner's), and each graph ends with its `advance`:
+`step` copies the caller's tokens and positions in first (`EngineRunner.generate`), `replay` uses the
+buffers as they stand (the in-flight scheduler, which keeps its rows' state there between steps).
+Capturing a graph runs the step twice outside the capture; those runs would write K/V at the
+buffers' positions and advance the buffers, so the touched cache entries and the buffers are saved
+before and put back after each run: a lazy capture in the middle of serving changes nothing.
+
 Imports: stdlib and torch only.
 """
 
@@ -31,6 +38,7 @@ from collections.abc import Callable
 
 import torch
 
+from serving.engine.decode_state import DecodeState
 from serving.engine.model import Transformer, decode_step
 
 DEFAULT_KV_BLOCK = 256
@@ -54,7 +62,7 @@ class DecodeGraphs:
     """Lazily captured CUDA graphs of the decode step over the static KV cache of `model`."""
 
     def __init__(self, model: Transformer, *, kv_block: int = DEFAULT_KV_BLOCK, compile: bool | str = False,
-                 log: Callable[[str], None] | None = None) -> None:
+                 state: DecodeState | None = None, log: Callable[[str], None] | None = None) -> None:
         self.model = model
         self.kv_block = kv_block
         self.max_batch = model.max_batch_size
@@ -62,8 +70,8 @@ class DecodeGraphs:
         self.buckets = batch_buckets(self.max_batch)
         self.log = log or (lambda msg: None)
         dev = model.tok_embeddings.weight.device
-        self.tokens = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # [maxB]
-        self.input_pos = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # [maxB]
+        self.state = state or DecodeState.zeros(self.max_batch, dev)
+        self.tokens, self.input_pos = self.state.tokens, self.state.positions  # [maxB] each
         self.compiled = bool(compile)
         if compile not in (False, True, "dynamic", "static", "auto"):
             raise ValueError(f"compile={compile!r}: expected False, True, 'dynamic', 'static' or 'auto'")
@@ -94,21 +102,43 @@ class DecodeGraphs:
     def _capture(self, bsz: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         started = time.perf_counter()
         tokens, pos = self.tokens[:bsz], self.input_pos[:bsz]
+        fn = self.fn_single if bsz == 1 else self.fn
+        kept = self._save(bsz)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        fn = self.fn_single if bsz == 1 else self.fn
         with torch.cuda.stream(stream):  # warm up (compiles when compiled) outside the capture
             for _ in range(2):
-                fn(self.model, tokens, pos, kv_len)
+                self.state.advance(fn(self.model, tokens, pos, kv_len))
+                self._restore(bsz, kept)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = fn(self.model, tokens, pos, kv_len)  # [bsz, V] float32, a static buffer
+            self.state.advance(logits)
         torch.cuda.synchronize()
         took = time.perf_counter() - started
         self.capture_s += took
         self.log(f"captured decode graph batch={bsz} kv_len={kv_len} in {took:.2f} s")
         return graph, logits
+
+    def _save(self, bsz: int) -> list[torch.Tensor]:
+        """Copies of the buffers' rows [0, bsz) and of the K/V entries a step of them writes."""
+        rows = torch.arange(bsz, device=self.tokens.device)
+        pos = self.input_pos[:bsz]
+        kept = [self.tokens[:bsz].clone(), pos.clone()]
+        for layer in self.model.layers:
+            cache = layer.attention.kv_cache
+            kept += [cache.k_cache[rows, :, pos], cache.v_cache[rows, :, pos]]  # advanced indexing: copies
+        return kept
+
+    def _restore(self, bsz: int, kept: list[torch.Tensor]) -> None:
+        rows = torch.arange(bsz, device=self.tokens.device)
+        self.tokens[:bsz].copy_(kept[0])
+        self.input_pos[:bsz].copy_(kept[1])
+        for i, layer in enumerate(self.model.layers):
+            cache = layer.attention.kv_cache
+            cache.k_cache[rows, :, kept[1]] = kept[2 + 2 * i]
+            cache.v_cache[rows, :, kept[1]] = kept[3 + 2 * i]
 
     def prepare(self, bsz: int, kv_needed: int) -> None:
         """Capture the graph that a step of `bsz` rows needing `kv_needed` positions will replay."""
@@ -116,10 +146,7 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
 
-    @torch.no_grad()
-    def step(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_needed: int) -> torch.Tensor:
-        """tokens, input_pos: [b] (device) -> float32 logits [b, V] (a view into a static buffer)."""
-        b = tokens.shape[0]
+    def _graph(self, b: int, kv_needed: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, int]:
         bsz, kv_len = self.batch_bucket(b), self.kv_bucket(kv_needed)
         if kv_needed > kv_len:
             raise ValueError(f"decode needs {kv_needed} cache positions > max_seq_len={self.max_seq}")
@@ -127,10 +154,25 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(bsz, kv_len)
         graph, logits = self.graphs[key]
+        return graph, logits, bsz
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_needed: int) -> torch.Tensor:
+        """tokens, input_pos: [b] (device) -> float32 logits [b, V] (a view into a static buffer)."""
+        b = tokens.shape[0]
+        graph, logits, bsz = self._graph(b, kv_needed)
         self.tokens[:b].copy_(tokens, non_blocking=True)
         self.input_pos[:b].copy_(input_pos, non_blocking=True)
         if b < bsz:
             self.tokens[b:bsz].zero_()
             self.input_pos[b:bsz].zero_()
+        graph.replay()
+        return logits[:b]
+
+    @torch.no_grad()
+    def replay(self, b: int, kv_needed: int) -> torch.Tensor:
+        """The step of rows [0, b) on the state's buffers as they stand -> float32 logits [b, V]; rows
+        [b, bucket) of the bucket must be parked (position 0, not active)."""
+        graph, logits, _ = self._graph(b, kv_needed)
         graph.replay()
         return logits[:b]

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from serving.engine.build import EngineInfo, check_toolchain, read_engine_info
+from serving.engine.decode_state import DecodeState
 from serving.engine.errors import EngineLimitError
 from serving.engine.model import Transformer, decode_step, prefill_packed
 from serving.engine.sampling import SamplingParams, chosen_logprobs, sample
@@ -62,11 +63,12 @@ class EngineRunner:
         self.model = model
         self.device = device
         self.decode_fn: DecodeFn = decode_step
+        self.state = DecodeState.zeros(info.limits.max_batch_size, device)  # in-flight decode inputs
         self.graphs = None
         if device.type == "cuda" and cuda_graphs:
             from serving.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model)
+            self.graphs = DecodeGraphs(model, state=self.state)
 
     # -- setup ------------------------------------------------------------------------------
     def compile_decode(self, mode: str = "auto", **compile_kwargs) -> None:
@@ -77,7 +79,7 @@ class EngineRunner:
         if self.graphs is not None:
             from serving.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, compile=mode)
+            self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, compile=mode, state=self.state)
             return
         kwargs = {"dynamic": True, "fullgraph": True, **compile_kwargs}
         self.decode_fn = torch.compile(decode_step, **kwargs)
@@ -88,6 +90,17 @@ class EngineRunner:
         if self.graphs is not None:
             return self.graphs.step(tokens, input_pos, kv_needed)
         return self.decode_fn(self.model, tokens, input_pos, kv_needed)
+
+    def decode_inplace(self, b: int, kv_needed: int) -> torch.Tensor:
+        """One decode step of cache rows [0, b) on `self.state` as it stands -> float32 logits [b, V];
+        afterwards the state holds each row's greedy next token and active rows' positions have moved
+        on (`DecodeState.advance`). On CUDA one graph replay, no copies. Rows past b that the graph's
+        batch bucket includes must be parked (position 0, not active)."""
+        if self.graphs is not None:
+            return self.graphs.replay(b, kv_needed)
+        logits = self.decode_fn(self.model, self.state.tokens[:b], self.state.positions[:b], kv_needed)
+        self.state.advance(logits)
+        return logits
 
     def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
         """Prefill `prompts` into cache `rows` (packed, no padding) -> float32 last-token logits [N, V]."""

@@ -8,11 +8,19 @@ harmless garbage into their own cache rows (position 0, which a prefill rewrites
 of a new request reads it). Slots are taken lowest first, so the decode batch stays compact.
 
 The host runs one step ahead of the tokens (like vLLM's async scheduling): a step's sampled tokens
-stay on the device and feed the next step directly, positions advance on the host without waiting,
-and the tokens come back through a pinned copy + CUDA event that the host reads only after it has
-launched the following step. So the GPU decodes step t+1 while the host delivers step t's tokens,
-and the one host sync per step no longer leaves the GPU idle. A request that stops on a stop token
-has one step launched past it; those rows' tokens are dropped (its cache row is garbage from then on).
+stay on the device and feed the next step directly, and the tokens come back through a pinned copy +
+CUDA event that the host reads only after it has launched the following step. So the GPU decodes
+step t+1 while the host delivers step t's tokens, and the one host sync per step no longer leaves
+the GPU idle. A request that stops on a stop token has one step launched past it; those rows' tokens
+are dropped (its cache row is garbage from then on).
+
+The rows' inputs live on the device in the runner's `DecodeState` (token, position, active), and
+the step's CUDA graph itself writes the greedy next tokens and moves the active rows' positions on
+(`EngineRunner.decode_inplace`). The host only writes the state when rows change: admitted rows get
+their first token and position, rows that stop launching are parked (position 0, inactive). A step of
+greedy rows therefore costs the host one graph replay, one copy to a pinned buffer and one event:
+few calls into torch, each of which lets go of the GIL and must win it back from the thread that
+sends the responses (inside Triton that wait, not the GPU, set the served pace).
 
 Each request carries its own sampling (greedy requests share one argmax; sampled requests with the
 same parameters and no seed share one draw; a seeded request has its own `torch.Generator`, so its
@@ -42,6 +50,7 @@ import torch
 from serving.engine.errors import EngineError, EngineLimitError
 from serving.engine.sampling import SamplingParams, sample
 
+HOST_BUFFERS = 4
 Emit = Callable[[list[int], "str | None"], None]
 Fail = Callable[[BaseException], None]
 
@@ -123,7 +132,14 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._ids = itertools.count()
         self.inflight: collections.deque[_Launched] = collections.deque()
-        self.next_tokens = torch.zeros(self.max_slots, dtype=torch.long, device=self.device)  # decode inputs
+        self.state = runner.state  # the rows' decode inputs on the device (tokens, positions, active)
+        self.state.reset()
+        self.advancing: set[int] = set()  # rows whose `active` is 1 on the device
+        pinned = self.device.type == "cuda"
+        # host copies of launched tokens; at most 3 are in flight (prefill, decode, the one being read)
+        self.host_buffers = [torch.zeros(self.max_slots, dtype=torch.long, pin_memory=pinned) for _ in range(HOST_BUFFERS)]
+        self.host_events = [torch.cuda.Event() for _ in range(HOST_BUFFERS)] if pinned else []
+        self.next_buffer = 0
 
     # -- submission (any thread) --------------------------------------------------------------
     def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
@@ -235,7 +251,9 @@ class Scheduler:
         try:
             logits = self.runner.prefill([req.prompt_ids for _, req in batch], rows)
             tokens = self._sample(logits, lives)
-            self.next_tokens[self._on_device(rows)] = tokens
+            rows_dev = self._on_device(rows)
+            self.state.tokens[rows_dev] = tokens
+            self.state.positions[rows_dev] = self._on_device([live.next_pos for live in lives])
             self.inflight.append(self._to_host(lives, list(range(len(lives))), tokens))
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
             self._fail(lives, exc)
@@ -244,21 +262,20 @@ class Scheduler:
         self.stats.admitted += len(batch)
 
     def _launch_decode(self) -> bool:
-        rows = [i for i, s in enumerate(self.slots) if s is not None and self._can_launch(s)]
-        if not rows:
-            return False
-        b = rows[-1] + 1
-        positions = [0] * b
-        lives: list[_Live | None] = [None] * b
-        for i in rows:
-            live = self.slots[i]
-            positions[i], lives[i] = live.next_pos, live
-        launched = [self.slots[i] for i in rows]
+        launched = [s for s in self.slots if s is not None and self._can_launch(s)]
+        rows = [live.slot for live in launched]
         try:
-            logits = self.runner.decode(self.next_tokens[:b], self._on_device(positions), max(positions) + 1)
-            sampled = self._sample(logits, lives)  # [b]
-            self.next_tokens[:b].copy_(sampled)
-            self.inflight.append(self._to_host(launched, rows, sampled))
+            self._set_advancing(rows)
+            if not rows:
+                return False
+            b = rows[-1] + 1
+            logits = self.runner.decode_inplace(b, max(live.next_pos for live in launched) + 1)
+            if any(live.req.sampling is not None and not live.req.sampling.is_greedy for live in launched):
+                lives: list[_Live | None] = [None] * b
+                for live in launched:
+                    lives[live.slot] = live
+                self.state.tokens[:b].copy_(self._sample(logits, lives))  # the graph wrote the argmax
+            self.inflight.append(self._to_host(launched, rows, self.state.tokens[:b]))
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
             self._fail(launched, exc)
             return False
@@ -269,6 +286,18 @@ class Scheduler:
         self.stats.largest_batch = max(self.stats.largest_batch, len(rows))
         return True
 
+    def _set_advancing(self, rows: list[int]) -> None:
+        """Make exactly `rows` active on the device: start the new ones, park the ones that stopped."""
+        wanted = set(rows)
+        start, park = sorted(wanted - self.advancing), sorted(self.advancing - wanted)
+        if start:
+            self.state.active[self._on_device(start)] = 1
+        if park:
+            idx = self._on_device(park)
+            self.state.active[idx] = 0
+            self.state.positions[idx] = 0
+        self.advancing = wanted
+
     def _on_device(self, values: list[int]) -> torch.Tensor:
         """A long tensor on the device without a host sync (pinned, non-blocking copy on CUDA)."""
         host = torch.tensor(values, dtype=torch.long)
@@ -277,12 +306,15 @@ class Scheduler:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _to_host(self, lives: list[_Live], index: list[int], tokens: torch.Tensor) -> _Launched:
-        """Start copying `tokens` to the host without waiting for them."""
+        """Start copying `tokens` to the host (the next of the reused host buffers) without waiting."""
+        i = self.next_buffer
+        self.next_buffer = (i + 1) % HOST_BUFFERS
+        host = self.host_buffers[i][: tokens.shape[0]]
         if self.device.type != "cuda":
-            return _Launched(lives, index, tokens.to("cpu"), None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens)
+            return _Launched(lives, index, host, None)
         host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
+        ready = self.host_events[i]
         ready.record()
         return _Launched(lives, index, host, ready)
 

@@ -234,7 +234,7 @@ class EngineThread:
                     self.log.error(f"compiled decode failed, using eager CUDA graphs: {type(exc).__name__}: {exc}")
                     from serving.engine.cuda_graphs import DecodeGraphs
 
-                    self.runner.graphs = DecodeGraphs(self.runner.model)
+                    self.runner.graphs = DecodeGraphs(self.runner.model, state=self.runner.state)
                     self.compile_decode = False
             self._warmup()
             graphs = getattr(self.runner, "graphs", None)
