@@ -1,9 +1,9 @@
-"""The decoupled llm model's outbox: one response per token while the sender keeps up, coalesced
-responses (never a lost or reordered token) while it is behind, errors last."""
+"""The decoupled llm model's outbox, pumped by the engine thread: one response per token while the
+pump keeps up, coalesced responses (never a lost or reordered token) while it is behind, first and
+final responses before middle ones, errors last, middle responses paced by `stream_interval_s`."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -12,85 +12,82 @@ from serving.triton.models.outbox import Outbox
 
 
 class Recorder:
-    """A response sender that can be held, to make the outbox fall behind on purpose."""
-
     def __init__(self) -> None:
         self.sent: list[tuple[str, object, object]] = []
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()
-        self.done = threading.Event()
 
     def tokens(self, name: str):
         def send(ids: list[int], reason: str | None) -> None:
-            self.entered.set()
-            self.gate.wait(10)
             self.sent.append((name, list(ids), reason))
-            if reason is not None:
-                self.done.set()
         return send
 
     def error(self, name: str):
         def send(message: str) -> None:
             self.sent.append((name, "error", message))
-            self.done.set()
         return send
 
 
-def test_one_response_per_token_while_the_sender_keeps_up() -> None:
-    rec = Recorder()
-    box = Outbox("t", print)
-    stream = box.open(rec.tokens("a"), rec.error("a"), streaming=True)
+def pump(box: Outbox) -> int:
+    n = 0
+    while box.send_next():
+        n += 1
+    return n
+
+
+def open_streams(box: Outbox, rec: Recorder, *names: str, streaming: bool = True):
+    return [box.open(rec.tokens(n), rec.error(n), streaming=streaming) for n in names]
+
+
+def test_one_response_per_token_while_the_pump_keeps_up() -> None:
+    rec, box = Recorder(), Outbox("t", print)
+    (stream,) = open_streams(box, rec, "a")
     for i in range(5):
-        sent_before = len(rec.sent)
         box.emit(stream, [i], "length" if i == 4 else None)
-        for _ in range(1000):  # wait until the sender has taken it
-            if len(rec.sent) > sent_before:
-                break
-            threading.Event().wait(0.001)
-    assert rec.done.wait(5)
-    box.stop()
+        assert pump(box) == 1
     assert rec.sent == [("a", [0], None), ("a", [1], None), ("a", [2], None), ("a", [3], None), ("a", [4], "length")]
-    assert box.stats.responses == 5 and box.stats.largest_chunk == 1
+    assert box.stats.responses == 5 and box.stats.largest_chunk == 1 and box.pending() == 0
+    assert not box.send_next()
 
 
-def test_a_late_sender_gets_every_waiting_token_in_one_response_in_order() -> None:
-    rec = Recorder()
-    box = Outbox("t", print)
-    a = box.open(rec.tokens("a"), rec.error("a"), streaming=True)
-    b = box.open(rec.tokens("b"), rec.error("b"), streaming=True)
-    rec.gate.clear()
+def test_a_late_pump_sends_every_waiting_token_in_one_response_in_order() -> None:
+    rec, box = Recorder(), Outbox("t", print)
+    a, b = open_streams(box, rec, "a", "b")
     box.emit(a, [1], None)
-    assert rec.entered.wait(5)  # the sender is now stuck inside a's first send
+    pump(box)
     for t in range(2, 40):
         box.emit(a, [t], None)
         box.emit(b, [100 + t], None)
     box.emit(a, [40], "stop")
     box.emit(b, [140], "length")
-    rec.gate.set()
-    box.stop()
-    a_sent = [x for x in rec.sent if x[0] == "a"]
-    b_sent = [x for x in rec.sent if x[0] == "b"]
-    assert a_sent == [("a", [1], None), ("a", list(range(2, 41)), "stop")]
-    assert b_sent == [("b", list(range(102, 141)), "length")]
+    assert pump(box) == 2
+    assert rec.sent == [("a", [1], None), ("a", list(range(2, 41)), "stop"), ("b", list(range(102, 141)), "length")]
     assert box.stats.tokens == 40 + 39 and box.stats.largest_chunk == 39
 
 
+def test_first_and_final_responses_go_before_middle_ones() -> None:
+    rec, box = Recorder(), Outbox("t", print)
+    mid, new, ending = open_streams(box, rec, "mid", "new", "ending")
+    box.emit(mid, [1], None)
+    box.emit(ending, [10], None)
+    pump(box)  # both have had their first response
+    box.emit(mid, [2], None)  # middle, waiting longest
+    box.emit(new, [20], None)  # a first response
+    box.emit(ending, [11], "stop")  # a final response
+    pump(box)
+    assert [name for name, _, _ in rec.sent[2:]] == ["new", "ending", "mid"]
+
+
 def test_not_streaming_sends_once_and_an_error_comes_after_the_tokens() -> None:
-    rec = Recorder()
-    box = Outbox("t", print)
-    whole = box.open(rec.tokens("whole"), rec.error("whole"), streaming=False)
-    broken = box.open(rec.tokens("broken"), rec.error("broken"), streaming=True)
-    rec.gate.clear()
+    rec, box = Recorder(), Outbox("t", print)
+    (whole,) = open_streams(box, rec, "whole", streaming=False)
+    (broken,) = open_streams(box, rec, "broken")
     box.emit(whole, [1, 2], None)
     box.emit(broken, [7], None)
-    assert rec.entered.wait(5)
+    pump(box)
     box.emit(broken, [8], None)
     box.fail(broken, "generate failed: boom")
     box.emit(broken, [9], None)  # after the failure: never sent
     box.emit(whole, [3], "length")
-    rec.gate.set()
-    box.stop()
+    pump(box)
     assert [x for x in rec.sent if x[0] == "whole"] == [("whole", [1, 2, 3], "length")]
     assert [x for x in rec.sent if x[0] == "broken"] == [
         ("broken", [7], None), ("broken", [8], None), ("broken", "error", "generate failed: boom")]
@@ -98,71 +95,51 @@ def test_not_streaming_sends_once_and_an_error_comes_after_the_tokens() -> None:
 
 def test_a_failing_send_is_logged_and_the_others_still_go_out() -> None:
     errors: list[str] = []
-    rec = Recorder()
-    box = Outbox("t", errors.append)
+    rec, box = Recorder(), Outbox("t", errors.append)
 
     def explode(ids: list[int], reason: str | None) -> None:
         raise RuntimeError("client went away")
 
     bad = box.open(explode, rec.error("bad"), streaming=True)
-    good = box.open(rec.tokens("good"), rec.error("good"), streaming=True)
+    (good,) = open_streams(box, rec, "good")
     box.emit(bad, [1], "length")
     box.emit(good, [2], "length")
-    box.stop()
+    pump(box)
     assert rec.sent == [("good", [2], "length")]
     assert box.stats.failed_sends == 1 and "client went away" in errors[0]
 
 
-def _wait_for(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.001)
-    return False
-
-
 def test_stream_interval_paces_middle_responses_but_never_the_first_or_the_final() -> None:
-    rec = Recorder()
-    box = Outbox("t", print, stream_interval_s=0.3)
-    stream = box.open(rec.tokens("a"), rec.error("a"), streaming=True)
-    stamps: list[float] = []
-    started = time.monotonic()
+    rec, box = Recorder(), Outbox("t", print, stream_interval_s=0.2)
+    (stream,) = open_streams(box, rec, "a")
     box.emit(stream, [0], None)
-    assert _wait_for(lambda: len(rec.sent) == 1)
-    stamps.append(time.monotonic())
-    for t in range(1, 6):
-        box.emit(stream, [t], None)
-    assert _wait_for(lambda: len(rec.sent) == 2)
-    stamps.append(time.monotonic())
-    box.emit(stream, [6], None)
-    box.emit(stream, [7], "length")  # final: goes out at once, with the token that was waiting
-    assert _wait_for(lambda: len(rec.sent) == 3)
-    stamps.append(time.monotonic())
-    box.stop()
-    assert rec.sent == [("a", [0], None), ("a", [1, 2, 3, 4, 5], None), ("a", [6, 7], "length")]
-    assert stamps[0] - started < 0.25  # the first token was not held back
-    assert stamps[1] - stamps[0] >= 0.25  # the middle ones waited out the interval
-    assert stamps[2] - stamps[1] < 0.25  # the final one did not
+    assert box.send_next()  # the first response is never held back
+    first = time.monotonic()
+    box.emit(stream, [1], None)
+    box.emit(stream, [2], None)
+    assert not box.send_next() and box.pending() == 1  # a middle one waits out the interval
+    while not box.send_next():
+        time.sleep(0.005)
+    assert time.monotonic() - first >= 0.2
+    box.emit(stream, [3], None)
+    box.emit(stream, [4], "length")
+    assert box.send_next()  # the final one is not held back, and carries the token that waited
+    assert rec.sent == [("a", [0], None), ("a", [1, 2], None), ("a", [3, 4], "length")]
 
 
-def test_a_paced_stream_failing_is_sent_at_once_and_stop_flushes_without_waiting() -> None:
-    rec = Recorder()
-    box = Outbox("t", print, stream_interval_s=30.0)
-    failing = box.open(rec.tokens("f"), rec.error("f"), streaming=True)
-    waiting = box.open(rec.tokens("w"), rec.error("w"), streaming=True)
-    box.emit(failing, [1], None)
-    box.emit(waiting, [10], None)
-    assert _wait_for(lambda: len(rec.sent) == 2)
-    box.emit(failing, [2], None)
-    box.emit(waiting, [11], None)
-    box.fail(failing, "boom")
-    assert _wait_for(lambda: len(rec.sent) == 4)
-    started = time.monotonic()
-    box.stop()
-    assert time.monotonic() - started < 5.0
-    assert [x for x in rec.sent if x[0] == "f"] == [("f", [1], None), ("f", [2], None), ("f", "error", "boom")]
-    assert [x for x in rec.sent if x[0] == "w"] == [("w", [10], None), ("w", [11], None)]
+def test_flush_sends_paced_responses_at_once() -> None:
+    rec, box = Recorder(), Outbox("t", print, stream_interval_s=30.0)
+    a, b = open_streams(box, rec, "a", "b")
+    box.emit(a, [1], None)
+    box.emit(b, [10], None)
+    pump(box)
+    box.emit(a, [2], None)
+    box.emit(b, [11], None)
+    box.fail(a, "boom")
+    assert pump(box) == 1  # a's failure is final; b's middle token waits 30 s
+    box.flush()
+    assert [x for x in rec.sent if x[0] == "a"] == [("a", [1], None), ("a", [2], None), ("a", "error", "boom")]
+    assert [x for x in rec.sent if x[0] == "b"] == [("b", [10], None), ("b", [11], None)]
 
 
 def test_a_negative_stream_interval_is_refused_by_name() -> None:

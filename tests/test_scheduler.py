@@ -151,3 +151,35 @@ def test_rows_that_stop_launching_stop_advancing(runner):
     assert runner.state.active.tolist() == [0, 0, 0]
     # parked rows sit at 0; the max_tokens=1 request never launched and stays at its prompt length
     assert runner.state.positions.tolist() == [len(PROMPTS[0]), 0, 0]
+
+
+def test_while_waiting_work_is_done_on_the_loop_thread_and_drained_when_idle(runner):
+    import collections
+    import time
+
+    pending: collections.deque = collections.deque()
+    done_by: list[str] = []
+
+    def work() -> bool:
+        if not pending:
+            return False
+        pending.popleft()
+        done_by.append(threading.current_thread().name)
+        return True
+
+    finished = threading.Event()
+
+    def emit(ids: list[int], reason: str | None) -> None:
+        pending.append(ids)
+        if reason is not None:
+            finished.set()
+
+    sched = Scheduler(runner, while_waiting=work)
+    sched.start(name="engine-loop")
+    sched.submit(GenRequest(PROMPTS[0], 6, emit, print))
+    assert finished.wait(30)
+    deadline = time.monotonic() + 10
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sched.stop()
+    assert len(done_by) == 6 and set(done_by) == {"engine-loop"}

@@ -61,7 +61,7 @@ wait $OFF_PID; log "offline rc=$?"
 touch "$W/offline.done"
 # served starts once the offline figure is taken (Triton's compile and graph capture would disturb it)
 SRV_T=$((${TOTAL_S:-560} - ($(date +%s) - T0)))
-VARIANTS=${VARIANTS:-"default both:stream_interval_ms=50,gil_switch_interval_ms=0.05"}
+VARIANTS=${VARIANTS:-"default paced:stream_interval_ms=50"}
 VARIANT_ARGS=(); for v in $VARIANTS; do VARIANT_ARGS+=(--variant "$v"); done
 log "served: ${SRV_T} s left"
 (
@@ -78,7 +78,7 @@ if [ "${SKIP_PARITY:-0}" != 1 ]; then
 fi
 if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
   timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_engine_gpu.py tests/test_decode_attention.py \
-    -k "not parity" >"$OUT/gpu-tests.log" 2>&1
+    -k "${GPU_TESTS_K:-not parity}" >"$OUT/gpu-tests.log" 2>&1
   log "gpu tests rc=$?: $(tail -n 1 "$OUT/gpu-tests.log")"
 fi
 touch "$W/parity.done"

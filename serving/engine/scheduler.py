@@ -28,6 +28,12 @@ output does not depend on what it was batched with), stop tokens and `max_tokens
 through the request's `emit(new_ids, finish_reason)` callback (finish_reason None until the last
 emit), called on the scheduler thread.
 
+`while_waiting` (optional) is other work for the loop's thread: it is called, one item per call,
+while a launched step still runs on the GPU and the thread would otherwise block on it (at least once
+per step, so the work keeps moving when the host is the bottleneck), and until it reports nothing
+left whenever the loop goes idle (and after each step on the CPU, where nothing runs asynchronously).
+Triton's `llm` model sends its responses there (`outbox.Outbox.send_next`).
+
 Thread model: `submit` is thread-safe; `run_forever` (or `start()`, which runs it on a daemon
 thread) is the only code that touches the runner. `stop()` ends the loop, fails what is still
 pending or live with `SchedulerStopped`, and joins the thread.
@@ -106,15 +112,17 @@ class SchedulerStats:
     busy_s: float = 0.0  # inside step(): the three below, and the rest of the host work
     launch_s: float = 0.0  # admitting (prefill) and launching decode steps, GPU work queued, not awaited
     deliver_s: float = 0.0  # handing tokens to the requests' callbacks, waiting included
-    wait_s: float = 0.0  # blocked until a launched step's tokens reached the host (GPU still busy)
+    wait_s: float = 0.0  # until a launched step's tokens reached the host (GPU busy; `while_waiting` ran)
 
 
 class Scheduler:
     """Continuous batching driver of one `EngineRunner` (`prefill`, `decode`, `info.limits`)."""
 
     def __init__(self, runner: Any, *, max_prefill_tokens: int = 16384, idle_wait_s: float = 0.05,
-                 on_error: Callable[[str], None] | None = None) -> None:
+                 on_error: Callable[[str], None] | None = None,
+                 while_waiting: Callable[[], bool] | None = None) -> None:
         self.runner = runner
+        self.while_waiting = while_waiting or (lambda: False)
         limits = runner.info.limits
         self.max_slots = int(limits.max_batch_size)
         self.max_input_len = int(limits.max_input_len)
@@ -185,6 +193,8 @@ class Scheduler:
 
     def run_forever(self) -> None:
         while True:
+            if self.device.type != "cuda" or self.idle():
+                self._drain()
             with self.cond:
                 while not self.stopping and not self.waiting and self.live == 0 and not self.inflight:
                     self.cond.wait(self.idle_wait_s)
@@ -192,6 +202,11 @@ class Scheduler:
                     break
             self.step()
         self._fail_all(SchedulerStopped("the scheduler stopped (model unloading) before the request finished"))
+        self._drain()
+
+    def _drain(self) -> None:
+        while self.while_waiting():
+            pass
 
     def stop(self, timeout_s: float = 30.0) -> None:
         with self.cond:
@@ -339,6 +354,7 @@ class Scheduler:
         try:
             if done.ready is not None:
                 waiting = time.perf_counter()
+                self._work_until(done.ready)
                 done.ready.synchronize()
                 self.stats.wait_s += time.perf_counter() - waiting
             tokens = done.tokens.tolist()
@@ -348,6 +364,13 @@ class Scheduler:
         for live, i in zip(done.lives, done.index):
             if not live.finished:
                 self._deliver_token(live, tokens[i])
+
+    def _work_until(self, ready: Any) -> None:
+        """Run `while_waiting` items until the step behind `ready` is done (at least one item)."""
+        if not self.while_waiting():
+            return
+        while not ready.query() and self.while_waiting():
+            pass
 
     def _deliver_token(self, live: _Live, token: int) -> None:
         live.generated += 1

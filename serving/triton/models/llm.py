@@ -15,15 +15,16 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   ``serving.engine.scheduler.Scheduler``; ``execute`` parses each request and submits it with a
   callback that answers through the request's response sender: with ``stream`` true the new tokens
   (``output_ids`` [1, k]), the last response flagged FINAL and carrying ``finish_reason``; otherwise one
-  FINAL response with every token. Responses are built and sent by ``outbox.Outbox`` on its own thread,
-  so the scheduler thread only appends tokens between steps; a stream's tokens that wait while the
-  sender is busy go out together in its next response (k > 1 under load, 1 otherwise). ``execute``
-  returns at once. Startup errors of the
+  FINAL response with every token. Responses are built and sent (``outbox.Outbox.send_next``) by the
+  engine thread itself, while it waits for the GPU and whenever it is idle, so no sender thread
+  competes with it for the GIL; a stream's tokens that wait meanwhile go out together in its next
+  response (k > 1 under load, 1 otherwise). ``execute`` returns at once. Startup errors of the
   thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
   step, ~30-50 s more at load on an H200), ``warmup`` ("false" to skip capturing graphs at load),
-  ``gil_switch_interval_ms`` (default 0.5: how long the sender thread may hold the GIL),
+  ``gil_switch_interval_ms`` (default 0.5: how long another Python thread, such as the one running
+  ``execute``, may hold the GIL while the engine thread waits for it),
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
   first and the final response are never held back; see ``outbox``).
 """
@@ -198,8 +199,9 @@ class EngineThread:
     """The engine loop on its own thread: prepare (compile, capture graphs), then the scheduler forever."""
 
     def __init__(self, runner: Any, log: Log, *, device_id: int | None, compile_decode: bool,
-                 warmup: bool) -> None:
+                 warmup: bool, while_waiting: Callable[[], bool] | None = None) -> None:
         self.runner = runner
+        self.while_waiting = while_waiting
         self.log = log
         self.device_id = device_id
         self.compile_decode = compile_decode
@@ -238,7 +240,7 @@ class EngineThread:
                     self.compile_decode = False
             self._warmup()
             graphs = getattr(self.runner, "graphs", None)
-            self.scheduler = Scheduler(self.runner, on_error=self.log.error)
+            self.scheduler = Scheduler(self.runner, on_error=self.log.error, while_waiting=self.while_waiting)
             self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
                           f"{self.compile_decode}, graphs={'yes' if graphs is not None else 'no'})")
         except BaseException as exc:  # noqa: BLE001 - carried back to initialize
@@ -294,15 +296,16 @@ class TritonPythonModel:
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
         if self.decoupled:
-            # the sender thread is pure Python; without a short switch interval it can hold the GIL for
-            # 5 ms (CPython's default) while the scheduler thread waits to launch the next step
+            # without a short switch interval another thread can hold the GIL for 5 ms (CPython's
+            # default) while the engine thread waits to launch the next step
             sys.setswitchinterval(milliseconds(params, "gil_switch_interval_ms") / 1e3)
             self.outbox = Outbox(f"{self.model_name}-v{self.version}", self.log.error,
                                  stream_interval_s=milliseconds(params, "stream_interval_ms") / 1e3)
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
                                               compile_decode=_truthy(params.get("compile_decode")),
-                                              warmup=params.get("warmup", "true") != "false")
+                                              warmup=params.get("warmup", "true") != "false",
+                                              while_waiting=self.outbox.send_next)
             try:
                 self.engine_thread.start()
             except BaseException as exc:
@@ -426,7 +429,7 @@ class TritonPythonModel:
             self.engine_thread = None
         outbox = getattr(self, "outbox", None)
         if outbox is not None:
-            outbox.stop()
+            outbox.flush()  # the engine thread has stopped: whatever it had not sent yet
             self.log.info(f"responses sent: {outbox.stats}")
             self.outbox = None
         host = getattr(self, "host", None)

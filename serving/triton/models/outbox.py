@@ -1,18 +1,25 @@
-"""The decoupled ``llm`` model's responses, sent off the scheduler thread and coalesced under load.
+"""The decoupled ``llm`` model's responses: gathered per stream, sent by the engine thread while the
+GPU computes, coalesced under load.
 
-The scheduler thread only appends tokens to a request's ``Stream`` (a lock and a list append) after
-each step; one sender thread builds and sends the responses. Each visit of the sender takes
-everything a stream gathered since its last visit and sends it as ONE response: while the sender
-keeps up that is one token per response (plain token streaming); when it falls behind (building a
-response and the python backend's IPC cost ~0.1-0.3 ms, and 64 streams produce 64 tokens per ~1.5 ms
-step), a response carries every token that waited, so the sender never becomes the throughput
-ceiling and no token is dropped or reordered.
+The scheduler hands each request's new tokens to its ``Stream`` (``emit``, a list append under a lock).
+Sending is pumped: ``send_next`` builds and sends ONE response, for one stream that is due, and the
+engine thread calls it while it would otherwise block on the GPU (``Scheduler(while_waiting=...)``),
+and drains it whenever the engine is idle. So responses cost the engine no GPU time and no other
+thread competes with it for the GIL (a separate sender thread did: every torch call releases the
+GIL, and winning it back from a busy sender cost the scheduler up to the switch interval each time;
+at 64 streams that, not the GPU, set the served pace).
+
+Each response carries every token its stream gathered since its last one: while the engine keeps
+up that is one token per response; when it does not (a response costs the python backend ~0.3 ms,
+and 64 streams produce 64 tokens per ~1.4 ms step), a response carries all that waited, so sending
+never becomes the throughput ceiling and no token is dropped or reordered. A stream's first response
+and its final one go before any middle response (they set TTFT and when a client's next request can
+start); middle responses go oldest first.
 
 ``stream_interval_s`` (the ``llm`` model's ``stream_interval_ms``; 0 by default) paces a stream's
-middle responses: one goes out at least that long after the stream's previous response, carrying every
-token gathered meanwhile (like TensorRT-LLM's and vLLM's ``stream_interval``, in time rather than steps).
-A stream's first response and its final one are never held back, so TTFT and request latency do not
-grow; fewer responses leave the sender idle more often, and with it the GIL to the scheduler thread.
+middle responses: one goes out at least that long after the stream's previous response (like
+TensorRT-LLM's and vLLM's ``stream_interval``, in time rather than steps). First and final responses
+are never held back.
 
 A stream that is not streaming (``stream`` false) is sent once, when it finishes. A failure is sent
 after the tokens that preceded it, as the final response.
@@ -31,7 +38,7 @@ SendTokens = Callable[[list[int], "str | None"], None]  # (token ids, finish rea
 SendError = Callable[[str], None]  # message -> one final error response
 
 
-@dataclass
+@dataclass(eq=False)
 class Stream:
     """What one request has produced and not yet sent."""
 
@@ -41,8 +48,13 @@ class Stream:
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     error: str | None = None
-    closed: bool = False  # the final response was taken by the sender
-    last_sent: float | None = None  # monotonic time the sender last took from this stream
+    closed: bool = False  # the final response was taken
+    last_sent: float | None = None  # monotonic time of its last response
+
+    @property
+    def urgent(self) -> bool:
+        """Its first response, or its final one."""
+        return self.last_sent is None or self.reason is not None or self.error is not None
 
     def take(self, now: float) -> tuple[list[int], str | None, str | None]:
         tokens, self.tokens = self.tokens, []
@@ -51,12 +63,6 @@ class Stream:
         self.last_sent = now
         return tokens, self.reason, self.error
 
-    def due(self, interval_s: float) -> float:
-        """When the sender may take from this stream: now for its first and its final response."""
-        if self.last_sent is None or self.reason is not None or self.error is not None:
-            return 0.0
-        return self.last_sent + interval_s
-
 
 @dataclass
 class OutboxStats:
@@ -64,77 +70,73 @@ class OutboxStats:
     tokens: int = 0
     largest_chunk: int = 0
     failed_sends: int = 0
-    send_s: float = 0.0  # time spent building and sending responses (the sender thread's busy time)
+    send_s: float = 0.0  # time spent building and sending responses
 
 
 class Outbox:
-    """One sender thread for every stream of a model instance."""
+    """Every stream of one model instance; ``send_next`` is called by one thread (the engine's)."""
 
     def __init__(self, name: str, log_error: Callable[[str], None], *, stream_interval_s: float = 0.0) -> None:
         if not stream_interval_s >= 0.0:
             raise ValueError(f"stream_interval_s={stream_interval_s!r} must be >= 0")
+        self.name = name
         self.log_error = log_error
         self.stream_interval_s = stream_interval_s
-        self.cond = threading.Condition()
-        self.ready: dict[int, Stream] = {}  # id(stream) -> stream, oldest first
-        self.stopping = False
+        self.lock = threading.Lock()
+        self.ready: dict[int, Stream] = {}  # id(stream) -> stream with something to send, oldest first
         self.stats = OutboxStats()
-        self.thread = threading.Thread(target=self._main, name=f"send-{name}", daemon=True)
-        self.thread.start()
 
     def open(self, send_tokens: SendTokens, send_error: SendError, *, streaming: bool) -> Stream:
         return Stream(send_tokens, send_error, streaming)
 
     def emit(self, stream: Stream, ids: list[int], reason: str | None) -> None:
-        """New tokens of `stream` (its finish reason with the last ones). Any thread; never blocks on a send."""
-        with self.cond:
+        """New tokens of `stream` (its finish reason with the last ones). Never sends."""
+        with self.lock:
             if stream.error is not None or stream.closed:
                 return
             stream.tokens.extend(ids)
             stream.reason = reason
             if stream.streaming or reason is not None:
-                self._ready(stream)
+                self.ready.setdefault(id(stream), stream)
 
     def fail(self, stream: Stream, message: str) -> None:
-        with self.cond:
+        with self.lock:
+            if stream.closed:
+                return
             stream.error = message
-            self._ready(stream)
+            self.ready.setdefault(id(stream), stream)
 
-    def _ready(self, stream: Stream) -> None:
-        if stream.closed:
-            return
-        if id(stream) not in self.ready:
-            self.ready[id(stream)] = stream
-            self.cond.notify()
-        elif stream.due(self.stream_interval_s) == 0.0:  # waiting out its interval, and now final
-            self.cond.notify()
+    def pending(self) -> int:
+        return len(self.ready)
 
-    def _main(self) -> None:
-        while True:
-            with self.cond:
-                batch = self._wait_for_due()
-                if batch is None:
-                    return
-            for stream, (tokens, reason, error) in batch:
-                self._send(stream, tokens, reason, error)
+    def send_next(self) -> bool:
+        """Send one response: a first or final one if any waits, else the oldest middle one that is due.
+        False when nothing is due now."""
+        with self.lock:
+            stream = self._next_due(time.monotonic())
+            if stream is None:
+                return False
+            del self.ready[id(stream)]
+            tokens, reason, error = stream.take(time.monotonic())
+        self._send(stream, tokens, reason, error)
+        return True
 
-    def _wait_for_due(self) -> list[tuple[Stream, tuple[list[int], str | None, str | None]]] | None:
-        """Under the lock: take every ready stream that is due, waiting until one is; None once stopped
-        with nothing left (stopping sends what is ready without waiting for the interval)."""
-        while True:
-            if not self.ready:
-                if self.stopping:
-                    return None
-                self.cond.wait()
-                continue
-            now = time.monotonic()
-            interval = 0.0 if self.stopping else self.stream_interval_s
-            due = [s for s in self.ready.values() if s.due(interval) <= now]
-            if due:
-                for stream in due:
-                    del self.ready[id(stream)]
-                return [(stream, stream.take(now)) for stream in due]
-            self.cond.wait(min(s.due(interval) for s in self.ready.values()) - now)
+    def flush(self) -> None:
+        """Send everything that waits, paced or not (unloading)."""
+        with self.lock:
+            streams, self.ready = list(self.ready.values()), {}
+            taken = [(stream, stream.take(time.monotonic())) for stream in streams]
+        for stream, (tokens, reason, error) in taken:
+            self._send(stream, tokens, reason, error)
+
+    def _next_due(self, now: float) -> Stream | None:
+        oldest = None
+        for stream in self.ready.values():
+            if stream.urgent:
+                return stream
+            if oldest is None and stream.last_sent + self.stream_interval_s <= now:
+                oldest = stream
+        return oldest
 
     def _send(self, stream: Stream, tokens: list[int], reason: str | None, error: str | None) -> None:
         started = time.perf_counter()
@@ -151,10 +153,3 @@ class Outbox:
             self.stats.failed_sends += 1
             self.log_error(f"sending a response failed: {type(exc).__name__}: {exc}")
         self.stats.send_s += time.perf_counter() - started
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Send what is ready, then end the thread."""
-        with self.cond:
-            self.stopping = True
-            self.cond.notify()
-        self.thread.join(timeout_s)
