@@ -193,9 +193,7 @@ class Scheduler:
 
     def run_forever(self) -> None:
         while True:
-            if self.idle():
-                self._drain(until_a_request_waits=True)
-            elif self.device.type != "cuda":
+            if self.device.type != "cuda" or self.idle():
                 self._drain()
             with self.cond:
                 while not self.stopping and not self.waiting and self.live == 0 and not self.inflight:
@@ -206,11 +204,8 @@ class Scheduler:
         self._fail_all(SchedulerStopped("the scheduler stopped (model unloading) before the request finished"))
         self._drain()
 
-    def _drain(self, *, until_a_request_waits: bool = False) -> None:
-        """`while_waiting` until it has nothing left. Idle, stop as soon as a request waits: admitting it
-        puts the GPU to work on its prefill, during which the rest gets done (the final responses of a
-        wave of requests that ended together, while their clients' next requests arrive)."""
-        while not (until_a_request_waits and self.waiting) and self.while_waiting():
+    def _drain(self) -> None:
+        while self.while_waiting():
             pass
 
     def stop(self, timeout_s: float = 30.0) -> None:
