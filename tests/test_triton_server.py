@@ -29,6 +29,7 @@ from serving.triton import (
     write_router,
 )
 from serving.triton.metrics import model_counter, scrape
+from serving.triton.process import stub_resources
 
 pytestmark = pytest.mark.slow
 
@@ -186,8 +187,11 @@ def test_load_timeout_raises_and_stop_kills(world) -> None:
     with pytest.raises(ModelLoadTimeout, match=r"'slow' did not load .*triton.endpoints\[0\].* within 2 s"):
         control.load_model("slow", timeout_s=2)
     assert time.monotonic() - t0 < 5
+    _, regions = stub_resources(proc.pid)  # the hung stub's shared memory, which a killed server leaves
+    assert regions and all(Path("/dev/shm", r).exists() for r in regions)
     t0 = time.monotonic()
     proc.stop(timeout_s=3)
     print(f"\nstop with a hung load took {time.monotonic() - t0:.2f} s")
     assert not pid_alive(proc.pid)
     assert not control.server_live()
+    assert not any(Path("/dev/shm", r).exists() for r in regions)

@@ -65,9 +65,14 @@ def _tmp_copies() -> set[Path]:
     return found
 
 
-def _stub_model_dirs(server_pid: int) -> set[Path]:
-    """``/tmp/folder*`` dirs named on the command lines of this server's python stubs."""
+SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
+
+
+def stub_resources(server_pid: int) -> tuple[set[Path], set[str]]:
+    """``/tmp/folder*`` dirs and ``/dev/shm`` region names on the command lines of this server's python
+    stubs (``triton_python_backend_stub <model.py> <shm region> ...``)."""
     dirs: set[Path] = set()
+    regions: set[str] = set()
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             stat = (proc / "stat").read_text()
@@ -82,7 +87,10 @@ def _stub_model_dirs(server_pid: int) -> set[Path]:
             for parent in path.parents:
                 if parent.parent == Path("/tmp") and parent.name.startswith("folder"):
                     dirs.add(parent)
-    return dirs
+        region = argv[2].decode(errors="replace") if len(argv) > 2 else ""
+        if region.startswith(SHM_REGION_PREFIX) and "/" not in region:
+            regions.add(region)
+    return dirs, regions
 
 
 @dataclass
@@ -99,6 +107,7 @@ class TritonProcess:
     started_s: float = 0.0
     _tmp_before: set[Path] = field(default_factory=set, repr=False)
     _tmp_seen: set[Path] = field(default_factory=set, repr=False)
+    _shm_seen: set[str] = field(default_factory=set, repr=False)
 
     def control(self, *, setting: str = "triton.http_url") -> TritonControl:
         return TritonControl(self.http_url, setting=setting)
@@ -107,9 +116,12 @@ class TritonProcess:
         return self.popen.poll() is None
 
     def note_tmp_copies(self) -> None:
-        """Remember the python backend's ``/tmp/folder*`` copies used by this server's live stubs."""
+        """Remember the python backend's ``/tmp/folder*`` copies and ``/dev/shm`` regions used by this
+        server's live stubs (a killed server leaves its regions behind)."""
         if self.running():
-            self._tmp_seen |= _stub_model_dirs(self.pid)
+            dirs, regions = stub_resources(self.pid)
+            self._tmp_seen |= dirs
+            self._shm_seen |= regions
 
     def stop(self, timeout_s: float = 15.0) -> int:
         """SIGTERM the server by PID, SIGKILL after ``timeout_s``; remove its /tmp copies; return the exit code."""
@@ -129,6 +141,8 @@ class TritonProcess:
                 self.popen.wait(timeout=timeout_s)
         self._kill_leftover_stubs()
         self._remove_tmp_copies()
+        for region in self._shm_seen:  # gone already after a clean shutdown
+            Path("/dev/shm", region).unlink(missing_ok=True)
         return int(self.popen.returncode)
 
     def _kill_leftover_stubs(self) -> None:
