@@ -28,7 +28,7 @@ from tasks.errors import ApprovalRejected, RolloutAborted, StepError
 from tasks.gray_release import RolloutReport, gray_release, gray_release_task
 from tasks.promote_spec import RolloutSpec
 from tasks.rollout_state import Journal, read_journal, write_journal
-from tasks.stage import fetch_engine, fleet_live_version, stage, stage_task
+from tasks.stage import StagingRolledBack, fetch_engine, fleet_live_version, stage, stage_task
 from tasks.targets import Target, check_reachable, resolve_targets
 
 log = logging.getLogger(__name__)
@@ -147,11 +147,14 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
             staged = stage(targets, model_name=name, engine_dir=engine_dir, version=cand, triton=spec.triton, live=live,
                            engine=spec.engine)
     except Exception as exc:
-        reason = f"staging failed: {type(exc).__name__}: {exc}"
+        rolled_back = isinstance(exc, StagingRolledBack)
+        cause = exc.__cause__ if rolled_back and exc.__cause__ is not None else exc
+        reason = f"staging failed: {type(cause).__name__}: {cause}"
         write_journal(repos, journal, phase="aborting", reason=reason)
-        from tasks.rollback import restore_live
+        if not rolled_back:  # stage() could not roll back (or never got to): try again, raise if it fails
+            from tasks.rollback import restore_live
 
-        restore_live(targets, name, live, spec.triton.load_timeout_s)  # idempotent; stage() already tried
+            restore_live(targets, name, live, spec.triton.load_timeout_s)
         _record_failure(uri, name, version, reason, {}, reject=False)
         write_journal(repos, journal, phase="aborted")
         raise StageFailed(f"{name} version {version} was not staged ({reason}); every endpoint serves version "

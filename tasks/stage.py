@@ -75,11 +75,18 @@ def fleet_live_version(targets: list[Target], model_name: str) -> int | None:
     return lives.pop()
 
 
+class StagingRolledBack(RuntimeError):
+    """Staging failed on an endpoint and every endpoint serves the live version again (on a first
+    release: nothing); the failure is the ``__cause__``."""
+
+
 def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: int, triton: TritonSpec,
           live: int | None = None, engine: EngineSpec | None = None) -> StagedVersion:
     """Stage `engine_dir` as `version` beside the live version on every target and load both.
 
-    Any failure on any endpoint rolls every endpoint back to the live version before raising.
+    Any failure on any endpoint rolls every endpoint back to the live version, then raises
+    `StagingRolledBack` from it; if that rollback fails too, the failure itself is raised (logged with
+    the rollback's error) and the caller must retry the rollback.
     """
     from serving.triton.operations import apply_router_weights, serve_versions
     from serving.triton.repository import list_versions, served_versions, stage_engine_version
@@ -124,6 +131,9 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
             restore_live(targets, model_name, live, triton.load_timeout_s)
         except Exception as undo:  # noqa: BLE001 - report both; the journal makes the next run retry
             log.error("%s", undo)
+        else:
+            if isinstance(exc, Exception):
+                raise StagingRolledBack(f"{type(exc).__name__}: {exc}") from exc
         raise
     return StagedVersion(model_name, version, live, engine_dir)
 

@@ -4,6 +4,8 @@ with requests flowing to both the whole time; without the fault the same version
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from test_rollout_support import Load, assert_consistent, first_release, make_spec, publish, start_server
 from triton_support import TritonServers, make_tiny_engine
@@ -30,7 +32,7 @@ def world(tmp_path_factory: pytest.TempPathFactory):
         servers.stop_all()
 
 
-def test_load_failure_on_one_endpoint_rolls_back_both(world) -> None:
+def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogCaptureFixture) -> None:
     spec, procs = world["spec"], world["procs"]
     first_release(spec)
     assert_consistent(spec, 1)
@@ -39,8 +41,11 @@ def test_load_failure_on_one_endpoint_rolls_back_both(world) -> None:
         load.mark("before")
         load.gen.wait_for(20, timeout_s=60)
         load.mark("failed fleet promotion of v2")
+        caplog.set_level(logging.INFO, logger="tasks.rollback")
         with pytest.raises(StageFailed, match="injected on server 2 only"):
             promote(spec, "2")
+        rolled_back = [r for r in caplog.records if "rolled back to version 1" in r.getMessage()]
+        assert len(rolled_back) == len(procs)  # once per endpoint: the flow does not redo stage()'s rollback
         load.mark("after")
         load.gen.wait_for(20, timeout_s=60)
     print("\n" + load.table())
