@@ -54,3 +54,32 @@ def test_offline_engine_report_has_the_scheduler_figure_of_the_same_workload(tmp
     assert scheduler["stats"]["admitted"] == 12 and scheduler["stats"]["largest_batch"] == 4
     assert scheduler["output_tok_s"] > 0 and report["scheduler_over_e2e"] > 0
     assert json.loads((tmp_path / "offline.json").read_text())["scheduler"]["clients"] == 4
+
+
+def test_a_run_stopped_by_its_time_limit_keeps_the_requests_done_so_far(tmp_path: Path) -> None:
+    """`timeout` sends SIGTERM: the report still holds the figures of the requests that finished."""
+    import os
+    import signal
+    import threading
+    import time
+
+    log = tmp_path / "triton.log"
+    handler_before = signal.getsignal(signal.SIGTERM)
+
+    def stop_mid_run() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if log.is_file() and "successfully loaded 'bench_default_engine'" in log.read_text(errors="replace"):
+                time.sleep(5)  # the clients are sending by now
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=stop_mid_run, daemon=True).start()
+    with pytest.raises(SystemExit):
+        run_served(shape="tiny", clients=2, requests_per_client=100_000, prompt_len=8, gen_len=8, max_batch_size=2,
+                   work=tmp_path, out_json=tmp_path / "served.json", compile_decode=False)
+    figures = json.loads((tmp_path / "served.json").read_text())["variants"]["default"]
+    assert figures["partial"] is True and "SystemExit" in figures["interrupted"]
+    assert figures["requests"] > 0 and figures["output_tokens"] == 8 * (figures["requests"] - figures["n_errors"])
+    assert signal.getsignal(signal.SIGTERM) == handler_before  # run_served put the previous handler back

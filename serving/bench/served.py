@@ -106,25 +106,45 @@ def model_counters(triton_log: Path, model: str) -> dict[str, dict[str, float]]:
     return counters
 
 
-def run_clients(grpc_url: str, model: str, *, clients: int, requests_per_client: int, prompt_len: int,
-                gen_len: int, vocab: int, get_timeout_s: float) -> dict[str, Any]:
-    """`clients` streaming client processes started together -> the served figures and raw samples."""
+def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: int, requests_per_client: int,
+                prompt_len: int, gen_len: int, vocab: int, get_timeout_s: float) -> None:
+    """`clients` streaming client processes started together; fills `figures` with the served figures
+    and raw samples. Interrupted (SIGTERM from a time limit), it fills them from the requests done so
+    far, marked ``partial``, stops the clients and re-raises."""
     rng = random.Random(0)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     barrier = ctx.Barrier(clients)
     procs = []
     started = time.perf_counter()
-    for _ in range(clients):
-        prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(requests_per_client)]
-        p = ctx.Process(target=stream_client, args=(grpc_url, prompts, gen_len, out, barrier, model))
-        p.start()
-        procs.append(p)
-    records = []
-    for _ in procs:
-        records += out.get(timeout=get_timeout_s)
-    for p in procs:
-        p.join(30)
+    records: list[dict[str, Any]] = []
+    try:
+        for _ in range(clients):
+            prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(requests_per_client)]
+            p = ctx.Process(target=stream_client, args=(grpc_url, prompts, gen_len, out, barrier, model))
+            p.start()
+            procs.append(p)
+        finished = 0
+        while finished < clients:
+            item = out.get(timeout=get_timeout_s)
+            if item is None:
+                finished += 1
+            else:
+                records += item
+        for p in procs:
+            p.join(30)
+    except BaseException as exc:
+        figures.update(summarize(records), partial=True, interrupted=f"{type(exc).__name__}: {exc}")
+        for p in procs:
+            p.terminate()
+        raise
+    figures.update(summarize(records), clients_spawned_s=time.perf_counter() - started)
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Served figures of the clients' request records (send time, (arrival, tokens) per response, error)."""
+    if not records:
+        return {"requests": 0, "output_tokens": 0}
     ok = [r for r in records if r["error"] is None and r["stamps"]]
     first_send = min(r["sent"] for r in records)
     last = max(r["stamps"][-1][0] for r in ok) if ok else time.perf_counter()
@@ -137,12 +157,11 @@ def run_clients(grpc_url: str, model: str, *, clients: int, requests_per_client:
     return {
         "requests": len(records), "errors": [r["error"] for r in records if r["error"]][:5],
         "n_errors": sum(r["error"] is not None for r in records), "output_tokens": tokens,
-        "wall_s": last - first_send, "output_tok_s": tokens / (last - first_send),
+        "wall_s": last - first_send, "output_tok_s": tokens / max(last - first_send, 1e-9),
         "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
         "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
         "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99),
         "responses": responses, "tokens_per_response": tokens / max(responses, 1),
-        "clients_spawned_s": time.perf_counter() - started,
         "samples": {"ttft_ms": [round(x, 3) for x in ttft], "tpot_ms": [round(x, 3) for x in tpot],
                     "itl_ms": [round(x, 3) for x in itl[::7]]},
     }
@@ -169,7 +188,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     def _terminated(signum: int, frame: Any) -> None:  # `timeout` sends SIGTERM: stop Triton, write the JSON
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, _terminated)
+    previous_handler = signal.signal(signal.SIGTERM, _terminated)
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("LC_ALL", "C.UTF-8")  # inductor inside the stub reads its sources as UTF-8
     compile_decode = compile_decode and torch.cuda.is_available()
@@ -205,9 +224,8 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                 while not all(p.exists() for p in wait_for) and time.perf_counter() - waited < wait_timeout_s:
                     time.sleep(0.5)
                 report["waited_s"] = time.perf_counter() - waited
-            figures.update(run_clients(proc.grpc_url, model, clients=clients, requests_per_client=requests_per_client,
-                                       prompt_len=prompt_len, gen_len=gen_len, vocab=vocab,
-                                       get_timeout_s=get_timeout_s))
+            run_clients(proc.grpc_url, model, figures, clients=clients, requests_per_client=requests_per_client,
+                        prompt_len=prompt_len, gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s)
             if offline is not None:
                 figures["served_over_offline_e2e"] = figures["output_tok_s"] / offline["e2e_tok_s"]
                 figures["served_over_offline_decode"] = figures["output_tok_s"] / offline["decode_tok_s"]
@@ -221,4 +239,5 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
         proc.stop(timeout_s=20)
         if out_json is not None:
             out_json.write_text(json.dumps(report, indent=1))
+        signal.signal(signal.SIGTERM, previous_handler)
     return report

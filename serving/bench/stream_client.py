@@ -1,9 +1,10 @@
 """One streaming gRPC client of the served benchmark (a spawned process: imports no torch).
 
 `stream_client` opens one stream to Triton, waits at the barrier so that every client starts together,
-sends its prompts one after the other (`stream=True`) and puts one record per request on `out`:
-send time, the arrival time and token count of every response (a response carries one token, or
-several when the server's sender fell behind), and an error if any.
+sends its prompts one after the other (`stream=True`) and puts each request's record on `out` (as a
+one-item list) as soon as it is done: send time, the arrival time and token count of every response
+(a response carries one token, or several when the server fell behind), and an error if any. `None`
+on `out` means the client has finished.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, ba
     events: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
-    records: list[dict[str, Any]] = []
     try:
         if barrier is not None:  # every client connected and imported before the first request
             barrier.wait(timeout=300)
@@ -49,10 +49,10 @@ def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, ba
                     stamps.append((at, int(ids.size)))
                 if resp.parameters["triton_final_response"].bool_param:
                     break
-            records.append({"sent": sent, "stamps": stamps, "error": error})
+            out.put([{"sent": sent, "stamps": stamps, "error": error}])
     except Exception as exc:  # noqa: BLE001 - reported, never a hang of the parent
-        records.append({"sent": time.perf_counter(), "stamps": [], "error": f"{type(exc).__name__}: {exc}"})
+        out.put([{"sent": time.perf_counter(), "stamps": [], "error": f"{type(exc).__name__}: {exc}"}])
     finally:
         client.stop_stream()
         client.close()
-    out.put(records)
+        out.put(None)
