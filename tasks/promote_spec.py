@@ -70,8 +70,18 @@ class TritonSpec(BaseModel):
         "traffic; one that fails fails the staging.")
     engine_parameters: dict[str, str] = Field(
         default_factory=dict,
-        description="Config parameters of the `<model>_engine` Triton model (all its versions), e.g. `device` or "
-        "`engine_loader`. Tests use `engine_loader: tasks.fault_injection:load_engine` to make a bad engine.")
+        description="Config parameters of the `<model>_engine` Triton model (all its versions), e.g. `device`, "
+        "`decoupled`, `compile_decode`, `stream_interval_ms` (docs/triton.md). With `compile_decode: \"true\"` "
+        "on a GPU a version loads in 1-2.5 min (1B shape on an H200: 108-147 s on a fresh machine): raise "
+        "`load_timeout_s`. Tests use `engine_loader: tasks.fault_injection:load_engine` to make a bad engine.")
+
+    @field_validator("engine_parameters")
+    @classmethod
+    def _numeric_parameters(cls, params: dict[str, str]) -> dict[str, str]:
+        from serving.triton.models.params import check_parameters
+
+        check_parameters(params)  # ValueError naming the parameter and its value
+        return params
 
 
 class SetWeight(BaseModel):

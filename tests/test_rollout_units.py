@@ -23,7 +23,7 @@ from serving.triton.models.routing import (
     merge_counters,
 )
 from tasks.analysis import combine, compare, judge, router_value, run_metrics, summarize_metric
-from tasks.promote_spec import AnalysisSpec, ComparisonSpec, MetricSpec, RolloutSpec
+from tasks.promote_spec import AnalysisSpec, ComparisonSpec, MetricSpec, RolloutSpec, TritonSpec
 from tasks.rollout_state import Journal, journal_path, read_journal, write_journal
 from tasks.traffic import RequestRecord
 
@@ -182,6 +182,13 @@ def test_spec_vocabulary_and_errors() -> None:
         metric(query="p99")
     with pytest.raises(ValidationError, match="last set_weight step must be 100"):
         RolloutSpec.model_validate({"steps": [{"set_weight": 50}]})
+
+
+def test_triton_spec_refuses_a_bad_engine_parameter_by_name() -> None:
+    with pytest.raises(ValidationError, match="(?s)engine_parameters.*gil_switch_interval_ms='0'"):
+        TritonSpec.model_validate({"engine_parameters": {"gil_switch_interval_ms": "0"}})
+    assert TritonSpec.model_validate({"engine_parameters": {"stream_interval_ms": "50"}}).engine_parameters == {
+        "stream_interval_ms": "50"}
 
 
 # ---------------------------------------------------------------- journal

@@ -135,6 +135,16 @@ def test_stage_failure_mid_copy_leaves_nothing(tmp_path: Path, monkeypatch: pyte
     assert (root / "m_engine" / "config.pbtxt").read_bytes() == config_before
 
 
+def test_stage_refuses_a_bad_parameter_before_writing_anything(tmp_path: Path) -> None:
+    root = repo_mod.init_repository(tmp_path / "repo")
+    engine = fake_engine_dir(tmp_path)
+    repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8)
+    before = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    with pytest.raises(RepositoryError, match="stream_interval_ms='-1'.*nothing was staged"):
+        repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"stream_interval_ms": "-1"})
+    assert {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+
+
 def test_stage_missing_engine_names_it(tmp_path: Path) -> None:
     with pytest.raises(RepositoryError, match="argument engine_dir"):
         repo_mod.stage_engine_version(tmp_path / "repo", "m", tmp_path / "nope", max_batch_size=1)

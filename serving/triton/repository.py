@@ -28,6 +28,7 @@ from typing import Any
 from serving.files import link_or_copy
 from serving.triton.errors import RepositoryError
 from serving.triton.model_configs import llm_config, router_config
+from serving.triton.models.params import check_parameters
 from serving.triton.pbtxt import to_pbtxt
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -178,6 +179,11 @@ def stage_engine_version(
     engine_dir = Path(engine_dir)
     if not engine_dir.is_dir():
         raise RepositoryError(f"engine folder {engine_dir} (argument engine_dir) does not exist")
+    if parameters is not None:
+        try:
+            check_parameters(parameters)
+        except ValueError as exc:
+            raise RepositoryError(f"{engine_model_name(name)}: {exc} (argument parameters); nothing was staged") from exc
     summary = _engine_summary(engine_dir, max_batch_size)
     model_dir = _model_dir(root, name)
     model_dir.mkdir(exist_ok=True)
