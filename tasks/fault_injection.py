@@ -68,6 +68,10 @@ class FaultyRunner:
         self._step()
         return self.runner.decode(*args, **kwargs)
 
+    def decode_inplace(self, *args: Any, **kwargs: Any) -> Any:
+        self._step()
+        return self.runner.decode_inplace(*args, **kwargs)
+
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, **kwargs: Any) -> Any:
         if self.error_rate and self.rng.random() < self.error_rate:
             raise RuntimeError(f"injected fault: generate fails (error_rate={self.error_rate})")

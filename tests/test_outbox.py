@@ -21,8 +21,8 @@ class Recorder:
         return send
 
     def error(self, name: str):
-        def send(message: str) -> None:
-            self.sent.append((name, "error", message))
+        def send(message: str, cancelled: bool) -> None:
+            self.sent.append((name, "cancelled" if cancelled else "error", message))
         return send
 
 
@@ -145,3 +145,44 @@ def test_flush_sends_paced_responses_at_once() -> None:
 def test_a_negative_stream_interval_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="stream_interval_s=-1"):
         Outbox("t", print, stream_interval_s=-1)
+
+
+def test_a_cancelled_stream_is_noticed_when_nothing_is_due_and_asked_at_most_every_interval() -> None:
+    from serving.triton.models.outbox import CANCEL_CHECK_S
+
+    rec, box = Recorder(), Outbox("t", print)
+    asked: list[str] = []
+    gone: set[str] = set()
+    cancelled: list[str] = []
+
+    def watch(name: str):
+        def is_cancelled() -> bool:
+            asked.append(name)
+            return name in gone
+        return box.open(rec.tokens(name), rec.error(name), streaming=True, is_cancelled=is_cancelled,
+                        on_cancel=lambda: cancelled.append(name))
+
+    a = watch("a")
+    watch("b")
+    box.emit(a, [1], None)
+    assert box.send_next() and asked == []  # a response was due: no question asked
+    assert box.send_next() and box.send_next() and asked == ["a", "b"]  # then one question per call
+    assert not box.send_next()  # both asked within the interval: nothing to do
+    gone.add("b")
+    time.sleep(CANCEL_CHECK_S + 0.01)
+    assert pump(box) == 2 and cancelled == ["b"]
+    time.sleep(CANCEL_CHECK_S + 0.01)
+    box.emit(a, [2], "length")  # a closes: no longer asked
+    pump(box)
+    time.sleep(CANCEL_CHECK_S + 0.01)
+    assert not box.send_next() and asked == ["a", "b", "a", "b"]
+    assert rec.sent == [("a", [1], None), ("a", [2], "length")]
+
+
+def test_a_cancellation_failure_is_sent_as_one() -> None:
+    rec, box = Recorder(), Outbox("t", print)
+    (stream,) = open_streams(box, rec, "a")
+    box.emit(stream, [1], None)
+    box.fail(stream, "gone", cancelled=True)
+    pump(box)
+    assert rec.sent == [("a", [1], None), ("a", "cancelled", "gone")]

@@ -183,3 +183,31 @@ def test_while_waiting_work_is_done_on_the_loop_thread_and_drained_when_idle(run
         time.sleep(0.01)
     sched.stop()
     assert len(done_by) == 6 and set(done_by) == {"engine-loop"}
+
+
+def test_cancel_frees_the_slot_of_a_live_request_and_drops_a_waiting_one(runner):
+    from serving.engine.scheduler import RequestCancelled
+
+    sched = Scheduler(runner)  # 3 slots
+    out: dict[int, list[int]] = {i: [] for i in range(5)}
+    failed: dict[int, BaseException] = {}
+    reqs = []
+    for i in range(5):
+        def emit(ids, reason, i=i):
+            out[i].extend(ids)
+
+        def fail(exc, i=i):
+            failed[i] = exc
+
+        reqs.append(GenRequest(PROMPTS[i], 12, emit, fail))
+        sched.submit(reqs[-1])
+    for _ in range(4):
+        sched.step()
+    sched.cancel(reqs[1])  # live, mid-flight
+    sched.cancel(reqs[4])  # still waiting for a slot
+    sched.run_until_idle()
+    assert set(failed) == {1, 4} and all(isinstance(e, RequestCancelled) for e in failed.values())
+    assert 0 < len(out[1]) < 12 and out[4] == []
+    for i in (0, 2, 3):  # request 3 got the cancelled one's slot
+        assert out[i] == runner.generate([PROMPTS[i]], max_new_tokens=12)[0].token_ids
+    assert sched.stats.cancelled == 2 and sched.stats.failed == 0

@@ -32,7 +32,7 @@ def world(tmp_path_factory: pytest.TempPathFactory):
     proc = servers.start(root)
     control = proc.control()
     control.load_model(ENGINE, timeout_s=90)
-    yield {"proc": proc, "control": control, "engine": engine_dir, "work": work}
+    yield {"proc": proc, "control": control, "engine": engine_dir, "work": work, "root": root}
     servers.stop_all()
 
 
@@ -111,6 +111,40 @@ def test_bad_request_is_an_error_response_and_serving_goes_on(world) -> None:
     out = run_stream(world["proc"].grpc_url, [([5] * 200, 4, True), (PROMPTS[1], 2, True)])
     assert any("max_input_len=128" in e for e in out.get("errors", [])), out
     assert [t for ids, _, _ in out["1"] for t in ids] == reference(world["engine"], PROMPTS[1], 2)
+
+
+def test_a_cancelled_stream_frees_its_slot_and_serving_goes_on(world) -> None:
+    """The client cancels mid-generation (its gRPC stream cancelled): the model notices, stops the request
+    in the scheduler and logs it; the next request is served. A second model of the same engine, slowed
+    to 10 ms per step (tasks.fault_injection), so that 240 tokens take longer than noticing does."""
+    from tasks.fault_injection import write_fault
+
+    root, control, url = world["root"], world["control"], world["proc"].grpc_url
+    stage_engine_version(root, "slow", world["engine"], device_kind="cpu",
+                         parameters={"decoupled": "true", "engine_loader": "tasks.fault_injection:load_engine"})
+    write_fault(root, "slow_engine", 1, {"delay_per_token_s": 0.01})
+    control.load_model("slow_engine", timeout_s=90)
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer("slow_engine", inputs(PROMPTS[0], 240, stream=True), request_id="gone")
+    _, error = got.get(timeout=30)  # the first tokens arrived: generation is under way
+    assert error is None
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+    def logs() -> str:
+        return "".join(p.read_text(errors="replace") for p in Path(world["work"]).glob("triton-*.log"))
+
+    deadline = time.monotonic() + 20
+    while "cancelled by its client" not in logs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "[slow_engine v1] request" in logs() and "cancelled by its client" in logs()
+    out = run_stream(url, [(PROMPTS[1], 3, True)])  # the tiny_engine model, on the same server
+    assert [t for ids, _, _ in out["0"] for t in ids] == reference(world["engine"], PROMPTS[1], 3)
+    control.unload_model("slow_engine", wait=True)
+    stats = next(line for line in logs().splitlines() if "[slow_engine v1] engine thread joined" in line)
+    assert "cancelled=1," in stats and "finished=0," in stats, stats
 
 
 def test_unload_joins_engine_thread(world) -> None:

@@ -65,6 +65,10 @@ class SchedulerStopped(EngineError):
     """The scheduler stopped before the request finished."""
 
 
+class RequestCancelled(EngineError):
+    """The request was cancelled (its client went away) before it finished."""
+
+
 @dataclass
 class GenRequest:
     """One request: prompt, limits and sampling, and where its tokens go."""
@@ -76,6 +80,7 @@ class GenRequest:
     sampling: SamplingParams | None = None  # None or greedy params: argmax
     stop_token_ids: Sequence[int] = ()
     request_id: Any = None
+    cancelled: bool = False  # set by Scheduler.cancel
 
 
 @dataclass(eq=False)
@@ -107,6 +112,7 @@ class SchedulerStats:
     admitted: int = 0
     finished: int = 0
     failed: int = 0
+    cancelled: int = 0
     tokens: int = 0
     largest_batch: int = 0
     busy_s: float = 0.0  # inside step(): the three below, and the rest of the host work
@@ -148,6 +154,7 @@ class Scheduler:
         self.host_buffers = [torch.zeros(self.max_slots, dtype=torch.long, pin_memory=pinned) for _ in range(HOST_BUFFERS)]
         self.host_events = [torch.cuda.Event() for _ in range(HOST_BUFFERS)] if pinned else []
         self.next_buffer = 0
+        self.cancels_pending = 0
 
     # -- submission (any thread) --------------------------------------------------------------
     def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
@@ -175,6 +182,14 @@ class Scheduler:
             if req.request_id is None:
                 req.request_id = next(self._ids)
             self.waiting.append(req)
+            self.cond.notify()
+
+    def cancel(self, req: GenRequest) -> None:
+        """Stop `req` at the next step (any thread): it leaves the queue or frees its slot, and fails
+        with RequestCancelled. A finished request is left alone."""
+        with self.cond:
+            req.cancelled = True
+            self.cancels_pending += 1
             self.cond.notify()
 
     @property
@@ -227,6 +242,8 @@ class Scheduler:
         """Admit what fits, launch one decode step for every live slot, then deliver the tokens of
         everything launched before it (the newest step's tokens are delivered by the next call)."""
         started = time.perf_counter()
+        if self.cancels_pending:
+            self._apply_cancels()
         self._admit()  # the admitted join this very decode step (their first token comes from prefill)
         launched = self._launch_decode()
         queued = time.perf_counter()
@@ -238,6 +255,24 @@ class Scheduler:
         self.stats.busy_s += done - started
 
     # -- internals ----------------------------------------------------------------------------
+    def _apply_cancels(self) -> None:
+        with self.cond:
+            self.cancels_pending = 0
+            dropped = [req for req in self.waiting if req.cancelled]
+            for req in dropped:
+                self.waiting.remove(req)
+        cancelled = RequestCancelled("the request was cancelled before it finished")
+        for req in dropped:
+            self.stats.cancelled += 1
+            try:
+                req.fail(cancelled)
+            except Exception as cb_exc:  # noqa: BLE001
+                self.log_error(f"request {req.request_id}: fail callback: {cb_exc}")
+        for live in [s for s in self.slots if s is not None and s.req.cancelled and not s.finished]:
+            self.stats.cancelled += 1
+            self._retire(live)  # its slot is free now; its row is parked at the next launch
+            self._tell_failed(live, cancelled)
+
     def _can_launch(self, live: _Live) -> bool:
         return (not live.finished and live.launched < live.req.max_tokens
                 and live.next_pos + 1 < self.max_seq_len)

@@ -171,9 +171,11 @@ class EngineHost:
         self.runner = None
 
 
-def _error_response(message: str, *, invalid_arg: bool = False) -> Any:
-    """An error response; a rejected request gets INVALID_ARG (HTTP 400), anything else INTERNAL (500)."""
-    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid_arg else None
+def _error_response(message: str, *, invalid_arg: bool = False, cancelled: bool = False) -> Any:
+    """An error response; a rejected request gets INVALID_ARG (HTTP 400), a cancelled one CANCELLED,
+    anything else INTERNAL (500)."""
+    code = (getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid_arg
+            else getattr(pb_utils.TritonError, "CANCELLED", None) if cancelled else None)
     error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
@@ -348,7 +350,7 @@ class TritonPythonModel:
 
     def _submit(self, index: int, request: Any) -> None:
         """Decoupled: parse one request and hand it to the scheduler; answer errors on its sender."""
-        from serving.engine.scheduler import GenRequest  # lazy: imports torch
+        from serving.engine.scheduler import GenRequest, RequestCancelled  # lazy: imports torch
 
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -368,21 +370,30 @@ class TritonPythonModel:
             tensors = self._tensors(req, ids, reason or "")
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if reason else 0)
 
-        def send_error(message: str) -> None:
-            sender.send(_error_response(message), flags=final)
+        def send_error(message: str, cancelled: bool) -> None:
+            sender.send(_error_response(message, cancelled=cancelled), flags=final)
 
-        stream = outbox.open(send_tokens, send_error, streaming=req.stream)
+        scheduler = self.engine_thread.scheduler
+
+        def on_cancel() -> None:  # the client went away: free the slot (the failure is the final response)
+            self.log.info(f"request {gen.request_id}: cancelled by its client")
+            scheduler.cancel(gen)
+
+        stream = outbox.open(send_tokens, send_error, streaming=req.stream,
+                             is_cancelled=getattr(request, "is_cancelled", None), on_cancel=on_cancel)
 
         def emit(ids: list[int], reason: str | None) -> None:  # on the scheduler thread: only enqueue
             outbox.emit(stream, ids, reason)
 
         def fail(exc: BaseException) -> None:
-            outbox.fail(stream, f"{tag}: generate failed: {type(exc).__name__}: {exc}")
+            if isinstance(exc, RequestCancelled):
+                outbox.fail(stream, f"{tag}: {exc}", cancelled=True)
+            else:
+                outbox.fail(stream, f"{tag}: generate failed: {type(exc).__name__}: {exc}")
 
-        sampling = engine_sampling(req)
+        gen = GenRequest(list(item.prompt_ids), req.max_tokens, emit, fail, engine_sampling(req), req.stop_token_ids)
         try:
-            self.engine_thread.scheduler.submit(GenRequest(list(item.prompt_ids), req.max_tokens, emit, fail,
-                                                           sampling, req.stop_token_ids))
+            scheduler.submit(gen)
         except Exception as exc:  # noqa: BLE001 - limits the parse did not catch, or stopping
             sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
 

@@ -24,6 +24,11 @@ are never held back.
 A stream that is not streaming (``stream`` false) is sent once, when it finishes. A failure is sent
 after the tokens that preceded it, as the final response.
 
+Cancellation: a stream opened with ``is_cancelled`` (the request's) is asked, at most every
+``CANCEL_CHECK_S``, whether its client has gone, when ``send_next`` has nothing due (one question per
+call: each is a round trip to Triton); if so its ``on_cancel`` runs (the model stops the request in the
+scheduler, which frees its slot and fails it; the failure is its final response).
+
 Imports: stdlib only.
 """
 
@@ -34,8 +39,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+CANCEL_CHECK_S = 0.25
 SendTokens = Callable[[list[int], "str | None"], None]  # (token ids, finish reason or None) -> one response
-SendError = Callable[[str], None]  # message -> one final error response
+SendError = Callable[[str, bool], None]  # (message, cancelled) -> one final error response
 
 
 @dataclass(eq=False)
@@ -48,8 +54,12 @@ class Stream:
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     error: str | None = None
+    cancelled: bool = False  # the error is a cancellation
     closed: bool = False  # the final response was taken
     last_sent: float | None = None  # monotonic time of its last response
+    is_cancelled: Callable[[], bool] | None = None
+    on_cancel: Callable[[], None] | None = None
+    checked_at: float = 0.0  # monotonic time of its last cancellation check
 
     @property
     def urgent(self) -> bool:
@@ -84,10 +94,16 @@ class Outbox:
         self.stream_interval_s = stream_interval_s
         self.lock = threading.Lock()
         self.ready: dict[int, Stream] = {}  # id(stream) -> stream with something to send, oldest first
+        self.watched: dict[int, Stream] = {}  # open streams that can be asked whether they were cancelled
         self.stats = OutboxStats()
 
-    def open(self, send_tokens: SendTokens, send_error: SendError, *, streaming: bool) -> Stream:
-        return Stream(send_tokens, send_error, streaming)
+    def open(self, send_tokens: SendTokens, send_error: SendError, *, streaming: bool,
+             is_cancelled: Callable[[], bool] | None = None, on_cancel: Callable[[], None] | None = None) -> Stream:
+        stream = Stream(send_tokens, send_error, streaming, is_cancelled=is_cancelled, on_cancel=on_cancel)
+        if is_cancelled is not None and on_cancel is not None:
+            with self.lock:
+                self.watched[id(stream)] = stream
+        return stream
 
     def emit(self, stream: Stream, ids: list[int], reason: str | None) -> None:
         """New tokens of `stream` (its finish reason with the last ones). Never sends."""
@@ -99,33 +115,65 @@ class Outbox:
             if stream.streaming or reason is not None:
                 self.ready.setdefault(id(stream), stream)
 
-    def fail(self, stream: Stream, message: str) -> None:
+    def fail(self, stream: Stream, message: str, *, cancelled: bool = False) -> None:
         with self.lock:
             if stream.closed:
                 return
             stream.error = message
+            stream.cancelled = cancelled
             self.ready.setdefault(id(stream), stream)
 
     def pending(self) -> int:
         return len(self.ready)
 
     def send_next(self) -> bool:
-        """Send one response: a first or final one if any waits, else the oldest middle one that is due.
-        False when nothing is due now."""
+        """Send one response: a first or final one if any waits, else the oldest middle one that is due;
+        with none due, ask one stream whether it was cancelled. False when there was nothing to do."""
         with self.lock:
-            stream = self._next_due(time.monotonic())
-            if stream is None:
-                return False
-            del self.ready[id(stream)]
-            tokens, reason, error = stream.take(time.monotonic())
-        self._send(stream, tokens, reason, error)
+            now = time.monotonic()
+            stream = self._next_due(now)
+            if stream is not None:
+                del self.ready[id(stream)]
+                taken = self._take(stream, now)
+            else:
+                stream = self._next_to_check(now)
+                if stream is None:
+                    return False
+                stream.checked_at = now
+                taken = None
+        if taken is None:
+            self._check_cancelled(stream)
+        else:
+            self._send(stream, *taken)
         return True
+
+    def _take(self, stream: Stream, now: float) -> tuple[list[int], str | None, str | None]:
+        taken = stream.take(now)
+        if stream.closed:
+            self.watched.pop(id(stream), None)
+        return taken
+
+    def _next_to_check(self, now: float) -> Stream | None:
+        return next((s for s in self.watched.values() if s.checked_at + CANCEL_CHECK_S <= now), None)
+
+    def _check_cancelled(self, stream: Stream) -> None:
+        try:
+            cancelled = bool(stream.is_cancelled())
+        except Exception as exc:  # noqa: BLE001 - an old backend, or the request is gone: stop asking
+            self.log_error(f"asking whether a request was cancelled failed: {type(exc).__name__}: {exc}")
+            cancelled = False
+            with self.lock:
+                self.watched.pop(id(stream), None)
+        if cancelled:
+            with self.lock:
+                self.watched.pop(id(stream), None)
+            stream.on_cancel()
 
     def flush(self) -> None:
         """Send everything that waits, paced or not (unloading)."""
         with self.lock:
             streams, self.ready = list(self.ready.values()), {}
-            taken = [(stream, stream.take(time.monotonic())) for stream in streams]
+            taken = [(stream, self._take(stream, time.monotonic())) for stream in streams]
         for stream, (tokens, reason, error) in taken:
             self._send(stream, tokens, reason, error)
 
@@ -147,7 +195,7 @@ class Outbox:
                 self.stats.tokens += len(tokens)
                 self.stats.largest_chunk = max(self.stats.largest_chunk, len(tokens))
             if error is not None:
-                stream.send_error(error)
+                stream.send_error(error, stream.cancelled)
                 self.stats.responses += 1
         except Exception as exc:  # noqa: BLE001 - one failed send must not stop the others
             self.stats.failed_sends += 1
