@@ -147,9 +147,12 @@ def test_a_negative_stream_interval_is_refused_by_name() -> None:
         Outbox("t", print, stream_interval_s=-1)
 
 
-def test_a_cancelled_stream_is_noticed_when_nothing_is_due_and_asked_at_most_every_interval() -> None:
-    from serving.triton.models.outbox import CANCEL_CHECK_S
+def test_a_cancelled_stream_is_noticed_when_nothing_is_due_and_asked_at_most_every_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving.triton.models import outbox as outbox_mod
 
+    monkeypatch.setattr(outbox_mod, "CANCEL_CHECK_S", 0.1)
+    CANCEL_CHECK_S = 0.1
     rec, box = Recorder(), Outbox("t", print)
     asked: list[str] = []
     gone: set[str] = set()

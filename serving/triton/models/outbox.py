@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-CANCEL_CHECK_S = 0.25
+CANCEL_CHECK_S = 1.0  # each question is a round trip to Triton; a freed slot can wait a second
 SendTokens = Callable[[list[int], "str | None"], None]  # (token ids, finish reason or None) -> one response
 SendError = Callable[[str, bool], None]  # (message, cancelled) -> one final error response
 
