@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -48,6 +49,16 @@ SINGLE_ROW_FUSION_MAX_BYTES = 4 * 10**9  # "auto": batch 1 compiled static only 
 def _decode_step_single(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int
                         ) -> torch.Tensor:
     return decode_step(model, tokens, input_pos, kv_len)
+
+
+@dataclass
+class _Saved:
+    """What a capture's warm-up runs overwrite: rows [0, bsz) of the state and their K/V entries."""
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -121,24 +132,21 @@ class DecodeGraphs:
         self.log(f"captured decode graph batch={bsz} kv_len={kv_len} in {took:.2f} s")
         return graph, logits
 
-    def _save(self, bsz: int) -> list[torch.Tensor]:
+    def _save(self, bsz: int) -> _Saved:
         """Copies of the buffers' rows [0, bsz) and of the K/V entries a step of them writes."""
         rows = torch.arange(bsz, device=self.tokens.device)
-        pos = self.input_pos[:bsz]
-        kept = [self.tokens[:bsz].clone(), pos.clone()]
-        for layer in self.model.layers:
-            cache = layer.attention.kv_cache
-            kept += [cache.k_cache[rows, :, pos], cache.v_cache[rows, :, pos]]  # advanced indexing: copies
-        return kept
+        pos = self.input_pos[:bsz].clone()
+        caches = [layer.attention.kv_cache for layer in self.model.layers]
+        kv = [(c.k_cache[rows, :, pos], c.v_cache[rows, :, pos]) for c in caches]  # advanced indexing: copies
+        return _Saved(rows, self.tokens[:bsz].clone(), pos, kv)
 
-    def _restore(self, bsz: int, kept: list[torch.Tensor]) -> None:
-        rows = torch.arange(bsz, device=self.tokens.device)
-        self.tokens[:bsz].copy_(kept[0])
-        self.input_pos[:bsz].copy_(kept[1])
-        for i, layer in enumerate(self.model.layers):
+    def _restore(self, bsz: int, kept: _Saved) -> None:
+        self.tokens[:bsz].copy_(kept.tokens)
+        self.input_pos[:bsz].copy_(kept.positions)
+        for layer, (k, v) in zip(self.model.layers, kept.kv):
             cache = layer.attention.kv_cache
-            cache.k_cache[rows, :, kept[1]] = kept[2 + 2 * i]
-            cache.v_cache[rows, :, kept[1]] = kept[3 + 2 * i]
+            cache.k_cache[kept.rows, :, kept.positions] = k
+            cache.v_cache[kept.rows, :, kept.positions] = v
 
     def prepare(self, bsz: int, kv_needed: int) -> None:
         """Capture the graph that a step of `bsz` rows needing `kv_needed` positions will replay."""

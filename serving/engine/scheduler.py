@@ -19,8 +19,8 @@ the step's CUDA graph itself writes the greedy next tokens and moves the active 
 (`EngineRunner.decode_inplace`). The host only writes the state when rows change: admitted rows get
 their first token and position, rows that stop launching are parked (position 0, inactive). A step of
 greedy rows therefore costs the host one graph replay, one copy to a pinned buffer and one event:
-few calls into torch, each of which lets go of the GIL and must win it back from the thread that
-sends the responses (inside Triton that wait, not the GPU, set the served pace).
+few calls into torch, each of which lets go of the GIL and must win it back from any other busy
+Python thread.
 
 Each request carries its own sampling (greedy requests share one argmax; sampled requests with the
 same parameters and no seed share one draw; a seeded request has its own `torch.Generator`, so its
@@ -264,14 +264,11 @@ class Scheduler:
         cancelled = RequestCancelled("the request was cancelled before it finished")
         for req in dropped:
             self.stats.cancelled += 1
-            try:
-                req.fail(cancelled)
-            except Exception as cb_exc:  # noqa: BLE001
-                self.log_error(f"request {req.request_id}: fail callback: {cb_exc}")
+            self._tell_failed(req, cancelled)
         for live in [s for s in self.slots if s is not None and s.req.cancelled and not s.finished]:
             self.stats.cancelled += 1
             self._retire(live)  # its slot is free now; its row is parked at the next launch
-            self._tell_failed(live, cancelled)
+            self._tell_failed(live.req, cancelled)
 
     def _can_launch(self, live: _Live) -> bool:
         return (not live.finished and live.launched < live.req.max_tokens
@@ -425,7 +422,7 @@ class Scheduler:
             if reason is None:
                 self._fail_one(live, exc)
             else:  # already retired as finished
-                self._tell_failed(live, exc)
+                self._tell_failed(live.req, exc)
 
     def _retire(self, live: _Live) -> None:
         live.finished = True
@@ -443,23 +440,20 @@ class Scheduler:
     def _fail_one(self, live: _Live, exc: BaseException) -> None:
         self._retire(live)
         self.stats.failed += 1
-        self._tell_failed(live, exc)
+        self._tell_failed(live.req, exc)
 
-    def _tell_failed(self, live: _Live, exc: BaseException) -> None:
+    def _tell_failed(self, req: GenRequest, exc: BaseException) -> None:
         try:
-            live.req.fail(exc)
+            req.fail(exc)
         except Exception as cb_exc:  # noqa: BLE001
-            self.log_error(f"request {live.req.request_id}: fail callback: {cb_exc}")
+            self.log_error(f"request {req.request_id}: fail callback: {cb_exc}")
 
     def _fail_all(self, exc: BaseException) -> None:
         with self.cond:
             pending = list(self.waiting)
             self.waiting.clear()
         for req in pending:
-            try:
-                req.fail(exc)
-            except Exception as cb_exc:  # noqa: BLE001
-                self.log_error(f"request {req.request_id}: fail callback: {cb_exc}")
+            self._tell_failed(req, exc)
         self.inflight.clear()
         self._fail([s for s in self.slots if s is not None], exc)
 

@@ -114,6 +114,7 @@ class EngineHost:
     def __init__(self, runner: Any, engine_dir: Path, log: Log) -> None:
         self.runner = runner
         self.engine_dir = engine_dir
+        self.has_tokenizer = (engine_dir / "tokenizer.json").is_file()
         self.log = log
         limits = runner.info.limits
         self.max_batch_size = int(limits.max_batch_size)
@@ -343,7 +344,7 @@ class TritonPythonModel:
         tensors = [pb_utils.Tensor("output_ids", np.asarray([ids], dtype=np.int32))]
         if reason:
             tensors.append(pb_utils.Tensor("finish_reason", np.asarray([[reason.encode()]], dtype=np.object_)))
-        if req.want_text and (req.text is not None or (self.host.engine_dir / "tokenizer.json").is_file()):
+        if req.want_text and (req.text is not None or self.host.has_tokenizer):
             text = self.host.detokenize(ids)
             tensors.append(pb_utils.Tensor("text_output", np.asarray([[text.encode("utf-8")]], dtype=np.object_)))
         return tensors

@@ -159,14 +159,14 @@ class Outbox:
     def _check_cancelled(self, stream: Stream) -> None:
         try:
             cancelled = bool(stream.is_cancelled())
-        except Exception as exc:  # noqa: BLE001 - an old backend, or the request is gone: stop asking
+            stop_asking = cancelled
+        except Exception as exc:  # noqa: BLE001 - an old backend, or the request is gone
             self.log_error(f"asking whether a request was cancelled failed: {type(exc).__name__}: {exc}")
-            cancelled = False
+            cancelled, stop_asking = False, True
+        if stop_asking:
             with self.lock:
                 self.watched.pop(id(stream), None)
         if cancelled:
-            with self.lock:
-                self.watched.pop(id(stream), None)
             stream.on_cancel()
 
     def flush(self) -> None:
