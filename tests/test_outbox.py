@@ -4,6 +4,7 @@ final responses before middle ones, errors last, middle responses paced by `stre
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -189,3 +190,58 @@ def test_a_cancellation_failure_is_sent_as_one() -> None:
     box.fail(stream, "gone", cancelled=True)
     pump(box)
     assert rec.sent == [("a", [1], None), ("a", "cancelled", "gone")]
+
+
+def test_an_idle_drain_sends_on_every_idle_sender_at_once() -> None:
+    senders = 4
+    together = threading.Barrier(senders, timeout=10)  # broken (and the send fails) unless 4 sends overlap
+    threads: set[str] = set()
+    rec, box = Recorder(), Outbox("t", print, idle_senders=senders)
+    streams = open_streams(box, rec, *"abcdefgh")
+    for stream in streams:
+        send = stream.send_tokens
+
+        def overlapping(ids: list[int], reason: str | None, send=send) -> None:
+            threads.add(threading.current_thread().name)
+            together.wait()
+            send(ids, reason)
+
+        stream.send_tokens = overlapping
+        box.emit(stream, [1, 2], "length")
+    box.drain()
+    box.close()
+    assert sorted(name for name, _, _ in rec.sent) == list("abcdefgh")
+    assert all(ids == [1, 2] and reason == "length" for _, ids, reason in rec.sent)
+    assert len(threads) == senders and box.stats.responses == 8 and box.stats.failed_sends == 0
+    assert box.pending() == 0
+
+
+def test_a_stream_is_never_in_two_sends_at_once_so_its_responses_stay_in_order() -> None:
+    rec, box = Recorder(), Outbox("t", print, idle_senders=3)
+    (a,) = open_streams(box, rec, "a")
+    in_flight: list[int] = []
+    most: list[int] = [0]
+    send = a.send_tokens
+
+    def slow(ids: list[int], reason: str | None) -> None:
+        in_flight.append(1)
+        most[0] = max(most[0], len(in_flight))
+        if ids == [1]:
+            box.emit(a, [2], None)  # new tokens while its first response is still being sent
+            box.emit(a, [3], "length")
+            time.sleep(0.05)  # the other senders look for work meanwhile
+        send(ids, reason)
+        in_flight.pop()
+
+    a.send_tokens = slow
+    box.emit(a, [1], None)
+    box.drain()
+    box.drain()  # the senders that found `a` busy gave up; its newer tokens went out now or here
+    box.close()
+    assert most[0] == 1
+    assert rec.sent == [("a", [1], None), ("a", [2, 3], "length")]
+
+
+def test_idle_senders_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError, match="idle_senders=0"):
+        Outbox("t", print, idle_senders=0)

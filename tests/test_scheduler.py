@@ -185,6 +185,32 @@ def test_while_waiting_work_is_done_on_the_loop_thread_and_drained_when_idle(run
     assert len(done_by) == 6 and set(done_by) == {"engine-loop"}
 
 
+def test_an_idle_loop_runs_drain_instead_of_while_waiting_and_counts_where_its_time_went(runner):
+    import time
+
+    drained_by: list[str] = []
+    waited: list[str] = []
+    finished = threading.Event()
+    runner_on_gpu = runner.device.type == "cuda"
+
+    def while_waiting() -> bool:
+        waited.append("asked")
+        return False
+
+    sched = Scheduler(runner, while_waiting=while_waiting,
+                      drain=lambda: drained_by.append(threading.current_thread().name))
+    sched.start(name="engine-loop")
+    time.sleep(0.2)  # idle: drains once, then waits for work
+    sched.submit(GenRequest(PROMPTS[0], 4, lambda ids, reason: reason and finished.set(), print))
+    assert finished.wait(30)
+    sched.stop()
+    assert drained_by and set(drained_by) == {"engine-loop"}
+    stats = sched.stats
+    assert stats.prefill_s > 0 and stats.queued_s >= 0 and stats.drain_s >= 0
+    assert stats.prefill_s <= stats.launch_s <= stats.busy_s
+    assert runner_on_gpu or waited == []  # on the CPU nothing waits on the device: only drains
+
+
 def test_cancel_frees_the_slot_of_a_live_request_and_drops_a_waiting_one(runner):
     from serving.engine.scheduler import RequestCancelled
 

@@ -343,8 +343,9 @@ def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("name, value", [("stream_interval_ms", "-5"), ("stream_interval_ms", "soon"),
-                                         ("gil_switch_interval_ms", "0"), ("gil_switch_interval_ms", "inf")])
-def test_llm_config_refuses_a_bad_millisecond_parameter_by_name(name: str, value: str) -> None:
+                                         ("gil_switch_interval_ms", "0"), ("gil_switch_interval_ms", "inf"),
+                                         ("idle_senders", "0"), ("idle_senders", "2.5"), ("idle_senders", "65")])
+def test_llm_config_refuses_a_bad_numeric_parameter_by_name(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
         llm_config("m_engine", versions=[1], max_batch_size=8, device_kind="KIND_CPU",
                    parameters={"decoupled": "true", name: value})
@@ -352,5 +353,6 @@ def test_llm_config_refuses_a_bad_millisecond_parameter_by_name(name: str, value
 
 def test_llm_config_keeps_good_millisecond_parameters() -> None:
     cfg = llm_config("m_engine", versions=[1], max_batch_size=8, device_kind="KIND_CPU",
-                     parameters={"stream_interval_ms": "20", "gil_switch_interval_ms": "0.05"})
+                     parameters={"stream_interval_ms": "20", "gil_switch_interval_ms": "0.05", "idle_senders": "8"})
     assert cfg["parameters"]["stream_interval_ms"] == {"string_value": "20"}
+    assert cfg["parameters"]["idle_senders"] == {"string_value": "8"}

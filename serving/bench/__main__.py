@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plot.add_argument("--served", type=Path, required=True, help="a `served` report (JSON)")
     plot.add_argument("--out", type=Path, default=Path("bench-served.png"))
     plot.add_argument("--variant", help="which variant of the report (default: the first)")
+    snd = sub.add_parser("sends", help="the python backend's response sends: one thread vs several at once")
+    snd.add_argument("--burst", type=int, default=64, help="final responses per burst")
+    snd.add_argument("--threads", default="1,2,4,8", help="comma list of sender thread counts")
+    snd.add_argument("--rounds", type=int, default=5)
+    snd.add_argument("--work", type=Path, default=Path("build/bench-sends"))
+    snd.add_argument("--out", type=Path, default=Path("bench-sends.json"))
     eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
     eng.add_argument("--shape", default="llama-3.2-1b")
     eng.add_argument("--batch", type=int, default=64)
@@ -100,6 +106,16 @@ def run(args: argparse.Namespace) -> int:
 
         run_profile(args.shape, list(_ints(args.batch)), args.variants.split(","), context=args.context,
                     kv_block=args.kv_block, out_json=args.out)
+        return 0
+    if args.bench_mode == "sends":
+        from serving.bench.send_bench import run_send_bench
+
+        args.work.mkdir(parents=True, exist_ok=True)
+        report = run_send_bench(args.work, burst=args.burst, threads=_ints(args.threads), rounds=args.rounds,
+                                out_json=args.out)
+        for k, fig in report["threads"].items():
+            print(f"{report['burst']} final responses on {k} thread(s): {fig['median_ms']:.2f} ms "
+                  f"({fig['per_response_ms'] * 1e3:.0f} us per response), samples {fig['samples_ms']}")
         return 0
     if args.bench_mode == "engine-offline":
         from serving.bench.served import bench_offline_engine, build_random_engine

@@ -8,7 +8,7 @@
 #    with every variant of the llm model's parameters in $VARIANTS measured in turn,
 #  - the bf16 parity test (tests/test_engine_gpu.py -k parity), then the other GPU tests, while Triton
 #    loads and compiles; the clients wait for them, so nothing else is on the GPU while they are timed.
-# Whole script <= ~560 s. Results under $OUT: steps.log, offline.json/.log, served.json/.log,
+# Whole script <= ~560 s. Results under $OUT: steps.log, sends.json/.log, offline.json/.log, served.json/.log,
 # parity.json/.log, gpu-tests.log, triton.log.
 set -u
 OUT=${OUT:-/tmp/issue7-out}
@@ -52,6 +52,12 @@ timeout 200 python3 -m serving.bench engine-offline --shape llama-3.2-1b --batch
   --max-batch-size 64 --work "$W" --out "$OUT/offline.json" --built-marker "$W/built" >"$OUT/offline.log" 2>&1 &
 OFF_PID=$!
 wait $VENV_PID; log "venv rc=$?"
+# the python backend's sends, one thread vs several (CPU only; overlaps the engine build, not its timing)
+if [ "${SKIP_SENDS:-0}" != 1 ]; then
+  ( export PATH=/tmp/venv/bin:$PATH
+    timeout 90 /tmp/venv/bin/python -m serving.bench sends --work /tmp/sends --out "$OUT/sends.json" ) >"$OUT/sends.log" 2>&1
+  log "sends rc=$?: $(grep -c 'final responses' "$OUT/sends.log") thread counts"
+fi
 wait $VAL_PID; log "validation site rc=$?"
 while [ ! -e "$W/built" ] && kill -0 $OFF_PID 2>/dev/null; do sleep 1; done
 log "engine built: $(cat "$W/built" 2>/dev/null)"
@@ -61,7 +67,7 @@ wait $OFF_PID; log "offline rc=$?"
 touch "$W/offline.done"
 # served starts once the offline figure is taken (Triton's compile and graph capture would disturb it)
 SRV_T=$((${TOTAL_S:-560} - ($(date +%s) - T0)))
-VARIANTS=${VARIANTS:-"default paced:stream_interval_ms=50"}
+VARIANTS=${VARIANTS:-"default idle4:idle_senders=4 paced:stream_interval_ms=50 paced_idle4:stream_interval_ms=50,idle_senders=4"}
 VARIANT_ARGS=(); for v in $VARIANTS; do VARIANT_ARGS+=(--variant "$v"); done
 log "served: ${SRV_T} s left"
 (
@@ -98,6 +104,9 @@ def load(name):
     except Exception as exc:
         return {"missing": repr(exc)}
 off, srv, par = load("offline.json"), load("served.json"), load("parity.json")
+snd = load("sends.json")
+for k, fig in snd.get("threads", {}).items():
+    print("SENDS", k, "threads:", round(fig["median_ms"], 2), "ms per burst of", snd["burst"], fig["samples_ms"])
 print("OFFLINE", {k: off.get(k) for k in ("impl", "decode_tok_s", "e2e_tok_s", "ttft_ms_p50", "tpot_ms_p50", "missing")})
 print("SCHEDULER", {k: v for k, v in off.get("scheduler", {}).items()}, off.get("scheduler_over_e2e"))
 print("SERVED", {k: v for k, v in srv.items() if k not in ("samples", "offline", "variants")})

@@ -421,22 +421,30 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
     return model.logits(model.norm(x))
 
 
-def prefill_packed(model: Transformer, tokens: torch.Tensor, lengths: list[int], rows: torch.Tensor
-                   ) -> torch.Tensor:
+def packed_index(prompts: list[list[int]] | list[tuple[int, ...]], rows: list[int]) -> torch.Tensor:
+    """The inputs of `prefill_packed` as one host tensor (one copy to the device, no host sync):
+    [tokens (T) | position of each token (T) | cache row of each token (T) | each prompt's last token (N)]."""
+    lengths = [len(p) for p in prompts]
+    total = sum(lengths)
+    out = torch.empty(3 * total + len(lengths), dtype=torch.long)
+    out[:total] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+    out[total:2 * total] = torch.cat([torch.arange(n) for n in lengths])
+    out[2 * total:3 * total] = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), torch.tensor(lengths))
+    out[3 * total:] = torch.cumsum(torch.tensor(lengths), 0) - 1
+    return out
+
+
+def prefill_packed(model: Transformer, index: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Prefill prompts packed back to back, each from position 0 into its own cache row.
 
-    tokens: [T] (T = sum(lengths)); rows: [N] cache row of each prompt -> float32 logits of each
-    prompt's last token [N, V]. Attention is per prompt (causal), so no work is spent on padding.
+    index: `packed_index` of the prompts and their cache rows, on the model's device -> float32 logits
+    of each prompt's last token [N, V]. Attention is per prompt (causal), so no work is spent on
+    padding; nothing here waits for the device.
     """
     a = model.args
-    dev = tokens.device
     n = len(lengths)
-    total = tokens.shape[0]
-    lens = torch.tensor(lengths, device=dev)
-    starts = torch.cumsum(lens, 0) - lens  # [N]
-    seq_of = torch.repeat_interleave(torch.arange(n, device=dev), lens)  # [T]
-    pos = torch.arange(total, device=dev) - starts[seq_of]  # [T]
-    row_of = rows[seq_of]  # [T]
+    total = sum(lengths)
+    tokens, pos, row_of, last = index.split([total, total, total, n])
     group = a.n_heads // a.n_kv_heads
     equal = all(length == lengths[0] for length in lengths)
     cos, sin = model.rope_cos[pos], model.rope_sin[pos]  # [T, hd]
@@ -472,7 +480,6 @@ def prefill_packed(model: Transformer, tokens: torch.Tensor, lengths: list[int],
             y = torch.cat(parts, dim=0)
         x = x + attn.wo(y)
         x = x + layer.feed_forward(layer.ffn_norm(x))
-    last = torch.tensor([b - 1 for b in bounds[1:]], device=dev)
     return model.logits(model.norm(x[last]))
 
 

@@ -28,7 +28,7 @@ import torch
 from serving.engine.build import EngineInfo, check_toolchain, read_engine_info
 from serving.engine.decode_state import DecodeState
 from serving.engine.errors import EngineLimitError
-from serving.engine.model import Transformer, decode_step, prefill_packed
+from serving.engine.model import Transformer, decode_step, packed_index, prefill_packed
 from serving.engine.sampling import SamplingParams, chosen_logprobs, sample
 
 DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -104,11 +104,10 @@ class EngineRunner:
 
     def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
         """Prefill `prompts` into cache `rows` (packed, no padding) -> float32 last-token logits [N, V]."""
-        flat = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
-        flat = flat.pin_memory() if self.device.type == "cuda" else flat
-        rows_t = torch.tensor(list(rows), dtype=torch.long)
-        return prefill_packed(self.model, flat.to(self.device, non_blocking=True), [len(p) for p in prompts],
-                              rows_t.to(self.device, non_blocking=True))
+        index = packed_index(prompts, list(rows))
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        return prefill_packed(self.model, index, [len(p) for p in prompts])
 
     # -- checks -----------------------------------------------------------------------------
     def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_logprobs: int) -> None:

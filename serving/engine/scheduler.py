@@ -32,7 +32,8 @@ emit), called on the scheduler thread.
 while a launched step still runs on the GPU and the thread would otherwise block on it (at least once
 per step, so the work keeps moving when the host is the bottleneck), and until it reports nothing
 left whenever the loop goes idle (and after each step on the CPU, where nothing runs asynchronously).
-Triton's `llm` model sends its responses there (`outbox.Outbox.send_next`).
+Triton's `llm` model sends its responses there (`outbox.Outbox.send_next`). `drain` (optional) replaces
+that idle loop (the `llm` model's sends on several threads at once while the engine has nothing to do).
 
 Thread model: `submit` is thread-safe; `run_forever` (or `start()`, which runs it on a daemon
 thread) is the only code that touches the runner. `stop()` ends the loop, fails what is still
@@ -81,6 +82,7 @@ class GenRequest:
     stop_token_ids: Sequence[int] = ()
     request_id: Any = None
     cancelled: bool = False  # set by Scheduler.cancel
+    queued_at: float = 0.0  # perf_counter time it was submitted
 
 
 @dataclass(eq=False)
@@ -119,6 +121,9 @@ class SchedulerStats:
     launch_s: float = 0.0  # admitting (prefill) and launching decode steps, GPU work queued, not awaited
     deliver_s: float = 0.0  # handing tokens to the requests' callbacks, waiting included
     wait_s: float = 0.0  # until a launched step's tokens reached the host (GPU busy; `while_waiting` ran)
+    prefill_s: float = 0.0  # of launch_s: admitting (the prefill call returns once its GPU work is queued)
+    drain_s: float = 0.0  # idle, finishing the `while_waiting` work (or `drain`)
+    queued_s: float = 0.0  # summed over requests: from submit to admission
 
 
 class Scheduler:
@@ -126,9 +131,10 @@ class Scheduler:
 
     def __init__(self, runner: Any, *, max_prefill_tokens: int = 16384, idle_wait_s: float = 0.05,
                  on_error: Callable[[str], None] | None = None,
-                 while_waiting: Callable[[], bool] | None = None) -> None:
+                 while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None) -> None:
         self.runner = runner
         self.while_waiting = while_waiting or (lambda: False)
+        self.drain = drain
         limits = runner.info.limits
         self.max_slots = int(limits.max_batch_size)
         self.max_input_len = int(limits.max_input_len)
@@ -181,6 +187,7 @@ class Scheduler:
                 raise SchedulerStopped("the scheduler is stopping; request not accepted")
             if req.request_id is None:
                 req.request_id = next(self._ids)
+            req.queued_at = time.perf_counter()
             self.waiting.append(req)
             self.cond.notify()
 
@@ -209,7 +216,9 @@ class Scheduler:
     def run_forever(self) -> None:
         while True:
             if self.device.type != "cuda" or self.idle():
+                started = time.perf_counter()
                 self._drain()
+                self.stats.drain_s += time.perf_counter() - started
             with self.cond:
                 while not self.stopping and not self.waiting and self.live == 0 and not self.inflight:
                     self.cond.wait(self.idle_wait_s)
@@ -220,6 +229,9 @@ class Scheduler:
         self._drain()
 
     def _drain(self) -> None:
+        if self.drain is not None:
+            self.drain()
+            return
         while self.while_waiting():
             pass
 
@@ -285,6 +297,8 @@ class Scheduler:
                 batch.append((free[len(batch)], req))
         if not batch:
             return
+        started = time.perf_counter()
+        self.stats.queued_s += sum(started - req.queued_at for _, req in batch)
         rows, lives = [], []
         for slot, req in batch:
             live = _Live(req=req, slot=slot, next_pos=len(req.prompt_ids), launched=1,
@@ -305,6 +319,8 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
             self._fail(lives, exc)
             return
+        finally:
+            self.stats.prefill_s += time.perf_counter() - started
         self.stats.prefills += 1
         self.stats.admitted += len(batch)
 

@@ -26,7 +26,9 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   ``gil_switch_interval_ms`` (default 0.5: how long another Python thread, such as the one running
   ``execute``, may hold the GIL while the engine thread waits for it),
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
-  first and the final response are never held back; see ``outbox``).
+  first and the final response are never held back; see ``outbox``), ``idle_senders`` (default 1:
+  how many threads send at once while the engine is idle, such as the final responses of requests
+  that ended together; see ``outbox``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from serving.triton.models.outbox import Outbox
-from serving.triton.models.params import check_parameters, milliseconds
+from serving.triton.models.params import check_parameters, count, milliseconds
 from serving.triton.models.requests import (
     BatchItem,
     LlmRequest,
@@ -202,9 +204,11 @@ class EngineThread:
     """The engine loop on its own thread: prepare (compile, capture graphs), then the scheduler forever."""
 
     def __init__(self, runner: Any, log: Log, *, device_id: int | None, compile_decode: bool,
-                 warmup: bool, while_waiting: Callable[[], bool] | None = None) -> None:
+                 warmup: bool, while_waiting: Callable[[], bool] | None = None,
+                 drain: Callable[[], None] | None = None) -> None:
         self.runner = runner
         self.while_waiting = while_waiting
+        self.drain = drain
         self.log = log
         self.device_id = device_id
         self.compile_decode = compile_decode
@@ -243,7 +247,8 @@ class EngineThread:
                     self.compile_decode = False
             self._warmup()
             graphs = getattr(self.runner, "graphs", None)
-            self.scheduler = Scheduler(self.runner, on_error=self.log.error, while_waiting=self.while_waiting)
+            self.scheduler = Scheduler(self.runner, on_error=self.log.error, while_waiting=self.while_waiting,
+                                       drain=self.drain)
             self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
                           f"{self.compile_decode}, graphs={'yes' if graphs is not None else 'no'})")
         except BaseException as exc:  # noqa: BLE001 - carried back to initialize
@@ -303,12 +308,13 @@ class TritonPythonModel:
             # default) while the engine thread waits to launch the next step
             sys.setswitchinterval(milliseconds(params, "gil_switch_interval_ms") / 1e3)
             self.outbox = Outbox(f"{self.model_name}-v{self.version}", self.log.error,
-                                 stream_interval_s=milliseconds(params, "stream_interval_ms") / 1e3)
+                                 stream_interval_s=milliseconds(params, "stream_interval_ms") / 1e3,
+                                 idle_senders=count(params, "idle_senders"))
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
                                               compile_decode=_truthy(params.get("compile_decode")),
                                               warmup=params.get("warmup", "true") != "false",
-                                              while_waiting=self.outbox.send_next)
+                                              while_waiting=self.outbox.send_next, drain=self.outbox.drain)
             try:
                 self.engine_thread.start()
             except BaseException as exc:
@@ -442,6 +448,7 @@ class TritonPythonModel:
         outbox = getattr(self, "outbox", None)
         if outbox is not None:
             outbox.flush()  # the engine thread has stopped: whatever it had not sent yet
+            outbox.close()
             self.log.info(f"responses sent: {outbox.stats}")
             self.outbox = None
         host = getattr(self, "host", None)

@@ -11,6 +11,10 @@ MILLISECOND_PARAMETERS: dict[str, tuple[float, bool]] = {
     "gil_switch_interval_ms": (0.5, False),
     "stream_interval_ms": (0.0, True),
 }
+# name -> (default, least, most)
+COUNT_PARAMETERS: dict[str, tuple[int, int, int]] = {
+    "idle_senders": (1, 1, 64),
+}
 
 
 def milliseconds(params: dict[str, str], name: str) -> float:
@@ -26,7 +30,22 @@ def milliseconds(params: dict[str, str], name: str) -> float:
     return value
 
 
+def count(params: dict[str, str], name: str) -> int:
+    """The value of one of `COUNT_PARAMETERS` (its default when unset or empty)."""
+    default, least, most = COUNT_PARAMETERS[name]
+    raw = str(params.get(name) or "").strip()
+    try:
+        value = int(raw) if raw else default
+    except ValueError:
+        value = least - 1
+    if not least <= value <= most:
+        raise ValueError(f"parameter {name}={raw!r} must be a whole number from {least} to {most}")
+    return value
+
+
 def check_parameters(params: dict[str, str]) -> None:
     """Raise ValueError naming the first numeric parameter whose value is not valid."""
     for name in MILLISECOND_PARAMETERS:
         milliseconds(params, name)
+    for name in COUNT_PARAMETERS:
+        count(params, name)
