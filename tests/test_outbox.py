@@ -170,6 +170,10 @@ def test_a_cancelled_stream_is_noticed_when_nothing_is_due_and_asked_at_most_eve
     watch("b")
     box.emit(a, [1], None)
     assert box.send_next() and asked == []  # a response was due: no question asked
+    assert not box.send_next() and asked == []  # just opened: first asked an interval later
+    time.sleep(CANCEL_CHECK_S + 0.01)
+    box.drain()
+    assert asked == []  # an idle drain only sends
     assert box.send_next() and box.send_next() and asked == ["a", "b"]  # then one question per call
     assert not box.send_next()  # both asked within the interval: nothing to do
     gone.add("b")

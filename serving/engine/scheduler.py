@@ -30,10 +30,10 @@ emit), called on the scheduler thread.
 
 `while_waiting` (optional) is other work for the loop's thread: it is called, one item per call,
 while a launched step still runs on the GPU and the thread would otherwise block on it (at least once
-per step, so the work keeps moving when the host is the bottleneck), and until it reports nothing
-left whenever the loop goes idle (and after each step on the CPU, where nothing runs asynchronously).
-Triton's `llm` model sends its responses there (`outbox.Outbox.send_next`). `drain` (optional) replaces
-that idle loop (the `llm` model's sends on several threads at once while the engine has nothing to do).
+per step, so the work keeps moving when the host is the bottleneck), until it reports nothing left
+after each step on the CPU (where nothing runs asynchronously), and likewise whenever the loop goes
+idle, unless `drain` (optional) is given: then `drain()` is called instead. Triton's `llm` model sends
+its responses there (`outbox.Outbox.send_next`, and `Outbox.drain` when idle).
 
 Thread model: `submit` is thread-safe; `run_forever` (or `start()`, which runs it on a daemon
 thread) is the only code that touches the runner. `stop()` ends the loop, fails what is still
@@ -215,10 +215,12 @@ class Scheduler:
 
     def run_forever(self) -> None:
         while True:
-            if self.device.type != "cuda" or self.idle():
+            if self.idle():
                 started = time.perf_counter()
                 self._drain()
                 self.stats.drain_s += time.perf_counter() - started
+            elif self.device.type != "cuda":  # nothing ran asynchronously: this is the time to wait in
+                self._pump()
             with self.cond:
                 while not self.stopping and not self.waiting and self.live == 0 and not self.inflight:
                     self.cond.wait(self.idle_wait_s)
@@ -231,7 +233,10 @@ class Scheduler:
     def _drain(self) -> None:
         if self.drain is not None:
             self.drain()
-            return
+        else:
+            self._pump()
+
+    def _pump(self) -> None:
         while self.while_waiting():
             pass
 

@@ -32,8 +32,9 @@ A stream that is not streaming (``stream`` false) is sent once, when it finishes
 after the tokens that preceded it, as the final response.
 
 Cancellation: a stream opened with ``is_cancelled`` (the request's) is asked, at most every
-``CANCEL_CHECK_S``, whether its client has gone, when ``send_next`` has nothing due (one question per
-call: each is a round trip to Triton); if so its ``on_cancel`` runs (the model stops the request in the
+``CANCEL_CHECK_S`` and first that long after it opened, whether its client has gone, when
+``send_next`` has nothing due (one question per call: each is a round trip to Triton; ``drain`` asks
+none, so a burst of new requests does not hold back their admission); if so its ``on_cancel`` runs (the model stops the request in the
 scheduler, which frees its slot and fails it; the failure is its final response).
 
 Imports: stdlib only.
@@ -114,7 +115,8 @@ class Outbox:
 
     def open(self, send_tokens: SendTokens, send_error: SendError, *, streaming: bool,
              is_cancelled: Callable[[], bool] | None = None, on_cancel: Callable[[], None] | None = None) -> Stream:
-        stream = Stream(send_tokens, send_error, streaming, is_cancelled=is_cancelled, on_cancel=on_cancel)
+        stream = Stream(send_tokens, send_error, streaming, is_cancelled=is_cancelled, on_cancel=on_cancel,
+                        checked_at=time.monotonic())  # first asked a whole interval after it opened
         if is_cancelled is not None and on_cancel is not None:
             with self.lock:
                 self.watched[id(stream)] = stream
@@ -141,9 +143,10 @@ class Outbox:
     def pending(self) -> int:
         return len(self.ready)
 
-    def send_next(self) -> bool:
+    def send_next(self, *, ask: bool = True) -> bool:
         """Send one response: a first or final one if any waits, else the oldest middle one that is due;
-        with none due, ask one stream whether it was cancelled. False when there was nothing to do."""
+        with none due, ask one stream whether it was cancelled (unless `ask` is false). False when there
+        was nothing to do."""
         with self.lock:
             now = time.monotonic()
             stream = self._next_due(now)
@@ -152,7 +155,7 @@ class Outbox:
                 taken = self._take(stream, now)
                 stream.sending = True
             else:
-                stream = self._next_to_check(now)
+                stream = self._next_to_check(now) if ask else None
                 if stream is None:
                     return False
                 stream.checked_at = now
@@ -168,14 +171,15 @@ class Outbox:
         return True
 
     def drain(self) -> None:
-        """Send everything due, on every idle sender at once; return when nothing is left."""
+        """Send everything due, on every idle sender at once; return when nothing is left. Asks no
+        stream whether it was cancelled: an idle engine has requests waiting to be admitted, or none."""
         helpers = [self.helpers.submit(self._send_all) for _ in range(self.idle_senders - 1)] if self.helpers else []
         self._send_all()
         for helper in helpers:
             helper.result()
 
     def _send_all(self) -> None:
-        while self.send_next():
+        while self.send_next(ask=False):
             pass
 
     def close(self) -> None:
