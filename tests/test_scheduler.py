@@ -236,3 +236,41 @@ def test_cancel_frees_the_slot_of_a_live_request_and_drops_a_waiting_one(runner)
     for i in (0, 2, 3):  # request 3 got the cancelled one's slot
         assert out[i] == runner.generate([PROMPTS[i]], max_new_tokens=12)[0].token_ids
     assert sched.stats.cancelled == 2 and sched.stats.failed == 0
+
+
+@pytest.mark.parametrize("gap_s, together", [(0.3, True), (0.0, False)])
+def test_an_idle_engine_admits_a_burst_of_arrivals_together_only_with_an_admit_gap(runner, gap_s, together):
+    """Three requests arrive 40 ms apart at an idle engine: with a 300 ms gap they are prefilled in one
+    call and decode in step; without one the first starts alone."""
+    import time
+
+    finished = threading.Semaphore(0)
+    sched = Scheduler(runner, admit_gap_s=gap_s)  # 3 slots
+    sched.start(name="engine-loop")
+    try:
+        for prompt in PROMPTS[:3]:
+            sched.submit(GenRequest(prompt, 3, lambda ids, reason: reason and finished.release(), print))
+            time.sleep(0.04)
+        for _ in range(3):
+            assert finished.acquire(timeout=30)
+    finally:
+        sched.stop()
+    assert (sched.stats.prefills == 1) is together
+    assert (sched.stats.gather_s >= 0.08) is together  # it waited out the arrivals 40 ms apart
+
+
+def test_a_lone_request_at_an_idle_engine_waits_one_gap(runner):
+    finished = threading.Event()
+    sched = Scheduler(runner, admit_gap_s=0.1)
+    sched.start(name="engine-loop")
+    try:
+        sched.submit(GenRequest(PROMPTS[0], 2, lambda ids, reason: reason and finished.set(), print))
+        assert finished.wait(30)
+    finally:
+        sched.stop()
+    assert 0.1 <= sched.stats.gather_s < 0.5 and sched.stats.prefills == 1
+
+
+def test_a_negative_admit_gap_is_refused_by_name(runner):
+    with pytest.raises(ValueError, match="admit_gap_s=-1"):
+        Scheduler(runner, admit_gap_s=-1)

@@ -344,7 +344,8 @@ def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.parametrize("name, value", [("stream_interval_ms", "-5"), ("stream_interval_ms", "soon"),
                                          ("gil_switch_interval_ms", "0"), ("gil_switch_interval_ms", "inf"),
-                                         ("idle_senders", "0"), ("idle_senders", "2.5"), ("idle_senders", "65")])
+                                         ("idle_senders", "0"), ("idle_senders", "2.5"), ("idle_senders", "65"),
+                                         ("admit_gap_ms", "-1")])
 def test_llm_config_refuses_a_bad_numeric_parameter_by_name(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
         llm_config("m_engine", versions=[1], max_batch_size=8, device_kind="KIND_CPU",

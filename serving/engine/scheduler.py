@@ -35,6 +35,13 @@ after each step on the CPU (where nothing runs asynchronously), and likewise whe
 idle, unless `drain` (optional) is given: then `drain()` is called instead. Triton's `llm` model sends
 its responses there (`outbox.Outbox.send_next`, and `Outbox.drain` when idle).
 
+`admit_gap_s` (0: off) is for bursts of arrivals at an idle engine, such as the next requests of
+closed-loop clients whose previous ones ended together: admitting the first arrival at once would
+start its prefill alone, the rest would follow in later prefills, and the groups would then decode
+out of step (more, smaller decode steps, each prefill stalling the others). An idle engine therefore
+admits once no request has arrived for `admit_gap_s` (or the slots are full, or GATHER_MAX_GAPS gaps
+have passed). A lone request waits one gap; an engine with live requests never waits.
+
 Thread model: `submit` is thread-safe; `run_forever` (or `start()`, which runs it on a daemon
 thread) is the only code that touches the runner. `stop()` ends the loop, fails what is still
 pending or live with `SchedulerStopped`, and joins the thread.
@@ -58,6 +65,7 @@ from serving.engine.errors import EngineError, EngineLimitError
 from serving.engine.sampling import SamplingParams, sample
 
 HOST_BUFFERS = 4
+GATHER_MAX_GAPS = 10  # an idle engine waits for a burst of arrivals at most this many `admit_gap_s`
 Emit = Callable[[list[int], "str | None"], None]
 Fail = Callable[[BaseException], None]
 
@@ -124,6 +132,7 @@ class SchedulerStats:
     prefill_s: float = 0.0  # of launch_s: admitting (the prefill call returns once its GPU work is queued)
     drain_s: float = 0.0  # idle, finishing the `while_waiting` work (or `drain`)
     queued_s: float = 0.0  # summed over requests: from submit to admission
+    gather_s: float = 0.0  # idle, letting a burst of arrivals finish (`admit_gap_s`)
 
 
 class Scheduler:
@@ -131,8 +140,12 @@ class Scheduler:
 
     def __init__(self, runner: Any, *, max_prefill_tokens: int = 16384, idle_wait_s: float = 0.05,
                  on_error: Callable[[str], None] | None = None,
-                 while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None) -> None:
+                 while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
+                 admit_gap_s: float = 0.0) -> None:
+        if not admit_gap_s >= 0.0:
+            raise ValueError(f"admit_gap_s={admit_gap_s!r} must be >= 0")
         self.runner = runner
+        self.admit_gap_s = admit_gap_s
         self.while_waiting = while_waiting or (lambda: False)
         self.drain = drain
         limits = runner.info.limits
@@ -226,9 +239,27 @@ class Scheduler:
                     self.cond.wait(self.idle_wait_s)
                 if self.stopping:
                     break
+                if self.admit_gap_s and self.live == 0 and not self.inflight:
+                    self._gather_arrivals()
             self.step()
         self._fail_all(SchedulerStopped("the scheduler stopped (model unloading) before the request finished"))
         self._drain()
+
+    def _gather_arrivals(self) -> None:
+        """Idle, with requests waiting (`cond` held): let a burst of arrivals finish before admitting it,
+        so that it is prefilled in one call and decodes in step. Waits while requests keep coming at
+        most `admit_gap_s` apart, for at most GATHER_MAX_GAPS gaps, or until they fill every slot."""
+        started = time.perf_counter()
+        deadline = started + GATHER_MAX_GAPS * self.admit_gap_s
+        while len(self.waiting) < self.max_slots and not self.stopping:
+            seen = len(self.waiting)
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self.cond.wait(min(self.admit_gap_s, left))
+            if len(self.waiting) == seen:
+                break
+        self.stats.gather_s += time.perf_counter() - started
 
     def _drain(self) -> None:
         if self.drain is not None:

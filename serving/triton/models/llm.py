@@ -28,7 +28,9 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
   first and the final response are never held back; see ``outbox``), ``idle_senders`` (default 1:
   how many threads send at once while the engine is idle, such as the final responses of requests
-  that ended together; see ``outbox``).
+  that ended together; see ``outbox``), ``admit_gap_ms`` (default 3: an idle engine admits a burst of
+  arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
+  at once; see ``serving.engine.scheduler``).
 """
 
 from __future__ import annotations
@@ -205,8 +207,9 @@ class EngineThread:
 
     def __init__(self, runner: Any, log: Log, *, device_id: int | None, compile_decode: bool,
                  warmup: bool, while_waiting: Callable[[], bool] | None = None,
-                 drain: Callable[[], None] | None = None) -> None:
+                 drain: Callable[[], None] | None = None, admit_gap_s: float = 0.0) -> None:
         self.runner = runner
+        self.admit_gap_s = admit_gap_s
         self.while_waiting = while_waiting
         self.drain = drain
         self.log = log
@@ -248,7 +251,7 @@ class EngineThread:
             self._warmup()
             graphs = getattr(self.runner, "graphs", None)
             self.scheduler = Scheduler(self.runner, on_error=self.log.error, while_waiting=self.while_waiting,
-                                       drain=self.drain)
+                                       drain=self.drain, admit_gap_s=self.admit_gap_s)
             self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
                           f"{self.compile_decode}, graphs={'yes' if graphs is not None else 'no'})")
         except BaseException as exc:  # noqa: BLE001 - carried back to initialize
@@ -314,7 +317,8 @@ class TritonPythonModel:
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
                                               compile_decode=_truthy(params.get("compile_decode")),
                                               warmup=params.get("warmup", "true") != "false",
-                                              while_waiting=self.outbox.send_next, drain=self.outbox.drain)
+                                              while_waiting=self.outbox.send_next, drain=self.outbox.drain,
+                                              admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3)
             try:
                 self.engine_thread.start()
             except BaseException as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 MILLISECOND_PARAMETERS: dict[str, tuple[float, bool]] = {
     "gil_switch_interval_ms": (0.5, False),
     "stream_interval_ms": (0.0, True),
+    "admit_gap_ms": (3.0, True),
 }
 # name -> (default, least, most)
 COUNT_PARAMETERS: dict[str, tuple[int, int, int]] = {
