@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Issue 7 on the device (one H200, from the repo root, wheels carried in .whl/): in one call,
+#  - the python backend's send benchmark, 1/2/4/8 threads (SKIP_SENDS=1 to skip),
 #  - the 1B engine built (random bf16 weights -> HF checkpoint -> convert -> build) and timed offline at
 #    batch 64, 128/128, compiled decode in CUDA graphs (system python: the image's numpy 2),
 #  - the same engine served by the bundled Triton (decoupled llm model, in-flight batching) to 64
@@ -67,7 +68,7 @@ wait $OFF_PID; log "offline rc=$?"
 touch "$W/offline.done"
 # served starts once the offline figure is taken (Triton's compile and graph capture would disturb it)
 SRV_T=$((${TOTAL_S:-560} - ($(date +%s) - T0)))
-VARIANTS=${VARIANTS:-"default idle4:idle_senders=4 paced:stream_interval_ms=50 paced_idle4:stream_interval_ms=50,idle_senders=4"}
+VARIANTS=${VARIANTS:-"default nogather:admit_gap_ms=0 idle2:idle_senders=2 again"}
 VARIANT_ARGS=(); for v in $VARIANTS; do VARIANT_ARGS+=(--variant "$v"); done
 log "served: ${SRV_T} s left"
 (
