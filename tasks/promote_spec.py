@@ -45,6 +45,10 @@ class TritonEndpoint(BaseModel):
         return url.rstrip("/")
 
 
+LOAD_TIMEOUT_S = 120.0
+COMPILED_LOAD_TIMEOUT_S = 600.0
+
+
 class TritonSpec(BaseModel):
     """Where the engine is served; no endpoints means the bundled Triton started on loopback."""
 
@@ -63,7 +67,10 @@ class TritonSpec(BaseModel):
     )
     max_queue_size: int = Field(64, ge=1, description="Requests queued per model before Triton rejects more.")
     max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic batching: longest wait to fill a batch.")
-    load_timeout_s: float = Field(120, gt=0, description="Longest wait for a model to load.")
+    load_timeout_s: float = Field(
+        LOAD_TIMEOUT_S, gt=0, description=f"Longest wait for a model to load. Unset, it is {LOAD_TIMEOUT_S:.0f} s, or "
+        f"{COMPILED_LOAD_TIMEOUT_S:.0f} s when `engine_parameters` turn `compile_decode` on (a compiled 1B version "
+        "loaded in 94-147 s on a fresh H200 machine).")
     request_timeout_s: float = Field(60, gt=0, description="Client timeout of one inference request.")
     warmup_requests: int = Field(
         3, ge=0, description="Requests sent straight to the candidate version after it loads, before it gets "
@@ -71,9 +78,8 @@ class TritonSpec(BaseModel):
     engine_parameters: dict[str, str] = Field(
         default_factory=dict,
         description="Config parameters of the `<model>_engine` Triton model (all its versions), e.g. `device`, "
-        "`decoupled`, `compile_decode`, `stream_interval_ms` (docs/triton.md). With `compile_decode: \"true\"` "
-        "on a GPU a version loads in 1-2.5 min (1B shape on an H200: 108-147 s on a fresh machine): raise "
-        "`load_timeout_s`. Tests use `engine_loader: tasks.fault_injection:load_engine` to make a bad engine.")
+        "`decoupled`, `compile_decode`, `stream_interval_ms`, `admit_gap_ms`, `idle_senders` (docs/triton.md). "
+        "Tests use `engine_loader: tasks.fault_injection:load_engine` to make a bad engine.")
 
     @field_validator("engine_parameters")
     @classmethod
@@ -82,6 +88,14 @@ class TritonSpec(BaseModel):
 
         check_parameters(params)  # ValueError naming the parameter and its value
         return params
+
+    @model_validator(mode="after")
+    def _compiled_loads_take_longer(self) -> TritonSpec:
+        from serving.triton.models.params import truthy
+
+        if "load_timeout_s" not in self.model_fields_set and truthy(self.engine_parameters.get("compile_decode")):
+            self.load_timeout_s = COMPILED_LOAD_TIMEOUT_S
+        return self
 
 
 class SetWeight(BaseModel):

@@ -191,6 +191,14 @@ def test_triton_spec_refuses_a_bad_engine_parameter_by_name() -> None:
         "stream_interval_ms": "50"}
 
 
+def test_a_compiled_engine_gets_a_longer_load_timeout_unless_one_is_given() -> None:
+    assert TritonSpec().load_timeout_s == 120
+    assert TritonSpec.model_validate({"engine_parameters": {"compile_decode": "True"}}).load_timeout_s == 600
+    given = {"engine_parameters": {"compile_decode": "true"}, "load_timeout_s": 200}
+    assert TritonSpec.model_validate(given).load_timeout_s == 200
+    assert TritonSpec.model_validate({"engine_parameters": {"compile_decode": "false"}}).load_timeout_s == 120
+
+
 # ---------------------------------------------------------------- journal
 
 

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from serving.triton.models.outbox import Outbox
-from serving.triton.models.params import check_parameters, count, milliseconds
+from serving.triton.models.params import check_parameters, count, milliseconds, truthy
 from serving.triton.models.requests import (
     BatchItem,
     LlmRequest,
@@ -198,10 +198,6 @@ def _getter(request: Any) -> Callable[[str], np.ndarray | None]:
     return get
 
 
-def _truthy(value: str | None) -> bool:
-    return str(value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
 class EngineThread:
     """The engine loop on its own thread: prepare (compile, capture graphs), then the scheduler forever."""
 
@@ -303,7 +299,7 @@ class TritonPythonModel:
             ) from exc
         self.host = EngineHost(runner, engine_dir, self.log)
         uses_decoupled = getattr(pb_utils, "using_decoupled_model_transaction_policy", None)
-        self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else _truthy(params.get("decoupled"))
+        self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else truthy(params.get("decoupled"))
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
         if self.decoupled:
@@ -315,7 +311,7 @@ class TritonPythonModel:
                                  idle_senders=count(params, "idle_senders"))
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
-                                              compile_decode=_truthy(params.get("compile_decode")),
+                                              compile_decode=truthy(params.get("compile_decode")),
                                               warmup=params.get("warmup", "true") != "false",
                                               while_waiting=self.outbox.send_next, drain=self.outbox.drain,
                                               admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3)

@@ -18,6 +18,11 @@ COUNT_PARAMETERS: dict[str, tuple[int, int, int]] = {
 }
 
 
+def truthy(value: str | None) -> bool:
+    """A boolean parameter's value: "1", "true", "yes" or "on" (any case) is true."""
+    return str(value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def milliseconds(params: dict[str, str], name: str) -> float:
     """The value of one of `MILLISECOND_PARAMETERS` (its default when unset or empty)."""
     default, zero_ok = MILLISECOND_PARAMETERS[name]
