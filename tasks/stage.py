@@ -140,12 +140,14 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
 
 def warm_up(target: Target, model_name: str, version: int, triton: TritonSpec) -> None:
     """A few requests straight to the new version (first calls are slow; a version that cannot answer fails here)."""
-    from serving.triton.client import infer_ids
+    from serving.triton.client import generate_ids, infer_ids
+    from serving.triton.models.params import truthy
     from serving.triton.repository import engine_model_name
 
+    send = generate_ids if truthy(triton.engine_parameters.get("decoupled")) else infer_ids  # /infer refuses decoupled
     for i in range(triton.warmup_requests):
-        infer_ids(target.url, engine_model_name(model_name), [1 + i, 2, 3], max_tokens=4, version=version,
-                  timeout_s=triton.request_timeout_s, setting=target.setting)
+        send(target.url, engine_model_name(model_name), [1 + i, 2, 3], max_tokens=4, version=version,
+             timeout_s=triton.request_timeout_s, setting=target.setting)
 
 
 @task(name="stage", retries=0, cache_policy=NO_CACHE)

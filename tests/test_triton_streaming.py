@@ -147,8 +147,45 @@ def test_a_cancelled_stream_frees_its_slot_and_serving_goes_on(world) -> None:
     assert "cancelled=1," in stats and "finished=0," in stats, stats
 
 
+def test_the_router_answers_through_a_decoupled_engine_over_http(world) -> None:
+    """The stable name of a gray release in front of the in-flight batching llm: the router calls it with
+    decoupled BLS and answers once (HTTP, no streaming), tokens equal to the engine's; its counters count
+    them; a bad request comes back as this request's error."""
+    import json
+
+    import tritonclient.http as httpclient
+
+    from serving.triton import apply_router_weights
+
+    apply_router_weights(world["control"], world["root"], "tiny", {1: 100}, timeout_s=90)
+    client = httpclient.InferenceServerClient(world["proc"].http_url.removeprefix("http://"))
+
+    def call(prompt: list[int], n: int):
+        tensors = []
+        for name, arr in (("input_ids", np.asarray([prompt], dtype=np.int32)),
+                          ("max_tokens", np.asarray([[n]], dtype=np.int32))):
+            t = httpclient.InferInput(name, list(arr.shape), "INT32")
+            t.set_data_from_numpy(arr)
+            tensors.append(t)
+        return client.infer("tiny", tensors)
+
+    result = call(PROMPTS[2], 5)
+    assert result.as_numpy("output_ids").reshape(-1).tolist() == reference(world["engine"], PROMPTS[2], 5)
+    assert result.as_numpy("finish_reason").reshape(-1)[0] == b"length"
+    assert result.as_numpy("routed_version").reshape(-1).tolist() == [1]
+    with pytest.raises(Exception, match="max_input_len=128"):
+        call([5] * 200, 2)
+    stats_in = httpclient.InferInput("stats", [1, 1], "BYTES")
+    stats_in.set_data_from_numpy(np.asarray([[b"1"]], dtype=np.object_))
+    stats = json.loads(client.infer("tiny", [stats_in]).as_numpy("stats_json").reshape(-1)[0])
+    counted = stats["detail"]["1"]
+    assert counted["requests"] == 2 and counted["errors"] == 1 and counted["output_tokens"] == 5
+    world["control"].unload_model("tiny", timeout_s=60)
+
+
 def test_unload_joins_engine_thread(world) -> None:
     control = world["control"]
     control.unload_model(ENGINE, wait=True)
     logs = "".join(p.read_text() for p in Path(world["work"]).glob("triton-*.log"))
     assert "engine thread joined (alive=False)" in logs
+

@@ -337,6 +337,27 @@ def test_router_forwards_counts_and_reports(monkeypatch: pytest.MonkeyPatch) -> 
     assert stats["versions"]["1"]["requests"] + stats["versions"]["2"]["requests"] == 40
 
 
+def test_router_merges_the_responses_of_a_streaming_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoupled llm answers a BLS call in several responses (and an empty final one): one answer, with
+    every token in order, the text joined and the last finish reason; counted once."""
+    def handler(model, version, inputs, requested):
+        def piece(ids, text, reason=None):
+            tensors = [FakeTensor("output_ids", np.array([ids], dtype=np.int32)),
+                       FakeTensor("text_output", np.array([[text]], dtype=object))]
+            if reason:
+                tensors.append(FakeTensor("finish_reason", np.array([[reason]], dtype=object)))
+            return FakeResponse(tensors)
+        return [piece([7, 8], b"he"), piece([9], b"llo", b"length"), FakeResponse([])]
+
+    model, _ = router_model(monkeypatch, handler, '{"1": 100}')
+    (out,) = asyncio.run(model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[3]]})]))
+    assert not out.has_error()
+    assert out.output("output_ids").tolist() == [[7, 8, 9]]
+    assert out.output("text_output")[0, 0] == b"hello" and out.output("finish_reason")[0, 0] == b"length"
+    assert out.output("routed_version")[0, 0] == 1
+    assert model.stats.snapshot()["detail"]["1"]["output_tokens"] == 3
+
+
 def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match=r"\[m\] router parameter weights="):
         router_model(monkeypatch, None, '{"1": 0}')

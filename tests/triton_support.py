@@ -98,12 +98,16 @@ def make_fake_pb_utils(bls_handler: Any = None) -> types.ModuleType:
                      inputs: list[FakeTensor]) -> None:
             self.args = (model_name, model_version, list(inputs), list(requested_output_names))
 
-        def exec(self) -> FakeResponse:
+        def exec(self, decoupled: bool = False) -> Any:
+            """One response, or (decoupled) an iterator of them: the handler's one, or each of its list."""
             mod.calls.append(self.args)
-            return bls_handler(*self.args)
+            answer = bls_handler(*self.args)
+            if not decoupled:
+                return answer
+            return iter(answer if isinstance(answer, list) else [answer])
 
-        async def async_exec(self) -> FakeResponse:
-            return self.exec()
+        async def async_exec(self, decoupled: bool = False) -> Any:
+            return self.exec(decoupled=decoupled)
 
     class Logger:
         lines: ClassVar[list[str]] = []

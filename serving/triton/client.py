@@ -90,6 +90,28 @@ def infer_ids(http_url: str, model: str, prompt_ids: list[int], *, max_tokens: i
     return _result(raw)
 
 
+def generate_ids(http_url: str, model: str, prompt_ids: list[int], *, max_tokens: int, version: int | None = None,
+                 timeout_s: float = 60.0, setting: str = "triton.http_url") -> InferResult:
+    """Generate from token ids through Triton's ``/generate`` endpoint, which (unlike ``/infer``) also
+    answers a decoupled model: the in-flight batching llm called directly (one response, every token)."""
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + "/generate"
+    body = {"input_ids": list(prompt_ids), "max_tokens": max_tokens}
+    try:
+        resp = call(http_url, "POST", path, body=body, timeout_s=timeout_s, setting=setting)
+    except TimeoutError as exc:
+        raise TritonUnreachableError(str(exc)) from exc
+    if resp.status != 200:
+        raise InferenceError(
+            f"generate on model {model!r}" + (f" version {version}" if version is not None else "")
+            + f" at {http_url} (setting {setting}) failed with {resp.status}: {resp.error_message()}",
+            status=resp.status,
+        )
+    doc = resp.json()
+    ids = doc.get("output_ids", [])
+    return InferResult(output_ids=[int(x) for x in (ids if isinstance(ids, list) else [ids])],
+                       finish_reason=doc.get("finish_reason"), model_version=doc.get("model_version"))
+
+
 def infer_text(http_url: str, model: str, text: str, *, max_tokens: int, version: int | None = None,
                timeout_s: float = 60.0, routed: bool | None = None, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,

@@ -6,6 +6,12 @@ to that version with an async BLS call, and returns the target's outputs plus ``
 error from the target comes back as this request's error. Weights change by reloading the router with a
 complete config override (which also resets the counters).
 
+The target is called with ``async_exec(decoupled=True)``, which serves a plain llm and a decoupled one
+(in-flight batching) alike, so a release may turn ``decoupled`` on or off under a live router; the
+target's responses are merged into this request's one answer: every token, the last
+``finish_reason``. The router itself is not decoupled, so HTTP clients keep working; streaming
+clients call ``<name>_engine`` directly.
+
 Sticky routing: a request carrying the optional ``routing_key`` BYTES input goes to the version whose
 slice of [0, 1) holds the key's SHA-256 point (``routing.choose_sticky``), so one user (or session)
 stays on one version while the weights move in one direction; requests without a key are weighted at
@@ -118,7 +124,8 @@ class TritonPythonModel:
         try:
             bls = pb_utils.InferenceRequest(model_name=self.target_model, model_version=version,
                                             requested_output_names=requested, inputs=inputs)
-            response = await bls.async_exec()
+            # an instance forwards one request at a time, so iterating the responses may block
+            response = _Merged(list(await bls.async_exec(decoupled=True)))
         except Exception as exc:  # noqa: BLE001 - a BLS failure is this request's error, never a crash
             self.stats.record(version, ok=False, latency_s=time.monotonic() - started)
             return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
@@ -154,3 +161,33 @@ def _count_tokens(outputs: list[Any]) -> int:
         if tensor.name() == "output_ids":
             return int(np.asarray(tensor.as_numpy()).size)
     return 0
+
+
+class _Merged:
+    """A decoupled target's responses as one: the first error, or every output merged (token ids and
+    text joined in order, the last finish reason)."""
+
+    def __init__(self, responses: list[Any]) -> None:
+        self._error = next((r.error() for r in responses if r.has_error()), None)
+        parts: dict[str, list[np.ndarray]] = {}
+        for response in responses:
+            for tensor in response.output_tensors():
+                parts.setdefault(tensor.name(), []).append(np.asarray(tensor.as_numpy()))
+        self._outputs = [pb_utils.Tensor(name, _joined(name, arrays)) for name, arrays in parts.items()]
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> Any:
+        return self._error
+
+    def output_tensors(self) -> list[Any]:
+        return self._outputs
+
+
+def _joined(name: str, arrays: list[np.ndarray]) -> np.ndarray:
+    if name == "output_ids":
+        return np.concatenate([a.reshape(1, -1) for a in arrays], axis=1)
+    if name == "text_output":
+        return np.asarray([[b"".join(bytes(a.reshape(-1)[0]) for a in arrays)]], dtype=np.object_)
+    return arrays[-1]
