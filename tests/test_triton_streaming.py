@@ -50,14 +50,15 @@ def inputs(prompt: list[int], max_tokens: int, *, stream: bool, stop: list[int] 
     return out
 
 
-def run_stream(url: str, requests: list[tuple[list[int], int, bool]], timeout_s: float = 60.0) -> dict[str, list]:
+def run_stream(url: str, requests: list[tuple[list[int], int, bool]], timeout_s: float = 60.0,
+               model: str = ENGINE) -> dict[str, list]:
     """Send all requests on one stream; collect (ids, finish_reason, final flag) or errors per request id."""
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
         for i, (prompt, n, stream) in enumerate(requests):
-            client.async_stream_infer(ENGINE, inputs(prompt, n, stream=stream), request_id=str(i),
+            client.async_stream_infer(model, inputs(prompt, n, stream=stream), request_id=str(i),
                                       enable_empty_final_response=True)
         out: dict[str, list] = {str(i): [] for i in range(len(requests))}
         finished: set[str] = set()
@@ -175,12 +176,34 @@ def test_the_router_answers_through_a_decoupled_engine_over_http(world) -> None:
     assert result.as_numpy("routed_version").reshape(-1).tolist() == [1]
     with pytest.raises(Exception, match="max_input_len=128"):
         call([5] * 200, 2)
+    # streaming clients: the release's streaming router, written beside the router for a decoupled llm
+    streamed = run_stream(world["proc"].grpc_url, [(PROMPTS[3], 6, True)], model="tiny_stream")["0"]
+    tokens = [t for ids, _, _ in streamed if ids for t in ids]
+    assert tokens == reference(world["engine"], PROMPTS[3], 6)
+    assert len([ids for ids, _, _ in streamed if ids]) > 1 and streamed[-1][2]  # several responses, then final
+    got: queue.Queue = queue.Queue()
+    stream_client = grpcclient.InferenceServerClient(world["proc"].grpc_url)
+    stream_client.start_stream(callback=lambda result, error: got.put((result, error)))
+    stream_client.async_stream_infer("tiny_stream", inputs(PROMPTS[0], 3, stream=True),
+                                     enable_empty_final_response=True)
+    routed = []
+    while True:
+        result, error = got.get(timeout=30)
+        assert error is None, error
+        if result.as_numpy("output_ids") is not None:
+            routed += result.as_numpy("routed_version").reshape(-1).tolist()
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    stream_client.stop_stream()
+    stream_client.close()
+    assert routed and set(routed) == {1}  # on every response that carries tokens
     stats_in = httpclient.InferInput("stats", [1, 1], "BYTES")
     stats_in.set_data_from_numpy(np.asarray([[b"1"]], dtype=np.object_))
     stats = json.loads(client.infer("tiny", [stats_in]).as_numpy("stats_json").reshape(-1)[0])
-    counted = stats["detail"]["1"]
-    assert counted["requests"] == 2 and counted["errors"] == 1 and counted["output_tokens"] == 5
+    counted = stats["detail"]["1"]  # the router's and the streaming router's counters, one load
+    assert counted["requests"] == 4 and counted["errors"] == 1 and counted["output_tokens"] == 5 + 6 + 3
     world["control"].unload_model("tiny", timeout_s=60)
+    world["control"].unload_model("tiny_stream", timeout_s=60)
 
 
 def test_unload_joins_engine_thread(world) -> None:

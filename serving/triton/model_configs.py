@@ -1,4 +1,4 @@
-"""Model configs (protobuf-JSON dicts) of the ``llm`` and ``router`` models.
+"""Model configs (protobuf-JSON dicts) of the ``llm``, ``router`` and streaming router models.
 
 The dicts are complete: the same dict is rendered to ``config.pbtxt`` and sent as a load override.
 Every request input carries Triton's batch dim (``max_batch_size > 0``), so clients send ``[1, n]``;
@@ -136,5 +136,32 @@ def router_config(
                                    _tensor("stats_json", "TYPE_STRING", [1])],
         "instance_group": [{"kind": "KIND_CPU", "count": instance_count}],
         "version_policy": {"specific": {"versions": [1]}},
+        "parameters": _string_params(params),
+    }
+
+
+def stream_router_config(name: str, weights: dict[int, int], *, target_model: str, counters_model: str,
+                         seed: int | None = None, load_id: str | None = None) -> dict[str, Any]:
+    """Complete config of the streaming router ``name`` (``<release>_stream``), decoupled, in front of the
+    decoupled llm ``target_model``; it counts into the router ``counters_model``'s counter files. One
+    instance: every stream runs on a thread of its own."""
+    if not weights or sum(weights.values()) <= 0 or any(w < 0 or v < 1 for v, w in weights.items()):
+        raise ConfigError(f"streaming router {name!r}: weights={weights!r} need versions >= 1, weights >= 0, "
+                          "a positive sum")
+    params = {"target_model": target_model, "weights": dump_weights(weights), "counters_model": counters_model}
+    if seed is not None:
+        params["seed"] = str(seed)
+    if load_id:
+        params["load_id"] = load_id
+    return {
+        "name": name,
+        "backend": "python",
+        "max_batch_size": ROUTER_MAX_BATCH_SIZE,
+        "input": llm_inputs(all_optional=True) + [_tensor("stream", "TYPE_BOOL", [1], optional=True),
+                                                   _tensor("routing_key", "TYPE_STRING", [1], optional=True)],
+        "output": llm_outputs() + [_tensor("routed_version", "TYPE_INT32", [1])],
+        "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+        "version_policy": {"specific": {"versions": [1]}},
+        "model_transaction_policy": {"decoupled": True},
         "parameters": _string_params(params),
     }

@@ -2,19 +2,47 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
 from serving.triton.control import TritonControl
-from serving.triton.repository import engine_model_name, set_served_versions, write_router
+from serving.triton.repository import (
+    REMOVING_PREFIX,
+    engine_model_name,
+    set_served_versions,
+    stream_model_name,
+    write_router,
+    write_stream_router,
+)
 
 
 def apply_router_weights(control: TritonControl, root: Path, name: str, weights: dict[int, int], *,
                          timeout_s: float = 60.0, **config_kwargs: Any) -> dict[str, Any]:
-    """Persist the router's weights and reload it with the complete config as an override."""
+    """Persist the router's weights and reload it with the complete config as an override; the same for
+    the streaming router while the llm is decoupled (written, or removed when it no longer is)."""
     config = write_router(root, name, weights, **config_kwargs)
+    load_id = config["parameters"]["load_id"]["string_value"]
+    stream = write_stream_router(root, name, weights, load_id=load_id, seed=config_kwargs.get("seed"))
+    if stream is not None:
+        control.load_model(stream_model_name(name), config=stream, timeout_s=timeout_s)
+    else:
+        remove_stream_router(control, root, name, timeout_s=timeout_s)
     control.load_model(name, config=config, timeout_s=timeout_s)
     return config
+
+
+def remove_stream_router(control: TritonControl, root: Path, name: str, *, timeout_s: float = 60.0) -> None:
+    """Unload and delete ``<name>_stream`` if it is there (the llm is no longer decoupled)."""
+    path = Path(root) / stream_model_name(name)
+    if not path.is_dir():
+        return
+    control.unload_model(stream_model_name(name), timeout_s=timeout_s)
+    aside = path.parent / f"{REMOVING_PREFIX}{path.name}-{secrets.token_hex(4)}"
+    os.rename(path, aside)
+    shutil.rmtree(aside)
 
 
 def serve_versions(control: TritonControl, root: Path, name: str, versions: list[int], *,

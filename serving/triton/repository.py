@@ -27,8 +27,8 @@ from typing import Any
 
 from serving.files import link_or_copy
 from serving.triton.errors import RepositoryError
-from serving.triton.model_configs import llm_config, router_config
-from serving.triton.models.params import check_parameters
+from serving.triton.model_configs import llm_config, router_config, stream_router_config
+from serving.triton.models.params import check_parameters, truthy
 from serving.triton.pbtxt import to_pbtxt
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -56,14 +56,21 @@ __all__ = [
     "served_versions",
     "set_served_versions",
     "stage_engine_version",
+    "stream_model_name",
     "write_atomic",
     "write_router",
+    "write_stream_router",
 ]
 
 
 def engine_model_name(name: str) -> str:
     """The llm model that holds the engine versions behind router ``name``."""
     return f"{name}_engine"
+
+
+def stream_model_name(name: str) -> str:
+    """The streaming router of release ``name`` (present while its llm is decoupled)."""
+    return f"{name}_stream"
 
 
 def init_repository(root: Path) -> Path:
@@ -304,6 +311,29 @@ def write_router(root: Path, name: str, weights: dict[int, int], **config_kwargs
     return config
 
 
+def engine_decoupled(root: Path, name: str) -> bool:
+    """Whether ``<name>_engine`` is staged with the parameter ``decoupled`` on (False when not staged)."""
+    model_dir = _model_dir(root, name)
+    if not model_dir.is_dir():
+        return False
+    return truthy((_read_state(model_dir)["settings"].get("parameters") or {}).get("decoupled"))
+
+
+def write_stream_router(root: Path, name: str, weights: dict[int, int], *, load_id: str,
+                        seed: int | None = None) -> dict[str, Any] | None:
+    """Write (or rewrite) ``<name>_stream`` with ``weights`` when ``<name>_engine`` is decoupled; return its
+    complete config, or None when the llm is not decoupled (then no streaming router belongs here)."""
+    if not engine_decoupled(root, name):
+        return None
+    config = stream_router_config(stream_model_name(name), weights, target_model=engine_model_name(name),
+                                  counters_model=name, seed=seed, load_id=load_id)
+    model_dir = Path(root) / stream_model_name(name)
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    write_atomic(model_dir / "1" / "model.py", (MODELS_DIR / "stream_router.py").read_bytes())
+    write_atomic(model_dir / "config.pbtxt", to_pbtxt(config))
+    return config
+
+
 def router_weights(root: Path, name: str) -> dict[int, int]:
     """The weights the router ``name`` was last written with; empty when there is no router yet."""
     path = Path(root) / name / STATE_FILE
@@ -313,10 +343,13 @@ def router_weights(root: Path, name: str) -> dict[int, int]:
 
 
 def remove_model(control: Any, root: Path, name: str, *, timeout_s: float = 60.0) -> None:
-    """Unload the router ``name`` and ``<name>_engine`` and delete both folders (renamed aside first)."""
-    for model in (name, engine_model_name(name)):
-        control.unload_model(model, timeout_s=timeout_s)
+    """Unload the router ``name``, its streaming router and ``<name>_engine`` and delete their folders
+    (renamed aside first)."""
+    for model in (stream_model_name(name), name, engine_model_name(name)):
         path = Path(root) / model
+        if model == stream_model_name(name) and not path.is_dir():
+            continue
+        control.unload_model(model, timeout_s=timeout_s)
         if path.is_dir():
             aside = path.parent / f"{REMOVING_PREFIX}{model}-{secrets.token_hex(4)}"
             os.rename(path, aside)

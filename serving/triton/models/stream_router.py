@@ -1,0 +1,134 @@
+"""The ``<name>_stream`` Triton python-backend model: the stable name of a gray release for streaming clients.
+
+It is written beside the ``router`` model of a release whose llm is decoupled (in-flight batching), with the
+same weights, and reloaded with it at every weight change. It is itself decoupled: per request it picks a
+version the way the router does (sticky ``routing_key``, else by weight), and a thread of its own calls
+that version with ``exec(decoupled=True)`` and sends each of its responses on as it comes, with
+``routed_version`` added, then an empty final response. A failed call, or an error response of the
+version, is the stream's final response.
+
+Counters go into the router's counter files (parameter ``counters_model``: the router's folder), so the
+router's stats and a rollout's analysis count streaming requests too: one request per stream, its latency
+from the call to the version's last response, its tokens.
+
+Imports: numpy, stdlib and the pure routing helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serving.triton.models.routing import (
+    COUNTERS_DIR,
+    RouterStats,
+    choose_sticky,
+    choose_version,
+    parse_weights,
+)
+
+try:  # only present inside Triton's python backend
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover - exercised outside Triton
+    pb_utils = None
+
+NOT_FORWARDED = frozenset({"routing_key"})
+DEFAULT_OUTPUTS = ("output_ids", "finish_reason")
+
+
+class TritonPythonModel:
+    """Weighted streaming BLS router in front of the versions of ``target_model``."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        self.model_name = args["model_name"]
+        config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        self.target_model = params.get("target_model", "")
+        counters_model = params.get("counters_model", "")
+        if not self.target_model or not counters_model:
+            raise RuntimeError(f"[{self.model_name}] config parameters target_model and counters_model are required")
+        try:
+            self.weights = parse_weights(params.get("weights", ""))
+        except ValueError as exc:
+            raise RuntimeError(f"[{self.model_name}] {exc}") from exc
+        self.rng = random.Random(int(params["seed"])) if params.get("seed") else random.Random()
+        counters_dir = Path(args["model_repository"]).parent / counters_model / COUNTERS_DIR
+        self.stats = RouterStats(self.target_model, self.weights, counters_dir=counters_dir,
+                                 load_id=params.get("load_id", ""))
+        self.persisting = threading.Lock()  # one writer of this generation's file at a time, newest last
+        self.streams: set[threading.Thread] = set()
+        self.lock = threading.Lock()
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                version, bls = self._forwarded(request)
+            except Exception as exc:  # noqa: BLE001 - a bad request is its own error, never a crash
+                sender.send(_error(f"{self.model_name}: {exc}"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            thread = threading.Thread(target=self._stream, args=(bls, version, sender), daemon=True)
+            with self.lock:
+                self.streams.add(thread)
+            thread.start()
+
+    def _forwarded(self, request: Any) -> tuple[int, Any]:
+        key = pb_utils.get_input_tensor_by_name(request, "routing_key")
+        if key is not None:
+            raw = key.as_numpy().reshape(-1)
+            value = raw[0] if raw.size else b""
+            version = choose_sticky(self.weights, value if isinstance(value, bytes) else str(value).encode())
+        else:
+            version = choose_version(self.weights, self.rng)
+        inputs = [t for t in request.inputs() if t.name() not in NOT_FORWARDED]
+        names = getattr(request, "requested_output_names", None)
+        requested = [n for n in (names() if callable(names) else ()) if n != "routed_version"]
+        if not requested:
+            requested = [*DEFAULT_OUTPUTS, *(["text_output"] if any(t.name() == "text_input" for t in inputs) else [])]
+        return version, pb_utils.InferenceRequest(model_name=self.target_model, model_version=version,
+                                                  requested_output_names=requested, inputs=inputs)
+
+    def _stream(self, bls: Any, version: int, sender: Any) -> None:
+        routed = pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32))
+        started, tokens, error = time.monotonic(), 0, None
+        try:
+            for response in bls.exec(decoupled=True):
+                if response.has_error():
+                    error = f"{self.target_model} version {version}: {response.error().message()}"
+                    break
+                outputs = list(response.output_tensors())
+                if not outputs:  # the version's empty final response
+                    continue
+                tokens += sum(int(np.asarray(t.as_numpy()).size) for t in outputs if t.name() == "output_ids")
+                sender.send(pb_utils.InferenceResponse(output_tensors=[*outputs, routed]))
+        except Exception as exc:  # noqa: BLE001 - the stream's error, never a crash
+            error = f"{self.model_name}: forwarding to {self.target_model} version {version} failed: {exc}"
+        # counted before the final response: a client that reads the stats next sees its stream
+        self.stats.record(version, ok=error is None, latency_s=time.monotonic() - started, output_tokens=tokens)
+        with self.persisting:
+            self.stats.persist()
+        try:
+            sender.send(None if error is None else _error(error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001, S110 - the client is gone: nothing left to tell it
+            pass
+        finally:
+            with self.lock:
+                self.streams.discard(threading.current_thread())
+
+    def finalize(self) -> None:
+        with self.lock:
+            streams = list(self.streams)
+        for thread in streams:  # Triton unloads a model once its requests have their final responses
+            thread.join(30)
+        with self.persisting:
+            self.stats.persist(final=True)
+
+
+def _error(message: str) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
