@@ -21,12 +21,14 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny-openai"
 TIGHT = "tiny-openai-tight"  # the same engine behind a queue of one request
+LIVE = "tiny-openai-inflight"  # the same engine with in-flight batching: its streams go through <name>_stream
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory):
-    with tiny_models_served(tmp_path_factory.mktemp("openai"), {MODEL: 64, TIGHT: 1}) as server:
+    with tiny_models_served(tmp_path_factory.mktemp("openai"), {MODEL: 64, TIGHT: 1, LIVE: 64},
+                            decoupled=frozenset({LIVE})) as server:
         yield server
 
 
@@ -37,7 +39,7 @@ def front(triton, tmp_path_factory):
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "serve", "--triton-grpc", triton.grpc_url, "--model", MODEL,
-             "--model", TIGHT, "--port", str(port)],
+             "--model", TIGHT, "--model", LIVE, "--port", str(port)],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     base = f"http://127.0.0.1:{port}"
@@ -65,7 +67,7 @@ def client(front):
 
 
 def test_models_are_listed(client):
-    assert [m.id for m in client.models.list().data] == sorted([MODEL, TIGHT])
+    assert [m.id for m in client.models.list().data] == sorted([MODEL, TIGHT, LIVE])
 
 
 def test_completion_equals_tritons_own_answer(client, triton):
@@ -81,6 +83,16 @@ def test_streamed_completion_adds_up_to_the_whole(client):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == whole
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_stream_of_an_in_flight_batching_model_comes_token_by_token_through_its_streaming_router(client):
+    whole = client.completions.create(model=LIVE, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    chunks = list(client.completions.create(model=LIVE, prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert len([c for c in chunks if c.choices[0].text]) > 1  # not one chunk: the engine's tokens as they came
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # and it is the same text as the plain model's: one engine behind both
+    assert whole == client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
 
 
 def test_chat_and_streamed_chat(client):

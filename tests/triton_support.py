@@ -227,8 +227,10 @@ def pid_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def tiny_models_served(work_dir: Path, queues: dict[str, int]) -> Iterator[TritonProcess]:
-    """One Triton serving the tiny CPU engine behind a router under each name, with that engine queue size."""
+def tiny_models_served(work_dir: Path, queues: dict[str, int], decoupled: frozenset[str] = frozenset()
+                       ) -> Iterator[TritonProcess]:
+    """One Triton serving the tiny CPU engine behind a router under each name, with that engine queue size;
+    the names in ``decoupled`` run in-flight batching (and get a streaming router)."""
     from serving.triton.operations import apply_router_weights, serve_versions
     from serving.triton.repository import init_repository, stage_engine_version
 
@@ -237,7 +239,8 @@ def tiny_models_served(work_dir: Path, queues: dict[str, int]) -> Iterator[Trito
     server = start_triton(repo, log_path=work_dir / "triton.log")
     try:
         for name, queue in queues.items():
-            version = stage_engine_version(repo, name, engine, device_kind="cpu", max_queue_size=queue)
+            version = stage_engine_version(repo, name, engine, device_kind="cpu", max_queue_size=queue,
+                                           parameters={"decoupled": "true"} if name in decoupled else None)
             serve_versions(server.control(), repo, name, [version])
             apply_router_weights(server.control(), repo, name, {version: 100})
         yield server

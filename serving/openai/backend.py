@@ -1,12 +1,14 @@
 """Calls the router models over Triton's gRPC API (asyncio): one request, or a stream of partial outputs.
 
-A decoupled model streams one response per token; any other model answers once, and its single
-answer is streamed as one chunk. Triton's full queue (RESOURCE_EXHAUSTED / UNAVAILABLE) becomes
+A stream goes to the release's streaming router (``<model>_stream``) when it is loaded, which it is while
+the llm is decoupled: tokens then come as the engine makes them, routed by the release's weights.
+Otherwise the router answers once, and its single answer is streamed as one chunk. Triton's full queue (RESOURCE_EXHAUSTED / UNAVAILABLE) becomes
 `Overloaded`, which the HTTP layer turns into 429 with Retry-After.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,6 +17,9 @@ from typing import Any
 import numpy as np
 
 from serving.llm_client import is_overload
+from serving.triton.repository import stream_model_name
+
+STREAM_TARGET_TTL_S = 5.0  # how long whether a model has a streaming router is remembered
 
 
 class BackendError(Exception):
@@ -46,11 +51,13 @@ class Piece:
     finish_reason: str | None
 
 
-def _inputs(grpc: Any, prompt: str, sampling: Sampling) -> list[Any]:
+def _inputs(grpc: Any, prompt: str, sampling: Sampling, *, stream: bool = False) -> list[Any]:
     values = [
         ("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
         ("max_tokens", np.array([[sampling.max_tokens]], dtype=np.int32), "INT32"),
     ]
+    if stream:
+        values.append(("stream", np.array([[True]], dtype=bool), "BOOL"))
     # OpenAI's defaults (temperature 1, top_p 1) mean "sample"; temperature 0 means greedy.
     if sampling.temperature is not None and sampling.temperature > 0:
         values.append(("temperature", np.array([[sampling.temperature]], dtype=np.float32), "FP32"))
@@ -96,6 +103,7 @@ class TritonBackend:
         self.grpc_url = grpc_url
         self.timeout_s = timeout_s
         self._client: Any = None
+        self._streaming: dict[str, tuple[bool, float]] = {}  # model -> (has a streaming router, when asked)
 
     def client(self) -> Any:
         if self._client is None:
@@ -134,14 +142,24 @@ class TritonBackend:
             raise _error(exc, model) from exc
         return _piece(result)
 
+    async def has_streaming_router(self, model: str) -> bool:
+        """Whether ``<model>_stream`` is loaded (remembered for STREAM_TARGET_TTL_S)."""
+        known = self._streaming.get(model)
+        if known is None or time.monotonic() - known[1] > STREAM_TARGET_TTL_S:
+            known = (await self.model_ready(stream_model_name(model)), time.monotonic())
+            self._streaming[model] = known
+        return known[0]
+
     async def stream(self, model: str, prompt: str, sampling: Sampling) -> AsyncIterator[Piece]:
         import tritonclient.grpc.aio as grpc
 
         outputs = [grpc.InferRequestedOutput(n) for n in ("text_output", "output_ids", "finish_reason")]
+        streaming = await self.has_streaming_router(model)
+        target = stream_model_name(model) if streaming else model
 
         async def requests():
-            yield {"model_name": model, "inputs": _inputs(grpc, prompt, sampling), "outputs": outputs,
-                   "request_id": uuid.uuid4().hex, "enable_empty_final_response": True}
+            yield {"model_name": target, "inputs": _inputs(grpc, prompt, sampling, stream=streaming),
+                   "outputs": outputs, "request_id": uuid.uuid4().hex, "enable_empty_final_response": True}
 
         async for result, error in self.client().stream_infer(requests(), stream_timeout=self.timeout_s):
             if error is not None:
