@@ -19,16 +19,19 @@ def test_two_variants_measured_in_turn_with_their_counters(tmp_path: Path) -> No
     clients, per_client, gen_len = 3, 2, 24
     report = run_served(shape="tiny", clients=clients, requests_per_client=per_client, prompt_len=8, gen_len=gen_len,
                         max_batch_size=4, work=tmp_path, out_json=tmp_path / "served.json", compile_decode=False,
-                        variants=(parse_variant("plain"), parse_variant("paced:stream_interval_ms=40,idle_senders=3")))
+                        variants=(parse_variant("plain"), parse_variant("paced:stream_interval_ms=40,idle_senders=3")),
+                        via_stream_router=True)
     assert json.loads((tmp_path / "served.json").read_text())["variants"].keys() == {"plain", "paced"}
     expected = clients * per_client * gen_len
     for label in ("plain", "paced"):
         figures = report["variants"][label]
-        assert figures["n_errors"] == 0, figures["errors"]
-        assert figures["output_tokens"] == expected
-        assert figures["counters"]["scheduler"]["tokens"] == expected
-        assert figures["counters"]["outbox"]["tokens"] == expected
-        assert figures["counters"]["outbox"]["responses"] == figures["responses"]
+        routed = figures["via_stream_router"]  # the same clients again, through the release's streaming router
+        assert figures["n_errors"] == 0 and routed["n_errors"] == 0, (figures["errors"], routed["errors"])
+        assert figures["output_tokens"] == routed["output_tokens"] == expected and routed["over_direct"] > 0
+        # the llm's counters, read at its unload, cover both runs; every response it sent reached a client
+        assert figures["counters"]["scheduler"]["tokens"] == 2 * expected
+        assert figures["counters"]["outbox"]["tokens"] == 2 * expected
+        assert figures["counters"]["outbox"]["responses"] == figures["responses"] + routed["responses"]
         assert figures["ttft_ms_p50"] > 0 and figures["tpot_ms_p50"] > 0
     assert report["variants"]["paced"]["parameters"]["stream_interval_ms"] == "40"
     assert report["variants"]["paced"]["parameters"]["idle_senders"] == "3"

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--wait-for", type=Path, action="append", default=[],
                      help="file that must exist before the clients start (repeatable)")
     srv.add_argument("--offline-json", type=Path, help="an engine-offline report to compare with")
+    srv.add_argument("--via-stream-router", action="store_true",
+                     help="after each variant, the same clients through the release's streaming router")
     srv.add_argument("--variant", action="append", default=[], metavar="LABEL[:k=v,...]",
                      help="llm model parameters of one measured variant (repeatable; each runs in turn on one "
                           "Triton), e.g. paced:stream_interval_ms=20,gil_switch_interval_ms=0.1")
@@ -138,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     report = run_served(variants=variants, shape=args.shape, clients=args.clients, requests_per_client=args.requests_per_client,
                         prompt_len=args.prompt_len, gen_len=args.gen_len, max_batch_size=args.max_batch_size,
                         work=args.work, out_json=args.out, compile_decode=not args.no_compile,
-                        wait_for=tuple(args.wait_for), offline_json=args.offline_json)
+                        wait_for=tuple(args.wait_for), offline_json=args.offline_json,
+                        via_stream_router=args.via_stream_router)
     print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "variants")}, indent=1))
     for label, figures in report["variants"].items():
         print(label, json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=1))

@@ -70,6 +70,7 @@ touch "$W/offline.done"
 SRV_T=$((${TOTAL_S:-560} - ($(date +%s) - T0)))
 VARIANTS=${VARIANTS:-"default nogather:admit_gap_ms=0 idle2:idle_senders=2 again"}
 VARIANT_ARGS=(); for v in $VARIANTS; do VARIANT_ARGS+=(--variant "$v"); done
+[ "${VIA_STREAM:-0}" = 1 ] && VARIANT_ARGS+=(--via-stream-router)  # each variant again through <release>_stream
 log "served: ${SRV_T} s left"
 (
   export PATH=/tmp/venv/bin:$PATH
@@ -112,7 +113,11 @@ print("OFFLINE", {k: off.get(k) for k in ("impl", "decode_tok_s", "e2e_tok_s", "
 print("SCHEDULER", {k: v for k, v in off.get("scheduler", {}).items()}, off.get("scheduler_over_e2e"))
 print("SERVED", {k: v for k, v in srv.items() if k not in ("samples", "offline", "variants")})
 for label, fig in srv.get("variants", {}).items():
-    print("VARIANT", label, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in fig.items() if k != "samples"})
+    print("VARIANT", label, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in fig.items()
+                             if k not in ("samples", "via_stream_router")})
+    if "via_stream_router" in fig:
+        print("VIA_STREAM_ROUTER", label, {k: (round(v, 3) if isinstance(v, float) else v)
+                                           for k, v in fig["via_stream_router"].items() if k != "samples"})
 for name in ("peaked", "standard_init"):
     e = par.get(name, {})
     print("PARITY", name, {k: v for k, v in e.items() if k != "gate"})

@@ -171,12 +171,16 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                max_batch_size: int, work: Path, out_json: Path | None = None, compile_decode: bool = True,
                variants: tuple[tuple[str, dict[str, str]], ...] = (("default", {}),),
                load_timeout_s: float = 420.0, wait_for: tuple[Path, ...] = (), wait_timeout_s: float = 300.0,
-               offline_json: Path | None = None, get_timeout_s: float = 300.0) -> dict[str, Any]:
+               offline_json: Path | None = None, get_timeout_s: float = 300.0,
+               via_stream_router: bool = False) -> dict[str, Any]:
     """Each variant (label, extra parameters of the llm model) is staged as model ``bench_<label>`` and
     measured in turn on one Triton: load, the clients, unload (its counters are read from the log).
     The report holds every variant under ``variants``, and the first one's figures at the top level.
     `wait_for`: files that must exist before the first clients start (another job on the GPU finishing);
-    `offline_json`: a `bench_offline_engine` report whose e2e/decode tok/s the served figures are set against."""
+    `offline_json`: a `bench_offline_engine` report whose e2e/decode tok/s the served figures are set against;
+    `via_stream_router`: after each variant's clients, the same clients again through the release's
+    streaming router (``bench_<label>_stream``, the gray release's name for streams), figures under
+    ``via_stream_router``."""
     import os
     import signal
 
@@ -229,6 +233,14 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
             if offline is not None:
                 figures["served_over_offline_e2e"] = figures["output_tok_s"] / offline["e2e_tok_s"]
                 figures["served_over_offline_decode"] = figures["output_tok_s"] / offline["decode_tok_s"]
+            if via_stream_router:
+                routed = figures["via_stream_router"] = {}
+                _run_via_stream_router(proc, root, f"{MODEL}_{label}", routed, clients=clients,
+                                       requests_per_client=requests_per_client, prompt_len=prompt_len,
+                                       gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s)
+                routed["over_direct"] = routed["output_tok_s"] / figures["output_tok_s"]
+                if offline is not None:
+                    routed["served_over_offline_e2e"] = routed["output_tok_s"] / offline["e2e_tok_s"]
             proc.control().unload_model(model, timeout_s=120)
             figures["counters"] = model_counters(log_path, model)
             if i == 0:
@@ -241,3 +253,18 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
             out_json.write_text(json.dumps(report, indent=1))
         signal.signal(signal.SIGTERM, previous_handler)
     return report
+
+
+def _run_via_stream_router(proc: Any, root: Path, release: str, figures: dict[str, Any], **clients: Any) -> None:
+    """Route release `release` (its llm loaded) 100% to version 1, run the clients against its streaming
+    router, then unload both routers."""
+    from serving.triton.operations import apply_router_weights
+    from serving.triton.repository import stream_model_name
+
+    control = proc.control()
+    apply_router_weights(control, root, release, {1: 100}, timeout_s=120)
+    try:
+        run_clients(proc.grpc_url, stream_model_name(release), figures, **clients)
+    finally:
+        control.unload_model(stream_model_name(release), timeout_s=120)
+        control.unload_model(release, timeout_s=120)
