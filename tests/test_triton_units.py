@@ -349,13 +349,15 @@ def test_router_merges_the_responses_of_a_streaming_target(monkeypatch: pytest.M
             return FakeResponse(tensors)
         return [piece([7, 8], b"he"), piece([9], b"llo", b"length"), FakeResponse([])]
 
-    model, _ = router_model(monkeypatch, handler, '{"1": 100}')
+    model, pb = router_model(monkeypatch, handler, '{"1": 100}')
     (out,) = asyncio.run(model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[3]]})]))
-    assert not out.has_error()
+    assert not out.has_error() and len(pb.calls) == 2  # refused as a plain call, then called decoupled
+    asyncio.run(model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[3]]})]))
+    assert len(pb.calls) == 3  # learnt: straight to the decoupled call
     assert out.output("output_ids").tolist() == [[7, 8, 9]]
     assert out.output("text_output")[0, 0] == b"hello" and out.output("finish_reason")[0, 0] == b"length"
     assert out.output("routed_version")[0, 0] == 1
-    assert model.stats.snapshot()["detail"]["1"]["output_tokens"] == 3
+    assert model.stats.snapshot()["detail"]["1"]["output_tokens"] == 3 + 3
 
 
 def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,9 +99,15 @@ def make_fake_pb_utils(bls_handler: Any = None) -> types.ModuleType:
             self.args = (model_name, model_version, list(inputs), list(requested_output_names))
 
         def exec(self, decoupled: bool = False) -> Any:
-            """One response, or (decoupled) an iterator of them: the handler's one, or each of its list."""
+            """One response, or (decoupled) an iterator of them: the handler's one, or each of its list (a
+            list is a decoupled model's answer, which a plain call is refused)."""
             mod.calls.append(self.args)
             answer = bls_handler(*self.args)
+            if isinstance(answer, list) and not decoupled:  # Triton's refusal, as the bundled 2.51 words it
+                return FakeResponse(error=FakeTritonError(
+                    f"Model {self.args[0]} is using the decoupled. The current BLS request call doesn't support "
+                    "models using the decoupled transaction policy. Please use 'decoupled=True' argument to the "
+                    "'exec' or 'async_exec' calls for decoupled models.'"))
             if not decoupled:
                 return answer
             return iter(answer if isinstance(answer, list) else [answer])
@@ -190,6 +196,18 @@ def make_tiny_engine(work_dir: Path, *, seed: int = 0, max_batch_size: int = 8) 
 # ---------------------------------------------------------------- servers
 
 
+def one_thread_install() -> Any:
+    """The bundled Triton with one OpenMP thread per python stub: a test server runs a dozen stubs (router
+    instances, llm versions) on the 2-core CI machine, and torch's thread pool in each, spinning on every
+    core, starved stubs past the python backend's one-second health check."""
+    import dataclasses
+
+    from serving.triton.install import locate_triton
+
+    install = locate_triton()
+    return dataclasses.replace(install, env={**install.env, "OMP_NUM_THREADS": "1"})
+
+
 class TritonServers:
     """Start servers for a test; ``stop_all`` stops each by PID and removes its /tmp copies."""
 
@@ -198,6 +216,7 @@ class TritonServers:
         self.started: list[TritonProcess] = []
 
     def start(self, repository: Path, **kwargs: Any) -> TritonProcess:
+        kwargs.setdefault("install", one_thread_install())
         log_path = self.log_dir / f"triton-{len(self.started)}.log"
         proc = start_triton(repository, log_path=log_path, **kwargs)
         self.started.append(proc)

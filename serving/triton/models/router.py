@@ -6,11 +6,12 @@ to that version with an async BLS call, and returns the target's outputs plus ``
 error from the target comes back as this request's error. Weights change by reloading the router with a
 complete config override (which also resets the counters).
 
-The target is called with ``async_exec(decoupled=True)``, which serves a plain llm and a decoupled one
-(in-flight batching) alike, so a release may turn ``decoupled`` on or off under a live router; the
-target's responses are merged into this request's one answer: every token, the last
-``finish_reason``. The router itself is not decoupled, so HTTP clients keep working; streaming
-clients call ``<name>_engine`` directly.
+A decoupled target (the llm with in-flight batching) refuses a plain BLS call, naming
+``decoupled=True``; the router then calls it, and from then on every version, with
+``async_exec(decoupled=True)`` (which serves a plain llm too) and merges its responses into this
+request's one answer: every token, the last ``finish_reason``. So a release may turn ``decoupled`` on
+under a live router and no request fails. The router itself is not decoupled, so HTTP clients keep
+working; streaming clients call the release's streaming router ``<name>_stream``.
 
 Sticky routing: a request carrying the optional ``routing_key`` BYTES input goes to the version whose
 slice of [0, 1) holds the key's SHA-256 point (``routing.choose_sticky``), so one user (or session)
@@ -53,6 +54,7 @@ except ImportError:  # pragma: no cover - exercised outside Triton
 ROUTER_INPUTS_ONLY = frozenset({"stats", "routing_key"})
 ROUTER_OUTPUTS_ONLY = frozenset({"routed_version", "stats_json"})
 LOG_EVERY_S = 30.0
+DECOUPLED_REFUSAL = "decoupled=True"  # in Triton's answer to a plain BLS call of a decoupled model
 
 
 def _log(level: str, msg: str) -> None:
@@ -88,6 +90,7 @@ class TritonPythonModel:
             self.weights = parse_weights(params.get("weights", ""))
         except ValueError as exc:
             raise RuntimeError(f"[{self.model_name}] {exc}") from exc
+        self.target_decoupled = False  # learnt from the target's refusal of a plain call
         self.rng = random.Random(int(params["seed"])) if params.get("seed") else random.Random()
         model_dir = args.get("model_repository")
         counters_dir = Path(model_dir) / COUNTERS_DIR if model_dir else None
@@ -122,10 +125,7 @@ class TritonPythonModel:
                 requested.append("text_output")
         started = time.monotonic()
         try:
-            bls = pb_utils.InferenceRequest(model_name=self.target_model, model_version=version,
-                                            requested_output_names=requested, inputs=inputs)
-            # an instance forwards one request at a time, so iterating the responses may block
-            response = _Merged(list(await bls.async_exec(decoupled=True)))
+            response = await self._call(version, requested, inputs)
         except Exception as exc:  # noqa: BLE001 - a BLS failure is this request's error, never a crash
             self.stats.record(version, ok=False, latency_s=time.monotonic() - started)
             return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
@@ -139,6 +139,20 @@ class TritonPythonModel:
         self.stats.record(version, ok=True, latency_s=latency, output_tokens=_count_tokens(outputs))
         outputs.append(pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32)))
         return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    async def _call(self, version: int, requested: list[str], inputs: list[Any]) -> Any:
+        def request() -> Any:
+            return pb_utils.InferenceRequest(model_name=self.target_model, model_version=version,
+                                             requested_output_names=requested, inputs=inputs)
+
+        if not self.target_decoupled:
+            response = await request().async_exec()
+            if not (response.has_error() and DECOUPLED_REFUSAL in response.error().message()):
+                return response
+            self.target_decoupled = True
+            _log("info", f"[{self.model_name}] {self.target_model} is decoupled: calling it with decoupled BLS")
+        # an instance forwards one request at a time, so iterating the responses may block
+        return _Merged(list(await request().async_exec(decoupled=True)))
 
     def _sticky(self, tensor: Any) -> int:
         raw = tensor.as_numpy().reshape(-1)
