@@ -31,22 +31,29 @@ def _sampling_inputs(temperature: float | None, top_k: int | None, top_p: float 
     return out
 
 
-def infer(http_url: str, model: str, inputs: list[dict[str, Any]], outputs: list[str], *,
-          version: int | None = None, timeout_s: float = 60.0, setting: str = "triton.http_url") -> dict[str, Any]:
-    """POST one inference; return ``{output name: data list}`` plus ``model_version``; raise on error."""
-    path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + "/infer"
-    body = {"inputs": inputs, "outputs": [{"name": n} for n in outputs]}
+def _post(http_url: str, model: str, version: int | None, endpoint: str, body: dict[str, Any], *,
+          timeout_s: float, setting: str) -> dict[str, Any]:
+    """POST ``body`` to ``/v2/models/<model>[/versions/<v>]/<endpoint>``; the JSON answer, or raise."""
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + f"/{endpoint}"
     try:
         resp = call(http_url, "POST", path, body=body, timeout_s=timeout_s, setting=setting)
     except TimeoutError as exc:
         raise TritonUnreachableError(str(exc)) from exc
     if resp.status != 200:
+        what = "inference" if endpoint == "infer" else endpoint
         raise InferenceError(
-            f"inference on model {model!r}" + (f" version {version}" if version is not None else "")
+            f"{what} on model {model!r}" + (f" version {version}" if version is not None else "")
             + f" at {http_url} (setting {setting}) failed with {resp.status}: {resp.error_message()}",
             status=resp.status,
         )
-    doc = resp.json()
+    return resp.json()
+
+
+def infer(http_url: str, model: str, inputs: list[dict[str, Any]], outputs: list[str], *,
+          version: int | None = None, timeout_s: float = 60.0, setting: str = "triton.http_url") -> dict[str, Any]:
+    """POST one inference; return ``{output name: data list}`` plus ``model_version``; raise on error."""
+    body = {"inputs": inputs, "outputs": [{"name": n} for n in outputs]}
+    doc = _post(http_url, model, version, "infer", body, timeout_s=timeout_s, setting=setting)
     result: dict[str, Any] = {o["name"]: o.get("data", []) for o in doc.get("outputs", [])}
     result["model_version"] = doc.get("model_version")
     return result
@@ -94,19 +101,8 @@ def generate_ids(http_url: str, model: str, prompt_ids: list[int], *, max_tokens
                  timeout_s: float = 60.0, setting: str = "triton.http_url") -> InferResult:
     """Generate from token ids through Triton's ``/generate`` endpoint, which (unlike ``/infer``) also
     answers a decoupled model: the in-flight batching llm called directly (one response, every token)."""
-    path = f"/v2/models/{model}" + (f"/versions/{version}" if version is not None else "") + "/generate"
     body = {"input_ids": list(prompt_ids), "max_tokens": max_tokens}
-    try:
-        resp = call(http_url, "POST", path, body=body, timeout_s=timeout_s, setting=setting)
-    except TimeoutError as exc:
-        raise TritonUnreachableError(str(exc)) from exc
-    if resp.status != 200:
-        raise InferenceError(
-            f"generate on model {model!r}" + (f" version {version}" if version is not None else "")
-            + f" at {http_url} (setting {setting}) failed with {resp.status}: {resp.error_message()}",
-            status=resp.status,
-        )
-    doc = resp.json()
+    doc = _post(http_url, model, version, "generate", body, timeout_s=timeout_s, setting=setting)
     ids = doc.get("output_ids", [])
     return InferResult(output_ids=[int(x) for x in (ids if isinstance(ids, list) else [ids])],
                        finish_reason=doc.get("finish_reason"), model_version=doc.get("model_version"))

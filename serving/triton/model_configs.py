@@ -101,6 +101,19 @@ def llm_config(
     return config
 
 
+def _router_params(what: str, weights: dict[int, int], *, target_model: str, seed: int | None,
+                   load_id: str | None) -> dict[str, str]:
+    """The config parameters both routers share; ConfigError naming ``what`` for bad weights."""
+    if not weights or sum(weights.values()) <= 0 or any(w < 0 or v < 1 for v, w in weights.items()):
+        raise ConfigError(f"{what}: weights={weights!r} need versions >= 1, weights >= 0, a positive sum")
+    params = {"target_model": target_model, "weights": dump_weights(weights)}
+    if seed is not None:
+        params["seed"] = str(seed)
+    if load_id:
+        params["load_id"] = load_id  # the instances of one load add up their counters
+    return params
+
+
 def router_config(
     name: str,
     weights: dict[int, int],
@@ -119,13 +132,8 @@ def router_config(
     live version wait for a slow candidate (measured: live TTFT median 0.83 s beside a slow canary).
     Each instance forwards one request at a time; the llm's own dynamic batcher still groups the BLS calls.
     """
-    if not weights or sum(weights.values()) <= 0 or any(w < 0 or v < 1 for v, w in weights.items()):
-        raise ConfigError(f"router {name!r}: weights={weights!r} need versions >= 1, weights >= 0, a positive sum")
-    params = {"target_model": target_model or f"{name}_engine", "weights": dump_weights(weights)}
-    if seed is not None:
-        params["seed"] = str(seed)
-    if load_id:
-        params["load_id"] = load_id  # the instances of one load add up their counters
+    params = _router_params(f"router {name!r}", weights, target_model=target_model or f"{name}_engine",
+                            seed=seed, load_id=load_id)
     return {
         "name": name,
         "backend": "python",
@@ -145,14 +153,9 @@ def stream_router_config(name: str, weights: dict[int, int], *, target_model: st
     """Complete config of the streaming router ``name`` (``<release>_stream``), decoupled, in front of the
     decoupled llm ``target_model``; it counts into the router ``counters_model``'s counter files. One
     instance: every stream runs on a thread of its own."""
-    if not weights or sum(weights.values()) <= 0 or any(w < 0 or v < 1 for v, w in weights.items()):
-        raise ConfigError(f"streaming router {name!r}: weights={weights!r} need versions >= 1, weights >= 0, "
-                          "a positive sum")
-    params = {"target_model": target_model, "weights": dump_weights(weights), "counters_model": counters_model}
-    if seed is not None:
-        params["seed"] = str(seed)
-    if load_id:
-        params["load_id"] = load_id
+    params = _router_params(f"streaming router {name!r}", weights, target_model=target_model, seed=seed,
+                            load_id=load_id)
+    params["counters_model"] = counters_model
     return {
         "name": name,
         "backend": "python",

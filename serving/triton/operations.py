@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import secrets
-import shutil
 from pathlib import Path
 from typing import Any
 
 from serving.triton.control import TritonControl
 from serving.triton.repository import (
-    REMOVING_PREFIX,
     engine_model_name,
+    remove_folder,
     set_served_versions,
     stream_model_name,
     write_router,
@@ -40,9 +37,7 @@ def remove_stream_router(control: TritonControl, root: Path, name: str, *, timeo
     if not path.is_dir():
         return
     control.unload_model(stream_model_name(name), timeout_s=timeout_s)
-    aside = path.parent / f"{REMOVING_PREFIX}{path.name}-{secrets.token_hex(4)}"
-    os.rename(path, aside)
-    shutil.rmtree(aside)
+    remove_folder(path)
 
 
 def serve_versions(control: TritonControl, root: Path, name: str, versions: list[int], *,

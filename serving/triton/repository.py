@@ -49,6 +49,7 @@ __all__ = [
     "init_repository",
     "list_versions",
     "llm_model_config",
+    "remove_folder",
     "remove_model",
     "remove_version",
     "router_config",
@@ -272,6 +273,13 @@ def set_served_versions(root: Path, name: str, versions: list[int]) -> dict[str,
     return config
 
 
+def remove_folder(path: Path) -> None:
+    """Delete ``path``: renamed aside first (``.removing-<name>-<hex>``, which Triton ignores), then removed."""
+    aside = path.parent / f"{REMOVING_PREFIX}{path.name}-{secrets.token_hex(4)}"
+    os.rename(path, aside)
+    shutil.rmtree(aside)
+
+
 def remove_version(root: Path, name: str, version: int, *, force: bool = False) -> None:
     """Delete a version folder that is no longer served (renamed aside first, then removed).
 
@@ -286,9 +294,7 @@ def remove_version(root: Path, name: str, version: int, *, force: bool = False) 
     path = model_dir / str(version)
     if not path.is_dir():
         raise RepositoryError(f"version {version} of {model_dir.name} does not exist ({path})")
-    aside = model_dir / f"{REMOVING_PREFIX}{version}-{secrets.token_hex(4)}"
-    os.rename(path, aside)
-    shutil.rmtree(aside)
+    remove_folder(path)
 
 
 def write_router(root: Path, name: str, weights: dict[int, int], **config_kwargs: Any) -> dict[str, Any]:
@@ -351,6 +357,4 @@ def remove_model(control: Any, root: Path, name: str, *, timeout_s: float = 60.0
             continue
         control.unload_model(model, timeout_s=timeout_s)
         if path.is_dir():
-            aside = path.parent / f"{REMOVING_PREFIX}{model}-{secrets.token_hex(4)}"
-            os.rename(path, aside)
-            shutil.rmtree(aside)
+            remove_folder(path)

@@ -30,8 +30,6 @@ input (any value): the answer is a ``stats_json`` output, nothing is forwarded.
 from __future__ import annotations
 
 import asyncio
-import json
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -41,9 +39,9 @@ import numpy as np
 from serving.triton.models.routing import (
     COUNTERS_DIR,
     RouterStats,
-    choose_sticky,
-    choose_version,
-    parse_weights,
+    forwarded_outputs,
+    pick_version,
+    read_router_params,
 )
 
 try:  # only present inside Triton's python backend; unit tests install a fake module
@@ -81,17 +79,9 @@ class TritonPythonModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         self.model_name = args["model_name"]
-        config = json.loads(args["model_config"])
-        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        self.target_model = params.get("target_model", "")
-        if not self.target_model:
-            raise RuntimeError(f"[{self.model_name}] config parameter target_model is missing or empty")
-        try:
-            self.weights = parse_weights(params.get("weights", ""))
-        except ValueError as exc:
-            raise RuntimeError(f"[{self.model_name}] {exc}") from exc
+        read = read_router_params(self.model_name, args["model_config"])
+        params, self.target_model, self.weights, self.rng = read.params, read.target_model, read.weights, read.rng
         self.target_decoupled = False  # learnt from the target's refusal of a plain call
-        self.rng = random.Random(int(params["seed"])) if params.get("seed") else random.Random()
         model_dir = args.get("model_repository")
         counters_dir = Path(model_dir) / COUNTERS_DIR if model_dir else None
         self.stats = RouterStats(self.target_model, self.weights, counters_dir=counters_dir,
@@ -114,15 +104,11 @@ class TritonPythonModel:
     async def _route(self, request: Any) -> Any:
         if pb_utils.get_input_tensor_by_name(request, "stats") is not None:
             return self._stats_response()
-        key = pb_utils.get_input_tensor_by_name(request, "routing_key")
-        version = self._sticky(key) if key is not None else choose_version(self.weights, self.rng)
+        version = pick_version(self.weights, pb_utils.get_input_tensor_by_name(request, "routing_key"), self.rng)
         inputs = [t for t in request.inputs() if t.name() not in ROUTER_INPUTS_ONLY]
         names = getattr(request, "requested_output_names", None)
-        requested = [n for n in (names() if callable(names) else ()) if n not in ROUTER_OUTPUTS_ONLY]
-        if not requested:
-            requested = ["output_ids", "finish_reason"]
-            if any(t.name() == "text_input" for t in inputs):
-                requested.append("text_output")
+        requested = forwarded_outputs(tuple(names() if callable(names) else ()), {t.name() for t in inputs},
+                                      ROUTER_OUTPUTS_ONLY)
         started = time.monotonic()
         try:
             response = await self._call(version, requested, inputs)
@@ -153,11 +139,6 @@ class TritonPythonModel:
             _log("info", f"[{self.model_name}] {self.target_model} is decoupled: calling it with decoupled BLS")
         # an instance forwards one request at a time, so iterating the responses may block
         return _Merged(list(await request().async_exec(decoupled=True)))
-
-    def _sticky(self, tensor: Any) -> int:
-        raw = tensor.as_numpy().reshape(-1)
-        value = raw[0] if raw.size else b""
-        return choose_sticky(self.weights, value if isinstance(value, bytes) else str(value).encode())
 
     def _persist(self, *, final: bool = False) -> None:
         try:

@@ -65,6 +65,51 @@ def choose_version(weights: dict[int, int], rng: random.Random) -> int:
     return rng.choices(versions, weights=[weights[v] for v in versions], k=1)[0]
 
 
+@dataclass(frozen=True)
+class RouterParams:
+    """The config parameters both router models read (``initialize`` raises naming a bad one)."""
+
+    params: dict[str, str]
+    target_model: str
+    weights: dict[int, int]
+    rng: random.Random
+
+
+def read_router_params(model_name: str, model_config: str, *, required: tuple[str, ...] = ()) -> RouterParams:
+    """Parse a router's config JSON; RuntimeError naming the model when ``target_model``, ``weights`` or
+    one of ``required`` is missing or bad."""
+    config = json.loads(model_config)
+    params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+    for name in ("target_model", *required):
+        if not params.get(name):
+            raise RuntimeError(f"[{model_name}] config parameter {name} is missing or empty")
+    try:
+        weights = parse_weights(params.get("weights", ""))
+    except ValueError as exc:
+        raise RuntimeError(f"[{model_name}] {exc}") from exc
+    rng = random.Random(int(params["seed"])) if params.get("seed") else random.Random()
+    return RouterParams(params, params["target_model"], weights, rng)
+
+
+def pick_version(weights: dict[int, int], routing_key: Any, rng: random.Random) -> int:
+    """The version a request goes to: by its ``routing_key`` tensor's value (sticky) when it has one,
+    else by weight."""
+    if routing_key is None:
+        return choose_version(weights, rng)
+    raw = routing_key.as_numpy().reshape(-1)
+    value = raw[0] if raw.size else b""
+    return choose_sticky(weights, value if isinstance(value, bytes) else str(value).encode())
+
+
+def forwarded_outputs(requested: tuple[str, ...], input_names: set[str], router_only: frozenset[str]) -> list[str]:
+    """The outputs to ask the target for: the client's, without the router's own, or by default the
+    token ids and finish reason (and the text, for a text prompt)."""
+    names = [n for n in requested if n not in router_only]
+    if names:
+        return names
+    return ["output_ids", "finish_reason", *(["text_output"] if "text_input" in input_names else [])]
+
+
 def key_bucket(key: bytes) -> float:
     """A routing key -> a stable point in [0, 1) (SHA-256, so every process and restart agrees)."""
     digest = hashlib.sha256(key).digest()

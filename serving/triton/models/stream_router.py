@@ -16,8 +16,6 @@ Imports: numpy, stdlib and the pure routing helpers.
 
 from __future__ import annotations
 
-import json
-import random
 import threading
 import time
 from pathlib import Path
@@ -28,9 +26,9 @@ import numpy as np
 from serving.triton.models.routing import (
     COUNTERS_DIR,
     RouterStats,
-    choose_sticky,
-    choose_version,
-    parse_weights,
+    forwarded_outputs,
+    pick_version,
+    read_router_params,
 )
 
 try:  # only present inside Triton's python backend
@@ -39,7 +37,7 @@ except ImportError:  # pragma: no cover - exercised outside Triton
     pb_utils = None
 
 NOT_FORWARDED = frozenset({"routing_key"})
-DEFAULT_OUTPUTS = ("output_ids", "finish_reason")
+ROUTER_ONLY_OUTPUTS = frozenset({"routed_version"})
 
 
 class TritonPythonModel:
@@ -47,18 +45,9 @@ class TritonPythonModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         self.model_name = args["model_name"]
-        config = json.loads(args["model_config"])
-        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        self.target_model = params.get("target_model", "")
-        counters_model = params.get("counters_model", "")
-        if not self.target_model or not counters_model:
-            raise RuntimeError(f"[{self.model_name}] config parameters target_model and counters_model are required")
-        try:
-            self.weights = parse_weights(params.get("weights", ""))
-        except ValueError as exc:
-            raise RuntimeError(f"[{self.model_name}] {exc}") from exc
-        self.rng = random.Random(int(params["seed"])) if params.get("seed") else random.Random()
-        counters_dir = Path(args["model_repository"]).parent / counters_model / COUNTERS_DIR
+        read = read_router_params(self.model_name, args["model_config"], required=("counters_model",))
+        params, self.target_model, self.weights, self.rng = read.params, read.target_model, read.weights, read.rng
+        counters_dir = Path(args["model_repository"]).parent / params["counters_model"] / COUNTERS_DIR
         self.stats = RouterStats(self.target_model, self.weights, counters_dir=counters_dir,
                                  load_id=params.get("load_id", ""))
         self.persisting = threading.Lock()  # one writer of this generation's file at a time, newest last
@@ -79,18 +68,11 @@ class TritonPythonModel:
             thread.start()
 
     def _forwarded(self, request: Any) -> tuple[int, Any]:
-        key = pb_utils.get_input_tensor_by_name(request, "routing_key")
-        if key is not None:
-            raw = key.as_numpy().reshape(-1)
-            value = raw[0] if raw.size else b""
-            version = choose_sticky(self.weights, value if isinstance(value, bytes) else str(value).encode())
-        else:
-            version = choose_version(self.weights, self.rng)
+        version = pick_version(self.weights, pb_utils.get_input_tensor_by_name(request, "routing_key"), self.rng)
         inputs = [t for t in request.inputs() if t.name() not in NOT_FORWARDED]
         names = getattr(request, "requested_output_names", None)
-        requested = [n for n in (names() if callable(names) else ()) if n != "routed_version"]
-        if not requested:
-            requested = [*DEFAULT_OUTPUTS, *(["text_output"] if any(t.name() == "text_input" for t in inputs) else [])]
+        requested = forwarded_outputs(tuple(names() if callable(names) else ()), {t.name() for t in inputs},
+                                      ROUTER_ONLY_OUTPUTS)
         return version, pb_utils.InferenceRequest(model_name=self.target_model, model_version=version,
                                                   requested_output_names=requested, inputs=inputs)
 
