@@ -3,7 +3,8 @@
 A stream goes to the release's streaming router (``<model>_stream``) when it is loaded, which it is
 while the llm is decoupled: tokens then come as the engine makes them, routed by the release's
 weights. Otherwise the router answers once, and its single answer is streamed as one chunk. Triton's
-full queue (RESOURCE_EXHAUSTED / UNAVAILABLE) becomes `Overloaded`, which the HTTP layer turns into 429 with Retry-After.
+full queue (RESOURCE_EXHAUSTED / UNAVAILABLE) becomes `Overloaded`, which the HTTP layer turns into 429
+with Retry-After.
 """
 
 from __future__ import annotations
