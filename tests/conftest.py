@@ -1,4 +1,5 @@
-"""Shared fixtures: Prefect's test harness (a temporary API and database for the whole session)."""
+"""Shared fixtures: Prefect's test harness (a temporary API and database for the whole session), and a
+fix of Triton's interpreter for bf16 `tl.dot` (the kernel tests under TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -14,3 +15,24 @@ def prefect_harness():
 
 
 pytest_plugins = ["services"]
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    """Triton 3.6's interpreter multiplies the raw bits of bf16 `tl.dot` operands (it stores bf16 as
+    uint16): widen them to float32 first, which is exact. The kernels are unchanged."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    create_dot = InterpreterBuilder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", patched)

@@ -16,13 +16,15 @@ On CUDA (when Triton and `torch.library.triton_op`, torch >= 2.6, are importable
 run. The split kernel has one program per (row b, kv head h, split s): it loads the G query heads of
 h once (padded to 16 rows for `tl.dot`), walks its chunk of positions `[s * chunk, (s + 1) * chunk)`
 clipped to `lengths[b]` in blocks of `block_n(hd)` positions with an online softmax in float32, and
-writes a partial (the chunk's normalised output and its log-sum-exp, base 2). K/V are read only up
+writes a partial (the chunk's normalised output and its log-sum-exp, base 2), or, when it is the only
+split (B * Hkv alone fills the GPU: batch 64 of Llama's 8 KV heads), the output itself, and the
+combine kernel is not launched. K/V are read only up
 to `lengths[b]`, never the rest of the bucket; a split that starts past `lengths[b]` writes the
 neutral partial (lse = -inf), which the combine kernel (one program per (b, h)) gives weight zero.
 The number of splits (about 512 programs in all, at most 16 splits; tuned on an H200) depends only
-on (B, Hkv, kv_len) and head_dim, through guard-free integer arithmetic, so one
-`torch.compile(dynamic=True)` trace serves every (batch, KV) bucket and each CUDA graph captures a
-fixed grid. The op is registered as `torch.ops.enginewright.decode_attention` (a `triton_op`), so it
+on (B, Hkv, kv_len) and head_dim, through guard-free integer arithmetic; the one guard is whether
+there is a single split, so a `torch.compile(dynamic=True)` step compiles twice at most (the buckets
+with one split, those with more), and each CUDA graph captures a fixed grid. The op is registered as `torch.ops.enginewright.decode_attention` (a `triton_op`), so it
 traces under `torch.compile(fullgraph=True)` and launches inside CUDA-graph capture (no host sync).
 
 Elsewhere (CPU, no Triton) `decode_attention_reference` runs: the masked matmul of
@@ -109,7 +111,7 @@ if triton is not None:
                       stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_ks,
                       stride_vb, stride_vh, stride_vs, chunk, qk_scale,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK: tl.constexpr, IEEE_DOT: tl.constexpr):
+                      BLOCK: tl.constexpr, IEEE_DOT: tl.constexpr, FINAL: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         s = tl.program_id(2)
@@ -153,6 +155,11 @@ if triton is not None:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+        if FINAL:  # the only split (lengths >= 1, so l_i > 0): the output itself, no partial
+            out = acc / l_i[:, None]
+            dst = o_part_ptr + ((b * n_heads + h) * GROUP + offs_g[:, None]) * HEAD_DIM + offs_d[None, :]
+            tl.store(dst, out.to(o_part_ptr.dtype.element_ty), mask=g_mask[:, None])
+            return
         # an empty split (start >= lengths[b]) leaves l_i = 0: write o = 0, lse = -inf
         filled = l_i > 0.0
         o = acc / tl.where(filled, l_i, 1.0)[:, None]
@@ -208,17 +215,30 @@ if triton is not None:
         group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
         block = block or block_n(head_dim)
         n_splits, chunk = split_plan(bsz, n_kv_heads, kv_len, block, target_programs, max_splits)
+        out = torch.empty((bsz, n_kv_heads, group, head_dim), dtype=q.dtype, device=q.device)
+        if n_splits == 1:  # one split per (row, head) fills the GPU: it writes the output, no combine
+            # a tensor of its own for the unused log-sum-exp argument: torch.compile functionalises a
+            # kernel's tensor arguments one by one and does not handle two that alias (a TODO in
+            # torch/_higher_order_ops/triton_kernel_wrap.py); `out` passed twice came back unwritten
+            unused_lse = torch.empty(1, dtype=torch.float32, device=q.device)
+            wrap_triton(_split_kernel)[(bsz, n_kv_heads, 1)](
+                q, k_cache, v_cache, lengths, out, unused_lse,
+                q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), chunk, scale * math.log2(math.e),
+                GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=block,
+                IEEE_DOT=q.dtype == torch.float32, FINAL=True, num_warps=num_warps, num_stages=num_stages,
+            )
+            return out
         # flat partials of shape [B, Hkv, n_splits, G(, hd)]: flat, so a symbolic n_splits adds no guard
         rows = bsz * n_kv_heads * n_splits * group
         lse_part = torch.empty(rows, dtype=torch.float32, device=q.device)
         o_part = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
-        out = torch.empty((bsz, n_kv_heads, group, head_dim), dtype=q.dtype, device=q.device)
         wrap_triton(_split_kernel)[(bsz, n_kv_heads, n_splits)](
             q, k_cache, v_cache, lengths, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), chunk, scale * math.log2(math.e),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=block,
-            IEEE_DOT=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+            IEEE_DOT=q.dtype == torch.float32, FINAL=False, num_warps=num_warps, num_stages=num_stages,
         )
         wrap_triton(_combine_kernel)[(bsz, n_kv_heads)](
             o_part, lse_part, out, n_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, num_warps=4,
