@@ -85,6 +85,20 @@ def test_stop_tokens_end_rows_independently(runner):
     assert len(gens[0].logprobs) == len(gens[0].token_ids)
 
 
+def test_greedy_without_logprobs_decodes_in_place_to_the_same_tokens(runner):
+    """logprobs=False takes the in-place path (each step's graph picks the tokens); the tokens, the stop
+    handling and chunking match the path that samples from the returned logits."""
+    sampled = runner.generate(PROMPTS, max_new_tokens=12)
+    in_place = runner.generate(PROMPTS, max_new_tokens=12, logprobs=False)
+    assert ids(in_place) == ids(sampled) and all(g.logprobs == [] for g in in_place)
+    stop = sampled[1].token_ids[4]
+    with_stop = runner.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[stop])
+    assert ids(runner.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[stop], logprobs=False)) == ids(with_stop)
+    assert with_stop[1].finish_reason == "stop"
+    # rows a larger batch left active are parked again: one prompt alone decodes as it did in the batch
+    assert ids(runner.generate(PROMPTS[1:2], max_new_tokens=12, logprobs=False)) == ids(sampled[1:2])
+
+
 def test_max_new_tokens_exact(runner):
     for n in (1, 2, 7):
         gens = runner.generate(PROMPTS, max_new_tokens=n)

@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     off.add_argument("--peer-workloads", default="128/128", help="workloads the peers and the compiled step run on")
     off.add_argument("--no-compiled", action="store_true", help="skip the torch.compile'd decode step")
     off.add_argument("--no-check", action="store_true", help="skip the logits/greedy check against HF")
+    off.add_argument("--gemm-variants", default="", help="the compiled step again with these decode GEMMs "
+                     "(comma list of torch|triton|auto), e.g. torch for cuBLAS beside the default")
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--deadline-s", type=float, default=1e9, help="skip cells starting after this many seconds")
     off.add_argument("--out", type=Path, default=Path("bench-offline.json"), help="JSON written after each cell")
@@ -54,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prof = sub.add_parser("profile", help="one decode step's CUDA graph: time, floor, kernels by kind (CUDA)")
     prof.add_argument("--shape", default="llama-3.2-1b")
     prof.add_argument("--batch", default="1,64", help="comma list")
-    prof.add_argument("--variants", default="dynamic", help="comma list of <compile>[+<attention>]: compile in "
-                      "eager|dynamic|static, attention in matmul|triton")
+    prof.add_argument("--variants", default="dynamic", help="comma list of <compile>[+<attention>][+skinny]: compile "
+                      "in eager|dynamic|static, attention in matmul|triton, skinny: the tuned Triton GEMMs")
     prof.add_argument("--context", type=int, default=192, help="filled cache positions per row")
     prof.add_argument("--kv-block", type=int, default=256)
     prof.add_argument("--out", type=Path, default=Path("bench-profile.json"))
@@ -69,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     snd.add_argument("--rounds", type=int, default=5)
     snd.add_argument("--work", type=Path, default=Path("build/bench-sends"))
     snd.add_argument("--out", type=Path, default=Path("bench-sends.json"))
+    gem = sub.add_parser("gemms", help="the decode step's GEMMs: cuBLAS vs the skinny Triton kernels (CUDA)")
+    gem.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b", help="comma list")
+    gem.add_argument("--rows", default="1,64", help="comma list of row counts (decode batch sizes)")
+    gem.add_argument("--workers", type=int, default=12, help="processes compiling the Triton configs")
+    gem.add_argument("--deadline-s", type=float, default=1e9, help="skip shapes starting after this many seconds")
+    gem.add_argument("--out", type=Path, default=Path("bench-gemms.json"))
     eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
     eng.add_argument("--shape", default="llama-3.2-1b")
     eng.add_argument("--batch", type=int, default=64)
@@ -92,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             shapes=tuple(args.shapes.split(",")), workloads=_pairs(args.workloads), batch_sizes=_ints(args.batch_sizes),
             peers=tuple(p for p in args.peers.split(",") if p), peer_workloads=_pairs(args.peer_workloads),
             compiled=not args.no_compiled, repeats=args.repeats, deadline_s=args.deadline_s, check=not args.no_check,
+            gemm_variants=tuple(g for g in args.gemm_variants.split(",") if g),
         )
         report = run_offline(cfg, out_json=args.out)
         print(render_table(report))
@@ -118,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
         for k, fig in report["threads"].items():
             print(f"{report['burst']} final responses on {k} thread(s): {fig['median_ms']:.2f} ms "
                   f"({fig['per_response_ms'] * 1e3:.0f} us per response), samples {fig['samples_ms']}")
+        return 0
+    if args.bench_mode == "gemms":
+        from serving.bench.gemm_sweep import run_sweep
+
+        run_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, workers=args.workers,
+                  deadline_s=args.deadline_s)
         return 0
     if args.bench_mode == "engine-offline":
         from serving.bench.served import bench_offline_engine, build_random_engine

@@ -259,6 +259,8 @@ class OfflineConfig:
     dtype: str = "bfloat16"
     deadline_s: float = 1e9  # skip cells that would start after this many seconds
     check: bool = True  # logits / greedy against HF on the same weights
+    # the compiled step again with these decode GEMMs ("torch": cuBLAS; the engine's default is "auto")
+    gemm_variants: tuple[str, ...] = ()
 
 
 def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
@@ -272,6 +274,7 @@ def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
         weight_bytes,
     )
     from serving.engine.build import EngineLimits
+    from serving.engine.runner import pick_decode_gemm
 
     t_start = time.perf_counter()
     dtype = getattr(torch, cfg.dtype)
@@ -355,6 +358,20 @@ def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
                                 prompt_len=p, gen_len=g, repeats=cfg.repeats, shape=shape, impl="engine-compiled")
             except Exception as exc:  # noqa: BLE001
                 report["errors"].append(f"{shape} compile: {type(exc).__name__}: {exc}")
+        for gemm in cfg.gemm_variants:
+            if late(f"{shape} engine-compiled-gemm-{gemm}"):
+                continue
+            try:
+                torch._dynamo.reset()
+                runner.model.decode_gemm_impl = pick_decode_gemm(gemm, runner.device, dtype)
+                runner.compile_decode()
+                for p, g in cfg.peer_workloads:
+                    for b in cfg.batch_sizes:
+                        attempt(f"{shape} {p}/{g} b={b} engine-compiled-gemm-{gemm}", bench_engine, runner, batch=b,
+                                prompt_len=p, gen_len=g, repeats=cfg.repeats, shape=shape,
+                                impl=f"engine-compiled-gemm-{gemm}")
+            except Exception as exc:  # noqa: BLE001
+                report["errors"].append(f"{shape} gemm {gemm}: {type(exc).__name__}: {exc}")
         runner = hf = None
         gc.collect()
         torch.cuda.empty_cache()

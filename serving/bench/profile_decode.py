@@ -5,8 +5,9 @@ graph, timed by CUDA events and profiled kernel by kernel (torch.profiler over g
 prints, per variant, the step time against the step's byte floor (weights + filled KV at the copy
 bandwidth measured in the same run), the GPU time summed over kernels (the rest is launch gaps),
 and the kernels by total time grouped as GEMM / attention / fused (inductor) / other.
-A variant is `<compile>` or `<compile>+<attention>`: compile in {eager, dynamic, static}, attention in
-{matmul, triton} (`serving.engine.decode_attention`). Needs CUDA.
+A variant is `<compile>[+<attention>][+skinny]`: compile in {eager, dynamic, static}, attention in
+{matmul, triton} (`serving.engine.decode_attention`), `skinny` for the tuned Triton GEMMs
+(`serving.engine.skinny_gemm`; cuBLAS without it). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Any
 
 import torch
 
-KINDS = (("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90", "cublas", "splitk")),
-         ("attention", ("decode_attention", "flash", "attn", "bmm")),
+KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "cutlass", "nvjet", "sm90", "cublas", "splitk")),
+         ("attention", ("decode_attention", "_split_kernel", "_combine_kernel", "flash", "attn", "bmm")),
          ("fused", ("triton_",)),
          ("copy", ("copy", "memcpy", "memset", "index", "scatter")))
 
@@ -49,8 +50,12 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
                     ) -> dict[str, Any]:
     from serving.engine.cuda_graphs import DecodeGraphs
 
-    compile_mode, _, attention = variant.partition("+")
-    model.decode_attention_impl = attention or "matmul"
+    compile_mode, *parts = variant.split("+")
+    unknown = set(parts) - {"triton", "matmul", "skinny"}
+    if unknown:
+        raise ValueError(f"variant {variant!r}: unknown parts {sorted(unknown)} (triton, matmul, skinny)")
+    model.decode_attention_impl = "triton" if "triton" in parts else "matmul"
+    model.decode_gemm_impl = "triton" if "skinny" in parts else "torch"
     t0 = time.perf_counter()
     graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode)
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")

@@ -48,7 +48,9 @@ SINGLE_ROW_FUSION_MAX_BYTES = 4 * 10**9  # "auto": batch 1 compiled static only 
 
 def _decode_step_single(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int
                         ) -> torch.Tensor:
-    return decode_step(model, tokens, input_pos, kv_len)
+    # F.linear, so that inductor fuses each matrix-vector product with its neighbours (the point of the
+    # static batch-1 compile); an opaque Triton GEMM would stop that fusion
+    return decode_step(model, tokens, input_pos, kv_len, gemm="torch")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,6 +307,7 @@ class Transformer(nn.Module):
         self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_batch_size = 0
         self.decode_attention_impl = "matmul"  # "triton": serving.engine.decode_attention (CUDA)
+        self.decode_gemm_impl = "torch"  # "triton": tuned shapes through serving.engine.skinny_gemm (CUDA)
         self.max_seq_len = 0
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
@@ -333,10 +335,12 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, input_pos, kv_len)
         return self.norm(x)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        # h: [..., D] -> float32 logits [..., V]
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(h, weight).float()
+    def logits(self, h: torch.Tensor, linear: LinearFn | None = None) -> torch.Tensor:
+        # h: [..., D] -> float32 logits [..., V]; `linear(module, x)`: the decode step's GEMM
+        head = self.tok_embeddings if self.output is None else self.output
+        if linear is not None:  # the embedding matrix when tied: no bias
+            return linear(head, h).float()
+        return F.linear(h, head.weight).float()
 
 
 def engine_param_names(args: ModelArgs) -> list[str]:
@@ -375,12 +379,27 @@ def _rope_1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (nn.Linear or tied nn.Embedding, x) -> x W^T + b
+
+
+def _linear_fn(gemm: str) -> LinearFn:
+    """How the decode step multiplies by a weight: "torch" F.linear (cuBLAS, or inductor's fused
+    reductions), "triton" the tuned skinny Triton kernels where they beat cuBLAS (`skinny_gemm.TUNED`)."""
+    if gemm != "triton":
+        return lambda module, x: F.linear(x, module.weight, getattr(module, "bias", None))
+    from serving.engine.skinny_gemm import skinny_linear
+
+    return lambda module, x: skinny_linear(x, module.weight, getattr(module, "bias", None))
+
+
+def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
+                gemm: str | None = None) -> torch.Tensor:
     """One decode step of cache rows [0, B): tokens, input_pos: [B] -> float32 logits [B, V].
 
     Row b writes its K/V at `input_pos[b]` and attends over cache positions `[0, kv_len)` masked to
     `<= input_pos[b]`; `kv_len` must exceed every `input_pos`. Shapes depend only on (B, kv_len) and
-    there is no host sync: CUDA-graph and torch.compile friendly.
+    there is no host sync: CUDA-graph and torch.compile friendly. `gemm` ("torch" | "triton") overrides
+    `model.decode_gemm_impl`.
     """
     a = model.args
     bsz = tokens.shape[0]
@@ -396,12 +415,13 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
         visible = model.slots[:kv_len].unsqueeze(0) <= input_pos.unsqueeze(1)  # [B, L]
         neg = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device).masked_fill(
             ~visible, float("-inf")).view(bsz, 1, 1, kv_len)  # [B, 1, 1, L] additive mask
+    linear = _linear_fn(gemm or getattr(model, "decode_gemm_impl", "torch"))
     cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]  # [B, hd]
     x = model.tok_embeddings(tokens)  # [B, D]
     for layer in model.layers:
         attn = layer.attention
         h = layer.attention_norm(x)
-        q, k, v = attn.wqkv(h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q, k, v = linear(attn.wqkv, h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q = _rope_1(q.view(bsz, a.n_heads, a.head_dim), cos, sin)  # [B, H, hd]
         k = _rope_1(k.view(bsz, a.n_kv_heads, a.head_dim), cos, sin)  # [B, Hkv, hd]
         cache = attn.kv_cache
@@ -416,9 +436,11 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
             scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + neg  # [B, Hkv, G, L]
             probs = scores.softmax(dim=-1).to(values.dtype)
             y = torch.matmul(probs, values).reshape(bsz, a.q_size)  # [B, H * hd]
-        x = x + attn.wo(y)
-        x = x + layer.feed_forward(layer.ffn_norm(x))
-    return model.logits(model.norm(x))
+        x = x + linear(attn.wo, y)
+        ff = layer.feed_forward
+        gate, up = linear(ff.w13, layer.ffn_norm(x)).split([ff.intermediate_size, ff.intermediate_size], dim=-1)
+        x = x + linear(ff.w2, F.silu(gate) * up)
+    return model.logits(model.norm(x), linear)
 
 
 def packed_index(prompts: list[list[int]] | list[tuple[int, ...]], rows: list[int]) -> torch.Tensor:

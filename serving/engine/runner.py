@@ -5,7 +5,8 @@ token ids (the tokenizer files in the engine folder are for the caller).
 
 `EngineRunner.generate` packs the prompts back to back and prefills them in one forward (per-prompt
 causal attention, nothing spent on padding; prompt b goes into cache row b), then decodes one token
-per step for the whole batch, each row at its own position. On CUDA the decode step replays CUDA
+per step for the whole batch, each row at its own position (greedy without log-probs: on the
+decode state in place, each step's graph picking the next tokens). On CUDA the decode step replays CUDA
 graphs captured per (batch bucket, KV-length bucket) (`cuda_graphs.DecodeGraphs`), and attention
 reads only the filled prefix of the cache; `compile_decode()` puts the step under torch.compile
 first. On the CPU the same `decode_step` runs eagerly. The loop keeps tokens on the device and
@@ -102,6 +103,15 @@ class EngineRunner:
         self.state.advance(logits)
         return logits
 
+    def _load_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rows [0, len(tokens)) of the decode state start from `tokens` at `positions`, all active; every
+        other row is parked (position 0, not active)."""
+        self.state.reset()
+        bsz = tokens.shape[0]
+        self.state.tokens[:bsz].copy_(tokens)
+        self.state.positions[:bsz].copy_(positions)
+        self.state.active[:bsz].fill_(1)
+
     def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
         """Prefill `prompts` into cache `rows` (packed, no padding) -> float32 last-token logits [N, V]."""
         index = packed_index(prompts, list(rows))
@@ -197,8 +207,13 @@ class EngineRunner:
         steps: list[torch.Tensor] = []
         chosen: list[torch.Tensor] = []
         tops: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # greedy without log-probs: each step's graph picks the next tokens itself (`decode_inplace`)
+        in_place = not want_logprobs and (sampling is None or sampling.is_greedy)
         for step in range(max_new_tokens):
-            next_tokens = sample(logits, sampling, generator)  # [B]
+            if in_place and step > 0:
+                next_tokens = self.state.tokens[:bsz].clone()  # [B]
+            else:
+                next_tokens = sample(logits, sampling, generator)  # [B]
             if want_logprobs:
                 lp, top_v, top_i = chosen_logprobs(logits, next_tokens, top_n)
                 chosen.append(lp)
@@ -212,8 +227,13 @@ class EngineRunner:
                     break
             if step + 1 == max_new_tokens:
                 break
-            logits = self.decode(next_tokens, input_pos, longest + step + 1)  # [B, V]
-            input_pos = input_pos + 1
+            if in_place:
+                if step == 0:
+                    self._load_rows(next_tokens, input_pos)
+                self.decode_inplace(bsz, longest + step + 1)
+            else:
+                logits = self.decode(next_tokens, input_pos, longest + step + 1)  # [B, V]
+                input_pos = input_pos + 1
 
         token_mat = torch.stack(steps, dim=1).cpu().tolist()  # [B, T]
         lp_mat = torch.stack(chosen, dim=1).cpu().tolist() if chosen else [[] for _ in range(bsz)]
@@ -236,12 +256,14 @@ class EngineRunner:
 
 
 def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = True,
-                decode_attention: str = "auto") -> EngineRunner:
+                decode_attention: str = "auto", decode_gemm: str = "auto") -> EngineRunner:
     """Read, check (toolchain) and load an engine folder onto `device` ("auto": cuda if available).
 
     On CUDA the decode step replays CUDA graphs unless `cuda_graphs=False`. `decode_attention`:
     "triton" (the fused split-K kernel of `decode_attention.py`), "matmul", or "auto" (triton for bf16 /
-    fp16 on CUDA when Triton is importable)."""
+    fp16 on CUDA when Triton is importable). `decode_gemm`: "triton" (the tuned skinny kernels of
+    `skinny_gemm.py` for the shapes they were tuned on, F.linear for the rest), "torch", or "auto" (as
+    for attention)."""
     info = read_engine_info(Path(engine_dir))
     dev = resolve_device(device)
     check_toolchain(info, device=dev)
@@ -253,7 +275,9 @@ def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = T
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(dev).eval().requires_grad_(False)
     model.setup_caches(info.limits.max_batch_size, info.limits.max_seq_len)
-    model.decode_attention_impl = pick_decode_attention(decode_attention, dev, model.tok_embeddings.weight.dtype)
+    dtype = model.tok_embeddings.weight.dtype
+    model.decode_attention_impl = pick_decode_attention(decode_attention, dev, dtype)
+    model.decode_gemm_impl = pick_decode_gemm(decode_gemm, dev, dtype)
     return EngineRunner(info, model, dev, cuda_graphs=cuda_graphs)
 
 
@@ -276,3 +300,19 @@ def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype)
         raise EngineLimitError(f"decode_attention='triton' needs CUDA and Triton (device {device}, Triton "
                                f"{'importable' if has_triton else 'not importable'})")
     return "matmul"
+
+
+def pick_decode_gemm(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"auto" -> "triton" for a half-precision model on CUDA when Triton is importable, else "torch"."""
+    if choice not in ("auto", "triton", "torch"):
+        raise EngineLimitError(f"decode_gemm={choice!r}: expected 'auto', 'triton' or 'torch'")
+    if choice == "torch" or (choice == "auto" and (device.type != "cuda" or dtype == torch.float32)):
+        return "torch"
+    from serving.engine.skinny_gemm import triton_available
+
+    if triton_available() and device.type == "cuda":
+        return "triton"
+    if choice == "triton":
+        raise EngineLimitError(f"decode_gemm='triton' needs CUDA and Triton (device {device}, Triton "
+                               f"{'importable' if triton_available() else 'not importable'})")
+    return "torch"

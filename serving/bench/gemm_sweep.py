@@ -1,0 +1,193 @@
+"""The decode step's GEMMs: cuBLAS (F.linear) against the skinny Triton kernels, shape by shape (CUDA).
+
+`python3 -m serving.bench gemms --shapes llama-3.2-1b,llama-3.1-8b --rows 1,64` times every weight
+matrix of the shapes (wqkv, wo, w13, w2, lm_head) at each row count, the way a decode step meets
+them: cold in L2 (each timed call reads another copy of the weight, 256 MB of copies in all) and
+launched from a CUDA graph. It prints, per shape, cuBLAS's time and bandwidth, the best Triton
+configs' (kernel alone, and with the split-K sum as a separate kernel, an upper bound on what
+the fused sum costs), and ends with the `TUNED` table of the configs that beat cuBLAS.
+
+The Triton configs compile first in a pool of processes (they fill Triton's on-disk cache).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import multiprocessing
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.engine.skinny_gemm import GemmConfig
+
+COLD_BYTES = 256 * 2**20  # weight copies per timed shape, so that L2 (50 MB) never holds the next one
+
+
+def gemm_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of every weight matrix a decode step of `shape` multiplies by."""
+    from serving.bench.models import model_args
+
+    a = model_args(shape)
+    return {"wqkv": (a.qkv_size, a.dim), "wo": (a.dim, a.q_size), "w13": (2 * a.intermediate_size, a.dim),
+            "w2": (a.dim, a.intermediate_size), "lm_head": (a.vocab_size, a.dim)}
+
+
+def compiled_configs(rows: int) -> list[GemmConfig]:
+    """Every kernel variant tried at `rows` (splits excluded: the split count is a runtime argument)."""
+    out = []
+    if rows == 1:
+        for n, k, w, st in itertools.product((8, 16, 32), (256, 512), (4, 8), (2, 4)):
+            out.append(GemmConfig("gemv", n, k, 1, w, st))
+    blocks = [(32, 64), (32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
+    for (n, k), st in itertools.product(blocks, (3, 4, 5)):
+        out.append(GemmConfig("dot", n, k, 1, 4, st))
+        if n == 128:
+            out.append(GemmConfig("dot", n, k, 1, 8, st))
+    return out
+
+
+def with_split(config: GemmConfig, split: int) -> GemmConfig:
+    return GemmConfig(config.kernel, config.block_n, config.block_k, split, config.warps, config.stages)
+
+
+def _warm(job: tuple[int, list[str]]) -> int:
+    """Compile each config once on small tensors (a pool worker); returns how many compiled."""
+    from serving.engine.skinny_gemm import launch
+
+    rows, keys = job
+    done = 0
+    for key in keys:
+        config = GemmConfig.parse(key)
+        k = config.block_k * 2
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+        try:
+            for split in (1, 2):
+                launch(x, w, with_split(config, split))
+            done += 1
+        except Exception:  # noqa: BLE001, S110 - out of shared memory or registers: the sweep skips it too
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def warm_all(rows_list: list[int], workers: int) -> float:
+    started = time.perf_counter()
+    jobs = []
+    for rows in rows_list:
+        keys = [c.key() for c in compiled_configs(rows)]
+        jobs += [(rows, keys[i::workers]) for i in range(workers)]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pool.map(_warm, [j for j in jobs if j[1]])
+    return time.perf_counter() - started
+
+
+def time_cold_us(fn: Callable[[torch.Tensor], Any], weights: list[torch.Tensor], calls: int = 24,
+                 replays: int = 3) -> float:
+    """Microseconds per fn(weight), `calls` calls (cycling through the copies) in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(stop) * 1000.0 / (calls * replays)
+
+
+def sweep_shape(rows: int, n: int, k: int) -> dict[str, Any]:
+    """cuBLAS and every fitting Triton config at one (rows, N, K)."""
+    from serving.engine.skinny_gemm import launch
+
+    nbytes = n * k * 2
+    copies = max(1, min(16, math.ceil(COLD_BYTES / nbytes)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, weights[0]).float()
+    cublas = time_cold_us(lambda w: torch.nn.functional.linear(x, w), weights)
+    results = []
+    splits = (1, 2) if nbytes > 2**29 else (1, 2, 4, 8, 16)
+    for base in compiled_configs(rows):
+        for split in splits:
+            config = with_split(base, split)
+            if not config.fits(rows, n, k) or n // config.block_n * split > 64 * 132:
+                continue
+            try:
+                parts = launch(x, weights[0], config)
+            except Exception as exc:  # noqa: BLE001 - a config too large for the device
+                results.append({"config": config.key(), "error": type(exc).__name__})
+                continue
+            err = (parts.float().sum(0) - ref).abs().max().item()
+            if not err < 0.05:
+                results.append({"config": config.key(), "error": err})
+                continue
+            us = time_cold_us(lambda w, c=config: launch(x, w, c), weights)
+            results.append({"config": config.key(), "us": us})
+    timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
+    for r in timed[:3]:  # the best three again, with the split-K sum as its own kernel
+        config = GemmConfig.parse(r["config"])
+        r["us_with_sum"] = time_cold_us(
+            lambda w, c=config: launch(x, w, c).sum(0) if c.split > 1 else launch(x, w, c), weights)
+    del weights
+    torch.cuda.empty_cache()
+    return {"rows": rows, "n": n, "k": k, "bytes": nbytes, "cublas_us": cublas, "best": timed[:3],
+            "failed": [r for r in results if isinstance(r.get("error"), str)],
+            "wrong": [r for r in results if isinstance(r.get("error"), float)], "tried": len(results)}
+
+
+def run_sweep(shapes: list[str], rows_list: list[int], *, out: Path, workers: int = 12,
+              deadline_s: float = 1e9) -> dict[str, Any]:
+    from serving.bench.offline import copy_bandwidth_gb_s
+
+    started = time.perf_counter()
+    report: dict[str, Any] = {"warm_s": warm_all(rows_list, workers), "device": torch.cuda.get_device_name(),
+                              "copy_gb_s": copy_bandwidth_gb_s(), "cells": []}
+    print(f"compiled in {report['warm_s']:.0f} s; copy bandwidth {report['copy_gb_s']:.0f} GB/s", flush=True)
+    for shape, rows in itertools.product(shapes, rows_list):
+        for name, (n, k) in gemm_shapes(shape).items():
+            if time.perf_counter() - started > deadline_s:
+                print(f"deadline: skipping {shape} {name} rows={rows}", flush=True)
+                continue
+            cell = {"shape": shape, "name": name, **sweep_shape(rows, n, k)}
+            report["cells"].append(cell)
+            out.write_text(json.dumps(report, indent=1))
+            print(describe(cell), flush=True)
+    print("TUNED = {", flush=True)
+    for cell in report["cells"]:
+        best = cell["best"][0] if cell["best"] else None
+        if best and best.get("us_with_sum", best["us"]) < cell["cublas_us"]:
+            print(f"    ({cell['rows']}, {cell['n']}, {cell['k']}): {best['config']!r},  # {cell['shape']} "
+                  f"{cell['name']}: {best['us']:.1f} vs cuBLAS {cell['cublas_us']:.1f} us", flush=True)
+    print("}", flush=True)
+    return report
+
+
+def describe(cell: dict[str, Any]) -> str:
+    def tbs(us: float) -> str:
+        return f"{cell['bytes'] / us / 1e6:.2f} TB/s"
+
+    line = (f"{cell['shape']:<13} {cell['name']:<8} M={cell['rows']:<3} N={cell['n']:<6} K={cell['k']:<6} "
+            f"cuBLAS {cell['cublas_us']:7.1f} us ({tbs(cell['cublas_us'])})")
+    for r in cell["best"][:2]:
+        line += (f" | {r['config']} {r['us']:7.1f} us ({tbs(r['us'])}), with sum "
+                 f"{r.get('us_with_sum', float('nan')):.1f}")
+    if cell["wrong"]:
+        line += f" | {len(cell['wrong'])} configs FAILED the check"
+    return line
+

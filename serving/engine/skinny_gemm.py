@@ -1,0 +1,214 @@
+"""Linear layers of the decode step (few rows, M <= 64) as split-K Triton kernels, with a torch fallback.
+
+A decode step multiplies a handful of activation rows by each weight matrix once, so its GEMMs are
+bound by reading the weights. cuBLAS picks tiles for these skinny shapes that leave SMs idle (Llama-8B
+wqkv at M=64: 96 tiles of 64x64 on 132 SMs) or adds a split-K reduction kernel per GEMM.
+
+`skinny_partials(x [M, K], weight [N, K], config)` returns the partial products `[split, M, N]` of
+`config.split` slices of K (float32 when split > 1, else x.dtype); `skinny_linear` sums them and adds
+the bias. Under torch.compile the sum is an ordinary reduction that inductor fuses into the next
+elementwise kernel (the residual add, SiLU * up, rotary), so split-K costs no extra kernel.
+
+Two kernels:
+- "dot": a program per (BLOCK_N columns, K slice) loads all M rows (padded to BLOCK_M >= 16 for
+  `tl.dot`) and its weight tile, accumulating in float32 on the tensor cores;
+- "gemv" (M == 1): a program per (BLOCK_N columns, K slice) multiplies and sums on the CUDA cores.
+
+`config_for(m, n, k)` looks the shape up in `TUNED` (measured on an H200 by `python3 -m serving.bench
+gemms`); shapes not in it return None and the caller keeps F.linear (cuBLAS).
+
+The op is registered as `torch.ops.enginewright.skinny_partials` (a `triton_op`), so it traces under
+torch.compile(fullgraph=True) and launches inside CUDA-graph capture. Checked on CPU tensors under
+TRITON_INTERPRET=1 (tests/test_skinny_gemm.py) and on the GPU (`gpu` tests there).
+
+Imports: stdlib and torch; Triton only if importable (this module runs inside Triton's python backend).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
+    triton = None
+
+MAX_ROWS = 64  # more rows than this: F.linear
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    kernel: str  # "dot" | "gemv"
+    block_n: int
+    block_k: int
+    split: int  # K slices, each a multiple of block_k
+    warps: int = 4
+    stages: int = 3
+
+    def fits(self, m: int, n: int, k: int) -> bool:
+        """Whether this config can run an [m, k] x [n, k]^T product (its K slices tile K exactly)."""
+        if self.kernel == "gemv" and m != 1:
+            return False
+        return 1 <= m <= MAX_ROWS and k % (self.split * self.block_k) == 0
+
+    def key(self) -> str:
+        return f"{self.kernel}:n{self.block_n}:k{self.block_k}:s{self.split}:w{self.warps}:st{self.stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> GemmConfig:
+        kernel, *fields = text.split(":")
+        values = {f.rstrip("0123456789"): int(f[len(f.rstrip("0123456789")):]) for f in fields}
+        return cls(kernel, values["n"], values["k"], values["s"], values["w"], values["st"])
+
+
+# (rows bucket, N, K) -> config, from `python3 -m serving.bench gemms` on an H200 (2026-11-30, cold L2,
+# in CUDA graphs; docs/benchmarks.md). Kept where the kernel, plus reading its split-K partials once
+# more, beat cuBLAS by more than 2%. Rows bucket: 1 for M == 1, else 64 (the kernels pad M up to their
+# block, so the M=64 config serves 2..64; the buckets between were not timed).
+TUNED: dict[tuple[int, int, int], str] = {
+    # Llama-3.2-1B (dim 2048, 8 KV heads of 64, MLP 8192, vocab 128256)
+    (1, 3072, 2048): "dot:n64:k64:s8:w4:st4",  # wqkv: 5.3 vs cuBLAS 6.1 us
+    (1, 2048, 2048): "gemv:n8:k256:s4:w4:st4",  # wo: 4.3 vs 6.0 us
+    (1, 2048, 8192): "dot:n64:k64:s16:w4:st3",  # w2: 10.1 vs 13.4 us
+    (1, 128256, 2048): "dot:n64:k128:s1:w4:st4",  # lm_head: 119.3 vs 125.4 us
+    (64, 2048, 2048): "dot:n64:k128:s4:w4:st4",  # wo: 4.9 vs 6.2 us
+    (64, 2048, 8192): "dot:n64:k128:s4:w4:st4",  # w2: 11.2 vs 14.1 us
+    (64, 128256, 2048): "dot:n64:k64:s1:w4:st3",  # lm_head: 131.8 vs 144.9 us
+    # Llama-3.1-8B (dim 4096, 8 KV heads of 128, MLP 14336, vocab 128256)
+    (1, 6144, 4096): "dot:n32:k128:s2:w4:st4",  # wqkv: 14.3 vs 16.1 us
+    (1, 4096, 4096): "dot:n64:k64:s8:w4:st3",  # wo: 10.1 vs 13.2 us
+    (1, 4096, 14336): "dot:n64:k128:s4:w4:st4",  # w2: 29.3 vs 31.7 us
+    (1, 128256, 4096): "dot:n64:k128:s1:w4:st4",  # lm_head: 235.6 vs 247.6 us
+    (64, 28672, 4096): "dot:n128:k64:s1:w8:st3",  # w13: 60.4 vs 62.1 us
+    (64, 4096, 14336): "dot:n64:k128:s2:w4:st5",  # w2: 31.5 vs 36.3 us
+    (64, 128256, 4096): "dot:n128:k128:s1:w4:st4",  # lm_head: 254.1 vs 285.0 us
+}
+
+
+def rows_bucket(m: int) -> int:
+    return 1 if m == 1 else MAX_ROWS
+
+
+def config_for(m: int, n: int, k: int) -> GemmConfig | None:
+    """The tuned config of an [m, k] x [n, k]^T product, or None (use F.linear)."""
+    if m > MAX_ROWS:
+        return None
+    text = TUNED.get((rows_bucket(m), n, k))
+    return GemmConfig.parse(text) if text else None
+
+
+def block_m(m: int) -> int:
+    """Rows of the dot kernel's tile: 16 (the least `tl.dot` takes) for one row, else all 64, so that a
+    dynamic-shape compile of the decode step needs no guard beyond the batch-1 one dynamo always makes."""
+    return 16 if m == 1 else MAX_ROWS
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, k_split, stride_xm, stride_wn, stride_os, stride_om,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    IEEE_DOT: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        k_start = pid_s * k_split
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + (k_start + offs_k)[:, None]  # [K, N] view
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for _ in range(0, k_split, BLOCK_K):
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+            if IEEE_DOT:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        dst = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, k_split, stride_wn, stride_os,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        k_start = pid_s * k_split
+        x_ptrs = x_ptr + k_start + offs_k
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for _ in range(0, k_split, BLOCK_K):
+            x = tl.load(x_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            acc += w * x[None, :]
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        out = tl.sum(acc, 1)
+        tl.store(out_ptr + pid_s * stride_os + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+    def launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+        """[split, M, N] partial products of x [M, K] and weight [N, K] (the tuning entry point)."""
+        m, k = x.shape
+        n = weight.shape[0]
+        if not config.fits(m, n, k):
+            raise ValueError(f"skinny GEMM config {config.key()} does not fit M={m}, N={n}, K={k}")
+        if weight.shape[1] != k or x.dtype != weight.dtype:
+            raise ValueError(f"skinny GEMM needs x [M, K] and weight [N, K] of one dtype, got {tuple(x.shape)} "
+                             f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+        x = x.contiguous()
+        if weight.stride(1) != 1:
+            weight = weight.contiguous()
+        out_dtype = torch.float32 if config.split > 1 else x.dtype
+        out = torch.empty((config.split, m, n), dtype=out_dtype, device=x.device)
+        k_split = k // config.split
+        grid = (triton.cdiv(n, config.block_n), config.split)
+        if config.kernel == "gemv":
+            wrap_triton(_gemv_kernel)[grid](
+                x, weight, out, n, k_split, weight.stride(0), out.stride(0),
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages)
+        else:
+            wrap_triton(_dot_kernel)[grid](
+                x, weight, out, m, n, k_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+                BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                IEEE_DOT=x.dtype == torch.float32, num_warps=config.warps, num_stages=config.stages)
+        return out
+
+    @triton_op("enginewright::skinny_partials", mutates_args=())
+    def _skinny_partials_op(x: torch.Tensor, weight: torch.Tensor, config: str) -> torch.Tensor:
+        return launch(x, weight, GemmConfig.parse(config))
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+    """[split, M, N] partial products through the registered op (CUDA; CPU under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise RuntimeError("Triton (and torch >= 2.6) is needed for the skinny GEMM kernels")
+    return torch.ops.enginewright.skinny_partials(x, weight, config.key())
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  config: GemmConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K]: the tuned Triton kernel when one fits (CUDA, M <= 64, a
+    shape in TUNED, or `config` given), else F.linear. The partial sums are added in float32 and rounded
+    once to x.dtype, as cuBLAS does."""
+    m, k = x.shape
+    config = config or (config_for(m, weight.shape[0], k) if x.is_cuda and triton is not None else None)
+    if config is None or not config.fits(m, weight.shape[0], k):
+        return torch.nn.functional.linear(x, weight, bias)
+    parts = skinny_partials(x, weight, config)
+    out = parts[0] if config.split == 1 else parts.sum(0).to(x.dtype)
+    return out if bias is None else out + bias

@@ -1,0 +1,124 @@
+"""The skinny decode GEMMs (serving/engine/skinny_gemm.py).
+
+- CPU, every run: config text round trip and fit rules, the tuned-table lookup, the F.linear fallback.
+- TRITON_INTERPRET=1 with Triton importable (skipped otherwise, so in CI): both kernels on CPU tensors,
+  every split, rows 1..64, N not a multiple of the block, float32 and bf16, bias.
+- CUDA (`gpu`, the lead's H200 run): every tuned config at its own shape against F.linear, and a bf16
+  engine's compiled decode step in CUDA graphs with the kernels against the same step with cuBLAS.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from serving.engine import skinny_gemm
+from serving.engine.skinny_gemm import (
+    MAX_ROWS,
+    TUNED,
+    GemmConfig,
+    config_for,
+    skinny_linear,
+    triton_available,
+)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
+HAS_CUDA = torch.cuda.is_available() and triton_available() and not INTERPRET
+
+
+def test_config_text_round_trips_and_fit_rules():
+    config = GemmConfig("dot", 64, 128, 4, 8, 5)
+    assert GemmConfig.parse(config.key()) == config
+    assert config.fits(64, 4096, 14336) and config.fits(1, 10, 512)
+    assert not config.fits(65, 4096, 14336)  # more rows than the kernels take
+    assert not config.fits(8, 4096, 4096 + 64)  # K must split into whole blocks
+    assert not GemmConfig("gemv", 8, 256, 1).fits(2, 64, 256)  # the CUDA-core kernel is for one row
+    for text in TUNED.values():
+        assert GemmConfig.parse(text).key() == text
+
+
+def test_tuned_lookup_by_rows_bucket_and_fallback_to_f_linear():
+    (rows, n, k), text = next(iter(TUNED.items()))
+    assert config_for(rows, n, k) == GemmConfig.parse(text)
+    assert config_for(MAX_ROWS + 1, n, k) is None
+    assert config_for(1, 3, 5) is None
+    x, w, b = torch.randn(3, 32), torch.randn(20, 32), torch.randn(20)
+    assert torch.equal(skinny_linear(x, w, b), F.linear(x, w, b))  # CPU: no Triton kernel, F.linear
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
+def test_interpreter_kernels_match_f_linear(interpreter_bf16_dot, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 80, 512  # N not a multiple of any block
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    want = F.linear(x.float(), w.float(), bias.float())
+    configs = [GemmConfig("dot", bn, bk, s) for bn, bk, s in ((32, 64, 1), (64, 128, 2), (16, 64, 8))]
+    if rows == 1:
+        configs += [GemmConfig("gemv", 8, 256, 1), GemmConfig("gemv", 16, 64, 4)]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for config in configs:
+        got = skinny_linear(x, w, bias, config=config)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        err = (got.float() - want).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), (config.key(), err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.parametrize("key", sorted(TUNED), ids=lambda k: f"rows{k[0]}-n{k[1]}-k{k[2]}")
+def test_cuda_tuned_configs_match_f_linear(key):
+    rows_bucket, n, k = key
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
+    for rows in ((1,) if rows_bucket == 1 else (2, 17, 64)):
+        x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        got = skinny_linear(x, w)
+        want = F.linear(x.float(), w.float())
+        err = (got.float() - want).abs().max().item()
+        assert err <= 2e-2 * max(1.0, want.abs().max().item()), (key, rows, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+def test_cuda_compiled_decode_step_with_kernels_matches_cublas(tmp_path, monkeypatch):
+    """A bf16 tiny engine whose shapes are put in the table (split-K configs, so the partial sums are
+    fused into the compiled step's elementwise kernels) decodes, compiled in CUDA graphs, the logits of
+    the same step with cuBLAS within bf16 rounding."""
+    from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
+    from tasks.tiny_model import make_tiny_model
+
+    ckpt = convert_checkpoint(make_tiny_model(tmp_path / "hf"), tmp_path / "ckpt", dtype="bfloat16")
+    info = build_engine(ckpt, tmp_path / "engine", limits=EngineLimits(dtype="bfloat16", max_batch_size=4,
+                                                                      max_input_len=64, max_seq_len=128))
+    a = info.model
+    shapes = {(a.qkv_size, a.dim), (a.dim, a.q_size), (2 * a.intermediate_size, a.dim), (a.dim, a.intermediate_size),
+              (a.vocab_size, a.dim)}
+    assert all(k % 32 == 0 for _, k in shapes)  # dim 64, 4 x 16 heads, MLP 128
+    table = {}
+    for n, k in shapes:
+        table[(1, n, k)] = GemmConfig("gemv", 16, 16, 2).key()
+        table[(MAX_ROWS, n, k)] = GemmConfig("dot", 32, 16, 2).key()
+    monkeypatch.setattr(skinny_gemm, "TUNED", table)
+    runners = {gemm: load_engine(info.path, device="cuda", decode_gemm=gemm) for gemm in ("triton", "torch")}
+    assert runners["triton"].model.decode_gemm_impl == "triton"
+    prompts = [[0, 5, 6, 7], [0, 9, 10, 11, 12, 13, 14, 15], [0, 100]]
+    for bsz in (1, 3):
+        logits = {}
+        for gemm, runner in runners.items():
+            runner.compile_decode()
+            runner.prefill(prompts[:bsz], range(bsz))
+            tokens = torch.tensor([5, 9, 100][:bsz], device="cuda")
+            pos = torch.tensor([4, 8, 2][:bsz], device="cuda")
+            logits[gemm] = runner.decode(tokens, pos, 9).clone()
+        err = (logits["triton"] - logits["torch"]).abs().max().item()
+        print(f"skinny vs cuBLAS compiled decode logits, batch {bsz}: max abs err {err:.4f}")
+        assert err < 0.05 * max(logits["torch"].abs().max().item(), 1.0)
+        greedy = [[g.token_ids for g in r.generate(prompts, max_new_tokens=8, logprobs=False)] for r in runners.values()]
+        assert greedy[0][0][:2] == greedy[1][0][:2]
