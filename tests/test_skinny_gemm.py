@@ -49,6 +49,30 @@ def test_tuned_lookup_by_rows_bucket_and_fallback_to_f_linear():
     assert torch.equal(skinny_linear(x, w, b), F.linear(x, w, b))  # CPU: no Triton kernel, F.linear
 
 
+@pytest.mark.parametrize(("capability", "dtype", "want"), [
+    ((9, 0), torch.bfloat16, "triton"), ((9, 0), torch.float16, "triton"), ((9, 0), torch.float32, "torch"),
+    ((8, 0), torch.bfloat16, "torch"), ((8, 9), torch.bfloat16, "torch"), ((10, 0), torch.bfloat16, "torch"),
+])
+def test_auto_uses_the_kernels_only_on_the_gpu_kind_they_were_tuned_on(monkeypatch, capability, dtype, want):
+    """The table's configs were measured on an H200 (9.0): elsewhere one may need more shared memory than
+    the GPU has, so "auto" keeps cuBLAS there and an explicit "triton" is refused with the reason."""
+    from serving.engine.errors import EngineLimitError
+    from serving.engine.runner import pick_decode_gemm
+
+    monkeypatch.setattr(skinny_gemm, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda")
+    assert pick_decode_gemm("auto", cuda, dtype) == want
+    assert pick_decode_gemm("torch", cuda, dtype) == "torch"
+    assert pick_decode_gemm("auto", torch.device("cpu"), dtype) == "torch"
+    if capability != (9, 0):
+        with pytest.raises(EngineLimitError, match=rf"decode_gemm='triton'.*compute capability 9\.0.*here: "
+                                                   rf"compute capability {capability[0]}\.{capability[1]}"):
+            pick_decode_gemm("triton", cuda, torch.bfloat16)
+    with pytest.raises(EngineLimitError, match=r"decode_gemm='cublas': expected 'auto', 'triton' or 'torch'"):
+        pick_decode_gemm("cublas", cuda, dtype)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])

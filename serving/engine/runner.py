@@ -303,16 +303,22 @@ def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype)
 
 
 def pick_decode_gemm(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> "triton" for a half-precision model on CUDA when Triton is importable, else "torch"."""
+    """"auto" -> "triton" for a half-precision model on a GPU of the kind the kernels were tuned on
+    (compute capability 9.0) when Triton is importable, else "torch"."""
     if choice not in ("auto", "triton", "torch"):
         raise EngineLimitError(f"decode_gemm={choice!r}: expected 'auto', 'triton' or 'torch'")
     if choice == "torch" or (choice == "auto" and (device.type != "cuda" or dtype == torch.float32)):
         return "torch"
-    from serving.engine.skinny_gemm import triton_available
+    from serving.engine.skinny_gemm import TUNED_CAPABILITY, triton_available, tuned_for
 
-    if triton_available() and device.type == "cuda":
+    if triton_available() and tuned_for(device):
         return "triton"
     if choice == "triton":
-        raise EngineLimitError(f"decode_gemm='triton' needs CUDA and Triton (device {device}, Triton "
-                               f"{'importable' if triton_available() else 'not importable'})")
+        where = (f"compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+                 if device.type == "cuda" else f"device {device}")
+        raise EngineLimitError(
+            f"decode_gemm='triton' needs Triton and a GPU of compute capability "
+            f"{'.'.join(map(str, TUNED_CAPABILITY))} (the kernels' table was tuned on an H200); here: {where}, "
+            f"Triton {'importable' if triton_available() else 'not importable'}. Use decode_gemm='torch', or "
+            f"tune this GPU with `python3 -m serving.bench gemms`")
     return "torch"

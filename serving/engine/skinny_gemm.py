@@ -15,7 +15,9 @@ Two kernels:
 - "gemv" (M == 1): a program per (BLOCK_N columns, K slice) multiplies and sums on the CUDA cores.
 
 `config_for(m, n, k)` looks the shape up in `TUNED` (measured on an H200 by `python3 -m serving.bench
-gemms`); shapes not in it return None and the caller keeps F.linear (cuBLAS).
+gemms`); shapes not in it return None and the caller keeps F.linear (cuBLAS). The table is only used
+on GPUs of the compute capability it was measured on (`tuned_for`): on others a config may need more
+shared memory than there is, and cuBLAS may well be faster.
 
 The op is registered as `torch.ops.enginewright.skinny_partials` (a `triton_op`), so it traces under
 torch.compile(fullgraph=True) and launches inside CUDA-graph capture. Checked on CPU tensors under
@@ -38,6 +40,7 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
 MAX_ROWS = 64  # more rows than this: F.linear
+TUNED_CAPABILITY = (9, 0)  # the table's configs were measured on Hopper (H200); elsewhere they may not fit
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,11 @@ if triton is not None:
 
 def triton_available() -> bool:
     return triton is not None
+
+
+def tuned_for(device: torch.device) -> bool:
+    """Whether `TUNED` was measured on this kind of GPU (compute capability 9.0: H100 / H200)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == TUNED_CAPABILITY
 
 
 def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:
