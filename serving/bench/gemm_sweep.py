@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from serving.engine.cuda_timing import graph_time_us
 from serving.engine.skinny_gemm import GemmConfig
 
 COLD_BYTES = 256 * 2**20  # weight copies per timed shape, so that L2 (50 MB) never holds the next one
@@ -87,28 +88,10 @@ def warm_all(rows_list: list[int], workers: int) -> float:
     return time.perf_counter() - started
 
 
-def time_cold_us(fn: Callable[[torch.Tensor], Any], weights: list[torch.Tensor], calls: int = 24,
-                 replays: int = 3) -> float:
-    """Microseconds per fn(weight), `calls` calls (cycling through the copies) in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights[:2]:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(weights[i % len(weights)])
-    graph.replay()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    del graph
-    return start.elapsed_time(stop) * 1000.0 / (calls * replays)
+def time_cold_us(fn: Callable[[torch.Tensor], Any], weights: list[torch.Tensor]) -> float:
+    """Microseconds per fn(weight), the calls cycling through the copies (so L2 holds none of them)."""
+    copies = itertools.cycle(weights)
+    return graph_time_us(lambda: fn(next(copies)), calls=24, replays=3, warmup=2)
 
 
 def sweep_shape(rows: int, n: int, k: int) -> dict[str, Any]:

@@ -40,9 +40,10 @@ Imports: stdlib and torch; Triton only if importable (this module runs inside Tr
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
+
+from serving.engine.cuda_timing import graph_time_us
 
 try:
     import triton
@@ -284,28 +285,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # point: running this file as __main__ next to an import of it would register the op twice.
 
 
-def _time_us(fn: Callable[..., torch.Tensor], *args: object, calls: int = 50, replays: int = 10) -> float:
-    """Microseconds per `fn(*args)`, `calls` calls captured in one CUDA graph (launch cost as in decode)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn(*args)
-    graph.replay()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) * 1000.0 / (calls * replays)
-
-
 def bench_decode_attention(length: int = 192, kv_len: int = 256, max_seq: int = 1024) -> None:
     """Print µs per call and GB/s of K/V read, Triton vs reference, Llama-3.2-1B and 3.1-8B shapes."""
     shapes = {"llama-1B": (8, 4, 64), "llama-8B": (8, 4, 128)}
@@ -323,7 +302,7 @@ def bench_decode_attention(length: int = 192, kv_len: int = 256, max_seq: int = 
             for path, (fn, positions) in paths.items():
                 if path == "triton" and triton is None:
                     continue
-                us = _time_us(fn, q, k_cache, v_cache, lengths, kv_len, scale)
+                us = graph_time_us(fn, q, k_cache, v_cache, lengths, kv_len, scale)
                 gbs = row_bytes * positions / (us * 1e-6) / 1e9
                 print(f"{name} B={bsz:<3} length={length} kv_len={kv_len} {path:<9}: {us:8.2f} us/call "
                       f"{gbs:8.1f} GB/s of K/V read ({positions} positions)")
@@ -349,7 +328,7 @@ def sweep_decode_attention() -> None:
             for knob in knobs:
                 if knob.get("block", 0) * head_dim > 16384:
                     continue
-                us = _time_us(lambda *a, knob=knob: _launch(*a, **knob), q, k_cache, v_cache, lengths, kv_len,
+                us = graph_time_us(lambda *a, knob=knob: _launch(*a, **knob), q, k_cache, v_cache, lengths, kv_len,
                               head_dim ** -0.5)
                 results.append((us, knob))
             shipped = results[0][0]
