@@ -304,13 +304,13 @@ def test_llm_initialize_error_names_model(monkeypatch: pytest.MonkeyPatch, tmp_p
         llm_mod.TritonPythonModel().initialize(args)
 
 
-def router_model(monkeypatch: pytest.MonkeyPatch, handler, weights: str):
+def router_model(monkeypatch: pytest.MonkeyPatch, handler, weights: str, **extra: str):
     pb = make_fake_pb_utils(handler)
     monkeypatch.setattr(router_mod, "pb_utils", pb)
     model = router_mod.TritonPythonModel()
     model.initialize({"model_name": "m", "model_config": json.dumps({"parameters": {
         "target_model": {"string_value": "m_engine"}, "weights": {"string_value": weights},
-        "seed": {"string_value": "1"}}})})
+        "seed": {"string_value": "1"}, **{k: {"string_value": v} for k, v in extra.items()}}})})
     return model, pb
 
 
@@ -358,6 +358,34 @@ def test_router_merges_the_responses_of_a_streaming_target(monkeypatch: pytest.M
     assert out.output("text_output")[0, 0] == b"hello" and out.output("finish_reason")[0, 0] == b"length"
     assert out.output("routed_version")[0, 0] == 1
     assert model.stats.snapshot()["detail"]["1"]["output_tokens"] == 3 + 3
+
+
+def test_router_told_its_target_is_decoupled_never_makes_a_plain_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``target_decoupled`` in its config the first call is already decoupled: no plain call whose
+    refusal can take seconds to come back."""
+    def handler(model, version, inputs, requested):
+        return [FakeResponse([FakeTensor("output_ids", np.array([[4, 5]], dtype=np.int32))]), FakeResponse([])]
+
+    model, pb = router_model(monkeypatch, handler, '{"1": 100}', target_decoupled="true")
+    (out,) = asyncio.run(model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[2]]})]))
+    assert not out.has_error() and out.output("output_ids").tolist() == [[4, 5]]
+    assert len(pb.calls) == 1  # straight to the decoupled call
+
+
+def test_router_config_says_target_decoupled_when_its_llm_is_staged_decoupled(tmp_path: Path) -> None:
+    from serving.triton.repository import write_router
+
+    assert "target_decoupled" not in router_config("m", {1: 100})["parameters"]
+    assert router_config("m", {1: 100}, target_decoupled=True)["parameters"]["target_decoupled"] == {
+        "string_value": "true"}
+    root = tmp_path / "repo"
+    assert "target_decoupled" not in write_router(root, "m", {1: 100})["parameters"]  # no llm staged
+    engine = fake_engine_dir(tmp_path)
+    repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, device_kind="cpu")
+    assert "target_decoupled" not in write_router(root, "m", {1: 100})["parameters"]  # a plain llm
+    repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"decoupled": "true"})
+    assert write_router(root, "m", {1: 100})["parameters"]["target_decoupled"] == {"string_value": "true"}
+    assert "target_decoupled" not in write_router(root, "m", {1: 100}, target_model="other")["parameters"]
 
 
 def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> None:

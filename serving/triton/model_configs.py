@@ -123,8 +123,13 @@ def router_config(
     seed: int | None = None,
     instance_count: int = ROUTER_INSTANCES,
     load_id: str | None = None,
+    target_decoupled: bool = False,
 ) -> dict[str, Any]:
     """Complete config of the router ``name`` (also the JSON for a load override that changes weights).
+
+    ``target_decoupled``: the target llm is staged decoupled, so the router calls it with decoupled BLS
+    from its first request (without it, the router learns that from the target's refusal of a plain call,
+    which took 20-30 s in some loads under traffic).
 
     No dynamic batching and several instances: a non-decoupled python model answers a batch only when its
     slowest request is done (an ``async`` execute runs in the background only for decoupled models, and
@@ -134,6 +139,8 @@ def router_config(
     """
     params = _router_params(f"router {name!r}", weights, target_model=target_model or f"{name}_engine",
                             seed=seed, load_id=load_id)
+    if target_decoupled:
+        params["target_decoupled"] = "true"
     return {
         "name": name,
         "backend": "python",

@@ -307,6 +307,8 @@ def write_router(root: Path, name: str, weights: dict[int, int], **config_kwargs
 
     root = init_repository(root)
     config_kwargs.setdefault("load_id", new_generation())  # fresh per write: each load counts on its own
+    if "target_model" not in config_kwargs:  # its own llm: call it the way it is staged
+        config_kwargs.setdefault("target_decoupled", engine_decoupled(root, name))
     config = router_config(name, weights, **config_kwargs)
     model_dir = root / name
     version_dir = model_dir / "1"
