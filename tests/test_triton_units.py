@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -296,6 +297,25 @@ def test_llm_generate_failure_is_a_response(monkeypatch: pytest.MonkeyPatch, tmp
     assert "CUDA out of memory" in out[0].error().message()
 
 
+def _kwargs_loader(engine_dir: Path, **kwargs: str) -> None:
+    raise RuntimeError(f"loader kwargs {kwargs}")
+
+
+@pytest.mark.parametrize(("value", "kwargs"), [(None, "{'device': 'cpu'}"),
+                                              ("Torch", "{'device': 'cpu', 'decode_gemm': 'torch'}")])
+def test_llm_passes_decode_gemm_to_the_loader_only_when_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            value: str | None, kwargs: str) -> None:
+    """``decode_gemm`` (auto | triton | torch) reaches `load_engine`; unset, a custom loader gets no new argument."""
+    monkeypatch.setattr(llm_mod, "pb_utils", make_fake_pb_utils())
+    params = {"engine_loader": {"string_value": "test_triton_units:_kwargs_loader"}}
+    if value:
+        params["decode_gemm"] = {"string_value": value}
+    args = {"model_name": "m_engine", "model_version": "1", "model_repository": str(tmp_path),
+            "model_instance_kind": "CPU", "model_config": json.dumps({"parameters": params})}
+    with pytest.raises(RuntimeError, match=re.escape(f"loader kwargs {kwargs}")):
+        llm_mod.TritonPythonModel().initialize(args)
+
+
 def test_llm_initialize_error_names_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(llm_mod, "pb_utils", make_fake_pb_utils())
     args = {"model_name": "m_engine", "model_version": "3", "model_repository": str(tmp_path),
@@ -396,7 +416,7 @@ def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("name, value", [("stream_interval_ms", "-5"), ("stream_interval_ms", "soon"),
                                          ("gil_switch_interval_ms", "0"), ("gil_switch_interval_ms", "inf"),
                                          ("idle_senders", "0"), ("idle_senders", "2.5"), ("idle_senders", "65"),
-                                         ("admit_gap_ms", "-1")])
+                                         ("admit_gap_ms", "-1"), ("decode_gemm", "cublas")])
 def test_llm_config_refuses_a_bad_numeric_parameter_by_name(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
         llm_config("m_engine", versions=[1], max_batch_size=8, device_kind="KIND_CPU",

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from serving.triton.models.outbox import Outbox
-from serving.triton.models.params import check_parameters, count, milliseconds, truthy
+from serving.triton.models.params import check_parameters, choice, count, milliseconds, truthy
 from serving.triton.models.requests import (
     BatchItem,
     LlmRequest,
@@ -291,7 +291,8 @@ class TritonPythonModel:
         started = time.monotonic()
         try:
             loader = resolve(params.get("engine_loader") or DEFAULT_ENGINE_LOADER)
-            runner = loader(engine_dir, device=device)
+            gemm = choice(params, "decode_gemm")
+            runner = loader(engine_dir, device=device, **({"decode_gemm": gemm} if gemm else {}))
         except Exception as exc:
             raise RuntimeError(
                 f"[{self.model_name} v{self.version}] cannot load the engine in {engine_dir} on device "

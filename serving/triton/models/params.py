@@ -1,5 +1,5 @@
-"""The ``llm`` model's numeric config parameters, read the same way when a config is written (so a bad
-value fails at staging, naming it) and when the model loads inside Triton.
+"""The ``llm`` model's numeric and choice config parameters, read the same way when a config is written
+(so a bad value fails at staging, naming it) and when the model loads inside Triton.
 
 Imports: stdlib only.
 """
@@ -49,9 +49,25 @@ def count(params: dict[str, str], name: str) -> int:
     return value
 
 
+# name -> the values it may take (unset or empty: the engine's default, "auto")
+CHOICE_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "decode_gemm": ("auto", "triton", "torch"),  # the decode step's GEMMs: Triton kernels or cuBLAS
+}
+
+
+def choice(params: dict[str, str], name: str) -> str | None:
+    """The value of one of `CHOICE_PARAMETERS`, or None when unset or empty."""
+    raw = str(params.get(name) or "").strip().lower()
+    if raw and raw not in CHOICE_PARAMETERS[name]:
+        raise ValueError(f"parameter {name}={params.get(name)!r} must be one of {', '.join(CHOICE_PARAMETERS[name])}")
+    return raw or None
+
+
 def check_parameters(params: dict[str, str]) -> None:
-    """Raise ValueError naming the first numeric parameter whose value is not valid."""
+    """Raise ValueError naming the first numeric or choice parameter whose value is not valid."""
     for name in MILLISECOND_PARAMETERS:
         milliseconds(params, name)
     for name in COUNT_PARAMETERS:
         count(params, name)
+    for name in CHOICE_PARAMETERS:
+        choice(params, name)
