@@ -349,29 +349,28 @@ def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
                     attempt(f"{shape} {p}/{g} b={b} {peer}", bench_hf, hf, batch=b, prompt_len=p, gen_len=g,
                             static=peer == "hf-static-compile", repeats=1, shape=shape)
                     torch._dynamo.reset()
+
+        def compiled_cells(impl: str, failure: str, gemm: str | None = None, runner: Any = runner,
+                           shape: str = shape) -> None:
+            """Compile the decode step (with the decode GEMMs `gemm`, else as set up), then time it on
+            every peer workload."""
+            try:
+                if gemm is not None:
+                    torch._dynamo.reset()
+                    runner.model.decode_gemm_impl = pick_decode_gemm(gemm, runner.device, dtype)
+                runner.compile_decode()
+                for p, g in cfg.peer_workloads:
+                    for b in cfg.batch_sizes:
+                        attempt(f"{shape} {p}/{g} b={b} {impl}", bench_engine, runner, batch=b, prompt_len=p,
+                                gen_len=g, repeats=cfg.repeats, shape=shape, impl=impl)
+            except Exception as exc:  # noqa: BLE001
+                report["errors"].append(f"{failure}: {type(exc).__name__}: {exc}")
+
         if cfg.compiled and not late(f"{shape} engine-compiled"):
-            try:
-                runner.compile_decode()
-                for p, g in cfg.peer_workloads:
-                    for b in cfg.batch_sizes:
-                        attempt(f"{shape} {p}/{g} b={b} engine-compiled", bench_engine, runner, batch=b,
-                                prompt_len=p, gen_len=g, repeats=cfg.repeats, shape=shape, impl="engine-compiled")
-            except Exception as exc:  # noqa: BLE001
-                report["errors"].append(f"{shape} compile: {type(exc).__name__}: {exc}")
+            compiled_cells("engine-compiled", f"{shape} compile")
         for gemm in cfg.gemm_variants:
-            if late(f"{shape} engine-compiled-gemm-{gemm}"):
-                continue
-            try:
-                torch._dynamo.reset()
-                runner.model.decode_gemm_impl = pick_decode_gemm(gemm, runner.device, dtype)
-                runner.compile_decode()
-                for p, g in cfg.peer_workloads:
-                    for b in cfg.batch_sizes:
-                        attempt(f"{shape} {p}/{g} b={b} engine-compiled-gemm-{gemm}", bench_engine, runner, batch=b,
-                                prompt_len=p, gen_len=g, repeats=cfg.repeats, shape=shape,
-                                impl=f"engine-compiled-gemm-{gemm}")
-            except Exception as exc:  # noqa: BLE001
-                report["errors"].append(f"{shape} gemm {gemm}: {type(exc).__name__}: {exc}")
+            if not late(f"{shape} engine-compiled-gemm-{gemm}"):
+                compiled_cells(f"engine-compiled-gemm-{gemm}", f"{shape} gemm {gemm}", gemm)
         runner = hf = None
         gc.collect()
         torch.cuda.empty_cache()

@@ -232,6 +232,14 @@ class KVCache(nn.Module):
 # the transformer
 
 
+LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (nn.Linear or tied nn.Embedding, x) -> x W^T + b
+
+
+def torch_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x W^T (+ b) by F.linear, for an nn.Linear or the tied embedding matrix (no bias)."""
+    return F.linear(x, module.weight, getattr(module, "bias", None))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -276,9 +284,9 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split([self.intermediate_size, self.intermediate_size], dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, linear: LinearFn = torch_linear) -> torch.Tensor:
+        gate, up = linear(self.w13, x).split([self.intermediate_size, self.intermediate_size], dim=-1)
+        return linear(self.w2, F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -335,12 +343,9 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, input_pos, kv_len)
         return self.norm(x)
 
-    def logits(self, h: torch.Tensor, linear: LinearFn | None = None) -> torch.Tensor:
-        # h: [..., D] -> float32 logits [..., V]; `linear(module, x)`: the decode step's GEMM
-        head = self.tok_embeddings if self.output is None else self.output
-        if linear is not None:  # the embedding matrix when tied: no bias
-            return linear(head, h).float()
-        return F.linear(h, head.weight).float()
+    def logits(self, h: torch.Tensor, linear: LinearFn = torch_linear) -> torch.Tensor:
+        # h: [..., D] -> float32 logits [..., V] (the embedding matrix when tied)
+        return linear(self.tok_embeddings if self.output is None else self.output, h).float()
 
 
 def engine_param_names(args: ModelArgs) -> list[str]:
@@ -379,14 +384,11 @@ def _rope_1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (nn.Linear or tied nn.Embedding, x) -> x W^T + b
-
-
 def _linear_fn(gemm: str) -> LinearFn:
     """How the decode step multiplies by a weight: "torch" F.linear (cuBLAS, or inductor's fused
     reductions), "triton" the tuned skinny Triton kernels where they beat cuBLAS (`skinny_gemm.TUNED`)."""
     if gemm != "triton":
-        return lambda module, x: F.linear(x, module.weight, getattr(module, "bias", None))
+        return torch_linear
     from serving.engine.skinny_gemm import skinny_linear
 
     return lambda module, x: skinny_linear(x, module.weight, getattr(module, "bias", None))
@@ -437,9 +439,7 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
             probs = scores.softmax(dim=-1).to(values.dtype)
             y = torch.matmul(probs, values).reshape(bsz, a.q_size)  # [B, H * hd]
         x = x + linear(attn.wo, y)
-        ff = layer.feed_forward
-        gate, up = linear(ff.w13, layer.ffn_norm(x)).split([ff.intermediate_size, ff.intermediate_size], dim=-1)
-        x = x + linear(ff.w2, F.silu(gate) * up)
+        x = x + layer.feed_forward(layer.ffn_norm(x), linear)
     return model.logits(model.norm(x), linear)
 
 

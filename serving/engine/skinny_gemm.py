@@ -28,6 +28,8 @@ Imports: stdlib and torch; Triton only if importable (this module runs inside Tr
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,7 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
 MAX_ROWS = 64  # more rows than this: F.linear
+CONFIG_TEXT = re.compile(r"(dot|gemv):n(\d+):k(\d+):s(\d+):w(\d+):st(\d+)")
 TUNED_CAPABILITY = (9, 0)  # the table's configs were measured on Hopper (H200); elsewhere they may not fit
 
 
@@ -62,10 +65,14 @@ class GemmConfig:
         return f"{self.kernel}:n{self.block_n}:k{self.block_k}:s{self.split}:w{self.warps}:st{self.stages}"
 
     @classmethod
+    @functools.cache
     def parse(cls, text: str) -> GemmConfig:
-        kernel, *fields = text.split(":")
-        values = {f.rstrip("0123456789"): int(f[len(f.rstrip("0123456789")):]) for f in fields}
-        return cls(kernel, values["n"], values["k"], values["s"], values["w"], values["st"])
+        """The config of a `key()` text (parsed once per text: the decode step looks it up per GEMM)."""
+        match = CONFIG_TEXT.fullmatch(text)
+        if match is None:
+            raise ValueError(f"skinny GEMM config {text!r} is not like 'dot:n64:k128:s2:w4:st3'")
+        kernel, *numbers = match.groups()
+        return cls(kernel, *map(int, numbers))
 
 
 # (rows bucket, N, K) -> config, from `python3 -m serving.bench gemms` on an H200 (2026-11-30, cold L2,

@@ -141,18 +141,9 @@ def router_config(
                             seed=seed, load_id=load_id)
     if target_decoupled:
         params["target_decoupled"] = "true"
-    return {
-        "name": name,
-        "backend": "python",
-        "max_batch_size": max_batch_size,
-        "input": llm_inputs(all_optional=True) + [_tensor("stats", "TYPE_STRING", [1], optional=True),
-                                                   _tensor("routing_key", "TYPE_STRING", [1], optional=True)],
-        "output": llm_outputs() + [_tensor("routed_version", "TYPE_INT32", [1]),
-                                   _tensor("stats_json", "TYPE_STRING", [1])],
-        "instance_group": [{"kind": "KIND_CPU", "count": instance_count}],
-        "version_policy": {"specific": {"versions": [1]}},
-        "parameters": _string_params(params),
-    }
+    return _router_model(name, params, max_batch_size=max_batch_size, instance_count=instance_count,
+                         extra_input=_tensor("stats", "TYPE_STRING", [1], optional=True),
+                         extra_outputs=[_tensor("stats_json", "TYPE_STRING", [1])])
 
 
 def stream_router_config(name: str, weights: dict[int, int], *, target_model: str, counters_model: str,
@@ -163,15 +154,24 @@ def stream_router_config(name: str, weights: dict[int, int], *, target_model: st
     params = _router_params(f"streaming router {name!r}", weights, target_model=target_model, seed=seed,
                             load_id=load_id)
     params["counters_model"] = counters_model
+    config = _router_model(name, params, max_batch_size=ROUTER_MAX_BATCH_SIZE, instance_count=1,
+                           extra_input=_tensor("stream", "TYPE_BOOL", [1], optional=True), extra_outputs=[])
+    config["model_transaction_policy"] = {"decoupled": True}
+    return config
+
+
+def _router_model(name: str, params: dict[str, str], *, max_batch_size: int, instance_count: int,
+                  extra_input: dict[str, Any], extra_outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What both routers' configs share: the llm's inputs (all optional) plus ``extra_input`` and
+    ``routing_key``, its outputs plus ``routed_version`` and ``extra_outputs``, CPU instances, version 1."""
     return {
         "name": name,
         "backend": "python",
-        "max_batch_size": ROUTER_MAX_BATCH_SIZE,
-        "input": llm_inputs(all_optional=True) + [_tensor("stream", "TYPE_BOOL", [1], optional=True),
+        "max_batch_size": max_batch_size,
+        "input": llm_inputs(all_optional=True) + [extra_input,
                                                    _tensor("routing_key", "TYPE_STRING", [1], optional=True)],
-        "output": llm_outputs() + [_tensor("routed_version", "TYPE_INT32", [1])],
-        "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+        "output": llm_outputs() + [_tensor("routed_version", "TYPE_INT32", [1]), *extra_outputs],
+        "instance_group": [{"kind": "KIND_CPU", "count": instance_count}],
         "version_policy": {"specific": {"versions": [1]}},
-        "model_transaction_policy": {"decoupled": True},
         "parameters": _string_params(params),
     }

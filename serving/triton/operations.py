@@ -7,6 +7,7 @@ from typing import Any
 
 from serving.triton.control import TritonControl
 from serving.triton.repository import (
+    engine_decoupled,
     engine_model_name,
     remove_folder,
     set_served_versions,
@@ -20,10 +21,11 @@ def apply_router_weights(control: TritonControl, root: Path, name: str, weights:
                          timeout_s: float = 60.0, **config_kwargs: Any) -> dict[str, Any]:
     """Persist the router's weights and reload it with the complete config as an override; the same for
     the streaming router while the llm is decoupled (written, or removed when it no longer is)."""
-    config = write_router(root, name, weights, **config_kwargs)
-    load_id = config["parameters"]["load_id"]["string_value"]
-    stream = write_stream_router(root, name, weights, load_id=load_id, seed=config_kwargs.get("seed"))
-    if stream is not None:
+    decoupled = engine_decoupled(root, name)
+    config = write_router(root, name, weights, target_decoupled=decoupled, **config_kwargs)
+    if decoupled:
+        load_id = config["parameters"]["load_id"]["string_value"]
+        stream = write_stream_router(root, name, weights, load_id=load_id, seed=config_kwargs.get("seed"))
         control.load_model(stream_model_name(name), config=stream, timeout_s=timeout_s)
     else:
         remove_stream_router(control, root, name, timeout_s=timeout_s)

@@ -45,6 +45,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
 }
 
 __all__ = [
+    "engine_decoupled",
     "engine_model_name",
     "init_repository",
     "list_versions",
@@ -328,11 +329,9 @@ def engine_decoupled(root: Path, name: str) -> bool:
 
 
 def write_stream_router(root: Path, name: str, weights: dict[int, int], *, load_id: str,
-                        seed: int | None = None) -> dict[str, Any] | None:
-    """Write (or rewrite) ``<name>_stream`` with ``weights`` when ``<name>_engine`` is decoupled; return its
-    complete config, or None when the llm is not decoupled (then no streaming router belongs here)."""
-    if not engine_decoupled(root, name):
-        return None
+                        seed: int | None = None) -> dict[str, Any]:
+    """Write (or rewrite) ``<name>_stream`` with ``weights``; return its complete config. It belongs
+    beside a decoupled ``<name>_engine`` only (`engine_decoupled`)."""
     config = stream_router_config(stream_model_name(name), weights, target_model=engine_model_name(name),
                                   counters_model=name, seed=seed, load_id=load_id)
     model_dir = Path(root) / stream_model_name(name)

@@ -1,19 +1,21 @@
 """The ``router`` Triton python-backend model (BLS): the stable name clients call during a gray release.
 
 Parameters (config ``parameters``): ``target_model`` (the ``<name>_engine`` model), ``weights``
-(JSON ``{"1": 90, "2": 10}``) and optionally ``target_decoupled`` ("true"). Per request it picks a version by weight, forwards the request's inputs
-to that version with an async BLS call, and returns the target's outputs plus ``routed_version``; an
-error from the target comes back as this request's error. Weights change by reloading the router with a
-complete config override (which also resets the counters).
+(JSON ``{"1": 90, "2": 10}``) and optionally ``target_decoupled`` ("true"). Per request it picks a
+version by weight, forwards the request's inputs to that version with an async BLS call, and returns
+the target's outputs plus ``routed_version``; an error from the target comes back as this request's
+error. Weights change by reloading the router with a complete config override (which also resets the
+counters).
 
 A decoupled target (the llm with in-flight batching) is called with ``async_exec(decoupled=True)``
 (which serves a plain llm too), and its responses are merged into this request's one answer: every
-token, the last ``finish_reason``. The router knows the target is decoupled from its config parameter
-``target_decoupled`` (written when the llm is staged decoupled), or learns it from the target's refusal
-of a plain BLS call, which names ``decoupled=True``: the case of a router loaded before a release turned
-``decoupled`` on. So a release may turn it on under a live router and no request fails. The refusal can
-take 20-30 s to come back under traffic, so a router loaded after the change does not wait for it. The router itself is not decoupled, so HTTP clients keep
-working; streaming clients call the release's streaming router ``<name>_stream``.
+token, the last ``finish_reason``. The router knows the target is decoupled from ``target_decoupled``
+(written when the llm is staged decoupled), or learns it from the target's refusal of a plain BLS call,
+which names ``decoupled=True``: the case of a router loaded before a release turned ``decoupled`` on.
+So a release may turn it on under a live router and no request fails. The refusal can take 20-30 s to
+come back under traffic, so a router loaded after the change does not wait for it. The router itself
+is not decoupled, so HTTP clients keep working; streaming clients call the release's streaming router
+``<name>_stream``.
 
 Sticky routing: a request carrying the optional ``routing_key`` BYTES input goes to the version whose
 slice of [0, 1) holds the key's SHA-256 point (``routing.choose_sticky``), so one user (or session)
@@ -38,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from serving.triton.models.params import truthy
 from serving.triton.models.routing import (
     COUNTERS_DIR,
     RouterStats,
@@ -84,7 +87,7 @@ class TritonPythonModel:
         read = read_router_params(self.model_name, args["model_config"])
         params, self.target_model, self.weights, self.rng = read.params, read.target_model, read.weights, read.rng
         # staged decoupled (config), or learnt from the target's refusal of a plain call
-        self.target_decoupled = params.get("target_decoupled", "").lower() == "true"
+        self.target_decoupled = truthy(params.get("target_decoupled"))
         model_dir = args.get("model_repository")
         counters_dir = Path(model_dir) / COUNTERS_DIR if model_dir else None
         self.stats = RouterStats(self.target_model, self.weights, counters_dir=counters_dir,
