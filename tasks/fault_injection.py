@@ -81,8 +81,9 @@ class FaultyRunner:
         return out
 
 
-def load_engine(engine_dir: Path, *, device: str = "auto") -> Any:
-    """``serving.engine.load_engine`` plus the fault configured for this version, if any."""
+def load_engine(engine_dir: Path, *, device: str = "auto", **options: Any) -> Any:
+    """``serving.engine.load_engine`` (with ``options``, e.g. ``decode_gemm``) plus the fault configured
+    for this version, if any."""
     from serving.engine import load_engine as real_load
 
     engine_dir = Path(engine_dir)
@@ -92,5 +93,5 @@ def load_engine(engine_dir: Path, *, device: str = "auto") -> Any:
     fault = faults.get(version_dir.name) or {}
     if fault.get("fail_load"):
         raise RuntimeError(f"injected fault: version {version_dir.name} cannot load ({fault['fail_load']})")
-    runner = real_load(engine_dir, device=device)
+    runner = real_load(engine_dir, device=device, **options)
     return FaultyRunner(runner, fault) if fault else runner
