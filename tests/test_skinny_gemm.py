@@ -49,6 +49,20 @@ def test_tuned_lookup_by_rows_bucket_and_fallback_to_f_linear():
     assert torch.equal(skinny_linear(x, w, b), F.linear(x, w, b))  # CPU: no Triton kernel, F.linear
 
 
+def test_config_lookup_traces_under_dynamo_fullgraph():
+    """The compiled decode step looks its configs up while dynamo traces it: a lookup dynamo cannot
+    trace (it once went through functools.cache) fails the compile on the GPU only, so check it here."""
+    (rows, n, k), text = next(iter(TUNED.items()))
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        config = config_for(rows, n, k)
+        return x * config.split + config.block_n
+
+    compiled = torch.compile(scaled, backend="eager", fullgraph=True)
+    want = GemmConfig.parse(text)
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), float(want.split + want.block_n)))
+
+
 @pytest.mark.parametrize(("capability", "dtype", "want"), [
     ((9, 0), torch.bfloat16, "triton"), ((9, 0), torch.float16, "triton"), ((9, 0), torch.float32, "torch"),
     ((8, 0), torch.bfloat16, "torch"), ((8, 9), torch.bfloat16, "torch"), ((10, 0), torch.bfloat16, "torch"),

@@ -28,7 +28,6 @@ Imports: stdlib and torch; Triton only if importable (this module runs inside Tr
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 
@@ -65,9 +64,8 @@ class GemmConfig:
         return f"{self.kernel}:n{self.block_n}:k{self.block_k}:s{self.split}:w{self.warps}:st{self.stages}"
 
     @classmethod
-    @functools.cache
     def parse(cls, text: str) -> GemmConfig:
-        """The config of a `key()` text (parsed once per text: the decode step looks it up per GEMM)."""
+        """The config of a `key()` text."""
         match = CONFIG_TEXT.fullmatch(text)
         if match is None:
             raise ValueError(f"skinny GEMM config {text!r} is not like 'dot:n64:k128:s2:w4:st3'")
@@ -99,6 +97,12 @@ TUNED: dict[tuple[int, int, int], str] = {
 }
 
 
+# parsed once here: the decode step looks its configs up while dynamo traces it, and dynamo cannot trace
+# into a C-implemented cache (functools.cache on `parse` broke the compile: "can't handle functions not
+# implemented in python")
+TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {shape: GemmConfig.parse(text) for shape, text in TUNED.items()}
+
+
 def rows_bucket(m: int) -> int:
     return 1 if m == 1 else MAX_ROWS
 
@@ -107,8 +111,7 @@ def config_for(m: int, n: int, k: int) -> GemmConfig | None:
     """The tuned config of an [m, k] x [n, k]^T product, or None (use F.linear)."""
     if m > MAX_ROWS:
         return None
-    text = TUNED.get((rows_bucket(m), n, k))
-    return GemmConfig.parse(text) if text else None
+    return TUNED_CONFIGS.get((rows_bucket(m), n, k))
 
 
 def block_m(m: int) -> int:
