@@ -77,11 +77,11 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
             graphs.step(tokens, pos, context + 1)
         torch.cuda.synchronize()
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            entry = per_kernel[ev.name]
-            entry[0] += ev.device_time_total / 10
-            entry[1] += 1 / 10
+    kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    for ev in kernels:
+        entry = per_kernel[ev.name]
+        entry[0] += ev.device_time_total / 10
+        entry[1] += 1 / 10
     kinds: dict[str, float] = defaultdict(float)
     for name, (us, _) in per_kernel.items():
         kinds[kernel_kind(name)] += us
@@ -90,7 +90,14 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
             "step_ms": step_ms, "kernel_ms": sum(kinds.values()) / 1e3,
             "kernels_per_step": round(sum(n for _, n in per_kernel.values())),
             "by_kind_ms": {k: round(v / 1e3, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "top": [(name[:90], round(us, 1), round(n, 1)) for name, (us, n) in top]}
+            "top": [(name[:90], round(us, 1), round(n, 1)) for name, (us, n) in top],
+            "first_step": first_step_kernels(kernels, round(sum(n for _, n in per_kernel.values())))}
+
+
+def first_step_kernels(kernels: list[Any], per_step: int) -> list[tuple[str, float]]:
+    """The kernels of one replay in launch order, (name, us): which small kernels sit between the GEMMs."""
+    ordered = sorted(kernels, key=lambda ev: ev.time_range.start)[:per_step]
+    return [(ev.name[:60], round(ev.device_time_total, 1)) for ev in ordered]
 
 
 def run_profile(shape: str, batches: list[int], variants: list[str], *, context: int = 192, kv_block: int = 256,
