@@ -25,6 +25,7 @@ from serving.engine.decode_attention import (
     check_head_dim,
     decode_attention,
     decode_attention_reference,
+    decode_attention_rope,
     decode_attention_triton,
     split_plan,
     sweep_decode_attention,
@@ -184,6 +185,76 @@ def test_interpreter_single_split_writes_the_output(interpreter_bf16_dot, dtype,
     assert_close(got, want, dtype)
 
 
+def make_rope_inputs(bsz: int, n_kv_heads: int, group: int, head_dim: int, kv_len: int, dtype: torch.dtype,
+                     device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    """qkv [B, (G + 2) Hkv hd] before the rotary embedding, rotary tables [kv_len + 9, hd] like the model's,
+    caches and lengths as `make_inputs`."""
+    _, k_cache, v_cache, lengths = make_inputs(bsz, n_kv_heads, group, head_dim, kv_len, dtype, device)
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(bsz, (group + 2) * n_kv_heads * head_dim, generator=gen).to(device, dtype)
+    angles = torch.outer(torch.arange(kv_len + 9).float(), 1e4 ** (-torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.cat((angles, angles), dim=-1)
+    return qkv, angles.cos().to(device, dtype), angles.sin().to(device, dtype), k_cache, v_cache, lengths
+
+
+def unfused_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, lengths: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
+    """What `model.decode_step` does without the fused kernel: rotate q and k, write k/v at lengths - 1
+    (into the given caches), attend."""
+    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    bsz, group = qkv.shape[0], qkv.shape[1] // head_dim // n_kv_heads - 2
+    pos = lengths - 1
+    q, k, v = qkv.float().split([group * n_kv_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
+
+    def rotate(x: torch.Tensor, heads: int) -> torch.Tensor:
+        x = x.view(bsz, heads, head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = cos[pos].float().unsqueeze(1), sin[pos].float().unsqueeze(1)
+        return (x * c + torch.cat((-x2, x1), dim=-1) * s).to(qkv.dtype)
+
+    rows = torch.arange(bsz, device=qkv.device)
+    k_cache[rows, :, pos] = rotate(k, n_kv_heads)
+    v_cache[rows, :, pos] = v.view(bsz, n_kv_heads, head_dim).to(qkv.dtype)
+    q = rotate(q, group * n_kv_heads).view(bsz, n_kv_heads, group, head_dim)
+    return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, scale)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("shape", "head_dim", "kv_len"), [
+    ((1, 8, 4), 64, 17), ((3, 2, 8), 128, 256), ((3, 1, 1), 64, 1000), ((64, 8, 2), 64, 17), ((5, 2, 4), 64, 129),
+])
+@pytest.mark.parametrize("parts", [0, 1, 3])
+def test_interpreter_rope_variant_rotates_writes_and_attends(interpreter_bf16_dot, dtype, shape, head_dim, kv_len,
+                                                             parts):
+    """The kernel takes the step's own token from qkv, not from the cache (the cache holds NaN there
+    before the call), writes its rotated k and its v at lengths - 1, and leaves every other entry alone;
+    single split (64 x 8) and several, the new position at a chunk's start among them (129). qkv comes
+    whole ([B, N], parts 0) or as split-K partial products in float32 ([P, B, N]), which it sums."""
+    qkv, cos, sin, k_cache, v_cache, lengths = make_rope_inputs(*shape, head_dim, kv_len, dtype)
+    given = qkv
+    if parts:
+        given = torch.randn(parts, *qkv.shape, generator=torch.Generator().manual_seed(2))
+        given[0] += qkv.float() - given.sum(0)
+        qkv = given.sum(0).to(dtype)
+    if kv_len == 129:
+        lengths[1] = split_plan(shape[0], shape[1], kv_len, block_n(head_dim))[1] + 1  # new token opens split 1
+    scale = head_dim ** -0.5
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    want = unfused_rope_attention(qkv, cos, sin, k_want, v_want, lengths, kv_len, scale)
+    stale = torch.arange(k_cache.shape[2]) >= (lengths - 1).unsqueeze(1)  # the new position and after
+    k_got, v_got = (c.clone() for c in (k_cache, v_cache))
+    for cache in (k_got, v_got):
+        cache[: shape[0]].masked_fill_(stale.view(shape[0], 1, -1, 1), float("nan"))
+    got = decode_attention_rope(given, cos, sin, k_got, v_got, lengths, kv_len, scale)
+    assert_close(got, want, dtype)
+    written = ~stale | (torch.arange(k_cache.shape[2]) == (lengths - 1).unsqueeze(1))
+    for got_cache, want_cache in ((k_got, k_want), (v_got, v_want)):
+        mask = written.view(shape[0], 1, -1, 1).expand_as(got_cache[: shape[0]])
+        assert_close(got_cache[: shape[0]][mask], want_cache[: shape[0]][mask], dtype)
+        assert torch.equal(got_cache[shape[0]:], want_cache[shape[0]:])  # rows past the batch untouched
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA
 
@@ -232,6 +303,45 @@ def test_cuda_under_torch_compile(dtype):
     # batch 1 is specialised by dynamo; the other (batch, kv_len) share two graphs: one split (batch 64 x
     # 8 KV heads fill the grid, no combine kernel) or several
     assert counter.frame_count <= 3, f"{counter.frame_count} compiles"
+
+
+def attend_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+    return decode_attention_rope(qkv * 1.0, cos, sin, k_cache, v_cache, input_pos + 1, kv_len,
+                                 k_cache.shape[-1] ** -0.5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_rope_variant_compiled_and_in_a_graph_writes_the_caches(dtype):
+    """Under torch.compile the op's cache writes are functionalised: they must land in the caches the
+    caller holds (not in a copy), and inside a CUDA graph on every replay."""
+    torch._dynamo.reset()
+    compiled = torch.compile(attend_rope, fullgraph=True, dynamic=True)
+    scale = 64 ** -0.5
+    for bsz, kv_len in ((1, 256), (8, 512), (64, 256)):
+        qkv, cos, sin, k_cache, v_cache, lengths = make_rope_inputs(bsz, 8, 4, 64, kv_len, dtype, device="cuda")
+        k_want, v_want = k_cache.clone(), v_cache.clone()
+        want = unfused_rope_attention(qkv, cos, sin, k_want, v_want, lengths, kv_len, scale)
+        assert_close(compiled(qkv, cos, sin, k_cache, v_cache, lengths - 1, kv_len), want, dtype)
+        assert_close(k_cache, k_want, dtype)
+        assert_close(v_cache, v_want, dtype)
+    qkv, cos, sin, k_cache, v_cache, lengths = make_rope_inputs(8, 8, 4, 64, 512, dtype, device="cuda")
+    input_pos = lengths.clamp(max=500) - 1  # room for the three steps below inside the 512 bucket
+    graph = torch.cuda.CUDAGraph()
+    compiled(qkv, cos, sin, k_cache, v_cache, input_pos, 512)
+    with torch.cuda.graph(graph):
+        out = compiled(qkv, cos, sin, k_cache, v_cache, input_pos, 512)
+    for step in range(3):
+        qkv.normal_()
+        input_pos.add_(1)  # the next position of every row
+        k_want, v_want = k_cache.clone(), v_cache.clone()
+        want = unfused_rope_attention(qkv, cos, sin, k_want, v_want, input_pos + 1, 512, scale)
+        graph.replay()
+        assert_close(out, want, dtype)
+        assert_close(k_cache, k_want, dtype)
+        assert_close(v_cache, v_want, dtype)
 
 
 @pytest.mark.gpu

@@ -124,3 +124,16 @@ def test_limit_errors_name_values_and_limits(runner):
 
 def test_prefill_logits_accepts_up_to_max_seq_len(runner):
     assert runner.prefill_logits([3] * 64).shape == (64, 512)
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64, 65, 1000, 128256])
+def test_greedy_tokens_equals_argmax_ties_to_the_lowest_index(vocab):
+    from serving.engine.model import greedy_tokens
+
+    torch.manual_seed(vocab)
+    logits = torch.randn(5, vocab)
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    tied = torch.zeros(3, vocab)
+    tied[0, vocab // 2:] = 1.0  # a tie across many slices: the first of them
+    tied[1, -1] = float("inf")
+    assert greedy_tokens(tied).tolist() == [vocab // 2 if vocab > 1 else 0, vocab - 1, 0]

@@ -5,9 +5,10 @@ graph, timed by CUDA events and profiled kernel by kernel (torch.profiler over g
 prints, per variant, the step time against the step's byte floor (weights + filled KV at the copy
 bandwidth measured in the same run), the GPU time summed over kernels (the rest is launch gaps),
 and the kernels by total time grouped as GEMM / attention / fused (inductor) / other.
-A variant is `<compile>[+<attention>][+skinny]`: compile in {eager, dynamic, static}, attention in
-{matmul, triton} (`serving.engine.decode_attention`), `skinny` for the tuned Triton GEMMs
-(`serving.engine.skinny_gemm`; cuBLAS without it). Needs CUDA.
+A variant is `<compile>[+<attention>][+skinny][+unfused]`: compile in {eager, dynamic, static}, attention
+in {matmul, triton} (`serving.engine.decode_attention`), `skinny` for the tuned Triton GEMMs
+(`serving.engine.skinny_gemm`; cuBLAS without it), `unfused` for the rotary embedding and K/V write in
+their own kernels rather than in the Triton attention kernel. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     from serving.engine.cuda_graphs import DecodeGraphs
 
     compile_mode, *parts = variant.split("+")
-    unknown = set(parts) - {"triton", "matmul", "skinny"}
+    unknown = set(parts) - {"triton", "matmul", "skinny", "unfused"}
     if unknown:
-        raise ValueError(f"variant {variant!r}: unknown parts {sorted(unknown)} (triton, matmul, skinny)")
+        raise ValueError(f"variant {variant!r}: unknown parts {sorted(unknown)} (triton, matmul, skinny, unfused)")
     model.decode_attention_impl = "triton" if "triton" in parts else "matmul"
+    model.decode_rope_fused = "unfused" not in parts
     model.decode_gemm_impl = "triton" if "skinny" in parts else "torch"
     t0 = time.perf_counter()
     graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode)

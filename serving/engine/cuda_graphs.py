@@ -21,7 +21,7 @@ shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms).
 The replay writes into static buffers: the logits returned are a view that the next replay
 overwrites. Consume them (sample) before the next `step`.
 
-The inputs are the buffers of a `DecodeState` (the runner's), and each graph ends with its `advance`:
+The inputs are the buffers of a `DecodeState` (the runner's), and each graph ends with its `advance` (the greedy tokens computed in the compiled step):
 `step` copies the caller's tokens and positions in first (`EngineRunner.generate`), `replay` uses the
 buffers as they stand (the in-flight scheduler, which keeps its rows' state there between steps).
 Capturing a graph runs the step twice outside the capture; those runs would write K/V at the
@@ -40,17 +40,18 @@ from dataclasses import dataclass
 import torch
 
 from serving.engine.decode_state import DecodeState
-from serving.engine.model import Transformer, decode_step
+from serving.engine.model import Transformer, decode_step_greedy
 
+StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (model, tokens, positions, kv_len) -> (logits, greedy)
 DEFAULT_KV_BLOCK = 256
 SINGLE_ROW_FUSION_MAX_BYTES = 4 * 10**9  # "auto": batch 1 compiled static only below this (see above)
 
 
 def _decode_step_single(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int
-                        ) -> torch.Tensor:
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     # F.linear, so that inductor fuses each matrix-vector product with its neighbours (the point of the
     # static batch-1 compile); an opaque Triton GEMM would stop that fusion
-    return decode_step(model, tokens, input_pos, kv_len, gemm="torch")
+    return decode_step_greedy(model, tokens, input_pos, kv_len, gemm="torch")
 
 
 @dataclass
@@ -98,9 +99,9 @@ class DecodeGraphs:
             static = torch.compile(_decode_step_single, dynamic=False, fullgraph=True,
                                    options={"coordinate_descent_tuning": True})
         if compile in (True, "dynamic", "auto"):
-            dynamic = torch.compile(decode_step, dynamic=True, fullgraph=True)
-        self.fn: Callable[..., torch.Tensor] = dynamic or static or decode_step
-        self.fn_single: Callable[..., torch.Tensor] = static or self.fn  # the step of batch bucket 1
+            dynamic = torch.compile(decode_step_greedy, dynamic=True, fullgraph=True)
+        self.fn: StepFn = dynamic or static or decode_step_greedy
+        self.fn_single: StepFn = static or self.fn  # the step of batch bucket 1
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_s = 0.0
@@ -121,13 +122,13 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up (compiles when compiled) outside the capture
             for _ in range(2):
-                self.state.advance(fn(self.model, tokens, pos, kv_len))
+                self.state.advance(fn(self.model, tokens, pos, kv_len)[1])
                 self._restore(bsz, kept)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = fn(self.model, tokens, pos, kv_len)  # [bsz, V] float32, a static buffer
-            self.state.advance(logits)
+            logits, next_tokens = fn(self.model, tokens, pos, kv_len)  # [bsz, V] float32, a static buffer
+            self.state.advance(next_tokens)
         torch.cuda.synchronize()
         took = time.perf_counter() - started
         self.capture_s += took

@@ -108,11 +108,30 @@ def split_plan(bsz: int, n_kv_heads: int, kv_len: int, block: int, target_progra
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, lse_part_ptr,
+    def _load_summed(ptrs, mask, stride_part, PARTS: tl.constexpr, DTYPE: tl.constexpr):
+        """The sum of PARTS split-K partial products at ptrs, rounded to DTYPE once (as the unfused step
+        rounds its qkv), in float32."""
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        for i in tl.static_range(1, PARTS):
+            x += tl.load(ptrs + i * stride_part, mask=mask, other=0.0).to(tl.float32)
+        return x.to(DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _rotated(rows, offs_d, mask, cos, sin, stride_part, PARTS: tl.constexpr, DTYPE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+        """The head vectors at rows + offs_d after the rotary embedding ("rotate half"), in float32."""
+        half: tl.constexpr = HEAD_DIM // 2
+        x = _load_summed(rows + offs_d, mask, stride_part, PARTS, DTYPE)
+        partner = _load_summed(rows + (offs_d + half) % HEAD_DIM, mask, stride_part, PARTS, DTYPE)
+        return x * cos + tl.where(offs_d < half, -1.0, 1.0) * partner * sin
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_part_ptr, lse_part_ptr, cos_ptr, sin_ptr,
                       stride_qb, stride_qh, stride_qg, stride_kb, stride_kh, stride_ks,
-                      stride_vb, stride_vh, stride_vs, chunk, qk_scale,
+                      stride_vb, stride_vh, stride_vs, stride_rope, stride_part, chunk, qk_scale,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK: tl.constexpr, IEEE_DOT: tl.constexpr, FINAL: tl.constexpr):
+                      BLOCK: tl.constexpr, IEEE_DOT: tl.constexpr, FINAL: tl.constexpr, ROPE: tl.constexpr,
+                      PARTS: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         s = tl.program_id(2)
@@ -127,17 +146,28 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK)
         g_mask = offs_g < GROUP
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
-                    mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+        q_rows = q_ptr + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg  # [GROUP_PAD, 1]
         k_base = k_ptr + b * stride_kb + h * stride_kh
         v_base = v_ptr + b * stride_vb + h * stride_vh
+        dtype = k_ptr.dtype.element_ty
+        if ROPE:  # q_ptr: the step's qkv [PARTS, B, (H + 2 Hkv) hd] before the rotary embedding, summed here
+            new_pos = length - 1  # the step's own token: rotated here, written to the cache here
+            cos = tl.load(cos_ptr + new_pos * stride_rope + offs_d).to(tl.float32)
+            sin = tl.load(sin_ptr + new_pos * stride_rope + offs_d).to(tl.float32)
+            q = _rotated(q_rows, offs_d[None, :], g_mask[:, None], cos[None, :], sin[None, :], stride_part, PARTS,
+                         dtype, HEAD_DIM)
+            q = q.to(dtype)  # rounded as the unfused step rounds its rotated q
+            end_cached = tl.minimum(end, new_pos)  # positions before the new one come from the cache
+        else:
+            q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+            end_cached = end
 
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max, log2 units
         l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for n0 in range(start, end, BLOCK):
+        for n0 in range(start, end_cached, BLOCK):
             pos = n0 + offs_n
-            n_mask = pos < end
+            n_mask = pos < end_cached
             k = tl.load(k_base + pos[None, :] * stride_ks + offs_d[:, None], mask=n_mask[None, :], other=0.0)
             if IEEE_DOT:
                 qk = tl.dot(q, k, input_precision="ieee")
@@ -155,6 +185,21 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if ROPE:  # noqa: SIM102 - a compile-time branch around a run-time one (Triton)
+            if (new_pos >= start) & (new_pos < start + chunk):  # this split holds the new position
+                new_k = q_ptr + b * stride_qb + n_heads * GROUP * HEAD_DIM + h * HEAD_DIM  # after the H q heads
+                full = offs_d < HEAD_DIM
+                k_new = _rotated(new_k, offs_d, full, cos, sin, stride_part, PARTS, dtype, HEAD_DIM).to(dtype)
+                v_new = _load_summed(new_k + n_heads * HEAD_DIM + offs_d, full, stride_part, PARTS, dtype).to(dtype)
+                tl.store(k_base + new_pos * stride_ks + offs_d, k_new)
+                tl.store(v_base + new_pos * stride_vs + offs_d, v_new)
+                qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # [GROUP_PAD]
+                m_new = tl.maximum(m_i, qk)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
 
         if FINAL:  # the only split (lengths >= 1, so l_i > 0): the output itself, no partial
             out = acc / l_i[:, None]
@@ -201,55 +246,71 @@ if triton is not None:
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
     def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                kv_len: int, scale: float, *, block: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                kv_len: int, scale: float, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                block: int | None = None, num_warps: int = 4, num_stages: int = 2,
                 target_programs: int = TARGET_PROGRAMS, max_splits: int = MAX_SPLITS) -> torch.Tensor:
-        """The two kernels; the keyword arguments are the tuning knobs (`sweep_decode_attention`)."""
-        bsz, n_kv_heads, group, head_dim = q.shape
-        group, head_dim = int(group), int(head_dim)
+        """The two kernels. q is [B, Hkv, G, hd]; or, with `rope` (the cos and sin tables [S, hd]), the
+        step's qkv [B, (H + 2 Hkv) hd] (or its split-K partial products [P, B, (H + 2 Hkv) hd]) before the
+        rotary embedding, whose K/V the kernel rotates and writes into the caches at position
+        lengths[b] - 1. The other keyword arguments are the tuning knobs (`sweep_decode_attention`)."""
+        n_kv_heads, head_dim = int(k_cache.shape[1]), int(k_cache.shape[3])
+        parts = 1
+        if rope is None:
+            group = int(q.shape[2])
+        else:
+            if q.dim() == 2:
+                q = q.unsqueeze(0)
+            parts = int(q.shape[0])
+            group = q.shape[2] // head_dim // n_kv_heads - 2
+            if q.shape[2] != (group + 2) * n_kv_heads * head_dim or rope[0].shape[-1] != head_dim:
+                raise ValueError(f"qkv {tuple(q.shape)} does not hold (G + 2) x {n_kv_heads} heads of {head_dim}, "
+                                 f"or the rotary tables {tuple(rope[0].shape)} are not [S, {head_dim}]")
+        bsz = q.shape[-2] if rope is not None else q.shape[0]
         check_head_dim(head_dim)
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
             raise ValueError("decode_attention needs caches contiguous in head_dim")
-        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        if k_cache.dtype != v_cache.dtype or (k_cache.dtype != q.dtype and (rope is None or q.dtype != torch.float32)):
             raise ValueError(f"decode_attention needs q and the caches in one dtype, got {q.dtype}, "
                              f"{k_cache.dtype}, {v_cache.dtype}")
         q = q.contiguous()
+        cos, sin = (c.contiguous() for c in rope) if rope is not None else (q, q)  # (unused without rope)
         group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
         block = block or block_n(head_dim)
         n_splits, chunk = split_plan(bsz, n_kv_heads, kv_len, block, target_programs, max_splits)
-        out = torch.empty((bsz, n_kv_heads, group, head_dim), dtype=q.dtype, device=q.device)
-        if n_splits == 1:  # one split per (row, head) fills the GPU: it writes the output, no combine
-            # a tensor of its own for the unused log-sum-exp argument: torch.compile functionalises a
-            # kernel's tensor arguments one by one and does not handle two that alias (a TODO in
-            # torch/_higher_order_ops/triton_kernel_wrap.py); `out` passed twice came back unwritten
-            unused_lse = torch.empty(1, dtype=torch.float32, device=q.device)
-            wrap_triton(_split_kernel)[(bsz, n_kv_heads, 1)](
-                q, k_cache, v_cache, lengths, out, unused_lse,
-                q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), chunk, scale * math.log2(math.e),
-                GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=block,
-                IEEE_DOT=q.dtype == torch.float32, FINAL=True, num_warps=num_warps, num_stages=num_stages,
-            )
-            return out
-        # flat partials of shape [B, Hkv, n_splits, G(, hd)]: flat, so a symbolic n_splits adds no guard
-        rows = bsz * n_kv_heads * n_splits * group
+        out = torch.empty((bsz, n_kv_heads, group, head_dim), dtype=k_cache.dtype, device=q.device)
+        single = n_splits == 1  # one split per (row, head) fills the GPU: it writes the output, no combine
+        # flat partials of shape [B, Hkv, n_splits, G(, hd)]: flat, so a symbolic n_splits adds no guard.
+        # With a single split the unused log-sum-exp argument still gets a tensor of its own: torch.compile
+        # functionalises a kernel's tensor arguments one by one and does not handle two that alias (a TODO
+        # in torch/_higher_order_ops/triton_kernel_wrap.py); `out` passed twice came back unwritten
+        rows = 1 if single else bsz * n_kv_heads * n_splits * group
         lse_part = torch.empty(rows, dtype=torch.float32, device=q.device)
-        o_part = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
+        o_part = out if single else torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
         wrap_triton(_split_kernel)[(bsz, n_kv_heads, n_splits)](
-            q, k_cache, v_cache, lengths, o_part, lse_part,
-            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), chunk, scale * math.log2(math.e),
+            q, k_cache, v_cache, lengths, o_part, lse_part, cos, sin,
+            q.stride(-2) if rope is not None else q.stride(0), group * head_dim, head_dim,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), cos.stride(0), q.stride(0) if parts > 1 else 0, chunk, scale * math.log2(math.e),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=block,
-            IEEE_DOT=q.dtype == torch.float32, FINAL=False, num_warps=num_warps, num_stages=num_stages,
+            IEEE_DOT=k_cache.dtype == torch.float32, FINAL=single, ROPE=rope is not None, PARTS=parts,
+            num_warps=num_warps, num_stages=num_stages,
         )
-        wrap_triton(_combine_kernel)[(bsz, n_kv_heads)](
-            o_part, lse_part, out, n_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, num_warps=4,
-        )
+        if not single:
+            wrap_triton(_combine_kernel)[(bsz, n_kv_heads)](
+                o_part, lse_part, out, n_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, num_warps=4,
+            )
         return out
 
     @triton_op("enginewright::decode_attention", mutates_args=())
     def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              lengths: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
         return _launch(q, k_cache, v_cache, lengths, kv_len, scale)
+
+    @triton_op("enginewright::decode_attention_rope", mutates_args=("k_cache", "v_cache"))
+    def _decode_attention_rope_op(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                                  k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                                  kv_len: int, scale: float) -> torch.Tensor:
+        return _launch(qkv, k_cache, v_cache, lengths, kv_len, scale, rope=(rope_cos, rope_sin))
 
 
 def triton_available() -> bool:
@@ -265,6 +326,25 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise RuntimeError("Triton (and torch >= 2.6) is needed for the Triton decode attention")
     check_head_dim(q.shape[-1])
     return torch.ops.enginewright.decode_attention(q, k_cache, v_cache, lengths, kv_len, scale)
+
+
+def decode_attention_rope(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, kv_len: int,
+                          scale: float) -> torch.Tensor:
+    """The decode step's rotary embedding, K/V cache write and attention in one kernel (two with the
+    combine), where the unfused step runs four small kernels before `decode_attention`.
+
+    qkv: [B, (H + 2 Hkv) hd], the step's q, k, v projections (bias added, no rotary yet), or their split-K
+    partial products [P, B, (H + 2 Hkv) hd] (float32), which the kernel sums;
+    rope_cos, rope_sin: [S, hd] tables indexed by position; row b's token is at position lengths[b] - 1:
+    its k (rotated) and v are written into k_cache/v_cache [maxB, Hkv, S, hd] there, and its rotated q
+    attends over positions [0, lengths[b]) -> [B, Hkv, G, hd]. Triton only (CUDA; CPU tensors under
+    TRITON_INTERPRET=1); `model.decode_step` runs the unfused ops elsewhere.
+    """
+    if triton is None:
+        raise RuntimeError("Triton (and torch >= 2.6) is needed for the Triton decode attention")
+    return torch.ops.enginewright.decode_attention_rope(qkv, rope_cos, rope_sin, k_cache, v_cache, lengths,
+                                                        kv_len, scale)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,

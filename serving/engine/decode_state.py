@@ -4,7 +4,7 @@
 to, `active[r]` 1 for a row that advances one position per step and 0 for a row that stays where it
 is (free or finished: it computes garbage into its own cache row at a position inside the cache,
 which nothing reads; the scheduler parks rows that stop launching at position 0). A decode step reads
-tokens and positions, then `advance` leaves each row's greedy next token in `tokens` and moves
+tokens and positions, then `advance` leaves each row's greedy next token (computed in the step) in `tokens` and moves
 `positions` on by `active`: inside the step's CUDA graph, so an in-flight step costs the host one
 replay and no copies (`EngineRunner.decode_inplace`, `scheduler.Scheduler`).
 
@@ -32,8 +32,9 @@ class DecodeState:
         for buf in (self.tokens, self.positions, self.active):
             buf.zero_()
 
-    def advance(self, logits: torch.Tensor) -> None:
-        """After the step of rows [0, len(logits)): their argmax becomes the next input, active rows move on."""
-        bsz = logits.shape[0]
-        self.tokens[:bsz].copy_(logits.argmax(dim=-1))
+    def advance(self, next_tokens: torch.Tensor) -> None:
+        """After the step of rows [0, len(next_tokens)): their greedy tokens become the next input, active
+        rows move on."""
+        bsz = next_tokens.shape[0]
+        self.tokens[:bsz].copy_(next_tokens)
         self.positions[:bsz].add_(self.active[:bsz])

@@ -100,7 +100,7 @@ class EngineRunner:
         if self.graphs is not None:
             return self.graphs.replay(b, kv_needed)
         logits = self.decode_fn(self.model, self.state.tokens[:b], self.state.positions[:b], kv_needed)
-        self.state.advance(logits)
+        self.state.advance(logits.argmax(dim=-1))
         return logits
 
     def _load_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:

@@ -218,6 +218,16 @@ def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -
     return torch.ops.enginewright.skinny_partials(x, weight, config.key())
 
 
+def skinny_linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`skinny_linear` left as its partial products [split, M, N] for a consumer that sums them itself
+    (the decode attention kernel); [1, M, N] where no tuned kernel fits, or with a bias."""
+    m, k = x.shape
+    config = config_for(m, weight.shape[0], k) if x.is_cuda and triton is not None and bias is None else None
+    if config is None or not config.fits(m, weight.shape[0], k):
+        return torch.nn.functional.linear(x, weight, bias).unsqueeze(0)
+    return skinny_partials(x, weight, config)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   config: GemmConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K]: the tuned Triton kernel when one fits (CUDA, M <= 64, a
@@ -228,5 +238,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if config is None or not config.fits(m, weight.shape[0], k):
         return torch.nn.functional.linear(x, weight, bias)
     parts = skinny_partials(x, weight, config)
-    out = parts[0] if config.split == 1 else parts.sum(0).to(x.dtype)
+    out = parts[0]
+    for i in range(1, config.split):  # adds, not parts.sum(0): inductor fuses pointwise adds into the
+        out = out + parts[i]  # consumer's kernel (a residual add + RMSNorm), a sum over dim 0 it ran alone
+    out = out.to(x.dtype)
     return out if bias is None else out + bias
