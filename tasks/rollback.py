@@ -43,13 +43,17 @@ def remove_leftovers(root: Path, name: str) -> list[str]:
 def converge(target: Target, name: str, version: int, timeout_s: float) -> None:
     """On one endpoint: router 100% to ``version``, ``version`` the only one served, other folders removed."""
     from serving.triton.operations import apply_router_weights, serve_versions
-    from serving.triton.repository import list_versions, remove_version
+    from serving.triton.repository import engine_decoupled, list_versions, remove_version
 
     control = target.control()
+    decoupled = engine_decoupled(target.model_repository, name)
     apply_router_weights(control, target.model_repository, name, {version: 100}, timeout_s=timeout_s)
     checkpoint(f"converge {target.url}: router -> {version}")
     serve_versions(control, target.model_repository, name, [version], timeout_s=timeout_s)
     checkpoint(f"converge {target.url}: served [{version}]")
+    if engine_decoupled(target.model_repository, name) != decoupled:  # served alone, it got its own settings back
+        apply_router_weights(control, target.model_repository, name, {version: 100}, timeout_s=timeout_s)
+        checkpoint(f"converge {target.url}: routers follow decoupled={not decoupled}")
     for other in list_versions(target.model_repository, name):
         if other != version:
             remove_version(target.model_repository, name, other)

@@ -21,12 +21,14 @@ import pytest
 from test_rollout_support import Load, assert_consistent, first_release, make_spec, publish, start_server
 from triton_support import TritonServers, make_tiny_engine
 
-from flows.promote import promote
+from flows.promote import StageFailed, promote
 from serving.triton.client import router_stats
 from serving.triton.repository import llm_model_config, stream_model_name
+from tasks.fault_injection import write_fault
 
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")
+httpclient = pytest.importorskip("tritonclient.http")
 NAME = "inflight"
 STEPS = [{"set_weight": 50}, {"analysis": {"requests": 8, "compare": None}}, {"set_weight": 100}]
 
@@ -123,5 +125,36 @@ def test_a_release_turns_in_flight_batching_on_under_load_and_streams_follow(tmp
         assert all(error is None and versions == {2} and tokens == 6 for error, versions, tokens in streams.results)
         stats = router_stats(proc.http_url, NAME)
         assert stats["cumulative"]["2"]["requests"] >= len(streams.results)
+    finally:
+        servers.stop_all()
+
+
+def test_a_failed_release_that_turned_decoupled_on_leaves_the_live_version_plain(tmp_path) -> None:
+    """The candidate brings `decoupled: "true"` and fails its warm-up: the rollback serves v1 alone with the
+    parameters it was staged with, so v1 is plain again (HTTP /infer works), and the streaming router the
+    release's parameters called for is gone."""
+    loader = {"engine_loader": "tasks.fault_injection:load_engine"}
+    for seed in (0, 1):
+        publish(tmp_path, NAME, make_tiny_engine(tmp_path / "engines", seed=seed))
+    servers = TritonServers(tmp_path)
+    try:
+        proc = start_server(servers, tmp_path / "repo")
+        plain = make_spec(tmp_path, NAME, [proc], steps=STEPS, engine_parameters=loader, concurrency=1)
+        first_release(plain)
+        write_fault(proc.model_repository, f"{NAME}_engine", 2, {"error_rate": 1.0})
+        inflight = make_spec(tmp_path, NAME, [proc], steps=STEPS, engine_parameters={**loader, "decoupled": "true"},
+                             concurrency=1)
+        with pytest.raises(StageFailed):
+            promote(inflight, "2")
+        assert_consistent(plain, 1)
+        assert "model_transaction_policy" not in llm_model_config(proc.model_repository, NAME)
+        assert not (proc.model_repository / stream_model_name(NAME)).exists()
+        loaded = httpclient.InferenceServerClient(proc.http_url.removeprefix("http://")).get_model_config(
+            f"{NAME}_engine")
+        assert not loaded.get("model_transaction_policy", {}).get("decoupled", False)
+        with Load([proc.http_url], NAME, concurrency=1) as load:  # plain /infer through the router
+            load.gen.wait_for(5, timeout_s=60)
+        records = load.gen.log.since(0)
+        assert records and all(r.ok and r.version == 1 for r in records), [r.error for r in records if not r.ok][:3]
     finally:
         servers.stop_all()

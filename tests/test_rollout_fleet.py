@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import tritonclient.http as httpclient
 from test_rollout_support import Load, assert_consistent, first_release, make_spec, publish, start_server
 from triton_support import TritonServers, make_tiny_engine
 
@@ -37,19 +38,26 @@ def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogC
     first_release(spec)
     assert_consistent(spec, 1)
     write_fault(procs[1].model_repository, f"{NAME}_engine", 2, {"fail_load": "injected on server 2 only"})
+    # the failing candidate also brings a parameter of its own, which the rollback must take back
+    parameters = {**spec.triton.engine_parameters, "stream_interval_ms": "7"}
+    failing = spec.model_copy(update={"triton": spec.triton.model_copy(update={"engine_parameters": parameters})})
     with Load([p.http_url for p in procs], NAME) as load:
         load.mark("before")
         load.gen.wait_for(20, timeout_s=60)
         load.mark("failed fleet promotion of v2")
         caplog.set_level(logging.INFO, logger="tasks.rollback")
         with pytest.raises(StageFailed, match="injected on server 2 only"):
-            promote(spec, "2")
+            promote(failing, "2")
         rolled_back = [r for r in caplog.records if "rolled back to version 1" in r.getMessage()]
         assert len(rolled_back) == len(procs)  # once per endpoint: the flow does not redo stage()'s rollback
         load.mark("after")
         load.gen.wait_for(20, timeout_s=60)
     print("\n" + load.table())
     assert_consistent(spec, 1)
+    for proc in procs:  # what each Triton has loaded: version 1 with its own parameters again
+        loaded = httpclient.InferenceServerClient(proc.http_url.removeprefix("http://")).get_model_config(
+            f"{NAME}_engine")
+        assert {k: v["string_value"] for k, v in loaded["parameters"].items()} == spec.triton.engine_parameters
     tags = mr.get_version_tags(spec.mlflow.tracking_uri, NAME, "2")
     assert tags["rollout"] == "failed" and "injected on server 2 only" in tags["rollout.reason"]
     records = load.gen.log.since(0)

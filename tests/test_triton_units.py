@@ -113,6 +113,32 @@ def test_stage_versions_layout_and_served(tmp_path: Path) -> None:
         repo_mod.set_served_versions(root, "m", [1])
 
 
+def test_a_version_served_alone_gets_the_settings_it_was_staged_with(tmp_path: Path) -> None:
+    """Triton's parameters are the model's: both versions run with the candidate's during a release, and a
+    rollback (the live version served alone) takes them back, so a parameter that broke the candidate's
+    load cannot break the live version's reload too."""
+    root = repo_mod.init_repository(tmp_path / "repo")
+    engine = fake_engine_dir(tmp_path)
+
+    def loaded() -> tuple[dict[str, str], int]:
+        cfg = parse_pbtxt((root / "m_engine" / "config.pbtxt").read_text())
+        return {k: v.string_value for k, v in cfg.parameters.items()}, cfg.dynamic_batching.default_queue_policy.max_queue_size
+
+    repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"warmup": "true"}, max_queue_size=9)
+    repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"decoupled": "true"},
+                                  max_queue_size=5)
+    repo_mod.set_served_versions(root, "m", [1, 2])
+    assert loaded() == ({"decoupled": "true"}, 5) and repo_mod.engine_decoupled(root, "m")
+    repo_mod.set_served_versions(root, "m", [1])  # rolled back
+    assert loaded() == ({"warmup": "true"}, 9) and not repo_mod.engine_decoupled(root, "m")
+    repo_mod.set_served_versions(root, "m", [2])  # finished instead
+    assert loaded() == ({"decoupled": "true"}, 5)
+    legacy = root / "m_engine" / "1" / repo_mod.VERSION_FILE  # staged before versions kept their settings
+    legacy.write_text(json.dumps({k: v for k, v in json.loads(legacy.read_text()).items() if k != "settings"}))
+    repo_mod.set_served_versions(root, "m", [1])
+    assert loaded() == ({"decoupled": "true"}, 5)  # the model's settings as they stand
+
+
 def test_stage_failure_mid_copy_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = repo_mod.init_repository(tmp_path / "repo")
     engine = fake_engine_dir(tmp_path)

@@ -216,7 +216,9 @@ def stage_engine_version(
         tmp.mkdir()
         shutil.copy2(MODELS_DIR / "llm.py", tmp / "model.py")
         _place_tree(engine_dir, tmp / "engine", link=link)
-        sidecar = {**summary, "source": str(engine_dir.resolve()), "staged_at": time.time()}
+        # the settings this version was staged with: served alone again (a rollback to it), it gets them back
+        sidecar = {**summary, "source": str(engine_dir.resolve()), "staged_at": time.time(),
+                   "settings": json.loads(json.dumps(settings))}
         (tmp / VERSION_FILE).write_text(json.dumps(sidecar, indent=2, sort_keys=True))
         try:
             os.rename(tmp, model_dir / str(version))
@@ -263,9 +265,18 @@ def llm_model_config(root: Path, name: str, versions: list[int] | None = None) -
 def set_served_versions(root: Path, name: str, versions: list[int]) -> dict[str, Any]:
     """Rewrite ``<name>_engine/config.pbtxt`` to serve exactly ``versions``; return the config dict.
 
-    Triton picks it up on the next ``load_model("<name>_engine")``.
+    Triton picks it up on the next ``load_model("<name>_engine")``. Settings (parameters, queue, device
+    kind) are the model's, not a version's, in Triton: while two versions are served they run with the
+    latest staged ones; one version served alone runs with those it was staged with, so a rollback also
+    takes back the candidate's parameters (a bad one could otherwise fail the live version's reload).
     """
     model_dir = _model_dir(root, name)
+    if len(versions) == 1:
+        own = _version_summary(model_dir, int(versions[0])).get("settings")  # absent: staged before they were kept
+        state = _read_state(model_dir)
+        if own is not None and own != state["settings"]:
+            state["settings"] = own
+            _write_state(model_dir, state)
     config = llm_model_config(root, name, list(versions))
     write_atomic(model_dir / "config.pbtxt", to_pbtxt(config))
     state = _read_state(model_dir)
