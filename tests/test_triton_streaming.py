@@ -27,9 +27,10 @@ def world(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("stream")
     engine_dir = make_tiny_engine(work, seed=0, max_batch_size=4)
     root = init_repository(work / "repo")
-    # decode_gemm: the llm passes it to load_engine (on the CPU "torch" is what "auto" picks anyway)
+    # decode_gemm, decode_attention: the llm passes them to load_engine (on the CPU "torch" and "matmul" are
+    # what "auto" picks anyway)
     stage_engine_version(root, "tiny", engine_dir, device_kind="cpu",
-                         parameters={"decoupled": "true", "decode_gemm": "torch"})
+                         parameters={"decoupled": "true", "decode_gemm": "torch", "decode_attention": "matmul"})
     servers = TritonServers(work)
     proc = servers.start(root)
     control = proc.control()

@@ -327,15 +327,18 @@ def _kwargs_loader(engine_dir: Path, **kwargs: str) -> None:
     raise RuntimeError(f"loader kwargs {kwargs}")
 
 
-@pytest.mark.parametrize(("value", "kwargs"), [(None, "{'device': 'cpu'}"),
-                                              ("Torch", "{'device': 'cpu', 'decode_gemm': 'torch'}")])
-def test_llm_passes_decode_gemm_to_the_loader_only_when_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                            value: str | None, kwargs: str) -> None:
-    """``decode_gemm`` (auto | triton | torch) reaches `load_engine`; unset, a custom loader gets no new argument."""
+@pytest.mark.parametrize(("given", "kwargs"), [
+    ({}, "{'device': 'cpu'}"),
+    ({"decode_gemm": "Torch"}, "{'device': 'cpu', 'decode_gemm': 'torch'}"),
+    ({"decode_attention": "matmul", "decode_gemm": ""}, "{'device': 'cpu', 'decode_attention': 'matmul'}"),
+])
+def test_llm_passes_decode_kernel_choices_to_the_loader_only_when_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                      given: dict[str, str], kwargs: str) -> None:
+    """``decode_gemm`` (auto | triton | torch) and ``decode_attention`` (auto | triton | matmul) reach
+    `load_engine`; unset or empty, a custom loader gets no new argument."""
     monkeypatch.setattr(llm_mod, "pb_utils", make_fake_pb_utils())
     params = {"engine_loader": {"string_value": "test_triton_units:_kwargs_loader"}}
-    if value:
-        params["decode_gemm"] = {"string_value": value}
+    params.update({name: {"string_value": value} for name, value in given.items()})
     args = {"model_name": "m_engine", "model_version": "1", "model_repository": str(tmp_path),
             "model_instance_kind": "CPU", "model_config": json.dumps({"parameters": params})}
     with pytest.raises(RuntimeError, match=re.escape(f"loader kwargs {kwargs}")):
@@ -442,7 +445,8 @@ def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("name, value", [("stream_interval_ms", "-5"), ("stream_interval_ms", "soon"),
                                          ("gil_switch_interval_ms", "0"), ("gil_switch_interval_ms", "inf"),
                                          ("idle_senders", "0"), ("idle_senders", "2.5"), ("idle_senders", "65"),
-                                         ("admit_gap_ms", "-1"), ("decode_gemm", "cublas")])
+                                         ("admit_gap_ms", "-1"), ("decode_gemm", "cublas"),
+                                         ("decode_attention", "flash")])
 def test_llm_config_refuses_a_bad_numeric_parameter_by_name(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
         llm_config("m_engine", versions=[1], max_batch_size=8, device_kind="KIND_CPU",

@@ -27,6 +27,13 @@ there is a single split, so a `torch.compile(dynamic=True)` step compiles twice 
 with one split, those with more), and each CUDA graph captures a fixed grid. The op is registered as `torch.ops.enginewright.decode_attention` (a `triton_op`), so it
 traces under `torch.compile(fullgraph=True)` and launches inside CUDA-graph capture (no host sync).
 
+`decode_attention_rope(qkv, rope_cos, rope_sin, k_cache, v_cache, lengths, kv_len, scale)` runs the same
+kernels on the step's qkv projection before the rotary embedding (or its split-K partial products,
+which the kernel sums): the split holding position `lengths[b] - 1` rotates the new k, writes k and v
+there, and folds that position in from registers; every program rotates q. Registered as
+`torch.ops.enginewright.decode_attention_rope`, mutating the caches (CUDA only; the decode step runs the
+separate rotary and cache-write ops elsewhere).
+
 Elsewhere (CPU, no Triton) `decode_attention_reference` runs: the masked matmul of
 `model.decode_step`, which reads the whole `[0, kv_len)` bucket.
 

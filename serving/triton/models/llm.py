@@ -291,8 +291,8 @@ class TritonPythonModel:
         started = time.monotonic()
         try:
             loader = resolve(params.get("engine_loader") or DEFAULT_ENGINE_LOADER)
-            gemm = choice(params, "decode_gemm")
-            runner = loader(engine_dir, device=device, **({"decode_gemm": gemm} if gemm else {}))
+            options = {name: value for name in ("decode_gemm", "decode_attention") if (value := choice(params, name))}
+            runner = loader(engine_dir, device=device, **options)
         except Exception as exc:
             raise RuntimeError(
                 f"[{self.model_name} v{self.version}] cannot load the engine in {engine_dir} on device "

@@ -52,6 +52,7 @@ def count(params: dict[str, str], name: str) -> int:
 # name -> the values it may take (unset or empty: the engine's default, "auto")
 CHOICE_PARAMETERS: dict[str, tuple[str, ...]] = {
     "decode_gemm": ("auto", "triton", "torch"),  # the decode step's GEMMs: Triton kernels or cuBLAS
+    "decode_attention": ("auto", "triton", "matmul"),  # the Triton attention (with the rotary fused) or matmuls
 }
 
 
