@@ -21,9 +21,10 @@ shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms).
 The replay writes into static buffers: the logits returned are a view that the next replay
 overwrites. Consume them (sample) before the next `step`.
 
-The inputs are the buffers of a `DecodeState` (the runner's), and each graph ends with its `advance` (the greedy tokens computed in the compiled step):
-`step` copies the caller's tokens and positions in first (`EngineRunner.generate`), `replay` uses the
-buffers as they stand (the in-flight scheduler, which keeps its rows' state there between steps).
+The inputs are the buffers of a `DecodeState` (the runner's), and each graph ends with its `advance`
+(to the greedy tokens the step computed): `step` copies the caller's tokens and positions in first
+(`EngineRunner.generate`), `replay` uses the buffers as they stand (the in-flight scheduler, which keeps
+its rows' state there between steps).
 Capturing a graph runs the step twice outside the capture; those runs would write K/V at the
 buffers' positions and advance the buffers, so the touched cache entries and the buffers are saved
 before and put back after each run: a lazy capture in the middle of serving changes nothing.
