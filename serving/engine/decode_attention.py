@@ -261,18 +261,17 @@ if triton is not None:
         rotary embedding, whose K/V the kernel rotates and writes into the caches at position
         lengths[b] - 1. The other keyword arguments are the tuning knobs (`sweep_decode_attention`)."""
         n_kv_heads, head_dim = int(k_cache.shape[1]), int(k_cache.shape[3])
-        parts = 1
         if rope is None:
             group = int(q.shape[2])
+            q = q.contiguous().view(1, q.shape[0], -1)  # one part of B rows, as the qkv layout below
         else:
             if q.dim() == 2:
                 q = q.unsqueeze(0)
-            parts = int(q.shape[0])
             group = q.shape[2] // head_dim // n_kv_heads - 2
             if q.shape[2] != (group + 2) * n_kv_heads * head_dim or rope[0].shape[-1] != head_dim:
                 raise ValueError(f"qkv {tuple(q.shape)} does not hold (G + 2) x {n_kv_heads} heads of {head_dim}, "
                                  f"or the rotary tables {tuple(rope[0].shape)} are not [S, {head_dim}]")
-        bsz = q.shape[-2] if rope is not None else q.shape[0]
+        parts, bsz = int(q.shape[0]), q.shape[1]  # q: [P, B, row] from here on
         check_head_dim(head_dim)
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
             raise ValueError("decode_attention needs caches contiguous in head_dim")
@@ -295,9 +294,9 @@ if triton is not None:
         o_part = out if single else torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
         wrap_triton(_split_kernel)[(bsz, n_kv_heads, n_splits)](
             q, k_cache, v_cache, lengths, o_part, lse_part, cos, sin,
-            q.stride(-2) if rope is not None else q.stride(0), group * head_dim, head_dim,
+            q.stride(1), group * head_dim, head_dim,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2), cos.stride(0), q.stride(0) if parts > 1 else 0, chunk, scale * math.log2(math.e),
+            v_cache.stride(2), cos.stride(0), q.stride(0), chunk, scale * math.log2(math.e),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=block,
             IEEE_DOT=k_cache.dtype == torch.float32, FINAL=single, ROPE=rope is not None, PARTS=parts,
             num_warps=num_warps, num_stages=num_stages,

@@ -384,24 +384,17 @@ def _rope_1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _linear_fn(gemm: str) -> LinearFn:
+def _linear_fn(gemm: str, *, parts: bool = False) -> LinearFn:
     """How the decode step multiplies by a weight: "torch" F.linear (cuBLAS, or inductor's fused
-    reductions), "triton" the tuned skinny Triton kernels where they beat cuBLAS (`skinny_gemm.TUNED`)."""
-    if gemm != "triton":
-        return torch_linear
-    from serving.engine.skinny_gemm import skinny_linear
-
-    return lambda module, x: skinny_linear(x, module.weight, getattr(module, "bias", None))
-
-
-def _linear_parts_fn(gemm: str) -> LinearFn:
-    """As `_linear_fn`, but the result as split-K partial products [P, B, N] for a consumer that sums them
+    reductions), "triton" the tuned skinny Triton kernels where they beat cuBLAS (`skinny_gemm.TUNED`).
+    With `parts`, the result is left as split-K partial products [P, B, N] for a consumer that sums them
     (P = 1 for F.linear)."""
     if gemm != "triton":
-        return lambda module, x: torch_linear(module, x).unsqueeze(0)
-    from serving.engine.skinny_gemm import skinny_linear_parts
+        return (lambda module, x: torch_linear(module, x).unsqueeze(0)) if parts else torch_linear
+    from serving.engine.skinny_gemm import skinny_linear, skinny_linear_parts
 
-    return lambda module, x: skinny_linear_parts(x, module.weight, getattr(module, "bias", None))
+    product = skinny_linear_parts if parts else skinny_linear
+    return lambda module, x: product(x, module.weight, getattr(module, "bias", None))
 
 
 def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
@@ -440,7 +433,7 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
         h = layer.attention_norm(x)
         cache = attn.kv_cache
         if rope_fused:  # the kernel sums the projection's split-K partials itself
-            qkv = _linear_parts_fn(gemm_impl)(attn.wqkv, h)  # [P, B, (H + 2 Hkv) hd]
+            qkv = _linear_fn(gemm_impl, parts=True)(attn.wqkv, h)  # [P, B, (H + 2 Hkv) hd]
             y = decode_attention_rope(qkv, model.rope_cos, model.rope_sin, cache.k_cache, cache.v_cache, lengths,
                                       kv_len, scale)
         else:
