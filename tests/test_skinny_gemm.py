@@ -108,6 +108,19 @@ def test_interpreter_kernels_match_f_linear(interpreter_bf16_dot, dtype, rows):
         assert err <= tol * max(1.0, want.abs().max().item()), (config.key(), err)
 
 
+def tuned_table(monkeypatch: pytest.MonkeyPatch, table: dict[tuple[int, int, int], str]) -> None:
+    """Serve `table` as the tuned configs: the lookup reads the copy parsed at import, so patching
+    `TUNED` alone changes nothing."""
+    monkeypatch.setattr(skinny_gemm, "TUNED", table)
+    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", {key: GemmConfig.parse(text) for key, text in table.items()})
+
+
+def test_a_patched_table_is_what_the_lookup_serves(monkeypatch):
+    tuned_table(monkeypatch, {(1, 3, 64): "gemv:n16:k16:s2:w4:st3"})
+    assert config_for(1, 3, 64) == GemmConfig("gemv", 16, 16, 2)
+    assert config_for(*next(iter(TUNED))) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
 @pytest.mark.parametrize("key", sorted(TUNED), ids=lambda k: f"rows{k[0]}-n{k[1]}-k{k[2]}")
@@ -143,9 +156,12 @@ def test_cuda_compiled_decode_step_with_kernels_matches_cublas(tmp_path, monkeyp
     for n, k in shapes:
         table[(1, n, k)] = GemmConfig("gemv", 16, 16, 2).key()
         table[(MAX_ROWS, n, k)] = GemmConfig("dot", 32, 16, 2).key()
-    monkeypatch.setattr(skinny_gemm, "TUNED", table)
+    tuned_table(monkeypatch, table)
     runners = {gemm: load_engine(info.path, device="cuda", decode_gemm=gemm) for gemm in ("triton", "torch")}
     assert runners["triton"].model.decode_gemm_impl == "triton"
+    launched = []
+    real_launch = skinny_gemm.launch
+    monkeypatch.setattr(skinny_gemm, "launch", lambda *args, **kw: launched.append(args[2]) or real_launch(*args, **kw))
     prompts = [[0, 5, 6, 7], [0, 9, 10, 11, 12, 13, 14, 15], [0, 100]]
     for bsz in (1, 3):
         logits = {}
@@ -160,3 +176,4 @@ def test_cuda_compiled_decode_step_with_kernels_matches_cublas(tmp_path, monkeyp
         assert err < 0.05 * max(logits["torch"].abs().max().item(), 1.0)
         greedy = [[g.token_ids for g in r.generate(prompts, max_new_tokens=8, logprobs=False)] for r in runners.values()]
         assert greedy[0][0][:2] == greedy[1][0][:2]
+    assert launched  # the kernels ran: not two cuBLAS runs compared with each other
