@@ -12,11 +12,13 @@ With `compile=True` (or "dynamic") the step is put under `torch.compile(dynamic=
 eager ones, so one compile (plus one for batch 1, which dynamo specialises) serves every bucket.
 `compile="static"` compiles each (batch bucket, KV bucket) for its exact shapes, with inductor's
 coordinate-descent tuning of the generated kernels: faster kernels, one compile per captured graph.
-`compile="auto"` (the runner's default) does that for batch 1 of models under 4 GB of weights, where
-inductor then fuses each matrix-vector product with its RMSNorm/SiLU neighbours into one tuned
-reduction kernel (Llama-1B shape on the H200: 1.00 vs 1.12 ms per step; at the 8B shape the same
-fusion was slower than cuBLAS, 5.06 vs 4.89 ms), and compiles every other bucket once with dynamic
-shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms).
+`compile="auto"` (the runner's default) does that for batch 1 at the first KV bucket of models under
+4 GB of weights, where inductor then fuses each matrix-vector product with its RMSNorm/SiLU neighbours
+into one tuned reduction kernel (Llama-1B shape on the H200: 1.00 vs 1.12 ms per step; at the 8B shape
+the same fusion was slower than cuBLAS, 5.06 vs 4.89 ms), and compiles every other graph with dynamic
+shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms). Batch 1 at longer
+contexts takes the dynamic compile too: a static compile per KV bucket, captured lazily while serving,
+would stall every stream for a whole compile. `warm_up` captures every graph whose capture compiles.
 
 The replay writes into static buffers: the logits returned are a view that the next replay
 overwrites. Consume them (sample) before the next `step`.
@@ -63,6 +65,27 @@ class _Saved:
     tokens: torch.Tensor
     positions: torch.Tensor
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer
+
+
+def single_row_static(bsz: int, kv_len: int, first_kv_bucket: int) -> bool:
+    """Whether the graph of (batch bucket, KV bucket) captures the static batch-1 compile ("auto").
+
+    Only at the first KV bucket: dynamo compiles a static step once per shape, so a graph of batch 1 at
+    another KV bucket, captured lazily while serving, would stall every stream for a whole inductor
+    compile. Those graphs take the dynamic compile, whose batch-1 variant serves every KV bucket."""
+    return bsz == 1 and kv_len == first_kv_bucket
+
+
+def graphs_to_warm(buckets: list[int], kv_buckets: list[int], single_static: bool) -> list[tuple[int, int]]:
+    """The (batch bucket, KV bucket) graphs to capture before serving, so that no capture while serving
+    compiles: every batch bucket at the first KV bucket and, next to a static batch-1 step, batch 1 at
+    the second KV bucket (the dynamic compile's batch-1 variant; dynamo specialises batch 1). Graphs of
+    further KV buckets replay compiled code: capturing one lazily takes tens of ms."""
+    first = kv_buckets[0]
+    out = [(bsz, first) for bsz in buckets]
+    if single_static and len(kv_buckets) > 1:
+        out.append((1, kv_buckets[1]))
+    return out
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -117,7 +140,7 @@ class DecodeGraphs:
     def _capture(self, bsz: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         started = time.perf_counter()
         tokens, pos = self.tokens[:bsz], self.input_pos[:bsz]
-        fn = self.fn_single if bsz == 1 else self.fn
+        fn = self.fn_single if single_row_static(bsz, kv_len, self.kv_bucket(1)) else self.fn
         kept = self._save(bsz)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -151,6 +174,15 @@ class DecodeGraphs:
             cache = layer.attention.kv_cache
             cache.k_cache[kept.rows, :, kept.positions] = k
             cache.v_cache[kept.rows, :, kept.positions] = v
+
+    def kv_buckets(self) -> list[int]:
+        return sorted({self.kv_bucket(kv) for kv in range(1, self.max_seq + 1, self.kv_block)} | {self.max_seq})
+
+    def warm_up(self) -> None:
+        """Capture every graph whose capture compiles (`graphs_to_warm`): after this, serving compiles
+        nothing."""
+        for bsz, kv_len in graphs_to_warm(self.buckets, self.kv_buckets(), self.fn_single is not self.fn):
+            self.prepare(bsz, kv_len)
 
     def prepare(self, bsz: int, kv_needed: int) -> None:
         """Capture the graph that a step of `bsz` rows needing `kv_needed` positions will replay."""

@@ -260,8 +260,7 @@ class EngineThread:
     def _warmup(self) -> None:
         graphs = getattr(self.runner, "graphs", None)
         if self.warmup and graphs is not None:
-            for bucket in graphs.buckets:
-                graphs.prepare(bucket, 1)
+            graphs.warm_up()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.scheduler is not None:

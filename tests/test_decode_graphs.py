@@ -1,0 +1,76 @@
+"""Which compile each decode graph captures, and that the load warm-up leaves serving nothing to compile
+(serving/engine/cuda_graphs.py).
+
+- CPU: the warm-up policy against every graph a serving engine can capture; the dynamo behaviour that
+  policy rests on (a static step compiles once per KV length, the dynamic step once for batch 1 and once
+  for the rest), with the engine's own step functions.
+- CUDA (`gpu`): after `warm_up`, batch 1 and batch 3 at a second KV bucket capture without compiling.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
+from serving.engine.cuda_graphs import _decode_step_single, batch_buckets, graphs_to_warm, single_row_static
+from serving.engine.model import decode_step_greedy
+from tasks.tiny_model import make_tiny_model
+
+
+def compile_of(bsz: int, kv_len: int, first_kv: int) -> tuple:
+    """The compiled code a graph replays: the static batch-1 step per KV bucket, else the dynamic step's
+    batch-1 or shared variant."""
+    return ("static", kv_len) if single_row_static(bsz, kv_len, first_kv) else ("dynamic", bsz == 1)
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 8, 64])
+@pytest.mark.parametrize("kv_buckets", [[256], [256, 512], [256, 512, 768, 1024, 1100]])
+def test_the_warm_up_compiles_everything_serving_can_capture(max_batch_size, kv_buckets):
+    buckets = batch_buckets(max_batch_size)
+    warmed = {compile_of(b, kv, kv_buckets[0]) for b, kv in graphs_to_warm(buckets, kv_buckets, single_static=True)}
+    reachable = {compile_of(b, kv, kv_buckets[0]) for b in buckets for kv in kv_buckets}
+    assert reachable <= warmed, f"compiled while serving: {sorted(reachable - warmed, key=str)}"
+    assert single_row_static(1, kv_buckets[0], kv_buckets[0]) and not single_row_static(2, kv_buckets[0], kv_buckets[0])
+    if len(kv_buckets) > 1:
+        assert not single_row_static(1, kv_buckets[1], kv_buckets[0])  # once per bucket would compile mid-serving
+
+
+def test_static_steps_compile_per_kv_length_and_dynamic_ones_do_not(tmp_path):
+    """What the policy rests on, with the step functions DecodeGraphs compiles (backend "eager": dynamo's
+    guards and recompiles are the same as under inductor)."""
+    ckpt = convert_checkpoint(make_tiny_model(tmp_path / "hf"), tmp_path / "ckpt", dtype="float32")
+    info = build_engine(ckpt, tmp_path / "engine", limits=EngineLimits(dtype="float32", max_batch_size=4,
+                                                                     max_input_len=64, max_seq_len=512))
+    model = load_engine(info.path, device="cpu").model
+    compiled = {"static": torch.compile(_decode_step_single, dynamic=False, fullgraph=True, backend="eager"),
+                "dynamic": torch.compile(decode_step_greedy, dynamic=True, fullgraph=True, backend="eager")}
+    frames = {}
+    for name, step in compiled.items():
+        torch._dynamo.reset()
+        counters.clear()
+        for bsz in (1, 2):
+            for kv_len in (128, 256, 384):
+                step(model, torch.zeros(bsz, dtype=torch.long), torch.full((bsz,), 5), kv_len)
+        frames[name] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert frames == {"static": 6, "dynamic": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_after_the_warm_up_a_longer_context_compiles_nothing(tmp_path):
+    ckpt = convert_checkpoint(make_tiny_model(tmp_path / "hf"), tmp_path / "ckpt", dtype="bfloat16")
+    info = build_engine(ckpt, tmp_path / "engine", limits=EngineLimits(dtype="bfloat16", max_batch_size=4,
+                                                                     max_input_len=64, max_seq_len=512))
+    runner = load_engine(info.path, device="cuda")
+    runner.compile_decode()
+    assert runner.graphs.kv_buckets() == [256, 512]
+    runner.graphs.warm_up()
+    counters.clear()
+    for bsz in (1, 3):
+        runner.prefill([[0, 5, 6, 7]] * bsz, range(bsz))
+        runner.decode(torch.full((bsz,), 5, device="cuda"), torch.full((bsz,), 300, device="cuda"), 301)
+    assert counters["stats"]["unique_graphs"] == 0
+    assert {(1, 512), (4, 512)} <= set(runner.graphs.graphs)
