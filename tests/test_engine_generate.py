@@ -99,6 +99,15 @@ def test_greedy_without_logprobs_decodes_in_place_to_the_same_tokens(runner):
     assert ids(runner.generate(PROMPTS[1:2], max_new_tokens=12, logprobs=False)) == ids(sampled[1:2])
 
 
+def test_prefill_warm_up_runs_its_shapes_and_changes_no_output(runner):
+    """The load's cold prefills (a full batch of short prompts, the longest prompt, two unequal ones)
+    write only free cache rows: generation after them is what it was."""
+    before = ids(runner.generate(PROMPTS[:2], max_new_tokens=6))
+    ran = runner.warm_up_prefill(typical_len=16)
+    assert ran == [(LIMITS.max_batch_size, 16 * LIMITS.max_batch_size), (1, LIMITS.max_input_len), (2, 8 + 16)]
+    assert ids(runner.generate(PROMPTS[:2], max_new_tokens=6)) == before
+
+
 def test_max_new_tokens_exact(runner):
     for n in (1, 2, 7):
         gens = runner.generate(PROMPTS, max_new_tokens=n)

@@ -22,8 +22,8 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
-  step, ~30-50 s more at load on an H200), ``warmup`` ("false" to skip capturing graphs at load),
-  ``gil_switch_interval_ms`` (default 0.5: how long another Python thread, such as the one running
+  step, ~30-50 s more at load on an H200), ``warmup`` ("false" to skip capturing graphs and running
+  the first, cold prefills at load), ``gil_switch_interval_ms`` (default 0.5: how long another Python thread, such as the one running
   ``execute``, may hold the GIL while the engine thread waits for it),
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
   first and the final response are never held back; see ``outbox``), ``idle_senders`` (default 1:
@@ -212,6 +212,7 @@ class EngineThread:
         self.device_id = device_id
         self.compile_decode = compile_decode
         self.warmup = warmup
+        self.prefill_warm = False
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.scheduler: Any = None
@@ -258,9 +259,14 @@ class EngineThread:
         self.scheduler.run_forever()
 
     def _warmup(self) -> None:
+        if not self.warmup:
+            return
         graphs = getattr(self.runner, "graphs", None)
-        if self.warmup and graphs is not None:
+        if graphs is not None:
             graphs.warm_up()
+        if not self.prefill_warm:
+            self.runner.warm_up_prefill()
+            self.prefill_warm = True
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.scheduler is not None:
