@@ -28,10 +28,17 @@ def test_two_variants_measured_in_turn_with_their_counters(tmp_path: Path) -> No
         routed = figures["via_stream_router"]  # the same clients again, through the release's streaming router
         assert figures["n_errors"] == 0 and routed["n_errors"] == 0, (figures["errors"], routed["errors"])
         assert figures["output_tokens"] == routed["output_tokens"] == expected and routed["over_direct"] > 0
+        # one untimed warm-up request per client before each run, kept apart from the timed figures
+        for run in (figures, routed):
+            assert run["warmup"]["requests"] == clients and run["warmup"]["output_tokens"] == clients * gen_len
+            assert run["requests"] == clients * per_client
+        warmed = 2 * clients * gen_len
         # the llm's counters, read at its unload, cover both runs; every response it sent reached a client
-        assert figures["counters"]["scheduler"]["tokens"] == 2 * expected
-        assert figures["counters"]["outbox"]["tokens"] == 2 * expected
-        assert figures["counters"]["outbox"]["responses"] == figures["responses"] + routed["responses"]
+        assert figures["counters"]["scheduler"]["tokens"] == 2 * expected + warmed
+        assert figures["counters"]["outbox"]["tokens"] == 2 * expected + warmed
+        assert figures["counters"]["outbox"]["responses"] == (figures["responses"] + routed["responses"]
+                                                              + figures["warmup"]["responses"]
+                                                              + routed["warmup"]["responses"])
         assert figures["ttft_ms_p50"] > 0 and figures["tpot_ms_p50"] > 0
     assert report["variants"]["paced"]["parameters"]["stream_interval_ms"] == "40"
     assert report["variants"]["paced"]["parameters"]["idle_senders"] == "3"

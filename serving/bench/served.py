@@ -109,8 +109,10 @@ def model_counters(triton_log: Path, model: str) -> dict[str, dict[str, float]]:
 def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: int, requests_per_client: int,
                 prompt_len: int, gen_len: int, vocab: int, get_timeout_s: float) -> None:
     """`clients` streaming client processes started together; fills `figures` with the served figures
-    and raw samples. Interrupted (SIGTERM from a time limit), it fills them from the requests done so
-    far, marked ``partial``, stops the clients and re-raises."""
+    and raw samples of the timed requests, after a warm-up round of one request per client (the offline
+    figures leave their warm-up out too), whose figures go under ``warmup``. Interrupted (SIGTERM from a
+    time limit), it fills them from the requests done so far, marked ``partial``, stops the clients and
+    re-raises."""
     rng = random.Random(0)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -120,8 +122,9 @@ def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: 
     records: list[dict[str, Any]] = []
     try:
         for _ in range(clients):
-            prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(requests_per_client)]
-            p = ctx.Process(target=stream_client, args=(grpc_url, prompts, gen_len, out, barrier, model))
+            warmup, *prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)]
+                                for _ in range(requests_per_client + 1)]
+            p = ctx.Process(target=stream_client, args=(grpc_url, prompts, gen_len, out, barrier, model, warmup))
             p.start()
             procs.append(p)
         finished = 0
@@ -134,11 +137,20 @@ def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: 
         for p in procs:
             p.join(30)
     except BaseException as exc:
-        figures.update(summarize(records), partial=True, interrupted=f"{type(exc).__name__}: {exc}")
+        _fill(figures, records)
+        figures.update(partial=True, interrupted=f"{type(exc).__name__}: {exc}")
         for p in procs:
             p.terminate()
         raise
-    figures.update(summarize(records), clients_spawned_s=time.perf_counter() - started)
+    _fill(figures, records)
+    figures["clients_spawned_s"] = time.perf_counter() - started
+
+
+def _fill(figures: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """The timed requests' figures, and the warm-up round's (without samples) under ``warmup``."""
+    warm = [r for r in records if r.get("warmup")]
+    figures.update(summarize([r for r in records if not r.get("warmup")]))
+    figures["warmup"] = {k: v for k, v in summarize(warm).items() if k != "samples"}
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

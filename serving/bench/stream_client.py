@@ -1,10 +1,13 @@
 """One streaming gRPC client of the served benchmark (a spawned process: imports no torch).
 
-`stream_client` opens one stream to Triton, waits at the barrier so that every client starts together,
-sends its prompts one after the other (`stream=True`) and puts each request's record on `out` (as a
-one-item list) as soon as it is done: send time, the arrival time and token count of every response
-(a response carries one token, or several when the server fell behind), and an error if any. `None`
-on `out` means the client has finished.
+`stream_client` opens one stream to Triton and waits at the barrier, so that every client starts
+together. With `warmup`, every client first sends that one prompt and the clients wait for each other
+again: the round is the served counterpart of the offline benchmark's warm-up `generate`, which its
+timing leaves out too. Then each client sends its prompts one after the other (`stream=True`) and puts
+each request's record on `out` (as a one-item list) as soon as it is done: send time, the arrival time
+and token count of every response (a response carries one token, or several when the server fell
+behind), an error if any, and `warmup: True` on the warm-up's record. `None` on `out` means the client
+has finished.
 """
 
 from __future__ import annotations
@@ -16,9 +19,37 @@ from typing import Any
 MODEL = "bench"
 
 
-def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, barrier: Any = None,
-                  model: str = MODEL + "_engine") -> None:
+def _request(client: Any, events: queue.Queue, model: str, prompt: list[int], gen_len: int) -> dict[str, Any]:
+    """Send one streaming request and wait for its final response: its record."""
     import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, arr, dt in (("input_ids", np.asarray([prompt], dtype=np.int32), "INT32"),
+                          ("max_tokens", np.asarray([[gen_len]], dtype=np.int32), "INT32"),
+                          ("stream", np.asarray([[True]], dtype=bool), "BOOL")):
+        t = grpcclient.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    sent = time.perf_counter()
+    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    stamps, error = [], None
+    while True:
+        at, result, err = events.get(timeout=600)
+        if err is not None:
+            error = str(err)
+            break
+        resp = result.get_response()
+        ids = result.as_numpy("output_ids")
+        if ids is not None and ids.size:
+            stamps.append((at, int(ids.size)))
+        if resp.parameters["triton_final_response"].bool_param:
+            break
+    return {"sent": sent, "stamps": stamps, "error": error}
+
+
+def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, barrier: Any = None,
+                  model: str = MODEL + "_engine", warmup: list[int] | None = None) -> None:
     import tritonclient.grpc as grpcclient
 
     events: queue.Queue = queue.Queue()
@@ -27,29 +58,12 @@ def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, ba
     try:
         if barrier is not None:  # every client connected and imported before the first request
             barrier.wait(timeout=300)
+        if warmup is not None:
+            out.put([{**_request(client, events, model, warmup, gen_len), "warmup": True}])
+            if barrier is not None:  # the timed requests start together, after every warm-up
+                barrier.wait(timeout=600)
         for prompt in prompts:
-            inputs = []
-            for name, arr, dt in (("input_ids", np.asarray([prompt], dtype=np.int32), "INT32"),
-                                  ("max_tokens", np.asarray([[gen_len]], dtype=np.int32), "INT32"),
-                                  ("stream", np.asarray([[True]], dtype=bool), "BOOL")):
-                t = grpcclient.InferInput(name, list(arr.shape), dt)
-                t.set_data_from_numpy(arr)
-                inputs.append(t)
-            sent = time.perf_counter()
-            client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-            stamps, error = [], None
-            while True:
-                at, result, err = events.get(timeout=600)
-                if err is not None:
-                    error = str(err)
-                    break
-                resp = result.get_response()
-                ids = result.as_numpy("output_ids")
-                if ids is not None and ids.size:
-                    stamps.append((at, int(ids.size)))
-                if resp.parameters["triton_final_response"].bool_param:
-                    break
-            out.put([{"sent": sent, "stamps": stamps, "error": error}])
+            out.put([_request(client, events, model, prompt, gen_len)])
     except Exception as exc:  # noqa: BLE001 - reported, never a hang of the parent
         out.put([{"sent": time.perf_counter(), "stamps": [], "error": f"{type(exc).__name__}: {exc}"}])
     finally:
