@@ -85,7 +85,7 @@ if [ "${SKIP_PARITY:-0}" != 1 ]; then
   log "parity rc=$?"
 fi
 if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
-  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_engine_gpu.py tests/test_decode_attention.py \
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_engine_gpu.py tests/test_decode_attention.py tests/test_decode_graphs.py \
     -k "${GPU_TESTS_K:-not parity}" >"$OUT/gpu-tests.log" 2>&1
   log "gpu tests rc=$?: $(tail -n 1 "$OUT/gpu-tests.log")"
 fi
