@@ -176,6 +176,7 @@ class DecodeGraphs:
             cache.v_cache[kept.rows, :, kept.positions] = v
 
     def kv_buckets(self) -> list[int]:
+        """Every KV bucket a graph can be captured at, ascending."""
         return sorted({self.kv_bucket(kv) for kv in range(1, self.max_seq + 1, self.kv_block)} | {self.max_seq})
 
     def warm_up(self) -> None:

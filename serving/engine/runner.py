@@ -123,11 +123,11 @@ class EngineRunner:
     def warm_up_prefill(self, typical_len: int = 128) -> list[tuple[int, int]]:
         """Run, before serving, the prefills a first burst of requests would run cold: a full batch of
         `typical_len`-token prompts, one prompt of `max_input_len` tokens, and two of unequal lengths
-        (the per-prompt attention path). On a GPU each kernel's first call loads it, and the first large batch grows the allocator: in a
-        fresh process (a Triton model load starts one), the first 64 requests of the served benchmark
-        waited about 150 ms more for their first token than the rest. Writes only cache rows, which are
-        free before serving (a prefill rewrites a row before anything reads it). Returns the (prompts,
-        tokens) of each prefill run."""
+        (the per-prompt attention path). On a GPU each kernel's first call loads it, and the first large
+        batch grows the allocator: in a fresh process (a Triton model load starts one), the first 64
+        requests of the served benchmark waited about 150 ms more for their first token than the rest.
+        Writes only cache rows, which are free before serving (a prefill rewrites a row before anything
+        reads it). Returns the (prompts, tokens) of each prefill run."""
         lim = self.info.limits
         short = max(1, min(typical_len, lim.max_input_len))
         shapes = [[short] * lim.max_batch_size, [lim.max_input_len], [max(1, short // 2), short]]

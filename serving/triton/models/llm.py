@@ -23,8 +23,8 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
   step, ~30-50 s more at load on an H200), ``warmup`` ("false" to skip capturing graphs and running
-  the first, cold prefills at load), ``gil_switch_interval_ms`` (default 0.5: how long another Python thread, such as the one running
-  ``execute``, may hold the GIL while the engine thread waits for it),
+  the first, cold prefills at load), ``gil_switch_interval_ms`` (default 0.5: how long another Python
+  thread, such as the one running ``execute``, may hold the GIL while the engine thread waits for it),
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
   first and the final response are never held back; see ``outbox``), ``idle_senders`` (default 1:
   how many threads send at once while the engine is idle, such as the final responses of requests
