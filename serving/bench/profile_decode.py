@@ -88,12 +88,13 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     for name, (us, _) in per_kernel.items():
         kinds[kernel_kind(name)] += us
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:14]
+    per_step = round(sum(n for _, n in per_kernel.values()))
     return {"variant": variant, "batch": batch, "context": context, "setup_s": round(setup_s, 1),
             "step_ms": step_ms, "kernel_ms": sum(kinds.values()) / 1e3,
-            "kernels_per_step": round(sum(n for _, n in per_kernel.values())),
+            "kernels_per_step": per_step,
             "by_kind_ms": {k: round(v / 1e3, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top": [(name[:90], round(us, 1), round(n, 1)) for name, (us, n) in top],
-            "first_step": first_step_kernels(kernels, round(sum(n for _, n in per_kernel.values())))}
+            "first_step": first_step_kernels(kernels, per_step)}
 
 
 def first_step_kernels(kernels: list[Any], per_step: int) -> list[tuple[str, float]]:

@@ -177,7 +177,7 @@ class DecodeGraphs:
 
     def kv_buckets(self) -> list[int]:
         """Every KV bucket a graph can be captured at, ascending."""
-        return sorted({self.kv_bucket(kv) for kv in range(1, self.max_seq + 1, self.kv_block)} | {self.max_seq})
+        return [self.kv_bucket(kv) for kv in range(1, self.max_seq + 1, self.kv_block)]  # the last is max_seq
 
     def warm_up(self) -> None:
         """Capture every graph whose capture compiles (`graphs_to_warm`): after this, serving compiles

@@ -5,8 +5,8 @@ to, `active[r]` 1 for a row that advances one position per step and 0 for a row 
 is (free or finished: it computes garbage into its own cache row at a position inside the cache,
 which nothing reads; the scheduler parks rows that stop launching at position 0). A decode step reads
 tokens and positions, then `advance` leaves each row's greedy next token (computed in the step) in
-`tokens` and moves `positions` on by `active`: inside the step's CUDA graph, so an in-flight step costs the host one
-replay and no copies (`EngineRunner.decode_inplace`, `scheduler.Scheduler`).
+`tokens` and moves `positions` on by `active`: inside the step's CUDA graph, so an in-flight step
+costs the host one replay and no copies (`EngineRunner.decode_inplace`, `scheduler.Scheduler`).
 
 Imports: torch only.
 """

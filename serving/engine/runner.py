@@ -129,14 +129,13 @@ class EngineRunner:
         Writes only cache rows, which are free before serving (a prefill rewrites a row before anything
         reads it). Returns the (prompts, tokens) of each prefill run."""
         lim = self.info.limits
-        short = max(1, min(typical_len, lim.max_input_len))
+        short = min(typical_len, lim.max_input_len)
         shapes = [[short] * lim.max_batch_size, [lim.max_input_len], [max(1, short // 2), short]]
         ran = []
         for lengths in shapes:
-            lengths = lengths[:max(1, lim.max_batch_size)]
-            prompts = [[1] * n for n in lengths]
-            self.prefill(prompts, range(len(prompts))).argmax(dim=-1)
-            ran.append((len(prompts), sum(lengths)))
+            prompts = [[1] * n for n in lengths[:lim.max_batch_size]]
+            self.prefill(prompts, range(len(prompts))).argmax(dim=-1)  # and the scheduler's pick from the logits
+            ran.append((len(prompts), sum(map(len, prompts))))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return ran

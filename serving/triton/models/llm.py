@@ -212,7 +212,6 @@ class EngineThread:
         self.device_id = device_id
         self.compile_decode = compile_decode
         self.warmup = warmup
-        self.prefill_warm = False
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.scheduler: Any = None
@@ -238,14 +237,16 @@ class EngineThread:
             if self.compile_decode and getattr(self.runner, "graphs", None) is not None:
                 try:
                     self.runner.compile_decode()
-                    self._warmup()
+                    self._warm_graphs()
                 except Exception as exc:  # noqa: BLE001 - serve with the eager graphs rather than not at all
                     self.log.error(f"compiled decode failed, using eager CUDA graphs: {type(exc).__name__}: {exc}")
                     from serving.engine.cuda_graphs import DecodeGraphs
 
                     self.runner.graphs = DecodeGraphs(self.runner.model, state=self.runner.state)
                     self.compile_decode = False
-            self._warmup()
+            self._warm_graphs()  # the eager graphs (no compile, or its fallback); nothing left after a compile
+            if self.warmup:
+                self.runner.warm_up_prefill()
             graphs = getattr(self.runner, "graphs", None)
             self.scheduler = Scheduler(self.runner, on_error=self.log.error, while_waiting=self.while_waiting,
                                        drain=self.drain, admit_gap_s=self.admit_gap_s)
@@ -258,15 +259,10 @@ class EngineThread:
         self.ready.set()
         self.scheduler.run_forever()
 
-    def _warmup(self) -> None:
-        if not self.warmup:
-            return
+    def _warm_graphs(self) -> None:
         graphs = getattr(self.runner, "graphs", None)
-        if graphs is not None:
+        if self.warmup and graphs is not None:
             graphs.warm_up()
-        if not self.prefill_warm:
-            self.runner.warm_up_prefill()
-            self.prefill_warm = True
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.scheduler is not None:
