@@ -112,6 +112,9 @@ def start_mlflow_server(
         MLFLOW_WEBHOOK_ALLOWED_SCHEMES="http,https",
         MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS="true",
         MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY=_fernet_key(),
+        # MLflow's job runner (GenAI evaluation, scorers) is not used here, and each server it runs in
+        # leaves a huey store folder in /dev/shm that nothing removes (mlflow/server/__init__.py, 3.17)
+        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
     )
     child_env.update(env or {})
     cmd = [

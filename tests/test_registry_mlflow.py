@@ -182,3 +182,19 @@ def test_ui_link_and_ui_served(mlflow_server) -> None:  # noqa: F811
     )
     with urllib.request.urlopen(mlflow_server.ui_base + "/", timeout=10) as resp:
         assert resp.status == 200 and b"<html" in resp.read(4096).lower()
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_a_stopped_test_server_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
+    from services import start_mlflow_server, stop_mlflow_server
+
+    before = set(Path("/dev/shm").iterdir())
+    server = start_mlflow_server(tmp_path / "server")
+    try:
+        with urllib.request.urlopen(f"{server.tracking_uri}/health", timeout=5) as resp:
+            assert resp.status == 200
+    finally:
+        stop_mlflow_server(server)
+    # folders only (MLflow's job store is one): other tests' servers may map shared-memory files meanwhile
+    left = sorted(str(p) for p in set(Path("/dev/shm").iterdir()) - before if p.is_dir())
+    assert left == [], f"the mlflow server left {left} in /dev/shm"
