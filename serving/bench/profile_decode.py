@@ -5,10 +5,13 @@ graph, timed by CUDA events and profiled kernel by kernel (torch.profiler over g
 prints, per variant, the step time against the step's byte floor (weights + filled KV at the copy
 bandwidth measured in the same run), the GPU time summed over kernels (the rest is launch gaps),
 and the kernels by total time grouped as GEMM / attention / fused (inductor) / other.
-A variant is `<compile>[+<attention>][+skinny][+unfused]`: compile in {eager, dynamic, static}, attention
-in {matmul, triton} (`serving.engine.decode_attention`), `skinny` for the tuned Triton GEMMs
+A variant is `<compile>[+<attention>][+skinny][+unfused][+pdl]`: compile in {eager, dynamic, static},
+attention in {matmul, triton} (`serving.engine.decode_attention`), `skinny` for the tuned Triton GEMMs
 (`serving.engine.skinny_gemm`; cuBLAS without it), `unfused` for the rotary embedding and K/V write in
-their own kernels rather than in the Triton attention kernel. Needs CUDA.
+their own kernels rather than in the Triton attention kernel, `pdl` for inductor's programmatic
+dependent launch (`torch._inductor.config.triton.enable_pdl`, Hopper and later: each generated kernel
+may start while its predecessor finishes, and waits for it before reading its output). Each variant
+compiles afresh. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "cutlass", "nvjet", "sm90", "c
          ("attention", ("decode_attention", "_split_kernel", "_combine_kernel", "flash", "attn", "bmm")),
          ("fused", ("triton_",)),
          ("copy", ("copy", "memcpy", "memset", "index", "scatter")))
+
+
+VARIANT_PARTS = ("triton", "matmul", "skinny", "unfused", "pdl")
 
 
 def kernel_kind(name: str) -> str:
@@ -52,17 +58,20 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     from serving.engine.cuda_graphs import DecodeGraphs
 
     compile_mode, *parts = variant.split("+")
-    unknown = set(parts) - {"triton", "matmul", "skinny", "unfused"}
+    unknown = set(parts) - set(VARIANT_PARTS)
     if unknown:
-        raise ValueError(f"variant {variant!r}: unknown parts {sorted(unknown)} (triton, matmul, skinny, unfused)")
+        raise ValueError(f"variant {variant!r}: unknown parts {sorted(unknown)} ({', '.join(VARIANT_PARTS)})")
     model.decode_attention_impl = "triton" if "triton" in parts else "matmul"
     model.decode_rope_fused = "unfused" not in parts
     model.decode_gemm_impl = "triton" if "skinny" in parts else "torch"
     t0 = time.perf_counter()
-    graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode)
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
-    graphs.step(tokens, pos, context + 1)
+    settings = {"triton.enable_pdl": True} if "pdl" in parts else {}
+    with torch._inductor.config.patch(settings):  # the first step compiles and captures
+        torch._dynamo.reset()
+        graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode)
+        graphs.step(tokens, pos, context + 1)
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - t0
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
