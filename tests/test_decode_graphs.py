@@ -4,7 +4,9 @@
 - CPU: the warm-up policy against every graph a serving engine can capture; the dynamo behaviour that
   policy rests on (a static step compiles once per KV length, the dynamic step once for batch 1 and once
   for the rest), with the engine's own step functions.
-- CUDA (`gpu`): after `warm_up`, batch 1 and batch 3 at a second KV bucket capture without compiling.
+- CPU: the programmatic-dependent-launch switch names an inductor setting this torch has.
+- CUDA (`gpu`): after `warm_up`, batch 1 and batch 3 at a second KV bucket capture without compiling;
+  the step compiled with programmatic dependent launch computes what it computes without.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import torch
 from torch._dynamo.utils import counters
 
 from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
-from serving.engine.cuda_graphs import _decode_step_single, batch_buckets, graphs_to_warm, single_row_static
+from serving.engine.cuda_graphs import (
+    _decode_step_single,
+    batch_buckets,
+    compile_options,
+    graphs_to_warm,
+    single_row_static,
+)
 from serving.engine.model import decode_step_greedy
 from tasks.tiny_model import make_tiny_model
 
@@ -74,3 +82,29 @@ def test_cuda_after_the_warm_up_a_longer_context_compiles_nothing(tmp_path):
         runner.decode(torch.full((bsz,), 5, device="cuda"), torch.full((bsz,), 300, device="cuda"), 301)
     assert counters["stats"]["unique_graphs"] == 0
     assert {(1, 512), (4, 512)} <= set(runner.graphs.graphs)
+
+
+def test_pdl_is_an_inductor_setting_this_torch_has():
+    assert compile_options(False) == {}
+    with torch._inductor.config.patch(compile_options(True)):  # an unknown name raises AttributeError
+        assert torch._inductor.config.triton.enable_pdl is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_the_step_with_pdl_decodes_as_without(tmp_path):
+    ckpt = convert_checkpoint(make_tiny_model(tmp_path / "hf"), tmp_path / "ckpt", dtype="bfloat16")
+    info = build_engine(ckpt, tmp_path / "engine", limits=EngineLimits(dtype="bfloat16", max_batch_size=4,
+                                                                     max_input_len=64, max_seq_len=512))
+    logits = []
+    for pdl in (False, True):
+        torch._dynamo.reset()
+        runner = load_engine(info.path, device="cuda")
+        runner.compile_decode(pdl=pdl)
+        for bsz in (1, 3):
+            runner.prefill([[0, 5, 6, 7]] * bsz, range(bsz))
+            step = runner.decode(torch.full((bsz,), 5, device="cuda"), torch.full((bsz,), 4, device="cuda"), 5)
+            logits.append(step.float().cpu().clone())
+    for plain, with_pdl in zip(logits[:2], logits[2:]):  # coordinate-descent tuning may pick other tiles
+        err = (plain - with_pdl).abs().max().item()
+        assert err < 0.02 * max(plain.abs().max().item(), 1.0), f"max abs error {err}"

@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     off.add_argument("--no-check", action="store_true", help="skip the logits/greedy check against HF")
     off.add_argument("--gemm-variants", default="", help="the compiled step again with these decode GEMMs "
                      "(comma list of torch|triton|auto), e.g. torch for cuBLAS beside the default")
+    off.add_argument("--pdl", action="store_true", help="the compiled step again with programmatic dependent "
+                     "launch (engine-compiled-pdl; Hopper and later)")
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--deadline-s", type=float, default=1e9, help="skip cells starting after this many seconds")
     off.add_argument("--out", type=Path, default=Path("bench-offline.json"), help="JSON written after each cell")
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             shapes=tuple(args.shapes.split(",")), workloads=_pairs(args.workloads), batch_sizes=_ints(args.batch_sizes),
             peers=tuple(p for p in args.peers.split(",") if p), peer_workloads=_pairs(args.peer_workloads),
             compiled=not args.no_compiled, repeats=args.repeats, deadline_s=args.deadline_s, check=not args.no_check,
-            gemm_variants=tuple(g for g in args.gemm_variants.split(",") if g),
+            gemm_variants=tuple(g for g in args.gemm_variants.split(",") if g), pdl_variant=args.pdl,
         )
         report = run_offline(cfg, out_json=args.out)
         print(render_table(report))

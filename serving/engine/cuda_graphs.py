@@ -19,6 +19,9 @@ the same fusion was slower than cuBLAS, 5.06 vs 4.89 ms), and compiles every oth
 shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms). Batch 1 at longer
 contexts takes the dynamic compile too: a static compile per KV bucket, captured lazily while serving,
 would stall every stream for a whole compile. `warm_up` captures every graph whose capture compiles.
+`pdl=True` has inductor generate programmatic dependent launch (Hopper and later): each generated
+kernel may start while its predecessor finishes, and waits for it before reading what it wrote. It is
+meant for the per-kernel ramp and tail that dominate a small model's step; not yet measured.
 
 The replay writes into static buffers: the logits returned are a view that the next replay
 overwrites. Consume them (sample) before the next `step`.
@@ -96,11 +99,17 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return sorted(set(out))
 
 
+def compile_options(pdl: bool) -> dict[str, bool]:
+    """Inductor settings of the compiled step beyond its tuning: programmatic dependent launch or none."""
+    return {"triton.enable_pdl": True} if pdl else {}
+
+
 class DecodeGraphs:
     """Lazily captured CUDA graphs of the decode step over the static KV cache of `model`."""
 
     def __init__(self, model: Transformer, *, kv_block: int = DEFAULT_KV_BLOCK, compile: bool | str = False,
-                 state: DecodeState | None = None, log: Callable[[str], None] | None = None) -> None:
+                 state: DecodeState | None = None, log: Callable[[str], None] | None = None,
+                 pdl: bool = False) -> None:
         self.model = model
         self.kv_block = kv_block
         self.max_batch = model.max_batch_size
@@ -117,13 +126,14 @@ class DecodeGraphs:
         if compile == "auto" and weight_bytes >= SINGLE_ROW_FUSION_MAX_BYTES:
             compile = "dynamic"
         static = dynamic = None
+        inductor = compile_options(pdl)
         if compile in ("static", "auto"):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
             # a code object of its own: dynamo caches per code object, so the two compiles do not mix
             static = torch.compile(_decode_step_single, dynamic=False, fullgraph=True,
-                                   options={"coordinate_descent_tuning": True})
+                                   options={"coordinate_descent_tuning": True, **inductor})
         if compile in (True, "dynamic", "auto"):
-            dynamic = torch.compile(decode_step_greedy, dynamic=True, fullgraph=True)
+            dynamic = torch.compile(decode_step_greedy, dynamic=True, fullgraph=True, options=inductor or None)
         self.fn: StepFn = dynamic or static or decode_step_greedy
         self.fn_single: StepFn = static or self.fn  # the step of batch bucket 1
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

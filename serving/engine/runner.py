@@ -72,15 +72,16 @@ class EngineRunner:
             self.graphs = DecodeGraphs(model, state=self.state)
 
     # -- setup ------------------------------------------------------------------------------
-    def compile_decode(self, mode: str = "auto", **compile_kwargs) -> None:
+    def compile_decode(self, mode: str = "auto", *, pdl: bool = False, **compile_kwargs) -> None:
         """Compile the decode step: on CUDA, graphs of the torch.compile'd step (`mode` "dynamic": one
         compile for all buckets; "static": one per bucket, tuned; "auto": batch 1 static, the rest
-        dynamic; see `DecodeGraphs`); on the CPU,
+        dynamic; `pdl`: with programmatic dependent launch; see `DecodeGraphs`); on the CPU,
         torch.compile(decode_step, dynamic=True, fullgraph=True)."""
         if self.graphs is not None:
             from serving.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, compile=mode, state=self.state)
+            self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, compile=mode, state=self.state,
+                                       pdl=pdl)
             return
         kwargs = {"dynamic": True, "fullgraph": True, **compile_kwargs}
         self.decode_fn = torch.compile(decode_step, **kwargs)

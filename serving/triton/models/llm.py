@@ -22,7 +22,8 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
-  step, ~30-50 s more at load on an H200), ``warmup`` ("false" to skip capturing graphs and running
+  step, ~30-50 s more at load on an H200), ``decode_pdl`` ("true": that step with programmatic dependent
+  launch, `serving.engine.cuda_graphs`; not yet measured), ``warmup`` ("false" to skip capturing graphs and running
   the first, cold prefills at load), ``gil_switch_interval_ms`` (default 0.5: how long another Python
   thread, such as the one running ``execute``, may hold the GIL while the engine thread waits for it),
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
@@ -203,8 +204,10 @@ class EngineThread:
 
     def __init__(self, runner: Any, log: Log, *, device_id: int | None, compile_decode: bool,
                  warmup: bool, while_waiting: Callable[[], bool] | None = None,
-                 drain: Callable[[], None] | None = None, admit_gap_s: float = 0.0) -> None:
+                 drain: Callable[[], None] | None = None, admit_gap_s: float = 0.0,
+                 decode_pdl: bool = False) -> None:
         self.runner = runner
+        self.decode_pdl = decode_pdl
         self.admit_gap_s = admit_gap_s
         self.while_waiting = while_waiting
         self.drain = drain
@@ -236,7 +239,7 @@ class EngineThread:
             started = time.monotonic()
             if self.compile_decode and getattr(self.runner, "graphs", None) is not None:
                 try:
-                    self.runner.compile_decode()
+                    self.runner.compile_decode(pdl=self.decode_pdl)
                     self._warm_graphs()
                 except Exception as exc:  # noqa: BLE001 - serve with the eager graphs rather than not at all
                     self.log.error(f"compiled decode failed, using eager CUDA graphs: {type(exc).__name__}: {exc}")
@@ -251,7 +254,8 @@ class EngineThread:
             self.scheduler = Scheduler(self.runner, on_error=self.log.error, while_waiting=self.while_waiting,
                                        drain=self.drain, admit_gap_s=self.admit_gap_s)
             self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
-                          f"{self.compile_decode}, graphs={'yes' if graphs is not None else 'no'})")
+                          f"{self.compile_decode}, decode_pdl={self.decode_pdl}, "
+                          f"graphs={'yes' if graphs is not None else 'no'})")
         except BaseException as exc:  # noqa: BLE001 - carried back to initialize
             self.error = exc
             self.ready.set()
@@ -316,7 +320,8 @@ class TritonPythonModel:
                                               compile_decode=truthy(params.get("compile_decode")),
                                               warmup=params.get("warmup", "true") != "false",
                                               while_waiting=self.outbox.send_next, drain=self.outbox.drain,
-                                              admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3)
+                                              admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3,
+                                              decode_pdl=truthy(params.get("decode_pdl")))
             try:
                 self.engine_thread.start()
             except BaseException as exc:
