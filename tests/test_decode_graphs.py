@@ -66,13 +66,17 @@ def test_static_steps_compile_per_kv_length_and_dynamic_ones_do_not(tmp_path):
     assert frames == {"static": 6, "dynamic": 2}
 
 
+def tiny_bf16_engine(tmp_path):
+    """A tiny bf16 engine of 4 slots, 64-token prompts and 512 positions (two KV buckets); its path."""
+    ckpt = convert_checkpoint(make_tiny_model(tmp_path / "hf"), tmp_path / "ckpt", dtype="bfloat16")
+    return build_engine(ckpt, tmp_path / "engine", limits=EngineLimits(dtype="bfloat16", max_batch_size=4,
+                                                                     max_input_len=64, max_seq_len=512)).path
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_after_the_warm_up_a_longer_context_compiles_nothing(tmp_path):
-    ckpt = convert_checkpoint(make_tiny_model(tmp_path / "hf"), tmp_path / "ckpt", dtype="bfloat16")
-    info = build_engine(ckpt, tmp_path / "engine", limits=EngineLimits(dtype="bfloat16", max_batch_size=4,
-                                                                     max_input_len=64, max_seq_len=512))
-    runner = load_engine(info.path, device="cuda")
+    runner = load_engine(tiny_bf16_engine(tmp_path), device="cuda")
     runner.compile_decode()
     assert runner.graphs.kv_buckets() == [256, 512]
     runner.graphs.warm_up()
@@ -93,13 +97,11 @@ def test_pdl_is_an_inductor_setting_this_torch_has():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_the_step_with_pdl_decodes_as_without(tmp_path):
-    ckpt = convert_checkpoint(make_tiny_model(tmp_path / "hf"), tmp_path / "ckpt", dtype="bfloat16")
-    info = build_engine(ckpt, tmp_path / "engine", limits=EngineLimits(dtype="bfloat16", max_batch_size=4,
-                                                                     max_input_len=64, max_seq_len=512))
+    path = tiny_bf16_engine(tmp_path)
     logits = []
     for pdl in (False, True):
         torch._dynamo.reset()
-        runner = load_engine(info.path, device="cuda")
+        runner = load_engine(path, device="cuda")
         runner.compile_decode(pdl=pdl)
         for bsz in (1, 3):
             runner.prefill([[0, 5, 6, 7]] * bsz, range(bsz))
