@@ -20,6 +20,7 @@ from serving.triton.errors import ConfigError, RepositoryError, TritonStartError
 from serving.triton.install import locate_triton
 from serving.triton.model_configs import llm_config, router_config
 from serving.triton.models import llm as llm_mod
+from serving.triton.models import params as params_mod
 from serving.triton.models import router as router_mod
 from serving.triton.models.requests import BatchItem, RequestError, check_limits, parse_request, plan_batches
 from serving.triton.models.routing import RouterStats, WeightsError, choose_version, parse_weights
@@ -446,11 +447,21 @@ def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> 
                                          ("gil_switch_interval_ms", "0"), ("gil_switch_interval_ms", "inf"),
                                          ("idle_senders", "0"), ("idle_senders", "2.5"), ("idle_senders", "65"),
                                          ("admit_gap_ms", "-1"), ("decode_gemm", "cublas"),
-                                         ("decode_attention", "flash")])
+                                         ("decode_attention", "flash"), ("compile_decode", "ture"),
+                                         ("warmup", "maybe"), ("decode_pdl", "2"), ("decoupled", "yes please")])
 def test_llm_config_refuses_a_bad_numeric_parameter_by_name(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
         llm_config("m_engine", versions=[1], max_batch_size=8, device_kind="KIND_CPU",
                    parameters={"decoupled": "true", name: value})
+
+
+@pytest.mark.parametrize("raw, default, value", [(None, True, True), ("", False, False), ("off", True, False),
+                                                 ("False", True, False), ("0", True, False), ("On", False, True),
+                                                 (" yes ", False, True)])
+def test_boolean_parameters_read_the_same_words_everywhere(raw: str | None, default: bool, value: bool) -> None:
+    name = "warmup" if default else "compile_decode"
+    assert params_mod.BOOLEAN_PARAMETERS[name] is default
+    assert params_mod.flag({} if raw is None else {name: raw}, name) is value
 
 
 def test_llm_config_keeps_good_millisecond_parameters() -> None:

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from serving.triton.models.outbox import Outbox
-from serving.triton.models.params import check_parameters, choice, count, milliseconds, truthy
+from serving.triton.models.params import check_parameters, choice, count, flag, milliseconds, truthy
 from serving.triton.models.requests import (
     BatchItem,
     LlmRequest,
@@ -317,11 +317,11 @@ class TritonPythonModel:
                                  idle_senders=count(params, "idle_senders"))
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
-                                              compile_decode=truthy(params.get("compile_decode")),
-                                              warmup=params.get("warmup", "true") != "false",
+                                              compile_decode=flag(params, "compile_decode"),
+                                              warmup=flag(params, "warmup"),
                                               while_waiting=self.outbox.send_next, drain=self.outbox.drain,
                                               admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3,
-                                              decode_pdl=truthy(params.get("decode_pdl")))
+                                              decode_pdl=flag(params, "decode_pdl"))
             try:
                 self.engine_thread.start()
             except BaseException as exc:

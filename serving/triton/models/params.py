@@ -1,5 +1,5 @@
-"""The ``llm`` model's numeric and choice config parameters, read the same way when a config is written
-(so a bad value fails at staging, naming it) and when the model loads inside Triton.
+"""The ``llm`` model's boolean, numeric and choice config parameters, read the same way when a config is
+written (so a bad value fails at staging, naming it) and when the model loads inside Triton.
 
 Imports: stdlib only.
 """
@@ -18,9 +18,30 @@ COUNT_PARAMETERS: dict[str, tuple[int, int, int]] = {
 }
 
 
+# name -> default when unset or empty
+BOOLEAN_PARAMETERS: dict[str, bool] = {
+    "decoupled": False,
+    "compile_decode": False,
+    "decode_pdl": False,
+    "warmup": True,
+}
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
 def truthy(value: str | None) -> bool:
     """A boolean parameter's value: "1", "true", "yes" or "on" (any case) is true."""
-    return str(value or "").strip().lower() in ("1", "true", "yes", "on")
+    return str(value or "").strip().lower() in TRUE_WORDS
+
+
+def flag(params: dict[str, str], name: str) -> bool:
+    """The value of one of `BOOLEAN_PARAMETERS` (its default when unset or empty)."""
+    raw = str(params.get(name) or "").strip().lower()
+    if not raw:
+        return BOOLEAN_PARAMETERS[name]
+    if raw not in TRUE_WORDS + FALSE_WORDS:
+        raise ValueError(f"parameter {name}={params.get(name)!r} must be true or false (or 1/0, yes/no, on/off)")
+    return raw in TRUE_WORDS
 
 
 def milliseconds(params: dict[str, str], name: str) -> float:
@@ -65,7 +86,9 @@ def choice(params: dict[str, str], name: str) -> str | None:
 
 
 def check_parameters(params: dict[str, str]) -> None:
-    """Raise ValueError naming the first numeric or choice parameter whose value is not valid."""
+    """Raise ValueError naming the first boolean, numeric or choice parameter whose value is not valid."""
+    for name in BOOLEAN_PARAMETERS:
+        flag(params, name)
     for name in MILLISECOND_PARAMETERS:
         milliseconds(params, name)
     for name in COUNT_PARAMETERS:
