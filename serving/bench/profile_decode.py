@@ -55,7 +55,7 @@ def random_model(shape: str, *, batch: int, max_seq: int, dtype: torch.dtype = t
 
 def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_block: int, replays: int = 50
                     ) -> dict[str, Any]:
-    from serving.engine.cuda_graphs import DecodeGraphs
+    from serving.engine.cuda_graphs import DecodeGraphs, compile_options
 
     compile_mode, *parts = variant.split("+")
     unknown = set(parts) - set(VARIANT_PARTS)
@@ -67,8 +67,7 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     t0 = time.perf_counter()
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
-    settings = {"triton.enable_pdl": True} if "pdl" in parts else {}
-    with torch._inductor.config.patch(settings):  # the first step compiles and captures
+    with torch._inductor.config.patch(compile_options("pdl" in parts)):  # the first step compiles and captures
         torch._dynamo.reset()
         graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode)
         graphs.step(tokens, pos, context + 1)
