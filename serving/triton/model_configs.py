@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from serving.triton.errors import ConfigError
-from serving.triton.models.params import check_parameters, truthy
+from serving.triton.models.params import check_parameters, flag
 from serving.triton.models.routing import dump_weights
 
 ROUTER_MAX_BATCH_SIZE = 64
@@ -81,7 +81,7 @@ def llm_config(
         check_parameters(parameters or {})
     except ValueError as exc:
         raise ConfigError(f"model {model_name!r}: {exc}") from exc
-    decoupled = truthy((parameters or {}).get("decoupled"))
+    decoupled = flag(parameters or {}, "decoupled")
     config: dict[str, Any] = {
         "name": model_name,
         "backend": "python",

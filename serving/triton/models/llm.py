@@ -22,10 +22,11 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
-  step, ~30-50 s more at load on an H200), ``decode_pdl`` ("true": that step with programmatic dependent
-  launch, `serving.engine.cuda_graphs`; not yet measured), ``warmup`` ("false" to skip capturing graphs and running
-  the first, cold prefills at load), ``gil_switch_interval_ms`` (default 0.5: how long another Python
-  thread, such as the one running ``execute``, may hold the GIL while the engine thread waits for it),
+  step, ~30-50 s more at load on an H200), ``decode_pdl`` ("true": that step with programmatic
+  dependent launch, `serving.engine.cuda_graphs`; not yet measured), ``warmup`` ("false" to skip
+  capturing graphs and running the first, cold prefills at load), ``gil_switch_interval_ms`` (default
+  0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
+  engine thread waits for it),
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
   first and the final response are never held back; see ``outbox``), ``idle_senders`` (default 1:
   how many threads send at once while the engine is idle, such as the final responses of requests
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from serving.triton.models.outbox import Outbox
-from serving.triton.models.params import check_parameters, choice, count, flag, milliseconds, truthy
+from serving.triton.models.params import check_parameters, choice, count, flag, milliseconds
 from serving.triton.models.requests import (
     BatchItem,
     LlmRequest,
@@ -305,7 +306,7 @@ class TritonPythonModel:
             ) from exc
         self.host = EngineHost(runner, engine_dir, self.log)
         uses_decoupled = getattr(pb_utils, "using_decoupled_model_transaction_policy", None)
-        self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else truthy(params.get("decoupled"))
+        self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else flag(params, "decoupled")
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
         if self.decoupled:
