@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -255,6 +256,29 @@ def test_interpreter_rope_variant_rotates_writes_and_attends(interpreter_bf16_do
         assert torch.equal(got_cache[shape[0]:], want_cache[shape[0]:])  # rows past the batch untouched
 
 
+def attend_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                input_pos: torch.Tensor, kv_len: int, pdl: bool = False) -> torch.Tensor:
+    return decode_attention_rope(qkv * 1.0, cos, sin, k_cache, v_cache, input_pos + 1, kv_len,
+                                 k_cache.shape[-1] ** -0.5, pdl=pdl)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+def test_interpreter_pdl_variant_compiled_writes_the_caches_and_attends(interpreter_bf16_dot):
+    """The PDL variant is an opaque custom op (serving/engine/pdl.py): under torch.compile its fake
+    implementation must give the real output's shape and dtype, and its cache writes must reach the
+    caller's caches. The interpreter runs the kernels without the grid-dependency instructions."""
+    torch._dynamo.reset()
+    compiled = torch.compile(partial(attend_rope, pdl=True), backend="aot_eager", fullgraph=True, dynamic=True)
+    scale = 64 ** -0.5
+    for bsz, kv_len in ((1, 40), (3, 17)):
+        qkv, cos, sin, k_cache, v_cache, lengths = make_rope_inputs(bsz, 2, 4, 64, kv_len, torch.float32)
+        k_want, v_want = k_cache.clone(), v_cache.clone()
+        want = unfused_rope_attention(qkv, cos, sin, k_want, v_want, lengths, kv_len, scale)
+        assert_close(compiled(qkv, cos, sin, k_cache, v_cache, lengths - 1, kv_len), want, torch.float32)
+        assert_close(k_cache, k_want, torch.float32)
+        assert_close(v_cache, v_want, torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA
 
@@ -305,20 +329,20 @@ def test_cuda_under_torch_compile(dtype):
     assert counter.frame_count <= 3, f"{counter.frame_count} compiles"
 
 
-def attend_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-    return decode_attention_rope(qkv * 1.0, cos, sin, k_cache, v_cache, input_pos + 1, kv_len,
-                                 k_cache.shape[-1] ** -0.5)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_rope_variant_compiled_and_in_a_graph_writes_the_caches(dtype):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cuda_rope_variant_compiled_and_in_a_graph_writes_the_caches(dtype, pdl):
     """Under torch.compile the op's cache writes are functionalised: they must land in the caches the
-    caller holds (not in a copy), and inside a CUDA graph on every replay."""
+    caller holds (not in a copy), and inside a CUDA graph on every replay; launched with programmatic
+    dependent launch too (each replay's inputs are written by the kernels just before it)."""
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
     torch._dynamo.reset()
-    compiled = torch.compile(attend_rope, fullgraph=True, dynamic=True)
+    compiled = torch.compile(partial(attend_rope, pdl=pdl), fullgraph=True, dynamic=True)
     scale = 64 ** -0.5
     for bsz, kv_len in ((1, 256), (8, 512), (64, 256)):
         qkv, cos, sin, k_cache, v_cache, lengths = make_rope_inputs(bsz, 8, 4, 64, kv_len, dtype, device="cuda")

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -108,6 +109,23 @@ def test_interpreter_kernels_match_f_linear(interpreter_bf16_dot, dtype, rows):
         assert err <= tol * max(1.0, want.abs().max().item()), (config.key(), err)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("config", [GemmConfig("dot", 32, 64, 1), GemmConfig("dot", 16, 64, 4)], ids=GemmConfig.key)
+def test_interpreter_pdl_variant_is_the_same_product_eagerly_and_compiled(interpreter_bf16_dot, config):
+    """The PDL variant is an opaque custom op (serving/engine/pdl.py): its fake implementation must give
+    the real output's shape and dtype under torch.compile. The interpreter runs the kernels without the
+    grid-dependency instructions."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 256, generator=gen)
+    w = torch.randn(96, 256, generator=gen) * 0.05
+    want = skinny_gemm.skinny_partials(x, w, config)
+    torch._dynamo.reset()
+    compiled = torch.compile(partial(skinny_gemm.skinny_partials, pdl=True), backend="aot_eager", fullgraph=True)
+    for got in (skinny_gemm.skinny_partials(x, w, config, pdl=True), compiled(x * 1.0, w, config)):
+        assert got.dtype == want.dtype and got.shape == want.shape == (config.split, 5, 96)
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
 def tuned_table(monkeypatch: pytest.MonkeyPatch, table: dict[tuple[int, int, int], str]) -> None:
     """Serve `table` as the tuned configs: the lookup reads the copy parsed at import, so patching
     `TUNED` alone changes nothing."""
@@ -177,3 +195,34 @@ def test_cuda_compiled_decode_step_with_kernels_matches_cublas(tmp_path, monkeyp
         greedy = [[g.token_ids for g in r.generate(prompts, max_new_tokens=8, logprobs=False)] for r in runners.values()]
         assert greedy[0][0][:2] == greedy[1][0][:2]
     assert launched  # the kernels ran: not two cuBLAS runs compared with each other
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+def test_cuda_pdl_kernels_in_a_graph_wait_for_the_kernel_before():
+    """GEMM kernels back to back in a CUDA graph, each reading what the one before wrote, launched with
+    programmatic dependent launch: on every replay, bit for bit the products of launching them plainly.
+    A kernel that read its input before its wait would see the previous replay's values."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(2048, 2048, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
+    config = GemmConfig("dot", 64, 128, 1)  # one K slice: each product is the next one's input as it is
+    x = torch.zeros(64, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        y = x
+        for _ in range(4):
+            y = skinny_gemm.skinny_partials(y, w, config, pdl=pdl)[0]
+        return y
+
+    chain(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for seed in range(3):
+        x.copy_(torch.randn(64, 2048, device="cuda", generator=gen.manual_seed(seed)))
+        graph.replay()
+        want = chain(False)
+        assert want.abs().max() > 0.1
+        assert torch.equal(out, want), (out.float() - want.float()).abs().max()

@@ -8,10 +8,10 @@ and the kernels by total time grouped as GEMM / attention / fused (inductor) / o
 A variant is `<compile>[+<attention>][+skinny][+unfused][+pdl]`: compile in {eager, dynamic, static},
 attention in {matmul, triton} (`serving.engine.decode_attention`), `skinny` for the tuned Triton GEMMs
 (`serving.engine.skinny_gemm`; cuBLAS without it), `unfused` for the rotary embedding and K/V write in
-their own kernels rather than in the Triton attention kernel, `pdl` for inductor's programmatic
-dependent launch (`torch._inductor.config.triton.enable_pdl`, Hopper and later: each generated kernel
-may start while its predecessor finishes, and waits for it before reading its output). Each variant
-compiles afresh. Needs CUDA.
+their own kernels rather than in the Triton attention kernel, `pdl` for programmatic dependent launch
+(`DecodeGraphs(pdl=True)`: inductor's kernels and the step's own Triton kernels, Hopper and later; each
+kernel may start while its predecessor finishes, and waits for it before reading its output). Each
+variant compiles afresh. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def random_model(shape: str, *, batch: int, max_seq: int, dtype: torch.dtype = t
 
 def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_block: int, replays: int = 50
                     ) -> dict[str, Any]:
-    from serving.engine.cuda_graphs import DecodeGraphs, compile_options
+    from serving.engine.cuda_graphs import DecodeGraphs
 
     compile_mode, *parts = variant.split("+")
     unknown = set(parts) - set(VARIANT_PARTS)
@@ -67,10 +67,10 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     t0 = time.perf_counter()
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
-    with torch._inductor.config.patch(compile_options("pdl" in parts)):  # the first step compiles and captures
-        torch._dynamo.reset()
-        graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode)
-        graphs.step(tokens, pos, context + 1)
+    torch._dynamo.reset()
+    graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode,
+                          pdl="pdl" in parts)
+    graphs.step(tokens, pos, context + 1)  # compiles and captures
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - t0
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -19,9 +19,11 @@ the same fusion was slower than cuBLAS, 5.06 vs 4.89 ms), and compiles every oth
 shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms). Batch 1 at longer
 contexts takes the dynamic compile too: a static compile per KV bucket, captured lazily while serving,
 would stall every stream for a whole compile. `warm_up` captures every graph whose capture compiles.
-`pdl=True` has inductor generate programmatic dependent launch (Hopper and later): each generated
-kernel may start while its predecessor finishes, and waits for it before reading what it wrote. It is
-meant for the per-kernel ramp and tail that dominate a small model's step; not yet measured.
+`pdl=True` launches the step's kernels with programmatic dependent launch (Hopper and later; ignored
+elsewhere): inductor generates it for its kernels, and the step's own Triton kernels (skinny GEMMs,
+attention) take their PDL variants (`serving.engine.pdl`). Each kernel may then start while its
+predecessor finishes, and waits for it before reading what it wrote: it takes off part of the
+per-kernel ramp and tail that dominate a small model's step.
 
 The replay writes into static buffers: the logits returned are a view that the next replay
 overwrites. Consume them (sample) before the next `step`.
@@ -42,22 +44,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from serving.engine.decode_state import DecodeState
 from serving.engine.model import Transformer, decode_step_greedy
+from serving.engine.pdl import supported as pdl_supported
 
 StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (model, tokens, positions, kv_len) -> (logits, greedy)
 DEFAULT_KV_BLOCK = 256
 SINGLE_ROW_FUSION_MAX_BYTES = 4 * 10**9  # "auto": batch 1 compiled static only below this (see above)
 
 
-def _decode_step_single(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_step_single(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
+                        pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     # F.linear, so that inductor fuses each matrix-vector product with its neighbours (the point of the
     # static batch-1 compile); an opaque Triton GEMM would stop that fusion
-    return decode_step_greedy(model, tokens, input_pos, kv_len, gemm="torch")
+    return decode_step_greedy(model, tokens, input_pos, kv_len, gemm="torch", pdl=pdl)
 
 
 @dataclass
@@ -126,15 +130,19 @@ class DecodeGraphs:
         if compile == "auto" and weight_bytes >= SINGLE_ROW_FUSION_MAX_BYTES:
             compile = "dynamic"
         static = dynamic = None
-        inductor = compile_options(pdl)
+        self.pdl = pdl and pdl_supported(dev)
+        inductor = compile_options(self.pdl)
+        step, step_single = decode_step_greedy, _decode_step_single
+        if self.pdl:
+            step, step_single = partial(decode_step_greedy, pdl=True), partial(_decode_step_single, pdl=True)
         if compile in ("static", "auto"):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
             # a code object of its own: dynamo caches per code object, so the two compiles do not mix
-            static = torch.compile(_decode_step_single, dynamic=False, fullgraph=True,
+            static = torch.compile(step_single, dynamic=False, fullgraph=True,
                                    options={"coordinate_descent_tuning": True, **inductor})
         if compile in (True, "dynamic", "auto"):
-            dynamic = torch.compile(decode_step_greedy, dynamic=True, fullgraph=True, options=inductor or None)
-        self.fn: StepFn = dynamic or static or decode_step_greedy
+            dynamic = torch.compile(step, dynamic=True, fullgraph=True, options=inductor or None)
+        self.fn: StepFn = dynamic or static or step
         self.fn_single: StepFn = static or self.fn  # the step of batch bucket 1
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()

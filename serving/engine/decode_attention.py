@@ -55,7 +55,9 @@ from serving.engine.cuda_timing import graph_time_us
 try:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+    from torch.library import triton_op
+
+    from serving.engine.pdl import gdc, gdc_enter, kernel_for, launch_options
 except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
@@ -138,7 +140,9 @@ if triton is not None:
                       stride_vb, stride_vh, stride_vs, stride_rope, stride_part, chunk, qk_scale,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK: tl.constexpr, IEEE_DOT: tl.constexpr, FINAL: tl.constexpr, ROPE: tl.constexpr,
-                      PARTS: tl.constexpr):
+                      PARTS: tl.constexpr, GDC: tl.constexpr):
+        if GDC:
+            gdc_enter()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         s = tl.program_id(2)
@@ -223,7 +227,9 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, n_splits,
-                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, GDC: tl.constexpr):
+        if GDC:
+            gdc_enter()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         n_heads = tl.num_programs(1)
@@ -255,11 +261,13 @@ if triton is not None:
     def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                 kv_len: int, scale: float, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 block: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                target_programs: int = TARGET_PROGRAMS, max_splits: int = MAX_SPLITS) -> torch.Tensor:
+                target_programs: int = TARGET_PROGRAMS, max_splits: int = MAX_SPLITS, pdl: bool = False
+                ) -> torch.Tensor:
         """The two kernels. q is [B, Hkv, G, hd]; or, with `rope` (the cos and sin tables [S, hd]), the
         step's qkv [B, (H + 2 Hkv) hd] (or its split-K partial products [P, B, (H + 2 Hkv) hd]) before the
         rotary embedding, whose K/V the kernel rotates and writes into the caches at position
-        lengths[b] - 1. The other keyword arguments are the tuning knobs (`sweep_decode_attention`)."""
+        lengths[b] - 1. `pdl`: launched with programmatic dependent launch (`serving.engine.pdl`). The
+        other keyword arguments are the tuning knobs (`sweep_decode_attention`)."""
         n_kv_heads, head_dim = int(k_cache.shape[1]), int(k_cache.shape[3])
         if rope is None:
             group = int(q.shape[2])
@@ -292,18 +300,19 @@ if triton is not None:
         rows = 1 if single else bsz * n_kv_heads * n_splits * group
         lse_part = torch.empty(rows, dtype=torch.float32, device=q.device)
         o_part = out if single else torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
-        wrap_triton(_split_kernel)[(bsz, n_kv_heads, n_splits)](
+        kernel_for(_split_kernel, pdl)[(bsz, n_kv_heads, n_splits)](
             q, k_cache, v_cache, lengths, o_part, lse_part, cos, sin,
             q.stride(1), group * head_dim, head_dim,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), cos.stride(0), q.stride(0), chunk, scale * math.log2(math.e),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK=block,
-            IEEE_DOT=k_cache.dtype == torch.float32, FINAL=single, ROPE=rope is not None, PARTS=parts,
-            num_warps=num_warps, num_stages=num_stages,
+            IEEE_DOT=k_cache.dtype == torch.float32, FINAL=single, ROPE=rope is not None, PARTS=parts, GDC=gdc(pdl),
+            num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
         )
         if not single:
-            wrap_triton(_combine_kernel)[(bsz, n_kv_heads)](
-                o_part, lse_part, out, n_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, num_warps=4,
+            kernel_for(_combine_kernel, pdl)[(bsz, n_kv_heads)](
+                o_part, lse_part, out, n_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, GDC=gdc(pdl),
+                num_warps=4, **launch_options(pdl),
             )
         return out
 
@@ -317,6 +326,21 @@ if triton is not None:
                                   k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                                   kv_len: int, scale: float) -> torch.Tensor:
         return _launch(qkv, k_cache, v_cache, lengths, kv_len, scale, rope=(rope_cos, rope_sin))
+
+    # the PDL variant: opaque to inductor, which would launch the kernels without the attribute
+    # (`serving.engine.pdl`)
+    @torch.library.custom_op("enginewright::decode_attention_rope_pdl", mutates_args=("k_cache", "v_cache"))
+    def _decode_attention_rope_pdl_op(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                                      k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                                      kv_len: int, scale: float) -> torch.Tensor:
+        return _launch(qkv, k_cache, v_cache, lengths, kv_len, scale, rope=(rope_cos, rope_sin), pdl=True)
+
+    @_decode_attention_rope_pdl_op.register_fake
+    def _(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, k_cache: torch.Tensor,
+          v_cache: torch.Tensor, lengths: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
+        n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+        group = qkv.shape[-1] // head_dim // n_kv_heads - 2
+        return k_cache.new_empty((qkv.shape[-2], n_kv_heads, group, head_dim))
 
 
 def triton_available() -> bool:
@@ -336,7 +360,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def decode_attention_rope(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, kv_len: int,
-                          scale: float) -> torch.Tensor:
+                          scale: float, *, pdl: bool = False) -> torch.Tensor:
     """The decode step's rotary embedding, K/V cache write and attention in one kernel (two with the
     combine), where the unfused step runs four small kernels before `decode_attention`.
 
@@ -345,12 +369,13 @@ def decode_attention_rope(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: t
     rope_cos, rope_sin: [S, hd] tables indexed by position; row b's token is at position lengths[b] - 1:
     its k (rotated) and v are written into k_cache/v_cache [maxB, Hkv, S, hd] there, and its rotated q
     attends over positions [0, lengths[b]) -> [B, Hkv, G, hd]. Triton only (CUDA; CPU tensors under
-    TRITON_INTERPRET=1); `model.decode_step` runs the unfused ops elsewhere.
+    TRITON_INTERPRET=1); `model.decode_step` runs the unfused ops elsewhere. `pdl`: the kernels launched
+    with programmatic dependent launch (CUDA, Hopper and later; `serving.engine.pdl`).
     """
     if triton is None:
         raise RuntimeError("Triton (and torch >= 2.6) is needed for the Triton decode attention")
-    return torch.ops.enginewright.decode_attention_rope(qkv, rope_cos, rope_sin, k_cache, v_cache, lengths,
-                                                        kv_len, scale)
+    op = torch.ops.enginewright.decode_attention_rope_pdl if pdl else torch.ops.enginewright.decode_attention_rope
+    return op(qkv, rope_cos, rope_sin, k_cache, v_cache, lengths, kv_len, scale)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,

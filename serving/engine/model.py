@@ -384,27 +384,29 @@ def _rope_1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _linear_fn(gemm: str, *, parts: bool = False) -> LinearFn:
+def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn:
     """How the decode step multiplies by a weight: "torch" F.linear (cuBLAS, or inductor's fused
-    reductions), "triton" the tuned skinny Triton kernels where they beat cuBLAS (`skinny_gemm.TUNED`).
-    With `parts`, the result is left as split-K partial products [P, B, N] for a consumer that sums them
-    (P = 1 for F.linear)."""
+    reductions), "triton" the tuned skinny Triton kernels where they beat cuBLAS (`skinny_gemm.TUNED`;
+    `pdl`: launched with programmatic dependent launch). With `parts`, the result is left as split-K
+    partial products [P, B, N] for a consumer that sums them (P = 1 for F.linear)."""
     if gemm != "triton":
         return (lambda module, x: torch_linear(module, x).unsqueeze(0)) if parts else torch_linear
     from serving.engine.skinny_gemm import skinny_linear, skinny_linear_parts
 
     product = skinny_linear_parts if parts else skinny_linear
-    return lambda module, x: product(x, module.weight, getattr(module, "bias", None))
+    return lambda module, x: product(x, module.weight, getattr(module, "bias", None), pdl=pdl)
 
 
 def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
-                gemm: str | None = None) -> torch.Tensor:
+                gemm: str | None = None, pdl: bool = False) -> torch.Tensor:
     """One decode step of cache rows [0, B): tokens, input_pos: [B] -> float32 logits [B, V].
 
     Row b writes its K/V at `input_pos[b]` and attends over cache positions `[0, kv_len)` masked to
     `<= input_pos[b]`; `kv_len` must exceed every `input_pos`. Shapes depend only on (B, kv_len) and
     there is no host sync: CUDA-graph and torch.compile friendly. `gemm` ("torch" | "triton") overrides
-    `model.decode_gemm_impl`.
+    `model.decode_gemm_impl`. `pdl` launches the step's own Triton kernels (skinny GEMMs, the attention
+    with its rotary embedding) with programmatic dependent launch (CUDA, compute capability 9.0 or
+    later: `serving.engine.pdl`).
     """
     a = model.args
     bsz = tokens.shape[0]
@@ -424,7 +426,7 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
         neg = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device).masked_fill(
             ~visible, float("-inf")).view(bsz, 1, 1, kv_len)  # [B, 1, 1, L] additive mask
     gemm_impl = gemm or getattr(model, "decode_gemm_impl", "torch")
-    linear = _linear_fn(gemm_impl)
+    linear = _linear_fn(gemm_impl, pdl=pdl)
     if not rope_fused:
         cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]  # [B, hd]
     x = model.tok_embeddings(tokens)  # [B, D]
@@ -433,9 +435,9 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
         h = layer.attention_norm(x)
         cache = attn.kv_cache
         if rope_fused:  # the kernel sums the projection's split-K partials itself
-            qkv = _linear_fn(gemm_impl, parts=True)(attn.wqkv, h)  # [P, B, (H + 2 Hkv) hd]
+            qkv = _linear_fn(gemm_impl, parts=True, pdl=pdl)(attn.wqkv, h)  # [P, B, (H + 2 Hkv) hd]
             y = decode_attention_rope(qkv, model.rope_cos, model.rope_sin, cache.k_cache, cache.v_cache, lengths,
-                                      kv_len, scale)
+                                      kv_len, scale, pdl=pdl)
         else:
             q, k, v = linear(attn.wqkv, h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
             q = _rope_1(q.view(bsz, a.n_heads, a.head_dim), cos, sin)  # [B, H, hd]
@@ -469,11 +471,11 @@ def greedy_tokens(logits: torch.Tensor, chunks: int = 64) -> torch.Tensor:
 
 
 def decode_step_greedy(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
-                       gemm: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       gemm: str | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_step` -> (float32 logits [B, V], each row's greedy next token [B]), compiled as one
     function (aten's argmax after the compiled step took 27-37 us on an H200, up to 2.8% of a Llama-1B
     step)."""
-    logits = decode_step(model, tokens, input_pos, kv_len, gemm)
+    logits = decode_step(model, tokens, input_pos, kv_len, gemm, pdl)
     return logits, greedy_tokens(logits)
 
 

@@ -33,10 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.engine.pdl import launch_options
+
 try:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+    from torch.library import triton_op
+
+    from serving.engine.pdl import gdc, gdc_enter, kernel_for
 except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
@@ -76,14 +80,18 @@ class GemmConfig:
 # (rows bucket, N, K) -> config, from `python3 -m serving.bench gemms` on an H200 (2026-11-30, cold L2,
 # in CUDA graphs; docs/benchmarks.md). Kept where the kernel, plus reading its split-K partials once
 # more, beat cuBLAS by more than 2%. Rows bucket: 1 for M == 1, else 64 (the kernels pad M up to their
-# block, so the M=64 config serves 2..64; the buckets between were not timed).
+# block, so the M=64 config serves 2..64; the buckets between were not timed). (*): within 2% of cuBLAS on
+# its own, kept because the kernel launches with programmatic dependent launch and cuBLAS's do not: the
+# 1B step at batch 64 took 1.136 ms with them against 1.176 ms without (`bench profile`, +extra, one run).
 TUNED: dict[tuple[int, int, int], str] = {
     # Llama-3.2-1B (dim 2048, 8 KV heads of 64, MLP 8192, vocab 128256)
     (1, 3072, 2048): "dot:n64:k64:s8:w4:st4",  # wqkv: 5.3 vs cuBLAS 6.1 us
     (1, 2048, 2048): "gemv:n8:k256:s4:w4:st4",  # wo: 4.3 vs 6.0 us
     (1, 2048, 8192): "dot:n64:k64:s16:w4:st3",  # w2: 10.1 vs 13.4 us
     (1, 128256, 2048): "dot:n64:k128:s1:w4:st4",  # lm_head: 119.3 vs 125.4 us
+    (64, 3072, 2048): "dot:n64:k128:s2:w4:st5",  # wqkv: 6.2 vs 6.6 us (*)
     (64, 2048, 2048): "dot:n64:k128:s4:w4:st4",  # wo: 4.9 vs 6.2 us
+    (64, 16384, 2048): "dot:n64:k128:s1:w4:st3",  # w13: 19.3 vs 19.4 us (*)
     (64, 2048, 8192): "dot:n64:k128:s4:w4:st4",  # w2: 11.2 vs 14.1 us
     (64, 128256, 2048): "dot:n64:k64:s1:w4:st3",  # lm_head: 131.8 vs 144.9 us
     # Llama-3.1-8B (dim 4096, 8 KV heads of 128, MLP 14336, vocab 128256)
@@ -125,7 +133,9 @@ if triton is not None:
     @triton.jit
     def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, k_split, stride_xm, stride_wn, stride_os, stride_om,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE_DOT: tl.constexpr):
+                    IEEE_DOT: tl.constexpr, GDC: tl.constexpr):
+        if GDC:
+            gdc_enter()
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -151,7 +161,9 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, k_split, stride_wn, stride_os,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+        if GDC:
+            gdc_enter()
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,8 +182,9 @@ if triton is not None:
         out = tl.sum(acc, 1)
         tl.store(out_ptr + pid_s * stride_os + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
-    def launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:
-        """[split, M, N] partial products of x [M, K] and weight [N, K] (the tuning entry point)."""
+    def launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, pdl: bool = False) -> torch.Tensor:
+        """[split, M, N] partial products of x [M, K] and weight [N, K] (the tuning entry point); `pdl`:
+        launched with programmatic dependent launch (Hopper and later, CUDA only)."""
         m, k = x.shape
         n = weight.shape[0]
         if not config.fits(m, n, k):
@@ -186,20 +199,33 @@ if triton is not None:
         out = torch.empty((config.split, m, n), dtype=out_dtype, device=x.device)
         k_split = k // config.split
         grid = (triton.cdiv(n, config.block_n), config.split)
+        options = {"num_warps": config.warps, "num_stages": config.stages, **launch_options(pdl)}
         if config.kernel == "gemv":
-            wrap_triton(_gemv_kernel)[grid](
+            kernel_for(_gemv_kernel, pdl)[grid](
                 x, weight, out, n, k_split, weight.stride(0), out.stride(0),
-                BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages)
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k, GDC=gdc(pdl), **options)
         else:
-            wrap_triton(_dot_kernel)[grid](
+            kernel_for(_dot_kernel, pdl)[grid](
                 x, weight, out, m, n, k_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
                 BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                IEEE_DOT=x.dtype == torch.float32, num_warps=config.warps, num_stages=config.stages)
+                IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), **options)
         return out
 
     @triton_op("enginewright::skinny_partials", mutates_args=())
     def _skinny_partials_op(x: torch.Tensor, weight: torch.Tensor, config: str) -> torch.Tensor:
         return launch(x, weight, GemmConfig.parse(config))
+
+    # inductor launches the kernels of a triton_op itself, without the PDL launch attribute: this variant
+    # is opaque to it, and launches them with the attribute (inside a CUDA graph, as any other launch)
+    @torch.library.custom_op("enginewright::skinny_partials_pdl", mutates_args=())
+    def _skinny_partials_pdl_op(x: torch.Tensor, weight: torch.Tensor, config: str) -> torch.Tensor:
+        return launch(x, weight, GemmConfig.parse(config), pdl=True)
+
+    @_skinny_partials_pdl_op.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, config: str) -> torch.Tensor:
+        split = GemmConfig.parse(config).split
+        dtype = torch.float32 if split > 1 else x.dtype
+        return x.new_empty((split, x.shape[0], weight.shape[0]), dtype=dtype)
 
 
 def triton_available() -> bool:
@@ -211,10 +237,14 @@ def tuned_for(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == TUNED_CAPABILITY
 
 
-def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:
-    """[split, M, N] partial products through the registered op (CUDA; CPU under TRITON_INTERPRET=1)."""
+def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, pdl: bool = False
+                    ) -> torch.Tensor:
+    """[split, M, N] partial products through the registered op (CUDA; CPU under TRITON_INTERPRET=1);
+    `pdl`: launched with programmatic dependent launch (CUDA, Hopper and later)."""
     if triton is None:
         raise RuntimeError("Triton (and torch >= 2.6) is needed for the skinny GEMM kernels")
+    if pdl:
+        return torch.ops.enginewright.skinny_partials_pdl(x, weight, config.key())
     return torch.ops.enginewright.skinny_partials(x, weight, config.key())
 
 
@@ -226,24 +256,25 @@ def _kernel_config(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | N
     return config if config is not None and config.fits(m, weight.shape[0], k) else None
 
 
-def skinny_linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        pdl: bool = False) -> torch.Tensor:
     """`skinny_linear` left as its partial products [split, M, N] for a consumer that sums them itself
     (the decode attention kernel); [1, M, N] where no tuned kernel fits, or with a bias."""
     config = _kernel_config(x, weight) if bias is None else None
     if config is None:
         return torch.nn.functional.linear(x, weight, bias).unsqueeze(0)
-    return skinny_partials(x, weight, config)
+    return skinny_partials(x, weight, config, pdl=pdl)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: GemmConfig | None = None) -> torch.Tensor:
+                  config: GemmConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K]: the tuned Triton kernel when one fits (CUDA, M <= 64, a
     shape in TUNED, or `config` given), else F.linear. The partial sums are added in float32 and rounded
     once to x.dtype, as cuBLAS does."""
     config = _kernel_config(x, weight, config)
     if config is None:
         return torch.nn.functional.linear(x, weight, bias)
-    parts = skinny_partials(x, weight, config)
+    parts = skinny_partials(x, weight, config, pdl=pdl)
     out = parts[0]
     for i in range(1, config.split):  # adds, not parts.sum(0): inductor fuses pointwise adds into the
         out = out + parts[i]  # consumer's kernel (a residual add + RMSNorm), a sum over dim 0 it ran alone
