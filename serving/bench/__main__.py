@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     off.add_argument("--no-check", action="store_true", help="skip the logits/greedy check against HF")
     off.add_argument("--gemm-variants", default="", help="the compiled step again with these decode GEMMs "
                      "(comma list of torch|triton|auto), e.g. torch for cuBLAS beside the default")
-    off.add_argument("--pdl", action="store_true", help="the compiled step again with programmatic dependent "
-                     "launch (engine-compiled-pdl; Hopper and later)")
+    off.add_argument("--no-pdl-variant", action="store_true", help="the compiled step again without "
+                     "programmatic dependent launch (engine-compiled-nopdl), beside the default with it")
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--deadline-s", type=float, default=1e9, help="skip cells starting after this many seconds")
     off.add_argument("--out", type=Path, default=Path("bench-offline.json"), help="JSON written after each cell")
@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prof.add_argument("--batch", default="1,64", help="comma list")
     prof.add_argument("--variants", default="dynamic", help="comma list of <compile>[+<attention>][+skinny][+unfused][+pdl]: "
                       "compile in eager|dynamic|static, attention in matmul|triton, skinny: the tuned Triton GEMMs, "
-                      "pdl: inductor's programmatic dependent launch")
+                      "pdl: programmatic dependent launch")
     prof.add_argument("--context", type=int, default=192, help="filled cache positions per row")
     prof.add_argument("--kv-block", type=int, default=256)
     prof.add_argument("--out", type=Path, default=Path("bench-profile.json"))
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             shapes=tuple(args.shapes.split(",")), workloads=_pairs(args.workloads), batch_sizes=_ints(args.batch_sizes),
             peers=tuple(p for p in args.peers.split(",") if p), peer_workloads=_pairs(args.peer_workloads),
             compiled=not args.no_compiled, repeats=args.repeats, deadline_s=args.deadline_s, check=not args.no_check,
-            gemm_variants=tuple(g for g in args.gemm_variants.split(",") if g), pdl_variant=args.pdl,
+            gemm_variants=tuple(g for g in args.gemm_variants.split(",") if g), nopdl_variant=args.no_pdl_variant,
         )
         report = run_offline(cfg, out_json=args.out)
         print(render_table(report))

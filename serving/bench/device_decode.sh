@@ -3,7 +3,7 @@
 #  - the GPU tests of the engine and its kernels (TESTS="" to skip; GPU_TESTS_K filters; TESTS_AFTER=1
 #    runs them after the benchmarks instead of before),
 #  - `bench offline` on each of $SHAPES (128/128, batch 1 and 64): the compiled step as shipped, then
-#    again with programmatic dependent launch (PDL=1) and with cuBLAS GEMMs (GEMM_VARIANTS), side by
+#    again without programmatic dependent launch (NOPDL=1) and with cuBLAS GEMMs (GEMM_VARIANTS), side by
 #    side with the HF peers ($PEERS, "" for none),
 #  - `bench profile` of $PROFILE_VARIANTS at $PROFILE_SHAPE while time is left (PROFILE_BEFORE_S).
 # Results under $OUT: steps.log, gpu-tests.log, offline-<shape>.json/.log, profile.json/.log.
@@ -26,7 +26,7 @@ gpu_tests() {
 [ "${TESTS_AFTER:-0}" = 1 ] || gpu_tests  # before the benchmarks, or after them (TESTS_AFTER=1)
 for shape in ${SHAPES:-llama-3.2-1b llama-3.1-8b}; do
   timeout "${OFFLINE_S:-300}" python3 -m serving.bench offline --shapes "$shape" --workloads 128/128 --batch-sizes 1,64 \
-    --peers "${PEERS-hf-eager,hf-static-compile}" --no-check --gemm-variants "${GEMM_VARIANTS-torch}" ${PDL:+--pdl} \
+    --peers "${PEERS-hf-eager,hf-static-compile}" --no-check --gemm-variants "${GEMM_VARIANTS-torch}" ${NOPDL:+--no-pdl-variant} \
     --out "$OUT/offline-$shape.json" >"$OUT/offline-$shape.log" 2>&1
   log "offline $shape rc=$?"
   grep -E "decode .*tok/s" "$OUT/offline-$shape.log" | tee -a "$OUT/steps.log"

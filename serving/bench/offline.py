@@ -261,7 +261,7 @@ class OfflineConfig:
     check: bool = True  # logits / greedy against HF on the same weights
     # the compiled step again with these decode GEMMs ("torch": cuBLAS; the engine's default is "auto")
     gemm_variants: tuple[str, ...] = ()
-    pdl_variant: bool = False  # the compiled step again with programmatic dependent launch
+    nopdl_variant: bool = False  # the compiled step again without programmatic dependent launch
 
 
 def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
@@ -352,11 +352,11 @@ def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
                     torch._dynamo.reset()
 
         def compiled_cells(impl: str, failure: str, gemm: str | None = None, runner: Any = runner,
-                           shape: str = shape, pdl: bool = False) -> None:
+                           shape: str = shape, pdl: bool = True) -> None:
             """Compile the decode step (with the decode GEMMs `gemm`, else as set up; with programmatic
-            dependent launch if `pdl`), then time it on every peer workload."""
+            dependent launch if `pdl`, the default), then time it on every peer workload."""
             try:
-                if gemm is not None or pdl:
+                if gemm is not None or not pdl:
                     torch._dynamo.reset()
                 if gemm is not None:
                     runner.model.decode_gemm_impl = pick_decode_gemm(gemm, runner.device, dtype)
@@ -370,8 +370,8 @@ def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
 
         if cfg.compiled and not late(f"{shape} engine-compiled"):
             compiled_cells("engine-compiled", f"{shape} compile")
-        if cfg.pdl_variant and not late(f"{shape} engine-compiled-pdl"):  # before the GEMM variants change them
-            compiled_cells("engine-compiled-pdl", f"{shape} pdl", pdl=True)
+        if cfg.nopdl_variant and not late(f"{shape} engine-compiled-nopdl"):  # before the GEMM variants change them
+            compiled_cells("engine-compiled-nopdl", f"{shape} no pdl", pdl=False)
         for gemm in cfg.gemm_variants:
             if not late(f"{shape} engine-compiled-gemm-{gemm}"):
                 compiled_cells(f"engine-compiled-gemm-{gemm}", f"{shape} gemm {gemm}", gemm)

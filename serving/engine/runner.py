@@ -72,7 +72,7 @@ class EngineRunner:
             self.graphs = DecodeGraphs(model, state=self.state)
 
     # -- setup ------------------------------------------------------------------------------
-    def compile_decode(self, mode: str = "auto", *, pdl: bool = False, **compile_kwargs) -> None:
+    def compile_decode(self, mode: str = "auto", *, pdl: bool = True, **compile_kwargs) -> None:
         """Compile the decode step: on CUDA, graphs of the torch.compile'd step (`mode` "dynamic": one
         compile for all buckets; "static": one per bucket, tuned; "auto": batch 1 static, the rest
         dynamic; `pdl`: with programmatic dependent launch; see `DecodeGraphs`); on the CPU,

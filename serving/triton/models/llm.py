@@ -22,8 +22,8 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
-  step, ~30-50 s more at load on an H200), ``decode_pdl`` ("true": that step with programmatic
-  dependent launch, `serving.engine.cuda_graphs`; not yet measured), ``warmup`` ("false" to skip
+  step, ~30-50 s more at load on an H200), ``decode_pdl`` (default "true": that step with
+  programmatic dependent launch on Hopper and later, `serving.engine.cuda_graphs`), ``warmup`` ("false" to skip
   capturing graphs and running the first, cold prefills at load), ``gil_switch_interval_ms`` (default
   0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
   engine thread waits for it),
@@ -206,7 +206,7 @@ class EngineThread:
     def __init__(self, runner: Any, log: Log, *, device_id: int | None, compile_decode: bool,
                  warmup: bool, while_waiting: Callable[[], bool] | None = None,
                  drain: Callable[[], None] | None = None, admit_gap_s: float = 0.0,
-                 decode_pdl: bool = False) -> None:
+                 decode_pdl: bool = True) -> None:
         self.runner = runner
         self.decode_pdl = decode_pdl
         self.admit_gap_s = admit_gap_s

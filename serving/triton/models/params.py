@@ -22,7 +22,7 @@ COUNT_PARAMETERS: dict[str, tuple[int, int, int]] = {
 BOOLEAN_PARAMETERS: dict[str, bool] = {
     "decoupled": False,
     "compile_decode": False,
-    "decode_pdl": False,
+    "decode_pdl": True,
     "warmup": True,
 }
 TRUE_WORDS = ("1", "true", "yes", "on")
