@@ -5,9 +5,10 @@ graph, timed by CUDA events and profiled kernel by kernel (torch.profiler over g
 prints, per variant, the step time against the step's byte floor (weights + filled KV at the copy
 bandwidth measured in the same run), the GPU time summed over kernels (the rest is launch gaps),
 and the kernels by total time grouped as GEMM / attention / fused (inductor) / other.
-A variant is `<compile>[+<attention>][+skinny][+unfused][+pdl]`: compile in {eager, dynamic, static},
+A variant is `<compile>[+<attention>][+skinny][+extra][+unfused][+pdl]`: compile in {eager, dynamic, static},
 attention in {matmul, triton} (`serving.engine.decode_attention`), `skinny` for the tuned Triton GEMMs
-(`serving.engine.skinny_gemm`; cuBLAS without it), `unfused` for the rotary embedding and K/V write in
+(`serving.engine.skinny_gemm`; cuBLAS without it), `extra` for those kernels also at the shapes of
+`EXTRA_CONFIGS` (candidates for the table, where cuBLAS runs otherwise), `unfused` for the rotary embedding and K/V write in
 their own kernels rather than in the Triton attention kernel, `pdl` for programmatic dependent launch
 (`DecodeGraphs(pdl=True)`: inductor's kernels and the step's own Triton kernels, Hopper and later; each
 kernel may start while its predecessor finishes, and waits for it before reading its output). Each
@@ -30,7 +31,10 @@ KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "cutlass", "nvjet", "sm90", "c
          ("copy", ("copy", "memcpy", "memset", "index", "scatter")))
 
 
-VARIANT_PARTS = ("triton", "matmul", "skinny", "unfused", "pdl")
+VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "pdl")
+# the best skinny configs where cuBLAS was as fast on its own (docs/bench/gemms-h200-2026-11-30.json):
+# Llama-8B's wqkv and wo at 64 rows, left to cuBLAS, whose kernels launch without PDL
+EXTRA_CONFIGS = {(64, 6144, 4096): "dot:n64:k128:s1:w4:st5", (64, 4096, 4096): "dot:n64:k128:s2:w4:st5"}
 
 
 def kernel_kind(name: str) -> str:
@@ -67,6 +71,11 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     t0 = time.perf_counter()
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
+    from serving.engine import skinny_gemm
+    from serving.engine.skinny_gemm import GemmConfig
+
+    tuned = {**skinny_gemm.TUNED, **(EXTRA_CONFIGS if "extra" in parts else {})}
+    skinny_gemm.TUNED_CONFIGS = {key: GemmConfig.parse(text) for key, text in tuned.items()}
     torch._dynamo.reset()
     graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode,
                           pdl="pdl" in parts)
