@@ -469,3 +469,71 @@ def test_llm_config_keeps_good_millisecond_parameters() -> None:
                      parameters={"stream_interval_ms": "20", "gil_switch_interval_ms": "0.05", "idle_senders": "8"})
     assert cfg["parameters"]["stream_interval_ms"] == {"string_value": "20"}
     assert cfg["parameters"]["idle_senders"] == {"string_value": "8"}
+
+
+class FakeGraphs:
+    """Decode graphs whose warm-up (where a compile happens) fails when told to."""
+
+    def __init__(self, kind: str, fail: bool = False) -> None:
+        self.kind, self.fail, self.warmed = kind, fail, False
+
+    def warm_up(self) -> None:
+        if self.fail:
+            raise RuntimeError("inductor: griddepcontrol is not supported")
+        self.warmed = True
+
+
+class CompileRunner:
+    """A runner whose compiled decode step fails at its first capture for the PDL settings in `failing`."""
+
+    def __init__(self, failing: set[bool]) -> None:
+        self.failing = failing
+        self.graphs = FakeGraphs("eager")
+        self.calls: list[tuple] = []
+
+    def compile_decode(self, *, pdl: bool) -> None:
+        self.calls.append(("compile", pdl))
+        self.graphs = FakeGraphs(f"compiled pdl={pdl}", fail=pdl in self.failing)
+
+    def eager_graphs(self) -> None:
+        self.calls.append(("eager",))
+        self.graphs = FakeGraphs("eager")
+
+
+class ListLog:
+    prefix = "llm_1"
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, msg: str) -> None:
+        self.lines.append(msg)
+
+    error = info
+
+
+@pytest.mark.parametrize(("decode_pdl", "failing", "calls", "serves"), [
+    (True, set(), [("compile", True)], "compiled pdl=True"),
+    (True, {True}, [("compile", True), ("compile", False)], "compiled pdl=False"),
+    (True, {True, False}, [("compile", True), ("compile", False), ("eager",)], "eager"),
+    (False, {False}, [("compile", False), ("eager",)], "eager"),
+])
+def test_a_failed_decode_compile_falls_back_without_pdl_then_to_eager_graphs(decode_pdl, failing, calls, serves):
+    runner, log = CompileRunner(failing), ListLog()
+    engine = llm_mod.EngineThread(runner, log, device_id=None, compile_decode=True, warmup=True,
+                                  decode_pdl=decode_pdl)
+    engine.prepare_decode()
+    assert runner.calls == calls
+    assert runner.graphs.kind == serves and runner.graphs.warmed
+    assert engine.decode_pdl == (serves == "compiled pdl=True")
+    assert engine.compile_decode == (serves != "eager")
+    failures = [line for line in log.lines if "failed" in line]
+    assert len(failures) == len(failing)
+    assert all(f"decode_pdl={pdl}" in line for line, pdl in zip(failures, [c[1] for c in calls if c[0] == "compile"]))
+    assert all("griddepcontrol" in line for line in failures)
+
+
+def test_without_compile_the_eager_graphs_are_captured_once():
+    runner = CompileRunner(set())
+    llm_mod.EngineThread(runner, ListLog(), device_id=None, compile_decode=False, warmup=True).prepare_decode()
+    assert runner.calls == [] and runner.graphs.warmed

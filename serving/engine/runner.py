@@ -86,6 +86,12 @@ class EngineRunner:
         kwargs = {"dynamic": True, "fullgraph": True, **compile_kwargs}
         self.decode_fn = torch.compile(decode_step, **kwargs)
 
+    def eager_graphs(self) -> None:
+        """Back to CUDA graphs of the eager decode step (after a compile failed)."""
+        from serving.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, state=self.state)
+
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_needed: int) -> torch.Tensor:
         """One decode step of cache rows [0, len(tokens)) -> float32 logits [b, V]; `kv_needed` must
         exceed every position. The result may be a view that the next call overwrites."""

@@ -238,17 +238,7 @@ class EngineThread:
 
                 torch.cuda.set_device(self.device_id)
             started = time.monotonic()
-            if self.compile_decode and getattr(self.runner, "graphs", None) is not None:
-                try:
-                    self.runner.compile_decode(pdl=self.decode_pdl)
-                    self._warm_graphs()
-                except Exception as exc:  # noqa: BLE001 - serve with the eager graphs rather than not at all
-                    self.log.error(f"compiled decode failed, using eager CUDA graphs: {type(exc).__name__}: {exc}")
-                    from serving.engine.cuda_graphs import DecodeGraphs
-
-                    self.runner.graphs = DecodeGraphs(self.runner.model, state=self.runner.state)
-                    self.compile_decode = False
-            self._warm_graphs()  # the eager graphs (no compile, or its fallback); nothing left after a compile
+            self.prepare_decode()
             if self.warmup:
                 self.runner.warm_up_prefill()
             graphs = getattr(self.runner, "graphs", None)
@@ -263,6 +253,26 @@ class EngineThread:
             return
         self.ready.set()
         self.scheduler.run_forever()
+
+    def prepare_decode(self) -> None:
+        """Compile the decode step (when asked, on CUDA) and capture its graphs. A compile that fails falls
+        back, logged, to the compile without programmatic dependent launch, then to the eager graphs:
+        serving slower beats not serving."""
+        if not self.compile_decode or getattr(self.runner, "graphs", None) is None:
+            self._warm_graphs()
+            return
+        for pdl in dict.fromkeys((self.decode_pdl, False)):  # with PDL as configured, then without
+            try:
+                self.runner.compile_decode(pdl=pdl)
+                self._warm_graphs()  # a compile happens at the first capture: its errors surface here
+                self.decode_pdl = pdl
+                return
+            except Exception as exc:  # noqa: BLE001 - the fallbacks below
+                self.log.error(f"compiled decode with decode_pdl={pdl} failed: {type(exc).__name__}: {exc}")
+        self.log.error("serving with the eager decode step's CUDA graphs")
+        self.runner.eager_graphs()
+        self.compile_decode = self.decode_pdl = False
+        self._warm_graphs()
 
     def _warm_graphs(self) -> None:
         graphs = getattr(self.runner, "graphs", None)
