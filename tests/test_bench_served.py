@@ -32,6 +32,11 @@ def test_two_variants_measured_in_turn_with_their_counters(tmp_path: Path) -> No
         for run in (figures, routed):
             assert run["warmup"]["requests"] == clients and run["warmup"]["output_tokens"] == clients * gen_len
             assert run["requests"] == clients * per_client
+        # Triton's own counters of the direct run: every request succeeded, in at most as many execute calls
+        triton = figures["triton"]
+        assert triton["nv_inference_request_success"] == clients * (per_client + 1)
+        assert 1 <= triton["nv_inference_exec_count"] <= clients * (per_client + 1)
+        assert triton["nv_inference_queue_duration_us"] > 0
         warmed = 2 * clients * gen_len
         # the llm's counters, read at its unload, cover both runs; every response it sent reached a client
         assert figures["counters"]["scheduler"]["tokens"] == 2 * expected + warmed

@@ -94,6 +94,19 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return label, params
 
 
+# Triton's own per-model counters around each run: how many execute calls the requests came in, and how
+# long they waited in Triton's queue before one (the scheduler's `queued_s` starts only after that)
+TRITON_COUNTERS = ("nv_inference_request_success", "nv_inference_exec_count", "nv_inference_queue_duration_us")
+
+
+def triton_counters(metrics_url: str, model: str) -> dict[str, float]:
+    """Triton's counters of `model` (all versions), from its metrics endpoint."""
+    from serving.triton.metrics import model_counter, scrape
+
+    samples = scrape(metrics_url)
+    return {name: model_counter(samples, name, model) for name in TRITON_COUNTERS}
+
+
 def model_counters(triton_log: Path, model: str) -> dict[str, dict[str, float]]:
     """The scheduler's and the outbox's counters that model `model` logged when it was unloaded."""
     counters: dict[str, dict[str, float]] = {}
@@ -240,8 +253,11 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                 while not all(p.exists() for p in wait_for) and time.perf_counter() - waited < wait_timeout_s:
                     time.sleep(0.5)
                 report["waited_s"] = time.perf_counter() - waited
+            before = triton_counters(proc.metrics_url, model)
             run_clients(proc.grpc_url, model, figures, clients=clients, requests_per_client=requests_per_client,
                         prompt_len=prompt_len, gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s)
+            after = triton_counters(proc.metrics_url, model)
+            figures["triton"] = {name: after[name] - before[name] for name in TRITON_COUNTERS}  # warm-up included
             if offline is not None:
                 figures["served_over_offline_e2e"] = figures["output_tok_s"] / offline["e2e_tok_s"]
                 figures["served_over_offline_decode"] = figures["output_tok_s"] / offline["decode_tok_s"]
