@@ -130,7 +130,7 @@ def tuned_table(monkeypatch: pytest.MonkeyPatch, table: dict[tuple[int, int, int
     """Serve `table` as the tuned configs: the lookup reads the copy parsed at import, so patching
     `TUNED` alone changes nothing."""
     monkeypatch.setattr(skinny_gemm, "TUNED", table)
-    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", {key: GemmConfig.parse(text) for key, text in table.items()})
+    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", skinny_gemm.parse_table(table))
 
 
 def test_a_patched_table_is_what_the_lookup_serves(monkeypatch):

@@ -72,10 +72,8 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
     from serving.engine import skinny_gemm
-    from serving.engine.skinny_gemm import GemmConfig
 
-    tuned = {**skinny_gemm.TUNED, **(EXTRA_CONFIGS if "extra" in parts else {})}
-    skinny_gemm.TUNED_CONFIGS = {key: GemmConfig.parse(text) for key, text in tuned.items()}
+    skinny_gemm.TUNED_CONFIGS = skinny_gemm.parse_table({**skinny_gemm.TUNED, **(EXTRA_CONFIGS if "extra" in parts else {})})
     torch._dynamo.reset()
     graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode,
                           pdl="pdl" in parts)

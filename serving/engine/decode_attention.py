@@ -92,6 +92,11 @@ def check_head_dim(head_dim: int) -> None:
         raise ValueError(f"decode_attention needs a power-of-two head_dim >= 16, got {head_dim}")
 
 
+def rope_group(qkv_width: int, n_kv_heads: int, head_dim: int) -> int:
+    """Query heads per KV head in a qkv row of `qkv_width` = (G + 2) x n_kv_heads x head_dim."""
+    return qkv_width // head_dim // n_kv_heads - 2
+
+
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -275,7 +280,7 @@ if triton is not None:
         else:
             if q.dim() == 2:
                 q = q.unsqueeze(0)
-            group = q.shape[2] // head_dim // n_kv_heads - 2
+            group = rope_group(q.shape[2], n_kv_heads, head_dim)
             if q.shape[2] != (group + 2) * n_kv_heads * head_dim or rope[0].shape[-1] != head_dim:
                 raise ValueError(f"qkv {tuple(q.shape)} does not hold (G + 2) x {n_kv_heads} heads of {head_dim}, "
                                  f"or the rotary tables {tuple(rope[0].shape)} are not [S, {head_dim}]")
@@ -339,7 +344,7 @@ if triton is not None:
     def _(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, k_cache: torch.Tensor,
           v_cache: torch.Tensor, lengths: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
         n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-        group = qkv.shape[-1] // head_dim // n_kv_heads - 2
+        group = rope_group(qkv.shape[-1], n_kv_heads, head_dim)
         return k_cache.new_empty((qkv.shape[-2], n_kv_heads, group, head_dim))
 
 

@@ -33,14 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.engine.pdl import launch_options
-
 try:
     import triton
     import triton.language as tl
     from torch.library import triton_op
 
-    from serving.engine.pdl import gdc, gdc_enter, kernel_for
+    from serving.engine.pdl import gdc, gdc_enter, kernel_for, launch_options
 except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
@@ -108,7 +106,11 @@ TUNED: dict[tuple[int, int, int], str] = {
 # parsed once here: the decode step looks its configs up while dynamo traces it, and dynamo cannot trace
 # into a C-implemented cache (functools.cache on `parse` broke the compile: "can't handle functions not
 # implemented in python")
-TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {shape: GemmConfig.parse(text) for shape, text in TUNED.items()}
+def parse_table(table: dict[tuple[int, int, int], str]) -> dict[tuple[int, int, int], GemmConfig]:
+    return {shape: GemmConfig.parse(text) for shape, text in table.items()}
+
+
+TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED)
 
 
 def rows_bucket(m: int) -> int:
@@ -195,8 +197,7 @@ if triton is not None:
         x = x.contiguous()
         if weight.stride(1) != 1:
             weight = weight.contiguous()
-        out_dtype = torch.float32 if config.split > 1 else x.dtype
-        out = torch.empty((config.split, m, n), dtype=out_dtype, device=x.device)
+        out = empty_partials(x, n, config)
         k_split = k // config.split
         grid = (triton.cdiv(n, config.block_n), config.split)
         options = {"num_warps": config.warps, "num_stages": config.stages, **launch_options(pdl)}
@@ -223,9 +224,12 @@ if triton is not None:
 
     @_skinny_partials_pdl_op.register_fake
     def _(x: torch.Tensor, weight: torch.Tensor, config: str) -> torch.Tensor:
-        split = GemmConfig.parse(config).split
-        dtype = torch.float32 if split > 1 else x.dtype
-        return x.new_empty((split, x.shape[0], weight.shape[0]), dtype=dtype)
+        return empty_partials(x, weight.shape[0], GemmConfig.parse(config))
+
+
+def empty_partials(x: torch.Tensor, n: int, config: GemmConfig) -> torch.Tensor:
+    """The [split, M, N] output of x [M, K] times an [N, K] weight: float32 when K is split, else x.dtype."""
+    return x.new_empty((config.split, x.shape[0], n), dtype=torch.float32 if config.split > 1 else x.dtype)
 
 
 def triton_available() -> bool:
