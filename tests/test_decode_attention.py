@@ -400,7 +400,7 @@ if __name__ == "__main__":
     import sys
 
     if "--sweep" in sys.argv:
-        sweep_decode_attention()
+        sweep_decode_attention(layers=16 if "--cold" in sys.argv else 1)
     else:
         bench_decode_attention()
         bench_decode_attention(length=4000, kv_len=4096, max_seq=4096)

@@ -11,13 +11,15 @@ attention in {matmul, triton} (`serving.engine.decode_attention`), `skinny` for 
 `EXTRA_CONFIGS` (candidates for the table, where cuBLAS runs otherwise), `unfused` for the rotary embedding and K/V write in
 their own kernels rather than in the Triton attention kernel, `pdl` for programmatic dependent launch
 (`DecodeGraphs(pdl=True)`: inductor's kernels and the step's own Triton kernels, Hopper and later; each
-kernel may start while its predecessor finishes, and waits for it before reading its output). Each
-variant compiles afresh. Needs CUDA.
+kernel may start while its predecessor finishes, and waits for it before reading its output),
+and `kvb<n>`, `kvw<n>`, `kvst<n>`, `kvt<n>` for the Triton attention's block (positions), warps, stages
+and target programs (`decode_attention.STEP_KNOBS`). Each variant compiles afresh. Needs CUDA.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,7 +36,14 @@ KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "cutlass", "nvjet", "sm90", "c
 VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "pdl")
 # the best skinny configs where cuBLAS was as fast on its own (docs/bench/gemms-h200-2026-11-30.json):
 # Llama-8B's wqkv and wo at 64 rows, left to cuBLAS, whose kernels launch without PDL
+ATTENTION_KNOBS = {"kvb": "block", "kvw": "num_warps", "kvst": "num_stages", "kvt": "target_programs"}
 EXTRA_CONFIGS = {(64, 6144, 4096): "dot:n64:k128:s1:w4:st5", (64, 4096, 4096): "dot:n64:k128:s2:w4:st5"}
+
+
+def attention_knobs(parts: list[str]) -> dict[str, int]:
+    """The `kv<knob><n>` parts of a variant as `decode_attention._launch` keywords."""
+    found = (re.fullmatch(r"(kvb|kvw|kvst|kvt)(\d+)", part) for part in parts)
+    return {ATTENTION_KNOBS[m[1]]: int(m[2]) for m in found if m}
 
 
 def kernel_kind(name: str) -> str:
@@ -62,7 +71,8 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     from serving.engine.cuda_graphs import DecodeGraphs
 
     compile_mode, *parts = variant.split("+")
-    unknown = set(parts) - set(VARIANT_PARTS)
+    knobs = attention_knobs(parts)
+    unknown = set(parts) - set(VARIANT_PARTS) - {p for p in parts if attention_knobs([p])}
     if unknown:
         raise ValueError(f"variant {variant!r}: unknown parts {sorted(unknown)} ({', '.join(VARIANT_PARTS)})")
     model.decode_attention_impl = "triton" if "triton" in parts else "matmul"
@@ -71,8 +81,9 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     t0 = time.perf_counter()
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
-    from serving.engine import skinny_gemm
+    from serving.engine import decode_attention, skinny_gemm
 
+    decode_attention.STEP_KNOBS = knobs
     skinny_gemm.TUNED_CONFIGS = skinny_gemm.parse_table({**skinny_gemm.TUNED, **(EXTRA_CONFIGS if "extra" in parts else {})})
     torch._dynamo.reset()
     graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode,

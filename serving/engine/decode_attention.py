@@ -68,6 +68,9 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 16
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16: the G query heads are padded to this many rows
+# The split kernel's tuning knobs (`_launch`'s keywords) that the registered ops launch with; empty: the
+# shipped ones. Read when a step compiles or captures; `bench profile`'s `+kv...` parts set it for an A/B.
+STEP_KNOBS: dict[str, int] = {}
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -324,13 +327,13 @@ if triton is not None:
     @triton_op("enginewright::decode_attention", mutates_args=())
     def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              lengths: torch.Tensor, kv_len: int, scale: float) -> torch.Tensor:
-        return _launch(q, k_cache, v_cache, lengths, kv_len, scale)
+        return _launch(q, k_cache, v_cache, lengths, kv_len, scale, **STEP_KNOBS)
 
     @triton_op("enginewright::decode_attention_rope", mutates_args=("k_cache", "v_cache"))
     def _decode_attention_rope_op(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                                   k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                                   kv_len: int, scale: float) -> torch.Tensor:
-        return _launch(qkv, k_cache, v_cache, lengths, kv_len, scale, rope=(rope_cos, rope_sin))
+        return _launch(qkv, k_cache, v_cache, lengths, kv_len, scale, rope=(rope_cos, rope_sin), **STEP_KNOBS)
 
     # the PDL variant: opaque to inductor, which would launch the kernels without the attribute
     # (`serving.engine.pdl`)
@@ -338,7 +341,8 @@ if triton is not None:
     def _decode_attention_rope_pdl_op(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                                       k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                                       kv_len: int, scale: float) -> torch.Tensor:
-        return _launch(qkv, k_cache, v_cache, lengths, kv_len, scale, rope=(rope_cos, rope_sin), pdl=True)
+        return _launch(qkv, k_cache, v_cache, lengths, kv_len, scale, rope=(rope_cos, rope_sin), pdl=True,
+                       **STEP_KNOBS)
 
     @_decode_attention_rope_pdl_op.register_fake
     def _(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, k_cache: torch.Tensor,
@@ -424,10 +428,11 @@ def bench_decode_attention(length: int = 192, kv_len: int = 256, max_seq: int = 
                       f"{gbs:8.1f} GB/s of K/V read ({positions} positions)")
 
 
-def sweep_decode_attention() -> None:
+def sweep_decode_attention(layers: int = 1) -> None:
     """Print µs per call of the split kernel's tuning knobs (block, warps, stages, target programs) at the
     Llama-1B/8B decode shapes, batch 1 and 64, 192 and 2000 filled positions; the first row of each shape
-    is the shipped setting."""
+    is the shipped setting. `layers` > 1 cycles through that many caches, as a step does through its
+    layers, so that K/V come from memory rather than a warm L2 (H200: 50 MB)."""
     if triton is None:
         raise RuntimeError("the sweep needs Triton on CUDA")
     shapes = {"llama-1B": (8, 4, 64), "llama-8B": (8, 4, 128)}
@@ -436,18 +441,26 @@ def sweep_decode_attention() -> None:
     for name, (n_kv_heads, group, head_dim) in shapes.items():
         for bsz, length, kv_len in ((1, 192, 256), (64, 192, 256), (64, 2000, 2048)):
             q = torch.randn(bsz, n_kv_heads, group, head_dim, device="cuda", dtype=torch.bfloat16)
-            k_cache = torch.randn(bsz, n_kv_heads, kv_len, head_dim, device="cuda", dtype=torch.bfloat16)
-            v_cache = torch.randn_like(k_cache)
+            caches = [(torch.randn(bsz, n_kv_heads, kv_len, head_dim, device="cuda", dtype=torch.bfloat16),
+                       torch.randn(bsz, n_kv_heads, kv_len, head_dim, device="cuda", dtype=torch.bfloat16))
+                      for _ in range(layers)]
             lengths = torch.full((bsz,), length, device="cuda", dtype=torch.int64)
             kv_bytes = 2 * bsz * n_kv_heads * head_dim * 2 * length
             results = []
             for knob in knobs:
                 if knob.get("block", 0) * head_dim > 16384:
                     continue
-                us = graph_time_us(lambda *a, knob=knob: _launch(*a, **knob), q, k_cache, v_cache, lengths, kv_len,
-                              head_dim ** -0.5)
-                results.append((us, knob))
+                us = graph_time_us(_every_layer, q, caches, lengths, kv_len, head_dim ** -0.5, knob,
+                                   calls=max(1, 50 // layers))
+                results.append((us / layers, knob))
             shipped = results[0][0]
             best = sorted(results, key=lambda r: r[0])[:3]
-            print(f"{name} B={bsz} length={length}: shipped {shipped:.2f} us ({kv_bytes / shipped / 1e3:.0f} GB/s); "
+            print(f"{name} B={bsz} length={length} layers={layers}: shipped {shipped:.2f} us "
+                  f"({kv_bytes / shipped / 1e3:.0f} GB/s); "
                   + "; ".join(f"{us:.2f} us {knob}" for us, knob in best), flush=True)
+
+
+def _every_layer(q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor,
+                 kv_len: int, scale: float, knob: dict[str, int]) -> None:
+    for k_cache, v_cache in caches:
+        _launch(q, k_cache, v_cache, lengths, kv_len, scale, **knob)
