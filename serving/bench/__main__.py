@@ -79,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gem.add_argument("--rows", default="1,64", help="comma list of row counts (decode batch sizes)")
     gem.add_argument("--workers", type=int, default=12, help="processes compiling the Triton configs")
     gem.add_argument("--deadline-s", type=float, default=1e9, help="skip shapes starting after this many seconds")
+    gem.add_argument("--gate-up", action="store_true",
+                     help="time the MLP's fused silu(gate) * up kernel against w13 + SiLU * up instead")
     gem.add_argument("--out", type=Path, default=Path("bench-gemms.json"))
     eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
     eng.add_argument("--shape", default="llama-3.2-1b")
@@ -132,8 +134,11 @@ def run(args: argparse.Namespace) -> int:
                   f"({fig['per_response_ms'] * 1e3:.0f} us per response), samples {fig['samples_ms']}")
         return 0
     if args.bench_mode == "gemms":
-        from serving.bench.gemm_sweep import run_sweep
+        from serving.bench.gemm_sweep import run_gate_up_sweep, run_sweep
 
+        if args.gate_up:
+            run_gate_up_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out)
+            return 0
         run_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, workers=args.workers,
                   deadline_s=args.deadline_s)
         return 0

@@ -15,7 +15,7 @@ T0=$(date +%s)
 log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv >>"$OUT/steps.log" 2>&1
 
-TESTS=${TESTS-"tests/test_skinny_gemm.py tests/test_engine_gpu.py tests/test_decode_graphs.py"}
+TESTS=${TESTS-"tests/test_skinny_gemm.py tests/test_engine_gpu.py tests/test_decode_graphs.py tests/test_gate_up.py"}
 gpu_tests() {
   [ -n "$TESTS" ] || return 0
   # shellcheck disable=SC2086

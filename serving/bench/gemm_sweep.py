@@ -8,6 +8,10 @@ configs' (kernel alone, and with the split-K sum as a separate kernel, an upper 
 the fused sum costs), and ends with the `TUNED` table of the configs that beat cuBLAS.
 
 The Triton configs compile first in a pool of processes (they fill Triton's on-disk cache).
+
+`--gate-up` times instead the MLP's silu(gate) * up: the step's unfused path (w13, then SiLU * up)
+against the fused `serving.engine.gate_up` kernel's configs (compiled in process), and ends with the
+`TUNED_GATE_UP` table.
 """
 
 from __future__ import annotations
@@ -134,6 +138,66 @@ def sweep_shape(rows: int, n: int, k: int) -> dict[str, Any]:
             "wrong": [r for r in results if isinstance(r.get("error"), float)], "tried": len(results)}
 
 
+def sweep_gate_up(rows: int, intermediate: int, k: int) -> dict[str, Any]:
+    """The MLP's silu(gate) * up at one (rows, I, K): the step's unfused path (the w13 product, through
+    the tuned skinny kernel where there is one, then SiLU * up) against every fitting `gate_up` config."""
+    from serving.engine.gate_up import fits, launch
+    from serving.engine.skinny_gemm import skinny_linear
+
+    nbytes = 2 * intermediate * k * 2
+    copies = max(1, min(16, math.ceil(COLD_BYTES / nbytes)))
+    weights = [torch.randn(2 * intermediate, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+
+    def unfused_path(w: torch.Tensor) -> torch.Tensor:
+        gate, up = skinny_linear(x, w).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    ref = unfused_path(weights[0]).float()
+    unfused = time_cold_us(unfused_path, weights)
+    results = []
+    for config in compiled_configs(rows):
+        if not fits(config, rows, k):
+            continue
+        try:
+            err = (launch(x, weights[0], config).float() - ref).abs().max().item()
+        except Exception as exc:  # noqa: BLE001 - a config too large for the device
+            results.append({"config": config.key(), "error": type(exc).__name__})
+            continue
+        if not err < 0.05 * max(1.0, ref.abs().max().item()):
+            results.append({"config": config.key(), "error": err})
+            continue
+        results.append({"config": config.key(), "us": time_cold_us(lambda w, c=config: launch(x, w, c), weights)})
+    del weights
+    torch.cuda.empty_cache()
+    timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
+    return {"rows": rows, "n": intermediate, "k": k, "bytes": nbytes, "cublas_us": unfused, "best": timed[:3],
+            "failed": [r for r in results if isinstance(r.get("error"), str)],
+            "wrong": [r for r in results if isinstance(r.get("error"), float)], "tried": len(results)}
+
+
+def run_gate_up_sweep(shapes: list[str], rows_list: list[int], *, out: Path) -> dict[str, Any]:
+    """`sweep_gate_up` for every shape's MLP at every row count; prints the `TUNED_GATE_UP` entries that
+    beat the unfused path by more than 2%."""
+    from serving.bench.models import model_args
+
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cells": []}
+    for shape, rows in itertools.product(shapes, rows_list):
+        a = model_args(shape)
+        cell = {"shape": shape, "name": "gate_up", **sweep_gate_up(rows, a.intermediate_size, a.dim)}
+        report["cells"].append(cell)
+        out.write_text(json.dumps(report, indent=1))
+        print(describe(cell).replace("cuBLAS", "unfused"), flush=True)
+    print("TUNED_GATE_UP = {", flush=True)
+    for cell in report["cells"]:
+        best = cell["best"][0] if cell["best"] else None
+        if best and best["us"] < 0.98 * cell["cublas_us"]:
+            print(f"    ({cell['rows']}, {cell['n']}, {cell['k']}): {best['config']!r},  # {cell['shape']}: "
+                  f"{best['us']:.1f} vs unfused {cell['cublas_us']:.1f} us", flush=True)
+    print("}", flush=True)
+    return report
+
+
 def run_sweep(shapes: list[str], rows_list: list[int], *, out: Path, workers: int = 12,
               deadline_s: float = 1e9) -> dict[str, Any]:
     from serving.bench.offline import copy_bandwidth_gb_s
@@ -168,8 +232,9 @@ def describe(cell: dict[str, Any]) -> str:
     line = (f"{cell['shape']:<13} {cell['name']:<8} M={cell['rows']:<3} N={cell['n']:<6} K={cell['k']:<6} "
             f"cuBLAS {cell['cublas_us']:7.1f} us ({tbs(cell['cublas_us'])})")
     for r in cell["best"][:2]:
-        line += (f" | {r['config']} {r['us']:7.1f} us ({tbs(r['us'])}), with sum "
-                 f"{r.get('us_with_sum', float('nan')):.1f}")
+        line += f" | {r['config']} {r['us']:7.1f} us ({tbs(r['us'])})"
+        if "us_with_sum" in r:
+            line += f", with sum {r['us_with_sum']:.1f}"
     if cell["wrong"]:
         line += f" | {len(cell['wrong'])} configs FAILED the check"
     return line

@@ -9,7 +9,8 @@ A variant is `<compile>[+<attention>][+skinny][+extra][+unfused][+pdl]`: compile
 attention in {matmul, triton} (`serving.engine.decode_attention`), `skinny` for the tuned Triton GEMMs
 (`serving.engine.skinny_gemm`; cuBLAS without it), `extra` for those kernels also at the shapes of
 `EXTRA_CONFIGS` (candidates for the table, where cuBLAS runs otherwise), `unfused` for the rotary embedding and K/V write in
-their own kernels rather than in the Triton attention kernel, `pdl` for programmatic dependent launch
+their own kernels rather than in the Triton attention kernel, `nogateup` for the w13 product and SiLU * up
+rather than the gate/up kernel (`serving.engine.gate_up`, with `skinny`), `pdl` for programmatic dependent launch
 (`DecodeGraphs(pdl=True)`: inductor's kernels and the step's own Triton kernels, Hopper and later; each
 kernel may start while its predecessor finishes, and waits for it before reading its output),
 and `kvb<n>`, `kvw<n>`, `kvst<n>`, `kvt<n>` for the Triton attention's block (positions), warps, stages
@@ -33,7 +34,7 @@ KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "cutlass", "nvjet", "sm90", "c
          ("copy", ("copy", "memcpy", "memset", "index", "scatter")))
 
 
-VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "pdl")
+VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "nogateup", "pdl")
 # the best skinny configs where cuBLAS was as fast on its own (docs/bench/gemms-h200-2026-11-30.json):
 # Llama-8B's wqkv and wo at 64 rows, left to cuBLAS, whose kernels launch without PDL
 ATTENTION_KNOBS = {"kvb": "block", "kvw": "num_warps", "kvst": "num_stages", "kvt": "target_programs"}
@@ -78,6 +79,7 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     model.decode_attention_impl = "triton" if "triton" in parts else "matmul"
     model.decode_rope_fused = "unfused" not in parts
     model.decode_gemm_impl = "triton" if "skinny" in parts else "torch"
+    model.decode_gate_up = "nogateup" not in parts
     t0 = time.perf_counter()
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), context, dtype=torch.long, device="cuda")

@@ -284,7 +284,11 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, linear: LinearFn = torch_linear) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
+                ) -> torch.Tensor:
+        """`gate_up`, when given, computes silu(gate) * up from the w13 module and x itself."""
+        if gate_up is not None:
+            return linear(self.w2, gate_up(self.w13, x))
         gate, up = linear(self.w13, x).split([self.intermediate_size, self.intermediate_size], dim=-1)
         return linear(self.w2, F.silu(gate) * up)
 
@@ -316,6 +320,7 @@ class Transformer(nn.Module):
         self.max_batch_size = 0
         self.decode_attention_impl = "matmul"  # "triton": serving.engine.decode_attention (CUDA)
         self.decode_gemm_impl = "torch"  # "triton": tuned shapes through serving.engine.skinny_gemm (CUDA)
+        self.decode_gate_up = True  # with "triton": silu(gate) * up in one kernel where tuned (gate_up.py)
         self.max_seq_len = 0
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
@@ -397,6 +402,16 @@ def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn
     return lambda module, x: product(x, module.weight, getattr(module, "bias", None), pdl=pdl)
 
 
+def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
+    """The MLP's silu(gate) * up: "triton" through `gate_up.gate_up` (one kernel where tuned), else None
+    (the step multiplies by w13 and runs SiLU * up itself)."""
+    if gemm != "triton":
+        return None
+    from serving.engine.gate_up import gate_up
+
+    return lambda module, x: gate_up(x, module.weight, pdl=pdl)
+
+
 def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
                 gemm: str | None = None, pdl: bool = False) -> torch.Tensor:
     """One decode step of cache rows [0, B): tokens, input_pos: [B] -> float32 logits [B, V].
@@ -427,6 +442,7 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
             ~visible, float("-inf")).view(bsz, 1, 1, kv_len)  # [B, 1, 1, L] additive mask
     gemm_impl = gemm or getattr(model, "decode_gemm_impl", "torch")
     linear = _linear_fn(gemm_impl, pdl=pdl)
+    gate_up = _gate_up_fn(gemm_impl, pdl=pdl) if getattr(model, "decode_gate_up", True) else None
     if not rope_fused:
         cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]  # [B, hd]
     x = model.tok_embeddings(tokens)  # [B, D]
@@ -454,7 +470,7 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
                 probs = scores.softmax(dim=-1).to(values.dtype)
                 y = torch.matmul(probs, values)  # [B, Hkv, G, hd]
         x = x + linear(attn.wo, y.reshape(bsz, a.q_size))
-        x = x + layer.feed_forward(layer.ffn_norm(x), linear)
+        x = x + layer.feed_forward(layer.ffn_norm(x), linear, gate_up)
     return model.logits(model.norm(x), linear)
 
 
