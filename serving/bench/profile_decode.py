@@ -28,17 +28,17 @@ from typing import Any
 
 import torch
 
-KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "cutlass", "nvjet", "sm90", "cublas", "splitk")),
+KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "_gate_up_kernel", "cutlass", "nvjet", "sm90", "cublas", "splitk")),
          ("attention", ("decode_attention", "_split_kernel", "_combine_kernel", "flash", "attn", "bmm")),
          ("fused", ("triton_",)),
          ("copy", ("copy", "memcpy", "memset", "index", "scatter")))
 
 
 VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "nogateup", "pdl")
-# the best skinny configs where cuBLAS was as fast on its own (docs/bench/gemms-h200-2026-11-30.json):
-# Llama-8B's wqkv and wo at 64 rows, left to cuBLAS, whose kernels launch without PDL
+# candidates for skinny_gemm.TUNED, where cuBLAS runs now (none at present: the last two, Llama-8B's wqkv
+# and wo at 64 rows, went into the table once `+extra` showed the step faster with them)
 ATTENTION_KNOBS = {"kvb": "block", "kvw": "num_warps", "kvst": "num_stages", "kvt": "target_programs"}
-EXTRA_CONFIGS = {(64, 6144, 4096): "dot:n64:k128:s1:w4:st5", (64, 4096, 4096): "dot:n64:k128:s2:w4:st5"}
+EXTRA_CONFIGS: dict[tuple[int, int, int], str] = {}
 
 
 def attention_knobs(parts: list[str]) -> dict[str, int]:

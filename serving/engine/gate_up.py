@@ -44,9 +44,10 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
 # (rows bucket, I, D) -> "dot" config with split 1, from `python3 -m serving.bench gemms --gate-up` (H200,
-# 2026-11-30; "unfused" is the w13 GEMM then F.silu(gate) * up, as the step ran them before). No 1-row
-# entries: the static batch-1 compile fuses RMSNorm into w13 and SiLU * up into w2, and with this kernel
-# the step was slower (1B: 976 against 1,022 tok/s, same call)
+# 2026-11-30; "unfused" is the w13 GEMM then F.silu(gate) * up, as the step ran them before). In the step
+# with PDL (`bench profile`, +nogateup, same run): 1B batch 64 1.103 against 1.133 ms, twice; 8B 4.960
+# against 4.966 ms. No 1-row entries: the static batch-1 compile fuses RMSNorm into w13 and SiLU * up into
+# w2, and with this kernel the step was slower (1B: 976 against 1,022 tok/s, same call)
 TUNED_GATE_UP: dict[tuple[int, int, int], str] = {
     (64, 8192, 2048): 'dot:n32:k128:s1:w4:st3',  # llama-3.2-1b: 19.3 vs unfused 26.1 us
     (64, 14336, 4096): 'dot:n64:k64:s1:w4:st4',  # llama-3.1-8b: 59.1 vs unfused 68.0 us
