@@ -28,6 +28,7 @@ from serving.engine.decode_attention import (
     decode_attention_reference,
     decode_attention_rope,
     decode_attention_triton,
+    one_block,
     split_plan,
     sweep_decode_attention,
     triton_available,
@@ -143,6 +144,12 @@ def test_split_plan(bsz, n_kv_heads, kv_len, head_dim):
         assert n_splits == 1
     if bsz == 1 and kv_len >= 4096:
         assert n_splits == MAX_SPLITS  # batch 1, long context: spread over the GPU
+
+
+def test_a_short_batch_1_bucket_is_read_as_one_block():
+    assert one_block(1, 256, 64) and one_block(1, 17, 64) and one_block(1, 128, 128)
+    assert not one_block(2, 256, 64)  # batch 64 was slower with it; the batches between are not timed
+    assert not one_block(1, 512, 64) and not one_block(1, 256, 128)  # longer buckets keep their splits
 
 
 @pytest.mark.parametrize("head_dim", [8, 96, 80])

@@ -68,6 +68,7 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 16
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16: the G query heads are padded to this many rows
+ONE_BLOCK_ELEMENTS = 16384  # a batch-1 KV bucket this small (positions x head_dim) is read as one block
 # The split kernel's tuning knobs (`_launch`'s keywords) that the registered ops launch with; empty: the
 # shipped ones. Read when a step compiles or captures; `bench profile`'s `+kv...` parts set it for an A/B.
 STEP_KNOBS: dict[str, int] = {}
@@ -107,6 +108,17 @@ def _cdiv(a: int, b: int) -> int:
 def block_n(head_dim: int) -> int:
     """Positions per step of a split's loop: K/V tiles of 8192 elements (measured best on the H200)."""
     return max(16, 8192 // head_dim)
+
+
+def one_block(bsz: int | torch.SymInt, kv_len: int | torch.SymInt, head_dim: int) -> bool:
+    """Whether a batch-1 step reads its whole KV bucket as one block, in one split of 8 warps, with no
+    combine kernel. On an H200 the Llama-1B batch-1 step (256 positions of 64) took 0.848-0.854 ms so,
+    against 0.878-0.912 ms with two splits (`bench profile`, `+kvt8+kvb256+kvw8`, two runs); at batch 64
+    the same knobs were slower. Llama-8B (128 positions of 128) takes the same path, not timed apart.
+    `bsz` and `kv_len` are plain ints only where they are fixed (a static compile, the PDL op's eager
+    body), so a dynamic compile adds no guard."""
+    fixed = isinstance(bsz, int) and isinstance(kv_len, int)
+    return fixed and bsz == 1 and kv_len * head_dim <= ONE_BLOCK_ELEMENTS
 
 
 def split_plan(bsz: int, n_kv_heads: int, kv_len: int, block: int, target_programs: int = TARGET_PROGRAMS,
@@ -297,6 +309,8 @@ if triton is not None:
         q = q.contiguous()
         cos, sin = (c.contiguous() for c in rope) if rope is not None else (q, q)  # (unused without rope)
         group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
+        if block is None and one_block(bsz, kv_len, head_dim):
+            block, max_splits, num_warps = triton.next_power_of_2(kv_len), 1, 8
         block = block or block_n(head_dim)
         n_splits, chunk = split_plan(bsz, n_kv_heads, kv_len, block, target_programs, max_splits)
         out = torch.empty((bsz, n_kv_heads, group, head_dim), dtype=k_cache.dtype, device=q.device)
