@@ -68,6 +68,7 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 16
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16: the G query heads are padded to this many rows
+MIN_BLOCK = 16  # tl.dot needs K >= 16: the positions of a block
 ONE_BLOCK_ELEMENTS = 16384  # a batch-1 KV bucket this small (positions x head_dim) is read as one block
 # The split kernel's tuning knobs (`_launch`'s keywords) that the registered ops launch with; empty: the
 # shipped ones. Read when a step compiles or captures; `bench profile`'s `+kv...` parts set it for an A/B.
@@ -107,7 +108,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def block_n(head_dim: int) -> int:
     """Positions per step of a split's loop: K/V tiles of 8192 elements (measured best on the H200)."""
-    return max(16, 8192 // head_dim)
+    return max(MIN_BLOCK, 8192 // head_dim)
 
 
 def one_block(bsz: int | torch.SymInt, kv_len: int | torch.SymInt, head_dim: int) -> bool:
@@ -310,7 +311,7 @@ if triton is not None:
         cos, sin = (c.contiguous() for c in rope) if rope is not None else (q, q)  # (unused without rope)
         group_pad = max(MIN_GROUP_ROWS, triton.next_power_of_2(group))
         if block is None and one_block(bsz, kv_len, head_dim):
-            block, max_splits, num_warps = triton.next_power_of_2(kv_len), 1, 8
+            block, max_splits, num_warps = max(MIN_BLOCK, triton.next_power_of_2(kv_len)), 1, 8
         block = block or block_n(head_dim)
         n_splits, chunk = split_plan(bsz, n_kv_heads, kv_len, block, target_programs, max_splits)
         out = torch.empty((bsz, n_kv_heads, group, head_dim), dtype=k_cache.dtype, device=q.device)
