@@ -24,7 +24,8 @@ neutral partial (lse = -inf), which the combine kernel (one program per (b, h)) 
 The number of splits (about 512 programs in all, at most 16 splits; tuned on an H200) depends only
 on (B, Hkv, kv_len) and head_dim, through guard-free integer arithmetic; the one guard is whether
 there is a single split, so a `torch.compile(dynamic=True)` step compiles twice at most (the buckets
-with one split, those with more), and each CUDA graph captures a fixed grid. The op is registered as
+with one split, those with more), and each CUDA graph captures a fixed grid. A fixed batch of 1 with a
+short bucket (`one_block`) reads the whole bucket as one block, in one split of 8 warps. The op is registered as
 `torch.ops.enginewright.decode_attention` (a `triton_op`), so it traces under `torch.compile(fullgraph=True)` and launches inside CUDA-graph capture (no host sync).
 
 `decode_attention_rope(qkv, rope_cos, rope_sin, k_cache, v_cache, lengths, kv_len, scale)` runs the same
