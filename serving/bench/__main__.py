@@ -58,9 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prof = sub.add_parser("profile", help="one decode step's CUDA graph: time, floor, kernels by kind (CUDA)")
     prof.add_argument("--shape", default="llama-3.2-1b")
     prof.add_argument("--batch", default="1,64", help="comma list")
-    prof.add_argument("--variants", default="dynamic", help="comma list of <compile>[+<attention>][+skinny][+unfused][+pdl]: "
+    prof.add_argument("--variants", default="dynamic",
+                      help="comma list of <compile>[+<attention>][+skinny][+extra][+unfused][+nogateup][+pdl][+kv...]: "
                       "compile in eager|dynamic|static, attention in matmul|triton, skinny: the tuned Triton GEMMs, "
-                      "pdl: programmatic dependent launch")
+                      "nogateup: w13 and SiLU * up apart, pdl: programmatic dependent launch, kvb<n>/kvw<n>/kvst<n>/"
+                      "kvt<n>: the attention's block, warps, stages, target programs (see serving/bench/profile_decode.py)")
     prof.add_argument("--context", type=int, default=192, help="filled cache positions per row")
     prof.add_argument("--kv-block", type=int, default=256)
     prof.add_argument("--out", type=Path, default=Path("bench-profile.json"))
