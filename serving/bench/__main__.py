@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     snd.add_argument("--rounds", type=int, default=5)
     snd.add_argument("--work", type=Path, default=Path("build/bench-sends"))
     snd.add_argument("--out", type=Path, default=Path("bench-sends.json"))
+    res = sub.add_parser("kernel-resources", help="registers, spills and shared memory of the decode kernels, "
+                         "compiled for sm_90 (no GPU needed: Triton and its bundled cuobjdump)")
+    res.add_argument("--out", type=Path, default=Path("kernel-resources.json"))
     gem = sub.add_parser("gemms", help="the decode step's GEMMs: cuBLAS vs the skinny Triton kernels (CUDA)")
     gem.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b", help="comma list")
     gem.add_argument("--rows", default="1,64", help="comma list of row counts (decode batch sizes)")
@@ -134,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
         for k, fig in report["threads"].items():
             print(f"{report['burst']} final responses on {k} thread(s): {fig['median_ms']:.2f} ms "
                   f"({fig['per_response_ms'] * 1e3:.0f} us per response), samples {fig['samples_ms']}")
+        return 0
+    if args.bench_mode == "kernel-resources":
+        from serving.bench.kernel_resources import run_resources
+
+        args.out.write_text(json.dumps(run_resources(), indent=1))
         return 0
     if args.bench_mode == "gemms":
         from serving.bench.gemm_sweep import run_gate_up_sweep, run_sweep
