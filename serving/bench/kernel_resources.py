@@ -45,7 +45,11 @@ def compile_offline(kernel: Any, types: dict[str, str], constexprs: dict[str, An
 
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    source = ASTSource(fn=kernel, signature=signature,
+    # as Triton specializes a launch: pointers 16-byte aligned, integers that are multiples of 16 marked
+    # so (every size and stride of the Llama decode shapes); without it no load is pipelined
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if signature[n].startswith("*") or signature[n] == "i32"}
+    source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                        constexprs={(names.index(n),): v for n, v in constexprs.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                               options={"num_warps": warps, "num_stages": stages})
