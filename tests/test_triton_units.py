@@ -140,6 +140,19 @@ def test_a_version_served_alone_gets_the_settings_it_was_staged_with(tmp_path: P
     assert loaded() == ({"decoupled": "true"}, 5)  # the model's settings as they stand
 
 
+def test_serving_a_version_that_is_not_staged_changes_nothing(tmp_path: Path) -> None:
+    root = repo_mod.init_repository(tmp_path / "repo")
+    engine = fake_engine_dir(tmp_path)
+    repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"warmup": "true"})
+    repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"decoupled": "true"})
+    repo_mod.set_served_versions(root, "m", [2])
+    files = {path.name: path.read_bytes() for path in (root / "m_engine").iterdir() if path.is_file()}
+    for versions in ([1, 7], [7]):
+        with pytest.raises(RepositoryError, match="not staged"):
+            repo_mod.set_served_versions(root, "m", versions)
+        assert {path.name: path.read_bytes() for path in (root / "m_engine").iterdir() if path.is_file()} == files
+
+
 def test_stage_failure_mid_copy_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = repo_mod.init_repository(tmp_path / "repo")
     engine = fake_engine_dir(tmp_path)

@@ -245,20 +245,23 @@ def llm_model_config(root: Path, name: str, versions: list[int] | None = None) -
     """The complete config of ``<name>_engine`` for ``versions`` (default: the served ones)."""
     model_dir = _model_dir(root, name)
     state = _read_state(model_dir)
-    versions = sorted(versions if versions is not None else state.get("served", []))
+    return _config_of(model_dir, name, state["settings"], versions if versions is not None else state.get("served", []))
+
+
+def _config_of(model_dir: Path, name: str, settings: dict[str, Any], versions: list[int]) -> dict[str, Any]:
+    versions = sorted(versions)
     if not versions:
-        raise RepositoryError(f"model {model_dir.name} in {root} serves no version (argument versions)")
+        raise RepositoryError(f"model {model_dir.name} in {model_dir.parent} serves no version (argument versions)")
     summaries = [_version_summary(model_dir, v) for v in versions]
-    s = state["settings"]
     return llm_config(
         engine_model_name(name),
         versions=versions,
         max_batch_size=min(int(x["max_batch_size"]) for x in summaries),
-        device_kind=_resolve_device_kind(s["device_kind"]),
-        max_queue_size=int(s["max_queue_size"]),
-        max_queue_delay_us=int(s["max_queue_delay_us"]),
-        instance_count=int(s["instance_count"]),
-        parameters=dict(s.get("parameters") or {}),
+        device_kind=_resolve_device_kind(settings["device_kind"]),
+        max_queue_size=int(settings["max_queue_size"]),
+        max_queue_delay_us=int(settings["max_queue_delay_us"]),
+        instance_count=int(settings["instance_count"]),
+        parameters=dict(settings.get("parameters") or {}),
     )
 
 
@@ -269,18 +272,17 @@ def set_served_versions(root: Path, name: str, versions: list[int]) -> dict[str,
     kind) are the model's, not a version's, in Triton: while two versions are served they run with the
     latest staged ones; one version served alone runs with those it was staged with, so a rollback also
     takes back the candidate's parameters (a bad one could otherwise fail the live version's reload).
+    Nothing is written when a version is not staged.
     """
     model_dir = _model_dir(root, name)
+    state = _read_state(model_dir)
     if len(versions) == 1:
         own = _version_summary(model_dir, int(versions[0])).get("settings")  # absent: staged before they were kept
-        state = _read_state(model_dir)
-        if own is not None and own != state["settings"]:
+        if own is not None:
             state["settings"] = own
-            _write_state(model_dir, state)
-    config = llm_model_config(root, name, list(versions))
-    write_atomic(model_dir / "config.pbtxt", to_pbtxt(config))
-    state = _read_state(model_dir)
     state["served"] = sorted(int(v) for v in versions)
+    config = _config_of(model_dir, name, state["settings"], state["served"])
+    write_atomic(model_dir / "config.pbtxt", to_pbtxt(config))
     _write_state(model_dir, state)
     return config
 
