@@ -91,9 +91,9 @@ class TritonSpec(BaseModel):
 
     @model_validator(mode="after")
     def _compiled_loads_take_longer(self) -> TritonSpec:
-        from serving.triton.models.params import truthy
+        from serving.triton.models.params import flag
 
-        if "load_timeout_s" not in self.model_fields_set and truthy(self.engine_parameters.get("compile_decode")):
+        if "load_timeout_s" not in self.model_fields_set and flag(self.engine_parameters, "compile_decode"):
             self.load_timeout_s = COMPILED_LOAD_TIMEOUT_S
         return self
 

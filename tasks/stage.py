@@ -141,10 +141,10 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
 def warm_up(target: Target, model_name: str, version: int, triton: TritonSpec) -> None:
     """A few requests straight to the new version (first calls are slow; a version that cannot answer fails here)."""
     from serving.triton.client import generate_ids, infer_ids
-    from serving.triton.models.params import truthy
+    from serving.triton.models.params import flag
     from serving.triton.repository import engine_model_name
 
-    send = generate_ids if truthy(triton.engine_parameters.get("decoupled")) else infer_ids  # /infer refuses decoupled
+    send = generate_ids if flag(triton.engine_parameters, "decoupled") else infer_ids  # /infer refuses decoupled
     for i in range(triton.warmup_requests):
         send(target.url, engine_model_name(model_name), [1 + i, 2, 3], max_tokens=4, version=version,
              timeout_s=triton.request_timeout_s, setting=target.setting)

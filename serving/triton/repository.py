@@ -28,7 +28,7 @@ from typing import Any
 from serving.files import link_or_copy
 from serving.triton.errors import RepositoryError
 from serving.triton.model_configs import llm_config, router_config, stream_router_config
-from serving.triton.models.params import check_parameters, truthy
+from serving.triton.models.params import check_parameters, flag
 from serving.triton.pbtxt import to_pbtxt
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -338,7 +338,7 @@ def engine_decoupled(root: Path, name: str) -> bool:
     model_dir = _model_dir(root, name)
     if not model_dir.is_dir():
         return False
-    return truthy((_read_state(model_dir)["settings"].get("parameters") or {}).get("decoupled"))
+    return flag(_read_state(model_dir)["settings"].get("parameters") or {}, "decoupled")
 
 
 def write_stream_router(root: Path, name: str, weights: dict[int, int], *, load_id: str,

@@ -30,7 +30,8 @@ FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def truthy(value: str | None) -> bool:
-    """A boolean parameter's value: "1", "true", "yes" or "on" (any case) is true."""
+    """A boolean value that no table here defaults (the router's own `target_decoupled`): "1", "true",
+    "yes" or "on" (any case) is true. The llm model's parameters are read with `flag`."""
     return str(value or "").strip().lower() in TRUE_WORDS
 
 
