@@ -41,9 +41,12 @@ ATTENTION_KNOBS = {"kvb": "block", "kvw": "num_warps", "kvst": "num_stages", "kv
 EXTRA_CONFIGS: dict[tuple[int, int, int], str] = {}
 
 
+KNOB_PART = re.compile(r"(kvb|kvw|kvst|kvt)(\d+)")
+
+
 def attention_knobs(parts: list[str]) -> dict[str, int]:
     """The `kv<knob><n>` parts of a variant as `decode_attention._launch` keywords."""
-    found = (re.fullmatch(r"(kvb|kvw|kvst|kvt)(\d+)", part) for part in parts)
+    found = (KNOB_PART.fullmatch(part) for part in parts)
     return {ATTENTION_KNOBS[m[1]]: int(m[2]) for m in found if m}
 
 
@@ -73,7 +76,7 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
 
     compile_mode, *parts = variant.split("+")
     knobs = attention_knobs(parts)
-    unknown = set(parts) - set(VARIANT_PARTS) - {p for p in parts if attention_knobs([p])}
+    unknown = {p for p in parts if p not in VARIANT_PARTS and not KNOB_PART.fullmatch(p)}
     if unknown:
         raise ValueError(f"variant {variant!r}: unknown parts {sorted(unknown)} ({', '.join(VARIANT_PARTS)})")
     model.decode_attention_impl = "triton" if "triton" in parts else "matmul"

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from serving.engine.skinny_gemm import MAX_ROWS, GemmConfig, block_m, rows_bucket, skinny_linear
+from serving.engine.skinny_gemm import MAX_ROWS, GemmConfig, block_m, parse_table, rows_bucket, skinny_linear
 
 try:
     import triton
@@ -52,13 +52,12 @@ TUNED_GATE_UP: dict[tuple[int, int, int], str] = {
     (64, 8192, 2048): 'dot:n32:k128:s1:w4:st3',  # llama-3.2-1b: 19.3 vs unfused 26.1 us
     (64, 14336, 4096): 'dot:n64:k64:s1:w4:st4',  # llama-3.1-8b: 59.1 vs unfused 68.0 us
 }
-TUNED_GATE_UP_CONFIGS: dict[tuple[int, int, int], GemmConfig] = {
-    shape: GemmConfig.parse(text) for shape, text in TUNED_GATE_UP.items()}
+TUNED_GATE_UP_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_GATE_UP)
 
 
 def fits(config: GemmConfig, m: int, k: int) -> bool:
     """Whether `config` can run the gate/up product of m rows of width k (one K slice, whole blocks)."""
-    return config.kernel == "dot" and config.split == 1 and 1 <= m <= MAX_ROWS and k % config.block_k == 0
+    return config.kernel == "dot" and config.split == 1 and config.fits(m, 0, k)  # (fits does not read n)
 
 
 def config_for(m: int, intermediate: int, k: int) -> GemmConfig | None:
