@@ -22,6 +22,7 @@ from serving.engine.cuda_graphs import (
     compile_options,
     graphs_to_warm,
     single_row_static,
+    tuned_single_row,
 )
 from serving.engine.model import decode_step_greedy
 from tasks.tiny_model import make_tiny_model
@@ -43,6 +44,29 @@ def test_the_warm_up_compiles_everything_serving_can_capture(max_batch_size, kv_
     assert single_row_static(1, kv_buckets[0], kv_buckets[0]) and not single_row_static(2, kv_buckets[0], kv_buckets[0])
     if len(kv_buckets) > 1:
         assert not single_row_static(1, kv_buckets[1], kv_buckets[0])  # once per bucket would compile mid-serving
+
+
+def meta_model(shape: str, gemm: str = "triton", gate_up: bool = True):
+    from serving.bench.models import model_args
+    from serving.engine.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(model_args(shape))
+    model.decode_gemm_impl, model.decode_gate_up = gemm, gate_up
+    return model
+
+
+def test_a_model_whose_batch1_products_are_all_tuned_skips_the_static_compile(monkeypatch):
+    """Llama-1B's batch-1 products all have tuned kernels (w13 through the gate/up kernel), so "auto"
+    compiles its batch 1 dynamic; without the Triton GEMMs, the gate/up kernel or one table entry, static."""
+    from serving.engine import gate_up
+
+    assert tuned_single_row(meta_model("llama-3.2-1b"))
+    assert not tuned_single_row(meta_model("llama-3.2-1b", gemm="torch"))
+    assert not tuned_single_row(meta_model("llama-3.2-1b", gate_up=False))  # no 1-row w13 in the skinny table
+    assert not tuned_single_row(meta_model("tiny"))
+    monkeypatch.setattr(gate_up, "TUNED_GATE_UP_CONFIGS", {})
+    assert not tuned_single_row(meta_model("llama-3.2-1b"))
 
 
 def test_static_steps_compile_per_kv_length_and_dynamic_ones_do_not(tmp_path):

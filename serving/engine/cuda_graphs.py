@@ -16,7 +16,10 @@ coordinate-descent tuning of the generated kernels: faster kernels, one compile 
 4 GB of weights, where inductor then fuses each matrix-vector product with its RMSNorm/SiLU neighbours
 into one tuned reduction kernel (Llama-1B shape on the H200: 1.00 vs 1.12 ms per step; at the 8B shape
 the same fusion was slower than cuBLAS, 5.06 vs 4.89 ms), and compiles every other graph with dynamic
-shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms). Batch 1 at longer
+shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms). A model whose batch-1
+products all have tuned Triton kernels (`tuned_single_row`) skips the static compile: what its tuning
+picks changes from compile to compile (Llama-1B, the same code compiled six times in one process:
+0.90 to 1.09 ms per step), while the dynamic step on the tuned kernels ran 0.878-0.880 ms. Batch 1 at longer
 contexts takes the dynamic compile too: a static compile per KV bucket, captured lazily while serving,
 would stall every stream for a whole compile. `warm_up` captures every graph whose capture compiles.
 `pdl=True` launches the step's kernels with programmatic dependent launch (Hopper and later; ignored
@@ -83,6 +86,21 @@ def single_row_static(bsz: int, kv_len: int, first_kv_bucket: int) -> bool:
     return bsz == 1 and kv_len == first_kv_bucket
 
 
+def tuned_single_row(model: Transformer) -> bool:
+    """Whether every weight product of the model's batch-1 step runs a tuned Triton kernel in the dynamic
+    compile (`skinny_gemm.TUNED`; w13 through `gate_up.TUNED_GATE_UP` or the skinny table)."""
+    if getattr(model, "decode_gemm_impl", "torch") != "triton":
+        return False
+    from serving.engine import gate_up, skinny_gemm
+
+    a = model.args
+    dim, inner = a.dim, a.intermediate_size
+    fused_w13 = model.decode_gate_up and gate_up.config_for(1, inner, dim) is not None
+    w13 = fused_w13 or skinny_gemm.config_for(1, 2 * inner, dim) is not None
+    others = ((a.qkv_size, dim), (dim, a.q_size), (dim, inner), (a.vocab_size, dim))
+    return w13 and all(skinny_gemm.config_for(1, n, k) is not None for n, k in others)
+
+
 def graphs_to_warm(buckets: list[int], kv_buckets: list[int], single_static: bool) -> list[tuple[int, int]]:
     """The (batch bucket, KV bucket) graphs to capture before serving, so that no capture while serving
     compiles: every batch bucket at the first KV bucket and, next to a static batch-1 step, batch 1 at
@@ -127,7 +145,7 @@ class DecodeGraphs:
         if compile not in (False, True, "dynamic", "static", "auto"):
             raise ValueError(f"compile={compile!r}: expected False, True, 'dynamic', 'static' or 'auto'")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if compile == "auto" and weight_bytes >= SINGLE_ROW_FUSION_MAX_BYTES:
+        if compile == "auto" and (weight_bytes >= SINGLE_ROW_FUSION_MAX_BYTES or tuned_single_row(model)):
             compile = "dynamic"
         static = dynamic = None
         self.pdl = pdl and pdl_supported(dev)

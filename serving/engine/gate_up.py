@@ -15,10 +15,11 @@ F.silu's result is rounded, and so is the product.
 shape (rows bucket, I, D), measured on an H200 by `python3 -m serving.bench gemms --gate-up`; elsewhere
 the w13 product (through `skinny_linear`, so a tuned split-K w13 still runs) and SiLU * up.
 
-Only 64-row buckets are tuned: at batch 1 the static compile already fuses RMSNorm into its w13
-product and SiLU * up into its w2 product, and the opaque kernel took those fusions away (1B: 976
-against 1,022 tok/s, same H200 call). Checked on CPU tensors under TRITON_INTERPRET=1 and on the GPU
-(tests/test_gate_up.py).
+At one row it runs in the dynamic compile of the batch-1 step (Llama-1B: 0.878 against 0.910 ms per
+step with the w13 product and SiLU * up, twice each, same H200 call). Inside the static batch-1 compile
+it would take inductor's fusions of RMSNorm into w13 and SiLU * up into w2 away (1B: 976 against 1,022
+tok/s); `cuda_graphs.tuned_single_row` keeps a model whose batch-1 products are all tuned off that
+compile. Checked on CPU tensors under TRITON_INTERPRET=1 and on the GPU (tests/test_gate_up.py).
 
 Registered as `torch.ops.enginewright.gate_up` (a `triton_op`), so it traces under
 torch.compile(fullgraph=True) and launches inside CUDA-graph capture; `enginewright::gate_up_pdl` is
@@ -46,9 +47,10 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
 # (rows bucket, I, D) -> "dot" config with split 1, from `python3 -m serving.bench gemms --gate-up` (H200,
 # 2026-11-30; "unfused" is the w13 GEMM then F.silu(gate) * up, as the step ran them before). In the step
 # with PDL (`bench profile`, +nogateup, same run): 1B batch 64 1.103 against 1.133 ms, twice; 8B 4.960
-# against 4.966 ms. No 1-row entries: the static batch-1 compile fuses RMSNorm into w13 and SiLU * up into
-# w2, and with this kernel the step was slower (1B: 976 against 1,022 tok/s, same call)
+# against 4.966 ms. 1B batch 1 (dynamic compile, 300 replays): 0.878-0.882 ms with the three best configs
+# against 0.909 and 0.911 ms without
 TUNED_GATE_UP: dict[tuple[int, int, int], str] = {
+    (1, 8192, 2048): 'dot:n32:k64:s1:w4:st5',  # llama-3.2-1b: 17.6 vs unfused 21.2 us
     (64, 8192, 2048): 'dot:n32:k128:s1:w4:st3',  # llama-3.2-1b: 19.3 vs unfused 26.1 us
     (64, 14336, 4096): 'dot:n64:k64:s1:w4:st4',  # llama-3.1-8b: 59.1 vs unfused 68.0 us
 }
