@@ -234,6 +234,9 @@ def parity_report(tmp_path, device: str) -> dict:
     return report
 
 
+PARITY_DIM, PARITY_QKV, PARITY_MLP = 1024, 1024 + 2 * 256, 2816
+
+
 def skinny_configs_for_parity_shapes() -> dict:
     """Split-K configs of the skinny decode GEMMs (serving/engine/skinny_gemm.py) for every weight shape of
     the parity models, so that their greedy decode goes through those kernels (the tuned table holds the
@@ -241,26 +244,45 @@ def skinny_configs_for_parity_shapes() -> dict:
     from serving.engine.skinny_gemm import MAX_ROWS
     from tasks.tiny_model import VOCAB_SIZE
 
-    dim, qkv, mlp = 1024, 1024 + 2 * 256, 2816
-    shapes = [(qkv, dim), (dim, dim), (2 * mlp, dim), (dim, mlp), (VOCAB_SIZE, dim)]
+    dim, mlp = PARITY_DIM, PARITY_MLP
+    shapes = [(PARITY_QKV, dim), (dim, dim), (2 * mlp, dim), (dim, mlp), (VOCAB_SIZE, dim)]
     return {(rows, n, k): "dot:n64:k64:s2:w4:st3" for rows in (1, MAX_ROWS) for n, k in shapes}
+
+
+def route_parity_shapes_to_kernels(monkeypatch) -> list:
+    """Serve the parity shapes from the skinny and gate/up tables (the lookups read the parsed copies, so
+    those are patched) and record every kernel launch; the list it returns fills as they run."""
+    from serving.engine import gate_up, skinny_gemm
+    from serving.engine.skinny_gemm import MAX_ROWS, parse_table
+
+    table = skinny_configs_for_parity_shapes()
+    monkeypatch.setattr(skinny_gemm, "TUNED", table)
+    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", parse_table(table))
+    monkeypatch.setattr(gate_up, "TUNED_GATE_UP_CONFIGS", parse_table(
+        {(rows, PARITY_MLP, PARITY_DIM): "dot:n64:k64:s1:w4:st3" for rows in (1, MAX_ROWS)}))
+    launched = []
+    for module in (skinny_gemm, gate_up):
+        real = module.launch
+        monkeypatch.setattr(module, "launch", lambda *a, _real=real, _name=module.__name__, **kw:
+                            launched.append(_name) or _real(*a, **kw))
+    return launched
 
 
 def test_bf16_parity_and_validation_gate(tmp_path, monkeypatch):
     """Acceptance (issue 7): engine logits match HF on the GPU within bf16 tolerance and greedy outputs pass
     the validation gate (bf16 thresholds of tasks/validate.py), with the decode step's GEMMs in the skinny
-    Triton kernels. Writes $ENGINEWRIGHT_PARITY_JSON if set."""
+    and gate/up Triton kernels. Writes $ENGINEWRIGHT_PARITY_JSON if set."""
     import json
     import os
 
-    from serving.engine import skinny_gemm
-
-    monkeypatch.setattr(skinny_gemm, "TUNED", skinny_configs_for_parity_shapes())
+    launched = route_parity_shapes_to_kernels(monkeypatch)
     report = parity_report(tmp_path, "cuda")
-    report["decode_gemm"] = "skinny Triton kernels (split-K configs set for the parity shapes)"
+    report["decode_gemm"] = "skinny and gate/up Triton kernels (configs set for the parity shapes)"
+    report["kernel_launches"] = {name: launched.count(name) for name in sorted(set(launched))}
     if os.environ.get("ENGINEWRIGHT_PARITY_JSON"):
         with open(os.environ["ENGINEWRIGHT_PARITY_JSON"], "w") as f:
             json.dump(report, f, indent=1)
+    assert set(launched) == {"serving.engine.skinny_gemm", "serving.engine.gate_up"}, report["kernel_launches"]
     assert report["peaked"]["gate"]["passed"], report["peaked"]["gate"]["failures"]
     for name in ("peaked", "standard_init"):
         eng, hf = report[name]["engine_bf16_vs_hf_fp32"], report[name]["hf_bf16_vs_hf_fp32"]
