@@ -20,8 +20,9 @@ shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms). A
 products all have tuned Triton kernels (`tuned_single_row`) skips the static compile: its speed
 changes from compile to compile (Llama-1B, the same code compiled eight times in one process: 0.90 to
 1.09 ms per step; what the tuning picks is the likely cause, not established), while the dynamic step
-on the tuned kernels ran 0.878-0.880 ms. Batch 1 at longer contexts takes the dynamic compile too: a static compile per KV bucket, captured lazily while serving,
-would stall every stream for a whole compile. `warm_up` captures every graph whose capture compiles.
+on the tuned kernels ran 0.878-0.880 ms. Batch 1 at longer contexts takes the dynamic compile too: a
+static compile per KV bucket, captured lazily while serving, would stall every stream for a whole
+compile. `warm_up` captures every graph whose capture compiles.
 `pdl=True` launches the step's kernels with programmatic dependent launch (Hopper and later; ignored
 elsewhere): inductor generates it for its kernels, and the step's own Triton kernels (skinny GEMMs,
 attention) take their PDL variants (`serving.engine.pdl`). Each kernel may then start while its
