@@ -65,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "kvt<n>: the attention's block, warps, stages, target programs (see serving/bench/profile_decode.py)")
     prof.add_argument("--context", type=int, default=192, help="filled cache positions per row")
     prof.add_argument("--kv-block", type=int, default=256)
+    prof.add_argument("--replays", type=int, default=300,
+                      help="timed graph replays per variant")
     prof.add_argument("--out", type=Path, default=Path("bench-profile.json"))
     plot = sub.add_parser("plot", help="latency distributions of a served report (PNG)")
     plot.add_argument("--served", type=Path, required=True, help="a `served` report (JSON)")
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         from serving.bench.profile_decode import run_profile
 
         run_profile(args.shape, list(_ints(args.batch)), args.variants.split(","), context=args.context,
-                    kv_block=args.kv_block, out_json=args.out)
+                    kv_block=args.kv_block, replays=args.replays, out_json=args.out)
         return 0
     if args.bench_mode == "sends":
         from serving.bench.send_bench import run_send_bench

@@ -70,7 +70,7 @@ def random_model(shape: str, *, batch: int, max_seq: int, dtype: torch.dtype = t
     return model
 
 
-def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_block: int, replays: int = 50
+def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_block: int, replays: int = 300
                     ) -> dict[str, Any]:
     from serving.engine.cuda_graphs import DecodeGraphs
 
@@ -121,7 +121,7 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:14]
     per_step = round(sum(n for _, n in per_kernel.values()))
     return {"variant": variant, "batch": batch, "context": context, "setup_s": round(setup_s, 1),
-            "step_ms": step_ms, "kernel_ms": sum(kinds.values()) / 1e3,
+            "step_ms": step_ms, "replays": replays, "kernel_ms": sum(kinds.values()) / 1e3,
             "kernels_per_step": per_step,
             "by_kind_ms": {k: round(v / 1e3, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top": [(name[:90], round(us, 1), round(n, 1)) for name, (us, n) in top],
@@ -135,7 +135,7 @@ def first_step_kernels(kernels: list[Any], per_step: int) -> list[tuple[str, flo
 
 
 def run_profile(shape: str, batches: list[int], variants: list[str], *, context: int = 192, kv_block: int = 256,
-                out_json: Path | None = None) -> list[dict[str, Any]]:
+                replays: int = 300, out_json: Path | None = None) -> list[dict[str, Any]]:
     from serving.bench.models import kv_bytes_per_token, model_args, weight_bytes
     from serving.bench.offline import copy_bandwidth_gb_s
 
@@ -148,7 +148,8 @@ def run_profile(shape: str, batches: list[int], variants: list[str], *, context:
                     ) / (bw * 1e9) * 1e3
         for variant in variants:
             try:
-                r = profile_variant(model, variant=variant, batch=batch, context=context, kv_block=kv_block)
+                r = profile_variant(model, variant=variant, batch=batch, context=context, kv_block=kv_block,
+                                    replays=replays)
             except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
                 r = {"variant": variant, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:400]}
             r.update({"shape": shape, "floor_ms": floor_ms, "bandwidth_gb_s": bw})
