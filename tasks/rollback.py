@@ -41,19 +41,29 @@ def remove_leftovers(root: Path, name: str) -> list[str]:
 
 
 def converge(target: Target, name: str, version: int, timeout_s: float) -> None:
-    """On one endpoint: router 100% to ``version``, ``version`` the only one served, other folders removed."""
+    """On one endpoint: router 100% to ``version``, ``version`` the only one served, other folders removed.
+
+    When the router already gives every other version weight 0 (a release's last step, or a rollback
+    before any traffic moved), those versions are unloaded first and the router is reloaded once, after:
+    it drops their entries and follows the served version's decoupled setting together. Otherwise the
+    router stops choosing them before they are unloaded, and is reloaded again only if that setting
+    changed. Fewer back-to-back router reloads at a release's finish (docs/triton.md, the in-flight hang).
+    """
     from serving.triton.operations import apply_router_weights, serve_versions
-    from serving.triton.repository import engine_decoupled, list_versions, remove_version
+    from serving.triton.repository import engine_decoupled, list_versions, remove_version, router_weights
 
     control = target.control()
     decoupled = engine_decoupled(target.model_repository, name)
-    apply_router_weights(control, target.model_repository, name, {version: 100}, timeout_s=timeout_s)
-    checkpoint(f"converge {target.url}: router -> {version}")
+    weights = router_weights(target.model_repository, name)
+    routed = weights.get(version) == 100 and not any(w for v, w in weights.items() if v != version)
+    if not routed:
+        apply_router_weights(control, target.model_repository, name, {version: 100}, timeout_s=timeout_s)
+        checkpoint(f"converge {target.url}: router -> {version}")
     serve_versions(control, target.model_repository, name, [version], timeout_s=timeout_s)
     checkpoint(f"converge {target.url}: served [{version}]")
-    if engine_decoupled(target.model_repository, name) != decoupled:  # served alone, it got its own settings back
+    if routed or engine_decoupled(target.model_repository, name) != decoupled:  # served alone, own settings back
         apply_router_weights(control, target.model_repository, name, {version: 100}, timeout_s=timeout_s)
-        checkpoint(f"converge {target.url}: routers follow decoupled={not decoupled}")
+        checkpoint(f"converge {target.url}: router -> {version} alone")
     for other in list_versions(target.model_repository, name):
         if other != version:
             remove_version(target.model_repository, name, other)

@@ -41,6 +41,47 @@ def fake_engine_dir(tmp_path: Path, name: str = "engine") -> Path:
     return d
 
 
+class RecordingControl:
+    """The Triton control calls a repository operation makes, in order (beside the real-server rollout
+    tests of the same paths, tests/test_rollout_*.py)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def load_model(self, name: str, *, config: dict | None = None, timeout_s: float = 0.0) -> None:
+        self.calls.append(("load", name))
+
+    def unload_model(self, name: str, *, timeout_s: float = 0.0) -> None:
+        self.calls.append(("unload", name))
+
+
+@pytest.mark.parametrize("before", [{1: 0, 2: 100}, {1: 50, 2: 50}])
+def test_converge_unloads_a_version_only_once_the_router_no_longer_picks_it(tmp_path: Path, before) -> None:
+    """Already routed away from version 1 (a release's last step): the engine reload first, then ONE
+    router reload that drops its 0-weight entry. Still routed to it: the router first, then the engine."""
+    from tasks import rollback
+    from tasks.targets import Target
+
+    root = repo_mod.init_repository(tmp_path / "repo")
+    engine = fake_engine_dir(tmp_path)
+    for _ in range(2):
+        repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, device_kind="cpu")
+    repo_mod.set_served_versions(root, "m", [1, 2])
+    repo_mod.write_router(root, "m", before)
+    control = RecordingControl()
+
+    class RecordedTarget(Target):
+        def control(self, **_: float) -> RecordingControl:  # type: ignore[override]
+            return control
+
+    rollback.converge(RecordedTarget("http://127.0.0.1:1", root, "test"), "m", 2, timeout_s=1.0)
+    loads = [name for verb, name in control.calls if verb == "load"]
+    want = ["m_engine", "m"] if before[1] == 0 else ["m", "m_engine"]
+    assert loads == want
+    assert repo_mod.router_weights(root, "m") == {2: 100}
+    assert repo_mod.served_versions(root, "m") == [2] and repo_mod.list_versions(root, "m") == [2]
+
+
 # ---------------------------------------------------------------- pbtxt and configs
 
 
