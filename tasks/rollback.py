@@ -50,12 +50,12 @@ def converge(target: Target, name: str, version: int, timeout_s: float) -> None:
     changed. Fewer back-to-back router reloads at a release's finish (docs/triton.md, the in-flight hang).
     """
     from serving.triton.operations import apply_router_weights, serve_versions
-    from serving.triton.repository import engine_decoupled, list_versions, remove_version, router_weights
+    from serving.triton.repository import engine_decoupled, list_versions, remove_version
+    from tasks.stage import live_version
 
     control = target.control()
     decoupled = engine_decoupled(target.model_repository, name)
-    weights = router_weights(target.model_repository, name)
-    routed = weights.get(version) == 100 and not any(w for v, w in weights.items() if v != version)
+    routed = live_version(target, name) == version  # weights are percents: the others are at 0
     if not routed:
         apply_router_weights(control, target.model_repository, name, {version: 100}, timeout_s=timeout_s)
         checkpoint(f"converge {target.url}: router -> {version}")

@@ -75,8 +75,8 @@ class EngineRunner:
     def compile_decode(self, mode: str = "auto", *, pdl: bool = True, **compile_kwargs) -> None:
         """Compile the decode step: on CUDA, graphs of the torch.compile'd step (`mode` "dynamic": one
         compile for all buckets; "static": one per bucket, tuned; "auto": batch 1 static for small
-        models without tuned batch-1 kernels, the rest dynamic; `pdl`: with programmatic dependent launch; see `DecodeGraphs`); on the CPU,
-        torch.compile(decode_step, dynamic=True, fullgraph=True)."""
+        models without tuned batch-1 kernels, the rest dynamic; `pdl`: with programmatic dependent
+        launch; see `DecodeGraphs`); on the CPU, torch.compile(decode_step, dynamic=True, fullgraph=True)."""
         if self.graphs is not None:
             from serving.engine.cuda_graphs import DecodeGraphs
 
