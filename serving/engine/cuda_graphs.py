@@ -240,7 +240,8 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_needed: int) -> torch.Tensor:
-        """tokens, input_pos: [b] (device) -> float32 logits [b, V] (a view into a static buffer)."""
+        """tokens, input_pos: [b] (device) -> logits [b, V] (a view into a static buffer): float32, or bf16
+        where the LM head's kernel wrote them (`model.decode_step_greedy`)."""
         b = tokens.shape[0]
         graph, logits, bsz = self._graph(b, kv_needed)
         self.tokens[:b].copy_(tokens, non_blocking=True)
@@ -253,7 +254,7 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def replay(self, b: int, kv_needed: int) -> torch.Tensor:
-        """The step of rows [0, b) on the state's buffers as they stand -> float32 logits [b, V]; rows
+        """The step of rows [0, b) on the state's buffers as they stand -> logits [b, V] (as `step`'s); rows
         [b, bucket) of the bucket must be parked (position 0, not active)."""
         graph, logits, _ = self._graph(b, kv_needed)
         graph.replay()

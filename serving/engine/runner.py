@@ -93,14 +93,15 @@ class EngineRunner:
         self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, state=self.state)
 
     def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_needed: int) -> torch.Tensor:
-        """One decode step of cache rows [0, len(tokens)) -> float32 logits [b, V]; `kv_needed` must
-        exceed every position. The result may be a view that the next call overwrites."""
+        """One decode step of cache rows [0, len(tokens)) -> logits [b, V] (float32, or bf16 where the LM
+        head's kernel wrote them); `kv_needed` must exceed every position. The result may be a view that the
+        next call overwrites."""
         if self.graphs is not None:
             return self.graphs.step(tokens, input_pos, kv_needed)
         return self.decode_fn(self.model, tokens, input_pos, kv_needed)
 
     def decode_inplace(self, b: int, kv_needed: int) -> torch.Tensor:
-        """One decode step of cache rows [0, b) on `self.state` as it stands -> float32 logits [b, V];
+        """One decode step of cache rows [0, b) on `self.state` as it stands -> logits [b, V] (as `decode`'s);
         afterwards the state holds each row's greedy next token and active rows' positions have moved
         on (`DecodeState.advance`). On CUDA one graph replay, no copies. Rows past b that the graph's
         batch bucket includes must be parked (position 0, not active)."""

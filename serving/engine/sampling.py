@@ -1,4 +1,5 @@
-"""Sampling of the next token: a pure function of float32 logits.
+"""Sampling of the next token: a pure function of the logits, computed in float32 (the decode step's
+logits are bf16 where the LM head's kernel writes them, `lm_head`).
 
 `sample` turns logits `[B, V]` into token ids `[B]`: greedy when `temperature == 0`, otherwise
 temperature, then top-k, then top-p (nucleus), then a draw through the exponential-race trick
@@ -42,10 +43,10 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: SamplingParams | None,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits: [B, V] float32 -> next token ids [B] (int64)."""
+    """logits: [B, V] -> next token ids [B] (int64)."""
     if params is None or params.is_greedy:
         return logits.argmax(dim=-1)
-    logits = logits / max(params.temperature, 1e-6)
+    logits = logits.float() / max(params.temperature, 1e-6)
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -64,7 +65,7 @@ def sample(logits: torch.Tensor, params: SamplingParams | None,
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Raw log-probs of the chosen tokens [B] and, if top_n > 0, the top_n (values, ids) [B, top_n]."""
-    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     if top_n <= 0:
         return chosen, None, None
