@@ -59,11 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prof.add_argument("--shape", default="llama-3.2-1b")
     prof.add_argument("--batch", default="1,64", help="comma list")
     prof.add_argument("--variants", default="dynamic",
-                      help="comma list of <compile>[+<attention>][+skinny][+extra][+unfused][+nogateup][+nofold]"
-                      "[+nogreedy][+pdl][+kv...]: compile in eager|dynamic|static, attention in matmul|triton, skinny: "
-                      "the tuned Triton GEMMs, nogateup: w13 and SiLU * up apart, nofold: the RMSNorms in kernels of "
-                      "their own, nogreedy: argmax over the logits after the LM head, pdl: programmatic dependent "
-                      "launch, kvb<n>/kvw<n>/kvst<n>/"
+                      help="comma list of <compile>[+<attention>][+skinny][+extra][+unfused][+nogateup][+nogreedy]"
+                      "[+pdl][+kv...]: compile in eager|dynamic|static, attention in matmul|triton, skinny: the tuned "
+                      "Triton GEMMs, nogateup: w13 and SiLU * up apart, nogreedy: argmax over the logits after the LM "
+                      "head, pdl: programmatic dependent launch, kvb<n>/kvw<n>/kvst<n>/"
                       "kvt<n>: the attention's block, warps, stages, target programs (see serving/bench/profile_decode.py)")
     prof.add_argument("--context", type=int, default=192, help="filled cache positions per row")
     prof.add_argument("--kv-block", type=int, default=256)

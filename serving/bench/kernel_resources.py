@@ -93,7 +93,8 @@ def attention_cases() -> list[Case]:
 
 
 def skinny_cases() -> list[Case]:
-    """The skinny dot kernel with PDL at 64 rows, as tuned (`skinny_gemm.TUNED`)."""
+    """The skinny dot kernel with PDL at 64 rows, as tuned (`skinny_gemm.TUNED`); the LM heads also with
+    their greedy maxima (`lm_head`)."""
     from serving.engine.skinny_gemm import TUNED, GemmConfig, _dot_kernel
 
     cases = []
@@ -101,10 +102,13 @@ def skinny_cases() -> list[Case]:
         config = GemmConfig.parse(text)
         if rows != 64 or config.kernel != "dot":
             continue
-        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32" if config.split > 1 else "*bf16"}
-        constexprs = {"BLOCK_M": 64, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "IEEE_DOT": False,
-                      "GDC": True}
-        cases.append((f"{n}x{k} ({text})", _dot_kernel, types, constexprs, config.warps, config.stages))
+        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32" if config.split > 1 else "*bf16",
+                 "max_ptr": "*fp32", "arg_ptr": "*i32"}
+        for greedy in (False, True) if config.split == 1 and n > 100_000 else (False,):
+            constexprs = {"BLOCK_M": 64, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "IEEE_DOT": False,
+                          "GDC": True, "GREEDY": greedy}
+            name = f"{n}x{k} ({text}{', greedy' if greedy else ''})"
+            cases.append((name, _dot_kernel, types, constexprs, config.warps, config.stages))
     return cases
 
 

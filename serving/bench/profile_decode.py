@@ -10,9 +10,8 @@ attention in {matmul, triton} (`serving.engine.decode_attention`), `skinny` for 
 (`serving.engine.skinny_gemm`; cuBLAS without it), `extra` for those kernels also at the shapes of
 `EXTRA_CONFIGS` (candidates for the table, where cuBLAS runs otherwise), `unfused` for the rotary embedding and K/V write in
 their own kernels rather than in the Triton attention kernel, `nogateup` for the w13 product and SiLU * up
-rather than the gate/up kernel (`serving.engine.gate_up`, with `skinny`), `nofold` for the RMSNorms in
-kernels of their own rather than folded into the GEMMs (`serving.engine.row_norm`), `nogreedy` for the
-argmax over float32 logits rather than from the LM head's kernel (`serving.engine.lm_head`), `pdl` for programmatic dependent launch
+rather than the gate/up kernel (`serving.engine.gate_up`, with `skinny`), `nogreedy` for the argmax over
+float32 logits rather than from the LM head's kernel (`serving.engine.lm_head`), `pdl` for programmatic dependent launch
 (`DecodeGraphs(pdl=True)`: inductor's kernels and the step's own Triton kernels, Hopper and later; each
 kernel may start while its predecessor finishes, and waits for it before reading its output),
 and `kvb<n>`, `kvw<n>`, `kvst<n>`, `kvt<n>` for the Triton attention's block (positions), warps, stages
@@ -30,13 +29,13 @@ from typing import Any
 
 import torch
 
-KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "_gate_up_kernel", "_residual_dot_kernel", "cutlass", "nvjet", "sm90", "cublas", "splitk")),
+KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "_gate_up_kernel", "cutlass", "nvjet", "sm90", "cublas", "splitk")),
          ("attention", ("decode_attention", "_split_kernel", "_combine_kernel", "flash", "attn", "bmm")),
          ("fused", ("triton_",)),
          ("copy", ("copy", "memcpy", "memset", "index", "scatter")))
 
 
-VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "nogateup", "nofold", "nogreedy", "pdl")
+VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "nogateup", "nogreedy", "pdl")
 # candidates for skinny_gemm.TUNED, where cuBLAS runs now (none at present: the last two, Llama-8B's wqkv
 # and wo at 64 rows, went into the table once `+extra` showed the step faster with them)
 ATTENTION_KNOBS = {"kvb": "block", "kvw": "num_warps", "kvst": "num_stages", "kvt": "target_programs"}
@@ -85,7 +84,6 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     model.decode_rope_fused = "unfused" not in parts
     model.decode_gemm_impl = "triton" if "skinny" in parts else "torch"
     model.decode_gate_up = "nogateup" not in parts
-    model.decode_fold_norms = "nofold" not in parts
     model.decode_lm_greedy = "nogreedy" not in parts
     t0 = time.perf_counter()
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")

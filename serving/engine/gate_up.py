@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from serving.engine.row_norm import RowNorm, norm_arguments, tiles_pad
 from serving.engine.skinny_gemm import MAX_ROWS, GemmConfig, block_m, parse_table, rows_bucket, skinny_linear
 
 try:
@@ -42,7 +41,6 @@ try:
     from torch.library import triton_op
 
     from serving.engine.pdl import gdc, gdc_enter, kernel_for, launch_options
-    from serving.engine.row_norm import rms_normalize, row_rstd
 except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
@@ -74,11 +72,8 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_xm, stride_wn, stride_om,
-                        sumsq_ptr, g_ptr, tiles, eps,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE_DOT: tl.constexpr, GDC: tl.constexpr, NORM: tl.constexpr = False,
-                        T_PAD: tl.constexpr = 1):
-        """NORM: x's rows normalized as loaded (`row_norm`)."""
+                        IEEE_DOT: tl.constexpr, GDC: tl.constexpr):
         if GDC:
             gdc_enter()
         pid_n = tl.program_id(0)
@@ -90,16 +85,10 @@ if triton is not None:
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         g_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [K, N] views
         u_ptrs = w_ptr + (offs_n + I).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
-        if NORM:
-            rstd = row_rstd(sumsq_ptr, offs_m, m_mask, tiles, K, eps, T_PAD)
-            norm_ptrs = g_ptr + offs_k
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for _ in range(0, K, BLOCK_K):
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            if NORM:
-                x = rms_normalize(x, rstd, norm_ptrs)
-                norm_ptrs += BLOCK_K
             g = tl.load(g_ptrs, mask=n_mask[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_mask[None, :], other=0.0)
             if IEEE_DOT:
@@ -118,10 +107,9 @@ if triton is not None:
         dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(dst, (silu * up).to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
-    def launch(x: torch.Tensor, w13: torch.Tensor, config: GemmConfig, *, pdl: bool = False,
-               norm: RowNorm | None = None) -> torch.Tensor:
+    def launch(x: torch.Tensor, w13: torch.Tensor, config: GemmConfig, *, pdl: bool = False) -> torch.Tensor:
         """silu(gate) * up [M, I] of x [M, K] and w13 [2I, K] (the tuning entry point); `pdl`: launched with
-        programmatic dependent launch; `norm`: x's rows normalized as loaded."""
+        programmatic dependent launch."""
         m, k = x.shape
         if w13.shape[0] % 2 or w13.shape[1] != k or x.dtype != w13.dtype:
             raise ValueError(f"gate_up needs x [M, K] and w13 [2I, K] of one dtype, got {tuple(x.shape)} {x.dtype} "
@@ -133,12 +121,11 @@ if triton is not None:
         if w13.stride(1) != 1:
             w13 = w13.contiguous()
         out = torch.empty((m, intermediate), dtype=x.dtype, device=x.device)
-        sumsq, g, eps, tiles = norm_arguments(norm, x)
         kernel_for(_gate_up_kernel, pdl)[(triton.cdiv(intermediate, config.block_n),)](
-            x, w13, out, m, intermediate, k, x.stride(0), w13.stride(0), out.stride(0), sumsq, g, tiles, eps,
+            x, w13, out, m, intermediate, k, x.stride(0), w13.stride(0), out.stride(0),
             BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), NORM=norm is not None, T_PAD=tiles_pad(tiles),
-            num_warps=config.warps, num_stages=config.stages, **launch_options(pdl))
+            IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), num_warps=config.warps, num_stages=config.stages,
+            **launch_options(pdl))
         return out
 
     @triton_op("enginewright::gate_up", mutates_args=())
@@ -152,17 +139,6 @@ if triton is not None:
 
     @_gate_up_pdl_op.register_fake
     def _(x: torch.Tensor, w13: torch.Tensor, config: str) -> torch.Tensor:
-        return x.new_empty((x.shape[0], w13.shape[0] // 2))
-
-    # silu(gate) * up of rows normalized as loaded (`row_norm`); opaque to inductor
-    @torch.library.custom_op("enginewright::gate_up_norm", mutates_args=())
-    def _gate_up_norm_op(x: torch.Tensor, sumsq: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         w13: torch.Tensor, config: str, pdl: bool) -> torch.Tensor:
-        return launch(x, w13, GemmConfig.parse(config), pdl=pdl, norm=RowNorm(sumsq, norm_weight, eps))
-
-    @_gate_up_norm_op.register_fake
-    def _(x: torch.Tensor, sumsq: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: torch.Tensor,
-          config: str, pdl: bool) -> torch.Tensor:
         return x.new_empty((x.shape[0], w13.shape[0] // 2))
 
 
@@ -180,11 +156,3 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, *, config: GemmConfig | None = N
         return F.silu(gate) * up
     op = torch.ops.enginewright.gate_up_pdl if pdl else torch.ops.enginewright.gate_up
     return op(x, w13, config.key())
-
-
-def gate_up_norm(x: torch.Tensor, norm: RowNorm, w13: torch.Tensor, config: GemmConfig, *, pdl: bool = False
-                 ) -> torch.Tensor:
-    """silu(gate) * up of norm(x), the norm applied as x is loaded (CUDA; CPU under TRITON_INTERPRET=1)."""
-    if triton is None:
-        raise RuntimeError("Triton (and torch >= 2.6) is needed for the gate/up kernel")
-    return torch.ops.enginewright.gate_up_norm(x, norm.sumsq, norm.weight, norm.eps, w13, config.key(), pdl)

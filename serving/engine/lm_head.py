@@ -8,7 +8,6 @@ best tile of each row: a reduction over 2,004 values instead of 128,256. Ties go
 as argmax's. The logits stay in the model's dtype (`sampling` computes in float32 itself); where no
 tuned one-slice config fits, the head is F.linear in float32 and the tokens its argmax.
 
-With a `RowNorm` the final RMSNorm is applied as the kernel loads the hidden rows (`row_norm`).
 Registered as the custom op `enginewright::lm_head_greedy` (opaque to inductor; PDL when `pdl`).
 Imports: stdlib and torch; Triton only if importable.
 """
@@ -18,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from serving.engine import skinny_gemm
-from serving.engine.row_norm import RowNorm
 from serving.engine.skinny_gemm import GemmConfig, config_for, empty_partials, tile_maxima
 
 try:
@@ -45,30 +43,26 @@ def greedy_from_tiles(maxima: torch.Tensor, columns: torch.Tensor) -> torch.Tens
 if triton is not None:
 
     @torch.library.custom_op("enginewright::lm_head_greedy", mutates_args=())
-    def _lm_head_greedy_op(x: torch.Tensor, sumsq: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-                           weight: torch.Tensor, config: str, pdl: bool
+    def _lm_head_greedy_op(x: torch.Tensor, weight: torch.Tensor, config: str, pdl: bool
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         parsed = GemmConfig.parse(config)
-        norm = RowNorm(sumsq, norm_weight, eps) if sumsq is not None and norm_weight is not None else None
         greedy = tile_maxima(x, weight.shape[0], parsed.block_n)
-        logits = skinny_gemm.launch(x, weight, parsed, pdl=pdl, norm=norm, greedy=greedy)[0]
+        logits = skinny_gemm.launch(x, weight, parsed, pdl=pdl, greedy=greedy)[0]
         return logits, *greedy
 
     @_lm_head_greedy_op.register_fake
-    def _(x: torch.Tensor, sumsq: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-          weight: torch.Tensor, config: str, pdl: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _(x: torch.Tensor, weight: torch.Tensor, config: str, pdl: bool
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         parsed = GemmConfig.parse(config)
         return empty_partials(x, weight.shape[0], parsed)[0], *tile_maxima(x, weight.shape[0], parsed.block_n)
 
 
-def lm_head_greedy(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, norm: RowNorm | None = None,
-                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [M, V] in x's dtype, greedy tokens [M]) of rows x [M, D] (normalized by `norm` as loaded)
-    and the head's weight [V, D], in one kernel and a reduction over its tiles (CUDA; CPU under
-    TRITON_INTERPRET=1). `config`: a "dot" config with one K slice."""
+def lm_head_greedy(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, pdl: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [M, V] in x's dtype, greedy tokens [M]) of rows x [M, D] and the head's weight [V, D], in
+    one kernel and a reduction over its tiles (CUDA; CPU under TRITON_INTERPRET=1). `config`: a "dot"
+    config with one K slice."""
     if triton is None:
         raise RuntimeError("Triton (and torch >= 2.6) is needed for the LM head's kernel")
-    sumsq, norm_weight, eps = (norm.sumsq, norm.weight, norm.eps) if norm is not None else (None, None, 0.0)
-    logits, maxima, columns = torch.ops.enginewright.lm_head_greedy(x, sumsq, norm_weight, eps, weight,
-                                                                   config.key(), pdl)
+    logits, maxima, columns = torch.ops.enginewright.lm_head_greedy(x, weight, config.key(), pdl)
     return logits, greedy_from_tiles(maxima, columns)

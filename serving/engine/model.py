@@ -321,7 +321,6 @@ class Transformer(nn.Module):
         self.decode_attention_impl = "matmul"  # "triton": serving.engine.decode_attention (CUDA)
         self.decode_gemm_impl = "torch"  # "triton": tuned shapes through serving.engine.skinny_gemm (CUDA)
         self.decode_gate_up = True  # with "triton": silu(gate) * up in one kernel where tuned (gate_up.py)
-        self.decode_fold_norms = True  # with "triton": the norms folded into the GEMMs where tuned (row_norm.py)
         self.decode_lm_greedy = True  # with "triton": the greedy tokens from the LM head's kernel (lm_head.py)
         self.max_seq_len = 0
 
@@ -336,8 +335,6 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos.to(w.dtype), persistent=False)  # [T, hd]
         self.register_buffer("rope_sin", sin.to(w.dtype), persistent=False)
         self.register_buffer("slots", torch.arange(max_seq_len, device=w.device), persistent=False)
-        # the per-column-tile arrival counts of `residual.linear_residual` (zero between its kernels)
-        self.register_buffer("fold_counters", torch.zeros(a.dim, dtype=torch.int32, device=w.device), persistent=False)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -416,90 +413,18 @@ def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
     return lambda module, x: gate_up(x, module.weight, pdl=pdl)
 
 
-@dataclass(frozen=True)
-class FoldPlan:
-    """The configs of a layer's products when its norms are folded into them (`row_norm`)."""
-
-    wqkv: Any  # skinny_gemm.GemmConfig ("dot")
-    wo: Any
-    gate_up: Any
-    w2: Any
-
-
-def fold_plan(model: Transformer, x: torch.Tensor, gemm: str) -> FoldPlan | None:
-    """The configs that fold the decode step's norms into its GEMMs at rows x [B, D], or None (unfolded):
-    the tuned "dot" kernels must cover all four products, the attention must take the qkv partials (its
-    rotary variant), and there must be no bias."""
-    a = model.args
-    if gemm != "triton" or not getattr(model, "decode_fold_norms", True) or a.qkv_bias or a.o_bias:
-        return None
-    if getattr(model, "decode_attention_impl", "matmul") != "triton" or not getattr(model, "decode_rope_fused", True):
-        return None
-    if not getattr(model, "decode_gate_up", True):
-        return None
-    from serving.engine import gate_up, residual, skinny_gemm
-
-    if not x.is_cuda or not skinny_gemm.triton_available():
-        return None
-    m = x.shape[0]
-    plan = FoldPlan(skinny_gemm.config_for(m, a.qkv_size, a.dim), skinny_gemm.config_for(m, a.dim, a.q_size),
-                    gate_up.config_for(m, a.intermediate_size, a.dim), skinny_gemm.config_for(m, a.dim, a.intermediate_size))
-    if plan.wqkv is None or plan.wqkv.kernel != "dot" or not plan.wqkv.fits(m, a.qkv_size, a.dim):
-        return None
-    if plan.gate_up is None or not gate_up.fits(plan.gate_up, m, a.dim):
-        return None
-    if plan.wo is None or not residual.fits(plan.wo, m, a.dim, a.q_size):
-        return None
-    if plan.w2 is None or not residual.fits(plan.w2, m, a.dim, a.intermediate_size):
-        return None
-    norm_weights = [model.norm.weight] + [n.weight for layer in model.layers for n in (layer.attention_norm, layer.ffn_norm)]
-    if any(w.dtype != x.dtype for w in norm_weights) or model.fold_counters.numel() < a.dim:
-        return None
-    return plan
-
-
-def _folded_layers(model: Transformer, x: torch.Tensor, plan: FoldPlan, lengths: torch.Tensor, kv_len: int,
-                   pdl: bool) -> tuple[torch.Tensor, Any]:
-    """The layers of a decode step with their norms folded into the GEMMs: embeddings x [B, D] -> (the
-    last residual [B, D], the final norm as a `row_norm.RowNorm` of it)."""
-    from serving.engine.decode_attention import decode_attention_rope
-    from serving.engine.gate_up import gate_up_norm
-    from serving.engine.residual import linear_residual
-    from serving.engine.row_norm import RowNorm, sum_of_squares
-    from serving.engine.skinny_gemm import norm_linear_parts
-
-    a = model.args
-    bsz = x.shape[0]
-    scale = 1.0 / math.sqrt(a.head_dim)
-    eps = model.norm.eps
-    sumsq = sum_of_squares(x)
-    for layer in model.layers:
-        attn, ff, cache = layer.attention, layer.feed_forward, layer.attention.kv_cache
-        qkv = norm_linear_parts(x, RowNorm(sumsq, layer.attention_norm.weight, eps), attn.wqkv.weight, plan.wqkv,
-                                pdl=pdl)
-        y = decode_attention_rope(qkv, model.rope_cos, model.rope_sin, cache.k_cache, cache.v_cache, lengths, kv_len,
-                                  scale, pdl=pdl)
-        x, sumsq = linear_residual(y.reshape(bsz, a.q_size), attn.wo.weight, x, plan.wo, model.fold_counters, pdl=pdl)
-        mlp = gate_up_norm(x, RowNorm(sumsq, layer.ffn_norm.weight, eps), ff.w13.weight, plan.gate_up, pdl=pdl)
-        x, sumsq = linear_residual(mlp, ff.w2.weight, x, plan.w2, model.fold_counters, pdl=pdl)
-    return x, RowNorm(sumsq, model.norm.weight, eps)
-
-
 def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
                 gemm: str | None = None, pdl: bool = False) -> torch.Tensor:
     """One decode step of cache rows [0, B): tokens, input_pos: [B] -> float32 logits [B, V]
     (`decode_hidden`, then the LM head)."""
-    hidden, norm = decode_hidden(model, tokens, input_pos, kv_len, gemm, pdl)
-    if norm is not None:
-        hidden = norm.apply(hidden)
+    hidden = decode_hidden(model, tokens, input_pos, kv_len, gemm, pdl)
     return model.logits(hidden, _linear_fn(gemm or getattr(model, "decode_gemm_impl", "torch"), pdl=pdl))
 
 
 def decode_hidden(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
-                  gemm: str | None = None, pdl: bool = False) -> tuple[torch.Tensor, Any]:
-    """The layers of one decode step of cache rows [0, B): tokens, input_pos: [B] -> (the final hidden
-    states [B, D], None), or, with the norms folded into the GEMMs (`fold_plan`), (the last residual [B, D],
-    the final norm as a `row_norm.RowNorm` of it).
+                  gemm: str | None = None, pdl: bool = False) -> torch.Tensor:
+    """The layers and the final norm of one decode step of cache rows [0, B): tokens, input_pos: [B] ->
+    hidden states [B, D].
 
     Row b writes its K/V at `input_pos[b]` and attends over cache positions `[0, kv_len)` masked to
     `<= input_pos[b]`; `kv_len` must exceed every `input_pos`. Shapes depend only on (B, kv_len) and
@@ -528,12 +453,9 @@ def decode_hidden(model: Transformer, tokens: torch.Tensor, input_pos: torch.Ten
     gemm_impl = gemm or getattr(model, "decode_gemm_impl", "torch")
     linear = _linear_fn(gemm_impl, pdl=pdl)
     gate_up = _gate_up_fn(gemm_impl, pdl=pdl) if getattr(model, "decode_gate_up", True) else None
-    x = model.tok_embeddings(tokens)  # [B, D]
-    plan = fold_plan(model, x, gemm_impl) if rope_fused else None
-    if plan is not None:
-        return _folded_layers(model, x, plan, lengths, kv_len, pdl)
     if not rope_fused:
         cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]  # [B, hd]
+    x = model.tok_embeddings(tokens)  # [B, D]
     for layer in model.layers:
         attn = layer.attention
         h = layer.attention_norm(x)
@@ -559,7 +481,7 @@ def decode_hidden(model: Transformer, tokens: torch.Tensor, input_pos: torch.Ten
                 y = torch.matmul(probs, values)  # [B, Hkv, G, hd]
         x = x + linear(attn.wo, y.reshape(bsz, a.q_size))
         x = x + layer.feed_forward(layer.ffn_norm(x), linear, gate_up)
-    return model.norm(x), None
+    return model.norm(x)
 
 
 def greedy_tokens(logits: torch.Tensor, chunks: int = 64) -> torch.Tensor:
@@ -581,16 +503,14 @@ def decode_step_greedy(model: Transformer, tokens: torch.Tensor, input_pos: torc
     head has a tuned one-slice kernel (`lm_head`), its logits stay in the model's dtype and the kernel
     finds the tokens; else they are float32."""
     gemm_impl = gemm or getattr(model, "decode_gemm_impl", "torch")
-    hidden, norm = decode_hidden(model, tokens, input_pos, kv_len, gemm, pdl)
+    hidden = decode_hidden(model, tokens, input_pos, kv_len, gemm, pdl)
     head = model.tok_embeddings if model.output is None else model.output
     if gemm_impl == "triton" and getattr(model, "decode_lm_greedy", True):
         from serving.engine.lm_head import head_config, lm_head_greedy
 
         config = head_config(hidden, head.weight)
         if config is not None:
-            return lm_head_greedy(hidden, head.weight, config, norm=norm, pdl=pdl)
-    if norm is not None:
-        hidden = norm.apply(hidden)
+            return lm_head_greedy(hidden, head.weight, config, pdl=pdl)
     logits = model.logits(hidden, _linear_fn(gemm_impl, pdl=pdl))
     return logits, greedy_tokens(logits)
 

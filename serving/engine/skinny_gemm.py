@@ -33,15 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.engine.row_norm import RowNorm, norm_arguments, tiles_pad
-
 try:
     import triton
     import triton.language as tl
     from torch.library import triton_op
 
     from serving.engine.pdl import gdc, gdc_enter, kernel_for, launch_options
-    from serving.engine.row_norm import rms_normalize, row_rstd
 except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
@@ -140,12 +137,11 @@ if triton is not None:
 
     @triton.jit
     def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, k_split, stride_xm, stride_wn, stride_os, stride_om,
-                    sumsq_ptr, g_ptr, tiles, dim, eps, max_ptr, arg_ptr, n_tiles,
+                    max_ptr, arg_ptr, n_tiles,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE_DOT: tl.constexpr, GDC: tl.constexpr, NORM: tl.constexpr = False, T_PAD: tl.constexpr = 1,
-                    GREEDY: tl.constexpr = False):
-        """NORM: x's rows normalized as loaded (`row_norm`); GREEDY (one K slice): each row's largest
-        rounded product of the tile and its column, at [M, n_tiles] max_ptr / arg_ptr."""
+                    IEEE_DOT: tl.constexpr, GDC: tl.constexpr, GREEDY: tl.constexpr = False):
+        """GREEDY (one K slice): also each row's largest rounded product in the tile and its column, at
+        [M, n_tiles] max_ptr / arg_ptr (`lm_head`)."""
         if GDC:
             gdc_enter()
         pid_n = tl.program_id(0)
@@ -158,15 +154,9 @@ if triton is not None:
         k_start = pid_s * k_split
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
         w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + (k_start + offs_k)[:, None]  # [K, N] view
-        if NORM:
-            rstd = row_rstd(sumsq_ptr, offs_m, m_mask, tiles, dim, eps, T_PAD)
-            g_ptrs = g_ptr + k_start + offs_k
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for _ in range(0, k_split, BLOCK_K):
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            if NORM:
-                x = rms_normalize(x, rstd, g_ptrs)
-                g_ptrs += BLOCK_K
             w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
             if IEEE_DOT:
                 acc += tl.dot(x, w, input_precision="ieee")
@@ -208,11 +198,10 @@ if triton is not None:
         tl.store(out_ptr + pid_s * stride_os + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
     def launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, pdl: bool = False,
-               norm: RowNorm | None = None, greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """[split, M, N] partial products of x [M, K] and weight [N, K] (the tuning entry point); `pdl`:
-        launched with programmatic dependent launch (Hopper and later, CUDA only). "dot" configs only:
-        `norm`, x's rows normalized as loaded; `greedy`, the [M, tiles] float32 maxima and int32 columns
-        that `tile_maxima` allocates, written with a one-slice product."""
+        launched with programmatic dependent launch (Hopper and later, CUDA only); `greedy`: the [M, tiles]
+        float32 maxima and int32 columns that `tile_maxima` allocates, written by a one-slice "dot" config."""
         m, k = x.shape
         n = weight.shape[0]
         if not config.fits(m, n, k):
@@ -220,10 +209,9 @@ if triton is not None:
         if weight.shape[1] != k or x.dtype != weight.dtype:
             raise ValueError(f"skinny GEMM needs x [M, K] and weight [N, K] of one dtype, got {tuple(x.shape)} "
                              f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
-        if (norm is not None or greedy is not None) and config.kernel != "dot":
-            raise ValueError(f"skinny GEMM config {config.key()}: a norm or greedy maxima need a 'dot' config")
-        if greedy is not None and (config.split != 1 or greedy[0].shape != (m, triton.cdiv(n, config.block_n))):
-            raise ValueError(f"skinny GEMM config {config.key()}: greedy maxima need one K slice and [M={m}, "
+        if greedy is not None and (config.kernel != "dot" or config.split != 1
+                                   or greedy[0].shape != (m, triton.cdiv(n, config.block_n))):
+            raise ValueError(f"skinny GEMM config {config.key()}: greedy maxima need a 'dot' config, one K slice and [M={m}, "
                              f"{triton.cdiv(n, config.block_n)}] outputs, got {tuple(greedy[0].shape)}")
         x = x.contiguous()
         if weight.stride(1) != 1:
@@ -237,14 +225,13 @@ if triton is not None:
                 x, weight, out, n, k_split, weight.stride(0), out.stride(0),
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, GDC=gdc(pdl), **options)
         else:
-            sumsq, g, eps, tiles = norm_arguments(norm, x)
-            maxima, columns = greedy if greedy is not None else tile_maxima(x, 1, 1)  # (never written)
+            # never written without `greedy`; tensors of their own, as torch.compile does not handle a traced
+            # kernel's arguments that alias
+            maxima, columns = greedy if greedy is not None else tile_maxima(x, 1, 1)
             kernel_for(_dot_kernel, pdl)[grid](
                 x, weight, out, m, n, k_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
-                sumsq, g, tiles, k, eps, maxima, columns, grid[0],
-                BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), NORM=norm is not None, T_PAD=tiles_pad(tiles),
-                GREEDY=greedy is not None, **options)
+                maxima, columns, grid[0], BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), GREEDY=greedy is not None, **options)
         return out
 
     @triton_op("enginewright::skinny_partials", mutates_args=())
@@ -259,18 +246,6 @@ if triton is not None:
 
     @_skinny_partials_pdl_op.register_fake
     def _(x: torch.Tensor, weight: torch.Tensor, config: str) -> torch.Tensor:
-        return empty_partials(x, weight.shape[0], GemmConfig.parse(config))
-
-
-    # the partial products of rows normalized as loaded (`row_norm`); opaque to inductor
-    @torch.library.custom_op("enginewright::norm_linear_parts", mutates_args=())
-    def _norm_linear_parts_op(x: torch.Tensor, sumsq: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                              weight: torch.Tensor, config: str, pdl: bool) -> torch.Tensor:
-        return launch(x, weight, GemmConfig.parse(config), pdl=pdl, norm=RowNorm(sumsq, norm_weight, eps))
-
-    @_norm_linear_parts_op.register_fake
-    def _(x: torch.Tensor, sumsq: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-          config: str, pdl: bool) -> torch.Tensor:
         return empty_partials(x, weight.shape[0], GemmConfig.parse(config))
 
 
@@ -311,15 +286,6 @@ def _kernel_config(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | N
     m, k = x.shape
     config = config or (config_for(m, weight.shape[0], k) if x.is_cuda and triton is not None else None)
     return config if config is not None and config.fits(m, weight.shape[0], k) else None
-
-
-def norm_linear_parts(x: torch.Tensor, norm: RowNorm, weight: torch.Tensor, config: GemmConfig, *,
-                      pdl: bool = False) -> torch.Tensor:
-    """[split, M, N] partial products of norm(x) [M, K] and weight [N, K], the norm applied as x is loaded
-    (a "dot" config; CUDA, CPU under TRITON_INTERPRET=1)."""
-    if triton is None:
-        raise RuntimeError("Triton (and torch >= 2.6) is needed for the skinny GEMM kernels")
-    return torch.ops.enginewright.norm_linear_parts(x, norm.sumsq, norm.weight, norm.eps, weight, config.key(), pdl)
 
 
 def skinny_linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
