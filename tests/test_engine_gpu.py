@@ -239,19 +239,22 @@ PARITY_DIM, PARITY_QKV, PARITY_MLP = 1024, 1024 + 2 * 256, 2816
 
 def skinny_configs_for_parity_shapes() -> dict:
     """Split-K configs of the skinny decode GEMMs (serving/engine/skinny_gemm.py) for every weight shape of
-    the parity models, so that their greedy decode goes through those kernels (the tuned table holds the
-    Llama-1B/8B shapes only; untuned shapes fall back to cuBLAS)."""
+    the parity models, and a one-slice config for the LM head (so that its kernel finds the greedy tokens,
+    serving/engine/lm_head.py), so that their greedy decode goes through those kernels (the tuned table
+    holds the Llama-1B/8B shapes only; untuned shapes fall back to cuBLAS)."""
     from serving.engine.skinny_gemm import MAX_ROWS
     from tasks.tiny_model import VOCAB_SIZE
 
     dim, mlp = PARITY_DIM, PARITY_MLP
-    shapes = [(PARITY_QKV, dim), (dim, dim), (2 * mlp, dim), (dim, mlp), (VOCAB_SIZE, dim)]
-    return {(rows, n, k): "dot:n64:k64:s2:w4:st3" for rows in (1, MAX_ROWS) for n, k in shapes}
+    shapes = [(PARITY_QKV, dim), (dim, dim), (2 * mlp, dim), (dim, mlp)]
+    table = {(rows, n, k): "dot:n64:k64:s2:w4:st3" for rows in (1, MAX_ROWS) for n, k in shapes}
+    return table | {(rows, VOCAB_SIZE, dim): "dot:n64:k64:s1:w4:st3" for rows in (1, MAX_ROWS)}
 
 
 def route_parity_shapes_to_kernels(monkeypatch) -> list:
     """Serve the parity shapes from the skinny and gate/up tables (the lookups read the parsed copies, so
-    those are patched) and record every kernel launch; the list it returns fills as they run."""
+    those are patched) and record every kernel launch (the LM head's with its greedy tokens as
+    "serving.engine.lm_head"); the list it returns fills as they run."""
     from serving.engine import gate_up, skinny_gemm
     from serving.engine.skinny_gemm import MAX_ROWS, parse_table
 
@@ -264,7 +267,8 @@ def route_parity_shapes_to_kernels(monkeypatch) -> list:
     for module in (skinny_gemm, gate_up):
         real = module.launch
         monkeypatch.setattr(module, "launch", lambda *a, _real=real, _name=module.__name__, **kw:
-                            launched.append(_name) or _real(*a, **kw))
+                            launched.append("serving.engine.lm_head" if kw.get("greedy") is not None else _name)
+                            or _real(*a, **kw))
     return launched
 
 
@@ -277,12 +281,13 @@ def test_bf16_parity_and_validation_gate(tmp_path, monkeypatch):
 
     launched = route_parity_shapes_to_kernels(monkeypatch)
     report = parity_report(tmp_path, "cuda")
-    report["decode_gemm"] = "skinny and gate/up Triton kernels (configs set for the parity shapes)"
+    report["decode_gemm"] = "skinny, gate/up and LM-head Triton kernels (configs set for the parity shapes)"
     report["kernel_launches"] = {name: launched.count(name) for name in sorted(set(launched))}
     if os.environ.get("ENGINEWRIGHT_PARITY_JSON"):
         with open(os.environ["ENGINEWRIGHT_PARITY_JSON"], "w") as f:
             json.dump(report, f, indent=1)
-    assert set(launched) == {"serving.engine.skinny_gemm", "serving.engine.gate_up"}, report["kernel_launches"]
+    assert set(launched) == {"serving.engine.skinny_gemm", "serving.engine.gate_up", "serving.engine.lm_head"}, \
+        report["kernel_launches"]
     assert report["peaked"]["gate"]["passed"], report["peaked"]["gate"]["failures"]
     for name in ("peaked", "standard_init"):
         eng, hf = report[name]["engine_bf16_vs_hf_fp32"], report[name]["hf_bf16_vs_hf_fp32"]
