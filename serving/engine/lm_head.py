@@ -6,7 +6,11 @@ over them (Llama-1B at batch 64 on the H200: 22 us, 2% of the step). Here the sk
 that column ([M, V / BLOCK_N], 2,004 tiles at the Llama vocabulary), and `greedy_from_tiles` picks the
 best tile of each row: a reduction over 2,004 values instead of 128,256. Ties go to the lowest column,
 as argmax's. The logits stay in the model's dtype (`sampling` computes in float32 itself); where no
-tuned one-slice config fits, the head is F.linear in float32 and the tokens its argmax.
+tuned one-slice config fits, the step keeps float32 logits and `model.greedy_tokens`.
+
+On an H200 (`bench profile`, same process): Llama-1B at batch 64 1.077 against 1.098 ms per step,
+Llama-8B at batch 64 4.766 against 4.793 ms; at batch 1 a tie. Checked on CPU tensors under
+TRITON_INTERPRET=1 and on the GPU (tests/test_lm_head.py), and in the bf16 parity test.
 
 Registered as the custom op `enginewright::lm_head_greedy` (opaque to inductor; PDL when `pdl`).
 Imports: stdlib and torch; Triton only if importable.

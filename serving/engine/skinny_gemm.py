@@ -211,8 +211,8 @@ if triton is not None:
                              f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
         if greedy is not None and (config.kernel != "dot" or config.split != 1
                                    or greedy[0].shape != (m, triton.cdiv(n, config.block_n))):
-            raise ValueError(f"skinny GEMM config {config.key()}: greedy maxima need a 'dot' config, one K slice and [M={m}, "
-                             f"{triton.cdiv(n, config.block_n)}] outputs, got {tuple(greedy[0].shape)}")
+            raise ValueError(f"skinny GEMM config {config.key()}: greedy maxima need a 'dot' config, one K slice "
+                             f"and [M={m}, {triton.cdiv(n, config.block_n)}] outputs, got {tuple(greedy[0].shape)}")
         x = x.contiguous()
         if weight.stride(1) != 1:
             weight = weight.contiguous()
