@@ -97,7 +97,6 @@ def test_cuda_head_kernel_at_the_tuned_llama_configs_replays_in_a_graph(rows, di
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         logits, tokens = lm_head_greedy(x, head, config, pdl=True)
-    want = F.linear(x, head)
     for replay in range(2):
         x.copy_(torch.randn(rows, dim, device="cuda", generator=gen).to(torch.bfloat16))
         want = F.linear(x, head)

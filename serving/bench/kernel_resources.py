@@ -95,6 +95,7 @@ def attention_cases() -> list[Case]:
 def skinny_cases() -> list[Case]:
     """The skinny dot kernel with PDL at 64 rows, as tuned (`skinny_gemm.TUNED`); the LM heads also with
     their greedy maxima (`lm_head`)."""
+    from serving.bench.models import model_args
     from serving.engine.skinny_gemm import TUNED, GemmConfig, _dot_kernel
 
     cases = []
@@ -104,7 +105,8 @@ def skinny_cases() -> list[Case]:
             continue
         types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32" if config.split > 1 else "*bf16",
                  "max_ptr": "*fp32", "arg_ptr": "*i32"}
-        for greedy in (False, True) if config.split == 1 and n > 100_000 else (False,):
+        lm_head = n == model_args("llama-3.2-1b").vocab_size  # both shapes' vocabulary
+        for greedy in (False, True) if lm_head and config.split == 1 else (False,):
             constexprs = {"BLOCK_M": 64, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "IEEE_DOT": False,
                           "GDC": True, "GREEDY": greedy}
             name = f"{n}x{k} ({text}{', greedy' if greedy else ''})"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from serving.engine import skinny_gemm
-from serving.engine.skinny_gemm import GemmConfig, config_for, empty_partials, tile_maxima
+from serving.engine.skinny_gemm import GemmConfig, empty_partials, kernel_config, tile_maxima
 
 try:
     import triton
@@ -30,12 +30,10 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
 
 
 def head_config(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
-    """The tuned one-slice "dot" config of the head's product on CUDA, or None."""
-    if not x.is_cuda or triton is None:
-        return None
-    config = config_for(x.shape[0], weight.shape[0], x.shape[1])
-    fits = config is not None and config.kernel == "dot" and config.split == 1
-    return config if fits and config.fits(x.shape[0], weight.shape[0], x.shape[1]) else None
+    """The tuned config of the head's product (`skinny_gemm.kernel_config`) if it is a one-slice "dot"
+    config, else None."""
+    config = kernel_config(x, weight)
+    return config if config is not None and config.kernel == "dot" and config.split == 1 else None
 
 
 def greedy_from_tiles(maxima: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

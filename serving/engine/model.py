@@ -349,9 +349,13 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, input_pos, kv_len)
         return self.norm(x)
 
+    def head(self) -> nn.Module:
+        """The LM head's module: the embedding matrix when tied."""
+        return self.tok_embeddings if self.output is None else self.output
+
     def logits(self, h: torch.Tensor, linear: LinearFn = torch_linear) -> torch.Tensor:
-        # h: [..., D] -> float32 logits [..., V] (the embedding matrix when tied)
-        return linear(self.tok_embeddings if self.output is None else self.output, h).float()
+        # h: [..., D] -> float32 logits [..., V]
+        return linear(self.head(), h).float()
 
 
 def engine_param_names(args: ModelArgs) -> list[str]:
@@ -504,13 +508,13 @@ def decode_step_greedy(model: Transformer, tokens: torch.Tensor, input_pos: torc
     finds the tokens; else they are float32."""
     gemm_impl = gemm or getattr(model, "decode_gemm_impl", "torch")
     hidden = decode_hidden(model, tokens, input_pos, kv_len, gemm, pdl)
-    head = model.tok_embeddings if model.output is None else model.output
     if gemm_impl == "triton" and getattr(model, "decode_lm_greedy", True):
         from serving.engine.lm_head import head_config, lm_head_greedy
 
-        config = head_config(hidden, head.weight)
+        weight = model.head().weight
+        config = head_config(hidden, weight)
         if config is not None:
-            return lm_head_greedy(hidden, head.weight, config, pdl=pdl)
+            return lm_head_greedy(hidden, weight, config, pdl=pdl)
     logits = model.logits(hidden, _linear_fn(gemm_impl, pdl=pdl))
     return logits, greedy_tokens(logits)
 

@@ -280,7 +280,7 @@ def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *
     return torch.ops.enginewright.skinny_partials(x, weight, config.key())
 
 
-def _kernel_config(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> GemmConfig | None:
+def kernel_config(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> GemmConfig | None:
     """The config the product of x [M, K] and weight [N, K] runs with (`config`, else the tuned one on
     CUDA), or None for F.linear."""
     m, k = x.shape
@@ -292,7 +292,7 @@ def skinny_linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                         pdl: bool = False) -> torch.Tensor:
     """`skinny_linear` left as its partial products [split, M, N] for a consumer that sums them itself
     (the decode attention kernel); [1, M, N] where no tuned kernel fits, or with a bias."""
-    config = _kernel_config(x, weight) if bias is None else None
+    config = kernel_config(x, weight) if bias is None else None
     if config is None:
         return torch.nn.functional.linear(x, weight, bias).unsqueeze(0)
     return skinny_partials(x, weight, config, pdl=pdl)
@@ -303,7 +303,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """F.linear(x, weight, bias) for x [M, K]: the tuned Triton kernel when one fits (CUDA, M <= 64, a
     shape in TUNED, or `config` given), else F.linear. The partial sums are added in float32 and rounded
     once to x.dtype, as cuBLAS does."""
-    config = _kernel_config(x, weight, config)
+    config = kernel_config(x, weight, config)
     if config is None:
         return torch.nn.functional.linear(x, weight, bias)
     parts = skinny_partials(x, weight, config, pdl=pdl)
