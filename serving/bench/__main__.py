@@ -60,10 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prof.add_argument("--batch", default="1,64", help="comma list")
     prof.add_argument("--variants", default="dynamic",
                       help="comma list of <compile>[+<attention>][+skinny][+extra][+unfused][+nogateup][+nogreedy]"
-                      "[+pdl][+kv...]: compile in eager|dynamic|static, attention in matmul|triton, skinny: the tuned "
+                      "[+loopnorm][+pdl][+kv...][+g<N>x<K>=<config>][+u<I>x<D>=<config>]: compile in eager|dynamic|static, attention in matmul|triton, skinny: the tuned "
                       "Triton GEMMs, nogateup: w13 and SiLU * up apart, nogreedy: argmax over the logits after the LM "
-                      "head, pdl: programmatic dependent launch, kvb<n>/kvw<n>/kvst<n>/"
-                      "kvt<n>: the attention's block, warps, stages, target programs (see serving/bench/profile_decode.py)")
+                      "head, loopnorm: inductor's looped norms, pdl: programmatic dependent launch, kvb<n>/kvw<n>/kvst<n>/"
+                      "kvt<n>: the attention's block, warps, stages, target programs, g.../u...: a skinny GEMM's or "
+                      "the gate/up kernel's config (see serving/bench/profile_decode.py)")
     prof.add_argument("--context", type=int, default=192, help="filled cache positions per row")
     prof.add_argument("--kv-block", type=int, default=256)
     prof.add_argument("--replays", type=int, default=300,

@@ -7,7 +7,7 @@
 #    concurrent streaming gRPC clients; Triton's stub and the clients run in /tmp/venv, where numpy 1.26
 #    shadows the image's numpy 2 (the bundled python backend sends empty tensors with numpy 2),
 #    with every variant of the llm model's parameters in $VARIANTS measured in turn,
-#  - the bf16 parity test (tests/test_engine_gpu.py -k parity), then the other GPU tests, while Triton
+#  - the bf16 parity test (tests/test_engine_gpu.py -k parity), then the GPU tests ($GPU_TESTS, -k $GPU_TESTS_K), while Triton
 #    loads and compiles; the clients wait for them, so nothing else is on the GPU while they are timed.
 # Whole script <= ~560 s. Results under $OUT: steps.log, sends.json/.log, offline.json/.log, served.json/.log,
 # parity.json/.log, gpu-tests.log, triton.log.
@@ -85,7 +85,9 @@ if [ "${SKIP_PARITY:-0}" != 1 ]; then
   log "parity rc=$?"
 fi
 if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
-  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_engine_gpu.py tests/test_decode_attention.py tests/test_decode_graphs.py \
+  # shellcheck disable=SC2086
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider \
+    ${GPU_TESTS:-tests/test_engine_gpu.py tests/test_decode_attention.py tests/test_decode_graphs.py} \
     -k "${GPU_TESTS_K:-not parity}" >"$OUT/gpu-tests.log" 2>&1
   log "gpu tests rc=$?: $(tail -n 1 "$OUT/gpu-tests.log")"
 fi

@@ -14,8 +14,12 @@ rather than the gate/up kernel (`serving.engine.gate_up`, with `skinny`), `nogre
 float32 logits rather than from the LM head's kernel (`serving.engine.lm_head`), `pdl` for programmatic dependent launch
 (`DecodeGraphs(pdl=True)`: inductor's kernels and the step's own Triton kernels, Hopper and later; each
 kernel may start while its predecessor finishes, and waits for it before reading its output),
-and `kvb<n>`, `kvw<n>`, `kvst<n>`, `kvt<n>` for the Triton attention's block (positions), warps, stages
-and target programs (`decode_attention.STEP_KNOBS`). Each variant compiles afresh. Needs CUDA.
+`loopnorm` for inductor's own looped row reductions rather than one pass over each row for the residual
+add + RMSNorm (`serving.engine.whole_row_norms`),
+`kvb<n>`, `kvw<n>`, `kvst<n>`, `kvt<n>` for the Triton attention's block (positions), warps, stages
+and target programs (`decode_attention.STEP_KNOBS`), and `g<N>x<K>=<config>` / `u<I>x<D>=<config>` for a
+skinny GEMM's / the gate/up kernel's config at the batch's rows bucket (an in-step sweep; configs as
+`skinny_gemm.GemmConfig.key()`). Each variant compiles afresh. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "_gate_up_kernel", "cutlass", 
          ("copy", ("copy", "memcpy", "memset", "index", "scatter")))
 
 
-VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "nogateup", "nogreedy", "pdl")
+VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "nogateup", "nogreedy", "loopnorm", "pdl")
 # candidates for skinny_gemm.TUNED, where cuBLAS runs now (none at present: the last two, Llama-8B's wqkv
 # and wo at 64 rows, went into the table once `+extra` showed the step faster with them)
 ATTENTION_KNOBS = {"kvb": "block", "kvw": "num_warps", "kvst": "num_stages", "kvt": "target_programs"}
@@ -43,6 +47,20 @@ EXTRA_CONFIGS: dict[tuple[int, int, int], str] = {}
 
 
 KNOB_PART = re.compile(r"(kvb|kvw|kvst|kvt)(\d+)")
+# g<N>x<K>=<config>: the skinny GEMM of an [N, K] weight at this batch's rows bucket runs <config>;
+# u<I>x<D>=<config>: the gate/up kernel of I columns and width D does
+CONFIG_PART = re.compile(r"([gu])(\d+)x(\d+)=(.+)")
+
+
+def config_overrides(parts: list[str], batch: int) -> tuple[dict[tuple[int, int, int], str], dict[tuple[int, int, int], str]]:
+    """The (skinny GEMM, gate/up) table entries of a variant's `g...=` and `u...=` parts."""
+    from serving.engine.skinny_gemm import GemmConfig, rows_bucket
+
+    tables: dict[str, dict[tuple[int, int, int], str]] = {"g": {}, "u": {}}
+    for match in filter(None, (CONFIG_PART.fullmatch(part) for part in parts)):
+        kind, n, k, text = match.groups()
+        tables[kind][(rows_bucket(batch), int(n), int(k))] = GemmConfig.parse(text).key()
+    return tables["g"], tables["u"]
 
 
 def attention_knobs(parts: list[str]) -> dict[str, int]:
@@ -77,7 +95,7 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
 
     compile_mode, *parts = variant.split("+")
     knobs = attention_knobs(parts)
-    unknown = {p for p in parts if p not in VARIANT_PARTS and not KNOB_PART.fullmatch(p)}
+    unknown = {p for p in parts if p not in VARIANT_PARTS and not KNOB_PART.fullmatch(p) and not CONFIG_PART.fullmatch(p)}
     if unknown:
         raise ValueError(f"variant {variant!r}: unknown parts {sorted(unknown)} ({', '.join(VARIANT_PARTS)})")
     model.decode_attention_impl = "triton" if "triton" in parts else "matmul"
@@ -88,13 +106,16 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     t0 = time.perf_counter()
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
-    from serving.engine import decode_attention, skinny_gemm
+    from serving.engine import decode_attention, gate_up, skinny_gemm
 
     decode_attention.STEP_KNOBS = knobs
-    skinny_gemm.TUNED_CONFIGS = skinny_gemm.parse_table({**skinny_gemm.TUNED, **(EXTRA_CONFIGS if "extra" in parts else {})})
+    skinny_over, gate_up_over = config_overrides(parts, batch)
+    skinny_gemm.TUNED_CONFIGS = skinny_gemm.parse_table(
+        {**skinny_gemm.TUNED, **(EXTRA_CONFIGS if "extra" in parts else {}), **skinny_over})
+    gate_up.TUNED_GATE_UP_CONFIGS = skinny_gemm.parse_table({**gate_up.TUNED_GATE_UP, **gate_up_over})
     torch._dynamo.reset()
     graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode,
-                          pdl="pdl" in parts)
+                          pdl="pdl" in parts, whole_row_norms="loopnorm" not in parts)
     graphs.step(tokens, pos, context + 1)  # compiles and captures
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - t0
