@@ -187,8 +187,9 @@ class DecodeGraphs:
         kept = self._save(bsz)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), whole_row_reductions(self.whole_row_norms):  # warm up (compiles when
-            for _ in range(2):  # compiled) outside the capture
+        # warm up outside the capture; a compiled step compiles here, under the norms' choice
+        with torch.cuda.stream(stream), whole_row_reductions(self.whole_row_norms):
+            for _ in range(2):
                 self.state.advance(fn(self.model, tokens, pos, kv_len)[1])
                 self._restore(bsz, kept)
         torch.cuda.current_stream().wait_stream(stream)
