@@ -56,7 +56,7 @@ from functools import partial
 import torch
 
 from serving.engine.decode_state import DecodeState
-from serving.engine.model import Transformer, decode_step_greedy
+from serving.engine.model import Transformer, decode_step_greedy, gemm_impl_of
 from serving.engine.pdl import supported as pdl_supported
 from serving.engine.whole_row_norms import compile_options as whole_row_options
 from serving.engine.whole_row_norms import whole_row_reductions
@@ -95,7 +95,7 @@ def single_row_static(bsz: int, kv_len: int, first_kv_bucket: int) -> bool:
 def tuned_single_row(model: Transformer) -> bool:
     """Whether every weight product of the model's batch-1 step runs a tuned Triton kernel in the dynamic
     compile (`skinny_gemm.TUNED`; w13 through `gate_up.TUNED_GATE_UP` or the skinny table)."""
-    if getattr(model, "decode_gemm_impl", "torch") != "triton":
+    if gemm_impl_of(model) != "triton":
         return False
     from serving.engine import gate_up, skinny_gemm
 

@@ -417,12 +417,17 @@ def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
     return lambda module, x: gate_up(x, module.weight, pdl=pdl)
 
 
+def gemm_impl_of(model: Transformer, gemm: str | None = None) -> str:
+    """How the decode step multiplies by its weights: `gemm` if given, else the model's `decode_gemm_impl`."""
+    return gemm or getattr(model, "decode_gemm_impl", "torch")
+
+
 def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
                 gemm: str | None = None, pdl: bool = False) -> torch.Tensor:
     """One decode step of cache rows [0, B): tokens, input_pos: [B] -> float32 logits [B, V]
     (`decode_hidden`, then the LM head)."""
     hidden = decode_hidden(model, tokens, input_pos, kv_len, gemm, pdl)
-    return model.logits(hidden, _linear_fn(gemm or getattr(model, "decode_gemm_impl", "torch"), pdl=pdl))
+    return model.logits(hidden, _linear_fn(gemm_impl_of(model, gemm), pdl=pdl))
 
 
 def decode_hidden(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
@@ -454,7 +459,7 @@ def decode_hidden(model: Transformer, tokens: torch.Tensor, input_pos: torch.Ten
         visible = model.slots[:kv_len].unsqueeze(0) <= input_pos.unsqueeze(1)  # [B, L]
         neg = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device).masked_fill(
             ~visible, float("-inf")).view(bsz, 1, 1, kv_len)  # [B, 1, 1, L] additive mask
-    gemm_impl = gemm or getattr(model, "decode_gemm_impl", "torch")
+    gemm_impl = gemm_impl_of(model, gemm)
     linear = _linear_fn(gemm_impl, pdl=pdl)
     gate_up = _gate_up_fn(gemm_impl, pdl=pdl) if getattr(model, "decode_gate_up", True) else None
     if not rope_fused:
@@ -506,7 +511,7 @@ def decode_step_greedy(model: Transformer, tokens: torch.Tensor, input_pos: torc
     argmax after the compiled step took 27-37 us on an H200, up to 2.8% of a Llama-1B step). Where the LM
     head has a tuned one-slice kernel (`lm_head`), its logits stay in the model's dtype and the kernel
     finds the tokens; else they are float32."""
-    gemm_impl = gemm or getattr(model, "decode_gemm_impl", "torch")
+    gemm_impl = gemm_impl_of(model, gemm)
     hidden = decode_hidden(model, tokens, input_pos, kv_len, gemm, pdl)
     if gemm_impl == "triton" and getattr(model, "decode_lm_greedy", True):
         from serving.engine.lm_head import head_config, lm_head_greedy
