@@ -4,11 +4,22 @@ with requests flowing to both the whole time; without the fault the same version
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import tritonclient.http as httpclient
-from test_rollout_support import Load, assert_consistent, first_release, make_spec, publish, start_server
+from test_rollout_support import (
+    Load,
+    assert_consistent,
+    first_release,
+    make_spec,
+    once_more_if_triton_segfaults,
+    publish,
+    start_server,
+)
 from triton_support import TritonServers, make_tiny_engine
 
 from flows.promote import StageFailed, promote
@@ -20,9 +31,8 @@ NAME = "fleet"
 STEPS = [{"set_weight": 50}, {"analysis": {"requests": 8, "compare": None}}, {"set_weight": 100}]
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("fleet")
+@contextlib.contextmanager
+def fleet(tmp: Path) -> Iterator[dict]:
     for seed in (0, 1):
         publish(tmp, NAME, make_tiny_engine(tmp / "engines", seed=seed))
     servers = TritonServers(tmp)
@@ -33,7 +43,17 @@ def world(tmp_path_factory: pytest.TempPathFactory):
         servers.stop_all()
 
 
-def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogCaptureFixture) -> None:
+def test_load_failure_on_one_endpoint_rolls_back_both(tmp_path_factory: pytest.TempPathFactory,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    def scenario(attempt: str) -> None:
+        caplog.clear()
+        with fleet(tmp_path_factory.mktemp(f"fleet-{attempt}")) as world:
+            fail_on_one_then_succeed(world, caplog)
+
+    once_more_if_triton_segfaults(scenario)
+
+
+def fail_on_one_then_succeed(world: dict, caplog: pytest.LogCaptureFixture) -> None:
     spec, procs = world["spec"], world["procs"]
     first_release(spec)
     assert_consistent(spec, 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import types
@@ -211,6 +212,9 @@ def one_thread_install() -> Any:
 class TritonServers:
     """Start servers for a test; ``stop_all`` stops each by PID and removes its /tmp copies."""
 
+    not_stopped: ClassVar[list[TritonProcess]] = []  # every server started and not yet stopped, for died_early()
+    segfaulted: ClassVar[list[TritonProcess]] = []  # every server stop_all found dead of a signal inside Triton
+
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.started: list[TritonProcess] = []
@@ -220,9 +224,17 @@ class TritonServers:
         log_path = self.log_dir / f"triton-{len(self.started)}.log"
         proc = start_triton(repository, log_path=log_path, **kwargs)
         self.started.append(proc)
+        TritonServers.not_stopped.append(proc)
         return proc
 
+    @classmethod
+    def died_early(cls) -> list[TritonProcess]:
+        """Servers that exited by themselves (a crash), not through ``stop_all``."""
+        return [proc for proc in cls.not_stopped if not proc.running()]
+
     def stop_all(self) -> None:
+        TritonServers.segfaulted += [p for p in self.started if not p.running() and crashed_in_triton(p)]
+        TritonServers.not_stopped[:] = [p for p in TritonServers.not_stopped if p not in self.started]
         # SIGTERM every server first: each takes seconds to unload its models, so they shut down together.
         for proc in self.started:
             if proc.running():
@@ -233,6 +245,15 @@ class TritonServers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(timeout=10)
             proc.stop(timeout_s=10)  # one still running: SIGTERM again, then SIGKILL; removes its /tmp copies
+
+
+def crashed_in_triton(proc: TritonProcess) -> bool:
+    """The server's log ends in Triton's own crash report (``Signal (11) received.`` and a stack; SIGTERM logs
+    ``Signal (15)`` and is no crash)."""
+    try:
+        return re.search(r"Signal \((6|7|8|11)\) received", proc.log_path.read_text(errors="replace")[-20000:]) is not None
+    except OSError:
+        return False
 
 
 def pid_alive(pid: int) -> bool:
