@@ -66,6 +66,7 @@ def _tmp_copies() -> set[Path]:
 
 
 SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
+TRITON_PROCESS_NAMES = ("tritonserver", "triton_python_b")  # /proc/<pid>/comm: 15 characters at most
 
 
 def stub_resources(server_pid: int) -> tuple[set[Path], set[str]]:
@@ -91,6 +92,44 @@ def stub_resources(server_pid: int) -> tuple[set[Path], set[str]]:
         if region.startswith(SHM_REGION_PREFIX) and "/" not in region:
             regions.add(region)
     return dirs, regions
+
+
+def orphaned_regions(since_s: float, *, settle_s: float = 0.2) -> set[str]:
+    """python-backend regions in ``/dev/shm``, changed since ``since_s``, that no tritonserver or python stub
+    maps in two looks ``settle_s`` apart: left by a server that died without unlinking them (a live server
+    maps each region it creates, at once). Empty when such a process's mappings cannot be read."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return set()
+    candidates = set()
+    for path in shm.glob(f"{SHM_REGION_PREFIX}*"):
+        try:
+            if path.stat().st_mtime >= since_s:
+                candidates.add(path.name)
+        except OSError:
+            continue
+    candidates = _unmapped(candidates)
+    if candidates:
+        time.sleep(settle_s)
+        candidates = _unmapped(candidates)
+    return candidates
+
+
+def _unmapped(names: set[str]) -> set[str]:
+    """``names`` that no Triton process (server or python stub) maps."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        if not names:
+            break
+        try:
+            if (proc / "comm").read_text().strip() not in TRITON_PROCESS_NAMES:
+                continue
+            text = (proc / "maps").read_text(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            continue
+        except OSError:
+            return set()  # a Triton process we cannot look into: nothing is certain
+        names = {name for name in names if name not in text}
+    return names
 
 
 @dataclass
@@ -124,7 +163,9 @@ class TritonProcess:
             self._shm_seen |= regions
 
     def stop(self, timeout_s: float = 15.0) -> int:
-        """SIGTERM the server by PID, SIGKILL after ``timeout_s``; remove its /tmp copies; return the exit code."""
+        """SIGTERM the server by PID, SIGKILL after ``timeout_s``; remove its /tmp copies (and, when it had
+        crashed, the shared memory nothing maps any more); return the exit code."""
+        crashed = not self.running()
         self.note_tmp_copies()
         if self.running():
             try:
@@ -143,6 +184,10 @@ class TritonProcess:
         self._remove_tmp_copies()
         for region in self._shm_seen:  # gone already after a clean shutdown
             Path("/dev/shm", region).unlink(missing_ok=True)
+        if crashed:  # its stubs (killed above) were the last to map its regions
+            self._wait_for_group_exit(timeout_s=2.0)
+            for region in orphaned_regions(self.started_s):
+                Path("/dev/shm", region).unlink(missing_ok=True)
         return int(self.popen.returncode)
 
     def _kill_leftover_stubs(self) -> None:
@@ -150,6 +195,15 @@ class TritonProcess:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def _wait_for_group_exit(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
 
     def _remove_tmp_copies(self) -> None:
         # Only dirs this server's stubs ran from, or that appeared while it ran and hold a copy of one of

@@ -1,0 +1,59 @@
+"""A tritonserver that crashed leaves its python backend's shared memory in /dev/shm (nothing unlinks it);
+``TritonProcess.stop`` removes the regions no process maps any more, and none of a live server's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from triton_support import TritonServers, crashed_in_triton
+
+from serving.triton.process import stub_resources
+from serving.triton.repository import init_repository
+
+pytestmark = pytest.mark.slow
+
+ECHO_MODEL = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
+                for r in requests]
+"""
+ECHO_CONFIG = ('backend: "python"\nmax_batch_size: 0\ninput [{ name: "x" data_type: TYPE_INT32 dims: [1] }]\n'
+               'output [{ name: "y" data_type: TYPE_INT32 dims: [1] }]\n')
+
+
+def echo_repository(root: Path) -> Path:
+    root = init_repository(root)
+    (root / "echo" / "1").mkdir(parents=True)
+    (root / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    (root / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
+    return root
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_a_crashed_server_leaves_no_shared_memory_and_a_live_one_keeps_its_own(tmp_path: Path) -> None:
+    servers = TritonServers(tmp_path)
+    try:
+        crashing, live = (servers.start(echo_repository(tmp_path / name)) for name in ("crashing", "live"))
+        for proc in (crashing, live):
+            proc.control().load_model("echo", timeout_s=60)
+        regions = {proc.pid: stub_resources(proc.pid)[1] for proc in (crashing, live)}
+        assert all(regions.values()) and all(Path("/dev/shm", r).exists() for r in regions[crashing.pid])
+        os.kill(crashing.pid, signal.SIGSEGV)
+        deadline = time.monotonic() + 20
+        while crashing.running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert crashed_in_triton(crashing)
+        crashing.stop(timeout_s=10)
+        assert not any(Path("/dev/shm", r).exists() for r in regions[crashing.pid])
+        assert all(Path("/dev/shm", r).exists() for r in regions[live.pid])
+        assert live.control().server_live()
+    finally:
+        servers.stop_all()
