@@ -73,19 +73,27 @@ def ensure_embedded(repository: Path, *, ready_timeout_s: float = 60) -> Embedde
 
 
 def stop_embedded(repository: Path, *, timeout_s: float = 15) -> str:
-    """Stop the recorded server by PID (SIGTERM, then SIGKILL of its process group)."""
+    """Stop the recorded server by PID (SIGTERM, then SIGKILL of its process group); one that had already
+    exited (crashed) is reported, with its log, and the shared memory it left is removed."""
     repository = repository.absolute()
     path = record_path(repository)
     if not path.is_file():
         return f"no embedded Triton recorded for {repository}"
     server = EmbeddedServer(**json.loads(path.read_text()))
+    if not _alive(server.pid):
+        from serving.triton.process import kill_stubs_left_by, remove_orphaned_regions
+
+        kill_stubs_left_by(server.pid)
+        removed = remove_orphaned_regions(path.stat().st_mtime)  # the record is written when the server starts
+        path.unlink()
+        return (f"Triton pid {server.pid} ({server.http_url}) had already exited; its log is {server.log_path}"
+                + (f"; removed the {removed} shared-memory regions it left in /dev/shm" if removed else ""))
+    os.kill(server.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(server.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     if _alive(server.pid):
-        os.kill(server.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while _alive(server.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _alive(server.pid):
-            os.killpg(server.pid, signal.SIGKILL)
+        os.killpg(server.pid, signal.SIGKILL)
     path.unlink()
     return f"stopped Triton pid {server.pid} ({server.http_url})"
 

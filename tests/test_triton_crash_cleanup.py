@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -57,3 +58,28 @@ def test_a_crashed_server_leaves_no_shared_memory_and_a_live_one_keeps_its_own(t
         assert live.control().server_live()
     finally:
         servers.stop_all()
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_triton_stop_of_an_embedded_server_that_crashed_says_so_and_cleans_up(tmp_path: Path) -> None:
+    from flows.embedded import ensure_embedded, record_path, stop_embedded
+    from serving.triton.control import TritonControl
+
+    repository = echo_repository(tmp_path / "repo")
+    server = ensure_embedded(repository)
+    try:
+        TritonControl(server.http_url).load_model("echo", timeout_s=60)
+        regions = stub_resources(server.pid)[1]
+        assert regions
+        os.kill(server.pid, signal.SIGSEGV)
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{server.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.1)  # a zombie (our child here) has an empty command line
+        message = stop_embedded(repository)
+        assert f"Triton pid {server.pid}" in message and "had already exited" in message, message
+        assert f"removed the {len(regions)} shared-memory regions" in message and server.log_path in message
+        assert not any(Path("/dev/shm", r).exists() for r in regions)
+        assert not record_path(repository).exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)

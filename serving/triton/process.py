@@ -6,6 +6,7 @@ timeout) without touching anything else. CPU-only flags are added only when no G
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -115,6 +116,43 @@ def orphaned_regions(since_s: float, *, settle_s: float = 0.2) -> set[str]:
     return candidates
 
 
+def kill_stubs_left_by(server_pid: int, *, timeout_s: float = 2.0) -> int:
+    """SIGKILL the python stubs still in the process group of a server that died (``server_pid``, which led
+    it); return how many. Matched by group and name, so a reused PID is never killed."""
+    stubs = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text()
+            pgrp = int(stat.rsplit(")", 1)[1].split()[2])
+            name = (proc / "comm").read_text().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        if pgrp == server_pid and name == TRITON_PROCESS_NAMES[1]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(proc.name), signal.SIGKILL)
+                stubs.append(int(proc.name))
+    deadline = time.monotonic() + timeout_s
+    while any(_has_mappings(pid) for pid in stubs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(stubs)
+
+
+def _has_mappings(pid: int) -> bool:
+    """False once the process is gone or a zombie (its memory released)."""
+    try:
+        return bool(Path(f"/proc/{pid}/maps").read_text())
+    except OSError:
+        return False
+
+
+def remove_orphaned_regions(since_s: float) -> int:
+    """Unlink ``orphaned_regions(since_s)``; return how many."""
+    regions = orphaned_regions(since_s)
+    for region in regions:
+        Path("/dev/shm", region).unlink(missing_ok=True)
+    return len(regions)
+
+
 def _unmapped(names: set[str]) -> set[str]:
     """``names`` that no Triton process (server or python stub) maps."""
     for proc in Path("/proc").glob("[0-9]*"):
@@ -186,8 +224,7 @@ class TritonProcess:
             Path("/dev/shm", region).unlink(missing_ok=True)
         if crashed:  # its stubs (killed above) were the last to map its regions
             self._wait_for_group_exit(timeout_s=2.0)
-            for region in orphaned_regions(self.started_s):
-                Path("/dev/shm", region).unlink(missing_ok=True)
+            remove_orphaned_regions(self.started_s)
         return int(self.popen.returncode)
 
     def _kill_leftover_stubs(self) -> None:
