@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,10 +66,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_triton(args: argparse.Namespace) -> int:
-    from flows.embedded import embedded_status, stop_embedded
+    from flows.embedded import embedded_status, ensure_embedded, stop_embedded
+    from serving.triton.control import TritonControl
+    from serving.triton.operations import load_served
 
     repository = Path(args.repository)
-    print(stop_embedded(repository) if args.action == "stop" else embedded_status(repository))
+    if args.action == "stop":
+        print(stop_embedded(repository))
+    elif args.action == "start":
+        ensure_embedded(repository, load_timeout_s=args.load_timeout_s)
+        print(embedded_status(repository))
+    elif args.action == "load":
+        if not args.url:
+            raise SystemExit("enginewright triton load needs --url: the Triton server that serves --repository")
+        control = TritonControl(args.url, setting="--url")
+        deadline = time.monotonic() + args.wait_s
+        while not control.server_live():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"Triton at {args.url} (--url) was not live within {args.wait_s:g} s (--wait-s)")
+            time.sleep(1)
+        loaded = load_served(control, repository, timeout_s=args.load_timeout_s)
+        print(f"loaded on {args.url}: {', '.join(loaded) or 'nothing (the repository serves no model)'}")
+    else:
+        print(embedded_status(repository))
     return 0
 
 
@@ -95,9 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default=".state", help="where the demo keeps MLflow, artifacts and Triton")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("triton", help="the embedded Triton server the demo leaves running")
-    p.add_argument("action", choices=["status", "stop"])
+    p = sub.add_parser("triton", help="the embedded Triton server the demo leaves running; load a restarted one")
+    p.add_argument("action", choices=["status", "stop", "start", "load"],
+                   help="start: (re)start the embedded server, serving the live versions again; load: load what "
+                   "the repository serves on the server at --url (a restarted server loads nothing by itself)")
     p.add_argument("--repository", default=".state/triton-repository", help="model repository it serves")
+    p.add_argument("--url", help="load: the server's HTTP URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--load-timeout-s", type=float, default=120.0, help="longest wait for one model to load")
+    p.add_argument("--wait-s", type=float, default=0.0, help="load: wait this long for the server to come up")
     p.set_defaults(func=cmd_triton)
 
     for module in EXTRA_COMMANDS:

@@ -54,8 +54,11 @@ def running_server(repository: Path) -> EmbeddedServer | None:
     return None
 
 
-def ensure_embedded(repository: Path, *, ready_timeout_s: float = 60) -> EmbeddedServer:
-    """Reuse the running embedded server of this repository, or start one on free loopback ports."""
+def ensure_embedded(repository: Path, *, ready_timeout_s: float = 60, load_timeout_s: float = 120) -> EmbeddedServer:
+    """Reuse the running embedded server of this repository, or start one on free loopback ports and load
+    what the repository serves (after a crash or a reboot: the live versions, as the last release left them)."""
+    from serving.triton.control import TritonControl
+    from serving.triton.operations import load_served
     from serving.triton.process import start_triton
     from serving.triton.repository import init_repository
 
@@ -69,6 +72,7 @@ def ensure_embedded(repository: Path, *, ready_timeout_s: float = 60) -> Embedde
         proc.pid, proc.http_url, proc.grpc_url, proc.metrics_url, str(repository), str(proc.log_path)
     )
     record_path(repository).write_text(json.dumps(asdict(server), indent=2))
+    load_served(TritonControl(server.http_url, setting="triton.model_repository"), repository, timeout_s=load_timeout_s)
     return server
 
 

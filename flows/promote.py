@@ -71,7 +71,7 @@ def _targets(spec: ReleaseSpec) -> list[Target]:
         return resolve_targets(spec.triton)
     from flows.embedded import ensure_embedded
 
-    server = ensure_embedded(spec.triton.model_repository)
+    server = ensure_embedded(spec.triton.model_repository, load_timeout_s=spec.triton.load_timeout_s)
     return resolve_targets(spec.triton, embedded_url=server.http_url, embedded_metrics_url=server.metrics_url)
 
 

@@ -45,6 +45,16 @@ def test_triton_fleet_is_ready_only_when_triton_is():
     assert _by_kind("Service", "triton")["spec"]["clusterIP"] == "None", "stable per-pod DNS for the fleet"
 
 
+def test_a_restarted_triton_pod_is_ready_only_once_the_live_versions_are_loaded():
+    pod = _by_kind("StatefulSet", "triton")["spec"]["template"]["spec"]
+    loader = next(c for c in pod["containers"] if c["name"] == "load-served")
+    script = " ".join(loader["args"])
+    assert "enginewright triton load --url http://127.0.0.1:8000 --repository /models" in script
+    assert script.index("triton load") < script.index("touch /tmp/loaded"), "ready only after the load succeeded"
+    assert loader["readinessProbe"]["exec"]["command"] == ["test", "-f", "/tmp/loaded"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in loader["volumeMounts"]
+
+
 def test_prefect_worker_takes_credentials_from_a_secret():
     worker = _by_kind("Deployment", "prefect-worker")["spec"]["template"]["spec"]["containers"][0]
     secret_envs = [e for e in worker["env"] if "valueFrom" in e]

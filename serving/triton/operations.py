@@ -48,3 +48,34 @@ def serve_versions(control: TritonControl, root: Path, name: str, versions: list
     config = set_served_versions(root, name, versions)
     control.load_model(engine_model_name(name), timeout_s=timeout_s)
     return config
+
+
+def served_models(root: Path) -> list[str]:
+    """The models ``root`` serves, in the order they must load: per engine model (``<name>_engine`` serving
+    versions) its TensorRT-LLM backend models, the engine, the streaming router, the router."""
+    from serving.triton.repository import STATE_FILE, served_versions
+    from serving.triton.trtllm_repository import trtllm_model_name
+
+    root = Path(root)
+    order = []
+    for engine_dir in sorted(root.glob(f"*{engine_model_name('')}")):
+        name = engine_dir.name.removesuffix(engine_model_name(""))
+        if not name or not (engine_dir / STATE_FILE).is_file():
+            continue
+        served = served_versions(root, name)
+        if not served:
+            continue
+        order += [trtllm_model_name(name, v) for v in served if (root / trtllm_model_name(name, v)).is_dir()]
+        order.append(engine_dir.name)
+        order += [model for model in (stream_model_name(name), name) if (root / model / "config.pbtxt").is_file()]
+    return order
+
+
+def load_served(control: TritonControl, root: Path, *, timeout_s: float = 120.0) -> list[str]:
+    """Load every model ``root`` serves (``served_models``) and return their names: a server started in
+    explicit model control (a restart) loads nothing by itself. ``--load-model=*`` is no substitute: a
+    folder a crash left at the top of the repository (``.staging-*``) makes Triton 2.51 refuse to start."""
+    models = served_models(root)
+    for model in models:
+        control.load_model(model, timeout_s=timeout_s)
+    return models
