@@ -67,7 +67,8 @@ def _tmp_copies() -> set[Path]:
 
 
 SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
-TRITON_PROCESS_NAMES = ("tritonserver", "triton_python_b")  # /proc/<pid>/comm: 15 characters at most
+STUB_PROCESS_NAME = "triton_python_b"  # /proc/<pid>/comm keeps 15 characters of triton_python_backend_stub
+TRITON_PROCESS_NAMES = ("tritonserver", STUB_PROCESS_NAME)
 
 
 def stub_resources(server_pid: int) -> tuple[set[Path], set[str]]:
@@ -127,7 +128,7 @@ def kill_stubs_left_by(server_pid: int, *, timeout_s: float = 2.0) -> int:
             name = (proc / "comm").read_text().strip()
         except (OSError, ValueError, IndexError):
             continue
-        if pgrp == server_pid and name == TRITON_PROCESS_NAMES[1]:
+        if pgrp == server_pid and name == STUB_PROCESS_NAME:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(proc.name), signal.SIGKILL)
                 stubs.append(int(proc.name))
