@@ -54,6 +54,9 @@ class RecordingControl:
     def unload_model(self, name: str, *, timeout_s: float = 0.0) -> None:
         self.calls.append(("unload", name))
 
+    def ready_versions(self, name: str) -> list[int]:  # nothing loaded: every serve_versions loads
+        return []
+
 
 @pytest.mark.parametrize("before", [{1: 0, 2: 100}, {1: 50, 2: 50}])
 def test_converge_unloads_a_version_only_once_the_router_no_longer_picks_it(tmp_path: Path, before) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.triton.control import TritonControl
+from serving.triton.errors import TritonRequestError
 from serving.triton.repository import (
     engine_decoupled,
     engine_model_name,
@@ -44,10 +45,33 @@ def remove_stream_router(control: TritonControl, root: Path, name: str, *, timeo
 
 def serve_versions(control: TritonControl, root: Path, name: str, versions: list[int], *,
                    timeout_s: float = 120.0) -> dict[str, Any]:
-    """Serve exactly ``versions`` of ``<name>_engine``: rewrite its config, then reload it."""
+    """Serve exactly ``versions`` of ``<name>_engine``: rewrite its config, then reload it, unless Triton
+    serves that very config already (a reload re-creates every version: seconds to minutes per engine)."""
     config = set_served_versions(root, name, versions)
-    control.load_model(engine_model_name(name), timeout_s=timeout_s)
+    if not already_served(control, engine_model_name(name), config):
+        control.load_model(engine_model_name(name), timeout_s=timeout_s)
     return config
+
+
+def already_served(control: TritonControl, model: str, config: dict[str, Any]) -> bool:
+    """Exactly the versions of ``config`` are ready, and every setting ``config`` holds has the same value in
+    the config Triton loaded (which adds its defaults)."""
+    if control.ready_versions(model) != sorted(config["version_policy"]["specific"]["versions"]):
+        return False
+    try:
+        loaded = control.model_config(model)
+    except TritonRequestError:
+        return False
+    return holds(loaded, config)
+
+
+def holds(loaded: Any, wanted: Any) -> bool:
+    """``wanted`` is contained in ``loaded``: dicts key by key, lists element by element (same length)."""
+    if isinstance(wanted, dict):
+        return isinstance(loaded, dict) and all(k in loaded and holds(loaded[k], v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(loaded, list) and len(loaded) == len(wanted) and all(map(holds, loaded, wanted))
+    return loaded == wanted
 
 
 def served_models(root: Path) -> list[str]:
