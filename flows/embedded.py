@@ -85,10 +85,9 @@ def stop_embedded(repository: Path, *, timeout_s: float = 15) -> str:
         return f"no embedded Triton recorded for {repository}"
     server = EmbeddedServer(**json.loads(path.read_text()))
     if not _alive(server.pid):
-        from serving.triton.process import kill_stubs_left_by, remove_orphaned_regions
+        from serving.triton.process import clean_up_after_crash
 
-        kill_stubs_left_by(server.pid)
-        removed = remove_orphaned_regions(path.stat().st_mtime)  # the record is written when the server starts
+        removed = clean_up_after_crash(server.pid, path.stat().st_mtime)  # the record is written at start
         path.unlink()
         return (f"Triton pid {server.pid} ({server.http_url}) had already exited; its log is {server.log_path}"
                 + (f"; removed the {removed} shared-memory regions it left in /dev/shm" if removed else ""))

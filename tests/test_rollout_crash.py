@@ -26,8 +26,8 @@ import pytest
 from test_rollout_support import (
     assert_consistent,
     first_release,
+    in_fresh_worlds,
     make_spec,
-    once_more_if_triton_segfaults,
     publish,
     start_server,
 )
@@ -134,11 +134,7 @@ def run_promote(world, version: str, run: str, **env: str) -> tuple[int, str]:
 
 
 def test_kill_at_every_checkpoint_then_rerun_is_consistent(tmp_path_factory: pytest.TempPathFactory) -> None:
-    def scenario(attempt: str) -> None:
-        with crash_world(tmp_path_factory.mktemp(f"crash-{attempt}")) as world:
-            kill_at_every_checkpoint(world)
-
-    once_more_if_triton_segfaults(scenario)
+    in_fresh_worlds(tmp_path_factory, "crash", crash_world, kill_at_every_checkpoint)
 
 
 def kill_at_every_checkpoint(world: dict) -> None:

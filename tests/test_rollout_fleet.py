@@ -15,8 +15,8 @@ from test_rollout_support import (
     Load,
     assert_consistent,
     first_release,
+    in_fresh_worlds,
     make_spec,
-    once_more_if_triton_segfaults,
     publish,
     start_server,
 )
@@ -45,15 +45,11 @@ def fleet(tmp: Path) -> Iterator[dict]:
 
 def test_load_failure_on_one_endpoint_rolls_back_both(tmp_path_factory: pytest.TempPathFactory,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    def scenario(attempt: str) -> None:
-        caplog.clear()
-        with fleet(tmp_path_factory.mktemp(f"fleet-{attempt}")) as world:
-            fail_on_one_then_succeed(world, caplog)
-
-    once_more_if_triton_segfaults(scenario)
+    in_fresh_worlds(tmp_path_factory, "fleet", fleet, lambda world: fail_on_one_then_succeed(world, caplog))
 
 
 def fail_on_one_then_succeed(world: dict, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.clear()  # a second attempt counts its own rollbacks
     spec, procs = world["spec"], world["procs"]
     first_release(spec)
     assert_consistent(spec, 1)

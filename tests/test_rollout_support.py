@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,14 @@ def once_more_if_triton_segfaults(scenario: Callable[[str], None]) -> None:
                       f"{', '.join(str(p.log_path) for p in crashed)}): the scenario ran once more on fresh servers",
                       stacklevel=2)
         scenario("again")
+
+
+def in_fresh_worlds(tmp_path_factory: pytest.TempPathFactory, label: str,
+                    world: Callable[[Path], AbstractContextManager[dict]], body: Callable[[dict], None]) -> None:
+    """``body`` inside ``world`` built in a fresh folder, once more if a Triton segfaulted
+    (``once_more_if_triton_segfaults``)."""
+    def scenario(attempt: str) -> None:
+        with world(tmp_path_factory.mktemp(f"{label}-{attempt}")) as built:
+            body(built)
+
+    once_more_if_triton_segfaults(scenario)

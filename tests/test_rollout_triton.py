@@ -21,8 +21,8 @@ from test_rollout_support import (
     Load,
     assert_consistent,
     first_release,
+    in_fresh_worlds,
     make_spec,
-    once_more_if_triton_segfaults,
     publish,
     start_server,
 )
@@ -63,11 +63,7 @@ def gray_world(tmp: Path) -> Iterator[dict]:
 
 
 def test_rollout_and_automatic_rollback_under_load_drop_nothing(tmp_path_factory: pytest.TempPathFactory) -> None:
-    def scenario(attempt: str) -> None:
-        with gray_world(tmp_path_factory.mktemp(f"gray-{attempt}")) as world:
-            release_roll_back_and_check(world)
-
-    once_more_if_triton_segfaults(scenario)
+    in_fresh_worlds(tmp_path_factory, "gray", gray_world, release_roll_back_and_check)
 
 
 def release_roll_back_and_check(world: dict) -> None:

@@ -81,9 +81,10 @@ def served_models(root: Path) -> list[str]:
     from serving.triton.trtllm_repository import trtllm_model_name
 
     root = Path(root)
+    suffix = engine_model_name("")  # "_engine"
     order = []
-    for engine_dir in sorted(root.glob(f"*{engine_model_name('')}")):
-        name = engine_dir.name.removesuffix(engine_model_name(""))
+    for engine_dir in sorted(root.glob(f"*{suffix}")):
+        name = engine_dir.name.removesuffix(suffix)
         if not name or not (engine_dir / STATE_FILE).is_file():
             continue
         served = served_versions(root, name)

@@ -146,8 +146,10 @@ def _has_mappings(pid: int) -> bool:
         return False
 
 
-def remove_orphaned_regions(since_s: float) -> int:
-    """Unlink ``orphaned_regions(since_s)``; return how many."""
+def clean_up_after_crash(server_pid: int, since_s: float) -> int:
+    """After a server that led its process group died by itself (started at ``since_s``): kill its stubs,
+    the last to map its shared memory, then unlink ``orphaned_regions(since_s)``; return how many."""
+    kill_stubs_left_by(server_pid)
     regions = orphaned_regions(since_s)
     for region in regions:
         Path("/dev/shm", region).unlink(missing_ok=True)
@@ -223,9 +225,8 @@ class TritonProcess:
         self._remove_tmp_copies()
         for region in self._shm_seen:  # gone already after a clean shutdown
             Path("/dev/shm", region).unlink(missing_ok=True)
-        if crashed:  # its stubs (killed above) were the last to map its regions
-            self._wait_for_group_exit(timeout_s=2.0)
-            remove_orphaned_regions(self.started_s)
+        if crashed:
+            clean_up_after_crash(self.pid, self.started_s)
         return int(self.popen.returncode)
 
     def _kill_leftover_stubs(self) -> None:
@@ -233,15 +234,6 @@ class TritonProcess:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-    def _wait_for_group_exit(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            time.sleep(0.05)
 
     def _remove_tmp_copies(self) -> None:
         # Only dirs this server's stubs ran from, or that appeared while it ran and hold a copy of one of
