@@ -1,6 +1,6 @@
 """Shared fixtures: Prefect's test harness (a temporary API and database for the whole session), and a
-fix of Triton's interpreter for bf16 `tl.dot` (the kernel tests under TRITON_INTERPRET=1). A failed test's
-report also shows the log tail of any Triton server that died during it."""
+fix of Triton's interpreter for bf16 `tl.dot` (the kernel tests under TRITON_INTERPRET=1). The plugins: real
+services (``services``) and a rerun of a test that failed while Triton segfaulted (``triton_crash_rerun``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def prefect_harness():
         yield
 
 
-pytest_plugins = ["services"]
+pytest_plugins = ["services", "triton_crash_rerun", "pytester"]
 
 
 @pytest.fixture
@@ -37,23 +37,3 @@ def interpreter_bf16_dot(monkeypatch):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(InterpreterBuilder, "create_dot", patched)
-
-
-REPORTED_CRASHES: set[int] = set()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """A test that fails because a Triton server crashed says so, with the end of that server's log."""
-    report = (yield).get_result()
-    if not report.failed:
-        return
-    from triton_support import TritonServers
-
-    for proc in [*TritonServers.died_early(), *TritonServers.segfaulted]:
-        if proc.pid in REPORTED_CRASHES:
-            continue
-        REPORTED_CRASHES.add(proc.pid)
-        lines = proc.log_path.read_text(errors="replace").splitlines() if proc.log_path.is_file() else []
-        report.sections.append((f"Triton pid {proc.pid} exited with {proc.popen.returncode} ({proc.log_path})",
-                                "\n".join(line[:400] for line in lines[-40:])))

@@ -26,7 +26,6 @@ import pytest
 from test_rollout_support import (
     assert_consistent,
     first_release,
-    in_fresh_worlds,
     make_spec,
     publish,
     start_server,
@@ -133,8 +132,9 @@ def run_promote(world, version: str, run: str, **env: str) -> tuple[int, str]:
     return world["forker"].run(world["spec_file"], version, world["tmp"] / f"promote-{run}.log", **env)
 
 
-def test_kill_at_every_checkpoint_then_rerun_is_consistent(tmp_path_factory: pytest.TempPathFactory) -> None:
-    in_fresh_worlds(tmp_path_factory, "crash", crash_world, kill_at_every_checkpoint)
+def test_kill_at_every_checkpoint_then_rerun_is_consistent(tmp_path: Path) -> None:
+    with crash_world(tmp_path) as world:
+        kill_at_every_checkpoint(world)
 
 
 def kill_at_every_checkpoint(world: dict) -> None:

@@ -24,7 +24,6 @@ from test_rollout_support import (
     assert_consistent,
     first_release,
     make_spec,
-    once_more_if_triton_segfaults,
     publish,
     start_server,
 )
@@ -100,19 +99,14 @@ class Streams:
 
 
 def test_a_release_turns_in_flight_batching_on_under_load_and_streams_follow(tmp_path: Path) -> None:
-    once_more_if_triton_segfaults(lambda attempt: turn_decoupled_on_under_load(fresh(tmp_path / attempt)))
+    turn_decoupled_on_under_load(tmp_path)
 
 
 def test_a_failed_release_that_turned_decoupled_on_leaves_the_live_version_plain(tmp_path: Path) -> None:
     """The candidate brings `decoupled: "true"` and fails its warm-up: the rollback serves v1 alone with the
     parameters it was staged with, so v1 is plain again (HTTP /infer works), and the streaming router the
     release's parameters called for is gone."""
-    once_more_if_triton_segfaults(lambda attempt: fail_a_decoupled_release(fresh(tmp_path / attempt)))
-
-
-def fresh(path: Path) -> Path:
-    path.mkdir()
-    return path
+    fail_a_decoupled_release(tmp_path)
 
 
 def turn_decoupled_on_under_load(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from test_rollout_support import (
     Load,
     assert_consistent,
     first_release,
-    in_fresh_worlds,
     make_spec,
     publish,
     start_server,
@@ -43,9 +42,9 @@ def fleet(tmp: Path) -> Iterator[dict]:
         servers.stop_all()
 
 
-def test_load_failure_on_one_endpoint_rolls_back_both(tmp_path_factory: pytest.TempPathFactory,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
-    in_fresh_worlds(tmp_path_factory, "fleet", fleet, lambda world: fail_on_one_then_succeed(world, caplog))
+def test_load_failure_on_one_endpoint_rolls_back_both(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with fleet(tmp_path) as world:
+        fail_on_one_then_succeed(world, caplog)
 
 
 def fail_on_one_then_succeed(world: dict, caplog: pytest.LogCaptureFixture) -> None:

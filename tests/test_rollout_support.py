@@ -5,12 +5,8 @@ check that a fleet is consistent, and a bounded load generator that reports late
 from __future__ import annotations
 
 import time
-import warnings
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 
-import pytest
 from triton_support import TritonServers
 
 from flows.promote import PromoteResult, promote
@@ -154,32 +150,3 @@ class Load:
 
 def _pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else float("nan")
-
-
-def once_more_if_triton_segfaults(scenario: Callable[[str], None]) -> None:
-    """Run ``scenario(attempt)``, which starts and stops its own servers. If it fails and one of them died of
-    the segfault inside Triton 2.51 (a model's instances being destroyed: docs/triton.md, Pitfalls), run it
-    once more on fresh servers, with a warning in the test report. Any other failure, or a second crash,
-    fails the test."""
-    before = len(TritonServers.segfaulted)
-    try:
-        scenario("first")
-    except (Exception, pytest.fail.Exception):  # pytest.raises' "DID NOT RAISE" is no Exception
-        crashed = TritonServers.segfaulted[before:]
-        if not crashed:
-            raise
-        warnings.warn(f"Triton segfaulted (pid {', '.join(str(p.pid) for p in crashed)}; logs "
-                      f"{', '.join(str(p.log_path) for p in crashed)}): the scenario ran once more on fresh servers",
-                      stacklevel=2)
-        scenario("again")
-
-
-def in_fresh_worlds(tmp_path_factory: pytest.TempPathFactory, label: str,
-                    world: Callable[[Path], AbstractContextManager[dict]], body: Callable[[dict], None]) -> None:
-    """``body`` inside ``world`` built in a fresh folder, once more if a Triton segfaulted
-    (``once_more_if_triton_segfaults``)."""
-    def scenario(attempt: str) -> None:
-        with world(tmp_path_factory.mktemp(f"{label}-{attempt}")) as built:
-            body(built)
-
-    once_more_if_triton_segfaults(scenario)

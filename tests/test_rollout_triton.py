@@ -21,7 +21,6 @@ from test_rollout_support import (
     Load,
     assert_consistent,
     first_release,
-    in_fresh_worlds,
     make_spec,
     publish,
     start_server,
@@ -62,8 +61,9 @@ def gray_world(tmp: Path) -> Iterator[dict]:
         servers.stop_all()
 
 
-def test_rollout_and_automatic_rollback_under_load_drop_nothing(tmp_path_factory: pytest.TempPathFactory) -> None:
-    in_fresh_worlds(tmp_path_factory, "gray", gray_world, release_roll_back_and_check)
+def test_rollout_and_automatic_rollback_under_load_drop_nothing(tmp_path: Path) -> None:
+    with gray_world(tmp_path) as world:
+        release_roll_back_and_check(world)
 
 
 def release_roll_back_and_check(world: dict) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import types
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+from triton_crash_rerun import ends_in_crash_report
 
 from serving.triton.process import TritonProcess, start_triton
 
@@ -213,7 +213,6 @@ class TritonServers:
     """Start servers for a test; ``stop_all`` stops each by PID and removes its /tmp copies."""
 
     not_stopped: ClassVar[list[TritonProcess]] = []  # every server started and not yet stopped, for died_early()
-    segfaulted: ClassVar[list[TritonProcess]] = []  # every server stop_all found dead of a signal inside Triton
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -233,7 +232,6 @@ class TritonServers:
         return [proc for proc in cls.not_stopped if not proc.running()]
 
     def stop_all(self) -> None:
-        TritonServers.segfaulted += [p for p in self.started if not p.running() and crashed_in_triton(p)]
         TritonServers.not_stopped[:] = [p for p in TritonServers.not_stopped if p not in self.started]
         # SIGTERM every server first: each takes seconds to unload its models, so they shut down together.
         for proc in self.started:
@@ -248,12 +246,8 @@ class TritonServers:
 
 
 def crashed_in_triton(proc: TritonProcess) -> bool:
-    """The server's log ends in Triton's own crash report (``Signal (11) received.`` and a stack; SIGTERM logs
-    ``Signal (15)`` and is no crash)."""
-    try:
-        return re.search(r"Signal \((6|7|8|11)\) received", proc.log_path.read_text(errors="replace")[-20000:]) is not None
-    except OSError:
-        return False
+    """The server's log ends in Triton's own crash report (SIGTERM logs ``Signal (15)`` and is no crash)."""
+    return ends_in_crash_report(proc.log_path)
 
 
 def pid_alive(pid: int) -> bool:
