@@ -96,3 +96,45 @@ def test_a_server_stopped_by_us_is_no_crash(tmp_path: Path) -> None:
     servers.stop_all()
     assert not proc.running() and proc.log_path.is_file()
     assert crash_logs_since(tmp_path, 0) == []
+
+
+MODULE_SERVER = '''
+import os, signal, time
+from pathlib import Path
+import pytest
+from triton_support import TritonServers
+from serving.triton.repository import init_repository
+
+RUNS = Path(__file__).parent / "runs.txt"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("module")
+    servers = TritonServers(work)
+    yield servers.start(init_repository(work / "repo"))
+    servers.stop_all()
+
+
+def test_crashes_the_module_server_once(server):
+    with RUNS.open("a") as runs:
+        runs.write(f"{server.pid}\\n")
+    if len(RUNS.read_text().splitlines()) == 1:
+        os.kill(server.pid, signal.SIGSEGV)
+        server.popen.wait(timeout=20)
+    assert server.running()
+
+
+def test_the_next_test_of_the_module_has_a_live_server(server):
+    assert server.running()
+'''
+
+
+@pytest.mark.slow
+def test_the_second_run_gets_the_module_fixtures_afresh(pytester, monkeypatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    pytester.makepyfile(test_inner=MODULE_SERVER)
+    result = pytester.runpytest_subprocess("-p", "triton_crash_rerun", "-q", "-p", "no:cacheprovider")
+    pids = (pytester.path / "runs.txt").read_text().split()
+    assert len(pids) == 2 and pids[0] != pids[1]  # a new server for the second run
+    result.assert_outcomes(passed=2, warnings=1)

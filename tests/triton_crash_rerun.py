@@ -4,7 +4,8 @@ test's report ends with the log tail of each Triton server that died during it.
 Triton 2.51 (the one nvidia-pytriton 0.7.0 bundles) now and then crashes while it destroys a model's
 instances, which every reload and every shutdown does (docs/triton.md, Pitfalls). Such a crash says nothing
 about our code, so the test runs once more, from its own fixtures up, with a warning that names the crash
-log and the first failure. A failure without a crash, or a crash in the second run too, fails as usual.
+log and the first failure. The module's fixtures are set up afresh for it (a module-scoped server may be
+the one that crashed). A failure without a crash, or a crash in the second run too, fails as usual.
 
 A crash is Triton's own report (``Signal (11) received.``) at the end of a ``*.log`` under pytest's
 temporary folder written during the failed run: every server a test starts logs there.
@@ -75,6 +76,17 @@ def _run(item: pytest.Item, nextitem: pytest.Item | None, temp_root: Path) -> tu
     return reports, crash_logs_since(temp_root, started) if failed else []
 
 
+def _tear_down_module(item: pytest.Item) -> str:
+    """Finalize the module's (and class's) fixtures, so that a server one of them started, which may be the
+    one that crashed, is started afresh for the second run; what went wrong doing so, for the warning."""
+    module = item.getparent(pytest.Module)
+    try:
+        item.session._setupstate.teardown_exact(module.parent if module else None)  # pytest has no public API
+    except Exception as error:  # noqa: BLE001 (a crashed server's fixture may fail to stop it cleanly)
+        return f" (tearing the module's fixtures down: {error!r})"
+    return ""
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool:
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
@@ -83,7 +95,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if crashes:
         item.warn(pytest.PytestWarning(
             f"Triton segfaulted ({', '.join(map(str, crashes))}) while the test failed "
-            f"({_first_failure(reports)}): it ran once more"))
+            f"({_first_failure(reports)}): it ran once more{_tear_down_module(item)}"))
         reports, crashes = _run(item, nextitem, temp_root)
     if failed := next((report for report in reports if report.failed), None):
         for log in sorted({*crashes, *_dead_servers_logs()}):
