@@ -11,7 +11,6 @@ itself with SIGKILL at the k-th (``$ENGINEWRIGHT_TEST_CRASH_AT``), the same sign
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import select
@@ -19,17 +18,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_rollout_support import (
-    assert_consistent,
-    first_release,
-    make_spec,
-    publish,
-    start_server,
-)
+from test_rollout_support import assert_consistent, first_release, make_spec, publish, start_server
 from triton_support import TritonServers, make_tiny_engine
 
 from flows.promote import RolloutInterrupted, promote
@@ -109,8 +101,9 @@ class Forker:
             self.proc.wait()
 
 
-@contextlib.contextmanager
-def crash_world(tmp: Path) -> Iterator[dict]:
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("crash")
     for seed in (0, 1):
         publish(tmp, NAME, make_tiny_engine(tmp / "engines", seed=seed))
     servers = TritonServers(tmp)
@@ -132,12 +125,7 @@ def run_promote(world, version: str, run: str, **env: str) -> tuple[int, str]:
     return world["forker"].run(world["spec_file"], version, world["tmp"] / f"promote-{run}.log", **env)
 
 
-def test_kill_at_every_checkpoint_then_rerun_is_consistent(tmp_path: Path) -> None:
-    with crash_world(tmp_path) as world:
-        kill_at_every_checkpoint(world)
-
-
-def kill_at_every_checkpoint(world: dict) -> None:
+def test_kill_at_every_checkpoint_then_rerun_is_consistent(world) -> None:
     spec, tmp = world["spec"], world["tmp"]
     first_release(spec)
     live = 1

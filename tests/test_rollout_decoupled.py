@@ -15,18 +15,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from test_rollout_support import (
-    Load,
-    assert_consistent,
-    first_release,
-    make_spec,
-    publish,
-    start_server,
-)
+from test_rollout_support import Load, assert_consistent, first_release, make_spec, publish, start_server
 from triton_support import TritonServers, make_tiny_engine
 
 from flows.promote import StageFailed, promote
@@ -98,18 +90,7 @@ class Streams:
             client.close()
 
 
-def test_a_release_turns_in_flight_batching_on_under_load_and_streams_follow(tmp_path: Path) -> None:
-    turn_decoupled_on_under_load(tmp_path)
-
-
-def test_a_failed_release_that_turned_decoupled_on_leaves_the_live_version_plain(tmp_path: Path) -> None:
-    """The candidate brings `decoupled: "true"` and fails its warm-up: the rollback serves v1 alone with the
-    parameters it was staged with, so v1 is plain again (HTTP /infer works), and the streaming router the
-    release's parameters called for is gone."""
-    fail_a_decoupled_release(tmp_path)
-
-
-def turn_decoupled_on_under_load(tmp_path: Path) -> None:
+def test_a_release_turns_in_flight_batching_on_under_load_and_streams_follow(tmp_path) -> None:
     for seed in (0, 1):
         publish(tmp_path, NAME, make_tiny_engine(tmp_path / "engines", seed=seed))
     servers = TritonServers(tmp_path)
@@ -148,7 +129,10 @@ def turn_decoupled_on_under_load(tmp_path: Path) -> None:
         servers.stop_all()
 
 
-def fail_a_decoupled_release(tmp_path: Path) -> None:
+def test_a_failed_release_that_turned_decoupled_on_leaves_the_live_version_plain(tmp_path) -> None:
+    """The candidate brings `decoupled: "true"` and fails its warm-up: the rollback serves v1 alone with the
+    parameters it was staged with, so v1 is plain again (HTTP /infer works), and the streaming router the
+    release's parameters called for is gone."""
     loader = {"engine_loader": "tasks.fault_injection:load_engine"}
     for seed in (0, 1):
         publish(tmp_path, NAME, make_tiny_engine(tmp_path / "engines", seed=seed))

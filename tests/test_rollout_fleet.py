@@ -4,21 +4,11 @@ with requests flowing to both the whole time; without the fault the same version
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import tritonclient.http as httpclient
-from test_rollout_support import (
-    Load,
-    assert_consistent,
-    first_release,
-    make_spec,
-    publish,
-    start_server,
-)
+from test_rollout_support import Load, assert_consistent, first_release, make_spec, publish, start_server
 from triton_support import TritonServers, make_tiny_engine
 
 from flows.promote import StageFailed, promote
@@ -30,8 +20,9 @@ NAME = "fleet"
 STEPS = [{"set_weight": 50}, {"analysis": {"requests": 8, "compare": None}}, {"set_weight": 100}]
 
 
-@contextlib.contextmanager
-def fleet(tmp: Path) -> Iterator[dict]:
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("fleet")
     for seed in (0, 1):
         publish(tmp, NAME, make_tiny_engine(tmp / "engines", seed=seed))
     servers = TritonServers(tmp)
@@ -42,13 +33,7 @@ def fleet(tmp: Path) -> Iterator[dict]:
         servers.stop_all()
 
 
-def test_load_failure_on_one_endpoint_rolls_back_both(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with fleet(tmp_path) as world:
-        fail_on_one_then_succeed(world, caplog)
-
-
-def fail_on_one_then_succeed(world: dict, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.clear()  # a second attempt counts its own rollbacks
+def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogCaptureFixture) -> None:
     spec, procs = world["spec"], world["procs"]
     first_release(spec)
     assert_consistent(spec, 1)

@@ -9,22 +9,13 @@ written to ``$ENGINEWRIGHT_ROLLOUT_REPORT_DIR`` with the timelines when that is 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_rollout_support import (
-    Load,
-    assert_consistent,
-    first_release,
-    make_spec,
-    publish,
-    start_server,
-)
+from test_rollout_support import Load, assert_consistent, first_release, make_spec, publish, start_server
 from triton_support import TritonServers, make_tiny_engine
 
 from flows.promote import promote
@@ -47,8 +38,9 @@ STEPS = [{"set_weight": 10}, {"analysis": ANALYSIS}, {"set_weight": 50}, {"analy
          {"set_weight": 100}, {"analysis": ANALYSIS}]
 
 
-@contextlib.contextmanager
-def gray_world(tmp: Path) -> Iterator[dict]:
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("gray")
     engines = [make_tiny_engine(tmp / "engines", seed=s) for s in (0, 1, 2)]
     versions = [publish(tmp, NAME, e) for e in engines]
     assert versions == ["1", "2", "3"]
@@ -61,12 +53,7 @@ def gray_world(tmp: Path) -> Iterator[dict]:
         servers.stop_all()
 
 
-def test_rollout_and_automatic_rollback_under_load_drop_nothing(tmp_path: Path) -> None:
-    with gray_world(tmp_path) as world:
-        release_roll_back_and_check(world)
-
-
-def release_roll_back_and_check(world: dict) -> None:
+def test_rollout_and_automatic_rollback_under_load_drop_nothing(world) -> None:
     spec, proc, tmp = world["spec"], world["proc"], world["tmp"]
     first = first_release(spec)  # the router appears at 100% on version 1
     assert first.rollout.outcome == "Successful"

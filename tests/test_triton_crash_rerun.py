@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 INNER = '''
 import os, signal, time
 from pathlib import Path
-from triton_support import TritonServers, crashed_in_triton
+from triton_crash_rerun import ends_in_crash_report
+from triton_support import TritonServers
 from serving.triton.repository import init_repository
 
 RUNS = Path(__file__).parent / "runs.txt"
@@ -33,7 +34,7 @@ def crash_one(tmp):
         deadline = time.monotonic() + 20
         while proc.running() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert crashed_in_triton(proc), proc.log_path.read_text()[-2000:]
+        assert ends_in_crash_report(proc.log_path), proc.log_path.read_text()[-2000:]
     finally:
         servers.stop_all()
 

@@ -56,6 +56,9 @@ def _log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(line[:400] for line in path.read_text(errors="replace").splitlines()[-lines:])
 
 
+_SHOWN_DEAD: set[int] = set()  # pids of servers whose log a report already showed
+
+
 def _dead_servers_logs() -> list[Path]:
     """Logs of the servers started through ``TritonServers`` that exited by themselves, each shown once."""
     from triton_support import TritonServers
@@ -63,9 +66,6 @@ def _dead_servers_logs() -> list[Path]:
     fresh = [proc for proc in TritonServers.died_early() if proc.pid not in _SHOWN_DEAD]
     _SHOWN_DEAD.update(proc.pid for proc in fresh)
     return [proc.log_path for proc in fresh if proc.log_path.is_file()]
-
-
-_SHOWN_DEAD: set[int] = set()
 
 
 def _run(item: pytest.Item, nextitem: pytest.Item | None, temp_root: Path) -> tuple[list[pytest.TestReport], list[Path]]:

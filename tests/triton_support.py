@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from triton_crash_rerun import ends_in_crash_report
 
 from serving.triton.process import TritonProcess, start_triton
 
@@ -243,11 +242,6 @@ class TritonServers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(timeout=10)
             proc.stop(timeout_s=10)  # one still running: SIGTERM again, then SIGKILL; removes its /tmp copies
-
-
-def crashed_in_triton(proc: TritonProcess) -> bool:
-    """The server's log ends in Triton's own crash report (SIGTERM logs ``Signal (15)`` and is no crash)."""
-    return ends_in_crash_report(proc.log_path)
 
 
 def pid_alive(pid: int) -> bool:
