@@ -10,22 +10,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from flows.errors import known_errors
+
 EXIT_GATE = 1
 EXIT_BAD_INPUT = 2
 
 # Each module has `register(subparsers)` adding its subcommand(s) with a `func` default.
 EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_bench", "flows.cli_rollout", "flows.cli_serve", "flows.cli_registry", "flows.cli_deploy")
-
-
-def _known_errors() -> tuple[type[BaseException], ...]:
-    from flows.deploy import DeployError
-    from flows.spec import SpecError
-    from registry.errors import RegistryError
-    from serving.engine.errors import EngineError
-    from serving.triton.errors import ServingError
-    from tasks.errors import StepError
-
-    return (SpecError, StepError, RegistryError, EngineError, ServingError, DeployError)
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -160,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except _known_errors() as exc:
+    except known_errors() as exc:
         print(f"enginewright: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

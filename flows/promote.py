@@ -28,8 +28,8 @@ from tasks.errors import ApprovalRejected, RolloutAborted, StepError
 from tasks.gray_release import RolloutReport, gray_release, gray_release_task
 from tasks.promote_spec import RolloutSpec
 from tasks.rollout_state import Journal, read_journal, write_journal
-from tasks.stage import StagingRolledBack, fetch_engine, fleet_live_version, stage, stage_task
-from tasks.targets import Target, check_reachable, resolve_targets
+from tasks.stage import StagingRolledBack, fetch_engine, stage, stage_task
+from tasks.targets import Target, check_reachable, fleet_live_version, resolve_targets
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ def rollback(spec: ReleaseSpec, to_version: str | None = None, *, immediate: boo
     """Go back to `to_version` (default: the previous production version) on every endpoint."""
     from flows.promote import _targets
     from registry import model_registry as mr
-    from tasks.stage import fleet_live_version
+    from tasks.targets import fleet_live_version
 
     name, uri = spec.model_name, spec.mlflow.tracking_uri
     live = fleet_live_version(_targets(spec), name)

@@ -7,6 +7,7 @@ from typing import Any
 
 from prefect.states import State
 
+from flows.errors import known_errors
 from flows.spec import ReleaseSpec
 
 
@@ -25,11 +26,9 @@ def outcome_of(state: State, *, what: str) -> Outcome:
     """Completed -> ok with the flow's return value; Failed -> the state's message (and data if any)."""
     if state.is_completed():
         return Outcome(True, f"{what} completed", state.result())
-    from flows.cli import _known_errors
-
     try:
         data = state.result(raise_on_failure=True)
-    except _known_errors() as exc:  # a step refused: its message already names the setting
+    except known_errors() as exc:  # a step refused: its message already names the setting
         return Outcome(False, f"{what} failed: {exc}")
     except Exception:  # noqa: BLE001 - the flow's own message is what a person needs
         data = None
@@ -39,7 +38,7 @@ def outcome_of(state: State, *, what: str) -> Outcome:
 def run_release(spec: ReleaseSpec) -> Outcome:
     """Check what can be checked without a flow run (so a bad input costs seconds), then run the flow."""
     from flows.release import release_flow
-    from tasks.convert import check_checkpoint
+    from tasks.checkpoint import check_checkpoint
 
     check_checkpoint(spec.source.checkpoint)
     return outcome_of(release_flow(spec, return_state=True), what="release")

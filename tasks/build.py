@@ -9,7 +9,8 @@ from typing import Any
 
 from prefect import task
 
-from tasks.convert import ConvertedCheckpoint, toolchain_key
+from tasks.checkpoint import ConvertedCheckpoint
+from tasks.convert import toolchain_key
 from tasks.engine_spec import EngineSpec
 from tasks.hashing import value_digest
 

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
 
+from tasks.checkpoint import ConvertedCheckpoint, check_checkpoint
+from tasks.engine_kinds import convert_for_kind
 from tasks.engine_spec import EngineSpec
-from tasks.errors import CheckpointError
 from tasks.hashing import tree_digest, value_digest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ConvertedCheckpoint:
-    path: Path
-    source_digest: str
-    reused: bool = False  # a finished conversion with the same key was found: nothing was redone
 
 
 def toolchain_key() -> dict[str, str]:
@@ -31,24 +24,9 @@ def toolchain_key() -> dict[str, str]:
     return {"torch": torch.__version__.split("+")[0], "engine_format": str(ENGINE_FORMAT_VERSION)}
 
 
-def check_checkpoint(checkpoint: Path) -> None:
-    """Fail early, naming the setting, when the source folder is not a usable HF checkpoint."""
-    if not checkpoint.is_dir():
-        raise CheckpointError(
-            f"source.checkpoint {str(checkpoint)!r} is not a folder; point it at a Hugging Face checkpoint "
-            "(config.json and *.safetensors)"
-        )
-    if not (checkpoint / "config.json").is_file():
-        raise CheckpointError(f"source.checkpoint {str(checkpoint)!r} has no config.json")
-    if not any(checkpoint.glob("*.safetensors")):
-        raise CheckpointError(f"source.checkpoint {str(checkpoint)!r} has no *.safetensors weights")
-
-
 def convert(checkpoint: Path, engine: EngineSpec, work_dir: Path) -> ConvertedCheckpoint:
     """Convert once per (checkpoint content, dtype); a finished conversion is reused."""
     if engine.kind != "torch":  # TensorRT-LLM kinds: tasks/engine_kinds.py
-        from tasks.engine_kinds import convert_for_kind
-
         return convert_for_kind(checkpoint, engine, work_dir)
     from serving.engine import convert_checkpoint
 

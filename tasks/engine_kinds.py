@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from tasks.checkpoint import ConvertedCheckpoint, check_checkpoint
 from tasks.engine_spec import EngineSpec
 from tasks.hashing import tree_digest, value_digest
 
@@ -46,7 +47,6 @@ def convert_for_kind(checkpoint: Path, engine: EngineSpec, work_dir: Path):
     trtllm-llmapi: nothing to convert (the artifact is built from the HF checkpoint in ``build``).
     """
     from serving.trtllm import convert_trtllm_checkpoint
-    from tasks.convert import ConvertedCheckpoint, check_checkpoint
 
     options = trtllm_options(engine)
     require_kind_available(engine)

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from tasks.rollout_state import checkpoint
-from tasks.targets import Target
+from tasks.targets import Target, live_version
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ def converge(target: Target, name: str, version: int, timeout_s: float) -> None:
     """
     from serving.triton.operations import apply_router_weights, serve_versions
     from serving.triton.repository import engine_decoupled, list_versions, remove_version
-    from tasks.stage import live_version
 
     control = target.control()
     decoupled = engine_decoupled(target.model_repository, name)

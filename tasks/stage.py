@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.engine_spec import EngineSpec
 from tasks.promote_spec import TritonSpec
+from tasks.rollback import remove_leftovers, restore_live
 from tasks.targets import Target
 
 log = logging.getLogger(__name__)
@@ -58,23 +59,6 @@ def fetch_engine(*, artifacts_uri: str, model_name: str, fingerprint: str, cache
     return local
 
 
-def live_version(target: Target, model_name: str) -> int | None:
-    """The version the router sends all traffic to, or None before the first release."""
-    from serving.triton.repository import router_weights
-
-    weights = router_weights(target.model_repository, model_name)
-    full = [v for v, w in weights.items() if w == 100]
-    return full[0] if full else None
-
-
-def fleet_live_version(targets: list[Target], model_name: str) -> int | None:
-    """The live version, the same on every endpoint (else the fleet is inconsistent: ValueError)."""
-    lives = {live_version(t, model_name) for t in targets}
-    if len(lives) > 1:
-        raise ValueError(f"the fleet is inconsistent: live versions of {model_name} differ across endpoints: {lives}")
-    return lives.pop()
-
-
 class StagingRolledBack(RuntimeError):
     """Staging failed on an endpoint and every endpoint serves the live version again (on a first
     release: nothing); the failure is the ``__cause__``."""
@@ -90,7 +74,6 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
     """
     from serving.triton.operations import apply_router_weights, serve_versions
     from serving.triton.repository import list_versions, served_versions, stage_engine_version
-    from tasks.rollback import remove_leftovers, restore_live
     from tasks.rollout_state import checkpoint
 
     try:

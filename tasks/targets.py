@@ -40,6 +40,23 @@ def resolve_targets(triton: TritonSpec, *, embedded_url: str | None = None,
                    embedded_metrics_url)]
 
 
+def live_version(target: Target, model_name: str) -> int | None:
+    """The version the router sends all traffic to, or None before the first release."""
+    from serving.triton.repository import router_weights
+
+    weights = router_weights(target.model_repository, model_name)
+    full = [v for v, w in weights.items() if w == 100]
+    return full[0] if full else None
+
+
+def fleet_live_version(targets: list[Target], model_name: str) -> int | None:
+    """The live version, the same on every endpoint (else the fleet is inconsistent: ValueError)."""
+    lives = {live_version(t, model_name) for t in targets}
+    if len(lives) > 1:
+        raise ValueError(f"the fleet is inconsistent: live versions of {model_name} differ across endpoints: {lives}")
+    return lives.pop()
+
+
 def _settling(control: Any) -> bool:
     """Whether a model of the server is still loading or unloading (readiness may yet change)."""
     try:

@@ -1,5 +1,6 @@
-"""The architecture's rules, checked: dependencies flow flows -> tasks -> (serving, registry), and every
-`serving` module imports inside Triton's python backend with only the standard library, torch and numpy."""
+"""The architecture's rules, checked: dependencies flow flows -> tasks -> (serving, registry), no module
+takes part in an import cycle, and every `serving` module imports inside Triton's python backend with
+only the standard library, torch and numpy."""
 
 from __future__ import annotations
 
@@ -47,6 +48,84 @@ def test_dependencies_flow_one_way(package):
         if project_imports(path) - MAY_IMPORT[package]
     }
     assert not wrong, f"{package} may import only {sorted(MAY_IMPORT[package])}: {wrong}"
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The project modules one file imports, at the top or inside functions: `from a.b import c` names the
+    module `a.b.c` when there is one, else `a.b`; a name with no module of its own counts as its package."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != here:
+                found.add(name)
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    members = stack[stack.index(node):]
+                    del stack[stack.index(node):]
+                    if len(members) > 1:
+                        cycles.append(sorted(members))
+            elif step not in index:
+                index[step] = low[step] = len(index)
+                stack.append(step)
+                work.append((step, iter(sorted(graph[step]))))
+            elif step in stack:
+                low[node] = min(low[node], index[step])
+    return cycles
+
+
+def project_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for package in PACKAGES for p in modules(package)}
+    return {name: imported_modules(path, set(paths)) for name, path in paths.items()}
+
+
+def test_import_cycles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_module_takes_part_in_an_import_cycle():
+    """Lazy imports count too: a circle hidden inside a function is still a circle (move the shared piece down)."""
+    cycles = import_cycles(project_graph())
+    assert not cycles, f"modules that import each other (directly or around a circle): {cycles}"
 
 
 # The OpenAI-compatible front runs as its own process, never inside Triton.

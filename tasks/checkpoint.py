@@ -1,0 +1,28 @@
+"""The source checkpoint and what a conversion makes of it, shared by every engine kind's convert."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class ConvertedCheckpoint:
+    path: Path
+    source_digest: str
+    reused: bool = False  # a finished conversion with the same key was found: nothing was redone
+
+
+def check_checkpoint(checkpoint: Path) -> None:
+    """Fail early, naming the setting, when the source folder is not a usable HF checkpoint."""
+    if not checkpoint.is_dir():
+        raise CheckpointError(
+            f"source.checkpoint {str(checkpoint)!r} is not a folder; point it at a Hugging Face checkpoint "
+            "(config.json and *.safetensors)"
+        )
+    if not (checkpoint / "config.json").is_file():
+        raise CheckpointError(f"source.checkpoint {str(checkpoint)!r} has no config.json")
+    if not any(checkpoint.glob("*.safetensors")):
+        raise CheckpointError(f"source.checkpoint {str(checkpoint)!r} has no *.safetensors weights")
