@@ -10,7 +10,7 @@ from typing import Any
 from prefect import task
 
 from tasks.checkpoint import ConvertedCheckpoint
-from tasks.convert import toolchain_key
+from tasks.convert import quant_info, toolchain_key
 from tasks.engine_spec import EngineSpec
 from tasks.hashing import value_digest
 
@@ -49,14 +49,23 @@ def _build(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path):
     )
     key = value_digest({
         "checkpoint": converted.path.name,
-        "engine": engine.model_dump(exclude={"trtllm"}),
+        "engine": engine.model_dump(exclude=_unquantized_keys(engine)),
         "toolchain": {**toolchain_key(), **{k: str(v) for k, v in current_toolchain().items()}},
     })[:16]
     out = work_dir / "engines" / key
     if (out / "engine.json").is_file():  # build_engine renames a complete folder into place
         return read_engine_info(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return build_engine(converted.path, out, limits=limits)
+    return build_engine(converted.path, out, limits=limits, quantization=quant_info(engine))
+
+
+def _unquantized_keys(engine: EngineSpec) -> set[str]:
+    """Fields left out of the build key: the TensorRT-LLM options, and the quantization fields while they
+    hold their defaults (so that unquantized builds keep the keys they had)."""
+    keys = {"trtllm"}
+    if engine.quantization == "none":
+        keys |= {"quantization", "quantize_lm_head"}
+    return keys
 
 
 @task(name="build", retries=0)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+Quantization = Literal["none", "fp8", "int8-weight-only"]  # serving.engine.quantize.QUANTIZATIONS
 EngineKind = Literal["torch", "trtllm-engine", "trtllm-llmapi"]
 
 
@@ -70,10 +71,22 @@ class EngineSpec(BaseModel):
     kind: EngineKind = Field("torch", description="Engine kind. `torch` runs everywhere (CPU and CUDA); "
                              "`trtllm-engine` / `trtllm-llmapi` need TensorRT-LLM (docs/tensorrt-llm.md).")
     dtype: Dtype = Field("float32", description="Weight and activation dtype of the engine.")
+    quantization: Quantization = Field(
+        "none", description="Weight quantization (docs/quantization.md): `fp8` (e4m3 weights, per-output-channel "
+        "scales, activations scaled per token at run time; GPUs of compute capability >= 8.9, or the CPU's "
+        "dequantizing path), `int8-weight-only` (per-output-channel symmetric int8; any GPU, the CPU). "
+        "Embeddings, norms and the LM head keep `dtype`.")
+    quantize_lm_head: bool = Field(False, description="Quantize the LM head too (untied models only).")
     max_batch_size: int = Field(8, ge=1, le=1024, description="Most sequences the engine decodes at once.")
     max_input_len: int = Field(128, ge=1, description="Longest prompt, in tokens.")
     max_seq_len: int = Field(256, ge=2, description="Longest prompt + generated tokens, in tokens.")
     trtllm: TrtllmSpec = Field(default_factory=TrtllmSpec, description="Options of the TensorRT-LLM kinds.")
+
+    @model_validator(mode="after")
+    def _lm_head_needs_quantization(self) -> EngineSpec:
+        if self.quantize_lm_head and self.quantization == "none":
+            raise ValueError("quantize_lm_head=true needs quantization 'fp8' or 'int8-weight-only', not 'none'")
+        return self
 
     @model_validator(mode="after")
     def _input_fits_sequence(self) -> EngineSpec:

@@ -90,7 +90,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gem.add_argument("--deadline-s", type=float, default=1e9, help="skip shapes starting after this many seconds")
     gem.add_argument("--gate-up", action="store_true",
                      help="time the MLP's fused silu(gate) * up kernel against w13 + SiLU * up instead")
+    gem.add_argument("--quantization", choices=("fp8", "int8-weight-only"), default=None,
+                     help="time the kernels on weights quantized this way (prints TUNED_QUANTIZED)")
     gem.add_argument("--out", type=Path, default=Path("bench-gemms.json"))
+    qua = sub.add_parser("quantized", help="decode and end-to-end generate of bf16 beside fp8 / int8 weight-only "
+                         "engines, side by side in one run, % of the roofline of the bytes each step reads (CUDA)")
+    qua.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b", help="comma list")
+    qua.add_argument("--methods", default="none,fp8,int8-weight-only", help="comma list of engine.quantization")
+    qua.add_argument("--batch-sizes", default="1,64", help="comma list")
+    qua.add_argument("--workload", default="128/128", help="prompt/generated tokens")
+    qua.add_argument("--repeats", type=int, default=3)
+    qua.add_argument("--no-check", action="store_true", help="skip the kernels-vs-reference logits check")
+    qua.add_argument("--deadline-s", type=float, default=1e9, help="skip cells starting after this many seconds")
+    qua.add_argument("--out", type=Path, default=Path("bench-quantized.json"))
     eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
     eng.add_argument("--shape", default="llama-3.2-1b")
     eng.add_argument("--batch", type=int, default=64)
@@ -151,10 +163,20 @@ def run(args: argparse.Namespace) -> int:
         from serving.bench.gemm_sweep import run_gate_up_sweep, run_sweep
 
         if args.gate_up:
-            run_gate_up_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out)
+            run_gate_up_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, method=args.quantization)
             return 0
         run_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, workers=args.workers,
-                  deadline_s=args.deadline_s)
+                  deadline_s=args.deadline_s, method=args.quantization)
+        return 0
+    if args.bench_mode == "quantized":
+        from serving.bench.quantized import QuantBenchConfig, render_quant_table, run_quantized
+
+        (prompt_len, gen_len), = _pairs(args.workload)
+        report = run_quantized(QuantBenchConfig(
+            shapes=tuple(args.shapes.split(",")), methods=tuple(args.methods.split(",")),
+            batch_sizes=_ints(args.batch_sizes), prompt_len=prompt_len, gen_len=gen_len, repeats=args.repeats,
+            check=not args.no_check, deadline_s=args.deadline_s), out_json=args.out)
+        print(render_quant_table(report))
         return 0
     if args.bench_mode == "engine-offline":
         from serving.bench.served import bench_offline_engine, build_random_engine

@@ -12,6 +12,11 @@ The Triton configs compile first in a pool of processes (they fill Triton's on-d
 `--gate-up` times instead the MLP's silu(gate) * up: the step's unfused path (w13, then SiLU * up)
 against the fused `serving.engine.gate_up` kernel's configs (compiled in process), and ends with the
 `TUNED_GATE_UP` table.
+
+`--quantization fp8|int8-weight-only` times the kernels on quantized weights (one byte per weight, per-row
+scales; `serving.engine.quantize`) against cuBLAS on the bf16 weights of the same shape, and ends with the
+`TUNED_QUANTIZED` / `TUNED_GATE_UP_QUANTIZED` tables (every shape's best config, faster than cuBLAS or not:
+a quantized weight has no cuBLAS path in the decode step).
 """
 
 from __future__ import annotations
@@ -60,20 +65,29 @@ def with_split(config: GemmConfig, split: int) -> GemmConfig:
     return GemmConfig(config.kernel, config.block_n, config.block_k, split, config.warps, config.stages)
 
 
-def _warm(job: tuple[int, list[str]]) -> int:
+def quantized_copy(w: torch.Tensor, method: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight as the kernels read it, its scales): the bf16 weight itself, or quantized by `method`."""
+    if method is None:
+        return w, None
+    from serving.engine.quantize import quantize_weight
+
+    return quantize_weight(w, method)
+
+
+def _warm(job: tuple[int, list[str], str | None]) -> int:
     """Compile each config once on small tensors (a pool worker); returns how many compiled."""
     from serving.engine.skinny_gemm import launch
 
-    rows, keys = job
+    rows, keys, method = job
     done = 0
     for key in keys:
         config = GemmConfig.parse(key)
         k = config.block_k * 2
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+        w, scale = quantized_copy(torch.randn(256, k, device="cuda", dtype=torch.bfloat16), method)
         try:
             for split in (1, 2):
-                launch(x, w, with_split(config, split))
+                launch(x, w, with_split(config, split), scale=scale)
             done += 1
         except Exception:  # noqa: BLE001, S110 - out of shared memory or registers: the sweep skips it too
             pass
@@ -81,12 +95,12 @@ def _warm(job: tuple[int, list[str]]) -> int:
     return done
 
 
-def warm_all(rows_list: list[int], workers: int) -> float:
+def warm_all(rows_list: list[int], workers: int, method: str | None = None) -> float:
     started = time.perf_counter()
     jobs = []
     for rows in rows_list:
         keys = [c.key() for c in compiled_configs(rows)]
-        jobs += [(rows, keys[i::workers]) for i in range(workers)]
+        jobs += [(rows, keys[i::workers], method) for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         pool.map(_warm, [j for j in jobs if j[1]])
     return time.perf_counter() - started
@@ -98,16 +112,25 @@ def time_cold_us(fn: Callable[[torch.Tensor], Any], weights: list[torch.Tensor])
     return graph_time_us(lambda: fn(next(copies)), calls=24, replays=3, warmup=2)
 
 
-def sweep_shape(rows: int, n: int, k: int) -> dict[str, Any]:
-    """cuBLAS and every fitting Triton config at one (rows, N, K)."""
+def sweep_shape(rows: int, n: int, k: int, method: str | None = None) -> dict[str, Any]:
+    """cuBLAS and every fitting Triton config at one (rows, N, K); with `method`, the kernels on the weight
+    quantized by it (and cuBLAS on the bf16 weight, for scale)."""
     from serving.engine.skinny_gemm import launch
 
-    nbytes = n * k * 2
-    copies = max(1, min(16, math.ceil(COLD_BYTES / nbytes)))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            for _ in range(max(1, min(16, math.ceil(COLD_BYTES / (n * k * 2)))))]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    ref = torch.nn.functional.linear(x, weights[0]).float()
-    cublas = time_cold_us(lambda w: torch.nn.functional.linear(x, w), weights)
+    cublas = time_cold_us(lambda w: torch.nn.functional.linear(x, w), bf16)
+    quantized = [quantized_copy(w, method) for w in bf16]
+    scales = {id(w): s for w, s in quantized}
+    weights = [w for w, _ in quantized]
+    del bf16
+    nbytes = n * k * weights[0].element_size()
+    ref = torch.nn.functional.linear(x, weights[0].float().mul(scales[id(weights[0])][:, None]).bfloat16()
+                                     if method else weights[0]).float()
+
+    def launch(x: torch.Tensor, w: torch.Tensor, config: GemmConfig, launch: Callable = launch) -> torch.Tensor:
+        return launch(x, w, config, scale=scales[id(w)])
     results = []
     splits = (1, 2) if nbytes > 2**29 else (1, 2, 4, 8, 16)
     for base in compiled_configs(rows):
@@ -138,19 +161,27 @@ def sweep_shape(rows: int, n: int, k: int) -> dict[str, Any]:
             "wrong": [r for r in results if isinstance(r.get("error"), float)], "tried": len(results)}
 
 
-def sweep_gate_up(rows: int, intermediate: int, k: int) -> dict[str, Any]:
+def sweep_gate_up(rows: int, intermediate: int, k: int, method: str | None = None) -> dict[str, Any]:
     """The MLP's silu(gate) * up at one (rows, I, K): the step's unfused path (the w13 product, through
-    the tuned skinny kernel where there is one, then SiLU * up) against every fitting `gate_up` config."""
-    from serving.engine.gate_up import fits, launch
+    the tuned skinny kernel where there is one, then SiLU * up) against every fitting `gate_up` config;
+    with `method`, both on the w13 quantized by it."""
+    from serving.engine.gate_up import fits
+    from serving.engine.gate_up import launch as gate_up_launch
     from serving.engine.skinny_gemm import skinny_linear
 
-    nbytes = 2 * intermediate * k * 2
-    copies = max(1, min(16, math.ceil(COLD_BYTES / nbytes)))
-    weights = [torch.randn(2 * intermediate, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    copies = max(1, min(16, math.ceil(COLD_BYTES / (2 * intermediate * k * 2))))
+    quantized = [quantized_copy(torch.randn(2 * intermediate, k, device="cuda", dtype=torch.bfloat16) * 0.02, method)
+                 for _ in range(copies)]
+    scales = {id(w): s for w, s in quantized}
+    weights = [w for w, _ in quantized]
+    nbytes = 2 * intermediate * k * weights[0].element_size()
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
 
+    def launch(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+        return gate_up_launch(x, w, config, scale=scales[id(w)])
+
     def unfused_path(w: torch.Tensor) -> torch.Tensor:
-        gate, up = skinny_linear(x, w).chunk(2, dim=-1)
+        gate, up = skinny_linear(x, w, scale=scales[id(w)]).chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
     ref = unfused_path(weights[0]).float()
@@ -176,7 +207,8 @@ def sweep_gate_up(rows: int, intermediate: int, k: int) -> dict[str, Any]:
             "wrong": [r for r in results if isinstance(r.get("error"), float)], "tried": len(results)}
 
 
-def run_gate_up_sweep(shapes: list[str], rows_list: list[int], *, out: Path) -> dict[str, Any]:
+def run_gate_up_sweep(shapes: list[str], rows_list: list[int], *, out: Path, method: str | None = None
+                      ) -> dict[str, Any]:
     """`sweep_gate_up` for every shape's MLP at every row count; prints the `TUNED_GATE_UP` entries that
     beat the unfused path by more than 2%."""
     from serving.bench.models import model_args
@@ -184,11 +216,11 @@ def run_gate_up_sweep(shapes: list[str], rows_list: list[int], *, out: Path) -> 
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cells": []}
     for shape, rows in itertools.product(shapes, rows_list):
         a = model_args(shape)
-        cell = {"shape": shape, "name": "gate_up", **sweep_gate_up(rows, a.intermediate_size, a.dim)}
+        cell = {"shape": shape, "name": "gate_up", **sweep_gate_up(rows, a.intermediate_size, a.dim, method)}
         report["cells"].append(cell)
         out.write_text(json.dumps(report, indent=1))
         print(describe(cell).replace("cuBLAS", "unfused"), flush=True)
-    print("TUNED_GATE_UP = {", flush=True)
+    print("TUNED_GATE_UP_QUANTIZED = {" if method else "TUNED_GATE_UP = {", flush=True)
     for cell in report["cells"]:
         best = cell["best"][0] if cell["best"] else None
         if best and best["us"] < 0.98 * cell["cublas_us"]:
@@ -199,26 +231,26 @@ def run_gate_up_sweep(shapes: list[str], rows_list: list[int], *, out: Path) -> 
 
 
 def run_sweep(shapes: list[str], rows_list: list[int], *, out: Path, workers: int = 12,
-              deadline_s: float = 1e9) -> dict[str, Any]:
+              deadline_s: float = 1e9, method: str | None = None) -> dict[str, Any]:
     from serving.bench.offline import copy_bandwidth_gb_s
 
     started = time.perf_counter()
-    report: dict[str, Any] = {"warm_s": warm_all(rows_list, workers), "device": torch.cuda.get_device_name(),
-                              "copy_gb_s": copy_bandwidth_gb_s(), "cells": []}
+    report: dict[str, Any] = {"warm_s": warm_all(rows_list, workers, method), "device": torch.cuda.get_device_name(),
+                              "copy_gb_s": copy_bandwidth_gb_s(), "cells": [], "quantization": method}
     print(f"compiled in {report['warm_s']:.0f} s; copy bandwidth {report['copy_gb_s']:.0f} GB/s", flush=True)
     for shape, rows in itertools.product(shapes, rows_list):
         for name, (n, k) in gemm_shapes(shape).items():
             if time.perf_counter() - started > deadline_s:
                 print(f"deadline: skipping {shape} {name} rows={rows}", flush=True)
                 continue
-            cell = {"shape": shape, "name": name, **sweep_shape(rows, n, k)}
+            cell = {"shape": shape, "name": name, **sweep_shape(rows, n, k, method)}
             report["cells"].append(cell)
             out.write_text(json.dumps(report, indent=1))
             print(describe(cell), flush=True)
-    print("TUNED = {", flush=True)
+    print("TUNED_QUANTIZED = {" if method else "TUNED = {", flush=True)
     for cell in report["cells"]:
         best = cell["best"][0] if cell["best"] else None
-        if best and best.get("us_with_sum", best["us"]) < cell["cublas_us"]:
+        if best and (method or best.get("us_with_sum", best["us"]) < cell["cublas_us"]):
             print(f"    ({cell['rows']}, {cell['n']}, {cell['k']}): {best['config']!r},  # {cell['shape']} "
                   f"{cell['name']}: {best['us']:.1f} vs cuBLAS {cell['cublas_us']:.1f} us", flush=True)
     print("}", flush=True)

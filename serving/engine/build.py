@@ -2,7 +2,8 @@
 
 An engine folder is self-contained:
 
-    engine.json                 format, model args, limits, toolchain, sha256 of every file, fingerprint
+    engine.json                 format, model args, limits, quantization, toolchain, sha256 of every file,
+                                fingerprint
     weights-0000i-of-0000N.pt   torch.save'd tensor dicts (load with torch alone, mmap)
     tokenizer.json, ...         tokenizer files copied from the checkpoint
 
@@ -47,6 +48,7 @@ from serving.engine.errors import (
     ToolchainMismatchError,
 )
 from serving.engine.model import ModelArgs
+from serving.engine.quantize import QuantInfo, check_capability_text
 
 ENGINE_FORMAT = "enginewright-torch-engine"
 ENGINE_FORMAT_VERSION = 1
@@ -92,6 +94,7 @@ class EngineInfo:
     model: ModelArgs
     path: Path
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
+    quantization: QuantInfo = field(default_factory=QuantInfo)
 
     @property
     def weight_files(self) -> list[str]:
@@ -185,8 +188,10 @@ def sha256_file(path: Path) -> str:
 # build / read
 
 
-def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits) -> EngineInfo:
-    """Write the engine folder `out_dir` from an engine checkpoint; idempotent for identical inputs."""
+def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits,
+                 quantization: QuantInfo | None = None) -> EngineInfo:
+    """Write the engine folder `out_dir` from an engine checkpoint; idempotent for identical inputs.
+    `quantization`, when given, must be what the checkpoint was converted with."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     meta = read_checkpoint_meta(checkpoint_dir)
     model = ModelArgs.from_dict(meta["model"])
@@ -194,6 +199,15 @@ def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits) -
     if limits.dtype != meta["dtype"]:
         raise EngineLimitError(f"limits.dtype={limits.dtype!r} but checkpoint {str(checkpoint_dir)!r} was "
                                f"converted to dtype={meta['dtype']!r}; convert with dtype={limits.dtype!r}")
+    converted = QuantInfo.from_dict(meta.get("quantization"))
+    if quantization is not None and quantization != converted:
+        raise EngineLimitError(f"engine.quantization={quantization.method!r} (lm head {quantization.lm_head}) but "
+                               f"checkpoint {str(checkpoint_dir)!r} was converted with {converted.method!r} (lm head "
+                               f"{converted.lm_head}); convert with the same quantization")
+    quantization = converted
+    toolchain = current_toolchain()
+    check_capability_text(quantization.method, toolchain["compute_capability"],
+                          where=f"build of {str(checkpoint_dir)!r}")
     weight_files = sorted(set(meta["weights"].values()))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -211,9 +225,11 @@ def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits) -
             "kind": "torch",
             "model": model.to_dict(),
             "limits": dataclasses.asdict(limits),
-            "toolchain": current_toolchain(),
+            "toolchain": toolchain,
             "files": files,
         }
+        if quantization.enabled:  # (absent for unquantized engines: their fingerprints stay as they were)
+            engine_json["quantization"] = meta["quantization"]
         engine_json["fingerprint"] = compute_fingerprint(engine_json)
         (tmp / ENGINE_JSON).write_text(json.dumps(engine_json, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
@@ -260,6 +276,7 @@ def read_engine_info(engine_dir: Path) -> EngineInfo:
             model=ModelArgs.from_dict(d["model"]),
             path=engine_dir,
             files=d["files"],
+            quantization=QuantInfo.from_dict(d.get("quantization")),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise EngineFormatError(f"{path} is malformed: {e!r}") from None

@@ -1,10 +1,10 @@
-"""HF checkpoint -> engine checkpoint: rename, fuse q/k/v and gate/up, cast dtype, shard by shard.
+"""HF checkpoint -> engine checkpoint: rename, fuse q/k/v and gate/up, cast dtype, quantize, shard by shard.
 
 The input is a Hugging Face folder (`config.json` + `*.safetensors`, sharded with
 `model.safetensors.index.json` or not). The output is an *engine checkpoint*, loadable with torch
 alone (`torch.load(weights_only=True, mmap=True)`):
 
-    checkpoint.json                       format, dtype, model args, tensor -> file map
+    checkpoint.json                       format, dtype, quantization, model args, tensor -> file map
     weights-00001-of-0000N.pt ...         torch.save of a name -> tensor dict each, about a quarter of
                                           the largest input shard per file
     tokenizer.json, tokenizer_config.json, ...   copied along when present
@@ -38,6 +38,7 @@ from serving.engine.errors import (
     EngineLimitError,
 )
 from serving.engine.model import ModelArgs, engine_param_names
+from serving.engine.quantize import SCALE_SUFFIX, QuantInfo, quantize_weight
 
 CHECKPOINT_FORMAT = "enginewright-torch-checkpoint"
 CHECKPOINT_FORMAT_VERSION = 1
@@ -169,17 +170,23 @@ def _read_tensor(f: Any, entry: dict[str, Any], data_start: int, *, path: Path, 
 
 def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
                        progress: Callable[[str], None] | None = None,
-                       flush_bytes: int | None = None) -> Path:
+                       flush_bytes: int | None = None, quantization: QuantInfo | None = None) -> Path:
     """Convert an HF Llama-family checkpoint into an engine checkpoint at `out_dir`; returns `out_dir`.
 
     Tensors are read one at a time (in file order), cast, and buffered until `flush_bytes` (default: a
     quarter of the largest input shard, at least 4 MiB) are waiting, then written as one
     `torch.save`'d file; so peak memory is about that buffer plus the tensor in hand and the fused
     parts still waiting for their siblings, not a whole shard (and never the model).
+    `quantization` (`serving.engine.quantize`): each tensor it quantizes is quantized as soon as it is
+    complete (fused), its scale written beside it; the same bounded memory.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     target_dtype = parse_dtype(dtype)
+    quant = quantization or QuantInfo()
     config, args = read_hf_config(hf_dir)
+    quant.validate(tie_word_embeddings=args.tie_word_embeddings)
+    quantized = {f"{m}.weight" for m in quant.quantized_modules(args.n_layers,
+                                                               tie_word_embeddings=args.tie_word_embeddings)}
     shards = list_shards(hf_dir)
     if out_dir.exists():
         raise EngineExistsError(f"convert output {str(out_dir)!r} already exists; remove it or pick another")
@@ -207,6 +214,10 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
 
         def put(target: str, t: torch.Tensor) -> None:
             nonlocal buffered
+            if target in quantized:
+                t, scale = quantize_weight(t, quant.method)
+                out[target + SCALE_SUFFIX] = scale
+                buffered += scale.numel() * scale.element_size()
             out[target] = t
             buffered += t.numel() * t.element_size()
             if buffered >= flush_bytes:
@@ -249,7 +260,7 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
         if pending:
             raise CheckpointError(f"fused tensors incomplete after all shards of {str(hf_dir)!r}: "
                                   f"{ {k: sorted(v) for k, v in pending.items()} } (parts present)")
-        expected = set(engine_param_names(args))
+        expected = set(engine_param_names(args)) | {name + SCALE_SUFFIX for name in quantized}
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
         if missing or extra:
             raise CheckpointError(f"checkpoint {str(hf_dir)!r} does not match {args.architecture} config: "
@@ -258,6 +269,7 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
             "format": CHECKPOINT_FORMAT,
             "format_version": CHECKPOINT_FORMAT_VERSION,
             "dtype": dtype,
+            "quantization": quant.to_dict(args.n_layers, tie_word_embeddings=args.tie_word_embeddings),
             "model": args.to_dict(),
             "weights": dict(sorted(weights.items())),
             "source": {"architectures": config.get("architectures"), "model_type": config.get("model_type")},

@@ -58,6 +58,7 @@ import torch
 from serving.engine.decode_state import DecodeState
 from serving.engine.model import Transformer, decode_step_greedy, gemm_impl_of
 from serving.engine.pdl import supported as pdl_supported
+from serving.engine.quantize import model_quantization
 from serving.engine.whole_row_norms import compile_options as whole_row_options
 from serving.engine.whole_row_norms import whole_row_reductions
 
@@ -151,7 +152,8 @@ class DecodeGraphs:
         if compile not in (False, True, "dynamic", "static", "auto"):
             raise ValueError(f"compile={compile!r}: expected False, True, 'dynamic', 'static' or 'auto'")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if compile == "auto" and (weight_bytes >= SINGLE_ROW_FUSION_MAX_BYTES or tuned_single_row(model)):
+        quantized = model_quantization(model) != "none"  # the static step's F.linear would dequantize each weight
+        if compile == "auto" and (weight_bytes >= SINGLE_ROW_FUSION_MAX_BYTES or tuned_single_row(model) or quantized):
             compile = "dynamic"
         static = dynamic = None
         self.pdl = pdl and pdl_supported(dev)

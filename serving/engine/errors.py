@@ -41,3 +41,7 @@ class EngineIntegrityError(EngineError):
 
 class ToolchainMismatchError(EngineError):
     """The engine was built with a toolchain the runtime cannot load it with."""
+
+
+class EngineQuantizationError(EngineLimitError):
+    """A quantization the device cannot run, or a quantization record that does not match the weights."""

@@ -33,7 +33,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from serving.engine.skinny_gemm import MAX_ROWS, GemmConfig, block_m, parse_table, rows_bucket, skinny_linear
+from serving.engine.skinny_gemm import (
+    MAX_ROWS,
+    QUANTIZED_DTYPES,
+    GemmConfig,
+    block_m,
+    parse_table,
+    rows_bucket,
+    skinny_linear,
+)
 
 try:
     import triton
@@ -55,6 +63,11 @@ TUNED_GATE_UP: dict[tuple[int, int, int], str] = {
     (64, 14336, 4096): 'dot:n64:k64:s1:w4:st4',  # llama-3.1-8b: 59.1 vs unfused 68.0 us
 }
 TUNED_GATE_UP_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_GATE_UP)
+# quantized w13 (one byte per weight), from `python3 -m serving.bench quant-gemms` on an H200
+# (docs/quantization.md); a shape not here takes the bf16 config above
+TUNED_GATE_UP_QUANTIZED: dict[tuple[int, int, int], str] = {
+}
+TUNED_GATE_UP_QUANTIZED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_GATE_UP_QUANTIZED)
 
 
 def fits(config: GemmConfig, m: int, k: int) -> bool:
@@ -62,18 +75,24 @@ def fits(config: GemmConfig, m: int, k: int) -> bool:
     return config.kernel == "dot" and config.split == 1 and config.fits(m, 0, k)  # (fits does not read n)
 
 
-def config_for(m: int, intermediate: int, k: int) -> GemmConfig | None:
+def config_for(m: int, intermediate: int, k: int, *, quantized: bool = False) -> GemmConfig | None:
+    """The tuned config of the shape; for a quantized w13, `TUNED_GATE_UP_QUANTIZED`'s, else the bf16 one's."""
     if m > MAX_ROWS:
         return None
-    return TUNED_GATE_UP_CONFIGS.get((rows_bucket(m), intermediate, k))
+    key = (rows_bucket(m), intermediate, k)
+    if quantized and key in TUNED_GATE_UP_QUANTIZED_CONFIGS:
+        return TUNED_GATE_UP_QUANTIZED_CONFIGS[key]
+    return TUNED_GATE_UP_CONFIGS.get(key)
 
 
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_xm, stride_wn, stride_om,
+    def _gate_up_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_xm, stride_wn, stride_om, scale_ptr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE_DOT: tl.constexpr, GDC: tl.constexpr):
+                        IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False):
+        """SCALED: w13 is quantized (int8 / e4m3), converted to x's dtype in registers, and each column's sums
+        multiplied by its row scale ([2I] float32 at scale_ptr) before the rounding."""
         if GDC:
             gdc_enter()
         pid_n = tl.program_id(0)
@@ -91,6 +110,9 @@ if triton is not None:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             g = tl.load(g_ptrs, mask=n_mask[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_mask[None, :], other=0.0)
+            if SCALED:
+                g = g.to(x.dtype)
+                u = u.to(x.dtype)
             if IEEE_DOT:
                 acc_g += tl.dot(x, g, input_precision="ieee")
                 acc_u += tl.dot(x, u, input_precision="ieee")
@@ -100,6 +122,9 @@ if triton is not None:
             x_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
+        if SCALED:
+            acc_g = acc_g * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+            acc_u = acc_u * tl.load(scale_ptr + I + offs_n, mask=n_mask, other=0.0)[None, :]
         dtype = out_ptr.dtype.element_ty
         gate = acc_g.to(dtype).to(tl.float32)
         up = acc_u.to(dtype).to(tl.float32)
@@ -107,11 +132,15 @@ if triton is not None:
         dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(dst, (silu * up).to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
-    def launch(x: torch.Tensor, w13: torch.Tensor, config: GemmConfig, *, pdl: bool = False) -> torch.Tensor:
+    def launch(x: torch.Tensor, w13: torch.Tensor, config: GemmConfig, *, pdl: bool = False,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
         """silu(gate) * up [M, I] of x [M, K] and w13 [2I, K] (the tuning entry point); `pdl`: launched with
-        programmatic dependent launch."""
+        programmatic dependent launch; `scale`: w13 is quantized with these float32 per-row scales [2I]."""
         m, k = x.shape
-        if w13.shape[0] % 2 or w13.shape[1] != k or x.dtype != w13.dtype:
+        if scale is not None and (w13.dtype not in QUANTIZED_DTYPES or scale.shape != (w13.shape[0],)):
+            raise ValueError(f"gate_up with scales needs an int8 / float8_e4m3fn w13 and float32 scales [2I], got "
+                             f"{w13.dtype} {tuple(w13.shape)} and {tuple(scale.shape)}")
+        if w13.shape[0] % 2 or w13.shape[1] != k or (scale is None and x.dtype != w13.dtype):
             raise ValueError(f"gate_up needs x [M, K] and w13 [2I, K] of one dtype, got {tuple(x.shape)} {x.dtype} "
                              f"and {tuple(w13.shape)} {w13.dtype}")
         if not fits(config, m, k):
@@ -123,9 +152,10 @@ if triton is not None:
         out = torch.empty((m, intermediate), dtype=x.dtype, device=x.device)
         kernel_for(_gate_up_kernel, pdl)[(triton.cdiv(intermediate, config.block_n),)](
             x, w13, out, m, intermediate, k, x.stride(0), w13.stride(0), out.stride(0),
+            scale if scale is not None else x.new_empty(1, dtype=torch.float32),
             BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), num_warps=config.warps, num_stages=config.stages,
-            **launch_options(pdl))
+            IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), SCALED=scale is not None, num_warps=config.warps,
+            num_stages=config.stages, **launch_options(pdl))
         return out
 
     @triton_op("enginewright::gate_up", mutates_args=())
@@ -141,18 +171,34 @@ if triton is not None:
     def _(x: torch.Tensor, w13: torch.Tensor, config: str) -> torch.Tensor:
         return x.new_empty((x.shape[0], w13.shape[0] // 2))
 
+    @triton_op("enginewright::gate_up_scaled", mutates_args=())
+    def _gate_up_scaled_op(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor, config: str) -> torch.Tensor:
+        return launch(x, w13, GemmConfig.parse(config), scale=scale)
 
-def gate_up(x: torch.Tensor, w13: torch.Tensor, *, config: GemmConfig | None = None, pdl: bool = False
-            ) -> torch.Tensor:
+    @torch.library.custom_op("enginewright::gate_up_scaled_pdl", mutates_args=())
+    def _gate_up_scaled_pdl_op(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor, config: str) -> torch.Tensor:
+        return launch(x, w13, GemmConfig.parse(config), pdl=True, scale=scale)
+
+    @_gate_up_scaled_pdl_op.register_fake
+    def _(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor, config: str) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w13.shape[0] // 2))
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, *, config: GemmConfig | None = None, pdl: bool = False,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x W_gate^T) * (x W_up^T) for x [M, D] and w13 = [W_gate; W_up] [2I, D]: the fused kernel when
     a config fits (`config`, else the tuned one on CUDA), else the w13 product and SiLU * up. `pdl`: the
-    kernels launched with programmatic dependent launch (CUDA, Hopper and later)."""
+    kernels launched with programmatic dependent launch (CUDA, Hopper and later). `scale`: w13 is quantized
+    (int8 / e4m3) with these per-row float32 scales [2I]."""
     m, k = x.shape
     intermediate = w13.shape[0] // 2
     if config is None and x.is_cuda and triton is not None:
-        config = config_for(m, intermediate, k)
+        config = config_for(m, intermediate, k, quantized=scale is not None)
     if config is None or triton is None or not fits(config, m, k):
-        gate, up = skinny_linear(x, w13, pdl=pdl).split([intermediate, intermediate], dim=-1)
+        gate, up = skinny_linear(x, w13, pdl=pdl, scale=scale).split([intermediate, intermediate], dim=-1)
         return F.silu(gate) * up
+    if scale is not None:
+        op = torch.ops.enginewright.gate_up_scaled_pdl if pdl else torch.ops.enginewright.gate_up_scaled
+        return op(x, w13, scale, config.key())
     op = torch.ops.enginewright.gate_up_pdl if pdl else torch.ops.enginewright.gate_up
     return op(x, w13, config.key())

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.engine.errors import UnsupportedArchitectureError
+from serving.engine.quantize import QuantLinear
 
 # architectures[0] of config.json -> (model_type, whether q/k/v carry a bias by default)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -232,11 +233,15 @@ class KVCache(nn.Module):
 # the transformer
 
 
+MAX_DECODE_KERNEL_ROWS = 64  # skinny_gemm.MAX_ROWS: more rows and a quantized layer runs its own GEMM
 LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (nn.Linear or tied nn.Embedding, x) -> x W^T + b
 
 
 def torch_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x W^T (+ b) by F.linear, for an nn.Linear or the tied embedding matrix (no bias)."""
+    """x W^T (+ b) by F.linear, for an nn.Linear or the tied embedding matrix (no bias); a quantized
+    layer's own forward (`QuantLinear`: dequantized, or FP8 tensor-core GEMMs)."""
+    if isinstance(module, QuantLinear):
+        return module(x)
     return F.linear(x, module.weight, getattr(module, "bias", None))
 
 
@@ -401,10 +406,19 @@ def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn
     partial products [P, B, N] for a consumer that sums them (P = 1 for F.linear)."""
     if gemm != "triton":
         return (lambda module, x: torch_linear(module, x).unsqueeze(0)) if parts else torch_linear
-    from serving.engine.skinny_gemm import skinny_linear, skinny_linear_parts
+    from serving.engine.skinny_gemm import kernel_config, skinny_linear, skinny_linear_parts
 
     product = skinny_linear_parts if parts else skinny_linear
-    return lambda module, x: product(x, module.weight, getattr(module, "bias", None), pdl=pdl)
+
+    def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(module, QuantLinear):
+            return product(x, module.weight, getattr(module, "bias", None), pdl=pdl)
+        if kernel_config(x, module.weight) is None:  # more rows than the kernels take: the layer's own GEMM
+            y = module(x)
+            return y.unsqueeze(0) if parts else y
+        return product(x, module.weight, module.bias, pdl=pdl, scale=module.weight_scale)
+
+    return linear
 
 
 def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
@@ -414,7 +428,15 @@ def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
         return None
     from serving.engine.gate_up import gate_up
 
-    return lambda module, x: gate_up(x, module.weight, pdl=pdl)
+    def product(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(module, QuantLinear):
+            return gate_up(x, module.weight, pdl=pdl)
+        if x.shape[0] > MAX_DECODE_KERNEL_ROWS:  # the layer's own GEMM, then SiLU * up
+            gate, up = module(x).chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return gate_up(x, module.weight, pdl=pdl, scale=module.weight_scale)
+
+    return product
 
 
 def gemm_impl_of(model: Transformer, gemm: str | None = None) -> str:
@@ -513,7 +535,7 @@ def decode_step_greedy(model: Transformer, tokens: torch.Tensor, input_pos: torc
     finds the tokens; else they are float32."""
     gemm_impl = gemm_impl_of(model, gemm)
     hidden = decode_hidden(model, tokens, input_pos, kv_len, gemm, pdl)
-    if gemm_impl == "triton" and getattr(model, "decode_lm_greedy", True):
+    if gemm_impl == "triton" and getattr(model, "decode_lm_greedy", True) and not isinstance(model.head(), QuantLinear):
         from serving.engine.lm_head import head_config, lm_head_greedy
 
         weight = model.head().weight

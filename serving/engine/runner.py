@@ -27,9 +27,12 @@ from pathlib import Path
 import torch
 
 from serving.engine.build import EngineInfo, check_toolchain, read_engine_info
+from serving.engine.convert import DTYPES
 from serving.engine.decode_state import DecodeState
-from serving.engine.errors import EngineLimitError
+from serving.engine.errors import EngineFormatError, EngineLimitError
 from serving.engine.model import Transformer, decode_step, packed_index, prefill_packed
+from serving.engine.quantize import check_device as check_quantization_device
+from serving.engine.quantize import install_quantized_linears
 from serving.engine.sampling import SamplingParams, chosen_logprobs, sample
 
 DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -296,12 +299,19 @@ def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = T
     info = read_engine_info(Path(engine_dir))
     dev = resolve_device(device)
     check_toolchain(info, device=dev)
+    check_quantization_device(info.quantization.method, dev, where=f"engine {str(info.path)!r}")
     state: dict[str, torch.Tensor] = {}
     for name in info.weight_files:
         state.update(torch.load(info.path / name, map_location="cpu", weights_only=True, mmap=True))
     with torch.device("meta"):
         model = Transformer(info.model)
-    model.load_state_dict(state, strict=True, assign=True)
+    install_quantized_linears(model, info.quantization, n_layers=info.model.n_layers,
+                              tie_word_embeddings=info.model.tie_word_embeddings, dtype=DTYPES[info.limits.dtype])
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:  # a quantization record that does not match the weights
+        raise EngineFormatError(f"engine {str(info.path)!r}: its weights do not match engine.json (quantization "
+                                f"{info.quantization.method!r}): {exc}") from None
     model = model.to(dev).eval().requires_grad_(False)
     model.setup_caches(info.limits.max_batch_size, info.limits.max_seq_len)
     dtype = model.tok_embeddings.weight.dtype

@@ -106,6 +106,13 @@ TUNED: dict[tuple[int, int, int], str] = {
 }
 
 
+# Quantized weights (int8 / e4m3, one byte per weight): (rows bucket, N, K) -> config, from `python3 -m
+# serving.bench quant-gemms` on an H200 (docs/quantization.md). A shape not here runs `TUNED`'s bf16 config
+# (half the bytes per tile), else `default_quantized_config`.
+TUNED_QUANTIZED: dict[tuple[int, int, int], str] = {
+}
+
+
 # parsed once here: the decode step looks its configs up while dynamo traces it, and dynamo cannot trace
 # into a C-implemented cache (functools.cache on `parse` broke the compile: "can't handle functions not
 # implemented in python")
@@ -114,6 +121,9 @@ def parse_table(table: dict[tuple[int, int, int], str]) -> dict[tuple[int, int, 
 
 
 TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED)
+TUNED_QUANTIZED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_QUANTIZED)
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H200 for the default quantized config
 
 
 def rows_bucket(m: int) -> int:
@@ -127,6 +137,32 @@ def config_for(m: int, n: int, k: int) -> GemmConfig | None:
     return TUNED_CONFIGS.get((rows_bucket(m), n, k))
 
 
+def quantized_config_for(m: int, n: int, k: int) -> GemmConfig | None:
+    """The config of an [m, k] x [n, k]^T product with a quantized weight: `TUNED_QUANTIZED`, else the bf16
+    table's, else `default_quantized_config` (a quantized weight never takes F.linear in the decode step,
+    which would dequantize the whole matrix first)."""
+    if m > MAX_ROWS:
+        return None
+    bucket = rows_bucket(m)
+    config = TUNED_QUANTIZED_CONFIGS.get((bucket, n, k)) or TUNED_CONFIGS.get((bucket, n, k))
+    if config is not None and config.fits(m, n, k):
+        return config
+    return default_quantized_config(n, k)
+
+
+def default_quantized_config(n: int, k: int) -> GemmConfig | None:
+    """A "dot" config of 64 x 128 tiles, K split until the grid has about `TARGET_PROGRAMS` programs; None
+    where K is not a multiple of 16 (`tl.dot`'s least)."""
+    block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), None)
+    if block_k is None:
+        return None
+    tiles = -(-n // 64)
+    split = 1
+    while tiles * split * 2 <= TARGET_PROGRAMS and k % (split * 2 * block_k) == 0:
+        split *= 2
+    return GemmConfig("dot", 64, block_k, split, 4, 4)
+
+
 def block_m(m: int) -> int:
     """Rows of the dot kernel's tile: 16 (the least `tl.dot` takes) for one row, else all 64, so that a
     dynamic-shape compile of the decode step needs no guard beyond the batch-1 one dynamo always makes."""
@@ -137,11 +173,13 @@ if triton is not None:
 
     @triton.jit
     def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, k_split, stride_xm, stride_wn, stride_os, stride_om,
-                    max_ptr, arg_ptr, n_tiles,
+                    max_ptr, arg_ptr, n_tiles, scale_ptr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE_DOT: tl.constexpr, GDC: tl.constexpr, GREEDY: tl.constexpr = False):
+                    IEEE_DOT: tl.constexpr, GDC: tl.constexpr, GREEDY: tl.constexpr = False,
+                    SCALED: tl.constexpr = False):
         """GREEDY (one K slice): also each row's largest rounded product in the tile and its column, at
-        [M, n_tiles] max_ptr / arg_ptr (`lm_head`)."""
+        [M, n_tiles] max_ptr / arg_ptr (`lm_head`). SCALED: the weight is quantized (int8 / e4m3), converted
+        to x's dtype in registers (exact), and each column's sum multiplied by its scale [N] at scale_ptr."""
         if GDC:
             gdc_enter()
         pid_n = tl.program_id(0)
@@ -158,12 +196,16 @@ if triton is not None:
         for _ in range(0, k_split, BLOCK_K):
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+            if SCALED:
+                w = w.to(x.dtype)
             if IEEE_DOT:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
                 acc += tl.dot(x, w)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if SCALED:
+            acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         out = acc.to(out_ptr.dtype.element_ty)
         dst = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(dst, out, mask=m_mask[:, None] & n_mask[None, :])
@@ -175,8 +217,8 @@ if triton is not None:
             tl.store(arg_ptr + offs_m * n_tiles + pid_n, column, mask=m_mask)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, k_split, stride_wn, stride_os,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, k_split, stride_wn, stride_os, scale_ptr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False):
         if GDC:
             gdc_enter()
         pid_n = tl.program_id(0)
@@ -195,18 +237,26 @@ if triton is not None:
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         out = tl.sum(acc, 1)
+        if SCALED:
+            out = out * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
         tl.store(out_ptr + pid_s * stride_os + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
     def launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, pdl: bool = False,
-               greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               greedy: tuple[torch.Tensor, torch.Tensor] | None = None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
         """[split, M, N] partial products of x [M, K] and weight [N, K] (the tuning entry point); `pdl`:
         launched with programmatic dependent launch (Hopper and later, CUDA only); `greedy`: the [M, tiles]
-        float32 maxima and int32 columns that `tile_maxima` allocates, written by a one-slice "dot" config."""
+        float32 maxima and int32 columns that `tile_maxima` allocates, written by a one-slice "dot" config;
+        `scale`: the weight is quantized (int8 / float8_e4m3fn) with these float32 per-row scales [N]."""
         m, k = x.shape
         n = weight.shape[0]
         if not config.fits(m, n, k):
             raise ValueError(f"skinny GEMM config {config.key()} does not fit M={m}, N={n}, K={k}")
-        if weight.shape[1] != k or x.dtype != weight.dtype:
+        if scale is not None and (weight.dtype not in QUANTIZED_DTYPES or scale.shape != (n,)
+                                  or scale.dtype != torch.float32):
+            raise ValueError(f"skinny GEMM with scales needs an int8 / float8_e4m3fn weight [N, K] and float32 scales "
+                             f"[N], got {weight.dtype} {tuple(weight.shape)} and {scale.dtype} {tuple(scale.shape)}")
+        if weight.shape[1] != k or (scale is None and x.dtype != weight.dtype):
             raise ValueError(f"skinny GEMM needs x [M, K] and weight [N, K] of one dtype, got {tuple(x.shape)} "
                              f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
         if greedy is not None and (config.kernel != "dot" or config.split != 1
@@ -220,18 +270,20 @@ if triton is not None:
         k_split = k // config.split
         grid = (triton.cdiv(n, config.block_n), config.split)
         options = {"num_warps": config.warps, "num_stages": config.stages, **launch_options(pdl)}
+        scales = scale if scale is not None else x.new_empty(1, dtype=torch.float32)  # (unread when unscaled)
         if config.kernel == "gemv":
             kernel_for(_gemv_kernel, pdl)[grid](
-                x, weight, out, n, k_split, weight.stride(0), out.stride(0),
-                BLOCK_N=config.block_n, BLOCK_K=config.block_k, GDC=gdc(pdl), **options)
+                x, weight, out, n, k_split, weight.stride(0), out.stride(0), scales,
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k, GDC=gdc(pdl), SCALED=scale is not None, **options)
         else:
             # never written without `greedy`; tensors of their own, as torch.compile does not handle a traced
             # kernel's arguments that alias
             maxima, columns = greedy if greedy is not None else tile_maxima(x, 1, 1)
             kernel_for(_dot_kernel, pdl)[grid](
                 x, weight, out, m, n, k_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
-                maxima, columns, grid[0], BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), GREEDY=greedy is not None, **options)
+                maxima, columns, grid[0], scales, BLOCK_M=block_m(m), BLOCK_N=config.block_n,
+                BLOCK_K=config.block_k, IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), GREEDY=greedy is not None,
+                SCALED=scale is not None, **options)
         return out
 
     @triton_op("enginewright::skinny_partials", mutates_args=())
@@ -246,6 +298,21 @@ if triton is not None:
 
     @_skinny_partials_pdl_op.register_fake
     def _(x: torch.Tensor, weight: torch.Tensor, config: str) -> torch.Tensor:
+        return empty_partials(x, weight.shape[0], GemmConfig.parse(config))
+
+    # the quantized weights' variants: the weight int8 / e4m3 with per-row float32 scales
+    @triton_op("enginewright::skinny_partials_scaled", mutates_args=())
+    def _skinny_partials_scaled_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: str
+                                   ) -> torch.Tensor:
+        return launch(x, weight, GemmConfig.parse(config), scale=scale)
+
+    @torch.library.custom_op("enginewright::skinny_partials_scaled_pdl", mutates_args=())
+    def _skinny_partials_scaled_pdl_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: str
+                                       ) -> torch.Tensor:
+        return launch(x, weight, GemmConfig.parse(config), pdl=True, scale=scale)
+
+    @_skinny_partials_scaled_pdl_op.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: str) -> torch.Tensor:
         return empty_partials(x, weight.shape[0], GemmConfig.parse(config))
 
 
@@ -269,12 +336,16 @@ def tuned_for(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == TUNED_CAPABILITY
 
 
-def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, pdl: bool = False
-                    ) -> torch.Tensor:
+def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, pdl: bool = False,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
     """[split, M, N] partial products through the registered op (CUDA; CPU under TRITON_INTERPRET=1);
-    `pdl`: launched with programmatic dependent launch (CUDA, Hopper and later)."""
+    `pdl`: launched with programmatic dependent launch (CUDA, Hopper and later); `scale`: the weight is
+    quantized with these per-row scales."""
     if triton is None:
         raise RuntimeError("Triton (and torch >= 2.6) is needed for the skinny GEMM kernels")
+    if scale is not None:
+        op = torch.ops.enginewright.skinny_partials_scaled_pdl if pdl else torch.ops.enginewright.skinny_partials_scaled
+        return op(x, weight, scale, config.key())
     if pdl:
         return torch.ops.enginewright.skinny_partials_pdl(x, weight, config.key())
     return torch.ops.enginewright.skinny_partials(x, weight, config.key())
@@ -282,31 +353,43 @@ def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *
 
 def kernel_config(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> GemmConfig | None:
     """The config the product of x [M, K] and weight [N, K] runs with (`config`, else the tuned one on
-    CUDA), or None for F.linear."""
+    CUDA: for a quantized weight `quantized_config_for`), or None for F.linear."""
     m, k = x.shape
-    config = config or (config_for(m, weight.shape[0], k) if x.is_cuda and triton is not None else None)
-    return config if config is not None and config.fits(m, weight.shape[0], k) else None
+    n = weight.shape[0]
+    if config is None and x.is_cuda and triton is not None:
+        config = quantized_config_for(m, n, k) if weight.dtype in QUANTIZED_DTYPES else config_for(m, n, k)
+    return config if config is not None and config.fits(m, n, k) else None
 
 
 def skinny_linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        pdl: bool = False) -> torch.Tensor:
+                        pdl: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """`skinny_linear` left as its partial products [split, M, N] for a consumer that sums them itself
     (the decode attention kernel); [1, M, N] where no tuned kernel fits, or with a bias."""
     config = kernel_config(x, weight) if bias is None else None
     if config is None:
-        return torch.nn.functional.linear(x, weight, bias).unsqueeze(0)
-    return skinny_partials(x, weight, config, pdl=pdl)
+        return _fallback_linear(x, weight, bias, scale).unsqueeze(0)
+    return skinny_partials(x, weight, config, pdl=pdl, scale=scale)
+
+
+def _fallback_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     scale: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, with a quantized weight dequantized first (the reference path)."""
+    if scale is not None:
+        weight = (weight.float() * scale[:, None]).to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: GemmConfig | None = None, pdl: bool = False) -> torch.Tensor:
+                  config: GemmConfig | None = None, pdl: bool = False, scale: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [M, K]: the tuned Triton kernel when one fits (CUDA, M <= 64, a
     shape in TUNED, or `config` given), else F.linear. The partial sums are added in float32 and rounded
-    once to x.dtype, as cuBLAS does."""
+    once to x.dtype, as cuBLAS does. `scale`: `weight` is quantized (int8 / e4m3) with these per-row
+    float32 scales; the kernel reads it at that precision."""
     config = kernel_config(x, weight, config)
     if config is None:
-        return torch.nn.functional.linear(x, weight, bias)
-    parts = skinny_partials(x, weight, config, pdl=pdl)
+        return _fallback_linear(x, weight, bias, scale)
+    parts = skinny_partials(x, weight, config, pdl=pdl, scale=scale)
     out = parts[0]
     for i in range(1, config.split):  # adds, not parts.sum(0): inductor fuses pointwise adds into the
         out = out + parts[i]  # consumer's kernel (a residual add + RMSNorm), a sum over dim 0 it ran alone
