@@ -109,7 +109,23 @@ TUNED: dict[tuple[int, int, int], str] = {
 # Quantized weights (int8 / e4m3, one byte per weight): (rows bucket, N, K) -> config, from `python3 -m
 # serving.bench quant-gemms` on an H200 (docs/quantization.md). A shape not here runs `TUNED`'s bf16 config
 # (half the bytes per tile), else `default_quantized_config`.
-TUNED_QUANTIZED: dict[tuple[int, int, int], str] = {
+TUNED_QUANTIZED: dict[tuple[int, int, int], str] = {  # 2026-12-01, fp8 weights; "cuBLAS" is bf16 F.linear
+    (1, 3072, 2048): 'gemv:n16:k256:s4:w4:st2',  # llama-3.2-1b wqkv: 4.2 vs cuBLAS 6.1 us
+    (1, 2048, 2048): 'gemv:n32:k256:s8:w4:st2',  # llama-3.2-1b wo: 3.2 vs cuBLAS 6.1 us
+    (1, 16384, 2048): 'gemv:n16:k256:s1:w4:st4',  # llama-3.2-1b w13: 11.3 vs cuBLAS 18.2 us
+    (1, 2048, 8192): 'gemv:n8:k512:s4:w4:st2',  # llama-3.2-1b w2: 7.1 vs cuBLAS 13.4 us
+    (64, 3072, 2048): 'dot:n64:k64:s8:w4:st3',  # llama-3.2-1b wqkv: 7.2 vs cuBLAS 6.6 us
+    (64, 2048, 2048): 'dot:n32:k128:s4:w4:st3',  # llama-3.2-1b wo: 6.0 vs cuBLAS 6.2 us
+    (64, 16384, 2048): 'dot:n64:k64:s2:w4:st4',  # llama-3.2-1b w13: 20.1 vs cuBLAS 19.5 us
+    (64, 2048, 8192): 'dot:n64:k64:s16:w4:st3',  # llama-3.2-1b w2: 12.2 vs cuBLAS 14.1 us
+    (1, 6144, 4096): 'gemv:n8:k512:s1:w4:st2',  # llama-3.1-8b wqkv: 9.9 vs cuBLAS 16.4 us
+    (1, 4096, 4096): 'gemv:n8:k512:s2:w4:st4',  # llama-3.1-8b wo: 7.0 vs cuBLAS 13.2 us
+    (1, 28672, 4096): 'gemv:n16:k256:s4:w4:st2',  # llama-3.1-8b w13: 35.5 vs cuBLAS 56.6 us
+    (1, 4096, 14336): 'gemv:n16:k256:s4:w4:st4',  # llama-3.1-8b w2: 19.1 vs cuBLAS 31.8 us
+    (64, 6144, 4096): 'dot:n64:k64:s4:w4:st4',  # llama-3.1-8b wqkv: 16.2 vs cuBLAS 16.2 us
+    (64, 4096, 4096): 'dot:n64:k64:s8:w4:st3',  # llama-3.1-8b wo: 12.1 vs cuBLAS 11.9 us
+    (64, 28672, 4096): 'dot:n128:k64:s1:w8:st5',  # llama-3.1-8b w13: 64.4 vs cuBLAS 62.2 us
+    (64, 4096, 14336): 'dot:n64:k64:s8:w4:st4',  # llama-3.1-8b w2: 32.0 vs cuBLAS 36.1 us
 }
 
 
