@@ -214,3 +214,21 @@ def test_engine_json_whose_scales_are_missing_is_refused_at_load(engines, tmp_pa
     assert read_engine_info(bad).quantization.method == FP8
     with pytest.raises(EngineFormatError, match="quantization .fp8."):
         load_engine(bad, device="cpu")
+
+
+def test_release_steps_carry_the_spec_field(engines, tmp_path):
+    """tasks.convert / tasks.build: the quantization reaches the engine, and each method has its own
+    conversion and build (keys), while an unquantized spec keeps its key."""
+    from tasks.build import build
+    from tasks.convert import convert
+
+    spec = {"dtype": "float32", "max_batch_size": 2, "max_input_len": 32, "max_seq_len": 64}
+    built = {}
+    for method in ("none", INT8_WEIGHT_ONLY):
+        engine = EngineSpec(**spec, quantization=method)
+        converted = convert(engines["hf"], engine, tmp_path)
+        built[method] = build(converted, engine, tmp_path).info
+    assert built[INT8_WEIGHT_ONLY].quantization == QuantInfo(INT8_WEIGHT_ONLY)
+    assert built["none"].quantization == QuantInfo()
+    assert built["none"].path != built[INT8_WEIGHT_ONLY].path
+    assert len(list((tmp_path / "checkpoints").iterdir())) == 2

@@ -24,6 +24,7 @@ from serving.engine.gate_up import gate_up
 from serving.engine.quantize import FP8, INT8_WEIGHT_ONLY, dequantize_weight, quantize_weight
 from serving.engine.skinny_gemm import (
     TUNED,
+    TUNED_QUANTIZED,
     GemmConfig,
     default_quantized_config,
     quantized_config_for,
@@ -50,8 +51,10 @@ def quantized(n: int, k: int, method: str, device: str = "cpu") -> tuple[torch.T
 
 
 def test_quantized_config_lookup():
-    (rows, n, k), text = next(iter(TUNED.items()))
-    assert quantized_config_for(rows, n, k) == GemmConfig.parse(text)  # the bf16 table's, no quantized entry
+    (rows, n, k), text = next(iter(TUNED_QUANTIZED.items()))
+    assert quantized_config_for(rows, n, k) == GemmConfig.parse(text)
+    (rows, n, k), text = next((key, t) for key, t in TUNED.items() if key not in TUNED_QUANTIZED)
+    assert quantized_config_for(rows, n, k) == GemmConfig.parse(text)  # the bf16 table's (an LM head)
     config = default_quantized_config(1000, 4096)
     assert config is not None and config.kernel == "dot" and config.fits(64, 1000, 4096)
     assert -(-1000 // 64) * config.split <= 264  # about two programs per SM
