@@ -14,6 +14,7 @@ from flows.errors import known_errors
 
 EXIT_GATE = 1
 EXIT_BAD_INPUT = 2
+EXIT_NOT_RUNNING = 3  # `triton status`: no server answers
 
 # Each module has `register(subparsers)` adding its subcommand(s) with a `func` default.
 EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_bench", "flows.cli_rollout", "flows.cli_serve", "flows.cli_registry", "flows.cli_deploy")
@@ -65,7 +66,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_triton(args: argparse.Namespace) -> int:
-    from flows.embedded import embedded_status, ensure_embedded, stop_embedded
+    from flows.embedded import Ports, embedded_status, ensure_embedded, stop_embedded
     from serving.triton.control import TritonControl
     from serving.triton.operations import load_served
 
@@ -73,8 +74,9 @@ def cmd_triton(args: argparse.Namespace) -> int:
     if args.action == "stop":
         print(stop_embedded(repository))
     elif args.action == "start":
-        ensure_embedded(repository, load_timeout_s=args.load_timeout_s)
-        print(embedded_status(repository))
+        ensure_embedded(repository, load_timeout_s=args.load_timeout_s,
+                        ports=Ports(http=args.http_port, grpc=args.grpc_port, metrics=args.metrics_port))
+        print(embedded_status(repository)[1])
     elif args.action == "load":
         if not args.url:
             raise SystemExit("enginewright triton load needs --url: the Triton server that serves --repository")
@@ -87,7 +89,9 @@ def cmd_triton(args: argparse.Namespace) -> int:
         loaded = load_served(control, repository, timeout_s=args.load_timeout_s)
         print(f"loaded on {args.url}: {', '.join(loaded) or 'nothing (the repository serves no model)'}")
     else:
-        print(embedded_status(repository))
+        running, line = embedded_status(repository)
+        print(line)
+        return 0 if running else EXIT_NOT_RUNNING
     return 0
 
 
@@ -128,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="load: the server's HTTP URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--load-timeout-s", type=float, default=120.0, help="longest wait for one model to load")
     p.add_argument("--wait-s", type=float, default=0.0, help="load: wait this long for the server to come up")
+    for name in ("http", "grpc", "metrics"):
+        p.add_argument(f"--{name}-port", type=int, default=None,
+                       help=f"start: the {name} port (default: where it ran last, recorded beside the repository)")
     p.set_defaults(func=cmd_triton)
 
     for module in EXTRA_COMMANDS:

@@ -63,7 +63,7 @@ def test_a_crashed_server_leaves_no_shared_memory_and_a_live_one_keeps_its_own(t
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
 def test_triton_stop_of_an_embedded_server_that_crashed_says_so_and_cleans_up(tmp_path: Path) -> None:
-    from flows.embedded import ensure_embedded, record_path, stop_embedded
+    from flows.embedded import ensure_embedded, read_record, recorded_server, stop_embedded
     from serving.triton.control import TritonControl
 
     repository = echo_repository(tmp_path / "repo")
@@ -80,7 +80,8 @@ def test_triton_stop_of_an_embedded_server_that_crashed_says_so_and_cleans_up(tm
         assert f"Triton pid {server.pid}" in message and "had already exited" in message, message
         assert f"removed the {len(regions)} shared-memory regions" in message and server.log_path in message
         assert not any(Path("/dev/shm", r).exists() for r in regions)
-        assert not record_path(repository).exists()
+        assert recorded_server(repository) is None  # the record stays, for its ports: the next start comes back there
+        assert read_record(repository).grpc_url == server.grpc_url
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)

@@ -13,7 +13,7 @@ import pytest
 from triton_support import TritonServers, make_tiny_engine
 
 from serving.engine import load_engine
-from serving.triton import init_repository, stage_engine_version
+from serving.triton import init_repository, router_stats, stage_engine_version
 
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -155,7 +155,6 @@ def test_the_router_answers_through_a_decoupled_engine_over_http(world) -> None:
     """The stable name of a gray release in front of the in-flight batching llm: the router calls it with
     decoupled BLS and answers once (HTTP, no streaming), tokens equal to the engine's; its counters count
     them; a bad request comes back as this request's error."""
-    import json
 
     import tritonclient.http as httpclient
 
@@ -200,9 +199,7 @@ def test_the_router_answers_through_a_decoupled_engine_over_http(world) -> None:
     stream_client.stop_stream()
     stream_client.close()
     assert routed and set(routed) == {1}  # on every response that carries tokens
-    stats_in = httpclient.InferInput("stats", [1, 1], "BYTES")
-    stats_in.set_data_from_numpy(np.asarray([[b"1"]], dtype=np.object_))
-    stats = json.loads(client.infer("tiny", [stats_in]).as_numpy("stats_json").reshape(-1)[0])
+    stats = router_stats(world["proc"].http_url, "tiny")
     counted = stats["detail"]["1"]  # the router's and the streaming router's counters, one load
     assert counted["requests"] == 4 and counted["errors"] == 1 and counted["output_tokens"] == 5 + 6 + 3
     world["control"].unload_model("tiny", timeout_s=60)

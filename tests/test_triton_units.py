@@ -122,7 +122,8 @@ def test_router_config_parses_and_validates() -> None:
     assert cfg.parameters["target_model"].string_value == "m_engine"
     assert json.loads(cfg.parameters["weights"].string_value) == {"1": 90, "2": 10}
     assert {o.name for o in cfg.output} >= {"routed_version", "stats_json", "output_ids"}
-    assert all(i.optional for i in cfg.input)
+    assert all(i.optional for i in cfg.input if i.name != "max_tokens")  # required, as the engine requires it
+    assert not next(i for i in cfg.input if i.name == "max_tokens").optional and cfg.max_batch_size == 1
     for bad in ({}, {1: 0}, {0: 10}, {1: -1}):
         with pytest.raises(ConfigError, match="weights"):
             router_config("m", bad)

@@ -1,4 +1,10 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (with server-sent events), /health, /metrics."""
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (with server-sent events), /health, /metrics.
+
+Every error, ours or FastAPI's (unknown route, wrong method, invalid JSON, a body over the limit), is
+OpenAI's error object; a backend failure gets the status of its `BackendError` class (400, 404, 429,
+503, 504; 500 only for a bug of ours), with Retry-After where trying again later helps. A stream that
+fails after its first byte ends with an SSE ``error`` event carrying that status as ``code``.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +26,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.openai.backend import BackendError, Overloaded, Piece, Sampling, TritonBackend, UnknownModel
-from serving.openai.schemas import ChatCompletionRequest, CompletionRequest, chat_prompt
+from serving.openai.backend import BackendError, ClientError, Piece, Sampling, TritonBackend
+from serving.openai.limits import BodyLimit, FrontLimits, prompt_too_long
+from serving.openai.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, chat_prompt
 
 RETRY_AFTER_S = 1
+RETRY_LATER = (429, 503)  # the statuses that carry Retry-After
+HTTP_KINDS = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 
 
 class Metrics:
@@ -47,15 +57,30 @@ def openai_error(status: int, message: str, *, kind: str = "invalid_request_erro
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _error_response(exc: BackendError) -> JSONResponse:
-    if isinstance(exc, Overloaded):
-        return openai_error(429, str(exc), kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, UnknownModel):
-        return openai_error(404, str(exc), kind="invalid_request_error", param="model")
-    if "DEADLINE_EXCEEDED" in exc.status:
-        return openai_error(504, str(exc), kind="timeout_error")
-    return openai_error(502, str(exc), kind="server_error")
+def _error_response(exc: BackendError, *, prompt_param: str = "prompt") -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status in RETRY_LATER else None
+    param = prompt_param if isinstance(exc, ClientError) and "prompt" in str(exc) else None
+    return openai_error(exc.http_status, str(exc), kind=exc.kind, param=param, headers=headers)
 
+
+def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """The message and ``param`` of the first problem of a request body that failed validation."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    ctx = first.get("ctx") or {}
+    if first.get("type") == UNSUPPORTED:
+        return str(ctx.get("message")), str(ctx.get("param"))
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":  # loc holds the character offset, not a field
+        return f"the body is not valid JSON: {ctx.get('error', first.get('msg'))} (at character {'.'.join(loc)})", None
+    if first.get("type") == "model_attributes_type":
+        return "the body must be a JSON object", None
+    # strip pydantic's union branch names (messages.0.content.str) down to the field path
+    branches = {"str", "list[str]", "list[TextPart]", "int", "bool", "float", "function-after[_stop()]"}
+    param = ".".join(p for p in loc if p not in branches and not p.startswith("function-")) or None
+    if first.get("type") == "extra_forbidden":
+        return f"unrecognized parameter {param!r}: this server does not support it", param
+    value = "" if first.get("type") == "missing" else f" (got {first.get('input')!r:.80})"
+    return f"{param or 'body'}: {first.get('msg')}{value}", param
 
 def apply_stop(text: str, stops: list[str] | None) -> tuple[str, bool]:
     """Cut `text` before the first stop string; say whether one was found."""
@@ -63,22 +88,38 @@ def apply_stop(text: str, stops: list[str] | None) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-def create_app(backend: TritonBackend, models: list[str]) -> FastAPI:
+def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await backend.close()
 
+    limits = limits or FrontLimits()
     app = FastAPI(title="enginewright OpenAI-compatible API", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, error=openai_error)
     metrics = Metrics()
     served = set(models)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        message, param = validation_error(list(exc.errors()))
         metrics.requests.labels(request.url.path, "-", "400").inc()
-        return openai_error(400, f"{param or 'body'}: {first.get('msg')}", param=param)
+        return openai_error(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}: see /v1/models, /v1/completions, "
+                        "/v1/chat/completions",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                               str(exc.detail))
+        return openai_error(exc.status_code, message, kind=HTTP_KINDS.get(exc.status_code, "invalid_request_error"),
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:  # a bug of ours: no traceback to the client
+        metrics.requests.labels(request.url.path, "-", "500").inc()
+        return openai_error(500, f"internal error of the front ({type(exc).__name__}); see its log",
+                            kind="server_error")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -89,17 +130,29 @@ def create_app(backend: TritonBackend, models: list[str]) -> FastAPI:
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "enginewright"}
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": m, "object": "model", "created": 0, "owned_by": "enginewright"} for m in sorted(served)
-        ]}
+        return {"object": "list", "data": [model_card(m) for m in sorted(served)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def retrieve_model(name: str):
+        if name not in served:
+            return openai_error(404, f"model {name!r} is not served here; served: {sorted(served)}",
+                                kind="not_found_error", param="model")
+        return model_card(name)
 
     async def serve(route: str, req: CompletionRequest | ChatCompletionRequest, prompt: str, chat: bool):
         if req.model not in served:
             metrics.requests.labels(route, req.model, "404").inc()
             return openai_error(404, f"model {req.model!r} is not served here; served: {sorted(served)}",
                                 param="model")
+        too_long = prompt_too_long(prompt, limits)
+        if too_long is not None:
+            metrics.requests.labels(route, req.model, "400").inc()
+            return openai_error(400, too_long, param="messages" if chat else "prompt")
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -110,7 +163,7 @@ def create_app(backend: TritonBackend, models: list[str]) -> FastAPI:
         try:
             piece = await backend.complete(req.model, prompt, sampling)
         except BackendError as exc:
-            response = _error_response(exc)
+            response = _error_response(exc, prompt_param="messages" if chat else "prompt")
             metrics.requests.labels(route, req.model, str(response.status_code)).inc()
             return response
         finally:
@@ -128,7 +181,7 @@ def create_app(backend: TritonBackend, models: list[str]) -> FastAPI:
         try:
             first = await anext(pieces, None)  # errors before the first byte still get a status code
         except BackendError as exc:
-            response = _error_response(exc)
+            response = _error_response(exc, prompt_param="messages" if chat else "prompt")
             metrics.requests.labels(route, req.model, str(response.status_code)).inc()
             return response
         metrics.ttft.labels(req.model).observe(time.monotonic() - started)
@@ -152,11 +205,13 @@ def create_app(backend: TritonBackend, models: list[str]) -> FastAPI:
                     reason = piece.finish_reason or reason
                     piece = await anext(pieces, None)
                 yield _sse(_chunk(rid, req.model, "", reason or "length", chat))
+                if req.include_usage:
+                    yield _sse(_usage_chunk(rid, req.model, tokens, chat))
                 yield b"data: [DONE]\n\n"
                 metrics.requests.labels(route, req.model, "200").inc()
             except BackendError as exc:
-                yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
-                metrics.requests.labels(route, req.model, "stream-error").inc()
+                yield _sse({"error": {"message": str(exc), "type": exc.kind, "param": None, "code": exc.http_status}})
+                metrics.requests.labels(route, req.model, f"stream-{exc.http_status}").inc()
             finally:
                 metrics.in_flight.dec()
                 metrics.tokens.labels(req.model).inc(tokens)
@@ -194,6 +249,12 @@ def _body(rid: str, model: str, text: str, reason: str, completion_tokens: int, 
         # Triton tokenizes the prompt inside the engine model, so the front does not know its length.
         "usage": {"prompt_tokens": 0, "completion_tokens": completion_tokens, "total_tokens": completion_tokens},
     }
+
+
+def _usage_chunk(rid: str, model: str, completion_tokens: int, chat: bool) -> dict[str, Any]:
+    """The last chunk of a stream asked for ``stream_options.include_usage``: no choices, the usage."""
+    body = _body(rid, model, "", "length", completion_tokens, chat)
+    return {**_chunk(rid, model, None, None, chat), "choices": [], "usage": body["usage"]}
 
 
 def _chunk(rid: str, model: str, text: str | None, reason: str | None, chat: bool, *, role: bool = False) -> dict:

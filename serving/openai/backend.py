@@ -2,9 +2,14 @@
 
 A stream goes to the release's streaming router (``<model>_stream``) when it is loaded, which it is
 while the llm is decoupled: tokens then come as the engine makes them, routed by the release's
-weights. Otherwise the router answers once, and its single answer is streamed as one chunk. Triton's
-full queue (RESOURCE_EXHAUSTED / UNAVAILABLE) becomes `Overloaded`, which the HTTP layer turns into 429
-with Retry-After.
+weights. Otherwise the router answers once, and its single answer is streamed as one chunk.
+
+Every failure becomes one `BackendError` subclass, which the HTTP layer turns into its status: the
+client's mistake (INVALID_ARGUMENT, from Triton or the engine through the router) `ClientError` 400;
+a full queue `Overloaded` 429; Triton down, restarting or not serving the model yet `Unavailable` 503
+(its message never carries Triton's address; the gRPC channel reconnects by itself within
+MAX_RECONNECT_BACKOFF_MS of Triton coming back); the deadline `DeadlineExceeded` 504; anything else
+(our bug) `BackendError` 500.
 """
 
 from __future__ import annotations
@@ -18,23 +23,62 @@ from typing import Any
 import numpy as np
 
 from serving.llm_client import is_overload
+from serving.triton.models.requests import INVALID_REQUEST
 from serving.triton.repository import stream_model_name
 
 STREAM_TARGET_TTL_S = 5.0  # how long whether a model has a streaming router is remembered
 
 
 class BackendError(Exception):
+    """A request failed for a reason of ours (HTTP 500)."""
+
+    http_status = 500
+    kind = "server_error"
+
     def __init__(self, message: str, *, status: str = "") -> None:
         super().__init__(message)
         self.status = status
 
 
+class ClientError(BackendError):
+    """The request itself is wrong (a limit of the engine, a bad value): HTTP 400."""
+
+    http_status = 400
+    kind = "invalid_request_error"
+
+
 class Overloaded(BackendError):
-    """Triton refused the request because its queue is full: try again later."""
+    """Triton refused the request because its queue is full: try again later (HTTP 429)."""
+
+    http_status = 429
+    kind = "rate_limit_error"
+
+
+class Unavailable(BackendError):
+    """Triton is down or restarting, or has not loaded the model (again) yet (HTTP 503)."""
+
+    http_status = 503
+    kind = "service_unavailable"
+
+
+class DeadlineExceeded(BackendError):
+    """No answer within the front's deadline (HTTP 504)."""
+
+    http_status = 504
+    kind = "timeout_error"
 
 
 class UnknownModel(BackendError):
-    pass
+    http_status = 404
+    kind = "invalid_request_error"
+
+
+# The gRPC channel's reconnect backoff (gRPC's default grows to 120 s: a restarted Triton would wait that long)
+MAX_RECONNECT_BACKOFF_MS = 1000
+CHANNEL_ARGS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
+NOT_LOADED_WORDS = ("unknown model", "is not found", "not ready", "has no available versions")
+UNAVAILABLE_STATUSES = ("UNAVAILABLE", "UNKNOWN", "CANCELLED")  # with a message that is not an overload
 
 
 @dataclass(frozen=True)
@@ -88,12 +132,25 @@ def _piece(result: Any) -> Piece:
 
 
 def _error(exc: Any, model: str) -> BackendError:
-    status = str(exc.status()) if hasattr(exc, "status") else ""
-    message = exc.message() if hasattr(exc, "message") else str(exc)
-    if is_overload(status, message):
-        return Overloaded(f"model {model!r} is overloaded: {message}", status=status)
-    if "unknown model" in message.lower() or "not found" in message.lower():
-        return UnknownModel(f"model {model!r} is not served: {message}", status=status)
+    """The BackendError of a failed call (AioRpcError, InferenceServerException or another exception)."""
+    if callable(getattr(exc, "status", None)):  # tritonclient's InferenceServerException
+        status, message = str(exc.status()), exc.message() or str(exc)
+    elif callable(getattr(exc, "code", None)) and callable(getattr(exc, "details", None)):  # grpc's AioRpcError
+        status, message = str(exc.code()), exc.details() or str(exc)
+    else:
+        status, message = "", str(exc)
+    code = status.rsplit(".", 1)[-1]
+    if is_overload(code if code == "RESOURCE_EXHAUSTED" else "", message):
+        return Overloaded(f"model {model!r} is overloaded (its queue is full): try again later", status=status)
+    if code == "INVALID_ARGUMENT" or INVALID_REQUEST in message:  # a stream's errors carry no code, only words
+        return ClientError(message, status=status)
+    if code == "DEADLINE_EXCEEDED":
+        return DeadlineExceeded(f"model {model!r} did not answer within the deadline", status=status)
+    if any(w in message.lower() for w in NOT_LOADED_WORDS) or code == "NOT_FOUND":
+        return Unavailable(f"model {model!r} is not loaded in the model server (it may be restarting): "
+                           "try again later", status=status)
+    if code in UNAVAILABLE_STATUSES or isinstance(exc, OSError):
+        return Unavailable("the model server is unavailable (down or restarting): try again later", status=status)
     return BackendError(f"model {model!r} failed: {message}", status=status)
 
 
@@ -110,7 +167,7 @@ class TritonBackend:
         if self._client is None:
             import tritonclient.grpc.aio as grpc
 
-            self._client = grpc.InferenceServerClient(self.grpc_url)
+            self._client = grpc.InferenceServerClient(self.grpc_url, channel_args=CHANNEL_ARGS)
         return self._client
 
     async def close(self) -> None:
@@ -147,7 +204,11 @@ class TritonBackend:
         """Whether ``<model>_stream`` is loaded (remembered for STREAM_TARGET_TTL_S)."""
         known = self._streaming.get(model)
         if known is None or time.monotonic() - known[1] > STREAM_TARGET_TTL_S:
-            known = (await self.model_ready(stream_model_name(model)), time.monotonic())
+            try:  # Triton down is this request's 503, not a "no" to remember
+                ready = bool(await self.client().is_model_ready(stream_model_name(model)))
+            except Exception as exc:
+                raise _error(exc, model) from exc
+            known = (ready, time.monotonic())
             self._streaming[model] = known
         return known[0]
 
@@ -162,13 +223,18 @@ class TritonBackend:
             yield {"model_name": target, "inputs": _inputs(grpc, prompt, sampling, stream=streaming),
                    "outputs": outputs, "request_id": uuid.uuid4().hex, "enable_empty_final_response": True}
 
-        async for result, error in self.client().stream_infer(requests(), stream_timeout=self.timeout_s):
-            if error is not None:
-                raise _error(error, model)
-            response = result.get_response()
-            final = response.parameters.get("triton_final_response")
-            piece = _piece(result) if response.outputs else Piece("", [], None)
-            if piece.text or piece.token_ids or piece.finish_reason:
-                yield piece
-            if final is None or final.bool_param:
-                return
+        try:
+            async for result, error in self.client().stream_infer(requests(), stream_timeout=self.timeout_s):
+                if error is not None:
+                    raise _error(error, model)
+                response = result.get_response()
+                final = response.parameters.get("triton_final_response")
+                piece = _piece(result) if response.outputs else Piece("", [], None)
+                if piece.text or piece.token_ids or piece.finish_reason:
+                    yield piece
+                if final is None or final.bool_param:
+                    return
+        except BackendError:
+            raise
+        except Exception as exc:  # the channel itself failed (Triton gone mid-stream, the deadline)
+            raise _error(exc, model) from exc

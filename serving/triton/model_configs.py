@@ -13,7 +13,9 @@ from serving.triton.errors import ConfigError
 from serving.triton.models.params import check_parameters, flag
 from serving.triton.models.routing import dump_weights
 
-ROUTER_MAX_BATCH_SIZE = 64
+# One request per call: the llm reads each input as one value (a batch of 2 is its INVALID_ARG), so a larger
+# max_batch_size would declare what the engine refuses; Triton itself now refuses a batch of 2 with a 400.
+ROUTER_MAX_BATCH_SIZE = 1
 ROUTER_INSTANCES = 4  # requests the router forwards at once
 
 
@@ -27,12 +29,13 @@ def _tensor(name: str, data_type: str, dims: list[int], *, optional: bool = Fals
     return t
 
 
-def llm_inputs(*, all_optional: bool = False) -> list[dict[str, Any]]:
-    """Inputs of the llm model (the router takes the same, all optional, plus ``stats``)."""
+def llm_inputs() -> list[dict[str, Any]]:
+    """Inputs of the llm model (the routers take the same, plus their own): one of ``input_ids`` and
+    ``text_input``, ``max_tokens`` (required), the optional sampling settings."""
     return [
         _tensor("input_ids", "TYPE_INT32", [-1], optional=True, ragged=True),
         _tensor("text_input", "TYPE_STRING", [1], optional=True),
-        _tensor("max_tokens", "TYPE_INT32", [1], optional=all_optional),
+        _tensor("max_tokens", "TYPE_INT32", [1]),
         _tensor("temperature", "TYPE_FP32", [1], optional=True),
         _tensor("top_k", "TYPE_INT32", [1], optional=True),
         _tensor("top_p", "TYPE_FP32", [1], optional=True),
@@ -168,7 +171,7 @@ def _router_model(name: str, params: dict[str, str], *, max_batch_size: int, ins
         "name": name,
         "backend": "python",
         "max_batch_size": max_batch_size,
-        "input": llm_inputs(all_optional=True) + [extra_input,
+        "input": llm_inputs() + [extra_input,
                                                    _tensor("routing_key", "TYPE_STRING", [1], optional=True)],
         "output": llm_outputs() + [_tensor("routed_version", "TYPE_INT32", [1]), *extra_outputs],
         "instance_group": [{"kind": "KIND_CPU", "count": instance_count}],

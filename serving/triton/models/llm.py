@@ -51,10 +51,12 @@ import numpy as np
 from serving.triton.models.outbox import Outbox
 from serving.triton.models.params import check_parameters, choice, count, flag, milliseconds
 from serving.triton.models.requests import (
+    INVALID_REQUEST,
     BatchItem,
     LlmRequest,
     RequestError,
     check_limits,
+    check_text_size,
     parse_request,
     plan_batches,
 )
@@ -146,7 +148,9 @@ class EngineHost:
     def prompt_ids(self, req: LlmRequest) -> tuple[int, ...]:
         if req.prompt_ids is not None:
             return req.prompt_ids
-        ids = tuple(self.tokenizer.encode(req.text or "").ids)
+        check_text_size(req.text or "", max_input_len=self.max_input_len)  # before any tokenizing
+        # encode_batch releases the GIL while it tokenizes (encode does not): the engine thread runs meanwhile
+        ids = tuple(self.tokenizer.encode_batch([req.text or ""])[0].ids)
         if not ids:
             raise RequestError("input 'text_input' tokenizes to no tokens")
         return ids
@@ -183,6 +187,8 @@ def _error_response(message: str, *, invalid_arg: bool = False, cancelled: bool 
     anything else INTERNAL (500)."""
     code = (getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid_arg
             else getattr(pb_utils.TritonError, "CANCELLED", None) if cancelled else None)
+    if invalid_arg:
+        message = f"{INVALID_REQUEST}: {message}"
     error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
 

@@ -21,6 +21,11 @@ INPUT_NAMES = ("input_ids", "text_input", "max_tokens", "temperature", "top_k", 
 OUTPUT_NAMES = ("output_ids", "text_output", "finish_reason")
 
 
+# Begins the message of every request the llm refuses (INVALID_ARG): Triton 2.51's BLS turns the code of a
+# target's error into INTERNAL, so the routers recognise a client's mistake by these words.
+INVALID_REQUEST = "invalid request"
+
+
 class RequestError(ValueError):
     """A request the model rejects; its message goes back to the client as the response error."""
 
@@ -124,6 +129,18 @@ def parse_request(get_input: GetInput, requested_outputs: tuple[str, ...] = ()) 
     stream = _scalar(get_input("stream"), "stream")
     return LlmRequest(prompt_ids, text, int(max_tokens), sampling, stop, want_text,
                       stream=bool(stream) if stream is not None else False)
+
+
+MAX_BYTES_PER_TOKEN = 32  # a prompt longer than max_input_len x this cannot fit: refused before tokenizing
+
+
+def check_text_size(text: str, *, max_input_len: int) -> None:
+    """Refuse a text prompt too long to tokenize within ``max_input_len`` tokens, without tokenizing it."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > max_input_len * MAX_BYTES_PER_TOKEN:
+        raise RequestError(f"input 'text_input' of {size} bytes exceeds the engine limit max_input_len="
+                           f"{max_input_len} tokens (at most {max_input_len * MAX_BYTES_PER_TOKEN} bytes, "
+                           f"{MAX_BYTES_PER_TOKEN} per token, are tokenized)")
 
 
 def check_limits(prompt_ids: tuple[int, ...], max_tokens: int, *, max_input_len: int, max_seq_len: int,

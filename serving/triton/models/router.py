@@ -47,6 +47,7 @@ from serving.triton.models.routing import (
     forwarded_outputs,
     pick_version,
     read_router_params,
+    target_error_code,
 )
 
 try:  # only present inside Triton's python backend; unit tests install a fake module
@@ -69,14 +70,9 @@ def _log(level: str, msg: str) -> None:
 
 
 def _forwarded_error(message: str, error: Any) -> Any:
-    """A TritonError with ``message`` and the target's error code (when this backend exposes codes)."""
-    code = getattr(error, "code", None)
-    if callable(code):
-        try:
-            return pb_utils.TritonError(message, code())
-        except TypeError:
-            pass
-    return pb_utils.TritonError(message)
+    """A TritonError with ``message`` and the code the target meant (`target_error_code`)."""
+    code = target_error_code(message, error, pb_utils.TritonError)
+    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
 
 
 class TritonPythonModel:

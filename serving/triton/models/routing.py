@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serving.llm_client import OVERLOAD_WORDS
+from serving.triton.models.requests import INVALID_REQUEST
+
 # Upper bounds (seconds) of the latency histogram buckets; the last bucket is +Inf.
 LATENCY_BUCKETS_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STICKY_BUCKETS = 10_000  # a routing key hashes to one of these; weights are percents of them
@@ -108,6 +111,18 @@ def forwarded_outputs(requested: tuple[str, ...], input_names: set[str], router_
     if names:
         return names
     return ["output_ids", "finish_reason", *(["text_output"] if "text_input" in input_names else [])]
+
+
+def target_error_code(message: str, error: Any, codes: Any) -> Any:
+    """The code of a target's error as the router's client should see it (``codes``: pb_utils.TritonError):
+    INVALID_ARG for the llm's refusal of the request, UNAVAILABLE for a full queue, else the error's own
+    code (None without codes). Triton 2.51's BLS reports every target error as INTERNAL: the words decide."""
+    if INVALID_REQUEST in message and hasattr(codes, "INVALID_ARG"):
+        return codes.INVALID_ARG
+    if any(w in message.lower() for w in OVERLOAD_WORDS) and hasattr(codes, "UNAVAILABLE"):
+        return codes.UNAVAILABLE
+    code = getattr(error, "code", None)
+    return code() if callable(code) else None
 
 
 def key_bucket(key: bytes) -> float:

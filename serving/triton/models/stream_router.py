@@ -29,6 +29,7 @@ from serving.triton.models.routing import (
     forwarded_outputs,
     pick_version,
     read_router_params,
+    target_error_code,
 )
 
 try:  # only present inside Triton's python backend
@@ -113,4 +114,6 @@ class TritonPythonModel:
 
 
 def _error(message: str) -> Any:
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+    code = target_error_code(message, None, pb_utils.TritonError)
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
