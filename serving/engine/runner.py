@@ -325,7 +325,7 @@ def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype)
 
     float32 engines are the exactness reference and keep the matmul path: in the one H200 run of the
     fused kernel under torch.compile, the float32 compiled-vs-eager token check failed and could not be
-    re-run (docs/benchmarks.md)."""
+    re-run (docs/decisions.md)."""
     if choice not in ("auto", "triton", "matmul"):
         raise EngineLimitError(f"decode_attention={choice!r}: expected 'auto', 'triton' or 'matmul'")
     if choice == "matmul" or (choice == "auto" and (device.type != "cuda" or dtype == torch.float32)):

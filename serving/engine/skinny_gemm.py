@@ -76,7 +76,7 @@ class GemmConfig:
 
 
 # (rows bucket, N, K) -> config, from `python3 -m serving.bench gemms` on an H200 (2026-11-30, cold L2,
-# in CUDA graphs; docs/benchmarks.md). Kept where the kernel, plus reading its split-K partials once
+# in CUDA graphs; the sweep prints the table it measured, docs/engine.md). Kept where the kernel, plus reading its split-K partials once
 # more, beat cuBLAS by more than 2%. Rows bucket: 1 for M == 1, else 64 (the kernels pad M up to their
 # block, so the M=64 config serves 2..64; the buckets between were not timed). (*): within 2% of cuBLAS on
 # its own, kept because the kernel launches with programmatic dependent launch and cuBLAS's do not: the
