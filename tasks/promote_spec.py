@@ -49,6 +49,10 @@ LOAD_TIMEOUT_S = 120.0
 COMPILED_LOAD_TIMEOUT_S = 600.0
 
 
+# What a release stages unless its spec says otherwise: the decoupled llm (in-flight batching, token streams).
+DEFAULT_ENGINE_PARAMETERS: dict[str, str] = {"decoupled": "true"}
+
+
 class TritonSpec(BaseModel):
     """Where the engine is served; no endpoints means the bundled Triton started on loopback."""
 
@@ -76,9 +80,11 @@ class TritonSpec(BaseModel):
         3, ge=0, description="Requests sent straight to the candidate version after it loads, before it gets "
         "traffic; one that fails fails the staging.")
     engine_parameters: dict[str, str] = Field(
-        default_factory=dict,
+        default_factory=dict, validate_default=True,
         description="Config parameters of the `<model>_engine` Triton model (all its versions), e.g. `device`, "
         "`decoupled`, `compile_decode`, `stream_interval_ms`, `admit_gap_ms`, `idle_senders` (docs/triton.md). "
+        "`decoupled` is \"true\" unless given (in-flight batching; streams go token by token through "
+        "`<model>_stream`); \"false\" serves plain requests, one response each. "
         "Tests use `engine_loader: tasks.fault_injection:load_engine` to make a bad engine.")
 
     @field_validator("engine_parameters")
@@ -87,7 +93,7 @@ class TritonSpec(BaseModel):
         from serving.triton.models.params import check_parameters
 
         check_parameters(params)  # ValueError naming the parameter and its value
-        return params
+        return {**DEFAULT_ENGINE_PARAMETERS, **params}
 
     @model_validator(mode="after")
     def _compiled_loads_take_longer(self) -> TritonSpec:

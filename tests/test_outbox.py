@@ -17,7 +17,7 @@ class Recorder:
         self.sent: list[tuple[str, object, object]] = []
 
     def tokens(self, name: str):
-        def send(ids: list[int], reason: str | None) -> None:
+        def send(ids: list[int], reason: str | None, text: str = "") -> None:
             self.sent.append((name, list(ids), reason))
         return send
 
@@ -98,7 +98,7 @@ def test_a_failing_send_is_logged_and_the_others_still_go_out() -> None:
     errors: list[str] = []
     rec, box = Recorder(), Outbox("t", errors.append)
 
-    def explode(ids: list[int], reason: str | None) -> None:
+    def explode(ids: list[int], reason: str | None, text: str = "") -> None:
         raise RuntimeError("client went away")
 
     bad = box.open(explode, rec.error("bad"), streaming=True)
@@ -205,7 +205,7 @@ def test_an_idle_drain_sends_on_every_idle_sender_at_once() -> None:
     for stream in streams:
         send = stream.send_tokens
 
-        def overlapping(ids: list[int], reason: str | None, send=send) -> None:
+        def overlapping(ids: list[int], reason: str | None, text: str = "", send=send) -> None:
             threads.add(threading.current_thread().name)
             together.wait()
             send(ids, reason)
@@ -227,7 +227,7 @@ def test_a_stream_is_never_in_two_sends_at_once_so_its_responses_stay_in_order()
     most: list[int] = [0]
     send = a.send_tokens
 
-    def slow(ids: list[int], reason: str | None) -> None:
+    def slow(ids: list[int], reason: str | None, text: str = "") -> None:
         in_flight.append(1)
         most[0] = max(most[0], len(in_flight))
         if ids == [1]:

@@ -96,7 +96,7 @@ def test_a_release_turns_in_flight_batching_on_under_load_and_streams_follow(tmp
     servers = TritonServers(tmp_path)
     try:
         proc = start_server(servers, tmp_path / "repo")
-        plain = make_spec(tmp_path, NAME, [proc], steps=STEPS, engine_parameters={"warmup": "true"},
+        plain = make_spec(tmp_path, NAME, [proc], steps=STEPS, engine_parameters={"warmup": "true", "decoupled": "false"},
                           concurrency=1)
         first_release(plain)
         assert_consistent(plain, 1)
@@ -133,7 +133,7 @@ def test_a_failed_release_that_turned_decoupled_on_leaves_the_live_version_plain
     """The candidate brings `decoupled: "true"` and fails its warm-up: the rollback serves v1 alone with the
     parameters it was staged with, so v1 is plain again (HTTP /infer works), and the streaming router the
     release's parameters called for is gone."""
-    loader = {"engine_loader": "tasks.fault_injection:load_engine"}
+    loader = {"engine_loader": "tasks.fault_injection:load_engine", "decoupled": "false"}
     for seed in (0, 1):
         publish(tmp_path, NAME, make_tiny_engine(tmp_path / "engines", seed=seed))
     servers = TritonServers(tmp_path)

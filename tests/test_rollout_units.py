@@ -188,7 +188,13 @@ def test_triton_spec_refuses_a_bad_engine_parameter_by_name() -> None:
     with pytest.raises(ValidationError, match="(?s)engine_parameters.*gil_switch_interval_ms='0'"):
         TritonSpec.model_validate({"engine_parameters": {"gil_switch_interval_ms": "0"}})
     assert TritonSpec.model_validate({"engine_parameters": {"stream_interval_ms": "50"}}).engine_parameters == {
-        "stream_interval_ms": "50"}
+        "stream_interval_ms": "50", "decoupled": "true"}
+
+
+def test_releases_stage_the_decoupled_llm_unless_the_spec_says_plain() -> None:
+    assert TritonSpec().engine_parameters == {"decoupled": "true"}
+    assert TritonSpec.model_validate({"engine_parameters": {"decoupled": "false"}}).engine_parameters == {
+        "decoupled": "false"}
 
 
 def test_a_compiled_engine_gets_a_longer_load_timeout_unless_one_is_given() -> None:

@@ -24,6 +24,7 @@ from serving.triton.models import params as params_mod
 from serving.triton.models import router as router_mod
 from serving.triton.models.requests import BatchItem, RequestError, check_limits, parse_request, plan_batches
 from serving.triton.models.routing import RouterStats, WeightsError, choose_version, parse_weights
+from serving.triton.models.text import EngineText
 from serving.triton.pbtxt import to_pbtxt
 from serving.triton.process import build_command, start_triton
 
@@ -113,7 +114,7 @@ def test_llm_config_parses_with_triton_schema() -> None:
     assert inputs["input_ids"].allow_ragged_batch and inputs["input_ids"].optional
     assert inputs["text_input"].data_type == model_config_pb2.TYPE_STRING
     assert not inputs["max_tokens"].optional
-    assert {o.name for o in cfg.output} == {"output_ids", "text_output", "finish_reason"}
+    assert {o.name for o in cfg.output} == {"output_ids", "text_output", "finish_reason", "prompt_tokens"}
     assert cfg.parameters["device"].string_value == "cpu"
 
 
@@ -336,14 +337,28 @@ def test_router_stats() -> None:
 # ---------------------------------------------------------------- models under a fake pb_utils
 
 
-def llm_model(monkeypatch: pytest.MonkeyPatch, runner: FakeRunner, tmp_path: Path):
+def llm_model(monkeypatch: pytest.MonkeyPatch, runner: FakeRunner, tmp_path: Path, text: EngineText | None = None):
     pb = make_fake_pb_utils()
     monkeypatch.setattr(llm_mod, "pb_utils", pb)
     model = llm_mod.TritonPythonModel()
     model.model_name, model.version = "m_engine", "1"
     model.log = llm_mod.Log("m_engine v1")
-    model.host = llm_mod.EngineHost(runner, tmp_path, model.log)
+    model.host = llm_mod.EngineHost(runner, tmp_path, model.log, text or EngineText())
     return model
+
+
+def test_llm_stops_at_the_engines_eos_unless_the_request_ignores_it(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    model = llm_model(monkeypatch, FakeRunner(), tmp_path, EngineText(eos_token_ids=(9,)))
+    out = model.execute([
+        FakeRequest({"input_ids": [[7]], "max_tokens": [[4]]}),
+        FakeRequest({"input_ids": [[7]], "max_tokens": [[4]], "ignore_eos": [[True]]}),
+        FakeRequest({"input_ids": [[7]], "max_tokens": [[4]], "ignore_eos": [[True]], "stop_token_ids": [[10]]}),
+    ])
+    assert out[0].output("output_ids").tolist() == [[8, 9]] and out[0].output("finish_reason")[0, 0] == b"stop"
+    assert out[0].output("prompt_tokens").tolist() == [[1]]
+    assert out[1].output("output_ids").tolist() == [[8, 9, 10, 11]] and out[1].output("finish_reason")[0, 0] == b"length"
+    assert out[2].output("output_ids").tolist() == [[8, 9, 10]] and out[2].output("finish_reason")[0, 0] == b"stop"
 
 
 def test_llm_execute_batches_and_isolates_errors(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.openai.backend import BackendError, ClientError, Piece, Sampling, TritonBackend
 from serving.openai.limits import BodyLimit, FrontLimits, prompt_too_long
-from serving.openai.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, chat_prompt
+from serving.openai.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 
 RETRY_AFTER_S = 1
 RETRY_LATER = (429, 503)  # the statuses that carry Retry-After
@@ -81,12 +81,6 @@ def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         return f"unrecognized parameter {param!r}: this server does not support it", param
     value = "" if first.get("type") == "missing" else f" (got {first.get('input')!r:.80})"
     return f"{param or 'body'}: {first.get('msg')}{value}", param
-
-def apply_stop(text: str, stops: list[str] | None) -> tuple[str, bool]:
-    """Cut `text` before the first stop string; say whether one was found."""
-    cut = min((i for i in (text.find(s) for s in stops or []) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
-
 
 def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -144,17 +138,19 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
                                 kind="not_found_error", param="model")
         return model_card(name)
 
-    async def serve(route: str, req: CompletionRequest | ChatCompletionRequest, prompt: str, chat: bool):
+    async def serve(route: str, req: CompletionRequest | ChatCompletionRequest, prompt: str | list[dict[str, str]],
+                    chat: bool):
         if req.model not in served:
             metrics.requests.labels(route, req.model, "404").inc()
             return openai_error(404, f"model {req.model!r} is not served here; served: {sorted(served)}",
                                 param="model")
-        too_long = prompt_too_long(prompt, limits)
+        too_long = prompt_too_long(prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt), limits)
         if too_long is not None:
             metrics.requests.labels(route, req.model, "400").inc()
             return openai_error(400, too_long, param="messages" if chat else "prompt")
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                            stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if req.stream:
             return await _stream(route, req, prompt, sampling, rid, chat)
@@ -168,12 +164,12 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
             return response
         finally:
             metrics.in_flight.dec()
-        text, stopped = apply_stop(piece.text, req.stop)
-        reason = "stop" if stopped else (piece.finish_reason or "length")
+        reason = piece.finish_reason or "length"
         metrics.requests.labels(route, req.model, "200").inc()
         metrics.tokens.labels(req.model).inc(len(piece.token_ids))
         metrics.latency.labels(route).observe(time.monotonic() - started)
-        return JSONResponse(_body(rid, req.model, text, reason, len(piece.token_ids), chat))
+        return JSONResponse(_body(rid, req.model, piece.text, reason, piece.prompt_tokens or 0, len(piece.token_ids),
+                                  chat))
 
     async def _stream(route, req, prompt, sampling, rid, chat) -> StreamingResponse | JSONResponse:
         pieces = backend.stream(req.model, prompt, sampling)
@@ -188,25 +184,21 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
 
         async def events() -> AsyncIterator[bytes]:
             metrics.in_flight.inc()
-            text, tokens, reason = "", 0, None
+            tokens, prompt_tokens, reason = 0, 0, None
             try:
                 if chat:
                     yield _sse(_chunk(rid, req.model, None, None, chat, role=True))
                 piece: Piece | None = first
-                while piece is not None:
+                while piece is not None:  # stop strings were applied by the engine model
                     tokens += len(piece.token_ids)
-                    new_text, stopped = apply_stop(text + piece.text, req.stop)
-                    delta, text = new_text[len(text):], new_text
-                    if delta:
-                        yield _sse(_chunk(rid, req.model, delta, None, chat))
-                    if stopped:
-                        reason = "stop"
-                        break
+                    if piece.text:
+                        yield _sse(_chunk(rid, req.model, piece.text, None, chat))
                     reason = piece.finish_reason or reason
+                    prompt_tokens = piece.prompt_tokens or prompt_tokens
                     piece = await anext(pieces, None)
                 yield _sse(_chunk(rid, req.model, "", reason or "length", chat))
                 if req.include_usage:
-                    yield _sse(_usage_chunk(rid, req.model, tokens, chat))
+                    yield _sse(_usage_chunk(rid, req.model, prompt_tokens, tokens, chat))
                 yield b"data: [DONE]\n\n"
                 metrics.requests.labels(route, req.model, "200").inc()
             except BackendError as exc:
@@ -225,7 +217,8 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
-        return await serve("/v1/chat/completions", req, chat_prompt(req.messages), chat=True)
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        return await serve("/v1/chat/completions", req, messages, chat=True)
 
     return app
 
@@ -234,7 +227,8 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def _body(rid: str, model: str, text: str, reason: str, completion_tokens: int, chat: bool) -> dict[str, Any]:
+def _body(rid: str, model: str, text: str, reason: str, prompt_tokens: int, completion_tokens: int,
+          chat: bool) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -246,14 +240,15 @@ def _body(rid: str, model: str, text: str, reason: str, completion_tokens: int, 
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
-        # Triton tokenizes the prompt inside the engine model, so the front does not know its length.
-        "usage": {"prompt_tokens": 0, "completion_tokens": completion_tokens, "total_tokens": completion_tokens},
+        # the engine model tokenizes the prompt and says how long it was
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
     }
 
 
-def _usage_chunk(rid: str, model: str, completion_tokens: int, chat: bool) -> dict[str, Any]:
+def _usage_chunk(rid: str, model: str, prompt_tokens: int, completion_tokens: int, chat: bool) -> dict[str, Any]:
     """The last chunk of a stream asked for ``stream_options.include_usage``: no choices, the usage."""
-    body = _body(rid, model, "", "length", completion_tokens, chat)
+    body = _body(rid, model, "", "length", prompt_tokens, completion_tokens, chat)
     return {**_chunk(rid, model, None, None, chat), "choices": [], "usage": body["usage"]}
 
 

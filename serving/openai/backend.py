@@ -14,6 +14,7 @@ MAX_RECONNECT_BACKOFF_MS of Triton coming back); the deadline `DeadlineExceeded`
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -87,6 +88,8 @@ class Sampling:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings, matched by the engine model (special tokens included)
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -94,13 +97,22 @@ class Piece:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    prompt_tokens: int | None = None  # on the final piece
 
 
-def _inputs(grpc: Any, prompt: str, sampling: Sampling, *, stream: bool = False) -> list[Any]:
-    values = [
-        ("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
-        ("max_tokens", np.array([[sampling.max_tokens]], dtype=np.int32), "INT32"),
-    ]
+# A chat goes as `messages` (JSON): the engine model applies its tokenizer's chat template.
+Prompt = str | list[dict[str, str]]
+OUTPUTS = ("text_output", "output_ids", "finish_reason", "prompt_tokens")
+
+
+def _inputs(grpc: Any, prompt: Prompt, sampling: Sampling, *, stream: bool = False) -> list[Any]:
+    first = (("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES") if isinstance(prompt, str)
+             else ("messages", np.array([[json.dumps(prompt).encode()]], dtype=object), "BYTES"))
+    values = [first, ("max_tokens", np.array([[sampling.max_tokens]], dtype=np.int32), "INT32")]
+    if sampling.stop:
+        values.append(("stop", np.array([[s.encode() for s in sampling.stop]], dtype=object), "BYTES"))
+    if sampling.ignore_eos:
+        values.append(("ignore_eos", np.array([[True]], dtype=bool), "BOOL"))
     if stream:
         values.append(("stream", np.array([[True]], dtype=bool), "BOOL"))
     # OpenAI's defaults (temperature 1, top_p 1) mean "sample"; temperature 0 means greedy.
@@ -123,11 +135,12 @@ def _piece(result: Any) -> Piece:
         array = result.as_numpy(name)
         return None if array is None else array.reshape(-1)
 
-    text, ids, reason = flat("text_output"), flat("output_ids"), flat("finish_reason")
+    text, ids, reason, prompt = flat("text_output"), flat("output_ids"), flat("finish_reason"), flat("prompt_tokens")
     return Piece(
         text=text[0].decode("utf-8", "replace") if text is not None and len(text) else "",
         token_ids=[int(i) for i in ids] if ids is not None else [],
         finish_reason=reason[0].decode() if reason is not None and len(reason) and reason[0] else None,
+        prompt_tokens=int(prompt[0]) if prompt is not None and len(prompt) else None,
     )
 
 
@@ -187,10 +200,10 @@ class TritonBackend:
         except Exception:  # noqa: BLE001
             return False
 
-    async def complete(self, model: str, prompt: str, sampling: Sampling) -> Piece:
+    async def complete(self, model: str, prompt: Prompt, sampling: Sampling) -> Piece:
         import tritonclient.grpc.aio as grpc
 
-        outputs = [grpc.InferRequestedOutput(n) for n in ("text_output", "output_ids", "finish_reason")]
+        outputs = [grpc.InferRequestedOutput(n) for n in OUTPUTS]
         try:
             result = await self.client().infer(
                 model, _inputs(grpc, prompt, sampling), outputs=outputs, request_id=uuid.uuid4().hex,
@@ -212,10 +225,10 @@ class TritonBackend:
             self._streaming[model] = known
         return known[0]
 
-    async def stream(self, model: str, prompt: str, sampling: Sampling) -> AsyncIterator[Piece]:
+    async def stream(self, model: str, prompt: Prompt, sampling: Sampling) -> AsyncIterator[Piece]:
         import tritonclient.grpc.aio as grpc
 
-        outputs = [grpc.InferRequestedOutput(n) for n in ("text_output", "output_ids", "finish_reason")]
+        outputs = [grpc.InferRequestedOutput(n) for n in OUTPUTS]
         streaming = await self.has_streaming_router(model)
         target = stream_model_name(model) if streaming else model
 

@@ -72,6 +72,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = Field(None, description="Only with stream: include_usage.")
     stop: StrictStr | list[StrictStr] | None = Field(None, description="Up to 4 strings that end the generation.")
     user: StrictStr | None = None
+    ignore_eos: StrictBool = Field(False, description="Go on past the model's end of sequence / end of turn "
+                                   "(vLLM's extension); stop strings and max_tokens still end it.")
     # OpenAI parameters accepted at their no-op value only (see NO_OP_VALUES)
     logprobs: Any = None
     top_logprobs: Any = None
@@ -157,12 +159,3 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=32768)
 
-
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    """A plain role-tagged transcript ending with the assistant's turn.
-
-    The engine's own chat template (if its tokenizer has one) is not applied here: the front speaks
-    text to Triton, and the tokenizer lives with the engine.
-    """
-    turns = [f"{m.role}: {m.text}" for m in messages]
-    return "\n".join([*turns, "assistant:"])

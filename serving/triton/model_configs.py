@@ -41,6 +41,9 @@ def llm_inputs() -> list[dict[str, Any]]:
         _tensor("top_p", "TYPE_FP32", [1], optional=True),
         _tensor("seed", "TYPE_INT64", [1], optional=True),
         _tensor("stop_token_ids", "TYPE_INT32", [-1], optional=True, ragged=True),
+        _tensor("messages", "TYPE_STRING", [1], optional=True),  # a JSON chat, for the engine's chat template
+        _tensor("stop", "TYPE_STRING", [-1], optional=True, ragged=True),  # stop strings
+        _tensor("ignore_eos", "TYPE_BOOL", [1], optional=True),
     ]
 
 
@@ -49,6 +52,7 @@ def llm_outputs() -> list[dict[str, Any]]:
         _tensor("output_ids", "TYPE_INT32", [-1]),
         _tensor("text_output", "TYPE_STRING", [1]),
         _tensor("finish_reason", "TYPE_STRING", [1]),
+        _tensor("prompt_tokens", "TYPE_INT32", [1]),
     ]
 
 

@@ -7,6 +7,13 @@ the model name if it cannot; ``execute`` takes the dynamic batch, parses every r
 (greedy requests all share one call) and answers each request, a bad one with an error response,
 never by raising. Text is tokenized/detokenized lazily with ``tokenizers`` from the engine folder.
 
+Stopping and text (``serving.triton.models.text``, read once at load): the engine folder's
+``generation_config.json`` ``eos_token_id`` ends every request by default (``finish_reason`` "stop"),
+besides the request's ``stop_token_ids``; ``ignore_eos`` turns that off. ``messages`` (a JSON chat) is
+rendered with the folder's chat template (``serving.triton.models.chat``). Stop strings (``stop``) are
+matched on the text with special tokens; the text returned never holds the stopping token or string,
+and the ids end with the token that stopped it. Every final response carries ``prompt_tokens``.
+
 Two modes, chosen by the config (``model_transaction_policy { decoupled: true }``, written by
 ``llm_config`` when the parameter ``decoupled`` is "true"):
 
@@ -37,6 +44,7 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import sys
@@ -60,6 +68,7 @@ from serving.triton.models.requests import (
     parse_request,
     plan_batches,
 )
+from serving.triton.models.text import EngineText, TextStream, read_engine_text, stop_ids_for
 
 try:  # only present inside Triton's python backend; unit tests install a fake module
     import triton_python_backend_utils as pb_utils
@@ -119,9 +128,10 @@ def engine_sampling(req: LlmRequest) -> Any:
 class EngineHost:
     """Owns the engine runner and the tokenizer; runs planned batches synchronously."""
 
-    def __init__(self, runner: Any, engine_dir: Path, log: Log) -> None:
+    def __init__(self, runner: Any, engine_dir: Path, log: Log, text: EngineText) -> None:
         self.runner = runner
         self.engine_dir = engine_dir
+        self.text = text
         self.has_tokenizer = (engine_dir / "tokenizer.json").is_file()
         self.log = log
         limits = runner.info.limits
@@ -148,6 +158,8 @@ class EngineHost:
     def prompt_ids(self, req: LlmRequest) -> tuple[int, ...]:
         if req.prompt_ids is not None:
             return req.prompt_ids
+        if req.messages is not None:
+            return self.chat_ids(req.messages)
         check_text_size(req.text or "", max_input_len=self.max_input_len)  # before any tokenizing
         # encode_batch releases the GIL while it tokenizes (encode does not): the engine thread runs meanwhile
         ids = tuple(self.tokenizer.encode_batch([req.text or ""])[0].ids)
@@ -155,8 +167,25 @@ class EngineHost:
             raise RequestError("input 'text_input' tokenizes to no tokens")
         return ids
 
-    def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def chat_ids(self, messages_json: str) -> tuple[int, ...]:
+        """A chat's prompt: the engine's chat template with the assistant's turn opened, tokenized
+        without added special tokens (the template writes them), as HF's apply_chat_template does."""
+        from serving.triton.models.chat import parse_messages, render_chat
+
+        messages = parse_messages(messages_json)
+        if self.text.chat_template is None:
+            raise RequestError(f"input 'messages' needs a chat template, and the engine folder {self.engine_dir} "
+                               "has none (chat_template.jinja, or chat_template in tokenizer_config.json): send "
+                               "'text_input' instead")
+        prompt = render_chat(self.text.chat_template, messages, self.text.special_tokens)
+        return tuple(self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids)
+
+    def text_stream(self, req: LlmRequest) -> TextStream | None:
+        """The request's detokenizer and stop-string matcher, when it wants text or has stop strings."""
+        if not (req.want_text or req.stop_strings):
+            return None
+        return TextStream(self.tokenizer, special_ids=self.text.special_ids, stop_ids=req.stop_token_ids,
+                          stop_strings=req.stop_strings)
 
     def run(self, batch: list[BatchItem], reqs: dict[int, LlmRequest]) -> dict[int, tuple[list[int], str]]:
         """One ``generate`` call for a planned batch -> {request index: (new token ids, finish reason)}."""
@@ -320,7 +349,12 @@ class TritonPythonModel:
                 f"[{self.model_name} v{self.version}] cannot load the engine in {engine_dir} on device "
                 f"{device!r}: {type(exc).__name__}: {exc}"
             ) from exc
-        self.host = EngineHost(runner, engine_dir, self.log)
+        try:
+            text = read_engine_text(engine_dir)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"[{self.model_name} v{self.version}] cannot read the engine folder's tokenizer "
+                               f"and generation settings: {exc}") from exc
+        self.host = EngineHost(runner, engine_dir, self.log, text)
         uses_decoupled = getattr(pb_utils, "using_decoupled_model_transaction_policy", None)
         self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else flag(params, "decoupled")
         self.engine_thread: EngineThread | None = None
@@ -348,34 +382,38 @@ class TritonPythonModel:
             f"engine {getattr(runner.info, 'fingerprint', '?')} loaded from {engine_dir} on {device} in "
             f"{time.monotonic() - started:.2f} s (max_batch_size={self.host.max_batch_size}, "
             f"max_input_len={self.host.max_input_len}, max_seq_len={self.host.max_seq_len}, "
-            f"decoupled={self.decoupled})"
+            f"decoupled={self.decoupled}, eos_token_ids={list(text.eos_token_ids)}, "
+            f"chat_template={text.chat_template_source or 'none'})"
         )
 
     def _parse(self, index: int, request: Any) -> tuple[LlmRequest, BatchItem]:
         req = parse_request(_getter(request), _requested_outputs(request))
+        req = dataclasses.replace(req, stop_token_ids=stop_ids_for(req.stop_token_ids, self.host.text.eos_token_ids,
+                                                                   ignore_eos=req.ignore_eos))
         ids = self.host.prompt_ids(req)
         check_limits(ids, req.max_tokens, max_input_len=self.host.max_input_len,
                      max_seq_len=self.host.max_seq_len, vocab_size=self.host.vocab_size)
         return req, BatchItem(index, ids, req.max_tokens, req.group_key())
 
-    def _response(self, req: LlmRequest, ids: list[int], reason: str) -> Any:
-        tensors = [
-            pb_utils.Tensor("output_ids", np.asarray([ids], dtype=np.int32)),
-            pb_utils.Tensor("finish_reason", np.asarray([[reason.encode()]], dtype=np.object_)),
-        ]
-        if req.want_text:
-            text = self.host.detokenize(ids)
-            tensors.append(pb_utils.Tensor("text_output", np.asarray([[text.encode("utf-8")]], dtype=np.object_)))
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+    def _response(self, req: LlmRequest, item: BatchItem, ids: list[int], reason: str) -> Any:
+        """A plain request's one response: stop strings applied to the whole generation."""
+        text = ""
+        stream = self.host.text_stream(req)
+        if stream is not None:
+            keep = stream.add(ids)
+            if keep is not None:
+                ids, reason = ids[:keep], "stop"
+            text = stream.take(final=True)
+        return pb_utils.InferenceResponse(output_tensors=self._tensors(req, ids, reason, text, len(item.prompt_ids)))
 
-    def _tensors(self, req: LlmRequest, ids: list[int], reason: str) -> list[Any]:
-        """A streamed response's tensors: `finish_reason` only on the final one (a BYTES tensor costs
-        the sender more than the token ids)."""
+    def _tensors(self, req: LlmRequest, ids: list[int], reason: str, text: str, prompt_tokens: int) -> list[Any]:
+        """A response's tensors: `finish_reason` and `prompt_tokens` only on the final one (a BYTES tensor
+        costs the sender more than the token ids), the text when the request wants it."""
         tensors = [pb_utils.Tensor("output_ids", np.asarray([ids], dtype=np.int32))]
         if reason:
             tensors.append(pb_utils.Tensor("finish_reason", np.asarray([[reason.encode()]], dtype=np.object_)))
+            tensors.append(pb_utils.Tensor("prompt_tokens", np.asarray([[prompt_tokens]], dtype=np.int32)))
         if req.want_text and (req.text is not None or self.host.has_tokenizer):
-            text = self.host.detokenize(ids)
             tensors.append(pb_utils.Tensor("text_output", np.asarray([[text.encode("utf-8")]], dtype=np.object_)))
         return tensors
 
@@ -396,9 +434,12 @@ class TritonPythonModel:
             sender.send(_error_response(f"{tag}: internal error: {exc}"), flags=final)
             return
         outbox = self.outbox
+        text_stream = self.host.text_stream(req)
+        prompt_tokens = len(item.prompt_ids)
+        stopped = False  # by a stop string: the scheduler is told to drop the request, its failure ignored
 
-        def send_tokens(ids: list[int], reason: str | None) -> None:
-            tensors = self._tensors(req, ids, reason or "")
+        def send_tokens(ids: list[int], reason: str | None, text: str) -> None:
+            tensors = self._tensors(req, ids, reason or "", text, prompt_tokens)
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if reason else 0)
 
         def send_error(message: str, cancelled: bool) -> None:
@@ -413,10 +454,24 @@ class TritonPythonModel:
         stream = outbox.open(send_tokens, send_error, streaming=req.stream,
                              is_cancelled=getattr(request, "is_cancelled", None), on_cancel=on_cancel)
 
-        def emit(ids: list[int], reason: str | None) -> None:  # on the scheduler thread: only enqueue
-            outbox.emit(stream, ids, reason)
+        def emit(ids: list[int], reason: str | None) -> None:  # on the scheduler thread: detokenize, enqueue
+            nonlocal stopped
+            if stopped:
+                return  # a step launched past the stop string
+            text = ""
+            if text_stream is not None:
+                keep = text_stream.add(ids)
+                if keep is not None:
+                    if reason is None:
+                        stopped = True
+                        scheduler.cancel(gen)  # frees its slot at the next step
+                    ids, reason = ids[:keep], "stop"
+                text = text_stream.take(final=reason is not None)
+            outbox.emit(stream, ids, reason, text)
 
         def fail(exc: BaseException) -> None:
+            if stopped:
+                return  # the cancellation that ended a request stopped by a stop string
             if isinstance(exc, RequestCancelled):
                 outbox.fail(stream, f"{tag}: {exc}", cancelled=True)
             else:
@@ -452,7 +507,7 @@ class TritonPythonModel:
                 results = self.host.run(batch, reqs)
                 for item in batch:
                     ids, reason = results[item.index]
-                    responses[item.index] = self._response(reqs[item.index], ids, reason)
+                    responses[item.index] = self._response(reqs[item.index], item, ids, reason)
             except Exception as exc:  # noqa: BLE001 - a failed batch answers its requests
                 self.log.error(f"generate failed for a batch of {len(batch)}: {type(exc).__name__}: {exc}")
                 for item in batch:

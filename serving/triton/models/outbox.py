@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 CANCEL_CHECK_S = 1.0  # each question is a round trip to Triton; a freed slot can wait a second
-SendTokens = Callable[[list[int], "str | None"], None]  # (token ids, finish reason or None) -> one response
+SendTokens = Callable[[list[int], "str | None", str], None]  # (token ids, finish reason or None, text) -> a response
 SendError = Callable[[str, bool], None]  # (message, cancelled) -> one final error response
 
 
@@ -61,6 +61,7 @@ class Stream:
     send_error: SendError
     streaming: bool
     tokens: list[int] = field(default_factory=list)
+    text: str = ""  # the tokens' text, when the model detokenizes as it emits
     reason: str | None = None
     error: str | None = None
     cancelled: bool = False  # the error is a cancellation
@@ -76,12 +77,13 @@ class Stream:
         """Its first response, or its final one."""
         return self.last_sent is None or self.reason is not None or self.error is not None
 
-    def take(self, now: float) -> tuple[list[int], str | None, str | None]:
+    def take(self, now: float) -> tuple[list[int], str | None, str | None, str]:
         tokens, self.tokens = self.tokens, []
+        text, self.text = self.text, ""
         if self.reason is not None or self.error is not None:
             self.closed = True
         self.last_sent = now
-        return tokens, self.reason, self.error
+        return tokens, self.reason, self.error, text
 
 
 @dataclass
@@ -122,12 +124,13 @@ class Outbox:
                 self.watched[id(stream)] = stream
         return stream
 
-    def emit(self, stream: Stream, ids: list[int], reason: str | None) -> None:
-        """New tokens of `stream` (its finish reason with the last ones). Never sends."""
+    def emit(self, stream: Stream, ids: list[int], reason: str | None, text: str = "") -> None:
+        """New tokens of `stream` and their text (its finish reason with the last ones). Never sends."""
         with self.lock:
             if stream.error is not None or stream.closed:
                 return
             stream.tokens.extend(ids)
+            stream.text += text
             stream.reason = reason
             if stream.streaming or reason is not None:
                 self.ready.setdefault(id(stream), stream)
@@ -187,7 +190,7 @@ class Outbox:
         if self.helpers is not None:
             self.helpers.shutdown(wait=True)
 
-    def _take(self, stream: Stream, now: float) -> tuple[list[int], str | None, str | None]:
+    def _take(self, stream: Stream, now: float) -> tuple[list[int], str | None, str | None, str]:
         taken = stream.take(now)
         if stream.closed:
             self.watched.pop(id(stream), None)
@@ -214,8 +217,8 @@ class Outbox:
         with self.lock:
             streams, self.ready = list(self.ready.values()), {}
             taken = [(stream, self._take(stream, time.monotonic())) for stream in streams]
-        for stream, (tokens, reason, error) in taken:
-            self._send(stream, tokens, reason, error)
+        for stream, (tokens, reason, error, text) in taken:
+            self._send(stream, tokens, reason, error, text)
 
     def _next_due(self, now: float) -> Stream | None:
         oldest = None
@@ -228,12 +231,12 @@ class Outbox:
                 oldest = stream
         return oldest
 
-    def _send(self, stream: Stream, tokens: list[int], reason: str | None, error: str | None) -> None:
+    def _send(self, stream: Stream, tokens: list[int], reason: str | None, error: str | None, text: str = "") -> None:
         started = time.perf_counter()
         responses, sent_tokens, failed = 0, 0, False
         try:
             if tokens and (stream.streaming or error is None):
-                stream.send_tokens(tokens, None if error is not None else reason)
+                stream.send_tokens(tokens, None if error is not None else reason, text)
                 responses, sent_tokens = 1, len(tokens)
             if error is not None:
                 stream.send_error(error, stream.cancelled)

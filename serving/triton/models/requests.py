@@ -2,9 +2,12 @@
 
 A request is read through a getter ``name -> numpy array | None`` so the same code runs inside Triton
 and in unit tests. Inputs (the batch dim of 1 added by Triton's dynamic batcher is dropped here):
-``input_ids`` INT32 [-1] or ``text_input`` BYTES [1] (exactly one), ``max_tokens`` INT32 [1],
-optional ``temperature`` FP32, ``top_k`` INT32, ``top_p`` FP32, ``seed`` INT64, ``stop_token_ids`` INT32 [-1],
-and (decoupled models only) ``stream`` BOOL [1]: one response per token instead of one at the end.
+``input_ids`` INT32 [-1], ``text_input`` BYTES [1] or ``messages`` BYTES [1] (a JSON chat, rendered with
+the engine's chat template; exactly one of the three), ``max_tokens`` INT32 [1], optional ``temperature``
+FP32, ``top_k`` INT32, ``top_p`` FP32, ``seed`` INT64, ``stop_token_ids`` INT32 [-1] (added to the engine's
+EOS ids), ``ignore_eos`` BOOL [1] (do not stop at EOS), ``stop`` BYTES [-1] (stop strings, matched on the
+text with special tokens; the text returned ends before the match), and (decoupled models only)
+``stream`` BOOL [1]: one response per token instead of one at the end.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import numpy as np
 
 GetInput = Callable[[str], "np.ndarray | None"]
 
-INPUT_NAMES = ("input_ids", "text_input", "max_tokens", "temperature", "top_k", "top_p", "seed",
-               "stop_token_ids", "stream")
-OUTPUT_NAMES = ("output_ids", "text_output", "finish_reason")
+INPUT_NAMES = ("input_ids", "text_input", "messages", "max_tokens", "temperature", "top_k", "top_p", "seed",
+               "stop_token_ids", "ignore_eos", "stop", "stream")
+OUTPUT_NAMES = ("output_ids", "text_output", "finish_reason", "prompt_tokens")
+MAX_STOP_STRINGS = 16
 
 
 # Begins the message of every request the llm refuses (INVALID_ARG): Triton 2.51's BLS turns the code of a
@@ -46,7 +50,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class LlmRequest:
-    """One parsed request. Exactly one of ``prompt_ids`` / ``text`` is set."""
+    """One parsed request. Exactly one of ``prompt_ids`` / ``text`` / ``messages`` (JSON) is set."""
 
     prompt_ids: tuple[int, ...] | None
     text: str | None
@@ -55,6 +59,9 @@ class LlmRequest:
     stop_token_ids: tuple[int, ...]
     want_text: bool
     stream: bool = False
+    messages: str | None = None
+    ignore_eos: bool = False
+    stop_strings: tuple[str, ...] = ()
 
     def group_key(self) -> tuple:
         """Requests with equal keys can share one ``generate`` call."""
@@ -95,12 +102,25 @@ def _text(arr: np.ndarray | None, name: str) -> str | None:
     return str(value)
 
 
+def _strings(arr: np.ndarray | None, name: str) -> tuple[str, ...]:
+    if arr is None:
+        return ()
+    values = np.asarray(arr).reshape(-1)
+    if values.size > MAX_STOP_STRINGS:
+        raise RequestError(f"input {name!r} holds {values.size} strings; at most {MAX_STOP_STRINGS} are allowed")
+    out = tuple(_text(np.asarray([v]), name) or "" for v in values)
+    if any(not s for s in out):
+        raise RequestError(f"input {name!r} holds an empty string")
+    return out
+
+
 def parse_request(get_input: GetInput, requested_outputs: tuple[str, ...] = ()) -> LlmRequest:
     """Read and check one request's inputs (not yet against the engine's limits)."""
     prompt_ids = _ids(get_input("input_ids"), "input_ids")
     text = _text(get_input("text_input"), "text_input")
-    if (prompt_ids is None) == (text is None):
-        raise RequestError("exactly one of inputs 'input_ids' and 'text_input' must be given")
+    messages = _text(get_input("messages"), "messages")
+    if sum(x is not None for x in (prompt_ids, text, messages)) != 1:
+        raise RequestError("exactly one of inputs 'input_ids', 'text_input' and 'messages' must be given")
     if prompt_ids is not None and not prompt_ids:
         raise RequestError("input 'input_ids' is empty")
     max_tokens = _scalar(get_input("max_tokens"), "max_tokens")
@@ -125,10 +145,13 @@ def parse_request(get_input: GetInput, requested_outputs: tuple[str, ...] = ()) 
     if not 0.0 < sampling.top_p <= 1.0:
         raise RequestError(f"input 'top_p'={sampling.top_p} must be in (0, 1]")
     stop = _ids(get_input("stop_token_ids"), "stop_token_ids") or ()
-    want_text = text is not None or "text_output" in requested_outputs
+    want_text = text is not None or messages is not None or "text_output" in requested_outputs
     stream = _scalar(get_input("stream"), "stream")
+    ignore_eos = _scalar(get_input("ignore_eos"), "ignore_eos")
     return LlmRequest(prompt_ids, text, int(max_tokens), sampling, stop, want_text,
-                      stream=bool(stream) if stream is not None else False)
+                      stream=bool(stream) if stream is not None else False, messages=messages,
+                      ignore_eos=bool(ignore_eos) if ignore_eos is not None else False,
+                      stop_strings=_strings(get_input("stop"), "stop"))
 
 
 MAX_BYTES_PER_TOKEN = 32  # a prompt longer than max_input_len x this cannot fit: refused before tokenizing

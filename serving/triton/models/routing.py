@@ -110,7 +110,8 @@ def forwarded_outputs(requested: tuple[str, ...], input_names: set[str], router_
     names = [n for n in requested if n not in router_only]
     if names:
         return names
-    return ["output_ids", "finish_reason", *(["text_output"] if "text_input" in input_names else [])]
+    text = "text_input" in input_names or "messages" in input_names
+    return ["output_ids", "finish_reason", *(["text_output"] if text else [])]
 
 
 def target_error_code(message: str, error: Any, codes: Any) -> Any:
