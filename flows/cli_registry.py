@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from flows.cli import EXIT_GATE
 
@@ -47,10 +48,13 @@ def _secret() -> str:
 
 
 def cmd_webhook_receiver(args: argparse.Namespace) -> int:
-    from flows.approval_events import WebhookReceiver
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # its lines are no flow run's
+    from flows.approval_events import SeenDeliveries, WebhookReceiver
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    receiver = WebhookReceiver(_secret(), host=args.host, port=args.port, max_age_s=args.max_age)
+    logging.getLogger("flows.approval_events").setLevel(logging.INFO)  # each accepted delivery is logged
+    receiver = WebhookReceiver(_secret(), host=args.host, port=args.port, max_age_s=args.max_age,
+                               seen=SeenDeliveries(args.seen_file))
     print(f"approval webhook receiver listening on {receiver.url}", flush=True)
     try:
         receiver.serve_forever()
@@ -103,6 +107,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8787)
     p.add_argument("--max-age", type=float, default=300, help="oldest accepted webhook timestamp, seconds")
+    p.add_argument("--seen-file", type=Path, default=None,
+                   help="where the delivery ids acted on are kept across restarts (default: in memory only)")
     p.set_defaults(func=cmd_webhook_receiver)
 
     p = sub.add_parser("approval-webhook", help="register the receiver with MLflow for model_version_tag.set (admin)")
