@@ -22,13 +22,15 @@ from flows.cli import EXIT_GATE
 
 
 def cmd_wait_approval(args: argparse.Namespace) -> int:
+    from flows.interrupt import interruptible
     from tasks.approve import approve
     from tasks.errors import ApprovalRejected
     from tasks.promote_spec import ApprovalSpec
 
     spec = ApprovalSpec(mode="mlflow-tag", timeout_s=args.timeout, poll_s=args.poll, ui_url=args.ui_url)
     try:
-        who = approve(spec, tracking_uri=args.tracking_uri, model_name=args.model, version=str(args.version))
+        with interruptible(f"the approval of {args.model} version {args.version}"):
+            who = approve(spec, tracking_uri=args.tracking_uri, model_name=args.model, version=str(args.version))
     except ApprovalRejected as exc:
         print(f"enginewright: {exc}", file=sys.stderr)
         return EXIT_GATE

@@ -101,7 +101,7 @@ def summary(spec: ReleaseSpec, released: Outcome, promoted: Outcome) -> str:
         f"live Triton:  {endpoint} (model {prom.model_name}; {grpc})",
         f"try it:       curl -s {endpoint}/v2/models/{prom.model_name}/infer -d '{example}'",
         f"stop it:      .venv/bin/enginewright triton stop --repository {_relative(repository)}",
-        f"MLflow UI:    .venv/bin/mlflow ui --backend-store-uri {spec.mlflow.tracking_uri} --host 127.0.0.1",
+        f"MLflow UI:    .venv/bin/mlflow ui --backend-store-uri {spec.mlflow.tracking_uri} --host 127.0.0.1 --port 5000",
     ])
 
 

@@ -75,6 +75,22 @@ def _targets(spec: ReleaseSpec) -> list[Target]:
     return resolve_targets(spec.triton, embedded_url=server.http_url, embedded_metrics_url=server.metrics_url)
 
 
+def _repositories(spec: ReleaseSpec) -> list[Path]:
+    """The model repositories the targets serve, known without starting or calling any server."""
+    if spec.triton.endpoints:
+        return [t.model_repository for t in resolve_targets(spec.triton)]
+    return [Path(spec.triton.model_repository)]
+
+
+def _approve(spec: ReleaseSpec, version: str) -> str:
+    from tasks.approve import approve
+
+    approved_by = approve(spec.approval, tracking_uri=spec.mlflow.tracking_uri, model_name=spec.model_name,
+                          version=version)
+    print(f"{spec.model_name} version {version} approved by {approved_by}")
+    return approved_by
+
+
 def _in_flow() -> bool:
     from prefect.context import FlowRunContext
 
@@ -90,17 +106,21 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
     """
     from registry import model_registry as mr
     from registry.promotion import require_complete
-    from tasks.approve import approve
 
     name, uri, cand = spec.model_name, spec.mlflow.tracking_uri, int(version)
     rollout = rollout or spec.rollout
+    timeline = spec.work_dir / "reports" / f"{kind}-{name}-v{version}.png"
+    previous = read_journal(_repositories(spec), name)
+    unfinished = previous is not None and not previous.terminal
+
+    approved_by = "(rollback to an earlier published version)"
+    if not skip_approval and not unfinished:  # no server is started for a version that may be rejected
+        approved_by = _approve(spec, version)
     targets = _targets(spec)
     check_reachable(targets)
     repos = [t.model_repository for t in targets]
-    timeline = spec.work_dir / "reports" / f"{kind}-{name}-v{version}.png"
 
-    previous = read_journal(repos, name)
-    if previous is not None and not previous.terminal:
+    if previous is not None and unfinished:
         done = reconcile(spec, targets, previous)
         if previous.candidate == cand and previous.kind == kind:
             if done == "finished":
@@ -124,10 +144,8 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
         return PromoteResult(name, version, info.fingerprint or "", [t.url for t in targets], "(already live)",
                              report, timeline)
 
-    approved_by = "(rollback to an earlier published version)"
-    if not skip_approval:
-        approved_by = approve(spec.approval, tracking_uri=uri, model_name=name, version=version)
-        print(f"{name} version {version} approved by {approved_by}")
+    if not skip_approval and unfinished:  # reconciled first (that needs the servers), then approved
+        approved_by = _approve(spec, version)
 
     device = "cuda" if spec.triton.device == "cuda" else "cpu" if spec.triton.device == "cpu" else "auto"
     require_complete(spec.artifacts.uri, info)  # a version without its manifest is never promoted

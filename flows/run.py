@@ -45,10 +45,26 @@ def run_release(spec: ReleaseSpec) -> Outcome:
 
 
 def run_promote(spec: ReleaseSpec, version: str) -> Outcome:
-    """Check that every Triton endpoint answers before the flow run changes anything, then run it."""
+    """Check that every Triton endpoint answers, wait for the approval, then run the flow.
+
+    The wait happens here, before the flow run, so that nothing runs beside it: the ephemeral Prefect
+    API (a child server, in the terminal's process group) starts with the flow run, and Triton after the
+    approval. Ctrl-C or SIGTERM during the wait therefore stop one process that has changed nothing
+    (WaitInterrupted). The flow reads the decision again at once and records it in its own run.
+    """
+    from flows.interrupt import interruptible
     from flows.promote import promote_flow
+    from tasks.approve import await_decision
+    from tasks.errors import ApprovalRejected
     from tasks.targets import check_reachable, resolve_targets
 
     if spec.triton.endpoints:
         check_reachable(resolve_targets(spec.triton))
+    if spec.approval.mode == "mlflow-tag":
+        try:
+            with interruptible(f"the approval of {spec.model_name} version {version}"):
+                await_decision(spec.approval, tracking_uri=spec.mlflow.tracking_uri, model_name=spec.model_name,
+                               version=version)
+        except ApprovalRejected as exc:
+            return Outcome(False, f"promote stopped: {exc}")
     return outcome_of(promote_flow(spec, version, return_state=True), what="promote")

@@ -1,9 +1,16 @@
 """The human gate: wait for a person to set the version tag ``approval`` in the MLflow UI.
 
 OSS MLflow has no approval workflow of its own, so the decision is a model-version tag:
-``approval`` = ``approved`` or ``rejected`` (case-insensitive), optionally with ``approved_by`` /
-``rejected_by`` and ``approval_note``. Automatic approval writes the same tags, so the record is
-explicit either way.
+``approval`` = ``approved`` or ``rejected``, optionally with ``approved_by`` / ``rejected_by`` and
+``approval_note``. Automatic approval writes the same tags, so the record is explicit either way.
+
+Read as a person writes them in the UI:
+- tag names and values are case-insensitive (``Approval`` = ``Approved`` counts; a warning names the
+  tag as the UI shows it, so the record can be tidied);
+- who decided is read when the decision is seen; if ``approved_by`` / ``rejected_by`` is not set yet,
+  the tags are read again once a second for up to ``BY_GRACE_S`` seconds, so a person who sets
+  ``approval`` first and their name within those seconds is named. After that the decision stands
+  without a name ("not named").
 """
 
 from __future__ import annotations
@@ -28,11 +35,25 @@ from registry.model_registry import get_version, version_ui_url
 log = logging.getLogger(__name__)
 
 TAG_APPROVAL = "approval"
+TAG_APPROVED_BY = "approved_by"
+TAG_REJECTED_BY = "rejected_by"
 TAG_APPROVAL_NOTE = "approval_note"
 APPROVED = "approved"
 REJECTED = "rejected"
 AUTO_APPROVER = "enginewright-auto"
-_BY_TAG = {APPROVED: "approved_by", REJECTED: "rejected_by"}
+NOT_NAMED = "not named"
+BY_GRACE_S = 10.0
+_BY_TAG = {APPROVED: TAG_APPROVED_BY, REJECTED: TAG_REJECTED_BY}
+
+
+def tag_value(tags: Mapping[str, str], name: str) -> tuple[str | None, str | None]:
+    """``(name as written, value)`` of the tag ``name`` compared case-insensitively; exact spelling first."""
+    if name in tags:
+        return name, tags[name]
+    for key, value in tags.items():
+        if key.strip().lower() == name:
+            return key, value
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -66,11 +87,13 @@ def wait_for_approval(
     poll_s: float = 5.0,
     on_waiting: Callable[[str], None] | None = None,
     ui_base: str | None = None,
+    by_grace_s: float = BY_GRACE_S,
 ) -> ApprovalDecision:
     """Poll the version tag ``approval`` until approved/rejected; ApprovalTimeoutError after ``timeout_s``.
 
     ``on_waiting`` is called once, with a message saying what to do (and the UI link when
-    ``ui_base`` is given), the first time the version is seen undecided.
+    ``ui_base`` is given), the first time the version is seen undecided. A decision seen without its
+    ``approved_by`` / ``rejected_by`` is re-read for up to ``by_grace_s`` seconds for the name.
     """
     if timeout_s < 0 or poll_s <= 0:
         raise RegistryError(
@@ -80,30 +103,22 @@ def wait_for_approval(
     client = mlflow_client(tracking_uri)
     deadline = time.monotonic() + timeout_s
     announced = False
-    ignored: set[str] = set()
+    warned: set[tuple[str, str | None]] = set()
     last_value: str | None = None
     while True:
-        tags: Mapping[str, str] | None
-        try:
-            tags = get_version(client, model_name, version).tags
-        except ModelVersionNotFoundError:
-            raise
-        except MlflowException as e:  # a server restart during a long wait is not a decision
-            log.warning("could not read model '%s' version %s (will retry): %s", model_name, version, e.message)
-            tags = None
+        tags = _read_tags(client, model_name, version)
         if tags is not None:
-            last_value = tags.get(TAG_APPROVAL)
+            key, last_value = tag_value(tags, TAG_APPROVAL)
             decision = read_decision_from_tags(model_name, version, tags)
+            if key is not None and (key, last_value) not in warned:
+                warned.add((key, last_value))
+                _warn_spelling(model_name, version, key, last_value, decision)
             if decision is not None:
+                if decision.decided_by is None and by_grace_s > 0:
+                    decision = _wait_for_name(client, decision, by_grace_s)
                 log.info("model '%s' version %s %s by %s", model_name, version, decision.decision,
-                         decision.decided_by or "unknown")
+                         decision.decided_by or f"({NOT_NAMED}: no {_BY_TAG[decision.decision]} tag)")
                 return decision
-            if last_value is not None and last_value not in ignored:
-                ignored.add(last_value)
-                log.warning(
-                    "ignoring tag approval='%s' on model '%s' version %s: expected 'approved' or 'rejected'",
-                    last_value, model_name, version,
-                )
             if not announced:
                 announced = True
                 if on_waiting is not None:
@@ -114,18 +129,55 @@ def wait_for_approval(
         time.sleep(min(poll_s, remaining))
 
 
+def _read_tags(client, model_name: str, version: str) -> Mapping[str, str] | None:
+    try:
+        return get_version(client, model_name, version).tags
+    except ModelVersionNotFoundError:
+        raise
+    except MlflowException as e:  # a server restart during a long wait is not a decision
+        log.warning("could not read model '%s' version %s (will retry): %s", model_name, version, e.message)
+        return None
+
+
+def _warn_spelling(model_name: str, version: str, key: str, value: str | None,
+                   decision: ApprovalDecision | None) -> None:
+    where = f"model '{model_name}' version {version}"
+    if decision is None:
+        log.warning("ignoring the version tag %s='%s' on %s: expected the value 'approved' or 'rejected'",
+                    key, value, where)
+    elif key != TAG_APPROVAL:
+        log.warning("reading the version tag '%s' (as the MLflow UI shows it) as '%s' on %s: tag names are read "
+                    "case-insensitively; rename it to '%s' to keep the record tidy", key, TAG_APPROVAL, where,
+                    TAG_APPROVAL)
+
+
+def _wait_for_name(client, decision: ApprovalDecision, grace_s: float) -> ApprovalDecision:
+    """Re-read the tags once a second for up to ``grace_s`` until the decider's name appears."""
+    deadline = time.monotonic() + grace_s
+    log.info("model '%s' version %s is %s; waiting up to %g s for its %s tag", decision.model_name,
+             decision.version, decision.decision, grace_s, _BY_TAG[decision.decision])
+    while time.monotonic() < deadline:
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        tags = _read_tags(client, decision.model_name, decision.version)
+        again = read_decision_from_tags(decision.model_name, decision.version, tags) if tags is not None else None
+        if again is not None and (again.decision != decision.decision or again.decided_by is not None):
+            return again  # named, or changed its mind within the grace: the newer reading counts
+    return decision
+
+
 def read_decision_from_tags(model_name: str, version: str, tags: Mapping[str, str]) -> ApprovalDecision | None:
-    """The decision in a version's tags, or None if there is none."""
-    value = tags.get(TAG_APPROVAL)
+    """The decision in a version's tags, or None if there is none (names and values case-insensitive)."""
+    _, value = tag_value(tags, TAG_APPROVAL)
     if value is None or value.strip().lower() not in _BY_TAG:
         return None
     decision = value.strip().lower()
+    by = tag_value(tags, _BY_TAG[decision])[1]
     return ApprovalDecision(
         model_name=model_name,
         version=str(version),
         decision=decision,
-        decided_by=tags.get(_BY_TAG[decision]),
-        note=tags.get(TAG_APPROVAL_NOTE),
+        decided_by=(by.strip() or None) if by is not None else None,
+        note=tag_value(tags, TAG_APPROVAL_NOTE)[1],
         observed_at=datetime.now(timezone.utc),
     )
 

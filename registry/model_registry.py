@@ -40,6 +40,13 @@ ALIASES = (ALIAS_CANDIDATE, ALIAS_CANARY, ALIAS_PRODUCTION)
 
 TAG_FINGERPRINT = "fingerprint"
 TAG_MANIFEST_URI = "manifest_uri"
+TAG_ENGINE_KIND = "engine_kind"
+TAG_CODE_REVISION = "code_revision"
+TAG_GATES = "gates"  # "passed": both gates passed (only gated engines are published)
+# The tags a version is registered with, for machines: find it by fingerprint, fetch its manifest, tell its
+# kind and code. What a person reads (gate figures and thresholds, the comparison, provenance, links) is
+# the version's description; the figures themselves are the run's metrics.
+VERSION_TAGS = (TAG_FINGERPRINT, TAG_MANIFEST_URI, TAG_ENGINE_KIND, TAG_CODE_REVISION, TAG_GATES)
 RUN_MANIFEST_PATH = "engine/manifest.json"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -237,6 +244,42 @@ def get_version_tags(client_or_uri: ClientOrUri, model_name: str, version: str) 
 def version_ui_url(ui_base: str, model_name: str, version: str) -> str:
     """The MLflow UI page of a version (MLflow 3.x hash route ``#/models/<name>/versions/<v>``)."""
     return f"{ui_base.rstrip('/')}/#/models/{urllib.parse.quote(model_name, safe='')}/versions/{version}"
+
+
+def run_ui_url(ui_base: str, experiment_id: str, run_id: str, artifact: str | None = None) -> str:
+    """The MLflow UI page of a run, or of one of its artifacts (``.../artifacts/<path>``)."""
+    url = f"{ui_base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{url}/artifacts/{artifact}" if artifact else url
+
+
+# `mlflow ui` and `mlflow server` listen on this port unless told otherwise; the approval link of a
+# database-backed store (no server of its own) assumes the UI runs there: see `ui_command`.
+DEFAULT_UI_PORT = 5000
+_LOCAL_STORES = ("sqlite:", "file:")
+
+
+def ui_base_for(tracking_uri: str, ui_url: str | None = None) -> str | None:
+    """The MLflow UI a person opens: ``ui_url`` if set, an HTTP tracking server itself, else (a sqlite or
+    file store) ``http://127.0.0.1:5000``, where :func:`ui_command` starts it. None for other databases."""
+    if ui_url:
+        return ui_url.rstrip("/")
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri.rstrip("/")
+    if tracking_uri.startswith(_LOCAL_STORES):
+        return f"http://127.0.0.1:{DEFAULT_UI_PORT}"
+    return None
+
+
+def ui_command(tracking_uri: str, ui_url: str | None = None) -> str | None:
+    """The command that serves the UI ``ui_base_for`` links to, for a local store without a server of its own."""
+    if ui_url or not tracking_uri.startswith(_LOCAL_STORES):
+        return None
+    return f"mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port {DEFAULT_UI_PORT}"
+
+
+def set_description(client_or_uri: ClientOrUri, model_name: str, version: str, markdown: str) -> None:
+    """Replace a version's description (markdown, which the MLflow UI renders on the version page)."""
+    mlflow_client(client_or_uri).update_model_version(model_name, str(version), description=markdown)
 
 
 def _check_alias(alias: str) -> None:

@@ -21,9 +21,13 @@ class ApprovalSpec(BaseModel):
     )
     timeout_s: float = Field(3600, gt=0, description="How long to wait for a decision before giving up.")
     poll_s: float = Field(5, gt=0, description="Seconds between two reads of the approval tag.")
+    by_grace_s: float = Field(
+        10, ge=0, description="After `approval` is seen without `approved_by` / `rejected_by`, how long to keep "
+        "reading the tags for the decider's name (a person often sets the name second).")
     ui_url: str | None = Field(
-        None, description="Base URL of the MLflow UI for the approval link; default: the tracking URI if HTTP."
-    )
+        None, description="Base URL of the MLflow UI for the approval link. Default: the tracking URI when it "
+        "is an HTTP server; for a sqlite store, http://127.0.0.1:5000, where `mlflow ui --backend-store-uri "
+        "<tracking_uri> --host 127.0.0.1 --port 5000` serves it (promote prints that command).")
 
 
 class TritonEndpoint(BaseModel):

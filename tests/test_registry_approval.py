@@ -78,7 +78,7 @@ def test_times_out_naming_model_version_and_setting(
     message = str(exc.value)
     assert model in message and f"version {version}" in message and "approval.timeout_s" in message
     assert "'looks good to me'" in message
-    ignored = [r for r in caplog.records if "ignoring tag approval" in r.getMessage()]
+    ignored = [r for r in caplog.records if "ignoring the version tag approval=" in r.getMessage()]
     assert len(ignored) == 1  # logged once, not every poll
 
 
