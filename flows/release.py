@@ -81,6 +81,7 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
             "performance.md": perf_report.read_text(),
             "performance.json": timed.to_json(),
         },
+        page=version_page(spec, checked, timed, production, engine.toolchain),
     )
     status = "already published as" if published.already_existed else "published as"
     print(f"{status} {published.model_name} version {published.version} ({published.manifest_uri})")
@@ -91,33 +92,60 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
 
 def write_release_report(spec: ReleaseSpec, fingerprint: str, checked, timed, published: PublishedVersion,
                          report_dir: Path, production) -> Path:
-    """Render the reviewer's report with its plots; attach it to the flow run and the MLflow run."""
+    """Render the reviewer's report with its plots (markdown, and HTML with the plots inline); attach it to
+    the flow run and the MLflow run's `report/` folder."""
     from registry import model_registry as mr
     from registry import tracking
     from tasks import report
+    from tasks.publish import REPORT_FOLDER
 
+    uri = spec.mlflow.tracking_uri
     images = {
         "latency distributions": report.plot_latency_distributions(timed, report_dir / "latency.png"),
         "validation divergence": report.plot_validation_divergence(
             checked, spec.validation.max_new_tokens, report_dir / "validation-divergence.png"
         ),
     }
-    links = {"artifacts (manifest)": published.manifest_uri, "MLflow tracking": spec.mlflow.tracking_uri}
-    if spec.mlflow.tracking_uri.startswith("http"):
-        base = spec.approval.ui_url or spec.mlflow.tracking_uri
-        links["approve here"] = mr.version_ui_url(base.rstrip("/"), spec.model_name, published.version)
+    ui = mr.ui_base_for(uri, spec.approval.ui_url)
+    run_page = None
+    if published.run_id and ui:
+        run_page = mr.run_ui_url(ui, tracking.experiment_id_of_run(uri, published.run_id), published.run_id)
+    links = {"artifacts (manifest)": published.manifest_uri, "MLflow tracking": uri}
+    if ui:
+        links["approve here"] = mr.version_ui_url(ui, spec.model_name, published.version)
     if published.run_id:
-        links["MLflow run"] = published.run_id
+        links["MLflow run"] = run_page or published.run_id
     text = report.render_release_report(
         model_name=spec.model_name, fingerprint=fingerprint, validation=checked, perf=timed,
         validation_report=validate.render_report(checked), perf_report=perf_gate.render_report(timed),
         production=production, links=links, images=images,
     )
     path = save_report(report_dir, "release-report.md", text)
-    if published.run_id:
-        for file in (path, *images.values()):
-            tracking.log_artifact_file(spec.mlflow.tracking_uri, published.run_id, file, artifact_path="report")
+    html = report_dir / "release-report.html"
+    html.write_text(report.render_html(text, images, title=f"Release report: {spec.model_name} {fingerprint[:16]}"))
+    if published.run_id and not published.already_existed:
+        for file in (html, path, *images.values()):
+            tracking.log_artifact_file(uri, published.run_id, file, artifact_path=REPORT_FOLDER)
     return path
+
+
+def version_page(spec: ReleaseSpec, checked, timed, production, toolchain: dict):
+    """What the published version's page will say (rendered by the publish step, links into its run)."""
+    import socket
+
+    from registry import model_registry as mr
+    from tasks.publish import code_revision, publisher, spec_digest
+    from tasks.version_page import Provenance, VersionPage
+
+    e = spec.engine
+    built = Provenance(
+        user=publisher(), host=socket.gethostname(), code_revision=code_revision(),
+        spec_sha256=spec_digest(spec.model_dump(mode="json")),
+        engine=f"{e.kind} {e.dtype}, max batch {e.max_batch_size}, max sequence {e.max_seq_len}",
+        toolchain={k: str(v) for k, v in toolchain.items()},
+    )
+    return VersionPage(checked, timed, spec.perf.slo, production, built,
+                       mr.ui_base_for(spec.mlflow.tracking_uri, spec.approval.ui_url))
 
 
 def report_production(spec: ReleaseSpec):

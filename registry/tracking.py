@@ -18,6 +18,16 @@ from registry.errors import RegistryError
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 
+# MLflow 3.x lists the runs of an experiment without this tag under GenAI "Evaluation runs"; release runs
+# are model development, shown with their params, metrics and artifacts.
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+# Run tags the UI reads: "Created by" (user), the source (a job, its name) and the git commit.
+TAG_RUN_USER = "mlflow.user"
+TAG_SOURCE_NAME = "mlflow.source.name"
+TAG_SOURCE_TYPE = "mlflow.source.type"
+TAG_SOURCE_COMMIT = "mlflow.source.git.commit"
+
 
 def default_artifact_location(tracking_uri: str) -> str | None:
     """``file://<folder of the db>/mlruns`` for a ``sqlite:///`` file URI, else None (the server decides).
@@ -41,17 +51,29 @@ def get_or_create_experiment(client_or_uri: ClientOrUri, name: str, *, artifact_
     client = mlflow_client(client_or_uri)
     found = client.get_experiment_by_name(name)
     if found is not None:
+        if TAG_EXPERIMENT_KIND not in (found.tags or {}):
+            client.set_experiment_tag(found.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
         return found.experiment_id
     if artifact_location is None:
         artifact_location = default_artifact_location(client.tracking_uri)
     try:
-        return client.create_experiment(name, artifact_location=artifact_location)
+        return client.create_experiment(name, artifact_location=artifact_location,
+                                        tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
     except MlflowException as e:
         if error_code(e) != "RESOURCE_ALREADY_EXISTS":
             raise
         found = client.get_experiment_by_name(name)  # created concurrently
         assert found is not None
         return found.experiment_id
+
+
+def run_metrics(client_or_uri: ClientOrUri, run_id: str) -> dict[str, float]:
+    """The latest value of each metric of a run."""
+    return dict(mlflow_client(client_or_uri).get_run(run_id).data.metrics)
+
+
+def experiment_id_of_run(client_or_uri: ClientOrUri, run_id: str) -> str:
+    return mlflow_client(client_or_uri).get_run(run_id).info.experiment_id
 
 
 def start_release_run(

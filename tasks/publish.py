@@ -16,7 +16,11 @@ from typing import Any
 
 from prefect import task
 
+from tasks.version_page import VersionPage
+
 log = logging.getLogger(__name__)
+
+REPORT_FOLDER = "report"  # the run's one folder of reports and plots
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,21 @@ def code_revision() -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.stdout.strip() or "unknown"
+
+
+def publisher() -> str:
+    """Who publishes: the MLflow account when one is set (``MLFLOW_TRACKING_USERNAME``), else the OS user."""
+    import getpass
+    import os
+
+    return os.environ.get("MLFLOW_TRACKING_USERNAME") or getpass.getuser()
+
+
+def spec_digest(params: dict[str, Any]) -> str:
+    """sha256 of the spec as published (its JSON dump, keys sorted)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def flatten(prefix: str, value: Any) -> dict[str, str]:
@@ -63,9 +82,11 @@ def publish(
     params: dict[str, Any],
     metrics: dict[str, float],
     reports: dict[str, str],
+    page: VersionPage | None = None,
     progress: Callable[[str, int], None] | None = None,
 ) -> PublishedVersion:
-    """Upload the engine (manifest last), record the run, register the version as `candidate`."""
+    """Upload the engine (manifest last), record the run, register the version as `candidate` with its page
+    (the description a person decides from) when `page` is given."""
     from registry import model_registry, tracking
     from registry.stores import artifact_key, open_store
 
@@ -81,7 +102,16 @@ def publish(
     artifact = store.put_tree(Path(engine_info.path), key, manifest_meta=meta, progress=progress)
     log.info("artifact %s: %d files uploaded, %d already there%s", artifact.manifest_uri, artifact.uploaded_files,
              artifact.skipped_files, " (already published)" if artifact.already_existed else "")
-    run_tags = {"fingerprint": fingerprint, "code_revision": code_revision(), "manifest_uri": artifact.manifest_uri}
+    import socket
+
+    from registry.tracking import TAG_RUN_USER, TAG_SOURCE_COMMIT, TAG_SOURCE_NAME, TAG_SOURCE_TYPE
+
+    revision = code_revision()
+    run_tags = {"fingerprint": fingerprint, "code_revision": revision, "manifest_uri": artifact.manifest_uri,
+                "host": socket.gethostname(), "spec_sha256": spec_digest(params),
+                TAG_RUN_USER: publisher(), TAG_SOURCE_NAME: "enginewright release", TAG_SOURCE_TYPE: "JOB"}
+    if revision != "unknown":
+        run_tags[TAG_SOURCE_COMMIT] = revision
     run_tags.update({f"toolchain.{k}": str(v) for k, v in engine_info.toolchain.items()})
     run_id = tracking.start_release_run(
         tracking_uri, experiment, run_name=f"{model_name}-{fingerprint[:12]}", params=flatten("", params),
@@ -90,15 +120,24 @@ def publish(
     try:
         tracking.log_metrics(tracking_uri, run_id, metrics)
         for name, text in reports.items():
-            tracking.log_text(tracking_uri, run_id, text, f"reports/{name}")
+            tracking.log_text(tracking_uri, run_id, text, f"{REPORT_FOLDER}/{name}")
+        description = None
+        if page is not None:
+            run_page = None
+            if page.ui_base:
+                experiment_id = tracking.experiment_id_of_run(tracking_uri, run_id)
+                run_page = model_registry.run_ui_url(page.ui_base, experiment_id, run_id)
+            description = page.render(fingerprint=fingerprint, run_page=run_page, manifest_uri=artifact.manifest_uri,
+                                      report_folder=REPORT_FOLDER)
         version = model_registry.register_engine_version(
             tracking_uri,
             model_name,
             source=artifact.manifest_uri,
             run_id=run_id,
-            tags=version_tags(engine_info, artifact, metrics),
+            tags=version_tags(engine_info, artifact),
+            description=description,
         )
-        model_registry.set_alias(tracking_uri, model_name, "candidate", version)
+        model_registry.set_alias(tracking_uri, model_name, model_registry.ALIAS_CANDIDATE, version)
     except BaseException:
         tracking.end_run(tracking_uri, run_id, status="FAILED")
         raise
@@ -106,20 +145,17 @@ def publish(
     return PublishedVersion(model_name, version, fingerprint, artifact.manifest_uri, run_id, False)
 
 
-def version_tags(engine_info, artifact, metrics: dict[str, float]) -> dict[str, str]:
-    """Registry tags a reviewer and the promote flow rely on."""
-    tags = {
-        "fingerprint": engine_info.fingerprint,
-        "engine_kind": str(getattr(engine_info, "kind", None) or "torch"),
-        "manifest_uri": artifact.manifest_uri,
-        "manifest_files": str(len(artifact.manifest.files)),
-        "code_revision": code_revision(),
-        "gate.validation": "passed",
-        "gate.perf": "passed",
+def version_tags(engine_info, artifact) -> dict[str, str]:
+    """The version's tags, for machines (`registry.model_registry.VERSION_TAGS`); people read its description."""
+    from registry import model_registry as mr
+
+    return {
+        mr.TAG_FINGERPRINT: engine_info.fingerprint,
+        mr.TAG_MANIFEST_URI: artifact.manifest_uri,
+        mr.TAG_ENGINE_KIND: str(getattr(engine_info, "kind", None) or "torch"),
+        mr.TAG_CODE_REVISION: code_revision(),
+        mr.TAG_GATES: "passed",
     }
-    tags.update({f"toolchain.{k}": str(v) for k, v in engine_info.toolchain.items()})
-    tags.update({f"metric.{k}": f"{v:.6g}" for k, v in metrics.items()})
-    return tags
 
 
 @task(name="publish", retries=2, retry_delay_seconds=5)

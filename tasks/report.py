@@ -8,15 +8,7 @@ from pathlib import Path
 
 from tasks.perf_gate import PerfResult
 from tasks.validate import ValidationResult
-
-COMPARED = (
-    ("perf_output_tokens_per_s", "output tokens/s", True),
-    ("perf_ttft_p50_ms", "TTFT p50 ms", False),
-    ("perf_ttft_p99_ms", "TTFT p99 ms", False),
-    ("perf_tpot_p50_ms", "TPOT p50 ms", False),
-    ("validation_top1_agreement", "top-1 agreement", True),
-    ("validation_max_logit_error", "max logit error", False),
-)
+from tasks.version_page import compare_figures
 
 
 @dataclass(frozen=True)
@@ -56,15 +48,17 @@ def plot_validation_divergence(validation: ValidationResult, max_new_tokens: int
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     colors = {"identical": "#2ca02c", "tolerated": "#ff7f0e", "diverged": "#d62728"}
     matched = [max_new_tokens if c.divergence_position is None else c.divergence_position for c in validation.comparisons]
-    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.4 * len(matched)))
+    fig, ax = plt.subplots(figsize=(9, max(2.6, 1.4 + 0.4 * len(matched))))
     labels = [c.prompt[:40] for c in validation.comparisons]
     ax.barh(labels, matched, color=[colors[c.status] for c in validation.comparisons])
     ax.set_xlim(0, max_new_tokens)
-    ax.set_xlabel("greedy tokens identical to Hugging Face before the first divergence "
-                  "(green identical, orange within top-N, red diverged)")
+    ax.set_xlabel(f"greedy tokens identical to Hugging Face before the first divergence (of {max_new_tokens})")
+    ax.set_title("validation: where each prompt's generation first differs from the reference", fontsize=9)
+    ax.legend(handles=[Patch(color=c, label=s) for s, c in colors.items()], fontsize=7, loc="lower right")
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -72,17 +66,10 @@ def plot_validation_divergence(validation: ValidationResult, max_new_tokens: int
     return path
 
 
-def _compare_row(key: str, label: str, higher_is_better: bool, candidate: dict[str, float],
-                 production: dict[str, float] | None) -> str:
-    value = candidate.get(key)
-    if value is None:
-        return ""
-    if not production or key not in production:
-        return f"| {label} | {value:.4g} | - | - |\n"
-    base = production[key]
-    ratio = value / base if base else float("inf")
-    better = (ratio >= 1) if higher_is_better else (ratio <= 1)
-    return f"| {label} | {value:.4g} | {base:.4g} | {ratio:.3f} {'better' if better else 'worse'} |\n"
+def comparison_table(candidate: dict[str, float], production: dict[str, float] | None) -> list[str]:
+    """Markdown rows: figure | candidate | production | change ('same' when equal)."""
+    return [f"| {c.label} | {c.candidate:.4g} | {'-' if c.production is None else f'{c.production:.4g}'} | {c.change} |"
+            for c in compare_figures(candidate, production)]
 
 
 def render_release_report(
@@ -100,7 +87,7 @@ def render_release_report(
     """One markdown page: verdicts, figures vs thresholds (the gate reports), vs production, plots, links."""
     candidate = {**validation.metrics, **perf.metrics}
     prod_version, prod_metrics = production if production else (None, None)
-    compare = "".join(_compare_row(k, label, hib, candidate, prod_metrics) for k, label, hib in COMPARED)
+    compare = "\n".join(comparison_table(candidate, prod_metrics))
     heading = f"against production (version {prod_version}, recorded figures)" if prod_version else (
         "against production: no production version yet")
     lines = [
@@ -113,9 +100,9 @@ def render_release_report(
         "",
         f"## Candidate {heading}",
         "",
-        "| figure | candidate | production | ratio |",
+        "| figure | candidate | production | change |",
         "| --- | --- | --- | --- |",
-        compare.rstrip("\n"),
+        compare,
         "",
         *(f"![{name}]({path.name})" for name, path in images.items()),
         "",
@@ -126,8 +113,9 @@ def render_release_report(
 
 
 def production_figures(tracking_uri: str, model_name: str) -> tuple[str, dict[str, float]] | None:
-    """The production version's recorded gate figures (its `metric.*` tags), if there is one."""
+    """The production version's gate figures (its run's metrics; `metric.*` tags of older versions)."""
     from registry import model_registry as mr
+    from registry import tracking
     from registry.errors import RegistryError
 
     try:
@@ -136,5 +124,28 @@ def production_figures(tracking_uri: str, model_name: str) -> tuple[str, dict[st
         return None
     if version is None:
         return None
-    tags = mr.get_version_tags(tracking_uri, model_name, version)
-    return version, {k.removeprefix("metric."): float(v) for k, v in tags.items() if k.startswith("metric.")}
+    info = mr.get_version(tracking_uri, model_name, version)
+    figures = {k.removeprefix("metric."): float(v) for k, v in info.tags.items() if k.startswith("metric.")}
+    if info.run_id:
+        figures.update(tracking.run_metrics(tracking_uri, info.run_id))
+    return version, figures
+
+
+def render_html(markdown_text: str, images: dict[str, Path], *, title: str) -> str:
+    """The report as one HTML page with its plots inline (MLflow's artifact viewer renders HTML, not the
+    image links of a markdown file)."""
+    import base64
+    import html
+
+    import markdown
+
+    text = markdown_text
+    for name, path in images.items():
+        data = base64.b64encode(path.read_bytes()).decode()
+        text = text.replace(f"![{name}]({path.name})", f"![{name}](data:image/png;base64,{data})")
+    body = markdown.markdown(text, extensions=["tables"])
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title><style>"
+            "body{font-family:sans-serif;font-size:14px;margin:1.5em;max-width:70em}"
+            "table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;"
+            "text-align:left}img{max-width:100%;display:block;margin:0.5em 0}code{background:#f4f4f4}"
+            f"</style></head><body>{body}</body></html>\n")

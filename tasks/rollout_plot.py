@@ -78,7 +78,8 @@ def plot_timeline(report: RolloutReport, path: Path) -> Path:
     ax_lat.set_xlabel(f"seconds since rollout start ({width:g} s bins; dashed: analyses, green passed, "
                       "orange inconclusive, red failed)")
     failed = sum(not r.ok for r in records)
-    fig.suptitle(f"{report.model_name}: rollout of version {report.candidate} over {report.live}: {report.outcome}"
+    replacing = f"replacing version {report.live}" if report.live is not None else "first live version"
+    fig.suptitle(f"{report.model_name}: rollout of version {report.candidate} ({replacing}): {report.outcome}"
                  f" ({len(records)} requests, {failed} failed)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

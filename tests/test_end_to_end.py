@@ -12,6 +12,8 @@ from flows.promote import PromoteResult, promote_flow
 from flows.release import ReleaseResult, release_flow
 from flows.spec import ReleaseSpec, parse_spec
 from registry import model_registry as mr
+from registry import tracking
+from registry._client import mlflow_client
 from registry.manifest import Manifest
 from serving.engine import load_engine
 from serving.triton.client import infer_ids
@@ -64,10 +66,15 @@ def test_release_and_promote_end_to_end(tmp_path, checkpoint, triton, prefect_ha
 
     info = mr.get_version(spec.mlflow.tracking_uri, MODEL, published.version)
     assert info.fingerprint == published.fingerprint
-    assert info.tags["toolchain.torch"] == torch.__version__.split("+")[0]
-    assert float(info.tags["metric.validation_top1_agreement"]) >= 0.99
-    assert float(info.tags["metric.perf_output_tokens_per_s"]) > 0
+    assert set(info.tags) == set(mr.VERSION_TAGS), "machines read a few tags; people read the description"
+    figures = tracking.run_metrics(spec.mlflow.tracking_uri, published.run_id)
+    assert figures["validation_top1_agreement"] >= 0.99 and figures["perf_output_tokens_per_s"] > 0
     assert "candidate" in info.aliases
+    page = mlflow_client(spec.mlflow.tracking_uri).get_model_version(MODEL, published.version).description
+    assert page.startswith("**Gates passed.** Approving makes it the first live version") and "| validation |" in page
+    assert f"torch {torch.__version__.split('+')[0]}" in page
+    run_files = {a.path for a in mlflow_client(spec.mlflow.tracking_uri).list_artifacts(published.run_id)}
+    assert "report" in run_files and "reports" not in run_files, run_files
 
     store_root = tmp_path / "artifacts" / MODEL / published.fingerprint
     manifest = Manifest.from_json((store_root / "manifest.json").read_text())
@@ -102,7 +109,9 @@ def test_release_and_promote_end_to_end(tmp_path, checkpoint, triton, prefect_ha
     v2 = int(released2.published.version)
     review = (released2.report_dir / "release-report.md").read_text()
     assert f"against production (version {published.version}, recorded figures)" in review
-    assert "| output tokens/s |" in review and "| top-1 agreement | 1 | 1 | 1.000 better |" in review
+    assert "| output tokens/s |" in review and "| top-1 agreement | 1 | 1 | same |" in review
+    page2 = mlflow_client(spec.mlflow.tracking_uri).get_model_version(MODEL, released2.published.version).description
+    assert f"### Against version {published.version}, which it would replace" in page2
     for image in ("latency.png", "validation-divergence.png"):
         assert f"]({image})" in review
         assert (released2.report_dir / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,57 @@
+"""The version page (description) and the release report's wording and HTML form, as plain functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.perf_gate import PerfResult, PerfSlo
+from tasks.report import comparison_table, render_html
+from tasks.validate import PromptComparison, ValidationResult
+from tasks.version_page import Provenance, VersionPage, change_word
+
+
+def results() -> tuple[ValidationResult, PerfResult]:
+    validation = ValidationResult(
+        passed=True, comparisons=[PromptComparison("Once upon a time", "identical", None, None, None, "a", "a")],
+        top1_agreement=1.0, max_logit_error=0.0, mean_logit_error=0.0, perplexity_reference=10.0,
+        perplexity_engine=10.0, thresholds={"min_top1_agreement": 0.99, "max_logit_error": 0.001,
+                                            "max_perplexity_ratio": 1.01, "max_failed_prompts": 0})
+    perf = PerfResult(passed=True, output_tokens_per_s=812.0, ttft_p50_ms=5.0, ttft_p99_ms=9.0, tpot_p50_ms=1.2,
+                      tpot_p99_ms=2.0, workload={"batch_size": 4}, failures=[])
+    return validation, perf
+
+
+def test_equal_figures_are_the_same_and_zero_is_not_infinitely_worse() -> None:
+    assert change_word(0.0, 0.0, higher_is_better=False) == "same"
+    assert change_word(1.0, 1.0, higher_is_better=True) == "same"
+    assert change_word(2.0, 1.0, higher_is_better=True) == "2.000x, better"
+    assert change_word(0.5, 0.0, higher_is_better=False) == "worse"
+    rows = comparison_table({"validation_max_logit_error": 0.0, "validation_top1_agreement": 1.0},
+                            {"validation_max_logit_error": 0.0, "validation_top1_agreement": 1.0})
+    assert rows == ["| top-1 agreement | 1 | 1 | same |", "| max logit error | 0 | 0 | same |"]
+
+
+def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() -> None:
+    validation, perf = results()
+    built = Provenance("alice", "build-7", "0123456789abcdef", "f" * 64, "torch float32", {"torch": "2.13.0"})
+    page = VersionPage(validation, perf, PerfSlo(min_output_tokens_per_s=50), ("3", {"perf_output_tokens_per_s": 406.0}),
+                       built, "http://127.0.0.1:5000")
+    text = page.render(fingerprint="abc" * 10, run_page="http://127.0.0.1:5000/#/experiments/1/runs/r1",
+                       manifest_uri="file:///a/manifest.json", report_folder="report")
+    assert text.startswith("**Gates passed.** Approving promotes it in place of version 3 (alias `production`).")
+    assert "| validation | max prefill logit error | 0 | <= 0.001 |" in text
+    assert "| performance | output tokens/s | 812 | >= 50 |" in text
+    assert "| performance | TTFT p50 ms | 5 | not set |" in text
+    assert "| output tokens/s | 812 | 406 | 2.000x, better |" in text
+    assert "- by `alice` on `build-7`, code revision `0123456789ab`" in text and "torch 2.13.0" in text
+    assert ("- [release report (gates, comparison, plots)](http://127.0.0.1:5000/#/experiments/1/runs/r1/artifacts/"
+            "report/release-report.html)") in text
+
+
+def test_the_html_report_carries_its_plots_inline(tmp_path: Path) -> None:
+    png = tmp_path / "latency.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\nfake")
+    html = render_html("# Report\n\n| a | b |\n| --- | --- |\n| 1 | 2 |\n\n![latency](latency.png)\n",
+                       {"latency": png}, title="Report")
+    assert "<table>" in html and '<img alt="latency" src="data:image/png;base64,iVBORw0KGgpmYWtl"' in html
+    assert "latency.png" not in html
