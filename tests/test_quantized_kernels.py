@@ -2,7 +2,7 @@
 
 - CPU, every run: the quantized config lookup (tuned, bf16 table, default) and the reference fallback.
 - TRITON_INTERPRET=1 with Triton importable (skipped otherwise, so in CI): the skinny "dot" and "gemv"
-  kernels and the fused gate/up kernel on quantized weights, every split, rows 1..64.
+  kernels, the transposed "dott" one and the fused gate/up kernels on quantized weights, every split, rows 1..64.
 - CUDA (`gpu`): the kernels at the Llama-1B / 8B shapes, the FP8 prefill GEMM (`torch._scaled_mm`,
   activations scaled per token), and a quantized engine's compiled decode step in CUDA graphs against
   its own eager reference path (relative error of the logits, greedy tokens).
@@ -72,7 +72,8 @@ def test_fallback_dequantizes_on_the_cpu(method):
 @pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rows", [1, 5, 64])
-@pytest.mark.parametrize("config", ["dot:n32:k32:s1:w4:st2", "dot:n16:k16:s4:w4:st2", "gemv:n8:k32:s2:w4:st2"])
+@pytest.mark.parametrize("config", ["dot:n32:k32:s1:w4:st2", "dot:n16:k16:s4:w4:st2", "gemv:n8:k32:s2:w4:st2",
+                                    "dott:n32:k32:s1:w4:st2", "dott:n16:k16:s4:w4:st2"])
 def test_skinny_kernels_on_quantized_weights_interpreted(method, rows, config):
     config = GemmConfig.parse(config)
     if not config.fits(rows, 40, 128):
@@ -89,12 +90,13 @@ def test_skinny_kernels_on_quantized_weights_interpreted(method, rows, config):
 @pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rows", [1, 7])
-def test_gate_up_on_quantized_weights_interpreted(method, rows):
+@pytest.mark.parametrize("kernel", ["dot", "dott"])
+def test_gate_up_on_quantized_weights_interpreted(method, rows, kernel):
     q, s, w = quantized(2 * 48, 64, method)
     x = torch.randn(rows, 64)
     gate, up = F.linear(x.double(), w.double()).chunk(2, dim=-1)
     ref = F.silu(gate) * up
-    out = gate_up(x, q, config=GemmConfig.parse("dot:n16:k32:s1:w4:st2"), scale=s)
+    out = gate_up(x, q, config=GemmConfig.parse(f"{kernel}:n16:k32:s1:w4:st2"), scale=s)
     assert out.shape == (rows, 48) and rel_err(out, ref) < 1e-5
 
 

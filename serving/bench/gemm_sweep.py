@@ -47,9 +47,15 @@ def gemm_shapes(shape: str) -> dict[str, tuple[int, int]]:
             "w2": (a.dim, a.intermediate_size), "lm_head": (a.vocab_size, a.dim)}
 
 
-def compiled_configs(rows: int) -> list[GemmConfig]:
-    """Every kernel variant tried at `rows` (splits excluded: the split count is a runtime argument)."""
+def compiled_configs(rows: int, transposed: bool = False) -> list[GemmConfig]:
+    """Every kernel variant tried at `rows` (splits excluded: the split count is a runtime argument);
+    `transposed`: the "dott" kernel's too, beyond one row (the quantized sweeps)."""
     out = []
+    if transposed and rows > 1:
+        for (n, k), st in itertools.product([(64, 64), (64, 128), (64, 256), (128, 64), (128, 128)], (3, 4, 5)):
+            out.append(GemmConfig("dott", n, k, 1, 4, st))
+            if n == 128:
+                out.append(GemmConfig("dott", n, k, 1, 8, st))
     if rows == 1:
         for n, k, w, st in itertools.product((8, 16, 32), (256, 512), (4, 8), (2, 4)):
             out.append(GemmConfig("gemv", n, k, 1, w, st))
@@ -99,7 +105,7 @@ def warm_all(rows_list: list[int], workers: int, method: str | None = None) -> f
     started = time.perf_counter()
     jobs = []
     for rows in rows_list:
-        keys = [c.key() for c in compiled_configs(rows)]
+        keys = [c.key() for c in compiled_configs(rows, transposed=method is not None)]
         jobs += [(rows, keys[i::workers], method) for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         pool.map(_warm, [j for j in jobs if j[1]])
@@ -133,7 +139,7 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None) -> dict[st
         return launch(x, w, config, scale=scales[id(w)])
     results = []
     splits = (1, 2) if nbytes > 2**29 else (1, 2, 4, 8, 16)
-    for base in compiled_configs(rows):
+    for base in compiled_configs(rows, transposed=method is not None):
         for split in splits:
             config = with_split(base, split)
             if not config.fits(rows, n, k) or n // config.block_n * split > 64 * 132:
@@ -187,7 +193,7 @@ def sweep_gate_up(rows: int, intermediate: int, k: int, method: str | None = Non
     ref = unfused_path(weights[0]).float()
     unfused = time_cold_us(unfused_path, weights)
     results = []
-    for config in compiled_configs(rows):
+    for config in compiled_configs(rows, transposed=method is not None):
         if not fits(config, rows, k):
             continue
         try:

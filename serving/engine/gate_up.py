@@ -63,12 +63,10 @@ TUNED_GATE_UP: dict[tuple[int, int, int], str] = {
     (64, 14336, 4096): 'dot:n64:k64:s1:w4:st4',  # llama-3.1-8b: 59.1 vs unfused 68.0 us
 }
 TUNED_GATE_UP_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_GATE_UP)
-# quantized w13 (one byte per weight), from `python3 -m serving.bench quant-gemms` on an H200
+# quantized w13 (one byte per weight), from `python3 -m serving.bench gemms --quantization fp8 [--gate-up]` on an H200
 # (docs/quantization.md); a shape not here takes the bf16 config above
 TUNED_GATE_UP_QUANTIZED: dict[tuple[int, int, int], str] = {  # 2026-12-01, fp8 w13; "unfused": the fp8 w13 product + SiLU * up
-    (1, 8192, 2048): 'dot:n32:k256:s1:w4:st3',  # llama-3.2-1b: 15.5 vs unfused 18.6 us
     (64, 8192, 2048): 'dot:n32:k128:s1:w4:st3',  # llama-3.2-1b: 24.3 vs unfused 27.8 us
-    (1, 14336, 4096): 'dot:n32:k256:s1:w4:st3',  # llama-3.1-8b: 47.5 vs unfused 51.3 us
     (64, 14336, 4096): 'dot:n64:k64:s1:w4:st5',  # llama-3.1-8b: 69.5 vs unfused 79.6 us
 }
 TUNED_GATE_UP_QUANTIZED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_GATE_UP_QUANTIZED)
@@ -76,17 +74,16 @@ TUNED_GATE_UP_QUANTIZED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_
 
 def fits(config: GemmConfig, m: int, k: int) -> bool:
     """Whether `config` can run the gate/up product of m rows of width k (one K slice, whole blocks)."""
-    return config.kernel == "dot" and config.split == 1 and config.fits(m, 0, k)  # (fits does not read n)
+    return config.kernel in ("dot", "dott") and config.split == 1 and config.fits(m, 0, k)  # (fits does not read n)
 
 
 def config_for(m: int, intermediate: int, k: int, *, quantized: bool = False) -> GemmConfig | None:
-    """The tuned config of the shape; for a quantized w13, `TUNED_GATE_UP_QUANTIZED`'s, else the bf16 one's."""
+    """The tuned config of the shape; for a quantized w13 `TUNED_GATE_UP_QUANTIZED`'s only (a shape not there
+    runs the w13 product's own quantized kernel, then SiLU * up)."""
     if m > MAX_ROWS:
         return None
     key = (rows_bucket(m), intermediate, k)
-    if quantized and key in TUNED_GATE_UP_QUANTIZED_CONFIGS:
-        return TUNED_GATE_UP_QUANTIZED_CONFIGS[key]
-    return TUNED_GATE_UP_CONFIGS.get(key)
+    return (TUNED_GATE_UP_QUANTIZED_CONFIGS if quantized else TUNED_GATE_UP_CONFIGS).get(key)
 
 
 if triton is not None:
@@ -136,6 +133,51 @@ if triton is not None:
         dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(dst, (silu * up).to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
+    @triton.jit
+    def _gate_up_t_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_xm, stride_wn, stride_om, scale_ptr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False):
+        """`_gate_up_kernel` transposed (config kernel "dott"): the weight tiles as the products' first
+        operands, [BLOCK_N, BLOCK_M] accumulators (see skinny_gemm's "dott")."""
+        if GDC:
+            gdc_enter()
+        pid_n = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < I
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [K, M] view
+        g_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [N, K]
+        u_ptrs = w_ptr + (offs_n + I).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=n_mask[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=n_mask[:, None], other=0.0)
+            if SCALED:
+                g = g.to(x.dtype)
+                u = u.to(x.dtype)
+            if IEEE_DOT:
+                acc_g += tl.dot(g, x, input_precision="ieee")
+                acc_u += tl.dot(u, x, input_precision="ieee")
+            else:
+                acc_g += tl.dot(g, x)
+                acc_u += tl.dot(u, x)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        if SCALED:
+            acc_g = acc_g * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+            acc_u = acc_u * tl.load(scale_ptr + I + offs_n, mask=n_mask, other=0.0)[:, None]
+        dtype = out_ptr.dtype.element_ty
+        gate = acc_g.to(dtype).to(tl.float32)
+        up = acc_u.to(dtype).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        dst = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(dst, (silu * up).to(dtype), mask=n_mask[:, None] & m_mask[None, :])
+
     def launch(x: torch.Tensor, w13: torch.Tensor, config: GemmConfig, *, pdl: bool = False,
                scale: torch.Tensor | None = None) -> torch.Tensor:
         """silu(gate) * up [M, I] of x [M, K] and w13 [2I, K] (the tuning entry point); `pdl`: launched with
@@ -148,13 +190,15 @@ if triton is not None:
             raise ValueError(f"gate_up needs x [M, K] and w13 [2I, K] of one dtype, got {tuple(x.shape)} {x.dtype} "
                              f"and {tuple(w13.shape)} {w13.dtype}")
         if not fits(config, m, k):
-            raise ValueError(f"gate_up config {config.key()} does not fit M={m}, K={k} (a 'dot' config with split 1)")
+            raise ValueError(f"gate_up config {config.key()} does not fit M={m}, K={k} (a 'dot' or 'dott' config with "
+                             "split 1)")
         intermediate = w13.shape[0] // 2
         x = x.contiguous()
         if w13.stride(1) != 1:
             w13 = w13.contiguous()
         out = torch.empty((m, intermediate), dtype=x.dtype, device=x.device)
-        kernel_for(_gate_up_kernel, pdl)[(triton.cdiv(intermediate, config.block_n),)](
+        kernel = _gate_up_t_kernel if config.kernel == "dott" else _gate_up_kernel
+        kernel_for(kernel, pdl)[(triton.cdiv(intermediate, config.block_n),)](
             x, w13, out, m, intermediate, k, x.stride(0), w13.stride(0), out.stride(0),
             scale if scale is not None else x.new_empty(1, dtype=torch.float32),
             BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,

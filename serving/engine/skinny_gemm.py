@@ -9,9 +9,13 @@ wqkv at M=64: 96 tiles of 64x64 on 132 SMs) or adds a split-K reduction kernel p
 the bias. Under torch.compile the sum is an ordinary reduction that inductor fuses into the next
 elementwise kernel (the residual add, SiLU * up, rotary), so split-K costs no extra kernel.
 
-Two kernels:
+Three kernels:
 - "dot": a program per (BLOCK_N columns, K slice) loads all M rows (padded to BLOCK_M >= 16 for
   `tl.dot`) and its weight tile, accumulating in float32 on the tensor cores;
+- "dott" (the same product transposed, out^T = W x^T): the weight tile is the first operand, which
+  Hopper's tensor cores can take from registers, so a quantized tile converted there goes straight into
+  the product instead of back through shared memory (the "dot" kernel on fp8 weights at 64 rows read
+  them at 1.7-1.9 TB/s, against 3.9 for bf16);
 - "gemv" (M == 1): a program per (BLOCK_N columns, K slice) multiplies and sums on the CUDA cores.
 
 `config_for(m, n, k)` looks the shape up in `TUNED` (measured on an H200 by `python3 -m serving.bench
@@ -43,13 +47,13 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
 MAX_ROWS = 64  # more rows than this: F.linear
-CONFIG_TEXT = re.compile(r"(dot|gemv):n(\d+):k(\d+):s(\d+):w(\d+):st(\d+)")
+CONFIG_TEXT = re.compile(r"(dott|dot|gemv):n(\d+):k(\d+):s(\d+):w(\d+):st(\d+)")
 TUNED_CAPABILITY = (9, 0)  # the table's configs were measured on Hopper (H200); elsewhere they may not fit
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    kernel: str  # "dot" | "gemv"
+    kernel: str  # "dot" | "dott" | "gemv"
     block_n: int
     block_k: int
     split: int  # K slices, each a multiple of block_k
@@ -107,7 +111,7 @@ TUNED: dict[tuple[int, int, int], str] = {
 
 
 # Quantized weights (int8 / e4m3, one byte per weight): (rows bucket, N, K) -> config, from `python3 -m
-# serving.bench quant-gemms` on an H200 (docs/quantization.md). A shape not here runs `TUNED`'s bf16 config
+# serving.bench gemms --quantization fp8` on an H200 (docs/quantization.md). A shape not here runs `TUNED`'s bf16 config
 # (half the bytes per tile), else `default_quantized_config`.
 TUNED_QUANTIZED: dict[tuple[int, int, int], str] = {  # 2026-12-01, fp8 weights; "cuBLAS" is bf16 F.linear
     (1, 3072, 2048): 'gemv:n16:k256:s4:w4:st2',  # llama-3.2-1b wqkv: 4.2 vs cuBLAS 6.1 us
@@ -233,6 +237,41 @@ if triton is not None:
             tl.store(arg_ptr + offs_m * n_tiles + pid_n, column, mask=m_mask)
 
     @triton.jit
+    def _dot_t_kernel(x_ptr, w_ptr, out_ptr, M, N, k_split, stride_xm, stride_wn, stride_os, stride_om, scale_ptr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False):
+        """The "dot" kernel's product as out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] x^T [K, BLOCK_M]."""
+        if GDC:
+            gdc_enter()
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        k_start = pid_s * k_split
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [N, K]
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # [K, M] view
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for _ in range(0, k_split, BLOCK_K):
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            if SCALED:
+                w = w.to(x.dtype)
+            if IEEE_DOT:
+                acc += tl.dot(w, x, input_precision="ieee")
+            else:
+                acc += tl.dot(w, x)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if SCALED:
+            acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        out = acc.to(out_ptr.dtype.element_ty)
+        dst = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(dst, out, mask=n_mask[:, None] & m_mask[None, :])
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, k_split, stride_wn, stride_os, scale_ptr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False):
         if GDC:
@@ -287,7 +326,12 @@ if triton is not None:
         grid = (triton.cdiv(n, config.block_n), config.split)
         options = {"num_warps": config.warps, "num_stages": config.stages, **launch_options(pdl)}
         scales = scale if scale is not None else x.new_empty(1, dtype=torch.float32)  # (unread when unscaled)
-        if config.kernel == "gemv":
+        if config.kernel == "dott":
+            kernel_for(_dot_t_kernel, pdl)[grid](
+                x, weight, out, m, n, k_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), scales,
+                BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, IEEE_DOT=x.dtype == torch.float32,
+                GDC=gdc(pdl), SCALED=scale is not None, **options)
+        elif config.kernel == "gemv":
             kernel_for(_gemv_kernel, pdl)[grid](
                 x, weight, out, n, k_split, weight.stride(0), out.stride(0), scales,
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, GDC=gdc(pdl), SCALED=scale is not None, **options)
