@@ -66,8 +66,8 @@ TUNED_GATE_UP_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNE
 # quantized w13 (one byte per weight), from `python3 -m serving.bench gemms --quantization fp8 [--gate-up]` on an H200
 # (docs/quantization.md); a shape not here takes the bf16 config above
 TUNED_GATE_UP_QUANTIZED: dict[tuple[int, int, int], str] = {  # 2026-12-01, fp8 w13; "unfused": the fp8 w13 product + SiLU * up
-    (64, 8192, 2048): 'dot:n32:k128:s1:w4:st3',  # llama-3.2-1b: 24.3 vs unfused 27.8 us
-    (64, 14336, 4096): 'dot:n64:k64:s1:w4:st5',  # llama-3.1-8b: 69.5 vs unfused 79.6 us
+    (64, 8192, 2048): 'dott:n64:k128:s1:w4:st3',  # llama-3.2-1b: 22.7 vs unfused 31.6 us
+    (64, 14336, 4096): 'dott:n64:k128:s1:w4:st3',  # llama-3.1-8b: 63.2 vs unfused 71.9 us
 }
 TUNED_GATE_UP_QUANTIZED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_GATE_UP_QUANTIZED)
 

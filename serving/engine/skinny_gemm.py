@@ -118,18 +118,18 @@ TUNED_QUANTIZED: dict[tuple[int, int, int], str] = {  # 2026-12-01, fp8 weights;
     (1, 2048, 2048): 'gemv:n32:k256:s8:w4:st2',  # llama-3.2-1b wo: 3.2 vs cuBLAS 6.1 us
     (1, 16384, 2048): 'gemv:n16:k256:s1:w4:st4',  # llama-3.2-1b w13: 11.3 vs cuBLAS 18.2 us
     (1, 2048, 8192): 'gemv:n8:k512:s4:w4:st2',  # llama-3.2-1b w2: 7.1 vs cuBLAS 13.4 us
-    (64, 3072, 2048): 'dot:n64:k64:s8:w4:st3',  # llama-3.2-1b wqkv: 7.2 vs cuBLAS 6.6 us
-    (64, 2048, 2048): 'dot:n32:k128:s4:w4:st3',  # llama-3.2-1b wo: 6.0 vs cuBLAS 6.2 us
-    (64, 16384, 2048): 'dot:n64:k64:s2:w4:st4',  # llama-3.2-1b w13: 20.1 vs cuBLAS 19.5 us
-    (64, 2048, 8192): 'dot:n64:k64:s16:w4:st3',  # llama-3.2-1b w2: 12.2 vs cuBLAS 14.1 us
     (1, 6144, 4096): 'gemv:n8:k512:s1:w4:st2',  # llama-3.1-8b wqkv: 9.9 vs cuBLAS 16.4 us
     (1, 4096, 4096): 'gemv:n8:k512:s2:w4:st4',  # llama-3.1-8b wo: 7.0 vs cuBLAS 13.2 us
     (1, 28672, 4096): 'gemv:n16:k256:s4:w4:st2',  # llama-3.1-8b w13: 35.5 vs cuBLAS 56.6 us
     (1, 4096, 14336): 'gemv:n16:k256:s4:w4:st4',  # llama-3.1-8b w2: 19.1 vs cuBLAS 31.8 us
-    (64, 6144, 4096): 'dot:n64:k64:s4:w4:st4',  # llama-3.1-8b wqkv: 16.2 vs cuBLAS 16.2 us
-    (64, 4096, 4096): 'dot:n64:k64:s8:w4:st3',  # llama-3.1-8b wo: 12.1 vs cuBLAS 11.9 us
-    (64, 28672, 4096): 'dot:n128:k64:s1:w8:st5',  # llama-3.1-8b w13: 64.4 vs cuBLAS 62.2 us
-    (64, 4096, 14336): 'dot:n64:k64:s8:w4:st4',  # llama-3.1-8b w2: 32.0 vs cuBLAS 36.1 us
+    (64, 3072, 2048): 'dott:n64:k128:s8:w4:st3',  # llama-3.2-1b wqkv: 7.1 vs cuBLAS 6.3 us
+    (64, 2048, 2048): 'dott:n64:k128:s8:w4:st3',  # llama-3.2-1b wo: 5.6 vs cuBLAS 6.2 us
+    (64, 16384, 2048): 'dott:n64:k128:s1:w4:st3',  # llama-3.2-1b w13: 18.5 vs cuBLAS 19.5 us
+    (64, 2048, 8192): 'dott:n64:k128:s8:w4:st3',  # llama-3.2-1b w2: 11.1 vs cuBLAS 14.2 us
+    (64, 6144, 4096): 'dott:n64:k128:s4:w4:st3',  # llama-3.1-8b wqkv: 14.8 vs cuBLAS 16.1 us
+    (64, 4096, 4096): 'dott:n64:k128:s4:w4:st3',  # llama-3.1-8b wo: 11.2 vs cuBLAS 12.0 us
+    (64, 28672, 4096): 'dott:n64:k128:s2:w4:st3',  # llama-3.1-8b w13: 55.1 vs cuBLAS 62.1 us
+    (64, 4096, 14336): 'dott:n64:k128:s4:w4:st3',  # llama-3.1-8b w2: 29.8 vs cuBLAS 36.2 us
 }
 
 
