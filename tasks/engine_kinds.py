@@ -9,6 +9,7 @@ with a message naming ``engine.kind``.
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,25 @@ TRTLLM_KINDS = ("trtllm-engine", "trtllm-llmapi")
 
 
 def trtllm_options(engine: EngineSpec) -> Any:
-    """The spec's engine section as ``serving.trtllm.TrtllmOptions`` (cross-field rules checked)."""
+    """The spec's engine section as ``serving.trtllm.TrtllmOptions`` (cross-field rules checked).
+
+    ``engine.quantization`` (the field every kind takes) sets ``engine.trtllm.quantization`` (fp8 -> fp8,
+    int8-weight-only -> int8_weight_only: QuantAlgo FP8 / W8A16); both set and different is an error.
+    ``trtllm-engine`` warns which TensorRT-LLM versions it is for."""
     from serving.trtllm import TrtllmOptions
+    from serving.trtllm.errors import TrtllmOptionError
+    from serving.trtllm.options import FROM_ENGINE_QUANTIZATION, TRTLLM_ENGINE_VERSIONS
 
     values = {**engine.model_dump(exclude={"trtllm"}), **engine.trtllm.model_dump(exclude={"target_toolchain"})}
+    mapped = FROM_ENGINE_QUANTIZATION[engine.quantization]
+    if mapped != "none":
+        if engine.trtllm.quantization not in ("none", mapped):
+            raise TrtllmOptionError(f"engine.quantization={engine.quantization!r} (TensorRT-LLM {mapped!r}) and "
+                                    f"engine.trtllm.quantization={engine.trtllm.quantization!r} disagree; set one")
+        values["quantization"] = mapped
+    if engine.kind == "trtllm-engine":
+        warnings.warn(TRTLLM_ENGINE_VERSIONS, FutureWarning, stacklevel=2)
+        log.warning("%s", TRTLLM_ENGINE_VERSIONS)
     options = TrtllmOptions.from_mapping(values)
     options.check()
     return options

@@ -209,7 +209,7 @@ def prepare_llmapi_artifact(hf_dir: Path, out_dir: Path, options: TrtllmOptions,
     tmp = _aside(out_dir)
     commands: list[list[str]] = []
     try:
-        if options.quantization == "none":
+        if not options.llmapi_quantizes_with_modelopt:  # unquantized, or quantized by LLM(quant_config=...)
             for src in sorted(hf_dir.iterdir()):
                 if src.is_file():
                     _place(src, tmp / "checkpoint" / src.name, link=link)

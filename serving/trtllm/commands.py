@@ -153,6 +153,8 @@ def llm_args(options: TrtllmOptions, *, model: str = "checkpoint") -> dict[str, 
     }
     if options.max_num_tokens is not None:
         args["max_num_tokens"] = options.max_num_tokens
+    if options.quant_algo is not None and not options.llmapi_quantizes_with_modelopt:
+        args["quant_config"] = {"quant_algo": options.quant_algo}  # e.g. W8A16: LLM() quantizes at load
     check_llm_args(args)
     return args
 
@@ -173,4 +175,8 @@ def make_llm(args: dict[str, Any], base_dir: Path) -> Any:
             kwargs[key] = str(Path(base_dir) / kwargs[key])
     if kwargs.get("kv_cache_config") is not None:
         kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
+    if kwargs.get("quant_config") is not None:
+        from tensorrt_llm.llmapi import QuantAlgo, QuantConfig
+
+        kwargs["quant_config"] = QuantConfig(**{k: QuantAlgo[v] for k, v in kwargs["quant_config"].items()})
     return LLM(**kwargs)

@@ -116,8 +116,9 @@ LLM_ARGS_SOURCES = (
 LLM_KWARGS = frozenset({
     "model", "tokenizer", "backend", "dtype", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size",
     "max_num_tokens", "max_seq_len", "max_input_len", "max_beam_width", "kv_cache_config", "trust_remote_code",
-    "skip_tokenizer_init", "enable_chunked_prefill",
+    "skip_tokenizer_init", "enable_chunked_prefill", "quant_config",
 })
+QUANT_CONFIG_FIELDS = frozenset({"quant_algo", "kv_cache_quant_algo"})  # QuantConfig (tensorrt_llm.llmapi)
 KV_CACHE_CONFIG_FIELDS = frozenset({"free_gpu_memory_fraction", "enable_block_reuse", "dtype", "max_tokens"})
 SAMPLING_PARAMS_FIELDS = frozenset({
     "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "end_id", "pad_id", "detokenize",
@@ -159,6 +160,9 @@ def check_llm_args(args: dict[str, Any]) -> None:
     if unknown:
         raise TrtllmOptionError(f"LLM() arguments {unknown} are not documented keyword arguments "
                                 f"(sources: {'; '.join(LLM_ARGS_SOURCES)})")
+    unknown = sorted(set(args.get("quant_config") or {}) - QUANT_CONFIG_FIELDS)
+    if unknown:
+        raise TrtllmOptionError(f"QuantConfig fields {unknown} are not documented")
     kv = args.get("kv_cache_config") or {}
     unknown = sorted(set(kv) - KV_CACHE_CONFIG_FIELDS)
     if unknown:

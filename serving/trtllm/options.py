@@ -25,6 +25,16 @@ QUANT_ROUTE: dict[str, tuple[str, str | None]] = {
     "nvfp4": ("quantize", "nvfp4"),
 }
 FP8_QUANTIZATIONS = frozenset({"fp8", "w4a8_awq", "nvfp4"})
+# engine.quantization (the field every kind takes) -> engine.trtllm.quantization
+FROM_ENGINE_QUANTIZATION = {"none": "none", "fp8": "fp8", "int8-weight-only": "int8_weight_only"}
+# engine.trtllm.quantization -> the member of tensorrt_llm.llmapi.QuantAlgo it is (QuantConfig(quant_algo=...);
+# https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html, QuantConfig / QuantAlgo)
+QUANT_ALGO = {"fp8": "FP8", "int8_weight_only": "W8A16", "int4_weight_only": "W4A16", "int4_awq": "W4A16_AWQ",
+              "w4a8_awq": "W4A8_AWQ", "nvfp4": "NVFP4", "w8a8_sq": "W8A8_SQ_PER_CHANNEL"}
+TRTLLM_ENGINE_VERSIONS = (
+    "engine.kind='trtllm-engine' builds TensorRT engines with convert_checkpoint.py and trtllm-build, which "
+    "TensorRT-LLM deprecated in Feb 2026 and removed in Jul 2026 (PyTorch is its only backend since): it is for "
+    "fleets on TensorRT-LLM <= 1.2. Use engine.kind='trtllm-llmapi' for later releases")
 # Model families and the folder of their convert_checkpoint.py under TensorRT-LLM's examples/.
 CONVERT_SCRIPTS = {
     "llama": "models/core/llama/convert_checkpoint.py",
@@ -83,6 +93,17 @@ class TrtllmOptions:
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
+
+    @property
+    def quant_algo(self) -> str | None:
+        """The `QuantAlgo` member name of this quantization (None for "none")."""
+        return QUANT_ALGO.get(self.quantization)
+
+    @property
+    def llmapi_quantizes_with_modelopt(self) -> bool:
+        """trtllm-llmapi: whether the checkpoint is quantized offline by ModelOpt (its export carries
+        hf_quant_config.json, which the PyTorch backend reads), else `LLM(quant_config=...)` does it."""
+        return self.quantization != "none" and QUANT_ROUTE[self.quantization][0] == "quantize"
 
     @property
     def uses_fp8(self) -> bool:
