@@ -84,7 +84,7 @@ def test_publish_approve_verify_fetch(as_publisher: MlflowAuthServer, s3_bucket:
     info = get_version(auth.tracking_uri, model, version)
     assert info.source == published.manifest_uri == f"s3://{s3_bucket}/engines/{model}/{engine.fingerprint}/manifest.json"
     assert info.fingerprint == engine.fingerprint and "candidate" in info.aliases
-    assert info.tags["gate.validation"] == "passed" and info.tags["toolchain.torch"] == "2.13.0"
+    assert info.tags["gates"] == "passed" and info.tags["engine_kind"] == "torch"
     assert info.tags["code_revision"]
     run = MlflowClient(auth.tracking_uri).get_run(info.run_id)
     assert run.data.tags["fingerprint"] == engine.fingerprint and run.data.tags["toolchain.cuda"] == "none"

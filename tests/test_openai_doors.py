@@ -79,6 +79,10 @@ def world(tmp_path_factory):
     work = tmp_path_factory.mktemp("doors")
     repository = work / "repository"
     engine = make_tiny_engine(work, max_batch_size=8)
+    # the tiny tokenizer has no chat template of its own; chat requests need one
+    (engine / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
     server = ensure_embedded(repository)
     fronts: list[subprocess.Popen] = []
     try:

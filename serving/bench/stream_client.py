@@ -27,7 +27,9 @@ def _request(client: Any, events: queue.Queue, model: str, prompt: list[int], ge
     inputs = []
     for name, arr, dt in (("input_ids", np.asarray([prompt], dtype=np.int32), "INT32"),
                           ("max_tokens", np.asarray([[gen_len]], dtype=np.int32), "INT32"),
-                          ("stream", np.asarray([[True]], dtype=bool), "BOOL")):
+                          ("stream", np.asarray([[True]], dtype=bool), "BOOL"),
+                          # fixed-length generations, as trtllm-bench and vllm bench measure: EOS does not end them
+                          ("ignore_eos", np.asarray([[True]], dtype=bool), "BOOL")):
         t = grpcclient.InferInput(name, list(arr.shape), dt)
         t.set_data_from_numpy(arr)
         inputs.append(t)

@@ -182,7 +182,8 @@ class EngineHost:
 
     def text_stream(self, req: LlmRequest) -> TextStream | None:
         """The request's detokenizer and stop-string matcher, when it wants text or has stop strings."""
-        if not (req.want_text or req.stop_strings):
+        text_possible = req.text is not None or self.has_tokenizer  # an id-only engine answers ids alone
+        if not ((req.want_text and text_possible) or req.stop_strings):
             return None
         return TextStream(self.tokenizer, special_ids=self.text.special_ids, stop_ids=req.stop_token_ids,
                           stop_strings=req.stop_strings)
