@@ -307,7 +307,7 @@ def approved_without_outcome(tracking_uri: str, model_name: str) -> list[str]:
 
     found = mlflow_client(tracking_uri).search_model_versions(
         f"name = '{model_name}' and tags.{TAG_APPROVAL} = '{APPROVED}'")
-    return sorted((mv.version for mv in found if TAG_ROLLOUT not in (mv.tags or {})), key=int)
+    return sorted((str(mv.version) for mv in found if TAG_ROLLOUT not in (mv.tags or {})), key=int)
 
 
 def reconcile(tracking_uri: str, model_name: str, *, emit: EmitFn = prefect_emit) -> list[str]:

@@ -95,3 +95,24 @@ def test_seen_deliveries_are_bounded(tmp_path):
         seen.add(f"d{i}")
     assert "d0" not in seen and "d4" in seen
     assert "d1" not in SeenDeliveries(tmp_path / "seen.txt", limit=3)
+
+
+def test_reconcile_emits_the_approval_of_versions_no_promotion_has_finished(tmp_path):
+    """The poll path against MLflow's own sqlite store: approved without outcome -> emitted; approved and
+    rolled out, or not approved -> not."""
+    from mlflow import MlflowClient
+
+    from flows.approval_events import reconcile
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.create_registered_model("m")
+    for _ in range(3):
+        client.create_model_version("m", source=str(tmp_path))
+    client.set_model_version_tag("m", "1", "approval", "approved")
+    client.set_model_version_tag("m", "1", "rollout", "succeeded")
+    client.set_model_version_tag("m", "2", "approval", "approved")
+    emitted: list = []
+    assert reconcile(uri, "m", emit=lambda *args: emitted.append(args)) == ["2"]
+    assert [(e, r["prefect.resource.id"]) for e, r, _ in emitted] == [
+        ("enginewright.approval.approved", "mlflow.model-version.m.2")]
