@@ -38,20 +38,59 @@ class MlflowSpec(BaseModel):
     )
     experiment: str = Field("enginewright", description="MLflow experiment of the release runs.")
 
+    @field_validator("tracking_uri")
+    @classmethod
+    def _tracking(cls, uri: str) -> str:
+        return check_tracking_uri(uri)
+
 
 class ArtifactsSpec(BaseModel):
     """Where engine artifacts are published (content-addressed by engine fingerprint)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    uri: str = Field(description="`file:///abs/path`, `file://relative/path` or `s3://bucket/prefix`.")
+    uri: str = Field(description="`file:///abs/path`, `file://relative/path` (resolved against the directory "
+                                 "the command runs in, when the spec is loaded) or `s3://bucket/prefix`.")
 
     @field_validator("uri")
     @classmethod
     def _scheme(cls, uri: str) -> str:
-        if not uri.startswith(("file://", "s3://")):
-            raise ValueError(f"artifact store URI {uri!r} must start with file:// or s3://")
+        return resolve_store_uri(uri)
+
+
+def resolve_store_uri(uri: str) -> str:
+    """``file://relative/path`` -> ``file:///abs/path`` (against the current directory); ``file:///abs`` and
+    ``s3://bucket[/prefix]`` as they are; anything else a ValueError naming the URI."""
+    if uri.startswith("s3://"):
+        if not uri[len("s3://"):].split("/", 1)[0]:
+            raise ValueError(f"artifact store URI {uri!r} names no bucket: s3://bucket/prefix")
         return uri
+    if not uri.startswith("file://"):
+        raise ValueError(f"artifact store URI {uri!r} must start with file:// or s3://")
+    path = uri[len("file://"):]
+    if path.startswith("localhost/"):
+        path = path[len("localhost"):]
+    if not path or path == ".":
+        raise ValueError(f"artifact store URI {uri!r} names no folder")
+    return Path(path).absolute().as_uri() if not path.startswith("/") else f"file://{path}"
+
+
+TRACKING_SCHEMES = ("http", "https", "sqlite", "file", "postgresql", "mysql", "mssql", "databricks")
+
+
+def check_tracking_uri(uri: str) -> str:
+    """An MLflow tracking URI with a scheme MLflow serves and, for a server, a host; a ValueError otherwise."""
+    scheme, sep, rest = uri.partition("://") if "://" in uri else uri.partition(":")
+    base = scheme.split("+", 1)[0].lower()
+    if not sep or base not in TRACKING_SCHEMES:
+        raise ValueError(f"MLflow tracking URI {uri!r} must start with one of "
+                         f"{', '.join(s + '://' for s in TRACKING_SCHEMES)}")
+    if base in ("http", "https") and not rest.split("/", 1)[0]:
+        raise ValueError(f"MLflow tracking URI {uri!r} names no host")
+    if base == "sqlite" and not rest.lstrip("/"):
+        raise ValueError(f"MLflow tracking URI {uri!r} names no database file: sqlite:///relative.db or "
+                         "sqlite:////absolute.db")
+    return uri
 
 
 class ReleaseSpec(BaseModel):

@@ -16,6 +16,7 @@ from typing import Any
 
 from prefect import task
 
+from registry.errors import StoreConfigError, UploadError
 from tasks.version_page import VersionPage
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,24 @@ def version_tags(engine_info, artifact) -> dict[str, str]:
     }
 
 
-@task(name="publish", retries=2, retry_delay_seconds=5)
+# botocore's and urllib3's names for a connection that failed or timed out (imported lazily by the store)
+TRANSIENT_ERROR_NAMES = frozenset({"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                                   "ConnectionClosedError", "ProtocolError"})
+
+
+def is_retryable(exc: BaseException | None) -> bool:
+    """Whether another try can help: an upload or connection failure, not a configuration error (a bad URI,
+    a missing setting), which fails the same way every time."""
+    if exc is None or isinstance(exc, StoreConfigError):
+        return False
+    return isinstance(exc, (UploadError, ConnectionError, TimeoutError)) or type(exc).__name__ in TRANSIENT_ERROR_NAMES
+
+
+def _retry_when_retryable(_task: Any, _run: Any, state: Any) -> bool:
+    return is_retryable(state.data if isinstance(state.data, BaseException) else None)
+
+
+@task(name="publish", retries=2, retry_delay_seconds=5, retry_condition_fn=_retry_when_retryable)
 def publish_task(**kwargs: Any) -> PublishedVersion:
     """Publish the engine artifacts, the MLflow run and the registered version."""
     return publish(**kwargs)
