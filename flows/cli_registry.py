@@ -29,8 +29,9 @@ def cmd_wait_approval(args: argparse.Namespace) -> int:
 
     spec = ApprovalSpec(mode="mlflow-tag", timeout_s=args.timeout, poll_s=args.poll, ui_url=args.ui_url)
     try:
-        with interruptible(f"the approval of {args.model} version {args.version}"):
-            who = approve(spec, tracking_uri=args.tracking_uri, model_name=args.model, version=str(args.version))
+        with interruptible(f"the approval of {args.model} version {args.version}") as sleep:
+            who = approve(spec, tracking_uri=args.tracking_uri, model_name=args.model, version=str(args.version),
+                          sleep=sleep)
     except ApprovalRejected as exc:
         print(f"enginewright: {exc}", file=sys.stderr)
         return EXIT_GATE

@@ -62,9 +62,9 @@ def run_promote(spec: ReleaseSpec, version: str) -> Outcome:
         check_reachable(resolve_targets(spec.triton))
     if spec.approval.mode == "mlflow-tag":
         try:
-            with interruptible(f"the approval of {spec.model_name} version {version}"):
+            with interruptible(f"the approval of {spec.model_name} version {version}") as sleep:
                 await_decision(spec.approval, tracking_uri=spec.mlflow.tracking_uri, model_name=spec.model_name,
-                               version=version)
+                               version=version, sleep=sleep)
         except ApprovalRejected as exc:
             return Outcome(False, f"promote stopped: {exc}")
     return outcome_of(promote_flow(spec, version, return_state=True), what="promote")

@@ -88,12 +88,14 @@ def wait_for_approval(
     on_waiting: Callable[[str], None] | None = None,
     ui_base: str | None = None,
     by_grace_s: float = BY_GRACE_S,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> ApprovalDecision:
     """Poll the version tag ``approval`` until approved/rejected; ApprovalTimeoutError after ``timeout_s``.
 
     ``on_waiting`` is called once, with a message saying what to do (and the UI link when
     ``ui_base`` is given), the first time the version is seen undecided. A decision seen without its
-    ``approved_by`` / ``rejected_by`` is re-read for up to ``by_grace_s`` seconds for the name.
+    ``approved_by`` / ``rejected_by`` is re-read for up to ``by_grace_s`` seconds for the name. Every
+    pause between polls is a call of ``sleep`` (where a caller lets Ctrl-C end the wait).
     """
     if timeout_s < 0 or poll_s <= 0:
         raise RegistryError(
@@ -115,7 +117,7 @@ def wait_for_approval(
                 _warn_spelling(model_name, version, key, last_value, decision)
             if decision is not None:
                 if decision.decided_by is None and by_grace_s > 0:
-                    decision = _wait_for_name(client, decision, by_grace_s)
+                    decision = _wait_for_name(client, decision, by_grace_s, sleep)
                 log.info("model '%s' version %s %s by %s", model_name, version, decision.decision,
                          decision.decided_by or f"({NOT_NAMED}: no {_BY_TAG[decision.decision]} tag)")
                 return decision
@@ -126,7 +128,7 @@ def wait_for_approval(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ApprovalTimeoutError(model_name, str(version), timeout_s, last_value=last_value)
-        time.sleep(min(poll_s, remaining))
+        sleep(min(poll_s, remaining))
 
 
 def _read_tags(client, model_name: str, version: str) -> Mapping[str, str] | None:
@@ -151,13 +153,14 @@ def _warn_spelling(model_name: str, version: str, key: str, value: str | None,
                     TAG_APPROVAL)
 
 
-def _wait_for_name(client, decision: ApprovalDecision, grace_s: float) -> ApprovalDecision:
+def _wait_for_name(client, decision: ApprovalDecision, grace_s: float,
+                   sleep: Callable[[float], None]) -> ApprovalDecision:
     """Re-read the tags once a second for up to ``grace_s`` until the decider's name appears."""
     deadline = time.monotonic() + grace_s
     log.info("model '%s' version %s is %s; waiting up to %g s for its %s tag", decision.model_name,
              decision.version, decision.decision, grace_s, _BY_TAG[decision.decision])
     while time.monotonic() < deadline:
-        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         tags = _read_tags(client, decision.model_name, decision.version)
         again = read_decision_from_tags(decision.model_name, decision.version, tags) if tags is not None else None
         if again is not None and (again.decision != decision.decision or again.decided_by is not None):

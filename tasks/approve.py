@@ -9,6 +9,8 @@ command on port 5000 and the link into it. A rejection changes nothing but the v
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefect import task
@@ -42,7 +44,8 @@ def approval_link(spec: ApprovalSpec, tracking_uri: str, model_name: str, versio
     return ApprovalLink(url, mr.ui_command(tracking_uri, spec.ui_url))
 
 
-def await_decision(spec: ApprovalSpec, *, tracking_uri: str, model_name: str, version: str):
+def await_decision(spec: ApprovalSpec, *, tracking_uri: str, model_name: str, version: str,
+                   sleep: Callable[[float], None] = time.sleep):
     """The decision on the version, waiting for it (printing the link) when there is none yet.
 
     A rejection moves the `candidate` alias off the version and raises ApprovalRejected with a sentence
@@ -58,7 +61,7 @@ def await_decision(spec: ApprovalSpec, *, tracking_uri: str, model_name: str, ve
         log.info("%s", text)
         decision = approval.wait_for_approval(
             model_name, version, tracking_uri=tracking_uri, timeout_s=spec.timeout_s, poll_s=spec.poll_s,
-            by_grace_s=spec.by_grace_s,
+            by_grace_s=spec.by_grace_s, sleep=sleep,
         )
     _attach_link(model_name, version, link, decision)
     if not decision.approved:
@@ -100,14 +103,15 @@ def _attach_link(model_name: str, version: str, link: ApprovalLink, decision) ->
     )
 
 
-def approve(spec: ApprovalSpec, *, tracking_uri: str, model_name: str, version: str) -> str:
+def approve(spec: ApprovalSpec, *, tracking_uri: str, model_name: str, version: str,
+            sleep: Callable[[float], None] = time.sleep) -> str:
     """Return who approved; raise ApprovalRejected or the registry's timeout error otherwise."""
     from registry import approval
 
     if spec.mode == "auto":
         approval.auto_approve(model_name, version, tracking_uri=tracking_uri)
         return "enginewright-auto"
-    decision = await_decision(spec, tracking_uri=tracking_uri, model_name=model_name, version=version)
+    decision = await_decision(spec, tracking_uri=tracking_uri, model_name=model_name, version=version, sleep=sleep)
     return verified_approver(tracking_uri, model_name, version, claimed=decision.decided_by)
 
 
