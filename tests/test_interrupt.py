@@ -14,35 +14,32 @@ from flows.interrupt import WaitInterrupted, interruptible
 
 def test_a_signal_during_a_poll_is_raised_at_the_next_sleep() -> None:
     polled_on = False
-    with pytest.raises(WaitInterrupted, match="SIGINT while waiting for the approval"):
-        with interruptible("the approval") as sleep:
-            os.kill(os.getpid(), signal.SIGINT)  # handled now, while "polling": held, not raised
-            polled_on = True
-            sleep(5)
+    with pytest.raises(WaitInterrupted, match="SIGINT while waiting for the approval"), \
+            interruptible("the approval") as sleep:
+        os.kill(os.getpid(), signal.SIGINT)  # handled now, while "polling": held, not raised
+        polled_on = True
+        sleep(5)
     assert polled_on
 
 
 def test_a_signal_during_the_sleep_stops_it() -> None:
-    with pytest.raises(WaitInterrupted) as stopped:
-        with interruptible("the approval") as sleep:
-            signal.setitimer(signal.ITIMER_REAL, 0.05)
-            previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
-            try:
-                sleep(10)
-            finally:
-                signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(WaitInterrupted) as stopped, interruptible("the approval") as sleep:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+        try:
+            sleep(10)
+        finally:
+            signal.signal(signal.SIGALRM, previous)
     assert stopped.value.signum == signal.SIGTERM
 
 
 def test_a_second_signal_stops_at_once_and_a_held_one_stops_at_the_end() -> None:
-    with pytest.raises(WaitInterrupted):
-        with interruptible("the approval"):
+    with pytest.raises(WaitInterrupted), interruptible("the approval"):
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(WaitInterrupted):
             os.kill(os.getpid(), signal.SIGINT)
-            with pytest.raises(WaitInterrupted):
-                os.kill(os.getpid(), signal.SIGINT)
-    with pytest.raises(WaitInterrupted):
-        with interruptible("the approval"):
-            os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(WaitInterrupted), interruptible("the approval"):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_the_handlers_are_restored() -> None:
