@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,9 +19,17 @@ demo: $(STAMP)
 
 # The gray-release tests (a promotion killed at every step, a fleet, a load test) keep both cores busy
 # for minutes: they run in a pytest process of their own, after the rest.
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/pytest -q --ignore-glob='tests/test_rollout_*.py'
 	$(BIN)/pytest -q tests/test_rollout_*.py
+
+# The browser test (tests/test_browser_approval.py) drives Debian's headless Chromium: installed when missing
+# and apt-get may (root, as in CI); where it cannot, that test skips saying why.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; } || \
+	  echo "make: no chromium/chromedriver and apt-get could not install them: the browser test will skip"
 
 lint: $(STAMP)
 	$(BIN)/ruff check flows tasks serving registry tests
