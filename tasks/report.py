@@ -96,7 +96,7 @@ def render_release_report(
         (f"Validation: **{'passed' if validation.passed else 'FAILED'}** · Performance: "
          f"**{'passed' if perf.passed else 'FAILED'}**"),
         "",
-        *(f"- {name}: {url}" for name, url in links.items()),
+        *(f"- {name}: {_link(url)}" for name, url in links.items()),
         "",
         f"## Candidate {heading}",
         "",
@@ -110,6 +110,11 @@ def render_release_report(
         perf_report.replace("# ", "## ", 1),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _link(url: str) -> str:
+    """A web address as a markdown link (clickable in the HTML report too); other URIs as they are."""
+    return f"[{url}]({url})" if url.startswith(("http://", "https://")) else url
 
 
 def production_figures(tracking_uri: str, model_name: str) -> tuple[str, dict[str, float]] | None:

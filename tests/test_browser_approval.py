@@ -195,8 +195,10 @@ class Setup:
             "mlflow": {"tracking_uri": self.tracking_uri, "model_name": self.model},
             "artifacts": {"uri": (self.tmp / "artifacts").as_uri()},
             "approval": {"mode": "mlflow-tag", "timeout_s": 300, "poll_s": 0.5},
-            "triton": {"endpoints": [{"url": self.triton_url, "model_repository": str(self.repository)}]},
-            "rollout": {"steps": [{"set_weight": 100}, {"analysis": {"requests": 4}}]},
+            # the Triton side as cheap as it goes (it is not what this test is about): one llm model, no stream model
+            "triton": {"endpoints": [{"url": self.triton_url, "model_repository": str(self.repository)}],
+                       "engine_parameters": {"decoupled": "false"}, "warmup_requests": 1},
+            "rollout": {"steps": [{"set_weight": 100}, {"analysis": {"requests": 2}}]},
             "work_dir": str(self.tmp / "work"),
         }
 
@@ -298,6 +300,8 @@ def test_the_report_renders_with_its_plots_in_the_artifact_viewer(setup: Setup, 
         heading = wait(browser).until(ec.presence_of_element_located((By.TAG_NAME, "h1")))
         assert heading.text.startswith(f"Release report: {setup.model}")
         assert f"Candidate against production (version {first}, recorded figures)" in browser.find_element(By.TAG_NAME, "body").text
+        back = browser.find_element(By.XPATH, "//li[starts-with(normalize-space(), 'approve here:')]/a")
+        assert back.get_attribute("href") == mr.version_ui_url(setup.tracking_uri, setup.model, version)
 
         def decoded_plots(driver) -> list[str]:
             return driver.execute_script(
