@@ -241,15 +241,21 @@ def get_version_tags(client_or_uri: ClientOrUri, model_name: str, version: str) 
     return dict(get_version(client_or_uri, model_name, version).tags)
 
 
+# MLflow 3.x's UI opens in its GenAI view, whose sidebar has no model registry and which files a run under
+# "Evaluations"; links carry this query so they open the model-training view (3.17: `workflowType`).
+UI_VIEW_QUERY = "?workflowType=machine_learning"
+
+
 def version_ui_url(ui_base: str, model_name: str, version: str) -> str:
     """The MLflow UI page of a version (MLflow 3.x hash route ``#/models/<name>/versions/<v>``)."""
-    return f"{ui_base.rstrip('/')}/#/models/{urllib.parse.quote(model_name, safe='')}/versions/{version}"
+    name = urllib.parse.quote(model_name, safe="")
+    return f"{ui_base.rstrip('/')}/#/models/{name}/versions/{version}{UI_VIEW_QUERY}"
 
 
 def run_ui_url(ui_base: str, experiment_id: str, run_id: str, artifact: str | None = None) -> str:
     """The MLflow UI page of a run, or of one of its artifacts (``.../artifacts/<path>``)."""
     url = f"{ui_base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-    return f"{url}/artifacts/{artifact}" if artifact else url
+    return f"{url}/artifacts/{artifact}{UI_VIEW_QUERY}" if artifact else f"{url}{UI_VIEW_QUERY}"
 
 
 # `mlflow ui` and `mlflow server` listen on this port unless told otherwise; the approval link of a

@@ -124,11 +124,8 @@ def publish(
             tracking.log_text(tracking_uri, run_id, text, f"{REPORT_FOLDER}/{name}")
         description = None
         if page is not None:
-            run_page = None
-            if page.ui_base:
-                experiment_id = tracking.experiment_id_of_run(tracking_uri, run_id)
-                run_page = model_registry.run_ui_url(page.ui_base, experiment_id, run_id)
-            description = page.render(fingerprint=fingerprint, run_page=run_page, manifest_uri=artifact.manifest_uri,
+            run = (tracking.experiment_id_of_run(tracking_uri, run_id), run_id) if page.ui_base else None
+            description = page.render(fingerprint=fingerprint, run=run, manifest_uri=artifact.manifest_uri,
                                       report_folder=REPORT_FOLDER)
         version = model_registry.register_engine_version(
             tracking_uri,

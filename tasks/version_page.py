@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from registry.model_registry import run_ui_url
 from tasks.perf_gate import PerfResult, PerfSlo
 from tasks.validate import ValidationResult
 
@@ -111,14 +112,18 @@ class VersionPage:
     provenance: Provenance
     ui_base: str | None  # the MLflow UI, for links into the run; None: no links
 
-    def render(self, *, fingerprint: str, run_page: str | None, manifest_uri: str, report_folder: str) -> str:
+    def render(self, *, fingerprint: str, run: tuple[str, str] | None, manifest_uri: str, report_folder: str) -> str:
+        """`run`: (experiment id, run id) of the release run, linked into when the UI is known."""
         links = {}
-        if run_page:
+        if run and self.ui_base:
+            def page(artifact: str | None = None) -> str:
+                return run_ui_url(self.ui_base, *run, f"{report_folder}/{artifact}" if artifact else None)
+
             links = {
-                "release report (gates, comparison, plots)": f"{run_page}/artifacts/{report_folder}/release-report.html",
-                "plot: latency distributions": f"{run_page}/artifacts/{report_folder}/latency.png",
-                "plot: validation divergence": f"{run_page}/artifacts/{report_folder}/validation-divergence.png",
-                "MLflow run (params, metrics, all artifacts)": run_page,
+                "release report (gates, comparison, plots)": page("release-report.html"),
+                "plot: latency distributions": page("latency.png"),
+                "plot: validation divergence": page("validation-divergence.png"),
+                "MLflow run (params, metrics, all artifacts)": page(),
             }
         links["engine artifact manifest"] = manifest_uri
         return render_version_page(fingerprint=fingerprint, validation=self.validation, perf=self.perf, slo=self.slo,

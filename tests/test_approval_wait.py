@@ -43,12 +43,12 @@ def new_version(uri: str, model: str | None = None) -> tuple[str, str]:
 def test_link_is_derived_from_the_tracking_uri() -> None:
     spec = ApprovalSpec()
     local = approval_link(spec, "sqlite:///.state/mlflow.db", "tiny-llama", "3")
-    assert local.url == "http://127.0.0.1:5000/#/models/tiny-llama/versions/3"
+    assert local.url == "http://127.0.0.1:5000/#/models/tiny-llama/versions/3?workflowType=machine_learning"
     assert local.ui_command == "mlflow ui --backend-store-uri sqlite:///.state/mlflow.db --host 127.0.0.1 --port 5000"
     served = approval_link(spec, "http://10.0.0.5:8080/", "tiny-llama", "3")
-    assert (served.url, served.ui_command) == ("http://10.0.0.5:8080/#/models/tiny-llama/versions/3", None)
+    assert (served.url, served.ui_command) == ("http://10.0.0.5:8080/#/models/tiny-llama/versions/3?workflowType=machine_learning", None)
     chosen = approval_link(ApprovalSpec(ui_url="https://mlflow.example/"), "sqlite:///x.db", "m", "1")
-    assert (chosen.url, chosen.ui_command) == ("https://mlflow.example/#/models/m/versions/1", None)
+    assert (chosen.url, chosen.ui_command) == ("https://mlflow.example/#/models/m/versions/1?workflowType=machine_learning", None)
     assert "open http://127.0.0.1:5000/#/models/tiny-llama/versions/3" in local.instructions("tiny-llama", "3")
 
 

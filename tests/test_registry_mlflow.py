@@ -178,7 +178,7 @@ def test_file_manifest_as_source(tracking: Tracking, tmp_path: Path) -> None:
 
 def test_ui_link_and_ui_served(mlflow_server) -> None:  # noqa: F811
     assert version_ui_url("http://127.0.0.1:5000/", "tiny llama", "3") == (
-        "http://127.0.0.1:5000/#/models/tiny%20llama/versions/3"
+        "http://127.0.0.1:5000/#/models/tiny%20llama/versions/3?workflowType=machine_learning"
     )
     with urllib.request.urlopen(mlflow_server.ui_base + "/", timeout=10) as resp:
         assert resp.status == 200 and b"<html" in resp.read(4096).lower()

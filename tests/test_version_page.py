@@ -36,7 +36,7 @@ def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() ->
     built = Provenance("alice", "build-7", "0123456789abcdef", "f" * 64, "torch float32", {"torch": "2.13.0"})
     page = VersionPage(validation, perf, PerfSlo(min_output_tokens_per_s=50), ("3", {"perf_output_tokens_per_s": 406.0}),
                        built, "http://127.0.0.1:5000")
-    text = page.render(fingerprint="abc" * 10, run_page="http://127.0.0.1:5000/#/experiments/1/runs/r1",
+    text = page.render(fingerprint="abc" * 10, run=("1", "r1"),
                        manifest_uri="file:///a/manifest.json", report_folder="report")
     assert text.startswith("**Gates passed.** Approving promotes it in place of version 3 (alias `production`).")
     assert "| validation | max prefill logit error | 0 | <= 0.001 |" in text
@@ -45,7 +45,8 @@ def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() ->
     assert "| output tokens/s | 812 | 406 | 2.000x, better |" in text
     assert "- by `alice` on `build-7`, code revision `0123456789ab`" in text and "torch 2.13.0" in text
     assert ("- [release report (gates, comparison, plots)](http://127.0.0.1:5000/#/experiments/1/runs/r1/artifacts/"
-            "report/release-report.html)") in text
+            "report/release-report.html?workflowType=machine_learning)") in text
+    assert "- [MLflow run (params, metrics, all artifacts)](http://127.0.0.1:5000/#/experiments/1/runs/r1?workflowType=machine_learning)" in text
 
 
 def test_the_html_report_carries_its_plots_inline(tmp_path: Path) -> None:
