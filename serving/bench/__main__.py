@@ -92,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="time the MLP's fused silu(gate) * up kernel against w13 + SiLU * up instead")
     gem.add_argument("--quantization", choices=("fp8", "int8-weight-only"), default=None,
                      help="time the kernels on weights quantized this way (prints TUNED_QUANTIZED)")
+    gem.add_argument("--tuned-only", action="store_true",
+                     help="time only the config the engine runs at each shape (no sweep, no compile pool)")
     gem.add_argument("--out", type=Path, default=Path("bench-gemms.json"))
     qua = sub.add_parser("quantized", help="decode and end-to-end generate of bf16 beside fp8 / int8 weight-only "
                          "engines, side by side in one run, % of the roofline of the bytes each step reads (CUDA)")
@@ -166,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
             run_gate_up_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, method=args.quantization)
             return 0
         run_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, workers=args.workers,
-                  deadline_s=args.deadline_s, method=args.quantization)
+                  deadline_s=args.deadline_s, method=args.quantization, tuned_only=args.tuned_only)
         return 0
     if args.bench_mode == "quantized":
         from serving.bench.quantized import QuantBenchConfig, render_quant_table, run_quantized

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Quantized engines on the device (one H200, from the repo root, no installs; PYTHONPATH=.), in one call:
-#  STEPS (a comma list, default all): tests  - the quantized kernels' GPU tests and the bf16 kernels' own;
+#  STEPS (a comma list, default tests,sweep,bench): tests  - the quantized kernels' GPU tests (the FP8
+#                                     tensor-core ones first) and the bf16 kernels' own;
+#                                     qtests - the quantized kernels' GPU tests only;
+#                                     tc     - `bench gemms --quantization fp8 --tuned-only`: the engine's fp8
+#                                              decode kernels beside the FP8 tensor cores and bf16 cuBLAS;
 #                                     sweep  - `bench gemms --quantization fp8` (skinny and gate/up tables);
 #                                     bench  - `bench quantized` (bf16 beside fp8 and int8 weight-only).
-# Env: SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, DEADLINE (bench s).
-# Results under $OUT: steps.log, gpu-tests.log, sweep.log/.json, gate-up.log/.json, quantized.json/.log.
+# Env: SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, DEADLINE (bench s),
+#      BENCH_TIMEOUT, TC_ROWS (tc, default 1,16,64).
+# Results under $OUT: steps.log, gpu-tests.log, tc.log/.json, sweep.log/.json, gate-up.log/.json,
+# quantized.json/.log.
 set -u
 OUT=${OUT:-/tmp/quant-out}
 mkdir -p "$OUT"
@@ -13,11 +19,23 @@ STEPS=${STEPS:-tests,sweep,bench}
 T0=$(date +%s)
 log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv >>"$OUT/steps.log" 2>&1
-case ",$STEPS," in *,tests,*)
-  log "gpu tests"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_quantized_kernels.py \
-    tests/test_skinny_gemm.py tests/test_gate_up.py >"$OUT/gpu-tests.log" 2>&1
-  log "gpu tests rc=$? $(tail -1 "$OUT/gpu-tests.log")" ;;
+case ",$STEPS," in *,tests,*|*,qtests,*)
+  log "gpu tests (fp8 tensor cores first)"
+  timeout "${TC_TESTS_TIMEOUT:-110}" python3 -m pytest -q -s -p no:cacheprovider -m gpu -k "tensor_core or compiled" \
+    tests/test_quantized_kernels.py >"$OUT/gpu-tests.log" 2>&1
+  log "gpu tests rc=$? $(tail -1 "$OUT/gpu-tests.log")"
+  MORE=(tests/test_quantized_kernels.py)
+  case ",$STEPS," in *,tests,*) MORE+=(tests/test_skinny_gemm.py tests/test_gate_up.py) ;; esac
+  timeout "${MORE_TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -k "not tensor_core and not compiled" \
+    "${MORE[@]}" >>"$OUT/gpu-tests.log" 2>&1
+  log "more gpu tests rc=$? $(tail -1 "$OUT/gpu-tests.log")" ;;
+esac
+case ",$STEPS," in *,tc,*)
+  log "fp8 tensor cores beside the decode kernels"
+  timeout "${TC_TIMEOUT:-90}" python3 -m serving.bench gemms --quantization fp8 --tuned-only \
+    --shapes "${SWEEP_SHAPES:-llama-3.1-8b,llama-3.2-1b}" --rows "${TC_ROWS:-1,16,64}" --out "$OUT/tc.json" \
+    >"$OUT/tc.log" 2>&1
+  log "tc rc=$?" ;;
 esac
 case ",$STEPS," in *,sweep,*)
   log "sweep"
@@ -39,7 +57,8 @@ case ",$STEPS," in *,bench,*)
   log "bench rc=$?" ;;
 esac
 echo "==== summary"
-grep -E "passed|failed|error" "$OUT/gpu-tests.log" 2>/dev/null | tail -3
+grep -E "passed|failed|error|rel err" "$OUT/gpu-tests.log" 2>/dev/null | tail -6
+grep -E "^llama|Traceback|Error" "$OUT/tc.log" 2>/dev/null
 grep -E "FAILED|Error" "$OUT/gpu-tests.log" 2>/dev/null | head -8
 sed -n '/^TUNED/,/^}/p' "$OUT/sweep.log" "$OUT/gate-up.log" 2>/dev/null | grep -v lm_head
 sed -n '/^TUNED.* += {/,/^}/p' "$OUT/quantized.log" 2>/dev/null

@@ -16,7 +16,11 @@ against the fused `serving.engine.gate_up` kernel's configs (compiled in process
 `--quantization fp8|int8-weight-only` times the kernels on quantized weights (one byte per weight, per-row
 scales; `serving.engine.quantize`) against cuBLAS on the bf16 weights of the same shape, and ends with the
 `TUNED_QUANTIZED` / `TUNED_GATE_UP_QUANTIZED` tables (every shape's best config, faster than cuBLAS or not:
-a quantized weight has no cuBLAS path in the decode step).
+a quantized weight has no cuBLAS path in the decode step). With fp8, each cell also times the FP8
+tensor-core path (`quantize.fp8_scaled_linear`: the tokens to e4m3, then `torch._scaled_mm`), with and
+without `use_fast_accum` and the GEMM alone on pre-scaled tokens, and checks it against the dequantized
+reference (`tc_rel_err`). `--tuned-only` times only the config the engine would run (`quantized_config_for`)
+instead of sweeping every config (no compile pool: seconds instead of minutes).
 """
 
 from __future__ import annotations
@@ -118,10 +122,31 @@ def time_cold_us(fn: Callable[[torch.Tensor], Any], weights: list[torch.Tensor])
     return graph_time_us(lambda: fn(next(copies)), calls=24, replays=3, warmup=2)
 
 
-def sweep_shape(rows: int, n: int, k: int, method: str | None = None) -> dict[str, Any]:
-    """cuBLAS and every fitting Triton config at one (rows, N, K); with `method`, the kernels on the weight
-    quantized by it (and cuBLAS on the bf16 weight, for scale)."""
-    from serving.engine.skinny_gemm import launch
+def tensor_core_times(x: torch.Tensor, weights: list[torch.Tensor], scales: dict[int, torch.Tensor],
+                      ref: torch.Tensor) -> dict[str, float]:
+    """The FP8 tensor-core path on the e4m3 `weights` (cold, like the kernels): with the tokens' scaling,
+    with `use_fast_accum`, the GEMM alone; and its relative error against the dequantized reference `ref`."""
+    from serving.engine.quantize import fp8_scaled_linear, quantize_tokens_fp8
+
+    def gemm(w: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, fast: bool) -> torch.Tensor:
+        return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scales[id(w)].view(1, -1), out_dtype=x.dtype,
+                                use_fast_accum=fast)
+
+    xq, xs = quantize_tokens_fp8(x)
+    out = fp8_scaled_linear(x, weights[0], scales[id(weights[0])], None).double()
+    fast_out = gemm(weights[0], xq, xs, True).double()
+    return {"tc_us": time_cold_us(lambda w: fp8_scaled_linear(x, w, scales[id(w)], None), weights),
+            "tc_fast_us": time_cold_us(lambda w: gemm(w, *quantize_tokens_fp8(x), True), weights),
+            "tc_gemm_us": time_cold_us(lambda w: gemm(w, xq, xs, False), weights),
+            "tc_rel_err": float((out - ref.double()).norm() / ref.double().norm()),
+            "tc_fast_rel_err": float((fast_out - ref.double()).norm() / ref.double().norm())}
+
+
+def sweep_shape(rows: int, n: int, k: int, method: str | None = None, tuned_only: bool = False) -> dict[str, Any]:
+    """cuBLAS and every fitting Triton config at one (rows, N, K) (`tuned_only`: the engine's own config);
+    with `method`, the kernels on the weight quantized by it (and cuBLAS on the bf16 weight, for scale;
+    fp8: the tensor-core path too, `tensor_core_times`)."""
+    from serving.engine.skinny_gemm import config_for, launch, quantized_config_for
 
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             for _ in range(max(1, min(16, math.ceil(COLD_BYTES / (n * k * 2)))))]
@@ -139,32 +164,37 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None) -> dict[st
         return launch(x, w, config, scale=scales[id(w)])
     results = []
     splits = (1, 2) if nbytes > 2**29 else (1, 2, 4, 8, 16)
-    for base in compiled_configs(rows, transposed=method is not None):
-        for split in splits:
-            config = with_split(base, split)
-            if not config.fits(rows, n, k) or n // config.block_n * split > 64 * 132:
-                continue
-            try:
-                parts = launch(x, weights[0], config)
-            except Exception as exc:  # noqa: BLE001 - a config too large for the device
-                results.append({"config": config.key(), "error": type(exc).__name__})
-                continue
-            err = (parts.float().sum(0) - ref).abs().max().item()
-            if not err < 0.05:
-                results.append({"config": config.key(), "error": err})
-                continue
-            us = time_cold_us(lambda w, c=config: launch(x, w, c), weights)
-            results.append({"config": config.key(), "us": us})
+    if tuned_only:
+        configs = [(quantized_config_for if method else config_for)(rows, n, k)]
+    else:
+        configs = [with_split(base, split) for base in compiled_configs(rows, transposed=method is not None)
+                   for split in splits]
+    for config in configs:
+        if config is None or not config.fits(rows, n, k) or n // config.block_n * config.split > 64 * 132:
+            continue
+        try:
+            parts = launch(x, weights[0], config)
+        except Exception as exc:  # noqa: BLE001 - a config too large for the device
+            results.append({"config": config.key(), "error": type(exc).__name__})
+            continue
+        err = (parts.float().sum(0) - ref).abs().max().item()
+        if not err < 0.05:
+            results.append({"config": config.key(), "error": err})
+            continue
+        us = time_cold_us(lambda w, c=config: launch(x, w, c), weights)
+        results.append({"config": config.key(), "us": us})
     timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
     for r in timed[:3]:  # the best three again, with the split-K sum as its own kernel
         config = GemmConfig.parse(r["config"])
         r["us_with_sum"] = time_cold_us(
             lambda w, c=config: launch(x, w, c).sum(0) if c.split > 1 else launch(x, w, c), weights)
+    tensor_cores = tensor_core_times(x, weights, scales, ref) if method == "fp8" and n % 16 == 0 and k % 16 == 0 else {}
     del weights
     torch.cuda.empty_cache()
     return {"rows": rows, "n": n, "k": k, "bytes": nbytes, "cublas_us": cublas, "best": timed[:3],
             "failed": [r for r in results if isinstance(r.get("error"), str)],
-            "wrong": [r for r in results if isinstance(r.get("error"), float)], "tried": len(results)}
+            "wrong": [r for r in results if isinstance(r.get("error"), float)], "tried": len(results),
+            **tensor_cores}
 
 
 def sweep_gate_up(rows: int, intermediate: int, k: int, method: str | None = None) -> dict[str, Any]:
@@ -237,11 +267,12 @@ def run_gate_up_sweep(shapes: list[str], rows_list: list[int], *, out: Path, met
 
 
 def run_sweep(shapes: list[str], rows_list: list[int], *, out: Path, workers: int = 12,
-              deadline_s: float = 1e9, method: str | None = None) -> dict[str, Any]:
+              deadline_s: float = 1e9, method: str | None = None, tuned_only: bool = False) -> dict[str, Any]:
     from serving.bench.offline import copy_bandwidth_gb_s
 
     started = time.perf_counter()
-    report: dict[str, Any] = {"warm_s": warm_all(rows_list, workers, method), "device": torch.cuda.get_device_name(),
+    warm_s = 0.0 if tuned_only else warm_all(rows_list, workers, method)
+    report: dict[str, Any] = {"warm_s": warm_s, "device": torch.cuda.get_device_name(),
                               "copy_gb_s": copy_bandwidth_gb_s(), "cells": [], "quantization": method}
     print(f"compiled in {report['warm_s']:.0f} s; copy bandwidth {report['copy_gb_s']:.0f} GB/s", flush=True)
     for shape, rows in itertools.product(shapes, rows_list):
@@ -249,7 +280,7 @@ def run_sweep(shapes: list[str], rows_list: list[int], *, out: Path, workers: in
             if time.perf_counter() - started > deadline_s:
                 print(f"deadline: skipping {shape} {name} rows={rows}", flush=True)
                 continue
-            cell = {"shape": shape, "name": name, **sweep_shape(rows, n, k, method)}
+            cell = {"shape": shape, "name": name, **sweep_shape(rows, n, k, method, tuned_only)}
             report["cells"].append(cell)
             out.write_text(json.dumps(report, indent=1))
             print(describe(cell), flush=True)
@@ -273,6 +304,9 @@ def describe(cell: dict[str, Any]) -> str:
         line += f" | {r['config']} {r['us']:7.1f} us ({tbs(r['us'])})"
         if "us_with_sum" in r:
             line += f", with sum {r['us_with_sum']:.1f}"
+    if "tc_us" in cell:
+        line += (f" | FP8 tensor cores {cell['tc_us']:.1f} us ({tbs(cell['tc_us'])}), fast accum "
+                 f"{cell['tc_fast_us']:.1f}, GEMM alone {cell['tc_gemm_us']:.1f}, rel err {cell['tc_rel_err']:.1e}")
     if cell["wrong"]:
         line += f" | {len(cell['wrong'])} configs FAILED the check"
     return line

@@ -13,9 +13,16 @@ compiles each one's decode step (`EngineRunner.compile_decode`, the served defau
   same run (device-to-device copy, bytes read + written);
 - `e2e_tok_s`: B * N over the whole `generate` call, and its ratio to the bf16 engine's at that batch.
 
-Before timing, the check compares each quantized engine's decode step on the Triton kernels against its
-own dequantizing reference path (`gemm="torch"`) on the same inputs: relative error of the logits and
-greedy agreement.
+`--methods` also takes `fp8-decode-kernels`: the fp8 engine with every decode batch on the weight-only
+decode kernels and the FP8 tensor cores only past `skinny_gemm.MAX_ROWS` rows (prefill), as fp8 engines ran
+before decode batches of 16+ took the tensor cores; one run times the two fp8 decode paths side by side.
+
+Before timing, the check compares each quantized engine's decode step (Triton kernels, and for fp8 at 16+
+rows the FP8 tensor cores) against its own dequantizing reference path (`gemm=REFERENCE_GEMM`: weight-only
+numerics) on the same inputs, at 8 rows and at the largest batch: relative error of the logits and greedy
+agreement. Per-token e4m3 activations add about 2-3% relative error per GEMM (e4m3 keeps 3 mantissa bits:
+a rounding error of at most 2^-4 relative per element), so the fp8 check at 16+ rows is expected to be
+several times the one at 8 rows.
 
 Imports: stdlib and torch at import time.
 """
@@ -34,8 +41,19 @@ import torch
 from serving.bench.offline import bench_engine, copy_bandwidth_gb_s, roofline
 from serving.engine.build import EngineInfo, EngineLimits
 from serving.engine.model import Transformer
-from serving.engine.quantize import NONE, QuantInfo, install_quantized_linears, quantize_state
+from serving.engine.quantize import FP8, NONE, QuantInfo, install_quantized_linears, quantize_state
 from serving.engine.runner import EngineRunner, pick_decode_attention, pick_decode_gemm
+
+FP8_DECODE_KERNELS = "fp8-decode-kernels"  # a bench method: fp8, the decode batches on the weight-only kernels
+
+
+def engine_method(method: str) -> tuple[str, int | None]:
+    """A bench method -> (engine.quantization, the fp8 tensor cores' fewest rows; None: the default)."""
+    if method == FP8_DECODE_KERNELS:
+        from serving.engine.skinny_gemm import MAX_ROWS
+
+        return FP8, MAX_ROWS + 1
+    return method, None
 
 
 @dataclass(frozen=True)
@@ -68,13 +86,15 @@ def random_model(shape: str, *, n_layers: int | None = None, seed: int = 0) -> T
 def runner_for(base: Transformer, method: str, *, max_batch_size: int, max_seq_len: int) -> EngineRunner:
     """An EngineRunner over `base`'s weights, quantized by `method` (the unquantized tensors shared)."""
     args = base.args
+    method, tensor_core_min_rows = engine_method(method)
     quant = QuantInfo(method)
     state = quantize_state(base.state_dict(), quant, n_layers=args.n_layers,
                            tie_word_embeddings=args.tie_word_embeddings)
     with torch.device("meta"):
         model = Transformer(args)
+    extra = {} if tensor_core_min_rows is None else {"tensor_core_min_rows": tensor_core_min_rows}
     install_quantized_linears(model, quant, n_layers=args.n_layers, tie_word_embeddings=args.tie_word_embeddings,
-                              dtype=torch.bfloat16)
+                              dtype=torch.bfloat16, **extra)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.eval().requires_grad_(False)
     model.setup_caches(max_batch_size, max_seq_len)
@@ -103,10 +123,22 @@ def decode_weight_bytes(model: Transformer) -> int:
 
 
 @torch.no_grad()
-def check_kernels(runner: EngineRunner, *, batch: int = 8, context: int = 100) -> dict[str, float]:
-    """The decode step on the Triton kernels against the dequantizing reference path, same inputs:
-    relative error of the logits, greedy agreement (eager step, after a prefill of random prompts)."""
-    from serving.engine.model import decode_step
+def check_kernels(runner: EngineRunner, *, batches: tuple[int, ...] = (8, 64), context: int = 100
+                  ) -> dict[str, float]:
+    """`check_step` at each of `batches` that fits the engine: {"logits_rel_err@8": ..., ...}."""
+    out: dict[str, float] = {}
+    for b in batches:
+        if b <= runner.info.limits.max_batch_size:
+            out.update({f"{k}@{b}": v for k, v in check_step(runner, batch=b, context=context).items()})
+    return out
+
+
+@torch.no_grad()
+def check_step(runner: EngineRunner, *, batch: int, context: int) -> dict[str, float]:
+    """The decode step (Triton kernels, FP8 tensor cores at 16+ rows) against the dequantizing reference
+    path, same inputs: relative error of the logits, greedy agreement (eager step, after a prefill of random
+    prompts)."""
+    from serving.engine.model import REFERENCE_GEMM, decode_step
 
     vocab = runner.info.model.vocab_size
     gen = torch.Generator().manual_seed(1)
@@ -116,7 +148,7 @@ def check_kernels(runner: EngineRunner, *, batch: int = 8, context: int = 100) -
     pos = torch.full((batch,), context, device="cuda")
     kv = runner.graphs.kv_bucket(context + 1) if runner.graphs is not None else context + 1
     fast = decode_step(runner.model, tokens, pos, kv, gemm="triton").double()
-    slow = decode_step(runner.model, tokens, pos, kv, gemm="torch").double()
+    slow = decode_step(runner.model, tokens, pos, kv, gemm=REFERENCE_GEMM).double()
     return {"logits_rel_err": float((fast - slow).norm() / slow.norm()),
             "greedy_agreement": float((fast.argmax(-1) == slow.argmax(-1)).double().mean())}
 
@@ -197,7 +229,6 @@ def render_quant_table(report: dict[str, Any]) -> str:
                      f"{c['decode_tok_s']:,.0f} | {c['roofline_tok_s']:,.0f} | {c['roofline_frac'] * 100:.1f}% | "
                      f"{c['e2e_tok_s']:,.0f} | {ratio} | {c['tpot_ms_p50']:.3f} |")
     for what, check in report["checks"].items():
-        lines.append(f"check {what}: logits rel err {check['logits_rel_err']:.2e}, greedy agreement "
-                     f"{check['greedy_agreement']:.2f}")
+        lines.append(f"check {what}: " + ", ".join(f"{k} {v:.2e}" for k, v in check.items()))
     lines += [f"ERROR {e}" for e in report["errors"]] + [f"skipped {s}" for s in report["skipped"]]
     return "\n".join(lines)

@@ -234,6 +234,7 @@ class KVCache(nn.Module):
 
 
 MAX_DECODE_KERNEL_ROWS = 64  # skinny_gemm.MAX_ROWS: more rows and a quantized layer runs its own GEMM
+REFERENCE_GEMM = "reference"  # a decode `gemm`: F.linear, quantized layers dequantized (the checks' reference)
 LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (nn.Linear or tied nn.Embedding, x) -> x W^T + b
 
 
@@ -243,6 +244,14 @@ def torch_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(module, QuantLinear):
         return module(x)
     return F.linear(x, module.weight, getattr(module, "bias", None))
+
+
+def reference_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`torch_linear` with a quantized layer's dequantizing reference (weight-only numerics at every row
+    count): what the decode step is checked against (`decode_step(..., gemm=REFERENCE_GEMM)`)."""
+    if isinstance(module, QuantLinear):
+        return module.reference(x)
+    return torch_linear(module, x)
 
 
 class RMSNorm(nn.Module):
@@ -402,10 +411,12 @@ def _rope_1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn:
     """How the decode step multiplies by a weight: "torch" F.linear (cuBLAS, or inductor's fused
     reductions), "triton" the tuned skinny Triton kernels where they beat cuBLAS (`skinny_gemm.TUNED`;
-    `pdl`: launched with programmatic dependent launch). With `parts`, the result is left as split-K
+    `pdl`: launched with programmatic dependent launch; fp8 layers of 16+ rows: the FP8 tensor cores),
+    `REFERENCE_GEMM` F.linear with quantized layers dequantized. With `parts`, the result is left as split-K
     partial products [P, B, N] for a consumer that sums them (P = 1 for F.linear)."""
     if gemm != "triton":
-        return (lambda module, x: torch_linear(module, x).unsqueeze(0)) if parts else torch_linear
+        one = reference_linear if gemm == REFERENCE_GEMM else torch_linear
+        return (lambda module, x: one(module, x).unsqueeze(0)) if parts else one
     from serving.engine.skinny_gemm import kernel_config, skinny_linear, skinny_linear_parts
 
     product = skinny_linear_parts if parts else skinny_linear
@@ -413,10 +424,13 @@ def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn
     def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(module, QuantLinear):
             return product(x, module.weight, getattr(module, "bias", None), pdl=pdl)
-        if kernel_config(x, module.weight) is None:  # more rows than the kernels take: the layer's own GEMM
+        if module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores
+            y = module.tensor_core(x)
+        elif kernel_config(x, module.weight) is None:  # more rows than the kernels take: the layer's own GEMM
             y = module(x)
-            return y.unsqueeze(0) if parts else y
-        return product(x, module.weight, module.bias, pdl=pdl, scale=module.weight_scale)
+        else:
+            return product(x, module.weight, module.bias, pdl=pdl, scale=module.weight_scale)
+        return y.unsqueeze(0) if parts else y
 
     return linear
 
@@ -431,10 +445,13 @@ def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
     def product(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(module, QuantLinear):
             return gate_up(x, module.weight, pdl=pdl)
-        if x.shape[0] > MAX_DECODE_KERNEL_ROWS:  # the layer's own GEMM, then SiLU * up
+        if module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores, then SiLU * up
+            gate, up = module.tensor_core(x).chunk(2, dim=-1)
+        elif x.shape[0] > MAX_DECODE_KERNEL_ROWS:  # the layer's own GEMM, then SiLU * up
             gate, up = module(x).chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return gate_up(x, module.weight, pdl=pdl, scale=module.weight_scale)
+        else:
+            return gate_up(x, module.weight, pdl=pdl, scale=module.weight_scale)
+        return F.silu(gate) * up
 
     return product
 

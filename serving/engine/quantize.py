@@ -4,11 +4,12 @@ Methods (`engine.quantization` in the release spec):
 
 - `none`: weights in the engine dtype.
 - `fp8`: each quantized weight `W [N, K]` is stored as float8_e4m3fn `Q` with one float32 scale per
-  output channel (row) `s [N]`, `W ~= Q * s[:, None]`, `s = max|W[n]| / 448`. The decode GEMMs read
-  `Q` and `s` at their stored precision and dequantize in registers (`skinny_gemm`, `gate_up`); the
-  prefill GEMMs (more than 64 tokens) on a GPU that has FP8 tensor cores (compute capability 8.9 or
-  later, bf16 engines) scale each activation row (token) to e4m3 at run time and multiply through
-  `torch._scaled_mm`.
+  output channel (row) `s [N]`, `W ~= Q * s[:, None]`, `s = max|W[n]| / 448`. GEMMs of at least
+  `FP8_TENSOR_CORE_MIN_ROWS` rows (decode batches of 16 and more, and prefill) on a GPU that has FP8
+  tensor cores (compute capability 8.9 or later, bf16 engines) scale each activation row (token) to
+  e4m3 at run time (`quantize_tokens_fp8`) and multiply e4m3 x e4m3 through `torch._scaled_mm`, both
+  scales in its epilogue. Fewer rows take the decode kernels, which read `Q` and `s` at their stored
+  precision and convert the tile exactly in registers (`skinny_gemm`, `gate_up`): weight-only numerics.
 - `int8-weight-only`: `Q` is int8, `s = max|W[n]| / 127`, round to nearest; activations stay in the
   engine dtype everywhere (for GPUs without FP8 and for the CPU).
 
@@ -18,8 +19,11 @@ the engine dtype. Each quantized tensor `<name>` has its scale beside it in the 
 `<name>_scale` (`SCALE_SUFFIX`). `engine.json` records it all under `quantization` (`QuantInfo.to_dict`).
 
 The CPU (and any device without the kernels) runs the same engines through the dequantizing reference
-path `QuantLinear.forward`: the weight is dequantized on the fly into the engine dtype and multiplied
-by F.linear, so CI exercises every quantized engine.
+path `QuantLinear.reference`: the weight is dequantized on the fly into the engine dtype and multiplied
+by F.linear, so CI exercises every quantized engine. That is weight-only numerics for fp8 too: the CPU
+has no FP8 tensor cores. `fp8_emulated_linear` reproduces the per-token activation rounding on any
+device (the same e4m3 values and scales; only the accumulation order and precision differ from the
+tensor cores'), for tests and quality measurements.
 
 Imports: stdlib and torch only (this module runs inside Triton's python backend).
 """
@@ -40,7 +44,8 @@ QUANTIZATIONS = (NONE, FP8, INT8_WEIGHT_ONLY)
 SCALE_SUFFIX = "_scale"
 STORED_DTYPES: dict[str, torch.dtype] = {FP8: torch.float8_e4m3fn, INT8_WEIGHT_ONLY: torch.int8}
 QMAX: dict[str, float] = {FP8: 448.0, INT8_WEIGHT_ONLY: 127.0}
-FP8_GEMM_MIN_ROWS = 64  # the decode kernels' most rows: more (prefill) take the FP8 tensor-core GEMM
+FP8_TENSOR_CORE_MIN_ROWS = 16  # fp8 GEMMs of this many rows and more run on FP8 tensor cores (tokens to e4m3)
+FP8_FAST_ACCUM = False  # _scaled_mm's use_fast_accum (Hopper: no periodic promotion of the fp32 accumulator)
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores and e4m3 conversions: Ada, Hopper and later
 LAYER_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
 SETTING = "engine.quantization"
@@ -85,8 +90,9 @@ class QuantInfo:
             "weight_dtype": str(STORED_DTYPES[self.method]).removeprefix("torch."),
             "scales": {"granularity": "per-output-channel", "dtype": "float32", "suffix": SCALE_SUFFIX,
                        "where": "tensor '<weight name>_scale' [N] beside each quantized weight, same file"},
-            "activations": ("per-token e4m3 at run time in FP8 tensor-core GEMMs (prefill); engine dtype in the "
-                            "decode kernels" if self.method == FP8 else "engine dtype"),
+            "activations": (f"per-token e4m3 at run time in FP8 tensor-core GEMMs (>= {FP8_TENSOR_CORE_MIN_ROWS} "
+                            "rows); engine dtype in the decode kernels of fewer rows and on the CPU"
+                            if self.method == FP8 else "engine dtype"),
             "tensors": [f"{m}.weight" for m in self.quantized_modules(n_layers, tie_word_embeddings=tie_word_embeddings)],
         }
 
@@ -153,16 +159,19 @@ def quantize_state(state: dict[str, torch.Tensor], info: QuantInfo, *, n_layers:
 class QuantLinear(nn.Module):
     """A linear layer whose weight is stored quantized (`weight` [N, K] int8 / e4m3, `weight_scale` [N]).
 
-    `forward` is the dequantizing reference path (any device), or on a GPU with FP8 tensor cores for a
-    bf16 fp8 engine the per-token scaled `torch._scaled_mm`. The decode step's Triton kernels read
-    `weight` and `weight_scale` themselves (`model._linear_fn`).
+    `forward`: for an fp8 layer of a bf16 engine on a GPU with FP8 tensor cores, inputs of at least
+    `tensor_core_min_rows` rows take `tensor_core` (tokens scaled to e4m3, `torch._scaled_mm`); everything
+    else the dequantizing `reference`. The decode step's Triton kernels read `weight` and `weight_scale`
+    themselves for fewer rows (`model._linear_fn`).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, method: str, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, *, method: str, bias: bool, dtype: torch.dtype,
+                 tensor_core_min_rows: int = FP8_TENSOR_CORE_MIN_ROWS) -> None:
         super().__init__()
         self.method = method
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype = dtype
+        self.tensor_core_min_rows = tensor_core_min_rows
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=STORED_DTYPES[method]),
                                    requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
@@ -172,33 +181,70 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, method={self.method}, bias={self.bias is not None}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.method == FP8 and scaled_mm_fits(x, self.weight):
-            return fp8_scaled_linear(x, self.weight, self.weight_scale, self.bias)
+        if self.tensor_core_shape(x) and has_fp8_tensor_cores(x.device.index or 0):
+            return self.tensor_core(x)
+        return self.reference(x)
+
+    def tensor_core_shape(self, x: torch.Tensor) -> bool:
+        """Whether x [..., K] goes to the FP8 tensor cores, by method, device type, dtype and shape only (no
+        device query: a loaded fp8 engine's GPU was checked by `check_device`)."""
+        return (self.method == FP8 and x.numel() // x.shape[-1] >= self.tensor_core_min_rows
+                and scaled_mm_fits(x, self.weight))
+
+    def tensor_core(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_scaled_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """x times the dequantized weight in x's dtype: weight-only numerics, any device."""
         return F.linear(x, dequantize_weight(self.weight, self.weight_scale, x.dtype), self.bias)
 
 
+@torch.compiler.assume_constant_result
+def has_fp8_tensor_cores(device_index: int) -> bool:
+    """Compute capability >= 8.9 (a constant to torch.compile: queried once per trace, not per step)."""
+    return torch.cuda.get_device_capability(device_index) >= FP8_MIN_CAPABILITY
+
+
 def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `torch._scaled_mm` with row-wise scales runs x [..., K] by weight [N, K] here: CUDA of
-    compute capability >= 8.9, bf16 activations, more than `FP8_GEMM_MIN_ROWS` rows (prefill; fewer rows
-    keep the exact dequantized product, which the decode kernels compute too), K and N multiples of 16."""
+    """Whether `torch._scaled_mm` with row-wise scales takes x [..., K] by weight [N, K]: CUDA, bf16
+    activations, an e4m3 weight, K and N multiples of 16 (the rows and the device are the caller's)."""
     if not x.is_cuda or x.dtype != torch.bfloat16 or weight.dtype != torch.float8_e4m3fn:
         return False
-    if x.numel() // x.shape[-1] <= FP8_GEMM_MIN_ROWS:
-        return False
     n, k = weight.shape
-    return n % 16 == 0 and k % 16 == 0 and torch.cuda.get_device_capability(x.device) >= FP8_MIN_CAPABILITY
+    return n % 16 == 0 and k % 16 == 0
+
+
+def quantize_tokens_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (e4m3 [T, K], float32 scales [T, 1]), each row scaled by its own max: x ~= q * scale.
+    Torch ops that inductor fuses into the producer of x (the RMSNorm, SiLU * up) in the decode step."""
+    amax = x2.abs().amax(dim=-1, keepdim=True).float()  # [T, 1]
+    scale = torch.where(amax > 0, amax / QMAX[FP8], torch.ones_like(amax))
+    q = (x2.float() / scale).clamp(-QMAX[FP8], QMAX[FP8]).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def fp8_scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] (bf16) times the e4m3 weight [N, K] with per-row scales [N]: each token (row of x) scaled to
-    e4m3 by its own max, one FP8 tensor-core GEMM with both scales applied in its epilogue -> bf16 [..., N]."""
+    e4m3 by its own max, one FP8 tensor-core GEMM with both scales applied in its epilogue -> bf16 [..., N].
+    The weight's transpose is the column-major second operand `_scaled_mm` wants (no copy)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    amax = x2.abs().amax(dim=-1, keepdim=True).float()  # [T, 1]
-    x_scale = torch.where(amax > 0, amax / QMAX[FP8], torch.ones_like(amax))
-    xq = (x2.float() / x_scale).clamp(-QMAX[FP8], QMAX[FP8]).to(torch.float8_e4m3fn)
-    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    xq, x_scale = quantize_tokens_fp8(x.reshape(-1, shape[-1]))
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype,
+                         use_fast_accum=FP8_FAST_ACCUM)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], weight.shape[0])
+
+
+def fp8_emulated_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """`fp8_scaled_linear`'s numerics on any device: the same e4m3 tokens and scales, dequantized, multiplied
+    in float32 (the tensor cores accumulate in their own order and precision), cast to x's dtype."""
+    shape = x.shape
+    xq, x_scale = quantize_tokens_fp8(x.reshape(-1, shape[-1]))
+    y = F.linear(xq.float() * x_scale, dequantize_weight(weight, scale, torch.float32))
+    y = y.to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], weight.shape[0])
@@ -209,9 +255,11 @@ def is_quantized(module: nn.Module) -> bool:
 
 
 def install_quantized_linears(model: nn.Module, info: QuantInfo, *, n_layers: int, tie_word_embeddings: bool,
-                              dtype: torch.dtype) -> None:
+                              dtype: torch.dtype, tensor_core_min_rows: int = FP8_TENSOR_CORE_MIN_ROWS) -> None:
     """Replace the modules that `info` quantizes with `QuantLinear`s of the same shape (on the model's
-    device, meta included), before the quantized state dict is loaded."""
+    device, meta included), before the quantized state dict is loaded. `tensor_core_min_rows`: the fewest
+    rows an fp8 GEMM runs on the FP8 tensor cores with (the bench raises it past the decode batches to time
+    the weight-only decode kernels beside them)."""
     for name in info.quantized_modules(n_layers, tie_word_embeddings=tie_word_embeddings):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -219,7 +267,7 @@ def install_quantized_linears(model: nn.Module, info: QuantInfo, *, n_layers: in
         device = old.weight.device
         with torch.device(device):
             new = QuantLinear(old.in_features, old.out_features, method=info.method, bias=old.bias is not None,
-                              dtype=dtype)
+                              dtype=dtype, tensor_core_min_rows=tensor_core_min_rows)
         setattr(parent, child, new)
 
 
