@@ -4,12 +4,13 @@ Methods (`engine.quantization` in the release spec):
 
 - `none`: weights in the engine dtype.
 - `fp8`: each quantized weight `W [N, K]` is stored as float8_e4m3fn `Q` with one float32 scale per
-  output channel (row) `s [N]`, `W ~= Q * s[:, None]`, `s = max|W[n]| / 448`. GEMMs of at least
-  `FP8_TENSOR_CORE_MIN_ROWS` rows (decode batches of 16 and more, and prefill) on a GPU that has FP8
-  tensor cores (compute capability 8.9 or later, bf16 engines) scale each activation row (token) to
-  e4m3 at run time (`quantize_tokens_fp8`) and multiply e4m3 x e4m3 through `torch._scaled_mm`, both
-  scales in its epilogue. Fewer rows take the decode kernels, which read `Q` and `s` at their stored
-  precision and convert the tile exactly in registers (`skinny_gemm`, `gate_up`): weight-only numerics.
+  output channel (row) `s [N]`, `W ~= Q * s[:, None]`, `s = max|W[n]| / 448`. On a GPU that has FP8
+  tensor cores (compute capability 8.9 or later, bf16 engines), prefill GEMMs (more than 64 rows) and
+  decode GEMMs of 16-64 rows with outputs at least `FP8_TENSOR_CORE_MIN_N` wide (w13) scale each
+  activation row (token) to e4m3 at run time (`quantize_tokens_fp8`) and multiply e4m3 x e4m3 through
+  `torch._scaled_mm`, both scales in its epilogue. Other decode GEMMs take the decode kernels, which read
+  `Q` and `s` at their stored precision and convert the tile exactly in registers (`skinny_gemm`,
+  `gate_up`): weight-only numerics.
 - `int8-weight-only`: `Q` is int8, `s = max|W[n]| / 127`, round to nearest; activations stay in the
   engine dtype everywhere (for GPUs without FP8 and for the CPU).
 
@@ -44,7 +45,9 @@ QUANTIZATIONS = (NONE, FP8, INT8_WEIGHT_ONLY)
 SCALE_SUFFIX = "_scale"
 STORED_DTYPES: dict[str, torch.dtype] = {FP8: torch.float8_e4m3fn, INT8_WEIGHT_ONLY: torch.int8}
 QMAX: dict[str, float] = {FP8: 448.0, INT8_WEIGHT_ONLY: 127.0}
-FP8_TENSOR_CORE_MIN_ROWS = 16  # fp8 GEMMs of this many rows and more run on FP8 tensor cores (tokens to e4m3)
+FP8_TENSOR_CORE_MIN_ROWS = 16  # fp8 GEMMs of this many rows and more may run on FP8 tensor cores (tokens to e4m3)
+FP8_DECODE_MAX_ROWS = 64  # skinny_gemm.MAX_ROWS: up to this many rows, the decode kernels are the alternative
+FP8_TENSOR_CORE_MIN_N = 16384  # decode rows: only outputs this wide (w13, LM heads) take the tensor cores
 FP8_FAST_ACCUM = False  # _scaled_mm's use_fast_accum (Hopper: no periodic promotion of the fp32 accumulator)
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores and e4m3 conversions: Ada, Hopper and later
 LAYER_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
@@ -90,8 +93,9 @@ class QuantInfo:
             "weight_dtype": str(STORED_DTYPES[self.method]).removeprefix("torch."),
             "scales": {"granularity": "per-output-channel", "dtype": "float32", "suffix": SCALE_SUFFIX,
                        "where": "tensor '<weight name>_scale' [N] beside each quantized weight, same file"},
-            "activations": (f"per-token e4m3 at run time in FP8 tensor-core GEMMs (>= {FP8_TENSOR_CORE_MIN_ROWS} "
-                            "rows); engine dtype in the decode kernels of fewer rows and on the CPU"
+            "activations": (f"per-token e4m3 at run time in FP8 tensor-core GEMMs (prefill; decode of >= "
+                            f"{FP8_TENSOR_CORE_MIN_ROWS} rows where N >= {FP8_TENSOR_CORE_MIN_N}); engine dtype in "
+                            "the decode kernels and on the CPU"
                             if self.method == FP8 else "engine dtype"),
             "tensors": [f"{m}.weight" for m in self.quantized_modules(n_layers, tie_word_embeddings=tie_word_embeddings)],
         }
@@ -187,9 +191,12 @@ class QuantLinear(nn.Module):
 
     def tensor_core_shape(self, x: torch.Tensor) -> bool:
         """Whether x [..., K] goes to the FP8 tensor cores, by method, device type, dtype and shape only (no
-        device query: a loaded fp8 engine's GPU was checked by `check_device`)."""
-        return (self.method == FP8 and x.numel() // x.shape[-1] >= self.tensor_core_min_rows
-                and scaled_mm_fits(x, self.weight))
+        device query: a loaded fp8 engine's GPU was checked by `check_device`). At decode rows only wide
+        outputs do: the row-wise FP8 GEMM tiles N alone, so an output under about one wave of 128-wide
+        tiles on the GPU's SMs leaves it short of the bandwidth that the split-K decode kernels reach."""
+        rows = x.numel() // x.shape[-1]
+        wide = self.out_features >= FP8_TENSOR_CORE_MIN_N or rows > FP8_DECODE_MAX_ROWS
+        return self.method == FP8 and rows >= self.tensor_core_min_rows and wide and scaled_mm_fits(x, self.weight)
 
     def tensor_core(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_scaled_linear(x, self.weight, self.weight_scale, self.bias)
