@@ -8,7 +8,7 @@
 #                                     sweep  - `bench gemms --quantization fp8` (skinny and gate/up tables);
 #                                     bench  - `bench quantized` (bf16 beside fp8 and int8 weight-only).
 # Env: SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, DEADLINE (bench s),
-#      BENCH_TIMEOUT, TC_ROWS (tc, default 1,16,64).
+#      BENCH_TIMEOUT, BATCH_SIZES (bench, default 1,64), TC_ROWS (tc, default 1,16,64).
 # Results under $OUT: steps.log, gpu-tests.log, tc.log/.json, sweep.log/.json, gate-up.log/.json,
 # quantized.json/.log.
 set -u
@@ -52,7 +52,7 @@ case ",$STEPS," in *,bench,*)
   TABLES=(); [ -s "$OUT/sweep.json" ] && [ -s "$OUT/gate-up.json" ] && TABLES=(-m serving.bench.quant_tables "$OUT/sweep.json" "$OUT/gate-up.json" --)
   [ ${#TABLES[@]} -eq 0 ] && TABLES=(-m serving.bench)
   timeout "${BENCH_TIMEOUT:-420}" python3 "${TABLES[@]}" quantized --shapes "${SHAPES:-llama-3.1-8b,llama-3.2-1b}" \
-    --methods "${METHODS:-none,fp8,int8-weight-only}" --deadline-s "${DEADLINE:-330}" --out "$OUT/quantized.json" \
+    --methods "${METHODS:-none,fp8,int8-weight-only}" --batch-sizes "${BATCH_SIZES:-1,64}" --deadline-s "${DEADLINE:-330}" --out "$OUT/quantized.json" \
     >"$OUT/quantized.log" 2>&1
   log "bench rc=$?" ;;
 esac
