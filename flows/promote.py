@@ -2,8 +2,8 @@
 
 MLflow records the outcome: alias `canary` while the rollout runs, `production` when it finishes; a
 version rolled back by the analysis is tagged `rollout` = `failed` with `rollout.reason` and
-`rollout.analysis` (the figures) and marked `approval` = `rejected`. Triton model versions carry the
-MLflow version number, so `<model>_engine` version 3 is registered version 3.
+`rollout.analysis` (the figures) and marked `approval` = `rejected`. Engine models are named by the
+MLflow version number, so engine model `<model>_v3` holds registered version 3.
 
 Crash safety: every change is preceded by a record in the rollout journal (`tasks.rollout_state`). A run
 that finds an unfinished record first reconciles: `finishing` is completed, any other phase is rolled back
@@ -25,10 +25,11 @@ from prefect.states import Failed, State
 
 from flows.spec import ReleaseSpec
 from tasks.errors import ApprovalRejected, RolloutAborted, StepError
+from tasks.fit import CandidateDoesNotFit, check_fits
 from tasks.gray_release import RolloutReport, gray_release, gray_release_task
 from tasks.promote_spec import RolloutSpec
 from tasks.rollout_state import Journal, read_journal, write_journal
-from tasks.stage import StagingRolledBack, fetch_engine, stage, stage_task
+from tasks.stage import StagingRolledBack, fetch_engine, migrate_layout, stage, stage_task
 from tasks.targets import Target, check_reachable, fleet_live_version, resolve_targets
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
         approved_by = _approve(spec, version)
     targets = _targets(spec)
     check_reachable(targets)
+    migrate_layout(targets, name, spec.triton.load_timeout_s)  # before anything reads the repositories
     repos = [t.model_repository for t in targets]
 
     if previous is not None and unfinished:
@@ -153,6 +155,12 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
         artifacts_uri=spec.artifacts.uri, model_name=name, fingerprint=info.fingerprint,
         cache_dir=spec.work_dir / "fetched", device=device, engine=spec.engine,
     )
+    try:
+        check_fits(targets, engine_dir, device=device, engine_kind=spec.engine.kind)
+    except CandidateDoesNotFit as exc:
+        _record_failure(uri, name, version, str(exc), {}, reject=False)
+        raise StageFailed(f"{name} version {version} was not staged ({exc}); nothing changed, version {live} "
+                          "stays live; MLflow tagged rollout=failed") from exc
     journal = Journal(name, cand, live, "staging", kind=kind, endpoints=[t.url for t in targets],
                       seq=previous.seq if previous else 0)
     write_journal(repos, journal)

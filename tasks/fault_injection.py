@@ -1,9 +1,9 @@
 """Test-only engine loader that makes a REAL engine bad on purpose: slow, failing, or unable to load.
 
-Used by setting the `<model>_engine` parameter ``engine_loader`` to ``tasks.fault_injection:load_engine``
+Used by setting the engine models' parameter ``engine_loader`` to ``tasks.fault_injection:load_engine``
 (spec: ``triton.engine_parameters``). Without a fault file it is exactly ``serving.engine.load_engine``.
-The fault is read from ``<model repository>/.faults-<model>_engine.json`` (a file Triton ignores), keyed
-by version number, so a test can make one version, or one server of a fleet, misbehave::
+The fault is read from ``<model repository>/.faults-<release>.json`` (a file Triton ignores), keyed
+by engine version number, so a test can make one version, or one server of a fleet, misbehave::
 
     {"3": {"delay_per_token_s": 0.02}}     # version 3 answers correctly, but slowly
     {"3": {"error_rate": 1.0}}             # version 3 raises in generate -> error responses
@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import Any
 
 
-def fault_file(model_repository: Path, engine_model: str) -> Path:
-    return Path(model_repository) / f".faults-{engine_model}.json"
+def fault_file(model_repository: Path, release: str) -> Path:
+    return Path(model_repository) / f".faults-{release}.json"
 
 
-def write_fault(model_repository: Path, engine_model: str, version: int, fault: dict[str, Any] | None) -> None:
-    """Set (or clear, with None) the fault of one version; written atomically."""
+def write_fault(model_repository: Path, release: str, version: int, fault: dict[str, Any] | None) -> None:
+    """Set (or clear, with None) the fault of one engine version of ``release``; written atomically."""
     from serving.triton.repository import write_atomic
 
-    path = fault_file(model_repository, engine_model)
+    path = fault_file(model_repository, release)
     faults = json.loads(path.read_text()) if path.is_file() else {}
     if fault is None:
         faults.pop(str(version), None)
@@ -87,11 +87,12 @@ def load_engine(engine_dir: Path, *, device: str = "auto", **options: Any) -> An
     from serving.engine import load_engine as real_load
 
     engine_dir = Path(engine_dir)
-    version_dir = engine_dir.parent  # <repo>/<model>_engine/<N>/engine
-    path = fault_file(version_dir.parent.parent, version_dir.parent.name)
+    model_dir = engine_dir.parent.parent  # <repo>/<release>_v<N>/1/engine
+    release, _, version = model_dir.name.rpartition("_v")
+    path = fault_file(model_dir.parent, release)
     faults = json.loads(path.read_text()) if path.is_file() else {}
-    fault = faults.get(version_dir.name) or {}
+    fault = faults.get(version) or {}
     if fault.get("fail_load"):
-        raise RuntimeError(f"injected fault: version {version_dir.name} cannot load ({fault['fail_load']})")
+        raise RuntimeError(f"injected fault: version {version} cannot load ({fault['fail_load']})")
     runner = real_load(engine_dir, device=device, **options)
     return FaultyRunner(runner, fault) if fault else runner

@@ -112,7 +112,8 @@ PROM_FAMILIES = ("nv_inference_request_success", "nv_inference_request_failure",
                  "nv_inference_queue_duration_us")
 
 
-def _prometheus_reading(targets: list[Target], name: str, version: int | None) -> dict[str, float]:
+def _prometheus_reading(targets: list[Target], name: str, versions: list[int]) -> dict[str, float]:
+    """Triton's counters of the engine models of ``versions`` (one model per version), summed."""
     from serving.triton.metrics import model_counter, scrape
     from serving.triton.repository import engine_model_name
 
@@ -120,7 +121,7 @@ def _prometheus_reading(targets: list[Target], name: str, version: int | None) -
     for t in targets:
         samples = scrape(t.metrics_url, setting=f"{t.setting} (metrics_url)")
         for fam in PROM_FAMILIES:
-            out[fam] += model_counter(samples, fam, engine_model_name(name), version)
+            out[fam] += sum(model_counter(samples, fam, engine_model_name(name, v)) for v in versions)
     return out
 
 
@@ -248,8 +249,8 @@ def analyse_step(step: Analysis, targets: list[Target], report: RolloutReport,
     def read(metric: MetricSpec):
         if metric.provider == "router":
             return _router_reading(targets, name)
-        version = {"candidate": cand, "live": live, "all": None}[metric.version]
-        return _prometheus_reading(targets, name, version)
+        versions = {"candidate": [cand], "live": [live], "all": [cand, live]}[metric.version]
+        return _prometheus_reading(targets, name, [v for v in versions if v is not None])
 
     def value_of(metric: MetricSpec, before, after):
         if metric.provider == "router":

@@ -85,7 +85,7 @@ class TritonSpec(BaseModel):
         "traffic; one that fails fails the staging.")
     engine_parameters: dict[str, str] = Field(
         default_factory=dict, validate_default=True,
-        description="Config parameters of the `<model>_engine` Triton model (all its versions), e.g. `device`, "
+        description="Config parameters of the candidate's Triton model `<model>_v<N>` (each version keeps its own), e.g. `device`, "
         "`decoupled`, `compile_decode`, `stream_interval_ms`, `admit_gap_ms`, `idle_senders` (docs/triton.md). "
         "`decoupled` is \"true\" unless given (in-flight batching; streams go token by token through "
         "`<model>_stream`); \"false\" serves plain requests, one response each. "
@@ -147,7 +147,7 @@ class MetricSpec(BaseModel):
     name: str = Field(description="Name shown in reports and MLflow tags.")
     provider: Literal["router", "prometheus"] = Field(
         "router", description="`router`: the router's own per-version counters (errors counted right). "
-        "`prometheus`: Triton's metrics endpoint (`triton.endpoints[].metrics_url`) for `<model>_engine`.")
+        "`prometheus`: Triton's metrics endpoint (`triton.endpoints[].metrics_url`) for the version's model `<model>_v<N>`.")
     query: str = Field(description=f"What to measure over one interval. router: {', '.join(ROUTER_QUERIES)}; "
                        f"prometheus: {', '.join(PROMETHEUS_QUERIES)}.")
     version: Literal["candidate", "live", "all"] = Field("candidate", description="Which version's figures.")

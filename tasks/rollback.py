@@ -24,19 +24,16 @@ class FleetError(RuntimeError):
 
 
 def remove_leftovers(root: Path, name: str) -> list[str]:
-    """Delete ``.staging-*`` / ``.removing-*`` folders a crash left in ``<name>_engine`` (Triton ignores them)."""
+    """Delete ``.staging-<name>_v*`` / ``.removing-*`` folders a crash left in the repository (Triton
+    ignores them)."""
     from serving.triton.repository import REMOVING_PREFIX, STAGING_PREFIX, engine_model_name
 
-    model_dir = Path(root) / engine_model_name(name)
     gone = []
-    if model_dir.is_dir():
-        for path in model_dir.iterdir():
-            if path.is_dir() and path.name.startswith((STAGING_PREFIX, REMOVING_PREFIX)):
+    for pattern in (f"{STAGING_PREFIX}{engine_model_name(name, 0)[:-1]}*", f"{REMOVING_PREFIX}*"):
+        for path in Path(root).glob(pattern):
+            if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
                 gone.append(path.name)
-    for path in Path(root).glob(f"{REMOVING_PREFIX}*"):
-        shutil.rmtree(path, ignore_errors=True)
-        gone.append(path.name)
     return gone
 
 
@@ -45,11 +42,12 @@ def converge(target: Target, name: str, version: int, timeout_s: float) -> None:
 
     When the router already gives every other version weight 0 (a release's last step, or a rollback
     before any traffic moved), those versions are unloaded first and the router is reloaded once, after:
-    it drops their entries and follows the served version's decoupled setting together. Otherwise the
+    it drops their entries and follows the served version's decoupled setting together (not at all when
+    Triton already runs it with ``version`` alone). Otherwise the
     router stops choosing them before they are unloaded, and is reloaded again only if that setting
     changed. Fewer back-to-back router reloads at a release's finish (docs/triton.md, the in-flight hang).
     """
-    from serving.triton.operations import apply_router_weights, serve_versions
+    from serving.triton.operations import apply_router_weights, router_loaded_with, serve_versions
     from serving.triton.repository import engine_decoupled, list_versions, remove_version
 
     control = target.control()
@@ -60,7 +58,9 @@ def converge(target: Target, name: str, version: int, timeout_s: float) -> None:
         checkpoint(f"converge {target.url}: router -> {version}")
     serve_versions(control, target.model_repository, name, [version], timeout_s=timeout_s)
     checkpoint(f"converge {target.url}: served [{version}]")
-    if routed or engine_decoupled(target.model_repository, name) != decoupled:  # served alone, own settings back
+    alone = {version: 100}
+    if (routed and not router_loaded_with(control, target.model_repository, name, alone)) \
+            or engine_decoupled(target.model_repository, name) != decoupled:  # served alone, own settings back
         apply_router_weights(control, target.model_repository, name, {version: 100}, timeout_s=timeout_s)
         checkpoint(f"converge {target.url}: router -> {version} alone")
     for other in list_versions(target.model_repository, name):
@@ -70,22 +70,27 @@ def converge(target: Target, name: str, version: int, timeout_s: float) -> None:
 
 
 def remove_everywhere(target: Target, name: str, timeout_s: float) -> None:
-    """Before any live version: unload and delete the router and the engine model (absent is fine)."""
-    from serving.triton.repository import REMOVING_PREFIX, engine_model_name
+    """Before any live version: unload and delete the router, the streaming router and every engine
+    version's model (absent is fine)."""
+    from serving.triton.repository import (
+        SERVED_PREFIX,
+        engine_model_name,
+        list_versions,
+        remove_folder,
+        stream_model_name,
+    )
 
     control = target.control()
-    for model in (name, engine_model_name(name)):
+    for model in (stream_model_name(name), name, *(engine_model_name(name, v)
+                                                   for v in list_versions(target.model_repository, name))):
         try:
             control.unload_model(model, timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 - a model Triton never loaded cannot be unloaded
             log.info("unload %s on %s: %s", model, target.url, exc)
         path = Path(target.model_repository) / model
         if path.is_dir():
-            import secrets
-
-            aside = path.parent / f"{REMOVING_PREFIX}{model}-{secrets.token_hex(4)}"
-            path.rename(aside)
-            shutil.rmtree(aside)
+            remove_folder(path)
+    (Path(target.model_repository) / f"{SERVED_PREFIX}{name}.json").unlink(missing_ok=True)
     remove_leftovers(target.model_repository, name)
 
 

@@ -59,6 +59,20 @@ def fetch_engine(*, artifacts_uri: str, model_name: str, fingerprint: str, cache
     return local
 
 
+def migrate_layout(targets: list[Target], model_name: str, timeout_s: float) -> None:
+    """Move every endpoint still in the old layout (``<name>_engine`` holding all versions) to one Triton
+    model per version (`serving.triton.migrate`); idempotent, so a run killed midway is finished by the next."""
+    from serving.triton.migrate import migrate_legacy
+
+    for target in targets:
+        moved = migrate_legacy(target.control(), target.model_repository, model_name, timeout_s=timeout_s)
+        if moved:
+            log.warning("%s on %s: migrated versions %s from %s_engine to one Triton model per version",
+                        model_name, target.url, moved, model_name)
+            print(f"{model_name} on {target.url}: migrated versions {moved} from the old layout ({model_name}_engine) "
+                  "to one Triton model per version")
+
+
 class StagingRolledBack(RuntimeError):
     """Staging failed on an endpoint and every endpoint serves the live version again (on a first
     release: nothing); the failure is the ``__cause__``."""
@@ -66,7 +80,8 @@ class StagingRolledBack(RuntimeError):
 
 def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: int, triton: TritonSpec,
           live: int | None = None, engine: EngineSpec | None = None) -> StagedVersion:
-    """Stage `engine_dir` as `version` beside the live version on every target and load both.
+    """Stage `engine_dir` as the model of `version` beside the live version's on every target and load
+    that model only (the live one keeps running untouched).
 
     Any failure on any endpoint rolls every endpoint back to the live version, then raises
     `StagingRolledBack` from it; if that rollback fails too, the failure itself is raised (logged with
@@ -129,7 +144,7 @@ def warm_up(target: Target, model_name: str, version: int, triton: TritonSpec) -
 
     send = generate_ids if flag(triton.engine_parameters, "decoupled") else infer_ids  # /infer refuses decoupled
     for i in range(triton.warmup_requests):
-        send(target.url, engine_model_name(model_name), [1 + i, 2, 3], max_tokens=4, version=version,
+        send(target.url, engine_model_name(model_name, version), [1 + i, 2, 3], max_tokens=4,
              timeout_s=triton.request_timeout_s, setting=target.setting)
 
 

@@ -85,7 +85,7 @@ def test_a_run_stopped_by_its_time_limit_keeps_the_requests_done_so_far(tmp_path
     def stop_mid_run() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if log.is_file() and "successfully loaded 'bench_default_engine'" in log.read_text(errors="replace"):
+            if log.is_file() and "successfully loaded 'bench_default_v1'" in log.read_text(errors="replace"):
                 time.sleep(5)  # the clients are sending by now
                 os.kill(os.getpid(), signal.SIGTERM)
                 return

@@ -112,7 +112,7 @@ def test_a_release_turns_in_flight_batching_on_under_load_and_streams_follow(tmp
             load.gen.wait_for(10, timeout_s=60)
         print("\n" + load.table())
         assert_consistent(inflight, 2)
-        assert llm_model_config(proc.model_repository, NAME)["model_transaction_policy"] == {"decoupled": True}
+        assert llm_model_config(proc.model_repository, NAME, 2)["model_transaction_policy"] == {"decoupled": True}
         failures = [r.error for r in load.gen.log.since(0) if not r.ok]
         assert not failures, sorted(set(failures))[:3]
         assert {r.version for r in load.gen.log.since(0) if r.ok} == {1, 2}
@@ -130,8 +130,8 @@ def test_a_release_turns_in_flight_batching_on_under_load_and_streams_follow(tmp
 
 
 def test_a_failed_release_that_turned_decoupled_on_leaves_the_live_version_plain(tmp_path) -> None:
-    """The candidate brings `decoupled: "true"` and fails its warm-up: the rollback serves v1 alone with the
-    parameters it was staged with, so v1 is plain again (HTTP /infer works), and the streaming router the
+    """The candidate brings `decoupled: "true"` and fails its warm-up: v1, a model of its own, kept the
+    parameters it was staged with, so it is plain (HTTP /infer works), and the streaming router the
     release's parameters called for is gone."""
     loader = {"engine_loader": "tasks.fault_injection:load_engine", "decoupled": "false"}
     for seed in (0, 1):
@@ -141,16 +141,16 @@ def test_a_failed_release_that_turned_decoupled_on_leaves_the_live_version_plain
         proc = start_server(servers, tmp_path / "repo")
         plain = make_spec(tmp_path, NAME, [proc], steps=STEPS, engine_parameters=loader, concurrency=1)
         first_release(plain)
-        write_fault(proc.model_repository, f"{NAME}_engine", 2, {"error_rate": 1.0})
+        write_fault(proc.model_repository, NAME, 2, {"error_rate": 1.0})
         inflight = make_spec(tmp_path, NAME, [proc], steps=STEPS, engine_parameters={**loader, "decoupled": "true"},
                              concurrency=1)
         with pytest.raises(StageFailed):
             promote(inflight, "2")
         assert_consistent(plain, 1)
-        assert "model_transaction_policy" not in llm_model_config(proc.model_repository, NAME)
+        assert "model_transaction_policy" not in llm_model_config(proc.model_repository, NAME, 1)
         assert not (proc.model_repository / stream_model_name(NAME)).exists()
         loaded = httpclient.InferenceServerClient(proc.http_url.removeprefix("http://")).get_model_config(
-            f"{NAME}_engine")
+            f"{NAME}_v1")
         assert not loaded.get("model_transaction_policy", {}).get("decoupled", False)
         with Load([proc.http_url], NAME, concurrency=1) as load:  # plain /infer through the router
             load.gen.wait_for(5, timeout_s=60)

@@ -37,8 +37,8 @@ def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogC
     spec, procs = world["spec"], world["procs"]
     first_release(spec)
     assert_consistent(spec, 1)
-    write_fault(procs[1].model_repository, f"{NAME}_engine", 2, {"fail_load": "injected on server 2 only"})
-    # the failing candidate also brings a parameter of its own, which the rollback must take back
+    write_fault(procs[1].model_repository, NAME, 2, {"fail_load": "injected on server 2 only"})
+    # the failing candidate also brings a parameter of its own, which must never reach version 1's model
     parameters = {**spec.triton.engine_parameters, "stream_interval_ms": "7"}
     failing = spec.model_copy(update={"triton": spec.triton.model_copy(update={"engine_parameters": parameters})})
     with Load([p.http_url for p in procs], NAME) as load:
@@ -54,9 +54,9 @@ def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogC
         load.gen.wait_for(20, timeout_s=60)
     print("\n" + load.table())
     assert_consistent(spec, 1)
-    for proc in procs:  # what each Triton has loaded: version 1 with its own parameters again
+    for proc in procs:  # what each Triton has loaded: version 1 with its own parameters
         loaded = httpclient.InferenceServerClient(proc.http_url.removeprefix("http://")).get_model_config(
-            f"{NAME}_engine")
+            f"{NAME}_v1")
         assert {k: v["string_value"] for k, v in loaded["parameters"].items()} == spec.triton.engine_parameters
     tags = mr.get_version_tags(spec.mlflow.tracking_uri, NAME, "2")
     assert tags["rollout"] == "failed" and "injected on server 2 only" in tags["rollout.reason"]
@@ -65,7 +65,7 @@ def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogC
     failures = [r.error for r in records if not r.ok]
     assert not failures, sorted(set(failures))[:3]
 
-    write_fault(procs[1].model_repository, f"{NAME}_engine", 2, None)
+    write_fault(procs[1].model_repository, NAME, 2, None)
     result = promote(spec, "2")
     assert result.rollout.outcome == "Successful" and len(result.endpoints) == 2
     assert {r.endpoint for r in result.rollout.records} == {p.http_url for p in procs}

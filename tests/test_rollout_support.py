@@ -4,6 +4,7 @@ check that a fleet is consistent, and a bounded load generator that reports late
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -17,7 +18,6 @@ from serving.engine import read_engine_info
 from serving.triton.client import infer_ids
 from serving.triton.process import TritonProcess
 from serving.triton.repository import (
-    engine_model_name,
     init_repository,
     list_versions,
     router_weights,
@@ -80,14 +80,16 @@ def fleet_state(spec: ReleaseSpec) -> dict:
     name, uri = spec.model_name, spec.mlflow.tracking_uri
     out = {"endpoints": []}
     for t in targets_of(spec):
-        ready = t.control().ready_versions(engine_model_name(name))
+        ready = sorted(int(m.name.removeprefix(f"{name}_v")) for m in t.control().repository_index()
+                       if m.state == "READY" and re.fullmatch(rf"{re.escape(name)}_v\d+", m.name))
         routed = {infer_ids(t.url, name, [3, 4, 5], max_tokens=2, timeout_s=30).routed_version for _ in range(4)}
         out["endpoints"].append({"weights": router_weights(t.model_repository, name),
                                  "served": served_versions(t.model_repository, name),
                                  "folders": list_versions(t.model_repository, name), "ready": ready,
                                  "routed": sorted(routed),
-                                 "leftovers": sorted(p.name for p in (t.model_repository / engine_model_name(name))
-                                                     .iterdir() if p.name.startswith("."))})
+                                 "leftovers": sorted(p.name for p in t.model_repository.iterdir()
+                                                     if p.is_dir() and p.name.startswith((".staging", ".removing"))),
+                                 "legacy": (t.model_repository / f"{name}_engine").exists()})
     journal = read_journal([t.model_repository for t in targets_of(spec)], name)
     out["journal"] = None if journal is None else (journal.phase, journal.candidate, journal.live)
     out["production"] = mr.get_version_by_alias(uri, name, mr.ALIAS_PRODUCTION)
@@ -100,12 +102,43 @@ def assert_consistent(spec: ReleaseSpec, version: int, *, production: bool = Tru
     state = fleet_state(spec)
     for ep in state["endpoints"]:
         assert ep == {"weights": {version: 100}, "served": [version], "folders": [version], "ready": [version],
-                      "routed": [version], "leftovers": []}, state
+                      "routed": [version], "leftovers": [], "legacy": False}, state
     assert state["journal"] is None or state["journal"][0] in ("done", "aborted", "interrupted"), state
     assert state["canary"] is None, state
     if production:
         assert state["production"] == str(version), state
     return state
+
+
+LOADING = re.compile(r'"loading: ([^:"]+):\d+"')
+ENGINE_INIT = re.compile(r'"\[(\S+) v\d+\] engine [0-9a-f]+ loaded from ')
+UNLOADED = re.compile(r"\"successfully unloaded '([^']+)'")
+
+
+class TritonLog:
+    """Triton's log read in slices: what it printed since the previous ``take``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = Path(path), 0
+
+    def take(self) -> str:
+        text = self.path.read_text(errors="replace")
+        piece, self.offset = text[self.offset:], len(text)
+        return piece
+
+    @staticmethod
+    def loads(text: str, release: str) -> list[str]:
+        """Engine models Triton started loading (``loading: <release>_v<N>:1``), in order."""
+        return [m for m in LOADING.findall(text) if re.fullmatch(rf"{re.escape(release)}_v\d+", m)]
+
+    @staticmethod
+    def engine_inits(text: str) -> list[str]:
+        """Models whose llm initialized an engine (its ``engine <fingerprint> loaded from`` line), in order."""
+        return ENGINE_INIT.findall(text)
+
+    @staticmethod
+    def unloads(text: str) -> list[str]:
+        return UNLOADED.findall(text)
 
 
 class Load:

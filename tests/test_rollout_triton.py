@@ -15,7 +15,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_rollout_support import Load, assert_consistent, first_release, make_spec, publish, start_server
+from test_rollout_support import (
+    Load,
+    TritonLog,
+    assert_consistent,
+    first_release,
+    make_spec,
+    publish,
+    start_server,
+)
 from triton_support import TritonServers, make_tiny_engine
 
 from flows.promote import promote
@@ -55,31 +63,45 @@ def world(tmp_path_factory: pytest.TempPathFactory):
 
 def test_rollout_and_automatic_rollback_under_load_drop_nothing(world) -> None:
     spec, proc, tmp = world["spec"], world["proc"], world["tmp"]
+    log = TritonLog(proc.log_path)
     first = first_release(spec)  # the router appears at 100% on version 1
     assert first.rollout.outcome == "Successful"
     assert_consistent(spec, 1)
+    logs = {"first": log.take()}
 
     with Load([proc.http_url], NAME) as load:
         load.mark("before")
         load.gen.wait_for(20, timeout_s=60)
         load.mark("rollout 1->2 (10/50/100)")
         good = promote(spec, "2")
+        logs["promote 2"] = log.take()
         load.mark("between")
         load.gen.wait_for(20, timeout_s=60)
-        write_fault(proc.model_repository, f"{NAME}_engine", 3, {"delay_per_token_s": 0.1})
+        write_fault(proc.model_repository, NAME, 3, {"delay_per_token_s": 0.1})
         load.mark("automatic rollback of slow v3")
         with pytest.raises(RolloutAborted) as aborted:
             promote(spec, "3")
+        logs["promote 3"] = log.take()
         load.mark("after")
         load.gen.wait_for(20, timeout_s=60)
         load.mark("rollback 2->1 (immediate)")
         back = rollback(spec, immediate=True)
+        logs["rollback to 1"] = log.take()
         load.mark("after rollback")
         load.gen.wait_for(20, timeout_s=60)
     table = load.table()
     print("\n" + table)
     records = load.gen.log.since(0)
     failures = [r.error for r in records if not r.ok]
+
+    # one Triton model per engine version: a promotion initializes the candidate's engine only, the live
+    # version is never reloaded, and what no weight points to at the end is unloaded
+    loads = {phase: TritonLog.loads(text, NAME) for phase, text in logs.items()}
+    inits = {phase: TritonLog.engine_inits(text) for phase, text in logs.items()}
+    unloads = {phase: [m for m in TritonLog.unloads(text) if m.startswith(f"{NAME}_v")] for phase, text in logs.items()}
+    assert loads == inits == {"first": ["gray_v1"], "promote 2": ["gray_v2"], "promote 3": ["gray_v3"],
+                              "rollback to 1": ["gray_v1"]}, (loads, inits)
+    assert unloads == {"first": [], "promote 2": ["gray_v1"], "promote 3": ["gray_v3"], "rollback to 1": ["gray_v2"]}
 
     assert good.rollout.outcome == "Successful" and good.rollout.metrics["rollout_failed_requests"] == 0
     assert [a.outcome for a in good.rollout.analyses] == ["Successful"] * 3
@@ -106,3 +128,22 @@ def test_rollout_and_automatic_rollback_under_load_drop_nothing(world) -> None:
                                                             "slow_rollback_reason": aborted.value.reason}, indent=2))
         for png in (good.timeline_png, tmp / "work" / "reports" / f"promote-{NAME}-v3.png"):
             shutil.copy(png, out_dir / png.name)
+
+
+def test_a_candidate_that_does_not_fit_is_refused_before_anything_changes(world, monkeypatch) -> None:
+    """The fit check reads this Triton's host memory (nv_cpu_memory_*); with an overhead no host has, the
+    candidate is refused with the figures, and nothing loads or moves."""
+    from flows.promote import StageFailed
+    from tasks import fit
+
+    spec, proc = world["spec"], world["proc"]
+    before = assert_consistent(spec, 1)  # where the first test left it
+    log = TritonLog(proc.log_path)
+    log.take()
+    monkeypatch.setattr(fit, "INSTANCE_OVERHEAD_BYTES", {"cpu": 2**60, "gpu": 2**60})
+    with pytest.raises(StageFailed, match=r"does not fit beside the live engine: .* cpu: needs [\d,]+ MiB, has "
+                                          r"[\d,]+ MiB free of [\d,]+ MiB") as refused:
+        promote(spec, "2")
+    assert "nothing changed, version 1 stays live" in str(refused.value)
+    assert TritonLog.loads(log.take(), NAME) == []
+    assert assert_consistent(spec, 1)["endpoints"] == before["endpoints"]

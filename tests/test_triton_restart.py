@@ -27,18 +27,20 @@ def mid_release_repository(root: Path, work: Path) -> Path:
         stage_engine_version(root, NAME, make_tiny_engine(work, seed=seed), device_kind="cpu")
     set_served_versions(root, NAME, [1, 2])
     write_router(root, NAME, {1: 30, 2: 70})
-    (root / f"{STAGING_PREFIX}{NAME}-0123abcd").mkdir()
+    (root / f"{STAGING_PREFIX}{NAME}_v3-0123abcd").mkdir()
     return root
 
 
 def test_served_models_in_load_order(tmp_path: Path) -> None:
     root = init_repository(tmp_path / "repo")
-    for model in ("a_engine", "a_trtllm_v3", "a_trtllm_v9", "a_stream", "a", "b_engine", "lonely"):
+    for model in ("a_v3", "a_v9", "a_trtllm_v3", "a_trtllm_v9", "a_stream", "a", "b_v1", "b",
+                  "old_engine", "old", "lonely"):
         (root / model).mkdir()
         (root / model / "config.pbtxt").write_text("")
-    (root / "a_engine" / "enginewright.json").write_text('{"served": [3], "settings": {}}')
-    (root / "b_engine" / "enginewright.json").write_text('{"served": [], "settings": {}}')  # serves nothing
-    assert served_models(root) == ["a_trtllm_v3", "a_engine", "a_stream", "a"]
+    (root / ".engines-a.json").write_text('{"served": [3]}')  # a_v9: staged, not served
+    (root / ".engines-b.json").write_text('{"served": [1]}')
+    (root / "old_engine" / "enginewright.json").write_text('{"served": [2], "settings": {}}')  # the old layout
+    assert served_models(root) == ["a_trtllm_v3", "a_v3", "a_stream", "a", "b_v1", "b", "old_engine", "old"]
 
 
 @pytest.mark.slow
@@ -54,8 +56,8 @@ def test_a_restarted_server_serves_the_same_versions_again(tmp_path: Path, capsy
         proc = servers.start(root)
         assert [m for m in proc.control().repository_index() if m.state == "READY"] == []
         assert main(["triton", "load", "--repository", str(root), "--url", proc.http_url]) == 0
-        assert f"loaded on {proc.http_url}: {NAME}_engine, {NAME}" in capsys.readouterr().out
-        assert proc.control().ready_versions(f"{NAME}_engine") == [1, 2]
+        assert f"loaded on {proc.http_url}: {NAME}_v1, {NAME}_v2, {NAME}" in capsys.readouterr().out
+        assert proc.control().ready_versions(f"{NAME}_v1") == proc.control().ready_versions(f"{NAME}_v2") == [1]
         routed = {infer_ids(proc.http_url, NAME, [3, 4, 5], max_tokens=2, timeout_s=30).routed_version
                   for _ in range(24)}
         assert routed == {1, 2}

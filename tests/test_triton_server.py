@@ -34,7 +34,8 @@ from serving.triton.process import stub_resources
 pytestmark = pytest.mark.slow
 
 NAME = "tiny"
-ENGINE = "tiny_engine"
+ENGINE = "tiny_v1"  # one Triton model per engine version
+ENGINE2 = "tiny_v2"
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 300, 12, 9, 3]]
 MAX_TOKENS = 6
 
@@ -69,7 +70,7 @@ def test_router_and_direct_match_engine(world) -> None:
     for prompt in PROMPTS:
         expected = reference(engine, prompt)
         via_router = infer_ids(url, NAME, prompt, max_tokens=MAX_TOKENS, timeout_s=30)
-        direct = infer_ids(url, ENGINE, prompt, max_tokens=MAX_TOKENS, version=1, timeout_s=30)
+        direct = infer_ids(url, ENGINE, prompt, max_tokens=MAX_TOKENS, timeout_s=30)
         assert via_router.output_ids == direct.output_ids == expected, (prompt, via_router, direct, expected)
         assert via_router.routed_version == 1 and direct.routed_version is None
         assert via_router.finish_reason == "length"
@@ -92,14 +93,14 @@ def test_bad_requests_get_errors_and_server_keeps_serving(world) -> None:
     with pytest.raises(InferenceError, match="max_input_len=128") as err:
         infer_ids(url, NAME, [5] * 129, max_tokens=2, timeout_s=30)
     with pytest.raises(InferenceError, match="max_input_len=128") as direct:
-        infer_ids(url, ENGINE, [5] * 129, max_tokens=2, version=1, timeout_s=30)
+        infer_ids(url, ENGINE, [5] * 129, max_tokens=2, timeout_s=30)
     assert direct.value.status == 400  # a rejected request is INVALID_ARG
     # BLS drops the error code: the router's answer is an INTERNAL error (500) carrying the target's message
     assert err.value.status in (400, 500)
     with pytest.raises(InferenceError, match="max_seq_len=256"):
-        infer_ids(url, ENGINE, [5] * 100, max_tokens=200, version=1, timeout_s=30)
+        infer_ids(url, ENGINE, [5] * 100, max_tokens=200, timeout_s=30)
     with pytest.raises(InferenceError, match="outside the vocabulary"):
-        infer_ids(url, ENGINE, [10**6], max_tokens=2, version=1, timeout_s=30)
+        infer_ids(url, ENGINE, [10**6], max_tokens=2, timeout_s=30)
     assert infer_ids(url, NAME, PROMPTS[0], max_tokens=2, timeout_s=30).output_ids
     stats = router_stats(url, NAME)
     assert stats["versions"]["1"]["errors"] == 1  # the router's own count (Triton's counts it as a success)
@@ -125,7 +126,7 @@ def test_second_version_split_then_switch(world) -> None:
     root, control, url = world["root"], world["control"], world["proc"].http_url
     assert stage_engine_version(root, NAME, world["engines"][2]) == 2
     serve_versions(control, root, NAME, [1, 2], timeout_s=60)
-    assert control.ready_versions(ENGINE) == [1, 2]
+    assert control.ready_versions(ENGINE) == [1] and control.ready_versions(ENGINE2) == [1]
     apply_router_weights(control, root, NAME, {1: 50, 2: 50}, timeout_s=30)
     expected = {v: reference(world["engines"][v], PROMPTS[0]) for v in (1, 2)}
     assert expected[1] != expected[2]
@@ -144,24 +145,24 @@ def test_second_version_split_then_switch(world) -> None:
     assert {infer_ids(url, NAME, PROMPTS[0], max_tokens=2, timeout_s=30).routed_version for _ in range(10)} == {2}
 
     serve_versions(control, root, NAME, [2], timeout_s=60)
-    assert control.ready_versions(ENGINE) == [2]
-    assert not control.model_ready(ENGINE, 1)
+    assert control.ready_versions(ENGINE2) == [1]
+    assert not control.model_ready(ENGINE)
     remove_version(root, NAME, 1)
     assert infer_ids(url, NAME, PROMPTS[1], max_tokens=2, timeout_s=30).routed_version == 2
     with pytest.raises(InferenceError):
-        infer_ids(url, ENGINE, PROMPTS[1], max_tokens=2, version=1, timeout_s=30)
+        infer_ids(url, ENGINE, PROMPTS[1], max_tokens=2, timeout_s=30)
 
 
 def test_router_counts_errors_of_a_missing_version(world) -> None:
     root, control, url = world["root"], world["control"], world["proc"].http_url
     apply_router_weights(control, root, NAME, {1: 100}, timeout_s=30)  # version 1 is gone
-    with pytest.raises(InferenceError, match="tiny_engine version 1"):
+    with pytest.raises(InferenceError, match="tiny_v1"):
         infer_ids(url, NAME, PROMPTS[0], max_tokens=2, timeout_s=30)
     assert router_stats(url, NAME)["versions"]["1"] == pytest.approx(
         {"requests": 1, "errors": 1, "latency_sum_s": 0.0, "latency_max_s": 0.0}, abs=1.0)
     apply_router_weights(control, root, NAME, {2: 100}, timeout_s=30)
     control.unload_model(NAME, timeout_s=30)  # waits until the index no longer shows it READY/UNLOADING
-    assert not control.model_ready(NAME) and control.ready_versions(ENGINE) == [2]
+    assert not control.model_ready(NAME) and control.ready_versions(ENGINE2) == [1]
 
 
 SLOW_MODEL = '''

@@ -18,7 +18,7 @@ from serving.triton import init_repository, router_stats, stage_engine_version
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-ENGINE = "tiny_engine"
+ENGINE = "tiny_v1"
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 7, 300, 12, 9, 3], [9, 9, 9]]
 
 
@@ -126,12 +126,12 @@ def test_a_cancelled_stream_frees_its_slot_and_serving_goes_on(world) -> None:
     root, control, url = world["root"], world["control"], world["proc"].grpc_url
     stage_engine_version(root, "slow", world["engine"], device_kind="cpu",
                          parameters={"decoupled": "true", "engine_loader": "tasks.fault_injection:load_engine"})
-    write_fault(root, "slow_engine", 1, {"delay_per_token_s": 0.01})
-    control.load_model("slow_engine", timeout_s=90)
+    write_fault(root, "slow", 1, {"delay_per_token_s": 0.01})
+    control.load_model("slow_v1", timeout_s=90)
     got: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: got.put((result, error)))
-    client.async_stream_infer("slow_engine", inputs(PROMPTS[0], 240, stream=True), request_id="gone")
+    client.async_stream_infer("slow_v1", inputs(PROMPTS[0], 240, stream=True), request_id="gone")
     _, error = got.get(timeout=30)  # the first tokens arrived: generation is under way
     assert error is None
     client.stop_stream(cancel_requests=True)
@@ -143,11 +143,11 @@ def test_a_cancelled_stream_frees_its_slot_and_serving_goes_on(world) -> None:
     deadline = time.monotonic() + 20
     while "cancelled by its client" not in logs() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert "[slow_engine v1] request" in logs() and "cancelled by its client" in logs()
+    assert "[slow_v1 v1] request" in logs() and "cancelled by its client" in logs()
     out = run_stream(url, [(PROMPTS[1], 3, True)])  # the tiny_engine model, on the same server
     assert [t for ids, _, _ in out["0"] for t in ids] == reference(world["engine"], PROMPTS[1], 3)
-    control.unload_model("slow_engine", wait=True)
-    stats = next(line for line in logs().splitlines() if "[slow_engine v1] engine thread joined" in line)
+    control.unload_model("slow_v1", wait=True)
+    stats = next(line for line in logs().splitlines() if "[slow_v1 v1] engine thread joined" in line)
     assert "cancelled=1," in stats and "finished=0," in stats, stats
 
 

@@ -43,47 +43,75 @@ def fake_engine_dir(tmp_path: Path, name: str = "engine") -> Path:
 
 
 class RecordingControl:
-    """The Triton control calls a repository operation makes, in order (beside the real-server rollout
-    tests of the same paths, tests/test_rollout_*.py)."""
+    """The Triton control calls a repository operation makes, in order, and what is loaded (beside the
+    real-server rollout tests of the same paths, tests/test_rollout_*.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, loaded: dict[str, dict] | None = None) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.loaded: dict[str, dict] = dict(loaded or {})  # model -> config it runs with
 
     def load_model(self, name: str, *, config: dict | None = None, timeout_s: float = 0.0) -> None:
         self.calls.append(("load", name))
+        self.loaded[name] = config or {}
 
     def unload_model(self, name: str, *, timeout_s: float = 0.0) -> None:
         self.calls.append(("unload", name))
+        self.loaded.pop(name, None)
 
-    def ready_versions(self, name: str) -> list[int]:  # nothing loaded: every serve_versions loads
-        return []
+    def ready_versions(self, name: str) -> list[int]:
+        return [1] if name in self.loaded else []
+
+    def model_config(self, name: str) -> dict:
+        from serving.triton.errors import TritonRequestError
+
+        if name not in self.loaded:
+            raise TritonRequestError(f"{name} is not loaded")
+        return self.loaded[name]
 
 
-@pytest.mark.parametrize("before", [{1: 0, 2: 100}, {1: 50, 2: 50}])
-def test_converge_unloads_a_version_only_once_the_router_no_longer_picks_it(tmp_path: Path, before) -> None:
-    """Already routed away from version 1 (a release's last step): the engine reload first, then ONE
-    router reload that drops its 0-weight entry. Still routed to it: the router first, then the engine."""
-    from tasks import rollback
-    from tasks.targets import Target
-
+def two_versions_served(tmp_path: Path, router: dict[int, int]) -> tuple[Path, RecordingControl]:
     root = repo_mod.init_repository(tmp_path / "repo")
     engine = fake_engine_dir(tmp_path)
     for _ in range(2):
         repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, device_kind="cpu")
     repo_mod.set_served_versions(root, "m", [1, 2])
-    repo_mod.write_router(root, "m", before)
-    control = RecordingControl()
+    config = repo_mod.write_router(root, "m", router)
+    return root, RecordingControl({"m_v1": {}, "m_v2": {}, "m": config})
+
+
+@pytest.mark.parametrize("before", [{1: 0, 2: 100}, {1: 50, 2: 50}])
+def test_converge_unloads_a_version_only_once_the_router_no_longer_picks_it(tmp_path: Path, before) -> None:
+    """Already routed away from version 1 (a release's last step): its model is unloaded first, then ONE
+    router reload drops its 0-weight entry. Still routed to it: the router first, then the unload. The
+    model of the version kept is never reloaded."""
+    from tasks import rollback
+    from tasks.targets import Target
+
+    root, control = two_versions_served(tmp_path, before)
 
     class RecordedTarget(Target):
         def control(self, **_: float) -> RecordingControl:  # type: ignore[override]
             return control
 
     rollback.converge(RecordedTarget("http://127.0.0.1:1", root, "test"), "m", 2, timeout_s=1.0)
-    loads = [name for verb, name in control.calls if verb == "load"]
-    want = ["m_engine", "m"] if before[1] == 0 else ["m", "m_engine"]
-    assert loads == want
+    want = [("unload", "m_v1"), ("load", "m")] if before[1] == 0 else [("load", "m"), ("unload", "m_v1")]
+    assert control.calls == want
     assert repo_mod.router_weights(root, "m") == {2: 100}
     assert repo_mod.served_versions(root, "m") == [2] and repo_mod.list_versions(root, "m") == [2]
+    control.calls.clear()
+    rollback.converge(RecordedTarget("http://127.0.0.1:1", root, "test"), "m", 2, timeout_s=1.0)
+    assert control.calls == []  # converged already: nothing loads, not even the router
+
+
+def test_serve_versions_loads_only_what_is_not_ready(tmp_path: Path) -> None:
+    from serving.triton.operations import serve_versions
+
+    root, control = two_versions_served(tmp_path, {1: 100})
+    control.loaded.pop("m_v2")
+    serve_versions(control, root, "m", [1, 2])
+    assert control.calls == [("load", "m_v2")]  # the live m_v1 is left alone
+    serve_versions(control, root, "m", [1])
+    assert control.calls == [("load", "m_v2"), ("unload", "m_v2")]
 
 
 # ---------------------------------------------------------------- pbtxt and configs
@@ -120,7 +148,7 @@ def test_llm_config_parses_with_triton_schema() -> None:
 
 def test_router_config_parses_and_validates() -> None:
     cfg = parse_pbtxt(to_pbtxt(router_config("m", {1: 90, 2: 10})))
-    assert cfg.parameters["target_model"].string_value == "m_engine"
+    assert cfg.parameters["target_model"].string_value == "m_v{version}"
     assert json.loads(cfg.parameters["weights"].string_value) == {"1": 90, "2": 10}
     assert {o.name for o in cfg.output} >= {"routed_version", "stats_json", "output_ids"}
     assert all(i.optional for i in cfg.input if i.name != "max_tokens")  # required, as the engine requires it
@@ -138,52 +166,52 @@ def test_stage_versions_layout_and_served(tmp_path: Path) -> None:
     engine = fake_engine_dir(tmp_path)
     assert repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, device_kind="cpu") == 1
     assert repo_mod.stage_engine_version(root, "m", engine, max_batch_size=4) == 2
-    vdir = root / "m_engine" / "2"
+    vdir = root / "m_v2" / "1"
     assert (vdir / "model.py").read_text() == (repo_mod.MODELS_DIR / "llm.py").read_text()
     assert (vdir / "engine" / "sub" / "x.bin").read_bytes() == b"x"
     assert (vdir / "engine" / "weights.pt").stat().st_ino == (engine / "weights.pt").stat().st_ino  # hardlink
     assert repo_mod.served_versions(root, "m") == [1]
-    cfg = parse_pbtxt((root / "m_engine" / "config.pbtxt").read_text())
-    assert list(cfg.version_policy.specific.versions) == [1] and cfg.max_batch_size == 8
+    for version, batch in ((1, 8), (2, 4)):  # each version its own model and config
+        cfg = parse_pbtxt((root / f"m_v{version}" / "config.pbtxt").read_text())
+        assert cfg.name == f"m_v{version}" and list(cfg.version_policy.specific.versions) == [1]
+        assert cfg.max_batch_size == batch
+        assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU  # kept from version 1
+    config_1 = (root / "m_v1" / "config.pbtxt").read_bytes()
     repo_mod.set_served_versions(root, "m", [1, 2])
-    cfg = parse_pbtxt((root / "m_engine" / "config.pbtxt").read_text())
-    assert list(cfg.version_policy.specific.versions) == [1, 2] and cfg.max_batch_size == 4  # min over versions
+    assert (root / "m_v1" / "config.pbtxt").read_bytes() == config_1  # serving another version changes none
     with pytest.raises(RepositoryError, match="still served"):
         repo_mod.remove_version(root, "m", 1)
     repo_mod.set_served_versions(root, "m", [2])
     repo_mod.remove_version(root, "m", 1)
     assert repo_mod.list_versions(root, "m") == [2]
-    # numbers are never reused
-    assert repo_mod.stage_engine_version(root, "m", engine, max_batch_size=4) == 3
-    assert not [p for p in (root / "m_engine").iterdir() if p.name.startswith(".")]
+    with pytest.raises(RepositoryError, match="already exists"):
+        repo_mod.stage_engine_version(root, "m", engine, max_batch_size=4, version=2)
+    assert not [p for p in root.iterdir() if p.name.startswith((".staging", ".removing"))]
     with pytest.raises(RepositoryError, match="not staged"):
         repo_mod.set_served_versions(root, "m", [1])
+    repo_mod.stage_engine_version(root, "m_v2", engine, max_batch_size=4)  # a release named like a version
+    assert repo_mod.list_versions(root, "m") == [2] and repo_mod.list_versions(root, "m_v2") == [1]
 
 
-def test_a_version_served_alone_gets_the_settings_it_was_staged_with(tmp_path: Path) -> None:
-    """Triton's parameters are the model's: both versions run with the candidate's during a release, and a
-    rollback (the live version served alone) takes them back, so a parameter that broke the candidate's
-    load cannot break the live version's reload too."""
+def test_each_version_keeps_the_settings_it_was_staged_with(tmp_path: Path) -> None:
+    """Settings are a model's in Triton: with a model per version, the candidate's parameters never reach
+    the live version, and the routers call both the way the newest served version is staged."""
     root = repo_mod.init_repository(tmp_path / "repo")
     engine = fake_engine_dir(tmp_path)
 
-    def loaded() -> tuple[dict[str, str], int]:
-        cfg = parse_pbtxt((root / "m_engine" / "config.pbtxt").read_text())
+    def settings(version: int) -> tuple[dict[str, str], int]:
+        cfg = parse_pbtxt((root / f"m_v{version}" / "config.pbtxt").read_text())
         return {k: v.string_value for k, v in cfg.parameters.items()}, cfg.dynamic_batching.default_queue_policy.max_queue_size
 
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"warmup": "true"}, max_queue_size=9)
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"decoupled": "true"},
                                   max_queue_size=5)
+    assert settings(1) == ({"warmup": "true"}, 9) and settings(2) == ({"decoupled": "true"}, 5)
     repo_mod.set_served_versions(root, "m", [1, 2])
-    assert loaded() == ({"decoupled": "true"}, 5) and repo_mod.engine_decoupled(root, "m")
+    assert repo_mod.engine_decoupled(root, "m")
+    assert "model_transaction_policy" in repo_mod.llm_model_config(root, "m", 2)
     repo_mod.set_served_versions(root, "m", [1])  # rolled back
-    assert loaded() == ({"warmup": "true"}, 9) and not repo_mod.engine_decoupled(root, "m")
-    repo_mod.set_served_versions(root, "m", [2])  # finished instead
-    assert loaded() == ({"decoupled": "true"}, 5)
-    legacy = root / "m_engine" / "1" / repo_mod.VERSION_FILE  # staged before versions kept their settings
-    legacy.write_text(json.dumps({k: v for k, v in json.loads(legacy.read_text()).items() if k != "settings"}))
-    repo_mod.set_served_versions(root, "m", [1])
-    assert loaded() == ({"decoupled": "true"}, 5)  # the model's settings as they stand
+    assert not repo_mod.engine_decoupled(root, "m") and settings(1) == ({"warmup": "true"}, 9)
 
 
 def test_serving_a_version_that_is_not_staged_changes_nothing(tmp_path: Path) -> None:
@@ -192,19 +220,18 @@ def test_serving_a_version_that_is_not_staged_changes_nothing(tmp_path: Path) ->
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"warmup": "true"})
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"decoupled": "true"})
     repo_mod.set_served_versions(root, "m", [2])
-    files = {path.name: path.read_bytes() for path in (root / "m_engine").iterdir() if path.is_file()}
+    files = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
     for versions in ([1, 7], [7]):
         with pytest.raises(RepositoryError, match="not staged"):
             repo_mod.set_served_versions(root, "m", versions)
-        assert {path.name: path.read_bytes() for path in (root / "m_engine").iterdir() if path.is_file()} == files
+        assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files
 
 
 def test_stage_failure_mid_copy_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = repo_mod.init_repository(tmp_path / "repo")
     engine = fake_engine_dir(tmp_path)
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8)
-    before = sorted(p.name for p in (root / "m_engine").iterdir())
-    config_before = (root / "m_engine" / "config.pbtxt").read_bytes()
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
     real = repo_mod.link_or_copy
     placed: list[Path] = []
 
@@ -218,8 +245,8 @@ def test_stage_failure_mid_copy_leaves_nothing(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(OSError, match="disk full"):
         repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8)
     assert placed, "the failure must happen after a first file was written"
-    assert sorted(p.name for p in (root / "m_engine").iterdir()) == before
-    assert (root / "m_engine" / "config.pbtxt").read_bytes() == config_before
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in root.iterdir()) == sorted([".engines-m.json", "m_v1"])
 
 
 def test_stage_refuses_a_bad_parameter_before_writing_anything(tmp_path: Path) -> None:
@@ -507,6 +534,8 @@ def test_router_config_says_target_decoupled_when_its_llm_is_staged_decoupled(tm
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, device_kind="cpu")
     assert "target_decoupled" not in write_router(root, "m", {1: 100})["parameters"]  # a plain llm
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"decoupled": "true"})
+    assert "target_decoupled" not in write_router(root, "m", {1: 100})["parameters"]  # staged, not served yet
+    repo_mod.set_served_versions(root, "m", [1, 2])
     assert write_router(root, "m", {1: 100})["parameters"]["target_decoupled"] == {"string_value": "true"}
     assert "target_decoupled" not in write_router(root, "m", {1: 100}, target_model="other")["parameters"]
 
@@ -610,3 +639,39 @@ def test_without_compile_the_eager_graphs_are_captured_once():
     runner = CompileRunner(set())
     llm_mod.EngineThread(runner, ListLog(), device_id=None, compile_decode=False, warmup=True).prepare_decode()
     assert runner.calls == [] and runner.graphs.warmed
+
+
+# ---------------------------------------------------------------- one model per version, fit check
+
+
+def test_routers_call_the_model_of_the_version_their_weights_pick() -> None:
+    from serving.triton.models.routing import target_label, target_of
+
+    assert target_of("m_v{version}", 7) == ("m_v7", -1)
+    assert target_of("m_engine", 7) == ("m_engine", 7)  # the old layout: one model, numbered versions
+    assert target_label("m_v{version}", 7) == "m_v7" and target_label("m_engine", 7) == "m_engine version 7"
+    from serving.triton.client import is_engine_model
+
+    assert is_engine_model("m_v12") and is_engine_model("m_engine") and not is_engine_model("m")
+
+
+def test_kv_cache_and_fit_figures() -> None:
+    from serving.engine.memory import kv_cache_bytes
+    from serving.triton.metrics import parse_metrics
+    from tasks.fit import HEADROOM_FRACTION, device_memory, fit_problems
+
+    # Llama-3.2-1B at batch 8 x 2048 tokens in bf16: 16 layers, 8 KV heads of 64
+    assert kv_cache_bytes(n_layers=16, n_kv_heads=8, head_dim=64, max_batch_size=8, max_seq_len=2048,
+                          dtype="bfloat16") == 512 * 1024**2
+    samples = parse_metrics('nv_gpu_memory_total_bytes{gpu_uuid="GPU-a"} 1000\n'
+                            'nv_gpu_memory_used_bytes{gpu_uuid="GPU-a"} 900\n'
+                            'nv_gpu_memory_total_bytes{gpu_uuid="GPU-b"} 1000\n'
+                            'nv_gpu_memory_used_bytes{gpu_uuid="GPU-b"} 100\n'
+                            'nv_cpu_memory_total_bytes 5000\nnv_cpu_memory_used_bytes 1000\n')
+    gpus = device_memory(samples, "gpu")
+    assert [(d.device, d.free_bytes) for d in gpus] == [("gpu GPU-a", 100), ("gpu GPU-b", 900)]
+    assert device_memory(samples, "cpu")[0].free_bytes == 4000 and device_memory([], "gpu") == []
+    need = 900 - int(HEADROOM_FRACTION * 1000)  # exactly GPU-b's room
+    problems = fit_problems(need, gpus, where="http://t")
+    assert len(problems) == 1 and problems[0].startswith("http://t gpu GPU-a: needs 0 MiB, has 0 MiB free")
+    assert fit_problems(need + 1, gpus, where="http://t")[1].startswith("http://t gpu GPU-b")

@@ -18,7 +18,7 @@ from triton_support import FakeRequest, FakeResponse, FakeTensor, make_fake_pb_u
 from tritonclient.grpc import model_config_pb2
 
 from serving.triton.pbtxt import to_pbtxt
-from serving.triton.repository import served_versions
+from serving.triton.repository import MODELS_DIR, served_versions
 from serving.triton.trtllm_repository import (
     fill_template_commands,
     inflight_batcher_configs,
@@ -129,11 +129,11 @@ def test_stage_engine_version_layout(tmp_path: Path) -> None:
     llm = parse((root / target / "config.pbtxt").read_text())
     assert llm.name == target and llm.parameters["gpt_model_path"].string_value == f"/models/{target}/1/engine"
     assert (root / target / "1" / "engine" / "rank0.engine").is_file()
-    engine_cfg = parse((root / "m_engine" / "config.pbtxt").read_text())
+    engine_cfg = parse((root / "m_v1" / "config.pbtxt").read_text())
     assert engine_cfg.backend == "python" and engine_cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     assert {i.name for i in engine_cfg.input} >= {"input_ids", "text_input", "max_tokens"}  # router contract
-    vdir = root / "m_engine" / "1"
-    assert (vdir / "model.py").read_text().startswith('"""``<name>_engine`` version backed by a TensorRT engine')
+    vdir = root / "m_v1" / "1"
+    assert (vdir / "model.py").read_text() == (MODELS_DIR / "trtllm_adapter.py").read_text()
     info = json.loads((vdir / "version.json").read_text())
     assert info["target_model"] == target and info["toolchain"] == TOOLCHAIN
     assert stage_trtllm_version(root, "m", engine_artifact(tmp_path, name="art2"), target_toolchain=TOOLCHAIN) == 2
@@ -149,7 +149,7 @@ def test_stage_refuses_toolchain_mismatch(tmp_path: Path, field: str, value: str
     with pytest.raises(TrtllmToolchainMismatchError, match=expected) as err:
         stage_trtllm_version(root, "m", art, target_toolchain=dict(TOOLCHAIN, **{field: value}))
     assert "Recorded:" in str(err.value) and "Target:" in str(err.value)
-    assert not (root / "m_engine").exists() and not list(root.glob("*trtllm*"))
+    assert not (root / "m_v1").exists() and not list(root.glob("*trtllm*"))
 
 
 def test_stage_toolchain_via_spec(tmp_path: Path) -> None:
@@ -174,7 +174,7 @@ def load_model(monkeypatch, module_name: str, vdir_root: Path, handler=None, con
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     monkeypatch.setattr(mod, "pb_utils", pb)
     model = mod.TritonPythonModel()
-    model.initialize({"model_name": "m_engine", "model_version": "1", "model_repository": str(vdir_root),
+    model.initialize({"model_name": "m_v1", "model_version": "1", "model_repository": str(vdir_root),
                       "model_config": json.dumps(config or {"parameters": {}})})
     return model, pb
 
@@ -200,7 +200,7 @@ def test_adapter_maps_router_contract_to_backend(monkeypatch, tmp_path: Path) ->
         return FakeResponse([FakeTensor("output_ids", np.asarray([[toks]], np.int32)),
                              FakeTensor("sequence_length", np.asarray([[n]], np.int32))])
 
-    model, pb = load_model(monkeypatch, "trtllm_adapter", root / "m_engine", backend)
+    model, pb = load_model(monkeypatch, "trtllm_adapter", root / "m_v1", backend)
     reqs = [FakeRequest({"input_ids": [[5, 6, 7]], "max_tokens": [[3]], "top_k": [[4]], "seed": [[9]],
                          "stop_token_ids": [[9, 11]]}),
             FakeRequest({"input_ids": [[1] * 17], "max_tokens": [[2]]}),
@@ -222,8 +222,8 @@ def test_adapter_refuses_wrong_toolchain_at_load(monkeypatch, tmp_path: Path) ->
     root = tmp_path / "repo"
     stage_trtllm_version(root, "m", engine_artifact(tmp_path), target_toolchain=TOOLCHAIN)
     monkeypatch.setattr(tc, "current_toolchain", lambda: dict(TOOLCHAIN, compute_capability="8.6"))
-    with pytest.raises(RuntimeError, match=r"\[m_engine v1\].*target GPU is 8.6"):
-        load_model(monkeypatch, "trtllm_adapter", root / "m_engine")
+    with pytest.raises(RuntimeError, match=r"\[m_v1 v1\].*target GPU is 8.6"):
+        load_model(monkeypatch, "trtllm_adapter", root / "m_v1")
 
 
 # ---------------------------------------------------------------- the LLM-API model with the recorded fake
@@ -261,10 +261,10 @@ def test_llmapi_model_calls_documented_api(monkeypatch, tmp_path: Path, fake_trt
 
     monkeypatch.setattr(tc, "current_toolchain", lambda: dict(TOOLCHAIN))
     root = llmapi_repo(tmp_path)
-    model, _ = load_model(monkeypatch, "trtllm_llmapi", root / "m_engine")
+    model, _ = load_model(monkeypatch, "trtllm_llmapi", root / "m_v1")
     calls = dict(fake_trtllm.CALLS)
     assert calls["KvCacheConfig"] == {"free_gpu_memory_fraction": 0.5, "enable_block_reuse": False, "dtype": "auto"}
-    assert calls["LLM"]["model"] == str(root / "m_engine" / "1" / "artifact" / "checkpoint")
+    assert calls["LLM"]["model"] == str(root / "m_v1" / "1" / "artifact" / "checkpoint")
     assert calls["LLM"]["max_batch_size"] == 4 and calls["LLM"]["backend"] == "pytorch"
     r = asyncio.run(model.execute([FakeRequest({"input_ids": [[3, 4]], "max_tokens": [[3]], "temperature": [[0.5]]}),
                                    FakeRequest({"max_tokens": [[3]]})]))
@@ -281,7 +281,7 @@ def test_llmapi_model_streams_when_decoupled(monkeypatch, tmp_path: Path, fake_t
 
     monkeypatch.setattr(tc, "current_toolchain", lambda: dict(TOOLCHAIN))
     root = llmapi_repo(tmp_path)
-    model, _ = load_model(monkeypatch, "trtllm_llmapi", root / "m_engine",
+    model, _ = load_model(monkeypatch, "trtllm_llmapi", root / "m_v1",
                           config={"parameters": {}, "model_transaction_policy": {"decoupled": True}})
     sent: list = []
 
@@ -303,7 +303,7 @@ def test_llmapi_model_without_trtllm_names_engine_kind(monkeypatch, tmp_path: Pa
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # import fails like on this machine
     root = llmapi_repo(tmp_path)
     with pytest.raises(RuntimeError, match="engine.kind='trtllm-llmapi' needs the tensorrt_llm package"):
-        load_model(monkeypatch, "trtllm_llmapi", root / "m_engine")
+        load_model(monkeypatch, "trtllm_llmapi", root / "m_v1")
 
 
 def test_adapter_in_a_decoupled_engine_model_sends_final_responses(monkeypatch, tmp_path: Path) -> None:
@@ -317,7 +317,7 @@ def test_adapter_in_a_decoupled_engine_model_sends_final_responses(monkeypatch, 
         return FakeResponse([FakeTensor("output_ids", np.asarray([[[7, 1]]], np.int32)),
                              FakeTensor("sequence_length", np.asarray([[2]], np.int32))])
 
-    model, _ = load_model(monkeypatch, "trtllm_adapter", root / "m_engine", backend,
+    model, _ = load_model(monkeypatch, "trtllm_adapter", root / "m_v1", backend,
                           config={"parameters": {}, "model_transaction_policy": {"decoupled": True}})
     sent: list = []
     req = FakeRequest({"input_ids": [[5]], "max_tokens": [[4]], "stream": [[True]]})

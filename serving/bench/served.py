@@ -242,7 +242,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     vocab = 128256 if shape.startswith("llama") else 512
     try:
         for i, (label, params) in enumerate(variants):
-            model = f"{MODEL}_{label}_engine"
+            model = f"{MODEL}_{label}_v1"
             figures: dict[str, Any] = {"parameters": {**base, **params}}
             report["variants"][label] = figures
             t1 = time.perf_counter()

@@ -51,7 +51,7 @@ def _request(client: Any, events: queue.Queue, model: str, prompt: list[int], ge
 
 
 def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, barrier: Any = None,
-                  model: str = MODEL + "_engine", warmup: list[int] | None = None) -> None:
+                  model: str = MODEL + "_v1", warmup: list[int] | None = None) -> None:
     import tritonclient.grpc as grpcclient
 
     events: queue.Queue = queue.Queue()

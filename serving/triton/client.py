@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,14 @@ def _result(raw: dict[str, Any]) -> InferResult:
     )
 
 
+ENGINE_MODEL = re.compile(r".+(_v\d+|_engine)")  # <name>_v<N>, or the old layout's <name>_engine
+
+
+def is_engine_model(model: str) -> bool:
+    """``model`` names an engine version's model (``<name>_v<N>``), not a router."""
+    return ENGINE_MODEL.fullmatch(model) is not None
+
+
 def _outputs(model_is_router: bool, text: bool) -> list[str]:
     names = ["output_ids", "finish_reason"] + (["text_output"] if text else [])
     return names + (["routed_version"] if model_is_router else [])
@@ -81,8 +90,8 @@ def infer_ids(http_url: str, model: str, prompt_ids: list[int], *, max_tokens: i
               timeout_s: float = 60.0, routed: bool | None = None, temperature: float | None = None,
               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
               stop_token_ids: list[int] | None = None, setting: str = "triton.http_url") -> InferResult:
-    """Generate from token ids. ``routed`` (default: model name has no ``_engine`` suffix) asks for
-    ``routed_version``."""
+    """Generate from token ids. ``routed`` (default: the model is not an engine model, `is_engine_model`)
+    asks for ``routed_version``."""
     inputs = [
         {"name": "input_ids", "datatype": "INT32", "shape": [1, len(prompt_ids)], "data": list(prompt_ids)},
         {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [max_tokens]},
@@ -91,7 +100,7 @@ def infer_ids(http_url: str, model: str, prompt_ids: list[int], *, max_tokens: i
     if stop_token_ids:
         inputs.append({"name": "stop_token_ids", "datatype": "INT32", "shape": [1, len(stop_token_ids)],
                        "data": list(stop_token_ids)})
-    is_router = not model.endswith("_engine") if routed is None else routed
+    is_router = not is_engine_model(model) if routed is None else routed
     raw = infer(http_url, model, inputs, _outputs(is_router, False), version=version, timeout_s=timeout_s,
                 setting=setting)
     return _result(raw)
@@ -118,7 +127,7 @@ def infer_text(http_url: str, model: str, text: str, *, max_tokens: int, version
         {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [max_tokens]},
         *_sampling_inputs(temperature, top_k, top_p, seed),
     ]
-    is_router = not model.endswith("_engine") if routed is None else routed
+    is_router = not is_engine_model(model) if routed is None else routed
     raw = infer(http_url, model, inputs, _outputs(is_router, True), version=version, timeout_s=timeout_s,
                 setting=setting)
     return _result(raw)

@@ -71,7 +71,7 @@ def llm_config(
     instance_count: int = 1,
     parameters: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Complete config of ``<name>_engine`` serving ``versions``.
+    """Complete config of an llm model serving ``versions`` (one engine version's model: ``[1]``).
 
     ``parameters["decoupled"] == "true"`` makes it a decoupled model (in-flight batching on an engine
     thread, responses streamed; adds the optional ``stream`` BOOL input). Decoupled models are called
@@ -144,7 +144,7 @@ def router_config(
     live version wait for a slow candidate (measured: live TTFT median 0.83 s beside a slow canary).
     Each instance forwards one request at a time; the llm's own dynamic batcher still groups the BLS calls.
     """
-    params = _router_params(f"router {name!r}", weights, target_model=target_model or f"{name}_engine",
+    params = _router_params(f"router {name!r}", weights, target_model=target_model or f"{name}_v{{version}}",
                             seed=seed, load_id=load_id)
     if target_decoupled:
         params["target_decoupled"] = "true"

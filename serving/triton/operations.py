@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from serving.triton.control import TritonControl
 from serving.triton.errors import TritonRequestError
 from serving.triton.repository import (
+    LEGACY_SUFFIX,
+    STATE_FILE,
+    TRITON_VERSION,
     engine_decoupled,
     engine_model_name,
+    list_versions,
     remove_folder,
     set_served_versions,
     stream_model_name,
@@ -34,6 +39,22 @@ def apply_router_weights(control: TritonControl, root: Path, name: str, weights:
     return config
 
 
+def router_loaded_with(control: TritonControl, root: Path, name: str, weights: dict[int, int]) -> bool:
+    """Triton runs the router ``name`` (and the streaming router, while the llm is decoupled) with exactly
+    ``weights``, as loaded (not as written: a crash may fall between the two)."""
+    from serving.triton.models.routing import dump_weights
+
+    models = [name] + ([stream_model_name(name)] if engine_decoupled(root, name) else [])
+    for model in models:
+        try:
+            loaded = control.model_config(model)
+        except TritonRequestError:
+            return False
+        if loaded.get("parameters", {}).get("weights", {}).get("string_value") != dump_weights(weights):
+            return False
+    return True
+
+
 def remove_stream_router(control: TritonControl, root: Path, name: str, *, timeout_s: float = 60.0) -> None:
     """Unload and delete ``<name>_stream`` if it is there (the llm is no longer decoupled)."""
     path = Path(root) / stream_model_name(name)
@@ -44,55 +65,57 @@ def remove_stream_router(control: TritonControl, root: Path, name: str, *, timeo
 
 
 def serve_versions(control: TritonControl, root: Path, name: str, versions: list[int], *,
-                   timeout_s: float = 120.0) -> dict[str, Any]:
-    """Serve exactly ``versions`` of ``<name>_engine``: rewrite its config, then reload it, unless Triton
-    serves that very config already (a reload re-creates every version: seconds to minutes per engine)."""
-    config = set_served_versions(root, name, versions)
-    if not already_served(control, engine_model_name(name), config):
-        control.load_model(engine_model_name(name), timeout_s=timeout_s)
-    return config
-
-
-def already_served(control: TritonControl, model: str, config: dict[str, Any]) -> bool:
-    """Exactly the versions of ``config`` are ready, and every setting ``config`` holds has the same value in
-    the config Triton loaded (which adds its defaults)."""
-    if control.ready_versions(model) != sorted(config["version_policy"]["specific"]["versions"]):
-        return False
-    try:
-        loaded = control.model_config(model)
-    except TritonRequestError:
-        return False
-    return holds(loaded, config)
-
-
-def holds(loaded: Any, wanted: Any) -> bool:
-    """``wanted`` is contained in ``loaded``: dicts key by key, lists element by element (same length)."""
-    if isinstance(wanted, dict):
-        return isinstance(loaded, dict) and all(k in loaded and holds(loaded[k], v) for k, v in wanted.items())
-    if isinstance(wanted, list):
-        return isinstance(loaded, list) and len(loaded) == len(wanted) and all(map(holds, loaded, wanted))
-    return loaded == wanted
+                   timeout_s: float = 120.0) -> dict[int, dict[str, Any]]:
+    """Serve exactly ``versions`` of release ``name``: record them, load each version's model that is not
+    ready (that model only: a version already live is never reloaded), then unload the other versions'
+    models. Their folders stay until `remove_version`. Returns each served version's config."""
+    configs = set_served_versions(root, name, versions)
+    for version in configs:
+        model = engine_model_name(name, version)
+        if control.ready_versions(model) != [TRITON_VERSION]:
+            control.load_model(model, timeout_s=timeout_s)
+    for version in list_versions(root, name):
+        model = engine_model_name(name, version)
+        if version not in configs and control.ready_versions(model):
+            control.unload_model(model, timeout_s=timeout_s)
+    return configs
 
 
 def served_models(root: Path) -> list[str]:
-    """The models ``root`` serves, in the order they must load: per engine model (``<name>_engine`` serving
-    versions) its TensorRT-LLM backend models, the engine, the streaming router, the router."""
-    from serving.triton.repository import STATE_FILE, served_versions
+    """The models ``root`` serves, in the order they must load: per release (``.engines-<name>.json``
+    naming served versions) each version's TensorRT-LLM backend model and its engine model, then the
+    streaming router and the router. A release still in the old layout (``<name>_engine`` serving
+    versions) loads as it was staged."""
+    from serving.triton.repository import SERVED_PREFIX, served_versions
     from serving.triton.trtllm_repository import trtllm_model_name
 
     root = Path(root)
-    suffix = engine_model_name("")  # "_engine"
     order = []
-    for engine_dir in sorted(root.glob(f"*{suffix}")):
-        name = engine_dir.name.removesuffix(suffix)
-        if not name or not (engine_dir / STATE_FILE).is_file():
-            continue
-        served = served_versions(root, name)
+    for record in sorted(root.glob(f"{SERVED_PREFIX}*.json")):
+        name = record.name.removeprefix(SERVED_PREFIX).removesuffix(".json")
+        for version in served_versions(root, name):
+            if (root / trtllm_model_name(name, version)).is_dir():
+                order.append(trtllm_model_name(name, version))
+            if (root / engine_model_name(name, version) / "config.pbtxt").is_file():
+                order.append(engine_model_name(name, version))
+        order += [model for model in (stream_model_name(name), name) if (root / model / "config.pbtxt").is_file()]
+    return order + legacy_served_models(root)
+
+
+def legacy_served_models(root: Path) -> list[str]:
+    """``served_models`` of releases in the old layout (one ``<name>_engine`` for every version)."""
+    from serving.triton.trtllm_repository import trtllm_model_name
+
+    order = []
+    for engine_dir in sorted(Path(root).glob(f"*{LEGACY_SUFFIX}")):
+        name = engine_dir.name.removesuffix(LEGACY_SUFFIX)
+        state = engine_dir / STATE_FILE
+        served = json.loads(state.read_text()).get("served", []) if name and state.is_file() else []
         if not served:
             continue
-        order += [trtllm_model_name(name, v) for v in served if (root / trtllm_model_name(name, v)).is_dir()]
+        order += [trtllm_model_name(name, v) for v in served if (Path(root) / trtllm_model_name(name, v)).is_dir()]
         order.append(engine_dir.name)
-        order += [model for model in (stream_model_name(name), name) if (root / model / "config.pbtxt").is_file()]
+        order += [model for model in (stream_model_name(name), name) if (Path(root) / model / "config.pbtxt").is_file()]
     return order
 
 

@@ -1,24 +1,31 @@
 """Generate and change the Triton model repository, never leaving it half-written.
 
-Layout for a model ``<name>``::
+Layout for a release ``<name>``: one Triton model per engine version, so each one loads, warms and unloads
+on its own (Triton re-creates every version of a model whose config changes: a model holding all versions
+reloaded the live engine at every promotion)::
 
-    <root>/<name>/config.pbtxt            router (python BLS), parameters target_model + weights
-    <root>/<name>/1/model.py              copy of serving/triton/models/router.py
-    <root>/<name>_engine/config.pbtxt     llm (python), version_policy specific: the served versions
-    <root>/<name>_engine/enginewright.json  settings + next version number (Triton ignores the file)
-    <root>/<name>_engine/<N>/model.py     copy of serving/triton/models/llm.py
-    <root>/<name>_engine/<N>/engine/      the engine files (hardlinked, copied across filesystems)
-    <root>/<name>_engine/<N>/version.json limits + fingerprint + source of this version
+    <root>/<name>/config.pbtxt               router (python BLS), parameters target_model + weights
+    <root>/<name>/1/model.py                 copy of serving/triton/models/router.py
+    <root>/<name>_v<N>/config.pbtxt          llm (python) of engine version N, its own settings
+    <root>/<name>_v<N>/1/model.py            copy of serving/triton/models/llm.py
+    <root>/<name>_v<N>/1/engine/             the engine files (hardlinked, copied across filesystems)
+    <root>/<name>_v<N>/1/version.json        release, version, limits, fingerprint, source, settings
+    <root>/.engines-<name>.json              the versions the release serves (Triton never reads it)
 
-A version is written in ``<name>_engine/.staging-<N>-<random>/`` (Triton 2.51 ignores non-numeric
-folders with a warning) and renamed into place; configs are written to a temp file and ``os.replace``d.
-Any failure removes the temp folder/file. Removal renames the version aside first, then deletes it.
+The router's ``target_model`` is the pattern ``<name>_v{version}``: it calls the model of the version its
+weights pick. A version is written in ``<root>/.staging-<name>_v<N>-<random>/`` and renamed into place;
+configs are written to a temp file and ``os.replace``d. Any failure removes the temp folder/file. Removal
+renames the folder aside first (``.removing-*``), then deletes it.
+
+The layout before it (``<name>_engine`` with numbered version folders, one config serving them all) is
+`legacy_engine_dir`; `serving.triton.operations.migrate_legacy` moves a release off it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import time
@@ -36,6 +43,10 @@ STATE_FILE = "enginewright.json"
 VERSION_FILE = "version.json"
 STAGING_PREFIX = ".staging-"
 REMOVING_PREFIX = ".removing-"
+SERVED_PREFIX = ".engines-"
+VERSION_SUFFIX = "_v"
+TRITON_VERSION = 1  # the one numbered folder of an engine version's model
+LEGACY_SUFFIX = "_engine"
 DEFAULT_SETTINGS: dict[str, Any] = {
     "device_kind": "auto",
     "max_queue_size": 64,
@@ -47,7 +58,9 @@ DEFAULT_SETTINGS: dict[str, Any] = {
 __all__ = [
     "engine_decoupled",
     "engine_model_name",
+    "engine_model_pattern",
     "init_repository",
+    "legacy_engine_dir",
     "list_versions",
     "llm_model_config",
     "remove_folder",
@@ -58,21 +71,37 @@ __all__ = [
     "served_versions",
     "set_served_versions",
     "stage_engine_version",
+    "stage_version_model",
     "stream_model_name",
+    "version_summary",
     "write_atomic",
     "write_router",
     "write_stream_router",
 ]
 
 
-def engine_model_name(name: str) -> str:
-    """The llm model that holds the engine versions behind router ``name``."""
-    return f"{name}_engine"
+def engine_model_name(name: str, version: int) -> str:
+    """The Triton model of engine version ``version`` of release ``name``: ``<name>_v<version>``."""
+    return f"{name}{VERSION_SUFFIX}{int(version)}"
+
+
+def engine_model_pattern(name: str) -> str:
+    """The routers' ``target_model``: ``<name>_v{version}``, the version filled in per request."""
+    return f"{name}{VERSION_SUFFIX}{{version}}"
 
 
 def stream_model_name(name: str) -> str:
     """The streaming router of release ``name`` (present while its llm is decoupled)."""
     return f"{name}_stream"
+
+
+def legacy_engine_dir(root: Path, name: str) -> Path | None:
+    """``<root>/<name>_engine`` when it holds numbered version folders (the layout before one model per
+    version), else None."""
+    path = Path(root) / f"{name}{LEGACY_SUFFIX}"
+    if path.is_dir() and any(p.is_dir() and p.name.isdigit() for p in path.iterdir()):
+        return path
+    return None
 
 
 def init_repository(root: Path) -> Path:
@@ -97,7 +126,8 @@ def write_atomic(path: Path, data: bytes | str) -> None:
             tmp.unlink()
 
 
-def _resolve_device_kind(kind: str) -> str:
+def resolve_device_kind(kind: str) -> str:
+    """``auto`` / ``cpu`` / ``gpu`` / ``cuda`` / ``KIND_*`` -> Triton's ``KIND_CPU`` or ``KIND_GPU``."""
     if kind in ("KIND_CPU", "KIND_GPU"):
         return kind
     if kind == "cpu":
@@ -113,39 +143,83 @@ def _resolve_device_kind(kind: str) -> str:
     raise RepositoryError(f"device_kind={kind!r} must be auto, cpu, gpu, KIND_CPU or KIND_GPU")
 
 
-def _model_dir(root: Path, name: str) -> Path:
-    return Path(root) / engine_model_name(name)
+def _version_dir(root: Path, name: str, version: int) -> Path:
+    return Path(root) / engine_model_name(name, version)
 
 
-def _read_state(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / STATE_FILE
+def _served_file(root: Path, name: str) -> Path:
+    return Path(root) / f"{SERVED_PREFIX}{name}.json"
+
+
+def version_summary(root: Path, name: str, version: int) -> dict[str, Any]:
+    """The sidecar of a staged version (limits, fingerprint, settings); RepositoryError when not staged."""
+    path = _version_dir(root, name, version) / str(TRITON_VERSION) / VERSION_FILE
     if not path.is_file():
-        return {"settings": dict(DEFAULT_SETTINGS), "next_version": 1, "served": []}
+        raise RepositoryError(f"version {version} of {name} is not staged in {root} ({path} missing)")
     return json.loads(path.read_text())
 
 
-def _write_state(model_dir: Path, state: dict[str, Any]) -> None:
-    write_atomic(model_dir / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
-
-
 def list_versions(root: Path, name: str) -> list[int]:
-    """Numbered version folders of ``<name>_engine`` (complete ones only), ascending."""
-    model_dir = _model_dir(root, name)
-    if not model_dir.is_dir():
+    """Engine versions of release ``name`` staged in ``root`` (complete model folders only), ascending."""
+    root = Path(root)
+    if not root.is_dir():
         return []
-    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    pattern = re.compile(re.escape(name + VERSION_SUFFIX) + r"(\d+)")
+    found = []
+    for path in root.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match and (path / str(TRITON_VERSION) / VERSION_FILE).is_file() and \
+                json.loads((path / str(TRITON_VERSION) / VERSION_FILE).read_text()).get("release") == name:
+            found.append(int(match.group(1)))
+    return sorted(found)
 
 
 def served_versions(root: Path, name: str) -> list[int]:
-    """Versions the ``<name>_engine`` config currently serves."""
-    return list(_read_state(_model_dir(root, name)).get("served", []))
+    """Versions release ``name`` serves (loaded on start, kept on finish/rollback); [] before a first one."""
+    path = _served_file(root, name)
+    return sorted(int(v) for v in json.loads(path.read_text())["served"]) if path.is_file() else []
 
 
-def _place_tree(src: Path, dst: Path, *, link: bool) -> None:
-    dst.mkdir()
+def set_served_versions(root: Path, name: str, versions: list[int]) -> dict[int, dict[str, Any]]:
+    """Record that ``name`` serves exactly ``versions``; return each one's complete model config.
+
+    Nothing loads here (`serving.triton.operations.serve_versions` does, one model per version); nothing is
+    written when a version is not staged."""
+    versions = sorted({int(v) for v in versions})
+    if not versions:
+        raise RepositoryError(f"release {name} in {root} would serve no version (argument versions)")
+    configs = {v: llm_model_config(root, name, v) for v in versions}
+    write_atomic(_served_file(root, name), json.dumps({"served": versions}))
+    return configs
+
+
+def llm_model_config(root: Path, name: str, version: int) -> dict[str, Any]:
+    """The complete config of engine version ``version``'s model (from the settings it was staged with)."""
+    summary = version_summary(root, name, version)
+    return version_config(engine_model_name(name, version), summary)
+
+
+def version_config(model: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """The llm config of one version's model from its sidecar (``max_batch_size`` + ``settings``)."""
+    settings = {**DEFAULT_SETTINGS, **(summary.get("settings") or {})}
+    return llm_config(
+        model,
+        versions=[TRITON_VERSION],
+        max_batch_size=int(summary["max_batch_size"]),
+        device_kind=resolve_device_kind(settings["device_kind"]),
+        max_queue_size=int(settings["max_queue_size"]),
+        max_queue_delay_us=int(settings["max_queue_delay_us"]),
+        instance_count=int(settings["instance_count"]),
+        parameters=dict(settings.get("parameters") or {}),
+    )
+
+
+def place_tree(src: Path, dst: Path, *, link: bool) -> None:
+    """Recreate ``src`` under ``dst`` (new folder), files hardlinked where ``link`` and possible."""
+    dst.mkdir(parents=True)
     for path in sorted(src.iterdir()):
         if path.is_dir():
-            _place_tree(path, dst / path.name, link=link)
+            place_tree(path, dst / path.name, link=link)
         elif path.is_file():
             link_or_copy(path, dst / path.name, link=link)
 
@@ -163,6 +237,48 @@ def _engine_summary(engine_dir: Path, max_batch_size: int | None) -> dict[str, A
             "max_input_len": int(info.limits.max_input_len), "max_seq_len": int(info.limits.max_seq_len)}
 
 
+def next_version(root: Path, name: str, version: int | None) -> int:
+    """``version`` checked (>= 1, not staged yet), or the next free number."""
+    existing = list_versions(root, name)
+    if version is None:
+        return max(existing, default=0) + 1
+    if version < 1 or version in existing or _version_dir(root, name, version).exists():
+        raise RepositoryError(
+            f"version {version} of {name} in {root} cannot be staged: "
+            + ("versions start at 1" if version < 1 else f"{_version_dir(root, name, version)} already exists")
+        )
+    return version
+
+
+def stage_version_model(root: Path, name: str, version: int, *, model_source: Path,
+                        payload: dict[str, Path], sidecar: dict[str, Any], link: bool = True) -> Path:
+    """Write the model ``<name>_v<version>`` aside, then rename it into place; return its folder.
+
+    ``payload`` maps a folder name under ``1/`` to the tree placed there (``engine``, ``artifact``, ...);
+    ``sidecar`` becomes ``1/version.json`` (with ``release`` and ``version`` added) and must hold
+    ``max_batch_size`` and ``settings``: the config is rendered from it."""
+    final = _version_dir(root, name, version)
+    sidecar = {**sidecar, "release": name, "version": int(version)}
+    config = version_config(final.name, sidecar)
+    tmp = Path(root) / f"{STAGING_PREFIX}{final.name}-{secrets.token_hex(4)}"
+    try:
+        inner = tmp / str(TRITON_VERSION)
+        inner.mkdir(parents=True)
+        shutil.copy2(model_source, inner / "model.py")
+        for folder, src in payload.items():
+            place_tree(src, inner / folder, link=link)
+        (inner / VERSION_FILE).write_text(json.dumps(sidecar, indent=2, sort_keys=True))
+        (tmp / "config.pbtxt").write_text(to_pbtxt(config))
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            raise RepositoryError(f"cannot rename {tmp} to {final.name}: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
 def stage_engine_version(
     root: Path,
     name: str,
@@ -177,12 +293,12 @@ def stage_engine_version(
     link: bool = True,
     version: int | None = None,
 ) -> int:
-    """Write ``engine_dir`` as the next version of ``<name>_engine`` atomically; return its number.
+    """Write ``engine_dir`` as the model ``<name>_v<version>`` atomically; return the version number.
 
-    Settings given here (device kind, queue, instances, parameters) are kept for the model's config;
-    ``None`` keeps the previous value. The first version staged becomes the served one; later
-    versions are served by ``set_served_versions``. ``max_batch_size`` defaults to the engine's limit.
-    ``version`` picks the number (the promote flow uses the MLflow version); it must not exist yet.
+    Settings given here (device kind, queue, instances, parameters) go into this version's own config;
+    ``None`` takes the newest staged version's value (or the default). The first version staged becomes
+    the served one; later ones are served by ``set_served_versions``. ``max_batch_size`` defaults to the
+    engine's limit. ``version`` picks the number (the promote flow uses the MLflow version).
     """
     root = init_repository(root)
     engine_dir = Path(engine_dir)
@@ -192,99 +308,25 @@ def stage_engine_version(
         try:
             check_parameters(parameters)
         except ValueError as exc:
-            raise RepositoryError(f"{engine_model_name(name)}: {exc} (argument parameters); nothing was staged") from exc
+            raise RepositoryError(f"{name}: {exc} (argument parameters); nothing was staged") from exc
     summary = _engine_summary(engine_dir, max_batch_size)
-    model_dir = _model_dir(root, name)
-    model_dir.mkdir(exist_ok=True)
-    state = _read_state(model_dir)
-    settings = state["settings"]
+    version = next_version(root, name, version)
+    existing = list_versions(root, name)
+    settings = dict(DEFAULT_SETTINGS)
+    if existing:
+        settings.update(version_summary(root, name, existing[-1]).get("settings") or {})
     for key, value in (("device_kind", device_kind), ("max_queue_size", max_queue_size),
                        ("max_queue_delay_us", max_queue_delay_us), ("instance_count", instance_count),
                        ("parameters", parameters)):
         if value is not None:
             settings[key] = value
-    existing = list_versions(root, name)
-    if version is None:
-        version = max([int(state.get("next_version", 1)), *(v + 1 for v in existing)])
-    elif version < 1 or version in existing:
-        raise RepositoryError(
-            f"version {version} of {engine_model_name(name)} in {root} cannot be staged: "
-            + ("it already exists" if version in existing else "versions start at 1")
-        )
-    tmp = model_dir / f"{STAGING_PREFIX}{version}-{secrets.token_hex(4)}"
-    try:
-        tmp.mkdir()
-        shutil.copy2(MODELS_DIR / "llm.py", tmp / "model.py")
-        _place_tree(engine_dir, tmp / "engine", link=link)
-        # the settings this version was staged with: served alone again (a rollback to it), it gets them back
-        sidecar = {**summary, "source": str(engine_dir.resolve()), "staged_at": time.time(),
-                   "settings": json.loads(json.dumps(settings))}
-        (tmp / VERSION_FILE).write_text(json.dumps(sidecar, indent=2, sort_keys=True))
-        try:
-            os.rename(tmp, model_dir / str(version))
-        except OSError as exc:
-            raise RepositoryError(f"cannot rename {tmp} to version {version} of {model_dir.name}: {exc}") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    state["next_version"] = max(int(state.get("next_version", 1)), version + 1)
-    _write_state(model_dir, state)
-    if not state.get("served"):
+    sidecar = {**summary, "source": str(engine_dir.resolve()), "staged_at": time.time(),
+               "settings": json.loads(json.dumps(settings))}
+    stage_version_model(root, name, version, model_source=MODELS_DIR / "llm.py", payload={"engine": engine_dir},
+                        sidecar=sidecar, link=link)
+    if not served_versions(root, name):
         set_served_versions(root, name, [version])
     return version
-
-
-def _version_summary(model_dir: Path, version: int) -> dict[str, Any]:
-    path = model_dir / str(version) / VERSION_FILE
-    if not path.is_file():
-        raise RepositoryError(f"version {version} of {model_dir.name} is not staged ({path} missing)")
-    return json.loads(path.read_text())
-
-
-def llm_model_config(root: Path, name: str, versions: list[int] | None = None) -> dict[str, Any]:
-    """The complete config of ``<name>_engine`` for ``versions`` (default: the served ones)."""
-    model_dir = _model_dir(root, name)
-    state = _read_state(model_dir)
-    return _config_of(model_dir, name, state["settings"], versions if versions is not None else state.get("served", []))
-
-
-def _config_of(model_dir: Path, name: str, settings: dict[str, Any], versions: list[int]) -> dict[str, Any]:
-    versions = sorted(versions)
-    if not versions:
-        raise RepositoryError(f"model {model_dir.name} in {model_dir.parent} serves no version (argument versions)")
-    summaries = [_version_summary(model_dir, v) for v in versions]
-    return llm_config(
-        engine_model_name(name),
-        versions=versions,
-        max_batch_size=min(int(x["max_batch_size"]) for x in summaries),
-        device_kind=_resolve_device_kind(settings["device_kind"]),
-        max_queue_size=int(settings["max_queue_size"]),
-        max_queue_delay_us=int(settings["max_queue_delay_us"]),
-        instance_count=int(settings["instance_count"]),
-        parameters=dict(settings.get("parameters") or {}),
-    )
-
-
-def set_served_versions(root: Path, name: str, versions: list[int]) -> dict[str, Any]:
-    """Rewrite ``<name>_engine/config.pbtxt`` to serve exactly ``versions``; return the config dict.
-
-    Triton picks it up on the next ``load_model("<name>_engine")``. Settings (parameters, queue, device
-    kind) are the model's, not a version's, in Triton: while two versions are served they run with the
-    latest staged ones; one version served alone runs with those it was staged with, so a rollback also
-    takes back the candidate's parameters (a bad one could otherwise fail the live version's reload).
-    Nothing is written when a version is not staged.
-    """
-    model_dir = _model_dir(root, name)
-    state = _read_state(model_dir)
-    if len(versions) == 1:
-        own = _version_summary(model_dir, int(versions[0])).get("settings")  # absent: staged before they were kept
-        if own is not None:
-            state["settings"] = own
-    state["served"] = sorted(int(v) for v in versions)
-    config = _config_of(model_dir, name, state["settings"], state["served"])
-    write_atomic(model_dir / "config.pbtxt", to_pbtxt(config))
-    _write_state(model_dir, state)
-    return config
 
 
 def remove_folder(path: Path) -> None:
@@ -295,19 +337,18 @@ def remove_folder(path: Path) -> None:
 
 
 def remove_version(root: Path, name: str, version: int, *, force: bool = False) -> None:
-    """Delete a version folder that is no longer served (renamed aside first, then removed).
+    """Delete the model folder of a version that is no longer served (renamed aside first, then removed).
 
-    ``force`` also removes a version still listed as served (when the whole model is being removed).
+    ``force`` also removes a version still listed as served (when the whole release is being removed).
     """
-    model_dir = _model_dir(root, name)
     if not force and version in served_versions(root, name):
         raise RepositoryError(
-            f"version {version} of {model_dir.name} is still served (config versions {served_versions(root, name)}); "
-            "call set_served_versions without it and reload first"
+            f"version {version} of {name} is still served (served versions {served_versions(root, name)}); "
+            "call set_served_versions without it and unload it first"
         )
-    path = model_dir / str(version)
+    path = _version_dir(root, name, version)
     if not path.is_dir():
-        raise RepositoryError(f"version {version} of {model_dir.name} does not exist ({path})")
+        raise RepositoryError(f"version {version} of {name} does not exist ({path})")
     remove_folder(path)
 
 
@@ -321,7 +362,7 @@ def write_router(root: Path, name: str, weights: dict[int, int], **config_kwargs
 
     root = init_repository(root)
     config_kwargs.setdefault("load_id", new_generation())  # fresh per write: each load counts on its own
-    if "target_model" not in config_kwargs:  # its own llm: call it the way it is staged
+    if "target_model" not in config_kwargs:  # its own llms: call them the way they are staged
         config_kwargs.setdefault("target_decoupled", engine_decoupled(root, name))
     config = router_config(name, weights, **config_kwargs)
     model_dir = root / name
@@ -334,18 +375,19 @@ def write_router(root: Path, name: str, weights: dict[int, int], **config_kwargs
 
 
 def engine_decoupled(root: Path, name: str) -> bool:
-    """Whether ``<name>_engine`` is staged with the parameter ``decoupled`` on (False when not staged)."""
-    model_dir = _model_dir(root, name)
-    if not model_dir.is_dir():
+    """Whether the newest version ``name`` serves is staged with the parameter ``decoupled`` on (False when
+    none is): the routers call every version the way the newest one expects."""
+    served = served_versions(root, name)
+    if not served:
         return False
-    return flag(_read_state(model_dir)["settings"].get("parameters") or {}, "decoupled")
+    return flag(version_summary(root, name, served[-1]).get("settings", {}).get("parameters") or {}, "decoupled")
 
 
 def write_stream_router(root: Path, name: str, weights: dict[int, int], *, load_id: str,
                         seed: int | None = None) -> dict[str, Any]:
     """Write (or rewrite) ``<name>_stream`` with ``weights``; return its complete config. It belongs
-    beside a decoupled ``<name>_engine`` only (`engine_decoupled`)."""
-    config = stream_router_config(stream_model_name(name), weights, target_model=engine_model_name(name),
+    beside decoupled engine models only (`engine_decoupled`)."""
+    config = stream_router_config(stream_model_name(name), weights, target_model=engine_model_pattern(name),
                                   counters_model=name, seed=seed, load_id=load_id)
     model_dir = Path(root) / stream_model_name(name)
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
@@ -363,12 +405,14 @@ def router_weights(root: Path, name: str) -> dict[int, int]:
 
 
 def remove_model(control: Any, root: Path, name: str, *, timeout_s: float = 60.0) -> None:
-    """Unload the router ``name``, its streaming router and ``<name>_engine`` and delete their folders
-    (renamed aside first)."""
-    for model in (stream_model_name(name), name, engine_model_name(name)):
+    """Unload the router ``name``, its streaming router and every engine version's model and delete their
+    folders (renamed aside first), then the served record."""
+    models = [stream_model_name(name), name, *(engine_model_name(name, v) for v in list_versions(root, name))]
+    for model in models:
         path = Path(root) / model
         if model == stream_model_name(name) and not path.is_dir():
             continue
         control.unload_model(model, timeout_s=timeout_s)
         if path.is_dir():
             remove_folder(path)
+    _served_file(root, name).unlink(missing_ok=True)

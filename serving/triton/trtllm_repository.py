@@ -13,21 +13,20 @@ Two layouts:
    ``triton_backend/tools/fill_template.py`` (formerly triton-inference-server/tensorrtllm_backend).
 
 2. The **gray-release layout** (``stage_trtllm_version``), so the ``router`` works unchanged in front of
-   either kind. ``<name>_engine`` keeps the llm contract (``model_configs.llm_config``); each version's
-   ``model.py`` is chosen by kind:
+   either kind. Each version is a model ``<name>_v<N>`` keeping the llm contract
+   (``model_configs.llm_config``); its ``model.py`` is chosen by kind:
 
-   - trtllm-engine: ``<name>_engine/<N>/model.py`` = ``models/trtllm_adapter.py``, a BLS adapter that maps
+   - trtllm-engine: ``<name>_v<N>/1/model.py`` = ``models/trtllm_adapter.py``, a BLS adapter that maps
      the router's inputs to the ``tensorrt_llm`` backend model ``<name>_trtllm_v<N>`` (one per engine,
-     because the engine path is a model-level parameter) and back; tokenizer files in ``<N>/tokenizer``.
-   - trtllm-llmapi: ``<name>_engine/<N>/model.py`` = ``models/trtllm_llmapi.py`` serving
-     ``<N>/artifact`` (checkpoint + ``llm_args.json``) with ``tensorrt_llm.LLM``.
+     because the engine path is a model-level parameter) and back; tokenizer files in ``1/tokenizer``.
+   - trtllm-llmapi: ``<name>_v<N>/1/model.py`` = ``models/trtllm_llmapi.py`` serving
+     ``1/artifact`` (checkpoint + ``llm_args.json``) with ``tensorrt_llm.LLM``.
 
    The toolchain recorded in the artifact is checked against the target before anything is written.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -41,12 +40,13 @@ from serving.triton.repository import (
     DEFAULT_SETTINGS,
     MODELS_DIR,
     STAGING_PREFIX,
-    STATE_FILE,
-    VERSION_FILE,
     engine_model_name,
     init_repository,
-    list_versions,
+    next_version,
+    place_tree,
+    served_versions,
     set_served_versions,
+    stage_version_model,
     write_atomic,
 )
 
@@ -446,28 +446,6 @@ def trtllm_model_name(name: str, version: int) -> str:
     return f"{name}_trtllm_v{version}"
 
 
-def _read_state(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / STATE_FILE
-    if not path.is_file():
-        return {"settings": dict(DEFAULT_SETTINGS), "next_version": 1, "served": []}
-    return json.loads(path.read_text())
-
-
-def _place_tree(src: Path, dst: Path, *, link: bool) -> None:
-    dst.mkdir(parents=True)
-    for path in sorted(src.iterdir()):
-        if path.is_dir():
-            _place_tree(path, dst / path.name, link=link)
-        elif path.is_file():
-            if link:
-                try:
-                    os.link(path, dst / path.name)
-                    continue
-                except OSError:
-                    pass
-            shutil.copy2(path, dst / path.name)
-
-
 def _rename_into_place(tmp: Path, final: Path) -> None:
     try:
         os.rename(tmp, final)
@@ -488,14 +466,13 @@ def stage_trtllm_version(
     link: bool = True,
     verify: bool = True,
 ) -> int:
-    """Stage a TensorRT-LLM artifact as version ``version`` (default: next) of ``<name>_engine``.
+    """Stage a TensorRT-LLM artifact as the model ``<name>_v<version>`` (default: the next version).
 
     Refuses (``TrtllmToolchainMismatchError``, both sides named) an artifact whose recorded toolchain
     does not match ``target_toolchain`` (default: detected here with ``current_toolchain()``).
     ``repository_mount`` is the repository's path inside the Triton container (default: ``root``): the
     engine path written into the ``tensorrt_llm`` config is absolute.
-    Settings of ``<name>_engine`` (device kind) become ``cpu``: the adapter and the LLM-API model place
-    their work on GPUs themselves.
+    Its device kind is ``cpu``: the adapter and the LLM-API model place their work on GPUs themselves.
     """
     from serving.trtllm.artifacts import read_artifact, verify_artifact
     from serving.trtllm.options import TrtllmOptions
@@ -506,21 +483,16 @@ def stage_trtllm_version(
     options = TrtllmOptions.from_mapping({**artifact.meta["options"], "kind": artifact.kind})
     check_trtllm_toolchain(artifact.toolchain, target_toolchain or current_toolchain(), kind=artifact.kind,
                            uses_fp8=options.uses_fp8)
-    model_dir = root / engine_model_name(name)
-    model_dir.mkdir(exist_ok=True)
-    state = _read_state(model_dir)
-    existing = list_versions(root, name)
-    if version is None:
-        version = max([int(state.get("next_version", 1)), *(v + 1 for v in existing)])
-    elif version < 1 or version in existing:
-        raise RepositoryError(f"version {version} of {model_dir.name} in {root} cannot be staged: "
-                              + ("it already exists" if version in existing else "versions start at 1"))
+    version = next_version(root, name, version)
     mount = Path(repository_mount) if repository_mount else root
     sidecar: dict[str, Any] = {
         "kind": artifact.kind, "fingerprint": artifact.fingerprint, "toolchain": artifact.toolchain,
         "max_batch_size": int(artifact.limits["max_batch_size"]), "max_input_len": int(artifact.limits["max_input_len"]),
         "max_seq_len": int(artifact.limits["max_seq_len"]), "special_tokens": artifact.special_tokens,
         "uses_fp8": options.uses_fp8, "source": str(Path(artifact_dir).resolve()), "staged_at": time.time(),
+        # the adapter and the LLM-API model place their work on GPUs themselves
+        "settings": {**DEFAULT_SETTINGS, "device_kind": "cpu", "max_queue_size": max_queue_size,
+                     "max_queue_delay_us": max_queue_delay_us},
     }
     created: list[Path] = []
     try:
@@ -530,33 +502,24 @@ def stage_trtllm_version(
                 raise RepositoryError(f"model folder {root / target} already exists")
             tmp_target = root / f"{STAGING_PREFIX}{target}-{secrets.token_hex(4)}"
             created.append(tmp_target)
-            _place_tree(Path(artifact_dir) / "engine", tmp_target / "1" / "engine", link=link)
+            place_tree(Path(artifact_dir) / "engine", tmp_target / "1" / "engine", link=link)
             values = template_values(options, engine_dir=str(mount / target / "1" / "engine"),
-                                     tokenizer_dir=str(mount / model_dir.name / str(version) / "tokenizer"),
+                                     tokenizer_dir=str(mount / engine_model_name(name, version) / "1" / "tokenizer"),
                                      max_queue_delay_us=max_queue_delay_us, max_queue_size=max_queue_size)
             (tmp_target / "config.pbtxt").write_text(to_pbtxt(tensorrt_llm_config(values, name=target)))
             _rename_into_place(tmp_target, root / target)
             created[-1] = root / target
             sidecar.update(target_model=target, decoupled=options.decoupled_mode, input_in_output=False)
-            model_source, payload = MODELS_DIR / "trtllm_adapter.py", ("tokenizer", Path(artifact_dir) / "tokenizer")
+            model_source, payload = MODELS_DIR / "trtllm_adapter.py", {"tokenizer": Path(artifact_dir) / "tokenizer"}
         else:
-            model_source, payload = MODELS_DIR / "trtllm_llmapi.py", ("artifact", Path(artifact_dir))
-        tmp = model_dir / f"{STAGING_PREFIX}{version}-{secrets.token_hex(4)}"
-        created.append(tmp)
-        tmp.mkdir()
-        shutil.copy2(model_source, tmp / "model.py")
-        _place_tree(payload[1], tmp / payload[0], link=link)
-        (tmp / VERSION_FILE).write_text(json.dumps(sidecar, indent=2, sort_keys=True))
-        _rename_into_place(tmp, model_dir / str(version))
+            model_source, payload = MODELS_DIR / "trtllm_llmapi.py", {"artifact": Path(artifact_dir)}
+        stage_version_model(root, name, version, model_source=model_source, payload=payload, sidecar=sidecar,
+                            link=link)
     except BaseException:
         for path in created:
             shutil.rmtree(path, ignore_errors=True)
         raise
-    state = _read_state(model_dir)
-    state["settings"]["device_kind"] = "cpu"
-    state["next_version"] = max(int(state.get("next_version", 1)), version + 1)
-    write_atomic(model_dir / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
-    if not state.get("served"):
+    if not served_versions(root, name):
         set_served_versions(root, name, [version])
     return version
 

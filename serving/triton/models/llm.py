@@ -1,6 +1,6 @@
-"""The ``llm`` Triton python-backend model: one engine version per Triton model version.
+"""The ``llm`` Triton python-backend model: one engine version, served as a Triton model of its own.
 
-Copied into the repository as ``<name>_engine/<N>/model.py`` beside ``<N>/engine/`` (the engine files).
+Copied into the repository as ``<name>_v<N>/1/model.py`` beside ``1/engine/`` (the engine files): one Triton model per engine version.
 ``initialize`` loads the engine on the instance's device (KIND_GPU -> cuda, else cpu) and raises with
 the model name if it cannot; ``execute`` takes the dynamic batch, parses every request
 (``serving.triton.models.requests``), runs one batched ``runner.generate`` per compatible group

@@ -1,6 +1,6 @@
 """The ``router`` Triton python-backend model (BLS): the stable name clients call during a gray release.
 
-Parameters (config ``parameters``): ``target_model`` (the ``<name>_engine`` model), ``weights``
+Parameters (config ``parameters``): ``target_model`` (``<name>_v{version}``: one model per engine version), ``weights``
 (JSON ``{"1": 90, "2": 10}``) and optionally ``target_decoupled`` ("true"). Per request it picks a
 version by weight, forwards the request's inputs to that version with an async BLS call, and returns
 the target's outputs plus ``routed_version``; an error from the target comes back as this request's
@@ -48,6 +48,8 @@ from serving.triton.models.routing import (
     pick_version,
     read_router_params,
     target_error_code,
+    target_label,
+    target_of,
 )
 
 try:  # only present inside Triton's python backend; unit tests install a fake module
@@ -73,6 +75,11 @@ def _forwarded_error(message: str, error: Any) -> Any:
     """A TritonError with ``message`` and the code the target meant (`target_error_code`)."""
     code = target_error_code(message, error, pb_utils.TritonError)
     return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+
+
+def _target_kwargs(target_model: str, version: int) -> dict[str, Any]:
+    model, model_version = target_of(target_model, version)
+    return {"model_name": model, "model_version": model_version}
 
 
 class TritonPythonModel:
@@ -118,12 +125,12 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - a BLS failure is this request's error, never a crash
             self.stats.record(version, ok=False, latency_s=time.monotonic() - started)
             return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                f"{self.model_name}: forwarding to {self.target_model} version {version} failed: {exc}"))
+                f"{self.model_name}: forwarding to {target_label(self.target_model, version)} failed: {exc}"))
         latency = time.monotonic() - started
         if response.has_error():
             self.stats.record(version, ok=False, latency_s=latency)
             return pb_utils.InferenceResponse(output_tensors=[], error=_forwarded_error(
-                f"{self.target_model} version {version}: {response.error().message()}", response.error()))
+                f"{target_label(self.target_model, version)}: {response.error().message()}", response.error()))
         outputs = list(response.output_tensors())
         self.stats.record(version, ok=True, latency_s=latency, output_tokens=_count_tokens(outputs))
         outputs.append(pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32)))
@@ -131,7 +138,7 @@ class TritonPythonModel:
 
     async def _call(self, version: int, requested: list[str], inputs: list[Any]) -> Any:
         def request() -> Any:
-            return pb_utils.InferenceRequest(model_name=self.target_model, model_version=version,
+            return pb_utils.InferenceRequest(**_target_kwargs(self.target_model, version),
                                              requested_output_names=requested, inputs=inputs)
 
         if not self.target_decoupled:

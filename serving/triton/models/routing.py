@@ -94,6 +94,24 @@ def read_router_params(model_name: str, model_config: str, *, required: tuple[st
     return RouterParams(params, params["target_model"], weights, rng)
 
 
+VERSION_FIELD = "{version}"
+
+
+def target_of(target_model: str, version: int) -> tuple[str, int]:
+    """The (model, model version) a request routed to engine ``version`` goes to: ``target_model`` with
+    ``{version}`` filled in, version -1 (its only one), for a release with a model per version; else
+    ``target_model`` itself at ``version``."""
+    if VERSION_FIELD in target_model:
+        return target_model.replace(VERSION_FIELD, str(int(version))), -1
+    return target_model, int(version)
+
+
+def target_label(target_model: str, version: int) -> str:
+    """How errors name the target of ``version``: ``tiny_v2``, or ``m_engine version 2``."""
+    model, model_version = target_of(target_model, version)
+    return model if model_version == -1 else f"{model} version {model_version}"
+
+
 def pick_version(weights: dict[int, int], routing_key: Any, rng: random.Random) -> int:
     """The version a request goes to: by its ``routing_key`` tensor's value (sticky) when it has one,
     else by weight."""

@@ -30,6 +30,8 @@ from serving.triton.models.routing import (
     pick_version,
     read_router_params,
     target_error_code,
+    target_label,
+    target_of,
 )
 
 try:  # only present inside Triton's python backend
@@ -39,6 +41,11 @@ except ImportError:  # pragma: no cover - exercised outside Triton
 
 NOT_FORWARDED = frozenset({"routing_key"})
 ROUTER_ONLY_OUTPUTS = frozenset({"routed_version"})
+
+
+def _target_kwargs(target_model: str, version: int) -> dict[str, Any]:
+    model, model_version = target_of(target_model, version)
+    return {"model_name": model, "model_version": model_version}
 
 
 class TritonPythonModel:
@@ -74,7 +81,7 @@ class TritonPythonModel:
         names = getattr(request, "requested_output_names", None)
         requested = forwarded_outputs(tuple(names() if callable(names) else ()), {t.name() for t in inputs},
                                       ROUTER_ONLY_OUTPUTS)
-        return version, pb_utils.InferenceRequest(model_name=self.target_model, model_version=version,
+        return version, pb_utils.InferenceRequest(**_target_kwargs(self.target_model, version),
                                                   requested_output_names=requested, inputs=inputs)
 
     def _stream(self, bls: Any, version: int, sender: Any) -> None:
@@ -83,7 +90,7 @@ class TritonPythonModel:
         try:
             for response in bls.exec(decoupled=True):
                 if response.has_error():
-                    error = f"{self.target_model} version {version}: {response.error().message()}"
+                    error = f"{target_label(self.target_model, version)}: {response.error().message()}"
                     break
                 outputs = list(response.output_tensors())
                 if not outputs:  # the version's empty final response
@@ -91,7 +98,7 @@ class TritonPythonModel:
                 tokens += sum(int(np.asarray(t.as_numpy()).size) for t in outputs if t.name() == "output_ids")
                 sender.send(pb_utils.InferenceResponse(output_tensors=[*outputs, routed]))
         except Exception as exc:  # noqa: BLE001 - the stream's error, never a crash
-            error = f"{self.model_name}: forwarding to {self.target_model} version {version} failed: {exc}"
+            error = f"{self.model_name}: forwarding to {target_label(self.target_model, version)} failed: {exc}"
         # counted before the final response: a client that reads the stats next sees its stream
         self.stats.record(version, ok=error is None, latency_s=time.monotonic() - started, output_tokens=tokens)
         with self.persisting:

@@ -1,4 +1,4 @@
-"""``<name>_engine`` version backed by a TensorRT engine: a BLS adapter in front of the ``tensorrt_llm`` backend.
+"""An engine version's model (``<name>_v<N>``) backed by a TensorRT engine: a BLS adapter in front of the ``tensorrt_llm`` backend.
 
 The router's contract holds unchanged (``docs/triton.md``); this model maps it to the backend's names
 (``docs/tensorrt-llm.md``, "Name mapping"): ``max_tokens`` -> ``request_output_len``, ``top_k`` ->
@@ -53,7 +53,7 @@ class TritonPythonModel:
         self.info = json.loads((vdir / "version.json").read_text())
         config = json.loads(args.get("model_config", "{}"))
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        # a decoupled <name>_engine (issue 7's streaming llm config) gets one final response per request
+        # a decoupled engine model (issue 7's streaming llm config) gets one final response per request
         self.engine_decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         if params.get("check_toolchain", "true") != "false":
             from serving.trtllm.toolchain import check_trtllm_toolchain, current_toolchain

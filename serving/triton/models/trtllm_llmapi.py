@@ -1,4 +1,4 @@
-"""``<name>_engine`` version served by TensorRT-LLM's LLM API (PyTorch backend, no engine build).
+"""An engine version's model (``<name>_v<N>``) served by TensorRT-LLM's LLM API (PyTorch backend, no engine build).
 
 ``<N>/artifact/`` holds the checkpoint and ``llm_args.json`` (the ``LLM()`` keyword arguments);
 ``initialize`` checks the recorded toolchain against this host, then creates ``tensorrt_llm.LLM``
