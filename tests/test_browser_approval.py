@@ -195,10 +195,11 @@ class Setup:
             "mlflow": {"tracking_uri": self.tracking_uri, "model_name": self.model},
             "artifacts": {"uri": (self.tmp / "artifacts").as_uri()},
             "approval": {"mode": "mlflow-tag", "timeout_s": 300, "poll_s": 0.5},
-            # the Triton side as cheap as it goes (it is not what this test is about): one llm model, no stream model
+            # the Triton side as cheap as it goes (it is not what this test is about): one llm model, no stream
+            # model, one warm-up request, straight to full weight (the first live version has nothing to compare with)
             "triton": {"endpoints": [{"url": self.triton_url, "model_repository": str(self.repository)}],
                        "engine_parameters": {"decoupled": "false"}, "warmup_requests": 1},
-            "rollout": {"steps": [{"set_weight": 100}, {"analysis": {"requests": 2}}]},
+            "rollout": {"steps": [{"set_weight": 100}]},
             "work_dir": str(self.tmp / "work"),
         }
 
