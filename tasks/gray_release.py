@@ -102,10 +102,10 @@ def apply_weights(targets: list[Target], model_name: str, weights: dict[int, int
 
 
 def _router_reading(targets: list[Target], name: str) -> dict:
-    from serving.triton.client import router_stats
     from serving.triton.models.routing import merge_counters
+    from serving.triton.repository import router_stats
 
-    return merge_counters([router_stats(t.url, name, setting=t.setting)["cumulative"] for t in targets])
+    return merge_counters([router_stats(t.model_repository, name)["cumulative"] for t in targets])
 
 
 PROM_FAMILIES = ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_request_duration_us",

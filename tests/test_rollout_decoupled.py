@@ -22,8 +22,7 @@ from test_rollout_support import Load, assert_consistent, first_release, make_sp
 from triton_support import TritonServers, make_tiny_engine
 
 from flows.promote import StageFailed, promote
-from serving.triton.client import router_stats
-from serving.triton.repository import llm_model_config, stream_model_name
+from serving.triton.repository import llm_model_config, router_stats, stream_model_name
 from tasks.fault_injection import write_fault
 
 pytestmark = pytest.mark.slow
@@ -123,7 +122,7 @@ def test_a_release_turns_in_flight_batching_on_under_load_and_streams_follow(tmp
         print(f"{len(streams.results)} streams through {stream_model_name(NAME)}")
         assert len(streams.results) >= 20
         assert all(error is None and versions == {2} and tokens == 6 for error, versions, tokens in streams.results)
-        stats = router_stats(proc.http_url, NAME)
+        stats = router_stats(proc.model_repository, NAME)
         assert stats["cumulative"]["2"]["requests"] >= len(streams.results)
     finally:
         servers.stop_all()

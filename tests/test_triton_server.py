@@ -28,6 +28,7 @@ from serving.triton import (
     stage_engine_version,
     write_router,
 )
+from serving.triton.client import infer
 from serving.triton.metrics import model_counter, scrape
 from serving.triton.process import stub_resources
 
@@ -102,8 +103,12 @@ def test_bad_requests_get_errors_and_server_keeps_serving(world) -> None:
     with pytest.raises(InferenceError, match="outside the vocabulary"):
         infer_ids(url, ENGINE, [10**6], max_tokens=2, timeout_s=30)
     assert infer_ids(url, NAME, PROMPTS[0], max_tokens=2, timeout_s=30).output_ids
-    stats = router_stats(url, NAME)
+    stats = router_stats(world["proc"].model_repository, NAME)
     assert stats["versions"]["1"]["errors"] == 1  # the router's own count (Triton's counts it as a success)
+    with pytest.raises(InferenceError, match="stats") as internal:  # the counters are not a client's to read
+        infer(url, NAME, [{"name": "stats", "datatype": "BYTES", "shape": [1, 1], "data": ["1"]},
+                          {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [1]}], [], timeout_s=30)
+    assert internal.value.status == 400
 
 
 def test_concurrent_requests_are_batched(world) -> None:
@@ -137,7 +142,7 @@ def test_second_version_split_then_switch(world) -> None:
         assert res.output_ids == expected[res.routed_version]
         seen.append(res.routed_version)
     assert set(seen) == {1, 2}
-    stats = router_stats(url, NAME)
+    stats = router_stats(world["proc"].model_repository, NAME)
     assert stats["weights"] == {"1": 50, "2": 50}
     assert {v: c["requests"] for v, c in stats["versions"].items()} == {"1": seen.count(1), "2": seen.count(2)}
 
@@ -158,7 +163,7 @@ def test_router_counts_errors_of_a_missing_version(world) -> None:
     apply_router_weights(control, root, NAME, {1: 100}, timeout_s=30)  # version 1 is gone
     with pytest.raises(InferenceError, match="tiny_v1"):
         infer_ids(url, NAME, PROMPTS[0], max_tokens=2, timeout_s=30)
-    assert router_stats(url, NAME)["versions"]["1"] == pytest.approx(
+    assert router_stats(world["proc"].model_repository, NAME)["versions"]["1"] == pytest.approx(
         {"requests": 1, "errors": 1, "latency_sum_s": 0.0, "latency_max_s": 0.0}, abs=1.0)
     apply_router_weights(control, root, NAME, {2: 100}, timeout_s=30)
     control.unload_model(NAME, timeout_s=30)  # waits until the index no longer shows it READY/UNLOADING

@@ -199,7 +199,7 @@ def test_the_router_answers_through_a_decoupled_engine_over_http(world) -> None:
     stream_client.stop_stream()
     stream_client.close()
     assert routed and set(routed) == {1}  # on every response that carries tokens
-    stats = router_stats(world["proc"].http_url, "tiny")
+    stats = router_stats(world["proc"].model_repository, "tiny")
     counted = stats["detail"]["1"]  # the router's and the streaming router's counters, one load
     assert counted["requests"] == 4 and counted["errors"] == 1 and counted["output_tokens"] == 5 + 6 + 3
     world["control"].unload_model("tiny", timeout_s=60)

@@ -150,7 +150,8 @@ def test_router_config_parses_and_validates() -> None:
     cfg = parse_pbtxt(to_pbtxt(router_config("m", {1: 90, 2: 10})))
     assert cfg.parameters["target_model"].string_value == "m_v{version}"
     assert json.loads(cfg.parameters["weights"].string_value) == {"1": 90, "2": 10}
-    assert {o.name for o in cfg.output} >= {"routed_version", "stats_json", "output_ids"}
+    assert {o.name for o in cfg.output} >= {"routed_version", "output_ids"}
+    assert not {"stats", "stats_json"} & {t.name for t in [*cfg.input, *cfg.output]}  # counters stay internal
     assert all(i.optional for i in cfg.input if i.name != "max_tokens")  # required, as the engine requires it
     assert not next(i for i in cfg.input if i.name == "max_tokens").optional and cfg.max_batch_size == 1
     for bad in ({}, {1: 0}, {0: 10}, {1: -1}):
@@ -480,8 +481,7 @@ def test_router_forwards_counts_and_reports(monkeypatch: pytest.MonkeyPatch) -> 
     assert any(r.has_error() and "m_engine version 2: v2 broke" in r.error().message() for r in out)
     assert {c[3] and tuple(c[3]) for c in pb.calls} == {("output_ids",)}  # router-only names not forwarded
     assert len(routed) == 40
-    stats = json.loads(asyncio.run(model.execute([FakeRequest({"stats": np.array([[b"1"]], dtype=object)})]))[0]
-                       .output("stats_json")[0, 0])
+    stats = model.stats.snapshot()
     assert stats["versions"]["1"]["errors"] == 0 and stats["versions"]["2"]["errors"] == stats["versions"]["2"][
         "requests"] > 0
     assert stats["versions"]["1"]["requests"] + stats["versions"]["2"]["requests"] == 40

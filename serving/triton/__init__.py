@@ -4,7 +4,7 @@ Client-side modules here use the standard library only (tritonclient is optional
 module level); ``models/`` holds the python-backend model sources copied into the repository.
 """
 
-from serving.triton.client import InferResult, infer_ids, infer_text, router_stats
+from serving.triton.client import InferResult, infer_ids, infer_text
 from serving.triton.control import ModelState, TritonControl
 from serving.triton.errors import (
     ConfigError,
@@ -27,6 +27,7 @@ from serving.triton.repository import (
     list_versions,
     remove_version,
     router_config,
+    router_stats,
     served_versions,
     set_served_versions,
     stage_engine_version,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -131,12 +130,3 @@ def infer_text(http_url: str, model: str, text: str, *, max_tokens: int, version
     raw = infer(http_url, model, inputs, _outputs(is_router, True), version=version, timeout_s=timeout_s,
                 setting=setting)
     return _result(raw)
-
-
-def router_stats(http_url: str, model: str, *, timeout_s: float = 10.0,
-                 setting: str = "triton.http_url") -> dict[str, Any]:
-    """The router's per-version counters (requests, errors, latency) since it last loaded."""
-    inputs = [{"name": "stats", "datatype": "BYTES", "shape": [1, 1], "data": ["1"]},
-              {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [1]}]  # required by the config
-    raw = infer(http_url, model, inputs, ["stats_json"], timeout_s=timeout_s, setting=setting)
-    return json.loads(raw["stats_json"][0])

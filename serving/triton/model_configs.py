@@ -149,8 +149,7 @@ def router_config(
     if target_decoupled:
         params["target_decoupled"] = "true"
     return _router_model(name, params, max_batch_size=max_batch_size, instance_count=instance_count,
-                         extra_input=_tensor("stats", "TYPE_STRING", [1], optional=True),
-                         extra_outputs=[_tensor("stats_json", "TYPE_STRING", [1])])
+                         extra_inputs=[], extra_outputs=[])
 
 
 def stream_router_config(name: str, weights: dict[int, int], *, target_model: str, counters_model: str,
@@ -162,21 +161,20 @@ def stream_router_config(name: str, weights: dict[int, int], *, target_model: st
                             load_id=load_id)
     params["counters_model"] = counters_model
     config = _router_model(name, params, max_batch_size=ROUTER_MAX_BATCH_SIZE, instance_count=1,
-                           extra_input=_tensor("stream", "TYPE_BOOL", [1], optional=True), extra_outputs=[])
+                           extra_inputs=[_tensor("stream", "TYPE_BOOL", [1], optional=True)], extra_outputs=[])
     config["model_transaction_policy"] = {"decoupled": True}
     return config
 
 
 def _router_model(name: str, params: dict[str, str], *, max_batch_size: int, instance_count: int,
-                  extra_input: dict[str, Any], extra_outputs: list[dict[str, Any]]) -> dict[str, Any]:
-    """What both routers' configs share: the llm's inputs (all optional) plus ``extra_input`` and
+                  extra_inputs: list[dict[str, Any]], extra_outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What both routers' configs share: the llm's inputs (all optional) plus ``extra_inputs`` and
     ``routing_key``, its outputs plus ``routed_version`` and ``extra_outputs``, CPU instances, version 1."""
     return {
         "name": name,
         "backend": "python",
         "max_batch_size": max_batch_size,
-        "input": llm_inputs() + [extra_input,
-                                                   _tensor("routing_key", "TYPE_STRING", [1], optional=True)],
+        "input": llm_inputs() + [*extra_inputs, _tensor("routing_key", "TYPE_STRING", [1], optional=True)],
         "output": llm_outputs() + [_tensor("routed_version", "TYPE_INT32", [1]), *extra_outputs],
         "instance_group": [{"kind": "KIND_CPU", "count": instance_count}],
         "version_policy": {"specific": {"versions": [1]}},

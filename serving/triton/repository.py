@@ -370,7 +370,9 @@ def write_router(root: Path, name: str, weights: dict[int, int], **config_kwargs
     version_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(version_dir / "model.py", (MODELS_DIR / "router.py").read_bytes())
     write_atomic(model_dir / "config.pbtxt", to_pbtxt(config))
-    write_atomic(model_dir / STATE_FILE, json.dumps({"weights": {str(v): w for v, w in sorted(weights.items())}}))
+    state = {"weights": {str(v): w for v, w in sorted(weights.items())}, "load_id": config_kwargs["load_id"],
+             "target_model": config["parameters"]["target_model"]["string_value"]}
+    write_atomic(model_dir / STATE_FILE, json.dumps(state))
     return config
 
 
@@ -394,6 +396,23 @@ def write_stream_router(root: Path, name: str, weights: dict[int, int], *, load_
     write_atomic(model_dir / "1" / "model.py", (MODELS_DIR / "stream_router.py").read_bytes())
     write_atomic(model_dir / "config.pbtxt", to_pbtxt(config))
     return config
+
+
+def router_stats(root: Path, name: str) -> dict[str, Any]:
+    """The router ``name``'s per-version counters (requests, errors, latency, tokens) as its instances
+    last wrote them beside it (after every request): ``versions`` / ``detail`` of the load now written,
+    ``cumulative`` over every load. Read from the repository, never over Triton's ports, which serve clients."""
+    from serving.triton.models.routing import COUNTERS_DIR, counter_files, counters_snapshot
+
+    path = Path(root) / name / STATE_FILE
+    if not path.is_file():
+        raise RepositoryError(f"no router {name!r} in the model repository {str(root)!r}")
+    state = json.loads(path.read_text())
+    weights = {int(v): int(w) for v, w in state["weights"].items()}
+    target_model, load_id = state.get("target_model", engine_model_pattern(name)), state.get("load_id", "")
+    parts = counter_files(Path(root) / name / COUNTERS_DIR, target_model)
+    return counters_snapshot([v for lid, v in parts if load_id and lid == load_id], [v for _, v in parts],
+                             load_id=load_id, target_model=target_model, weights=weights)
 
 
 def router_weights(root: Path, name: str) -> dict[int, int]:

@@ -23,12 +23,11 @@ stays on one version while the weights move in one direction; requests without a
 random. ``routing_key`` is not forwarded.
 
 Counters per version (requests, errors, latency sum/max/histogram, output tokens) live in memory and
-are written to ``<router dir>/counters/<generation>.json`` after every execute and at finalize, so a
-weight change (a reload = a new generation) loses nothing and the router's several instances (each its own
-generation) add up: the stats answer carries the counters of this load (``versions``, ``detail``: every
-instance sharing the config parameter ``load_id``) and the ``cumulative`` sum over all loads. Triton's own metrics count an error response
-as a success, so these are the error counts to trust. Read them with a request carrying the ``stats``
-input (any value): the answer is a ``stats_json`` output, nothing is forwarded.
+are written to ``<router dir>/counters/<generation>.json`` after every execute (before its responses go
+out) and at finalize, so a weight change (a reload = a new generation) loses nothing and the router's
+several instances (each its own generation) add up. Triton's own metrics count an error response as a
+success, so these are the error counts to trust. The controller reads them from the model repository
+(``serving.triton.repository.router_stats``); no input of the router exposes them to clients.
 """
 
 from __future__ import annotations
@@ -57,8 +56,8 @@ try:  # only present inside Triton's python backend; unit tests install a fake m
 except ImportError:  # pragma: no cover - exercised outside Triton
     pb_utils = None
 
-ROUTER_INPUTS_ONLY = frozenset({"stats", "routing_key"})
-ROUTER_OUTPUTS_ONLY = frozenset({"routed_version", "stats_json"})
+ROUTER_INPUTS_ONLY = frozenset({"routing_key"})
+ROUTER_OUTPUTS_ONLY = frozenset({"routed_version"})
 LOG_EVERY_S = 30.0
 DECOUPLED_REFUSAL = "decoupled=True"  # in Triton's answer to a plain BLS call of a decoupled model
 
@@ -107,13 +106,7 @@ class TritonPythonModel:
             _log("info", f"[{self.model_name}] counters {self.stats.to_json()}")
         return list(responses)
 
-    def _stats_response(self) -> Any:
-        payload = np.asarray([[self.stats.to_json().encode()]], dtype=np.object_)
-        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("stats_json", payload)])
-
     async def _route(self, request: Any) -> Any:
-        if pb_utils.get_input_tensor_by_name(request, "stats") is not None:
-            return self._stats_response()
         version = pick_version(self.weights, pb_utils.get_input_tensor_by_name(request, "routing_key"), self.rng)
         inputs = [t for t in request.inputs() if t.name() not in ROUTER_INPUTS_ONLY]
         names = getattr(request, "requested_output_names", None)

@@ -283,39 +283,55 @@ class RouterStats:
 
     def _others(self) -> list[tuple[str, dict[str, dict[str, Any]]]]:
         """(load_id, per-version counters) of every other generation that wrote a file."""
-        if self.counters_dir is None or not self.counters_dir.is_dir():
+        if self.counters_dir is None:
             return []
-        parts = []
-        for path in sorted(self.counters_dir.glob("*.json")):
-            if path.stem == self.generation:
-                continue
-            try:
-                doc = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue  # a file being replaced; the next read sees it
-            if doc.get("target_model") == self.target_model:
-                parts.append((doc.get("load_id", ""), doc.get("versions", {})))
-        return parts
+        return counter_files(self.counters_dir, self.target_model, skip=self.generation)
 
     def snapshot(self) -> dict:
         others = self._others()
         with self._lock:
             mine = self._mine()
-        # this load: my counters plus those of the other instances of the same load (same load_id)
-        load = merge_counters([mine, *(v for lid, v in others if self.load_id and lid == self.load_id)])
-        summary_keys = ("requests", "errors", "latency_sum_s", "latency_max_s")
-        return {
-            "target_model": self.target_model,
-            "weights": {str(v): w for v, w in sorted(self.weights.items())},
-            "loaded_at": self.loaded_at,
-            "generation": self.generation,
-            "load_id": self.load_id,
-            "latency_buckets_s": list(LATENCY_BUCKETS_S),
-            "versions": {v: {k: c[k] for k in summary_keys} for v, c in load.items()},
-            "detail": load,
-            "cumulative": merge_counters([*(v for _, v in others), mine]),
-            "generations": len(others) + 1,
-        }
+        same_load = [v for lid, v in others if self.load_id and lid == self.load_id]
+        return counters_snapshot([mine, *same_load], [mine, *(v for _, v in others)], load_id=self.load_id,
+                                 target_model=self.target_model, weights=self.weights) | {
+            "loaded_at": self.loaded_at, "generation": self.generation}
 
     def to_json(self) -> str:
         return json.dumps(self.snapshot(), sort_keys=True)
+
+
+def counter_files(counters_dir: Path, target_model: str, *, skip: str | None = None,
+                  ) -> list[tuple[str, dict[str, dict[str, Any]]]]:
+    """(load_id, per-version counters) of each generation's file in ``counters_dir`` counting for
+    ``target_model`` (but the generation ``skip``)."""
+    if not counters_dir.is_dir():
+        return []
+    parts = []
+    for path in sorted(counters_dir.glob("*.json")):
+        if path.stem == skip:
+            continue
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a file being replaced; the next read sees it
+        if doc.get("target_model") == target_model:
+            parts.append((doc.get("load_id", ""), doc.get("versions", {})))
+    return parts
+
+
+def counters_snapshot(this_load: list[dict[str, dict[str, Any]]], every_load: list[dict[str, dict[str, Any]]], *,
+                      load_id: str, target_model: str, weights: dict[int, int]) -> dict[str, Any]:
+    """The router's counters: ``versions`` (summary) and ``detail`` summed over ``this_load`` (the
+    instances of the load ``load_id``), ``cumulative`` over ``every_load`` that ever wrote a file."""
+    load = merge_counters(this_load)
+    summary_keys = ("requests", "errors", "latency_sum_s", "latency_max_s")
+    return {
+        "target_model": target_model,
+        "weights": {str(v): w for v, w in sorted(weights.items())},
+        "load_id": load_id,
+        "latency_buckets_s": list(LATENCY_BUCKETS_S),
+        "versions": {v: {k: c[k] for k in summary_keys} for v, c in load.items()},
+        "detail": load,
+        "cumulative": merge_counters(every_load),
+        "generations": len(every_load),
+    }
