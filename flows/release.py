@@ -1,4 +1,4 @@
-"""The release flow: convert -> build -> validate -> perf gate -> publish.
+"""The release flow: convert -> build -> validate -> fixed evaluation and perf gate against production -> publish.
 
 A failed gate ends the run in a Failed state whose message is the gate's summary; the full report
 is saved beside the work and attached to the flow run as a markdown artifact.
@@ -14,9 +14,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed, State
 
 from flows.spec import ReleaseSpec
-from tasks import perf_gate, validate
+from tasks import evaluation, perf_gate, validate
 from tasks.build import build_task
 from tasks.convert import convert_task
+from tasks.production import production_engine
 from tasks.publish import PublishedVersion, publish_task
 
 
@@ -46,7 +47,8 @@ def save_report(report_dir: Path, name: str, text: str) -> Path:
 
 @flow(name="release", log_prints=True)
 def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
-    """Build the engine from the spec's checkpoint, gate it twice, and publish it."""
+    """Build the engine from the spec's checkpoint, gate it (quality, the fixed evaluation and speed against
+    the production version), and publish it."""
     converted = convert_task(spec.source.checkpoint, spec.engine, spec.work_dir)
     built = build_task(converted, spec.engine, spec.work_dir)
     engine = built.info
@@ -60,13 +62,26 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
     if not checked.passed:
         return _gate_failed("validation", "; ".join(checked.failures), validation_report)
 
-    timed = perf_gate.perf_gate_task(Path(engine.path), spec.perf)
+    production = production_engine(tracking_uri=spec.mlflow.tracking_uri, model_name=spec.model_name,
+                                   artifacts_uri=spec.artifacts.uri, cache_dir=spec.work_dir / "production")
+    print(f"production: version {production.version} at {production.engine_dir}" if production.engine_dir
+          else f"production: not compared ({production.skipped})")
+    against = {"production_dir": production.engine_dir, "production_version": production.version,
+               "skipped": production.skipped}
+    evaluated = evaluation.evaluation_task(Path(engine.path), spec.evaluation, **against)
+    evaluation_report = save_report(report_dir, "evaluation.md", evaluation.render_report(evaluated))
+    print(f"fixed evaluation: {'skipped' if evaluated.skipped else 'passed' if evaluated.passed else 'FAILED'} "
+          f"{evaluated.metrics}")
+    if not evaluated.passed:
+        return _gate_failed("evaluation", "; ".join(evaluated.failures), evaluation_report)
+
+    timed = perf_gate.perf_gate_task(Path(engine.path), spec.perf, **against)
     perf_report = save_report(report_dir, "performance.md", perf_gate.render_report(timed))
     print(f"performance gate: {'passed' if timed.passed else 'FAILED'} {timed.metrics}")
     if not timed.passed:
         return _gate_failed("performance", "; ".join(timed.failures), perf_report)
 
-    production = report_production(spec)
+    compared, measured = compared_with_production(spec, production.engine_dir is not None, timed, evaluated)
     published = publish_task(
         model_name=spec.model_name,
         tracking_uri=spec.mlflow.tracking_uri,
@@ -74,24 +89,38 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
         artifacts_uri=spec.artifacts.uri,
         engine_info=engine,
         params=spec.model_dump(mode="json"),
-        metrics={**checked.metrics, **timed.metrics},
+        metrics={**checked.metrics, **evaluated.metrics, **timed.metrics},
         reports={
             "validation.md": validation_report.read_text(),
             "validation.json": checked.to_json(),
+            "evaluation.md": evaluation_report.read_text(),
             "performance.md": perf_report.read_text(),
             "performance.json": timed.to_json(),
         },
-        page=version_page(spec, checked, timed, production, engine.toolchain),
+        page=version_page(spec, checked, timed, compared, engine.toolchain, evaluated, measured),
     )
     status = "already published as" if published.already_existed else "published as"
     print(f"{status} {published.model_name} version {published.version} ({published.manifest_uri})")
-    review = write_release_report(spec, engine.fingerprint, checked, timed, published, report_dir, production)
+    review = write_release_report(spec, engine.fingerprint, checked, timed, published, report_dir, compared,
+                                  evaluated, measured)
     print(f"release report: {review}")
     return ReleaseResult(published, checked.metrics, timed.metrics, report_dir, cache_hits)
 
 
+def compared_with_production(spec: ReleaseSpec, timed_production: bool, timed, evaluated):
+    """(version, figures) of the production version for the page and the report, and whether its speed and
+    fixed-evaluation figures were measured in this run (they replace the recorded ones); None: no production."""
+    recorded = report_production(spec)
+    if not timed_production:
+        return recorded, False
+    p = evaluated.production
+    scores = {"eval_nats_per_byte": p.mean_nats_per_byte, "eval_choice_accuracy": p.accuracy} if p else {}
+    version = timed.production_version or (recorded[0] if recorded else "?")
+    return (version, {**(recorded[1] if recorded else {}), **timed.production_metrics(), **scores}), True
+
+
 def write_release_report(spec: ReleaseSpec, fingerprint: str, checked, timed, published: PublishedVersion,
-                         report_dir: Path, production) -> Path:
+                         report_dir: Path, production, evaluated=None, measured: bool = False) -> Path:
     """Render the reviewer's report with its plots (markdown, and HTML with the plots inline); attach it to
     the flow run and the MLflow run's `report/` folder."""
     from registry import model_registry as mr
@@ -118,7 +147,7 @@ def write_release_report(spec: ReleaseSpec, fingerprint: str, checked, timed, pu
     text = report.render_release_report(
         model_name=spec.model_name, fingerprint=fingerprint, validation=checked, perf=timed,
         validation_report=validate.render_report(checked), perf_report=perf_gate.render_report(timed),
-        production=production, links=links, images=images,
+        production=production, links=links, images=images, evaluation=evaluated, measured=measured,
     )
     path = save_report(report_dir, "release-report.md", text)
     html = report_dir / "release-report.html"
@@ -129,7 +158,8 @@ def write_release_report(spec: ReleaseSpec, fingerprint: str, checked, timed, pu
     return path
 
 
-def version_page(spec: ReleaseSpec, checked, timed, production, toolchain: dict):
+def version_page(spec: ReleaseSpec, checked, timed, production, toolchain: dict, evaluated=None,
+                 measured: bool = False):
     """What the published version's page will say (rendered by the publish step, links into its run)."""
     import socket
 
@@ -145,7 +175,7 @@ def version_page(spec: ReleaseSpec, checked, timed, production, toolchain: dict)
         toolchain={k: str(v) for k, v in toolchain.items()},
     )
     return VersionPage(checked, timed, spec.perf.slo, production, built,
-                       mr.ui_base_for(spec.mlflow.tracking_uri, spec.approval.ui_url))
+                       mr.ui_base_for(spec.mlflow.tracking_uri, spec.approval.ui_url), evaluated, measured)
 
 
 def report_production(spec: ReleaseSpec):

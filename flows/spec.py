@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tasks.engine_spec import EngineSpec
+from tasks.evaluation import EvaluationSpec
 from tasks.perf_gate import PerfSpec
 from tasks.promote_spec import ApprovalSpec, RolloutSpec, TritonSpec
 from tasks.validate import ValidationSpec
@@ -101,7 +102,9 @@ class ReleaseSpec(BaseModel):
     source: SourceSpec
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine kind and build limits.")
     validation: ValidationSpec = Field(default_factory=ValidationSpec, description="Correctness gate.")
-    perf: PerfSpec = Field(default_factory=PerfSpec, description="Performance gate.")
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec,
+                                       description="Fixed evaluation against the production version.")
+    perf: PerfSpec = Field(default_factory=PerfSpec, description="Performance gate (A/B against production).")
     mlflow: MlflowSpec
     artifacts: ArtifactsSpec
     approval: ApprovalSpec = Field(default_factory=ApprovalSpec, description="The human gate.")

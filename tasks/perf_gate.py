@@ -1,14 +1,27 @@
-"""Gate 2, first version: throughput, TTFT and TPOT of the engine on a fixed workload, against SLOs.
+"""Gate 2: the candidate against the production engine, timed interleaved in one run, plus absolute SLOs.
 
-TTFT is timed as a batched prefill that yields the first token; TPOT as the extra time of a full
-generation over that prefill, per further token. Iterations alternate the two calls so drift hits both.
+Each round times one iteration of the fixed workload on each engine (``serving.bench.offline.bench_engine``,
+the code of ``enginewright bench``), the order alternating (ABBA...) so drift and load hit both alike.
+The per-round throughput ratio candidate/production is averaged in log space with a Student-t interval at
+``confidence``; rounds go on (at least ``iterations``, at most ``max_iterations``) until that interval lies
+wholly on one side of the budget ``1 - max_slowdown``. The candidate fails when the mean ratio is below it.
+Odds: with a stopping rule like this the interval's coverage is approximate (it is checked after every
+round), so the stated confidence is a target, not a guarantee; the verdict uses the point estimate.
+An iteration that raises counts as an error; ``slo.max_error_rate`` bounds the candidate's share.
+Without a production engine the candidate alone is timed and only the absolute SLOs apply; an SLO
+missed is measured once more (``slo_retries``) before it fails, since one noisy sample on a loaded
+machine failed a good engine (3.9 tok/s, then 30 on the rerun). Figures in the release report come from
+this same run.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,20 +38,48 @@ class PerfSlo(BaseModel):
     max_ttft_p50_ms: float | None = Field(None, gt=0, description="Largest median time to first token, ms.")
     max_ttft_p99_ms: float | None = Field(None, gt=0, description="Largest p99 time to first token, ms.")
     max_tpot_p50_ms: float | None = Field(None, gt=0, description="Largest median time per output token, ms.")
+    max_error_rate: float = Field(0.0, ge=0, le=1, description="Largest share of timed iterations that may raise.")
 
 
 class PerfSpec(BaseModel):
-    """The fixed workload of the performance gate and the SLOs it must meet."""
+    """The fixed workload of the performance gate, its budget against production and the absolute SLOs."""
 
     model_config = ConfigDict(extra="forbid")
 
     batch_size: int = Field(4, ge=1, description="Concurrent sequences per generate call.")
     input_len: int = Field(32, ge=1, description="Prompt length in tokens (random token ids, seeded).")
     output_len: int = Field(32, ge=2, description="Generated tokens per sequence.")
-    warmup: int = Field(1, ge=0, description="Untimed iterations before measuring.")
-    iterations: int = Field(5, ge=1, description="Timed iterations.")
+    warmup: int = Field(1, ge=0, description="Untimed iterations per engine before measuring.")
+    iterations: int = Field(5, ge=2, description="Fewest timed rounds (one iteration per engine each).")
+    max_iterations: int = Field(30, ge=2, description="Most timed rounds while the ratio is not yet decided.")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="Two-sided confidence of the throughput ratio's "
+                              "interval that ends the rounds once it lies on one side of the budget.")
+    max_slowdown: float = Field(0.10, ge=0, lt=1, description="Largest relative throughput loss against the "
+                                "production engine in the same run (0.10: at most 10% slower).")
+    slo_retries: int = Field(1, ge=0, description="Measurements repeated when an absolute SLO is missed.")
     seed: int = Field(0, description="Seed of the random prompts.")
     slo: PerfSlo = Field(default_factory=PerfSlo, description="Absolute objectives the engine must meet.")
+
+
+@dataclass
+class EngineFigures:
+    """One engine's figures over the rounds of one run."""
+
+    output_tokens_per_s: float  # median of the rounds
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    iterations: int
+    errors: int
+    round_tokens_per_s: list[float] = field(default_factory=list)
+    ttft_samples_ms: list[float] = field(default_factory=list)
+    tpot_samples_ms: list[float] = field(default_factory=list)
+    first_error: str = ""
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.iterations if self.iterations else 0.0
 
 
 @dataclass
@@ -53,16 +94,36 @@ class PerfResult:
     failures: list[str]
     ttft_samples_ms: list[float] = field(default_factory=list)
     tpot_samples_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+    iterations: int = 0
+    production_version: str | None = None
+    production: EngineFigures | None = None
+    throughput_ratio: float | None = None  # candidate / production, geometric mean over the rounds
+    ratio_interval: tuple[float, float] | None = None
+    stopped: str = ""  # why the rounds ended
+    skipped: str = ""  # why production was not timed
 
     @property
     def metrics(self) -> dict[str, float]:
-        return {
+        out = {
             "perf_output_tokens_per_s": self.output_tokens_per_s,
             "perf_ttft_p50_ms": self.ttft_p50_ms,
             "perf_ttft_p99_ms": self.ttft_p99_ms,
             "perf_tpot_p50_ms": self.tpot_p50_ms,
             "perf_tpot_p99_ms": self.tpot_p99_ms,
+            "perf_error_rate": self.errors / self.iterations if self.iterations else 0.0,
         }
+        if self.throughput_ratio is not None:
+            out["perf_throughput_ratio_vs_production"] = self.throughput_ratio
+        return out
+
+    def production_metrics(self) -> dict[str, float]:
+        """Production's figures from this same run, under the candidate's metric names (for the report)."""
+        p = self.production
+        if p is None:
+            return {}
+        return {"perf_output_tokens_per_s": p.output_tokens_per_s, "perf_ttft_p50_ms": p.ttft_p50_ms,
+                "perf_ttft_p99_ms": p.ttft_p99_ms, "perf_tpot_p50_ms": p.tpot_p50_ms, "perf_tpot_p99_ms": p.tpot_p99_ms}
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "metrics": self.metrics}, indent=2)
@@ -75,31 +136,140 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
-def measure_engine(engine_dir: Path, spec: PerfSpec) -> PerfResult:
-    """Time the workload on the engine with the benchmark harness (`serving.bench.offline.bench_engine`,
-    the same code as `enginewright bench`: CUDA events per step on a GPU, wall clock on the CPU) and
-    judge the figures against the SLOs. Throughput is end-to-end output tokens/s (prefill included)."""
-    from serving.bench.offline import bench_engine
-    from serving.engine import load_engine
+class _Timer:
+    """Times single iterations of the workload on one runner and keeps the samples."""
 
-    runner = load_engine(engine_dir)
-    cell = bench_engine(runner, batch=spec.batch_size, prompt_len=spec.input_len, gen_len=spec.output_len,
-                        repeats=spec.iterations, warmup=spec.warmup, seed=spec.seed, impl="perf-gate")
-    result = PerfResult(
-        passed=True,
-        output_tokens_per_s=cell.e2e_tok_s,
-        ttft_p50_ms=cell.ttft_ms_p50,
-        ttft_p99_ms=cell.ttft_ms_p99,
-        tpot_p50_ms=cell.tpot_ms_p50,
-        tpot_p99_ms=cell.tpot_ms_p99,
-        workload=spec.model_dump(exclude={"slo"}),
-        failures=[],
-        ttft_samples_ms=list(cell.ttft_samples_ms),
-        tpot_samples_ms=list(cell.tpot_samples_ms),
-    )
-    result.failures = check_slos(result, spec.slo)
+    def __init__(self, runner: Any, spec: PerfSpec) -> None:
+        self.runner, self.spec = runner, spec
+        self.round_tok_s: list[float] = []
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.iterations = self.errors = 0
+        self.first_error = ""
+
+    def warm_up(self) -> None:
+        for _ in range(self.spec.warmup):
+            self.once(record=False)
+
+    def once(self, *, record: bool = True) -> float | None:
+        from serving.bench.offline import bench_engine
+
+        s = self.spec
+        try:
+            cell = bench_engine(self.runner, batch=s.batch_size, prompt_len=s.input_len, gen_len=s.output_len,
+                                repeats=1, warmup=0, seed=s.seed, impl="perf-gate")
+        except Exception as exc:  # noqa: BLE001 - an engine that errors is measured as erroring
+            if record:
+                self.iterations += 1
+                self.errors += 1
+                self.first_error = self.first_error or f"{type(exc).__name__}: {exc}"
+            return None
+        if record:
+            self.iterations += 1
+            self.round_tok_s.append(cell.e2e_tok_s)
+            self.ttft += cell.ttft_samples_ms
+            self.tpot += cell.tpot_samples_ms
+        return cell.e2e_tok_s
+
+    def figures(self) -> EngineFigures:
+        def pct(xs: list[float], q: float) -> float:
+            return percentile(xs, q) if xs else float("nan")
+
+        return EngineFigures(
+            output_tokens_per_s=statistics.median(self.round_tok_s) if self.round_tok_s else 0.0,
+            ttft_p50_ms=pct(self.ttft, 50), ttft_p99_ms=pct(self.ttft, 99),
+            tpot_p50_ms=pct(self.tpot, 50), tpot_p99_ms=pct(self.tpot, 99),
+            iterations=self.iterations, errors=self.errors, round_tokens_per_s=list(self.round_tok_s),
+            ttft_samples_ms=list(self.ttft), tpot_samples_ms=list(self.tpot), first_error=self.first_error)
+
+
+def ratio_interval(log_ratios: list[float], confidence: float) -> tuple[float, float, float]:
+    """(geometric mean ratio, low, high) of per-round ratios given as logs; Student-t interval."""
+    from scipy.stats import t
+
+    n = len(log_ratios)
+    mean = statistics.fmean(log_ratios)
+    if n < 2:
+        return math.exp(mean), 0.0, math.inf
+    half = t.ppf(0.5 + confidence / 2, n - 1) * statistics.stdev(log_ratios) / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
+                    production_version: str | None = None, skipped: str = "") -> PerfResult:
+    """Time the candidate (and production, interleaved) and judge: budget against production, SLOs, errors."""
+    cand = _Timer(candidate, spec)
+    prod = _Timer(production, spec) if production is not None else None
+    for timer in (cand, prod):
+        if timer:
+            timer.warm_up()
+    log_ratios: list[float] = []
+    stopped = f"{spec.iterations} rounds (no production engine to compare with)"
+    budget = 1.0 - spec.max_slowdown
+    for i in range(spec.max_iterations if prod else spec.iterations):
+        order = (cand, prod) if i % 2 == 0 else (prod, cand)
+        got = {id(timer): timer.once() for timer in order if timer is not None}
+        if prod is None:
+            continue
+        c, p = got[id(cand)], got[id(prod)]
+        if c and p:
+            log_ratios.append(math.log(c / p))
+        if i + 1 >= spec.iterations:
+            if cand.errors == cand.iterations or prod.errors == prod.iterations:
+                stopped = f"{i + 1} rounds: an engine failed every iteration"
+                break
+            if len(log_ratios) >= 2:
+                _, low, high = ratio_interval(log_ratios, spec.confidence)
+                if low > budget or high < budget:
+                    stopped = (f"{i + 1} rounds: the {spec.confidence:.0%} interval [{low:.3f}, {high:.3f}] lies on "
+                               f"one side of the budget {budget:.2f}")
+                    break
+        stopped = f"{i + 1} rounds (perf.max_iterations): the ratio's interval still straddles the budget {budget:.2f}"
+    result = _result(cand.figures(), spec)
+    result.stopped = stopped
+    result.skipped = skipped
+    if prod is not None:
+        result.production_version = production_version
+        result.production = prod.figures()
+        if log_ratios:
+            ratio, low, high = ratio_interval(log_ratios, spec.confidence)
+            result.throughput_ratio, result.ratio_interval = ratio, (low, min(high, 1e9))
+            if ratio < budget:
+                result.failures.append(
+                    f"throughput {ratio:.3f}x production version {production_version}'s in the same run "
+                    f"({result.output_tokens_per_s:.1f} vs {result.production.output_tokens_per_s:.1f} tok/s, "
+                    f"{spec.confidence:.0%} interval [{low:.3f}, {high:.3f}], {len(log_ratios)} rounds) < "
+                    f"1 - perf.max_slowdown = {budget:.2f}")
+    result.failures += check_errors(cand.figures(), spec.slo)
+    if not result.failures:
+        result.failures = check_slos(result, spec.slo)
+        for _ in range(spec.slo_retries if result.failures else 0):
+            retry = _Timer(candidate, spec)
+            for _ in range(spec.iterations):
+                retry.once()
+            again = _result(retry.figures(), spec)
+            result.failures = [f"{f} (and again on a retry of {spec.iterations} iterations)"
+                               for f in check_slos(again, spec.slo)]
+            if not result.failures:
+                result.stopped += "; an SLO missed on the first measurement was met on the retry"
+                break
     result.passed = not result.failures
     return result
+
+
+def _result(fig: EngineFigures, spec: PerfSpec) -> PerfResult:
+    return PerfResult(
+        passed=True, output_tokens_per_s=fig.output_tokens_per_s, ttft_p50_ms=fig.ttft_p50_ms,
+        ttft_p99_ms=fig.ttft_p99_ms, tpot_p50_ms=fig.tpot_p50_ms, tpot_p99_ms=fig.tpot_p99_ms,
+        workload=spec.model_dump(exclude={"slo"}), failures=[], ttft_samples_ms=fig.ttft_samples_ms,
+        tpot_samples_ms=fig.tpot_samples_ms, errors=fig.errors, iterations=fig.iterations)
+
+
+def check_errors(fig: EngineFigures, slo: PerfSlo) -> list[str]:
+    if fig.iterations and fig.error_rate > slo.max_error_rate:
+        return [(f"error rate {fig.error_rate:.2f} ({fig.errors} of {fig.iterations} iterations raised; first: "
+                f"{fig.first_error}) > perf.slo.max_error_rate {slo.max_error_rate}")]
+    return []
 
 
 def check_slos(result: PerfResult, slo: PerfSlo) -> list[str]:
@@ -120,26 +290,52 @@ def check_slos(result: PerfResult, slo: PerfSlo) -> list[str]:
     return failures
 
 
+def measure_engine(engine_dir: Path, spec: PerfSpec, production_dir: Path | None = None, *,
+                   production_version: str | None = None, skipped: str = "") -> PerfResult:
+    """Load the candidate (and the production engine, when given) and run `compare_runners`."""
+    from serving.engine import load_engine
+
+    candidate = load_engine(engine_dir)
+    production = load_engine(production_dir) if production_dir is not None else None
+    return compare_runners(candidate, production, spec, production_version=production_version, skipped=skipped)
+
+
 def render_report(result: PerfResult) -> str:
-    """Markdown table of the figures."""
+    """Markdown: verdict, candidate and production side by side from this run, the ratio and why rounds ended."""
+    p = result.production
+    head = f"production v{result.production_version} (same run)" if p else "production"
+
+    def both(label: str, cand: str, prod: str) -> str:
+        return f"| {label} | {cand} | {prod if p else '-'} |\n"
+
     return (
         f"# Performance gate: {'PASSED' if result.passed else 'FAILED'}\n\n"
         + "".join(f"- {f}\n" for f in result.failures)
-        + "\n| figure | value |\n| --- | --- |\n"
-        + f"| output tokens/s | {result.output_tokens_per_s:.1f} |\n"
-        + f"| TTFT p50 / p99 ms | {result.ttft_p50_ms:.2f} / {result.ttft_p99_ms:.2f} |\n"
-        + f"| TPOT p50 / p99 ms | {result.tpot_p50_ms:.2f} / {result.tpot_p99_ms:.2f} |\n"
-        + f"\nWorkload: `{json.dumps(result.workload)}`\n"
+        + (f"\nProduction not timed: {result.skipped}.\n" if result.skipped else "")
+        + f"\n| figure | candidate | {head} |\n| --- | --- | --- |\n"
+        + both("output tokens/s (median of rounds)", f"{result.output_tokens_per_s:.1f}",
+               f"{p.output_tokens_per_s:.1f}" if p else "")
+        + both("TTFT p50 / p99 ms", f"{result.ttft_p50_ms:.2f} / {result.ttft_p99_ms:.2f}",
+               f"{p.ttft_p50_ms:.2f} / {p.ttft_p99_ms:.2f}" if p else "")
+        + both("TPOT p50 / p99 ms", f"{result.tpot_p50_ms:.2f} / {result.tpot_p99_ms:.2f}",
+               f"{p.tpot_p50_ms:.2f} / {p.tpot_p99_ms:.2f}" if p else "")
+        + both("iterations (errors)", f"{result.iterations} ({result.errors})",
+               f"{p.iterations} ({p.errors})" if p else "")
+        + (f"\nThroughput ratio candidate/production: {result.throughput_ratio:.3f} "
+           f"(interval {result.ratio_interval[0]:.3f}-{result.ratio_interval[1]:.3f}).\n"
+           if result.throughput_ratio is not None and result.ratio_interval else "")
+        + f"\nRounds: {result.stopped}.\n\nWorkload: `{json.dumps(result.workload)}`\n"
     )
 
 
 def require_passed(result: PerfResult) -> None:
-    """Raise GateFailed with the report when an SLO is missed."""
+    """Raise GateFailed with the report when an SLO or the budget is missed."""
     if not result.passed:
         raise GateFailed("performance", "; ".join(result.failures), render_report(result))
 
 
 @task(name="perf-gate", retries=0)
-def perf_gate_task(engine_dir: Path, spec: PerfSpec) -> PerfResult:
-    """Measure the engine on the fixed workload and check the SLOs."""
-    return measure_engine(engine_dir, spec)
+def perf_gate_task(engine_dir: Path, spec: PerfSpec, production_dir: Path | None = None,
+                   production_version: str | None = None, skipped: str = "") -> PerfResult:
+    """Time the candidate against the production engine on the fixed workload and check the SLOs."""
+    return measure_engine(engine_dir, spec, production_dir, production_version=production_version, skipped=skipped)

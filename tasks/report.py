@@ -1,11 +1,13 @@
 """The release report a reviewer reads before approving: gate figures against their thresholds and
-against the production version's recorded figures, latency distributions, validation divergence, links."""
+against the production version (speed and the fixed evaluation measured in the same run), latency distributions, validation divergence, links."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.evaluation import EvaluationComparison, evaluation_verdict
+from tasks.evaluation import render_report as render_evaluation
 from tasks.perf_gate import PerfResult
 from tasks.validate import ValidationResult
 from tasks.version_page import compare_figures
@@ -83,18 +85,22 @@ def render_release_report(
     production: tuple[str, dict[str, float]] | None,
     links: dict[str, str],
     images: dict[str, Path],
+    evaluation: EvaluationComparison | None = None,
+    measured: bool = False,
 ) -> str:
     """One markdown page: verdicts, figures vs thresholds (the gate reports), vs production, plots, links."""
-    candidate = {**validation.metrics, **perf.metrics}
+    candidate = {**validation.metrics, **perf.metrics, **(evaluation.metrics if evaluation else {})}
     prod_version, prod_metrics = production if production else (None, None)
-    compare = "\n".join(comparison_table(candidate, prod_metrics))
-    heading = f"against production (version {prod_version}, recorded figures)" if prod_version else (
+    compare = "
+".join(comparison_table(candidate, prod_metrics))
+    source = "speed and fixed evaluation measured in this run" if measured else "recorded figures"
+    heading = f"against production (version {prod_version}, {source})" if prod_version else (
         "against production: no production version yet")
     lines = [
         f"# Release report: {model_name} `{fingerprint[:16]}`",
         "",
-        (f"Validation: **{'passed' if validation.passed else 'FAILED'}** · Performance: "
-         f"**{'passed' if perf.passed else 'FAILED'}**"),
+        (f"Validation: **{'passed' if validation.passed else 'FAILED'}** · Fixed evaluation: "
+         f"**{evaluation_verdict(evaluation)}** · Performance: **{'passed' if perf.passed else 'FAILED'}**"),
         "",
         *(f"- {name}: {_link(url)}" for name, url in links.items()),
         "",
@@ -107,6 +113,7 @@ def render_release_report(
         *(f"![{name}]({path.name})" for name, path in images.items()),
         "",
         validation_report.replace("# ", "## ", 1),
+        *([render_evaluation(evaluation).replace("# ", "## ", 1)] if evaluation else []),
         perf_report.replace("# ", "## ", 1),
     ]
     return "\n".join(lines) + "\n"

@@ -1,15 +1,24 @@
-"""Gate 1: the engine against Hugging Face transformers on the same prompts.
+"""Gate 1: does the engine harm the model's output? Judged against Hugging Face at the engine's precision.
 
-Greedy generations are compared the way vLLM's `check_logprobs_close` does: identical tokens, or,
-where the two first diverge, each side's token must be among the other's top-N logprobs; after the
-first divergence that sequence is not compared further. Teacher-forced top-1 agreement, the prefill
-logit error and the perplexity ratio on a fixed text complete the picture.
+The reference is HF in float32. Beside it, HF runs in the engine's own dtype (the *peer*), and the engine
+may be as far from the reference as the peer is, times a margin, plus a floor (``tasks.quality_budgets``):
+a bfloat16 engine is judged like HF bfloat16, a float32 one must agree almost exactly, and a precision HF
+cannot run (a quantized engine) against its own budget. Figures, all two-sided:
+- teacher-forced over the fixed passages (``tasks/evaluation_data.json``) and each prompt with the
+  reference's continuation: mean per-token KL(reference || engine), the NLL difference, top-1 agreement;
+- greedy generations compared the way vLLM's ``check_logprobs_close`` does: identical, or where they first
+  diverge each side's token is in the other's top-N logprobs, then that sequence is not compared further.
+  EOS ends a generation on either side (HF is not forced past it), so a step where one side stops is
+  judged with the same top-N tolerance as any other token;
+- the text path: tokenizer files hashed, texts tokenized the way Triton does (``tasks.text_path``).
+
+The HF side is computed once per (checkpoint, spec, precision) by ``reference_run`` and can be reused to
+judge several engines (the tests do).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +29,9 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.errors import GateFailed
+from tasks.quality_budgets import PrecisionBudget, budget_for
+from tasks.text_path import TokenizerCheck, check_text_path
+from tasks.token_stats import DistanceFigures, combine, sequence_stats
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -30,37 +42,37 @@ DEFAULT_PROMPTS = [
     "Water boils at",
 ]
 
-PERPLEXITY_TEXT = (
-    "The river ran past the old mill and under the stone bridge, where children stood in the evening "
-    "to watch the light fall on the water. Nobody in the village remembered who had built the bridge."
-)
-
-# Float32 engines should agree with the reference almost exactly; half precisions leave more room.
-DEFAULT_MAX_LOGIT_ERROR = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.1}
-
 
 class ValidationSpec(BaseModel):
-    """Thresholds of the correctness gate (engine vs Hugging Face transformers)."""
+    """The quality gate: the engine against HF float32, judged by HF's own error at the engine's precision.
+
+    The four limits default to the engine precision's entry in tasks/quality_budgets.py (docs/validation.md
+    gives the measurements behind them); each is ``floor + peer_factor * HF peer's figure``.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     prompts: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1, description="Prompts run through both sides."
-    )
-    max_new_tokens: int = Field(16, ge=1, description="Greedy tokens generated per prompt on each side.")
+        default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1, description="Prompts run through both sides.")
+    max_new_tokens: int = Field(16, ge=1, description="Greedy tokens generated per prompt on each side (fewer "
+                                "when a side emits EOS).")
     top_logprobs: int = Field(5, ge=1, description="N of the top-N logprob tolerance at the first divergence.")
     max_failed_prompts: int = Field(
-        0, ge=0, description="Prompts allowed to diverge to a token outside the other side's top-N."
-    )
-    min_top1_agreement: float = Field(
-        0.99, ge=0, le=1, description="Least teacher-forced per-position top-1 agreement, over all positions."
-    )
-    max_logit_error: float | None = Field(
-        None, gt=0, description="Largest absolute prefill logit difference; default depends on the dtype."
-    )
-    max_perplexity_ratio: float = Field(
-        1.01, ge=1, description="Largest engine/reference perplexity ratio on a fixed text."
-    )
+        0, ge=0, description="Prompts allowed to diverge to a token outside the other side's top-N, beyond those "
+        "on which HF at the engine's precision diverges from HF float32 itself.")
+    passages: list[str] | None = Field(
+        None, description="Texts scored teacher-forced; default: the passages of tasks/evaluation_data.json.")
+    max_mean_kl: float | None = Field(
+        None, ge=0, description="Floor of the mean per-token KL(reference || engine), nats; default per precision.")
+    max_nll_delta: float | None = Field(
+        None, ge=0, description="Floor of |mean NLL engine - reference| per token, nats (either sign fails); "
+        "default per precision.")
+    max_top1_disagreement: float | None = Field(
+        None, ge=0, le=1, description="Floor of the share of positions whose argmax differs from the reference; "
+        "default per precision.")
+    peer_factor: float | None = Field(
+        None, ge=0, description="How many times HF's own figure at the engine's precision the engine may add to "
+        "the floors; default per precision.")
 
 
 @dataclass
@@ -77,28 +89,40 @@ class PromptComparison:
 @dataclass
 class ValidationResult:
     passed: bool
+    precision: str
     comparisons: list[PromptComparison]
-    top1_agreement: float
-    max_logit_error: float
-    mean_logit_error: float
-    perplexity_reference: float
-    perplexity_engine: float
+    engine: DistanceFigures | None  # None: the engine failed before it could be measured
+    peer: DistanceFigures | None  # HF at the engine's precision; None for float32 and precisions HF cannot run
+    peer_diverged_prompts: int
+    text_path: TokenizerCheck
     thresholds: dict[str, float]
     failures: list[str] = field(default_factory=list)
 
     @property
+    def top1_agreement(self) -> float:
+        return self.engine.top1_agreement if self.engine else 0.0
+
+    @property
+    def max_logit_error(self) -> float:
+        return self.engine.max_logit_error if self.engine else float("inf")
+
+    @property
     def metrics(self) -> dict[str, float]:
-        return {
+        out = {
             "validation_identical_prompts": sum(c.status == "identical" for c in self.comparisons),
             "validation_diverged_prompts": sum(c.status == "diverged" for c in self.comparisons),
-            "validation_top1_agreement": self.top1_agreement,
-            "validation_max_logit_error": self.max_logit_error,
-            "validation_mean_logit_error": self.mean_logit_error,
-            "validation_perplexity_ratio": self.perplexity_engine / self.perplexity_reference,
         }
+        if self.engine:
+            out |= {"validation_mean_kl": self.engine.mean_kl, "validation_nll_delta": self.engine.nll_delta,
+                    "validation_top1_agreement": self.engine.top1_agreement,
+                    "validation_max_logit_error": self.engine.max_logit_error}
+        if self.peer:
+            out |= {"validation_peer_mean_kl": self.peer.mean_kl,
+                    "validation_peer_top1_agreement": self.peer.top1_agreement}
+        return out
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "metrics": self.metrics}, indent=2)
+        return json.dumps({**asdict(self), "metrics": self.metrics}, indent=2, default=str)
 
 
 @dataclass
@@ -107,10 +131,27 @@ class _Side:
     top: list[dict[int, float]]
 
 
-def compare_greedy(
-    *, reference: _Side, engine: _Side, name_0: str = "hf", name_1: str = "engine"
-) -> tuple[str, int | None]:
-    """Return (status, first divergence position) of two greedy generations with top-N tolerance."""
+@dataclass
+class ReferenceRun:
+    """The HF side for one checkpoint, spec and engine precision; judging an engine reuses it."""
+
+    precision: str
+    prompt_ids: list[list[int]]
+    greedy: list[_Side]
+    sequences: list[list[int]]  # teacher-forced ids: the passages, then each prompt + its greedy continuation
+    logits: list[torch.Tensor]  # float32 reference logits of each sequence, [S, V] on the CPU
+    peer: DistanceFigures | None
+    peer_diverged: int
+    eos_ids: list[int]
+    texts: list[str]  # what the text path check tokenizes
+    tokenizer: object  # the checkpoint's HF tokenizer
+
+
+def compare_greedy(*, reference: _Side, engine: _Side) -> tuple[str, int | None]:
+    """Return (status, first divergence position) of two greedy generations with top-N tolerance.
+
+    A generation that ended at EOS on one side is, at that step, a token like any other: tolerated when the
+    EOS is in the other side's top-N and the other side's token in this side's."""
     for pos, (tok_0, tok_1) in enumerate(zip(reference.tokens, engine.tokens)):
         if tok_0 == tok_1:
             continue
@@ -121,168 +162,192 @@ def compare_greedy(
     return "identical", None
 
 
-def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: ValidationSpec) -> ValidationResult:
-    """Run the prompts through HF transformers and the engine and judge the engine against `spec`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from serving.engine import load_engine
-
-    runner = load_engine(engine_dir)
-    dtype = runner.info.limits.dtype
-    tokenizer = AutoTokenizer.from_pretrained(reference_checkpoint)
-    reference = AutoModelForCausalLM.from_pretrained(reference_checkpoint, dtype=getattr(torch, dtype))
-    reference = reference.to(runner.device).eval()
-
-    prompt_ids = [tokenizer(p).input_ids for p in spec.prompts]
-    with torch.no_grad():
-        ref_sides = [_reference_greedy(reference, ids, spec) for ids in prompt_ids]
-    generations = runner.generate(prompt_ids, max_new_tokens=spec.max_new_tokens, top_logprobs=spec.top_logprobs)
-    eng_sides = [_Side(list(g.token_ids), [dict(t) for t in g.top_logprobs]) for g in generations]
-
-    comparisons = []
-    for prompt, ref, eng in zip(spec.prompts, ref_sides, eng_sides):
-        status, pos = compare_greedy(reference=ref, engine=eng)
-        comparisons.append(
-            PromptComparison(
-                prompt=prompt,
-                status=status,  # type: ignore[arg-type]
-                divergence_position=pos,
-                reference_token=ref.tokens[pos] if pos is not None and pos < len(ref.tokens) else None,
-                engine_token=eng.tokens[pos] if pos is not None and pos < len(eng.tokens) else None,
-                reference_text=tokenizer.decode(ref.tokens),
-                engine_text=tokenizer.decode(eng.tokens),
-            )
-        )
-
-    max_len = runner.info.limits.max_input_len
-    sequences = [(ids + ref.tokens)[:max_len] for ids, ref in zip(prompt_ids, ref_sides)]
-    agreement, max_err, mean_err = _teacher_forced(reference, runner, sequences)
-    ppl_text = tokenizer(PERPLEXITY_TEXT).input_ids[:max_len]
-    ppl_ref, ppl_eng = _perplexities(reference, runner, ppl_text)
-
-    max_logit_error = spec.max_logit_error or DEFAULT_MAX_LOGIT_ERROR[dtype]
-    thresholds = {
-        "max_failed_prompts": spec.max_failed_prompts,
-        "min_top1_agreement": spec.min_top1_agreement,
-        "max_logit_error": max_logit_error,
-        "max_perplexity_ratio": spec.max_perplexity_ratio,
-    }
-    failures = _judge(comparisons, agreement, max_err, ppl_eng / ppl_ref, thresholds)
-    return ValidationResult(
-        passed=not failures,
-        comparisons=comparisons,
-        top1_agreement=agreement,
-        max_logit_error=max_err,
-        mean_logit_error=mean_err,
-        perplexity_reference=ppl_ref,
-        perplexity_engine=ppl_eng,
-        thresholds=thresholds,
-        failures=failures,
-    )
+def engine_precision(info) -> str:
+    """The precision name an engine is judged by (its dtype; quantized kinds name their scheme)."""
+    return info.limits.dtype
 
 
-def _reference_greedy(model, prompt_ids: Sequence[int], spec: ValidationSpec) -> _Side:
+def eos_token_ids(checkpoint: Path) -> list[int]:
+    """The ids that end a generation: generation_config.json's eos_token_id, else config.json's."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(checkpoint) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return []
+
+
+def reference_run(checkpoint: Path, spec: ValidationSpec, precision: str, *, device: torch.device | str = "cpu",
+                  max_seq_len: int | None = None) -> ReferenceRun:
+    """HF float32 on the prompts (greedy, to EOS) and the teacher-forced sequences; HF at `precision` beside it."""
+    from transformers import AutoTokenizer
+
+    from tasks.evaluation import load_evaluation
+
+    budget = budget_for(precision)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    eos = eos_token_ids(checkpoint)
+    passages = spec.passages if spec.passages is not None else list(load_evaluation().passages)
+    prompt_ids = [list(tokenizer(p).input_ids) for p in spec.prompts]
+    model = _hf_model(checkpoint, "float32", device)
+    greedy = [_hf_greedy(model, ids, spec, eos) for ids in prompt_ids]
+    sequences = [list(tokenizer(t).input_ids) for t in passages] + [
+        ids + side.tokens for ids, side in zip(prompt_ids, greedy)]
+    if max_seq_len:
+        sequences = [s[:max_seq_len] for s in sequences]
+    logits = [_hf_logits(model, s) for s in sequences]
+    del model
+    peer, peer_diverged = None, 0
+    if budget.peer_dtype is not None and budget.peer_dtype != "float32":
+        model = _hf_model(checkpoint, budget.peer_dtype, device)
+        peer = combine(sequence_stats(ref, _hf_logits(model, s), s) for ref, s in zip(logits, sequences))
+        peer_greedy = [_hf_greedy(model, ids, spec, eos) for ids in prompt_ids]
+        peer_diverged = sum(compare_greedy(reference=r, engine=p)[0] == "diverged" for r, p in zip(greedy, peer_greedy))
+        del model
+    return ReferenceRun(precision, prompt_ids, greedy, sequences, logits, peer, peer_diverged, eos,
+                        [*spec.prompts, *passages], tokenizer)
+
+
+def _hf_model(checkpoint: Path, dtype: str, device):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(device).eval()
+
+
+@torch.no_grad()
+def _hf_logits(model, ids: Sequence[int]) -> torch.Tensor:
+    return model(torch.tensor([list(ids)], device=model.device)).logits[0].float().cpu()
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt_ids: Sequence[int], spec: ValidationSpec, eos_ids: list[int]) -> _Side:
+    """Greedy to max_new_tokens or the first EOS, with the raw logits' top-N at each step (a fresh
+    GenerationConfig: no sampling settings or processors from the checkpoint's generation_config)."""
+    from transformers import GenerationConfig
+
     input_ids = torch.tensor([list(prompt_ids)], device=model.device)
-    out = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=spec.max_new_tokens,
-        min_new_tokens=spec.max_new_tokens,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+    config = GenerationConfig(max_new_tokens=spec.max_new_tokens, do_sample=False, eos_token_id=eos_ids or None,
+                              pad_token_id=(eos_ids or [0])[0], output_logits=True, return_dict_in_generate=True)
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+    tokens = out.sequences[0, input_ids.shape[1]:].tolist()
     top = []
-    for scores in out.scores:  # scores: [1, V] per generated position
-        logprobs = torch.log_softmax(scores[0].float(), dim=-1)
-        values, indices = logprobs.topk(spec.top_logprobs)
+    for logits in out.logits:  # [1, V] per generated position, before any processor
+        values, indices = torch.log_softmax(logits[0].float(), dim=-1).topk(spec.top_logprobs)
         top.append(dict(zip(indices.tolist(), values.tolist())))
     return _Side(tokens, top)
 
 
-def _teacher_forced(model, runner, sequences: list[list[int]]) -> tuple[float, float, float]:
-    agree = total = 0
-    max_err = 0.0
-    err_sum = 0.0
-    for seq in sequences:
-        with torch.no_grad():
-            ref_logits = model(torch.tensor([seq], device=model.device)).logits[0].float().cpu()  # [S, V]
-        eng_logits = runner.prefill_logits(seq).float().cpu()  # [S, V]
-        diff = (ref_logits - eng_logits).abs()
-        agree += int((ref_logits.argmax(-1) == eng_logits.argmax(-1)).sum())
-        total += len(seq)
-        max_err = max(max_err, float(diff.max()))
-        err_sum += float(diff.mean()) * len(seq)
-    return agree / total, max_err, err_sum / total
+def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: ValidationSpec,
+                    reference: ReferenceRun | None = None, runner=None) -> ValidationResult:
+    """Judge the engine against the HF reference (computed here unless given) and the precision's budget.
+
+    `runner` (a loaded engine, e.g. wrapped by tasks.fault_injection) replaces loading `engine_dir`."""
+    from serving.engine import load_engine
+
+    runner = runner or load_engine(engine_dir)
+    precision = engine_precision(runner.info)
+    if reference is None:
+        reference = reference_run(reference_checkpoint, spec, precision, device=runner.device,
+                                  max_seq_len=runner.info.limits.max_seq_len)
+    elif reference.precision != precision:
+        raise ValueError(f"the reference was run for precision {reference.precision!r}, the engine is {precision!r}")
+    budget = budget_for(precision)
+    thresholds = _limits(spec, budget, reference)
+    text_path = check_text_path(reference_checkpoint, engine_dir, reference.texts, reference.tokenizer)
+    tok = reference.tokenizer
+    comparisons: list[PromptComparison] = []
+    figures = None
+    failures = list(text_path.failures)
+    try:
+        generations = runner.generate(reference.prompt_ids, max_new_tokens=spec.max_new_tokens,
+                                      top_logprobs=spec.top_logprobs, stop_token_ids=reference.eos_ids)
+        for prompt, ref, gen in zip(spec.prompts, reference.greedy, generations):
+            eng = _Side(list(gen.token_ids), [dict(t) for t in gen.top_logprobs])
+            status, pos = compare_greedy(reference=ref, engine=eng)
+            comparisons.append(PromptComparison(
+                prompt, status, pos,  # type: ignore[arg-type]
+                ref.tokens[pos] if pos is not None and pos < len(ref.tokens) else None,
+                eng.tokens[pos] if pos is not None and pos < len(eng.tokens) else None,
+                tok.decode(ref.tokens), tok.decode(eng.tokens)))
+        limit = runner.info.limits.max_seq_len
+        figures = combine(
+            sequence_stats(ref[:len(s[:limit])], runner.prefill_logits(s[:limit]).float(), s[:limit])
+            for ref, s in zip(reference.logits, reference.sequences))
+    except Exception as exc:  # noqa: BLE001 - an engine that errors is refused with the error in the report
+        failures.append(f"the engine raised {type(exc).__name__}: {exc}")
+    if figures is not None:
+        failures += _judge(comparisons, figures, thresholds)
+    return ValidationResult(not failures, precision, comparisons, figures, reference.peer, reference.peer_diverged,
+                            text_path, thresholds, failures)
 
 
-def _perplexities(model, runner, ids: list[int]) -> tuple[float, float]:
-    target = torch.tensor(ids[1:])
-    with torch.no_grad():
-        ref_logits = model(torch.tensor([ids], device=model.device)).logits[0, :-1].float().cpu()
-    eng_logits = runner.prefill_logits(ids)[:-1].float().cpu()
-    nll = torch.nn.functional.cross_entropy
-    return math.exp(float(nll(ref_logits, target))), math.exp(float(nll(eng_logits, target)))
+def _limits(spec: ValidationSpec, budget: PrecisionBudget, reference: ReferenceRun) -> dict[str, float]:
+    """Effective limits: each floor (spec, else the precision's budget) plus peer_factor x the peer's figure."""
+    factor = budget.peer_factor if spec.peer_factor is None else spec.peer_factor
+    peer = reference.peer
+
+    def limit(floor: float | None, default: float, peer_value: float) -> float:
+        return (default if floor is None else floor) + (factor * peer_value if peer else 0.0)
+
+    return {
+        "max_failed_prompts": spec.max_failed_prompts + reference.peer_diverged,
+        "max_mean_kl": limit(spec.max_mean_kl, budget.max_mean_kl, peer.mean_kl if peer else 0.0),
+        "max_nll_delta": limit(spec.max_nll_delta, budget.max_nll_delta, abs(peer.nll_delta) if peer else 0.0),
+        "max_top1_disagreement": limit(spec.max_top1_disagreement, budget.max_top1_disagreement,
+                                       peer.top1_disagreement if peer else 0.0),
+        "peer_factor": factor,
+    }
 
 
-def _judge(
-    comparisons: list[PromptComparison],
-    agreement: float,
-    max_err: float,
-    ppl_ratio: float,
-    thresholds: dict[str, float],
-) -> list[str]:
+def _judge(comparisons: list[PromptComparison], figures: DistanceFigures, limits: dict[str, float]) -> list[str]:
     failures = []
     diverged = [c for c in comparisons if c.status == "diverged"]
-    if len(diverged) > thresholds["max_failed_prompts"]:
-        failures.append(
-            f"{len(diverged)} of {len(comparisons)} prompts diverged beyond the top-N tolerance "
-            f"(validation.max_failed_prompts = {thresholds['max_failed_prompts']})"
-        )
-    if agreement < thresholds["min_top1_agreement"]:
-        failures.append(
-            f"teacher-forced top-1 agreement {agreement:.4f} < validation.min_top1_agreement "
-            f"{thresholds['min_top1_agreement']}"
-        )
-    if max_err > thresholds["max_logit_error"]:
-        failures.append(
-            f"max prefill logit error {max_err:.3g} > validation.max_logit_error {thresholds['max_logit_error']:.3g}"
-        )
-    if ppl_ratio > thresholds["max_perplexity_ratio"]:
-        failures.append(
-            f"perplexity ratio engine/reference {ppl_ratio:.4f} > validation.max_perplexity_ratio "
-            f"{thresholds['max_perplexity_ratio']}"
-        )
+    if len(diverged) > limits["max_failed_prompts"]:
+        failures.append(f"{len(diverged)} of {len(comparisons)} prompts diverged beyond the top-N tolerance (limit "
+                        f"{limits['max_failed_prompts']:g}: validation.max_failed_prompts + HF's own at this precision)")
+    for value, key, what in ((figures.mean_kl, "max_mean_kl", "mean per-token KL(reference || engine)"),
+                             (abs(figures.nll_delta), "max_nll_delta", "|NLL difference| per token"),
+                             (figures.top1_disagreement, "max_top1_disagreement", "top-1 disagreement")):
+        if value > limits[key]:
+            failures.append(f"{what} {value:.3g} > limit {limits[key]:.3g} (validation.{key} + peer_factor "
+                            f"{limits['peer_factor']:g} x HF's own at this precision)")
     return failures
 
 
 def render_report(result: ValidationResult) -> str:
-    """Markdown a person reads: verdict, figures against thresholds, one row per prompt."""
+    """Markdown a person reads: verdict, engine and HF peer figures against the limits, one row per prompt."""
+    e, p, t = result.engine, result.peer, result.thresholds
+    peer = "HF at the engine's precision" if p else "-"
+
+    def row(label: str, get, limit: str) -> str:
+        return f"| {label} | {get(e) if e else '-'} | {get(p) if p else '-'} | {limit} |"
+
     lines = [
-        f"# Validation gate: {'PASSED' if result.passed else 'FAILED'}",
+        f"# Validation gate: {'PASSED' if result.passed else 'FAILED'} (precision {result.precision})",
         "",
         *(f"- {f}" for f in result.failures),
         "",
-        "| metric | value | threshold |",
-        "| --- | --- | --- |",
-        f"| teacher-forced top-1 agreement | {result.top1_agreement:.4f} | >= {result.thresholds['min_top1_agreement']} |",
-        f"| max prefill logit error | {result.max_logit_error:.3g} | <= {result.thresholds['max_logit_error']:.3g} |",
-        f"| mean prefill logit error | {result.mean_logit_error:.3g} | |",
-        (f"| perplexity (reference / engine) | {result.perplexity_reference:.3f} / {result.perplexity_engine:.3f} "
-         f"| ratio <= {result.thresholds['max_perplexity_ratio']} |"),
+        f"Against Hugging Face float32. Peer: {peer}.",
+        "",
+        "| figure | engine | peer | limit |",
+        "| --- | --- | --- | --- |",
+        row("mean KL(reference \\|\\| x), nats/token", lambda f: f"{f.mean_kl:.3g}", f"<= {t['max_mean_kl']:.3g}"),
+        row("NLL x - reference, nats/token", lambda f: f"{f.nll_delta:+.3g}", f"\\|.\\| <= {t['max_nll_delta']:.3g}"),
+        row("top-1 agreement", lambda f: f"{f.top1_agreement:.4f}", f">= {1 - t['max_top1_disagreement']:.4f}"),
+        row("max logit error", lambda f: f"{f.max_logit_error:.3g}", "(not judged)"),
+        row("scored positions", lambda f: str(f.positions), ""),
+        "",
+        (f"Text path: {len(result.text_path.files)} tokenizer files hashed, {result.text_path.texts_checked} texts "
+        f"tokenized as Triton does: {'equal' if result.text_path.passed else 'DIFFERENT'}."),
         "",
         "| prompt | status | first divergence | hf text | engine text |",
         "| --- | --- | --- | --- | --- |",
     ]
     for c in result.comparisons:
         where = "-" if c.divergence_position is None else (
-            f"token {c.divergence_position}: hf {c.reference_token} vs engine {c.engine_token}"
-        )
-        lines.append(
-            f"| {_cell(c.prompt)} | {c.status} | {where} | {_cell(c.reference_text)} | {_cell(c.engine_text)} |"
-        )
+            f"token {c.divergence_position}: hf {c.reference_token} vs engine {c.engine_token}")
+        lines.append(f"| {_cell(c.prompt)} | {c.status} | {where} | {_cell(c.reference_text)} | {_cell(c.engine_text)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -298,5 +363,5 @@ def require_passed(result: ValidationResult) -> None:
 
 @task(name="validate", retries=0)
 def validate_task(engine_dir: Path, reference_checkpoint: Path, spec: ValidationSpec) -> ValidationResult:
-    """Compare the engine with Hugging Face transformers on the spec's prompts."""
+    """Compare the engine with Hugging Face transformers (float32, and at the engine's precision)."""
     return validate_engine(engine_dir, reference_checkpoint, spec)

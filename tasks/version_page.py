@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from registry.model_registry import run_ui_url
+from tasks.evaluation import EvaluationComparison, evaluation_verdict
 from tasks.perf_gate import PerfResult, PerfSlo
 from tasks.validate import ValidationResult
 
@@ -24,6 +25,9 @@ COMPARED = (
     ("perf_ttft_p50_ms", "TTFT p50 ms", False),
     ("perf_ttft_p99_ms", "TTFT p99 ms", False),
     ("perf_tpot_p50_ms", "TPOT p50 ms", False),
+    ("eval_nats_per_byte", "fixed evaluation nats/byte", False),
+    ("eval_choice_accuracy", "fixed evaluation cloze accuracy", True),
+    ("validation_mean_kl", "mean KL to HF float32", False),
     ("validation_top1_agreement", "top-1 agreement", True),
     ("validation_max_logit_error", "max logit error", False),
 )
@@ -72,19 +76,37 @@ def compare_figures(candidate: dict[str, float], production: dict[str, float] | 
     return rows
 
 
-def gate_rows(validation: ValidationResult, perf: PerfResult, slo: PerfSlo) -> list[tuple[str, str, str, str]]:
-    """(gate, figure, value, threshold) for every checked figure of both gates."""
+def gate_rows(validation: ValidationResult, perf: PerfResult, slo: PerfSlo,
+              evaluation: EvaluationComparison | None = None) -> list[tuple[str, str, str, str]]:
+    """(gate, figure, value, threshold) for every checked figure of the gates."""
     t = validation.thresholds
-    ratio = validation.perplexity_engine / validation.perplexity_reference
+    e = validation.engine
     diverged = sum(c.status == "diverged" for c in validation.comparisons)
-    rows = [
-        ("validation", "top-1 agreement (teacher-forced)", f"{validation.top1_agreement:.4f}",
-         f">= {t['min_top1_agreement']:g}"),
-        ("validation", "max prefill logit error", f"{validation.max_logit_error:.3g}", f"<= {t['max_logit_error']:g}"),
-        ("validation", "perplexity ratio (engine / HF)", f"{ratio:.4f}", f"<= {t['max_perplexity_ratio']:g}"),
-        ("validation", "prompts diverged from HF", f"{diverged} of {len(validation.comparisons)}",
-         f"<= {t['max_failed_prompts']:g}"),
-    ]
+    rows = [("validation", "tokenizer files and server tokenization", "equal" if validation.text_path.passed
+             else "DIFFERENT", "equal to the checkpoint's")]
+    if e is not None:
+        rows += [
+            ("validation", "mean KL to HF float32, nats/token", f"{e.mean_kl:.3g}", f"<= {t['max_mean_kl']:.3g}"),
+            ("validation", "NLL difference to HF float32, nats/token", f"{e.nll_delta:+.3g}",
+             f"\\|.\\| <= {t['max_nll_delta']:.3g}"),
+            ("validation", "top-1 agreement (teacher-forced)", f"{e.top1_agreement:.4f}",
+             f">= {1 - t['max_top1_disagreement']:.4f}"),
+        ]
+    rows.append(("validation", "prompts diverged from HF", f"{diverged} of {len(validation.comparisons)}",
+                 f"<= {t['max_failed_prompts']:g}"))
+    for part in (evaluation.parts if evaluation else []):
+        value = f"{part.regression:+.3g} (p={part.p_value:.2g})"
+        what = "passages' nats/byte increase" if part.name == "passages" else "cloze accuracy drop"
+        rows.append(("fixed evaluation", f"{what} against production", value,
+                     f"fails when > {part.budget:g} and p < {part.alpha:g}"))
+    if evaluation is not None and evaluation.skipped:
+        rows.append(("fixed evaluation", "against production", "skipped", evaluation.skipped))
+    if perf.throughput_ratio is not None:
+        budget = 1 - float(perf.workload.get("max_slowdown", 0.0))
+        low, high = perf.ratio_interval or (float("nan"), float("nan"))
+        rows.append(("performance", f"throughput / production v{perf.production_version} (same run)",
+                     f"{perf.throughput_ratio:.3f} [{low:.3f}, {high:.3f}]", f">= {budget:.2f}"))
+    rows.append(("performance", "error rate", f"{perf.errors} of {perf.iterations}", f"<= {slo.max_error_rate:g}"))
     for value, bound, label, sign in (
         (perf.output_tokens_per_s, slo.min_output_tokens_per_s, "output tokens/s", ">="),
         (perf.ttft_p50_ms, slo.max_ttft_p50_ms, "TTFT p50 ms", "<="),
@@ -111,6 +133,8 @@ class VersionPage:
     production: tuple[str, dict[str, float]] | None
     provenance: Provenance
     ui_base: str | None  # the MLflow UI, for links into the run; None: no links
+    evaluation: EvaluationComparison | None = None
+    measured: bool = False  # production's speed and evaluation figures are from this same run
 
     def render(self, *, fingerprint: str, run: tuple[str, str] | None, manifest_uri: str, report_folder: str) -> str:
         """`run`: (experiment id, run id) of the release run, linked into when the UI is known."""
@@ -127,7 +151,8 @@ class VersionPage:
             }
         links["engine artifact manifest"] = manifest_uri
         return render_version_page(fingerprint=fingerprint, validation=self.validation, perf=self.perf, slo=self.slo,
-                                   production=self.production, provenance=self.provenance, links=links)
+                                   production=self.production, provenance=self.provenance, links=links,
+                                   evaluation=self.evaluation, measured=self.measured)
 
 
 def render_version_page(
@@ -139,11 +164,14 @@ def render_version_page(
     production: tuple[str, dict[str, float]] | None,
     provenance: Provenance,
     links: dict[str, str],
+    evaluation: EvaluationComparison | None = None,
+    measured: bool = False,
 ) -> str:
     """The version's description: decision first, then gates, comparison, provenance and links."""
     replaced = production[0] if production else None
-    passed = validation.passed and perf.passed
-    comparisons = compare_figures({**validation.metrics, **perf.metrics}, production[1] if production else None)
+    passed = validation.passed and perf.passed and (evaluation is None or evaluation.passed)
+    candidate = {**validation.metrics, **perf.metrics, **(evaluation.metrics if evaluation else {})}
+    comparisons = compare_figures(candidate, production[1] if production else None)
     lines = [
         f"**Gates {'passed' if passed else 'FAILED'}.** "
         + (f"Approving promotes it in place of version {replaced} (alias `production`)." if replaced
@@ -152,16 +180,20 @@ def render_version_page(
         ("To decide, add the version tag `approval` with the value `approved` or `rejected`, and `approved_by` "
          "(or `rejected_by`) with your name. Optional: `approval_note`."),
         "",
-        f"### Gates: validation {_verdict(validation.passed)}, performance {_verdict(perf.passed)}",
+        (f"### Gates: validation {_verdict(validation.passed)}, fixed evaluation "
+         f"{evaluation_verdict(evaluation).replace('FAILED', '**FAILED**')}, performance {_verdict(perf.passed)}"),
         "",
         "| gate | figure | value | threshold |",
         "| --- | --- | --- | --- |",
         *(f"| {g} | {f} | {v} | {t} |" for g, f, v, t in gate_rows(validation, perf, slo)),
-        *(f"- {failure}" for failure in [*validation.failures, *perf.failures]),
+        *(f"- {failure}" for failure in [*validation.failures, *(evaluation.failures if evaluation else []),
+                                         *perf.failures]),
         "",
         (f"### Against version {replaced}, which it would replace" if replaced
          else "### Against production: no production version yet"),
         "",
+        *(["Speed and the fixed evaluation: both versions measured side by side in this run; the rest as "
+           f"recorded for version {replaced}.", ""] if replaced and measured else []),
     ]
     if replaced:
         lines += [

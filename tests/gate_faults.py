@@ -1,0 +1,90 @@
+"""Faulty engines for the gate tests, made by editing a converted engine checkpoint and building it again.
+
+Each fault is one kind the quality gate must refuse: numerics beyond the precision's budget (weights
+rounded to int8 per output channel and back), weights mapped wrong (two attention heads swapped, a layer
+dropped), another tokenizer of the same vocabulary size. `degrade` adds noise to an HF checkpoint itself
+(a checkpoint that got worse: only the comparison with production can see it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+def edit_checkpoint(src: Path, dst: Path, edit: Callable[[Tensors, dict], None]) -> Path:
+    """Copy engine checkpoint `src` to `dst` and apply `edit(tensors, model_args)` to every weight file's dict
+    (names that file does not hold are simply absent)."""
+    shutil.copytree(src, dst)
+    args = json.loads((dst / "checkpoint.json").read_text())["model"]
+    for path in sorted(dst.glob("weights-*.pt")):
+        tensors = torch.load(path, weights_only=True)
+        edit(tensors, args)
+        torch.save(tensors, path)
+    return dst
+
+
+def int8_round(tensors: Tensors, args: dict) -> None:
+    """Every matrix rounded to int8 with one scale per output row (symmetric), and back to its dtype."""
+    for name, w in tensors.items():
+        if w.ndim == 2:
+            x = w.float()
+            scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+            tensors[name] = ((x / scale).round().clamp(-127, 127) * scale).to(w.dtype)
+
+
+def swap_heads(layer: int = 0) -> Callable[[Tensors, dict], None]:
+    """Swap the query weights of the first and the last attention head of `layer` (different KV groups)."""
+    def edit(tensors: Tensors, args: dict) -> None:
+        name = f"layers.{layer}.attention.wqkv.weight"
+        if name in tensors:
+            w, d = tensors[name].clone(), args["head_dim"]
+            last = (args["n_heads"] - 1) * d
+            w[0:d], w[last:last + d] = tensors[name][last:last + d], tensors[name][0:d]
+            tensors[name] = w
+    return edit
+
+
+def drop_layer(layer: int) -> Callable[[Tensors, dict], None]:
+    """The layer adds nothing to the residual stream: its attention output and MLP down projections zeroed."""
+    def edit(tensors: Tensors, args: dict) -> None:
+        for name in (f"layers.{layer}.attention.wo.weight", f"layers.{layer}.feed_forward.w2.weight"):
+            if name in tensors:
+                tensors[name] = torch.zeros_like(tensors[name])
+    return edit
+
+
+def swap_tokenizer_ids(checkpoint_dir: Path, text: str = "The capital of France is") -> None:
+    """Another tokenizer of the same vocabulary size: the ids of the first two tokens of `text` exchanged."""
+    from tokenizers import Tokenizer
+
+    path = checkpoint_dir / "tokenizer.json"
+    ids = Tokenizer.from_file(str(path)).encode(text).ids
+    doc = json.loads(path.read_text())
+    vocab = doc["model"]["vocab"]
+    by_id = {v: k for k, v in vocab.items()}
+    a, b = by_id[ids[0]], by_id[ids[1]]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(doc, ensure_ascii=False))
+
+
+def degrade(hf_dir: Path, dst: Path, *, relative_noise: float, seed: int = 0) -> Path:
+    """An HF checkpoint whose matrices carry Gaussian noise of `relative_noise` x each matrix's std."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_dir, dst)
+    g = torch.Generator().manual_seed(seed)
+    for path in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name, w in tensors.items():
+            if w.ndim == 2:
+                x = w.float()
+                tensors[name] = (x + torch.randn(x.shape, generator=g) * x.std() * relative_noise).to(w.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return dst
