@@ -28,7 +28,7 @@ class PrecisionBudget:
 PRECISION_BUDGETS: dict[str, PrecisionBudget] = {
     "float32": PrecisionBudget(peer_dtype=None, max_mean_kl=1e-5, max_nll_delta=1e-3,
                                max_top1_disagreement=0.005, peer_factor=0.0),
-    "bfloat16": PrecisionBudget(peer_dtype="bfloat16", max_mean_kl=1e-3, max_nll_delta=5e-3,
+    "bfloat16": PrecisionBudget(peer_dtype="bfloat16", max_mean_kl=5e-4, max_nll_delta=5e-3,
                                 max_top1_disagreement=0.01, peer_factor=2.0),
     "float16": PrecisionBudget(peer_dtype="float16", max_mean_kl=2e-4, max_nll_delta=2e-3,
                                max_top1_disagreement=0.01, peer_factor=2.0),

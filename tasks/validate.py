@@ -179,8 +179,10 @@ def eos_token_ids(checkpoint: Path) -> list[int]:
 
 
 def reference_run(checkpoint: Path, spec: ValidationSpec, precision: str, *, device: torch.device | str = "cpu",
-                  max_seq_len: int | None = None) -> ReferenceRun:
-    """HF float32 on the prompts (greedy, to EOS) and the teacher-forced sequences; HF at `precision` beside it."""
+                  max_seq_len: int | None = None, base: ReferenceRun | None = None) -> ReferenceRun:
+    """HF float32 on the prompts (greedy, to EOS) and the teacher-forced sequences; HF at `precision` beside it.
+
+    `base`, a run of the same checkpoint and spec for another precision, lends its float32 side."""
     from transformers import AutoTokenizer
 
     from tasks.evaluation import load_evaluation
@@ -190,14 +192,17 @@ def reference_run(checkpoint: Path, spec: ValidationSpec, precision: str, *, dev
     eos = eos_token_ids(checkpoint)
     passages = spec.passages if spec.passages is not None else list(load_evaluation().passages)
     prompt_ids = [list(tokenizer(p).input_ids) for p in spec.prompts]
-    model = _hf_model(checkpoint, "float32", device)
-    greedy = [_hf_greedy(model, ids, spec, eos) for ids in prompt_ids]
-    sequences = [list(tokenizer(t).input_ids) for t in passages] + [
-        ids + side.tokens for ids, side in zip(prompt_ids, greedy)]
-    if max_seq_len:
-        sequences = [s[:max_seq_len] for s in sequences]
-    logits = [_hf_logits(model, s) for s in sequences]
-    del model
+    if base is not None:
+        greedy, sequences, logits = base.greedy, base.sequences, base.logits
+    else:
+        model = _hf_model(checkpoint, "float32", device)
+        greedy = [_hf_greedy(model, ids, spec, eos) for ids in prompt_ids]
+        sequences = [list(tokenizer(t).input_ids) for t in passages] + [
+            ids + side.tokens for ids, side in zip(prompt_ids, greedy)]
+        if max_seq_len:
+            sequences = [s[:max_seq_len] for s in sequences]
+        logits = [_hf_logits(model, s) for s in sequences]
+        del model
     peer, peer_diverged = None, 0
     if budget.peer_dtype is not None and budget.peer_dtype != "float32":
         model = _hf_model(checkpoint, budget.peer_dtype, device)

@@ -1,0 +1,102 @@
+"""The gates' pieces on tiny models: EOS in the greedy comparison, the paired tests of the fixed evaluation,
+the per-precision limits, and the perf gate's A/B against a production engine (a real engine slowed or made
+to fail by tasks.fault_injection)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from serving.engine import build_engine, convert_checkpoint, load_engine
+from serving.engine.build import EngineLimits
+from tasks.evaluation import EvaluationScores, EvaluationSpec, compare_scores, sign_test_greater
+from tasks.fault_injection import FaultyRunner
+from tasks.perf_gate import PerfSpec, compare_runners, render_report
+from tasks.quality_budgets import PRECISION_BUDGETS, budget_for
+from tasks.tiny_model import make_tiny_model
+from tasks.validate import ValidationSpec, _Side, compare_greedy, validate_engine
+
+EOS = 1
+
+
+def test_a_side_that_stops_at_eos_is_judged_with_top_n_tolerance():
+    ref = _Side([5, 7, EOS], [{5: -0.1}, {7: -0.2, 9: -1.0}, {EOS: -0.3, 4: -0.9}])
+    stops_early = _Side([5, 7, 4, 8], [{5: -0.1}, {7: -0.2}, {4: -0.5, EOS: -0.7}, {8: -0.1}])
+    assert compare_greedy(reference=ref, engine=stops_early) == ("tolerated", 2)
+    eos_unlikely = _Side([5, 7, 4], [{5: -0.1}, {7: -0.2}, {4: -0.5, 3: -0.7}])
+    assert compare_greedy(reference=ref, engine=eos_unlikely) == ("diverged", 2)
+    assert compare_greedy(reference=ref, engine=ref) == ("identical", None)
+
+
+def test_sign_test_states_its_odds():
+    assert sign_test_greater(0, 0) == 1.0
+    assert sign_test_greater(16, 0) == pytest.approx(2 ** -16)
+    assert sign_test_greater(8, 8) > 0.5
+
+
+def test_paired_evaluation_fails_only_a_significant_regression_beyond_budget():
+    spec = EvaluationSpec(max_nll_regression=0.02, max_accuracy_drop=0.1, alpha=0.01)
+    production = EvaluationScores([1.0] * 16, [True] * 30 + [False] * 6)
+    same = compare_scores(production, production, spec, production_version="3")
+    assert same.passed and [p.worse for p in same.parts] == [0, 0]
+    slightly = EvaluationScores([1.01] * 16, [True] * 30 + [False] * 6)  # significant, within budget
+    assert compare_scores(slightly, production, spec, production_version="3").passed
+    worse = EvaluationScores([1.05] * 16, [True] * 20 + [False] * 16)
+    result = compare_scores(worse, production, spec, production_version="3")
+    assert not result.passed
+    assert any("passages are +5.00% nats/byte against production version 3" in f for f in result.failures)
+    assert any("cloze accuracy 0.556 vs production version 3's 0.833" in f for f in result.failures)
+
+
+def test_quality_budgets_are_one_table_keyed_by_precision():
+    assert {"float32", "bfloat16", "float16"} <= set(PRECISION_BUDGETS)
+    assert budget_for("float32").peer_dtype is None
+    with pytest.raises(ValueError, match="engine.dtype='int3' has no quality budget"):
+        budget_for("int3")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("gates")
+    hf = make_tiny_model(root / "hf", seed=3)
+    ckpt = convert_checkpoint(hf, root / "ckpt", dtype="float32")
+    info = build_engine(ckpt, root / "engine", limits=EngineLimits(dtype="float32", max_batch_size=4,
+                                                                   max_input_len=64, max_seq_len=128))
+    return hf, Path(info.path)
+
+
+PERF = PerfSpec(batch_size=2, input_len=8, output_len=8, warmup=1, iterations=4, max_iterations=12)
+
+
+def test_perf_gate_refuses_an_engine_slower_than_production_in_the_same_run(tiny_engine):
+    _, engine = tiny_engine
+    production = load_engine(engine)
+    same = compare_runners(load_engine(engine), production, PERF, production_version="1")
+    assert same.passed, same.failures  # the same engine against itself: no false refusal
+    assert same.throughput_ratio == pytest.approx(1.0, abs=0.2)
+    slow = FaultyRunner(load_engine(engine), {"delay_per_token_s": 0.01})
+    result = compare_runners(slow, production, PERF, production_version="1")
+    assert not result.passed
+    assert "production version 1's in the same run" in result.failures[0] and "perf.max_slowdown" in result.failures[0]
+    assert result.production is not None and result.production.iterations == result.iterations
+    report = render_report(result)
+    assert "production v1 (same run)" in report and "interval" in report
+
+
+def test_perf_gate_refuses_an_engine_that_returns_errors(tiny_engine):
+    _, engine = tiny_engine
+    failing = FaultyRunner(load_engine(engine), {"error_rate": 1.0})
+    result = compare_runners(failing, None, PERF, skipped="no production version")
+    assert not result.passed
+    assert "error rate 1.00" in result.failures[0] and "perf.slo.max_error_rate" in result.failures[0]
+
+
+def test_validation_refuses_an_engine_that_raises(tiny_engine):
+    hf, engine = tiny_engine
+    spec = ValidationSpec(prompts=["Once upon a time"], max_new_tokens=4, passages=["The quick brown fox."])
+    good = validate_engine(engine, hf, spec)
+    assert good.passed, good.failures
+    failing = FaultyRunner(load_engine(engine), {"error_rate": 1.0})
+    result = validate_engine(engine, hf, spec, runner=failing)
+    assert not result.passed and "the engine raised RuntimeError: injected fault" in result.failures[0]
