@@ -91,8 +91,7 @@ def render_release_report(
     """One markdown page: verdicts, figures vs thresholds (the gate reports), vs production, plots, links."""
     candidate = {**validation.metrics, **perf.metrics, **(evaluation.metrics if evaluation else {})}
     prod_version, prod_metrics = production if production else (None, None)
-    compare = "
-".join(comparison_table(candidate, prod_metrics))
+    compare = "\n".join(comparison_table(candidate, prod_metrics))
     source = "speed and fixed evaluation measured in this run" if measured else "recorded figures"
     heading = f"against production (version {prod_version}, {source})" if prod_version else (
         "against production: no production version yet")

@@ -185,15 +185,15 @@ def render_version_page(
         "",
         "| gate | figure | value | threshold |",
         "| --- | --- | --- | --- |",
-        *(f"| {g} | {f} | {v} | {t} |" for g, f, v, t in gate_rows(validation, perf, slo)),
+        *(f"| {g} | {f} | {v} | {t} |" for g, f, v, t in gate_rows(validation, perf, slo, evaluation)),
         *(f"- {failure}" for failure in [*validation.failures, *(evaluation.failures if evaluation else []),
                                          *perf.failures]),
         "",
         (f"### Against version {replaced}, which it would replace" if replaced
          else "### Against production: no production version yet"),
         "",
-        *(["Speed and the fixed evaluation: both versions measured side by side in this run; the rest as "
-           f"recorded for version {replaced}.", ""] if replaced and measured else []),
+        *([(f"Speed and the fixed evaluation: both versions measured side by side in this run; the rest as "
+            f"recorded for version {replaced}."), ""] if replaced and measured else []),
     ]
     if replaced:
         lines += [

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tasks.evaluation import EvaluationScores, EvaluationSpec, compare_scores
 from tasks.perf_gate import PerfResult, PerfSlo
 from tasks.report import comparison_table, render_html
+from tasks.text_path import TokenizerCheck
+from tasks.token_stats import DistanceFigures
 from tasks.validate import PromptComparison, ValidationResult
 from tasks.version_page import Provenance, VersionPage, change_word
 
 
 def results() -> tuple[ValidationResult, PerfResult]:
+    figures = DistanceFigures(positions=200, mean_kl=1.5e-6, nll_reference=2.0, nll_other=2.0001,
+                              top1_agreement=1.0, max_logit_error=0.0)
     validation = ValidationResult(
-        passed=True, comparisons=[PromptComparison("Once upon a time", "identical", None, None, None, "a", "a")],
-        top1_agreement=1.0, max_logit_error=0.0, mean_logit_error=0.0, perplexity_reference=10.0,
-        perplexity_engine=10.0, thresholds={"min_top1_agreement": 0.99, "max_logit_error": 0.001,
-                                            "max_perplexity_ratio": 1.01, "max_failed_prompts": 0})
+        passed=True, precision="float32",
+        comparisons=[PromptComparison("Once upon a time", "identical", None, None, None, "a", "a")],
+        engine=figures, peer=None, peer_diverged_prompts=0, text_path=TokenizerCheck({}, 3),
+        thresholds={"max_failed_prompts": 0, "max_mean_kl": 1e-5, "max_nll_delta": 1e-3,
+                    "max_top1_disagreement": 0.005, "peer_factor": 0.0})
     perf = PerfResult(passed=True, output_tokens_per_s=812.0, ttft_p50_ms=5.0, ttft_p99_ms=9.0, tpot_p50_ms=1.2,
-                      tpot_p99_ms=2.0, workload={"batch_size": 4}, failures=[])
+                      tpot_p99_ms=2.0, workload={"batch_size": 4, "max_slowdown": 0.1}, failures=[], iterations=6,
+                      production_version="3", throughput_ratio=1.02, ratio_interval=(0.98, 1.06))
     return validation, perf
 
 
@@ -34,12 +41,21 @@ def test_equal_figures_are_the_same_and_zero_is_not_infinitely_worse() -> None:
 def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() -> None:
     validation, perf = results()
     built = Provenance("alice", "build-7", "0123456789abcdef", "f" * 64, "torch float32", {"torch": "2.13.0"})
+    scores = EvaluationScores([1.0] * 16, [True] * 30 + [False] * 6)
+    evaluated = compare_scores(scores, scores, EvaluationSpec(), production_version="3")
     page = VersionPage(validation, perf, PerfSlo(min_output_tokens_per_s=50), ("3", {"perf_output_tokens_per_s": 406.0}),
-                       built, "http://127.0.0.1:5000")
+                       built, "http://127.0.0.1:5000", evaluated, measured=True)
     text = page.render(fingerprint="abc" * 10, run=("1", "r1"),
                        manifest_uri="file:///a/manifest.json", report_folder="report")
     assert text.startswith("**Gates passed.** Approving promotes it in place of version 3 (alias `production`).")
-    assert "| validation | max prefill logit error | 0 | <= 0.001 |" in text
+    assert "### Gates: validation passed, fixed evaluation passed, performance passed" in text
+    assert "| validation | mean KL to HF float32, nats/token | 1.5e-06 | <= 1e-05 |" in text
+    assert "| validation | top-1 agreement (teacher-forced) | 1.0000 | >= 0.9950 |" in text
+    assert "| fixed evaluation | passages' nats/byte increase against production | +0 (p=1) | fails when > 0.02 " \
+           "and p < 0.01 |" in text
+    assert "| performance | throughput / production v3 (same run) | 1.020 [0.980, 1.060] | >= 0.90 |" in text
+    assert "| performance | error rate | 0 of 6 | <= 0 |" in text
+    assert "both versions measured side by side in this run" in text
     assert "| performance | output tokens/s | 812 | >= 50 |" in text
     assert "| performance | TTFT p50 ms | 5 | not set |" in text
     assert "| output tokens/s | 812 | 406 | 2.000x, better |" in text
