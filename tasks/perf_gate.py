@@ -4,9 +4,11 @@ Each round times one iteration of the fixed workload on each engine (``serving.b
 the code of ``enginewright bench``), the order alternating (ABBA...) so drift and load hit both alike.
 The per-round throughput ratio candidate/production is averaged in log space with a Student-t interval at
 ``confidence``; rounds go on (at least ``iterations``, at most ``max_iterations``) until that interval lies
-wholly on one side of the budget ``1 - max_slowdown``. The candidate fails when the mean ratio is below it.
+wholly on one side of the budget ``1 - max_slowdown``. The candidate fails when the interval lies below the
+budget, or, when the rounds ran out undecided, when it is slower than production with confidence and
+beyond the budget by the estimate (``slower_than_budget``); an undecided pass is marked inconclusive.
 Odds: with a stopping rule like this the interval's coverage is approximate (it is checked after every
-round), so the stated confidence is a target, not a guarantee; the verdict uses the point estimate.
+round), so the stated confidence is a target, not a guarantee.
 An iteration that raises counts as an error; ``slo.max_error_rate`` bounds the candidate's share.
 Without a production engine the candidate alone is timed and only the absolute SLOs apply; an SLO
 missed is measured once more (``slo_retries``) before it fails, since one noisy sample on a loaded
@@ -101,6 +103,7 @@ class PerfResult:
     throughput_ratio: float | None = None  # candidate / production, geometric mean over the rounds
     ratio_interval: tuple[float, float] | None = None
     stopped: str = ""  # why the rounds ended
+    inconclusive: bool = False  # the ratio's interval still held the budget when the rounds ran out
     skipped: str = ""  # why production was not timed
 
     @property
@@ -234,7 +237,8 @@ def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
         if log_ratios:
             ratio, low, high = ratio_interval(log_ratios, spec.confidence)
             result.throughput_ratio, result.ratio_interval = ratio, (low, min(high, 1e9))
-            if ratio < budget:
+            result.inconclusive = low <= budget <= high
+            if slower_than_budget(ratio, low, high, budget):
                 result.failures.append(
                     f"throughput {ratio:.3f}x production version {production_version}'s in the same run "
                     f"({result.output_tokens_per_s:.1f} vs {result.production.output_tokens_per_s:.1f} tok/s, "
@@ -255,6 +259,16 @@ def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
                 break
     result.passed = not result.failures
     return result
+
+
+def slower_than_budget(ratio: float, low: float, high: float, budget: float) -> bool:
+    """The verdict on the throughput ratio: slower beyond the budget with confidence (the whole interval below
+    it), or, when the rounds ran out undecided, slower than production with confidence (interval below 1)
+    and beyond the budget by the estimate. An undecided run of an engine as fast as production passes, so
+    a noisy machine does not refuse a good build; the report says it was undecided."""
+    if high < budget:
+        return True
+    return low <= budget <= high and ratio < budget and high < 1.0
 
 
 def _result(fig: EngineFigures, spec: PerfSpec) -> PerfResult:
@@ -322,7 +336,8 @@ def render_report(result: PerfResult) -> str:
         + both("iterations (errors)", f"{result.iterations} ({result.errors})",
                f"{p.iterations} ({p.errors})" if p else "")
         + (f"\nThroughput ratio candidate/production: {result.throughput_ratio:.3f} "
-           f"(interval {result.ratio_interval[0]:.3f}-{result.ratio_interval[1]:.3f}).\n"
+           f"(interval {result.ratio_interval[0]:.3f}-{result.ratio_interval[1]:.3f})"
+           f"{'; inconclusive: the interval holds the budget' if result.inconclusive else ''}.\n"
            if result.throughput_ratio is not None and result.ratio_interval else "")
         + f"\nRounds: {result.stopped}.\n\nWorkload: `{json.dumps(result.workload)}`\n"
     )

@@ -88,3 +88,26 @@ def degrade(hf_dir: Path, dst: Path, *, relative_noise: float, seed: int = 0) ->
                 tensors[name] = (x + torch.randn(x.shape, generator=g) * x.std() * relative_noise).to(w.dtype)
         save_file(tensors, path, metadata={"format": "pt"})
     return dst
+
+
+def edited_runner(engine_dir: Path, edit: Callable[[Tensors, dict], None]):
+    """The engine loaded, with `edit` applied to its weights in memory: what `edit_checkpoint` and a rebuild
+    would load, without writing the checkpoint twice (the gates take a runner beside its engine folder)."""
+    from serving.engine import load_engine
+
+    runner = load_engine(engine_dir)
+    tensors = dict(runner.model.state_dict())
+    edit(tensors, runner.info.model.to_dict())
+    runner.model.load_state_dict(tensors, strict=True)
+    return runner
+
+
+def add_noise(relative: float, seed: int = 0) -> Callable[[Tensors, dict], None]:
+    """Gaussian noise of `relative` x each matrix's std on every matrix (a checkpoint that got worse)."""
+    def edit(tensors: Tensors, args: dict) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for name, w in tensors.items():
+            if w.ndim == 2:
+                x = w.float()
+                tensors[name] = (x + torch.randn(x.shape, generator=g) * x.std() * relative).to(w.dtype)
+    return edit

@@ -108,10 +108,14 @@ def test_release_and_promote_end_to_end(tmp_path, checkpoint, triton, prefect_ha
     promoted2: PromoteResult = promote_flow(spec2, released2.published.version, return_state=True).result()
     v2 = int(released2.published.version)
     review = (released2.report_dir / "release-report.md").read_text()
-    assert f"against production (version {published.version}, recorded figures)" in review
+    assert f"against production (version {published.version}, speed and fixed evaluation measured in this run)" \
+        in review, "production's engine is fetched and measured beside the candidate"
+    assert "Fixed evaluation: **passed**" in review and "## Fixed evaluation against production: PASSED" in review
     assert "| output tokens/s |" in review and "| top-1 agreement | 1 | 1 | same |" in review
     page2 = mlflow_client(spec.mlflow.tracking_uri).get_model_version(MODEL, released2.published.version).description
     assert f"### Against version {published.version}, which it would replace" in page2
+    assert "fixed evaluation passed" in page2 and f"| performance | throughput / production v{published.version} " \
+        "(same run) |" in page2
     for image in ("latency.png", "validation-divergence.png"):
         assert f"]({image})" in review
         assert (released2.report_dir / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

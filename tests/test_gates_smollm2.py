@@ -1,0 +1,93 @@
+"""The quality gates on the real example model (SmolLM2-135M-Instruct, float32, on the CPU): a clean engine
+passes; swapped attention heads, another tokenizer and a checkpoint that regressed against production are
+refused, each with a message naming the measure and its limit.
+
+One HF float32 reference (two prompts, three passages: the spec's own fields trim them) judges every
+engine, and the engines are called directly: the gates' path through the release flow, Triton, MLflow and
+Prefect is tests/test_end_to_end.py's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from gate_faults import add_noise, edited_runner, swap_heads, swap_tokenizer_ids
+
+from serving.engine import build_engine, convert_checkpoint, load_engine
+from serving.engine.build import EngineLimits
+from tasks.evaluation import EvaluationData, EvaluationSpec, compare_scores, load_evaluation, score
+from tasks.text_path import server_encode
+from tasks.validate import ReferenceRun, ValidationSpec, reference_run, validate_engine
+
+LIMITS = EngineLimits(dtype="float32", max_batch_size=2, max_input_len=128, max_seq_len=192)
+SPEC = ValidationSpec(prompts=["The capital of France is", "def fibonacci(n):"], max_new_tokens=8,
+                      passages=list(load_evaluation().passages[:3]))
+
+
+@dataclass(frozen=True)
+class Smol:
+    hf: Path
+    engine: Path
+    runner: object
+    reference: ReferenceRun
+    work: Path
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_checkpoint, tmp_path_factory) -> Smol:
+    work = tmp_path_factory.mktemp("gates-smollm2")
+    checkpoint = convert_checkpoint(smollm2_checkpoint, work / "ckpt", dtype="float32")
+    engine = Path(build_engine(checkpoint, work / "engine", limits=LIMITS).path)
+    shutil.rmtree(checkpoint)  # the engine folder holds its own copy of every file
+    reference = reference_run(smollm2_checkpoint, SPEC, "float32", max_seq_len=LIMITS.max_seq_len)
+    return Smol(smollm2_checkpoint, engine, load_engine(engine), reference, work)
+
+
+def test_a_clean_float32_engine_passes(smol):
+    result = validate_engine(smol.engine, smol.hf, SPEC, reference=smol.reference, runner=smol.runner)
+    assert result.passed, result.failures
+    assert result.engine is not None and result.engine.mean_kl <= result.thresholds["max_mean_kl"]
+    assert result.text_path.passed and result.text_path.texts_checked == len(SPEC.prompts) + len(SPEC.passages)
+
+
+def test_swapped_attention_heads_are_refused_by_kl_and_top1(smol):
+    runner = edited_runner(smol.engine, swap_heads(layer=0))
+    result = validate_engine(smol.engine, smol.hf, SPEC, reference=smol.reference, runner=runner)
+    assert not result.passed
+    assert any(f.startswith("mean per-token KL(reference || engine) ") and "> limit 1e-05 (validation.max_mean_kl"
+               in f for f in result.failures), result.failures
+    assert any(f.startswith("top-1 disagreement ") and "validation.max_top1_disagreement" in f
+               for f in result.failures), result.failures
+
+
+def test_another_tokenizer_in_the_engine_folder_is_refused(smol):
+    folder = smol.work / "engine-tokenizer"
+    shutil.copytree(smol.engine, folder, copy_function=os.link)  # weights shared; the tokenizer a copy of its own
+    (folder / "tokenizer.json").unlink()
+    shutil.copyfile(smol.engine / "tokenizer.json", folder / "tokenizer.json")
+    swap_tokenizer_ids(folder)
+    result = validate_engine(folder, smol.hf, SPEC, reference=smol.reference, runner=smol.runner)
+    assert not result.passed
+    assert any(f.startswith("tokenizer file tokenizer.json: engine folder ") and "!= checkpoint" in f
+               for f in result.failures), result.failures
+    assert any("texts tokenize differently as Triton serves them" in f for f in result.failures), result.failures
+
+
+def test_a_checkpoint_that_regressed_is_refused_against_production(smol):
+    """Scored as the fixed evaluation scores (tasks.evaluation.score), on 8 passages and 2 items: 8 passages all
+    worse give p = 2**-8 < alpha 0.01."""
+    full = load_evaluation()
+    data = EvaluationData(full.passages[:8], full.choices[:2])
+    encode, _ = server_encode(smol.engine)
+    production = score(smol.runner.prefill_logits, encode, data, max_len=LIMITS.max_seq_len)
+    regressed = edited_runner(smol.engine, add_noise(0.2))
+    candidate = score(regressed.prefill_logits, encode, data, max_len=LIMITS.max_seq_len)
+    spec = EvaluationSpec()
+    assert compare_scores(production, production, spec, production_version="1").passed
+    result = compare_scores(candidate, production, spec, production_version="1")
+    assert not result.passed
+    assert any("nats/byte against production version 1" in f and "evaluation.max_nll_regression 2%" in f
+               and "alpha 0.01" in f for f in result.failures), result.failures
