@@ -6,7 +6,7 @@ bfloat16 engine is allowed what HF bfloat16 does plus a margin, and a float32 en
 itself, figure 0) only the floor. A precision HF cannot run (a quantized engine) has no peer
 (``peer_dtype=None``): its floors are its whole budget. A new precision is one new entry.
 
-The figures behind each entry are in docs/validation.md (measured spread on SmolLM2-135M and tiny models).
+The figures behind each entry are in docs/gates.md (measured spread on SmolLM2-135M and tiny models).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ DEFAULT_PROMPTS = [
 class ValidationSpec(BaseModel):
     """The quality gate: the engine against HF float32, judged by HF's own error at the engine's precision.
 
-    The four limits default to the engine precision's entry in tasks/quality_budgets.py (docs/validation.md
+    The four limits default to the engine precision's entry in tasks/quality_budgets.py (docs/gates.md
     gives the measurements behind them); each is ``floor + peer_factor * HF peer's figure``.
     """
 

@@ -181,8 +181,8 @@ def render_version_page(
         ("To decide, add the version tag `approval` with the value `approved` or `rejected`, and `approved_by` "
          "(or `rejected_by`) with your name. Optional: `approval_note`."),
         "",
-        (f"### Gates: validation {_verdict(validation.passed)}, fixed evaluation "
-         f"{evaluation_verdict(evaluation).replace('FAILED', '**FAILED**')}, performance {_verdict(perf.passed)}"),
+        (f"### Gates: validation {_verdict(validation.passed)}, performance {_verdict(perf.passed)}, fixed "
+         f"evaluation {evaluation_verdict(evaluation).replace('FAILED', '**FAILED**')}"),
         "",
         "| gate | figure | value | threshold |",
         "| --- | --- | --- | --- |",

@@ -48,7 +48,7 @@ def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() ->
     text = page.render(fingerprint="abc" * 10, run=("1", "r1"),
                        manifest_uri="file:///a/manifest.json", report_folder="report")
     assert text.startswith("**Gates passed.** Approving promotes it in place of version 3 (alias `production`).")
-    assert "### Gates: validation passed, fixed evaluation passed, performance passed" in text
+    assert "### Gates: validation passed, performance passed, fixed evaluation passed" in text
     assert "| validation | mean KL to HF float32, nats/token | 1.5e-06 | <= 1e-05 |" in text
     assert "| validation | top-1 agreement (teacher-forced) | 1.0000 | >= 0.9950 |" in text
     assert "| fixed evaluation | passages' nats/byte increase against production | +0 (p=1) | fails when > 0.02 " \
