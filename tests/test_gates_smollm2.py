@@ -22,6 +22,8 @@ from tasks.evaluation import EvaluationData, EvaluationSpec, compare_scores, loa
 from tasks.text_path import server_encode
 from tasks.validate import ReferenceRun, ValidationSpec, reference_run, validate_engine
 
+pytestmark = pytest.mark.slow
+
 LIMITS = EngineLimits(dtype="float32", max_batch_size=2, max_input_len=128, max_seq_len=192)
 SPEC = ValidationSpec(prompts=["The capital of France is", "def fibonacci(n):"], max_new_tokens=8,
                       passages=list(load_evaluation().passages[:3]))
