@@ -302,7 +302,7 @@ def test_the_report_renders_with_its_plots_in_the_artifact_viewer(setup: Setup, 
         browser.switch_to.frame(preview)
         heading = wait(browser).until(ec.presence_of_element_located((By.TAG_NAME, "h1")))
         assert heading.text.startswith(f"Release report: {setup.model}")
-        assert f"Candidate against production (version {first}, recorded figures)" in browser.find_element(By.TAG_NAME, "body").text
+        assert f"Candidate against production (version {first}, speed and fixed evaluation measured in this run)" in browser.find_element(By.TAG_NAME, "body").text
         back = browser.find_element(By.XPATH, "//li[starts-with(normalize-space(), 'approve here:')]/a")
         assert back.get_attribute("href") == mr.version_ui_url(setup.tracking_uri, setup.model, version)
 
