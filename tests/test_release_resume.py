@@ -41,13 +41,13 @@ def test_release_killed_after_build_resumes_from_the_cache(tmp_path):
     first = subprocess.Popen(release_cmd(spec), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              start_new_session=True)
     deadline = time.monotonic() + 240
-    while not list(work.glob("engines/*/engine.json")):
+    while not list(work.glob("engines/[!.]*/engine.json")):
         assert first.poll() is None, first.stdout.read().decode()[-3000:]
         assert time.monotonic() < deadline, "the build never finished"
         time.sleep(0.02)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
-    built = json.loads(next(work.glob("engines/*/engine.json")).read_text())["fingerprint"]
+    built = json.loads(next(work.glob("engines/[!.]*/engine.json")).read_text())["fingerprint"]
     converted_at = next(work.glob("checkpoints/*/checkpoint.json")).stat().st_mtime_ns
 
     again = subprocess.run(release_cmd(spec), env=env, check=False, capture_output=True, text=True, timeout=300)
