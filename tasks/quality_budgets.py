@@ -3,8 +3,13 @@
 An engine's error is judged against Hugging Face's own error at the same precision (the *peer*: HF run
 in that dtype beside the float32 reference). Each limit is ``floor + peer_factor * peer's figure``, so a
 bfloat16 engine is allowed what HF bfloat16 does plus a margin, and a float32 engine (peer = the reference
-itself, figure 0) only the floor. A precision HF cannot run (a quantized engine) has no peer
-(``peer_dtype=None``): its floors are its whole budget. A new precision is one new entry.
+itself, figure 0) only the floor. A new precision is one new entry.
+
+A quantized engine's precision is its dtype and its scheme, ``<dtype>+<method>[+lm_head]`` (``bfloat16+fp8``):
+its peer is HF at that dtype with the same weights quantized and dequantized (per output channel, by the
+engine's own `quantize_weight`), so the quantization's own cost is in the peer's figure and only what the
+engine adds beyond it counts against the floors. Measured on SmolLM2-135M, fp8's own cost (KL 0.05-0.1
+nats) is the size of a swapped head: no fixed floor tells the two apart, a quantized peer does.
 
 The figures behind each entry are in docs/gates.md (measured spread on SmolLM2-135M and tiny models).
 """
@@ -23,6 +28,8 @@ class PrecisionBudget:
     max_nll_delta: float  # floor of |mean NLL(engine) - mean NLL(reference)|, nats per token
     max_top1_disagreement: float  # floor of the share of positions whose argmax differs from the reference
     peer_factor: float  # the engine may be this many times as far from the reference as the peer is
+    peer_quantization: str | None = None  # the peer's weights go through this scheme (a quantized engine's)
+    peer_lm_head: bool = False  # ... the LM head's too
 
 
 PRECISION_BUDGETS: dict[str, PrecisionBudget] = {
@@ -35,10 +42,30 @@ PRECISION_BUDGETS: dict[str, PrecisionBudget] = {
 }
 
 
+QUANTIZED_PEER_FACTOR = 2.0  # as for bfloat16: the engine may add up to twice the quantized peer's own error
+LM_HEAD = "lm_head"
+
+
+def quantized_precision(dtype: str, method: str, *, lm_head: bool) -> str:
+    """The precision name of an engine of `dtype` quantized with `method`: ``bfloat16+fp8[+lm_head]``."""
+    return "+".join([dtype, method, *([LM_HEAD] if lm_head else [])])
+
+
 def budget_for(precision: str, *, setting: str = "engine.dtype") -> PrecisionBudget:
-    """The budget of `precision`; a clear error naming the setting when there is none."""
+    """The budget of `precision` (a dtype, or ``<dtype>+<method>[+lm_head]``); a clear error naming the
+    setting when there is none."""
+    dtype, *scheme = precision.split("+")
     try:
-        return PRECISION_BUDGETS[precision]
+        base = PRECISION_BUDGETS[dtype]
     except KeyError:
-        raise ValueError(f"{setting}={precision!r} has no quality budget; known precisions: "
+        raise ValueError(f"{setting}={dtype!r} has no quality budget; known precisions: "
                          f"{sorted(PRECISION_BUDGETS)} (tasks/quality_budgets.py)") from None
+    if not scheme:
+        return base
+    method, lm_head = scheme[0], scheme[1:] == [LM_HEAD]
+    if len(scheme) > 2 or (len(scheme) == 2 and not lm_head):
+        raise ValueError(f"precision {precision!r} is not <dtype>+<method>[+{LM_HEAD}]")
+    floors = PRECISION_BUDGETS["bfloat16"] if dtype == "float32" else base  # fp32 + quantization: bf16-like floors
+    return PrecisionBudget(peer_dtype=dtype, peer_quantization=method, peer_lm_head=lm_head,
+                           max_mean_kl=floors.max_mean_kl, max_nll_delta=floors.max_nll_delta,
+                           max_top1_disagreement=floors.max_top1_disagreement, peer_factor=QUANTIZED_PEER_FACTOR)

@@ -29,7 +29,7 @@ from prefect import task
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.errors import GateFailed
-from tasks.quality_budgets import PrecisionBudget, budget_for
+from tasks.quality_budgets import PrecisionBudget, budget_for, quantized_precision
 from tasks.text_path import TokenizerCheck, check_text_path
 from tasks.token_stats import DistanceFigures, combine, sequence_stats
 
@@ -163,8 +163,11 @@ def compare_greedy(*, reference: _Side, engine: _Side) -> tuple[str, int | None]
 
 
 def engine_precision(info) -> str:
-    """The precision name an engine is judged by (its dtype; quantized kinds name their scheme)."""
-    return info.limits.dtype
+    """The precision name an engine is judged by: its dtype, and for a quantized engine its scheme too."""
+    quantization = getattr(info, "quantization", None)
+    if quantization is None or not quantization.enabled:
+        return info.limits.dtype
+    return quantized_precision(info.limits.dtype, quantization.method, lm_head=quantization.lm_head)
 
 
 def eos_token_ids(checkpoint: Path) -> list[int]:
@@ -204,8 +207,10 @@ def reference_run(checkpoint: Path, spec: ValidationSpec, precision: str, *, dev
         logits = [_hf_logits(model, s) for s in sequences]
         del model
     peer, peer_diverged = None, 0
-    if budget.peer_dtype is not None and budget.peer_dtype != "float32":
+    if budget.peer_dtype is not None and (budget.peer_dtype != "float32" or budget.peer_quantization):
         model = _hf_model(checkpoint, budget.peer_dtype, device)
+        if budget.peer_quantization:
+            quantize_hf_linears(model, budget.peer_quantization, lm_head=budget.peer_lm_head)
         peer = combine(sequence_stats(ref, _hf_logits(model, s), s) for ref, s in zip(logits, sequences))
         peer_greedy = [_hf_greedy(model, ids, spec, eos) for ids in prompt_ids]
         peer_diverged = sum(compare_greedy(reference=r, engine=p)[0] == "diverged" for r, p in zip(greedy, peer_greedy))
@@ -218,6 +223,20 @@ def _hf_model(checkpoint: Path, dtype: str, device):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(device).eval()
+
+
+@torch.no_grad()
+def quantize_hf_linears(model, method: str, *, lm_head: bool) -> None:
+    """Replace each decoder layer's linear weights (and the LM head's, when the engine quantizes it) by
+    their quantized-then-dequantized values, per output channel as the engine's conversion does."""
+    from serving.engine.quantize import dequantize_weight, quantize_weight
+
+    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    if lm_head:
+        linears.append(model.lm_head)
+    for linear in linears:
+        q, scale = quantize_weight(linear.weight.data, method)
+        linear.weight.data = dequantize_weight(q, scale, linear.weight.dtype)
 
 
 @torch.no_grad()

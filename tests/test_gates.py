@@ -13,7 +13,7 @@ from serving.engine.build import EngineLimits
 from tasks.evaluation import EvaluationScores, EvaluationSpec, compare_scores, sign_test_greater
 from tasks.fault_injection import FaultyRunner
 from tasks.perf_gate import PerfSpec, compare_runners, render_report, slower_than_budget
-from tasks.quality_budgets import PRECISION_BUDGETS, budget_for
+from tasks.quality_budgets import PRECISION_BUDGETS, budget_for, quantized_precision
 from tasks.tiny_model import make_tiny_model
 from tasks.validate import ValidationSpec, _Side, compare_greedy, validate_engine
 
@@ -61,6 +61,11 @@ def test_quality_budgets_are_one_table_keyed_by_precision():
     assert budget_for("float32").peer_dtype is None
     with pytest.raises(ValueError, match="engine.dtype='int3' has no quality budget"):
         budget_for("int3")
+    fp8 = budget_for(quantized_precision("bfloat16", "fp8", lm_head=True))  # "bfloat16+fp8+lm_head"
+    assert (fp8.peer_dtype, fp8.peer_quantization, fp8.peer_lm_head) == ("bfloat16", "fp8", True)
+    assert budget_for("float32+int8-weight-only").peer_quantization == "int8-weight-only"
+    with pytest.raises(ValueError, match="not <dtype>"):
+        budget_for("float32+fp8+bias")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The quality gates on the real example model (SmolLM2-135M-Instruct, float32, on the CPU): a clean engine
 passes; swapped attention heads, another tokenizer and a checkpoint that regressed against production are
-refused, each with a message naming the measure and its limit.
+refused, each with a message naming the measure and its limit. A quantized engine (fp8, int8 weight-only) is
+judged against HF with the same weights quantized: it passes, and swapped heads on top are refused.
 
 One HF float32 reference (two prompts, three passages: the spec's own fields trim them) judges every
 engine, and the engines are called directly: the gates' path through the release flow, Triton, MLflow and
@@ -93,3 +94,22 @@ def test_a_checkpoint_that_regressed_is_refused_against_production(smol):
     assert not result.passed
     assert any("nats/byte against production version 1" in f and "evaluation.max_nll_regression 2%" in f
                and "alpha 0.01" in f for f in result.failures), result.failures
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8-weight-only"])
+def test_a_quantized_engine_is_judged_against_a_quantized_peer(smol, method):
+    """fp8's own cost on this model (KL ~0.026, top-1 disagreement ~0.1) is far beyond the float32 floors and
+    near a swapped head's: the quantized peer carries that cost, so only what the engine adds counts."""
+    from serving.engine.quantize import QuantInfo
+
+    checkpoint = convert_checkpoint(smol.hf, smol.work / f"ckpt-{method}", dtype="float32",
+                                    quantization=QuantInfo(method))
+    engine = Path(build_engine(checkpoint, smol.work / f"engine-{method}", limits=LIMITS).path)
+    shutil.rmtree(checkpoint)
+    reference = reference_run(smol.hf, SPEC, f"float32+{method}", max_seq_len=LIMITS.max_seq_len, base=smol.reference)
+    clean = validate_engine(engine, smol.hf, SPEC, reference=reference)
+    assert clean.passed and clean.precision == f"float32+{method}", clean.failures
+    assert clean.peer is not None and clean.peer.mean_kl > 1e-3  # the quantization's cost is the peer's
+    swapped = validate_engine(engine, smol.hf, SPEC, reference=reference, runner=edited_runner(engine, swap_heads(0)))
+    assert not swapped.passed
+    assert any(f.startswith("mean per-token KL(reference || engine) ") for f in swapped.failures), swapped.failures
