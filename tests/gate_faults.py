@@ -90,6 +90,15 @@ def degrade(hf_dir: Path, dst: Path, *, relative_noise: float, seed: int = 0) ->
     return dst
 
 
+def misscale(factor: float) -> Callable[[Tensors, dict], None]:
+    """Every quantized weight's per-channel scales multiplied by `factor` (a wrong qmax, say): the
+    quantized integers are right, their dequantized values are not."""
+    def edit(tensors: Tensors, args: dict) -> None:
+        for name in [n for n in tensors if n.endswith(".weight_scale")]:
+            tensors[name] = tensors[name] * factor
+    return edit
+
+
 def edited_runner(engine_dir: Path, edit: Callable[[Tensors, dict], None]):
     """The engine loaded, with `edit` applied to its weights in memory: what `edit_checkpoint` and a rebuild
     would load, without writing the checkpoint twice (the gates take a runner beside its engine folder)."""

@@ -1,7 +1,7 @@
 """The quality gates on the real example model (SmolLM2-135M-Instruct, float32, on the CPU): a clean engine
 passes; swapped attention heads, another tokenizer and a checkpoint that regressed against production are
 refused, each with a message naming the measure and its limit. A quantized engine (fp8, int8 weight-only) is
-judged against HF with the same weights quantized: it passes, and swapped heads on top are refused.
+judged against HF with the same weights quantized: it passes; swapped heads or scales 10% off are refused.
 
 One HF float32 reference (two prompts, three passages: the spec's own fields trim them) judges every
 engine, and the engines are called directly: the gates' path through the release flow, Triton, MLflow and
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from gate_faults import add_noise, edited_runner, swap_heads, swap_tokenizer_ids
+from gate_faults import add_noise, edited_runner, misscale, swap_heads, swap_tokenizer_ids
 
 from serving.engine import build_engine, convert_checkpoint, load_engine
 from serving.engine.build import EngineLimits
@@ -113,3 +113,6 @@ def test_a_quantized_engine_is_judged_against_a_quantized_peer(smol, method):
     swapped = validate_engine(engine, smol.hf, SPEC, reference=reference, runner=edited_runner(engine, swap_heads(0)))
     assert not swapped.passed
     assert any(f.startswith("mean per-token KL(reference || engine) ") for f in swapped.failures), swapped.failures
+    misscaled = validate_engine(engine, smol.hf, SPEC, reference=reference, runner=edited_runner(engine, misscale(1.1)))
+    assert not misscaled.passed and any(f.startswith("mean per-token KL(reference || engine) ")
+                                        for f in misscaled.failures), misscaled.failures
