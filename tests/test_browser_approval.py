@@ -191,7 +191,9 @@ class Setup:
             "source": {"checkpoint": str(self.checkpoint)},
             "engine": {"dtype": "float32", "max_batch_size": max_batch_size, "max_input_len": 64, "max_seq_len": 128},
             "validation": {"max_new_tokens": 8, "prompts": ["The capital of France is", "Once upon a time"]},
-            "perf": {"batch_size": 2, "input_len": 8, "output_len": 4, "iterations": 2},
+            # the A/B against production is not what this test judges (tests/test_gates.py does): on three busy
+            # xdist workers a 4-round A/B of the b8 engine against the b4 one once read 0.24x and refused
+            "perf": {"batch_size": 2, "input_len": 8, "output_len": 4, "iterations": 2, "max_slowdown": 0.95},
             "mlflow": {"tracking_uri": self.tracking_uri, "model_name": self.model},
             "artifacts": {"uri": (self.tmp / "artifacts").as_uri()},
             "approval": {"mode": "mlflow-tag", "timeout_s": 300, "poll_s": 0.5},
