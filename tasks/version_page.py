@@ -118,6 +118,11 @@ def gate_rows(validation: ValidationResult, perf: PerfResult, slo: PerfSlo,
     return rows
 
 
+def _link_line(name: str, uri: str) -> str:
+    """A browser opens http(s) links only; an artifact store's `s3://` or `file://` URI is shown to copy."""
+    return f"- [{name}]({uri})" if uri.startswith(("http://", "https://")) else f"- {name}: `{uri}`"
+
+
 def _verdict(passed: bool) -> str:
     return "passed" if passed else "**FAILED**"
 
@@ -214,7 +219,7 @@ def render_version_page(
         "",
         "### Links",
         "",
-        *(f"- [{name}]({url})" for name, url in links.items()),
+        *(_link_line(name, url) for name, url in links.items()),
     ]
     text = "\n".join(lines) + "\n"
     if len(text) > MAX_DESCRIPTION_CHARS:  # a long failure list: keep the head and say where the rest is

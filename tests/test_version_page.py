@@ -63,6 +63,7 @@ def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() ->
     assert ("- [release report (gates, comparison, plots)](http://127.0.0.1:5000/#/experiments/1/runs/r1/artifacts/"
             "report/release-report.html?workflowType=machine_learning)") in text
     assert "- [MLflow run (params, metrics, all artifacts)](http://127.0.0.1:5000/#/experiments/1/runs/r1?workflowType=machine_learning)" in text
+    assert "- engine artifact manifest: `file:///a/manifest.json`" in text  # no link a browser will not open
 
 
 def test_the_html_report_carries_its_plots_inline(tmp_path: Path) -> None:
