@@ -296,6 +296,17 @@ def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = T
     fp16 on CUDA when Triton is importable). `decode_gemm`: "triton" (the tuned skinny kernels of
     `skinny_gemm.py` for the shapes they were tuned on, F.linear for the rest), "torch", or "auto" (as
     for attention)."""
+    info, model, dev = load_model(engine_dir, device=device)
+    model.setup_caches(info.limits.max_batch_size, info.limits.max_seq_len)
+    dtype = model.tok_embeddings.weight.dtype
+    model.decode_attention_impl = pick_decode_attention(decode_attention, dev, dtype)
+    model.decode_gemm_impl = pick_decode_gemm(decode_gemm, dev, dtype)
+    return EngineRunner(info, model, dev, cuda_graphs=cuda_graphs)
+
+
+def load_model(engine_dir: Path, *, device: str = "auto") -> tuple[EngineInfo, Transformer, torch.device]:
+    """Read, check (toolchain, quantization) and load an engine folder's weights onto `device`, without
+    caches (`load_engine` adds the static ones, `paged_runner.load_paged_engine` the paged pools)."""
     info = read_engine_info(Path(engine_dir))
     dev = resolve_device(device)
     check_toolchain(info, device=dev)
@@ -312,12 +323,7 @@ def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = T
     except RuntimeError as exc:  # a quantization record that does not match the weights
         raise EngineFormatError(f"engine {str(info.path)!r}: its weights do not match engine.json (quantization "
                                 f"{info.quantization.method!r}): {exc}") from None
-    model = model.to(dev).eval().requires_grad_(False)
-    model.setup_caches(info.limits.max_batch_size, info.limits.max_seq_len)
-    dtype = model.tok_embeddings.weight.dtype
-    model.decode_attention_impl = pick_decode_attention(decode_attention, dev, dtype)
-    model.decode_gemm_impl = pick_decode_gemm(decode_gemm, dev, dtype)
-    return EngineRunner(info, model, dev, cuda_graphs=cuda_graphs)
+    return info, model.to(dev).eval().requires_grad_(False), dev
 
 
 def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype) -> str:

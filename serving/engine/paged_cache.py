@@ -1,0 +1,171 @@
+"""A paged KV cache: fixed-size blocks shared by every sequence, a block allocator, sizing and its checks.
+
+The cache of each layer is one pool of `num_blocks` blocks of `block_size` token positions each:
+`k[layer]`, `v[layer]`: `[num_blocks, block_size, Hkv, hd]` (flash-attention's paged layout), so that
+`pool.view(num_blocks * block_size, Hkv, hd)[slot]` is one token's keys, `slot = block * block_size +
+offset`. A sequence owns a list of blocks (its block table): position p lives in block
+`table[p // block_size]` at offset `p % block_size`. Blocks are taken from the allocator as a sequence
+grows and given back when it finishes (or is preempted), so a 128-token request holds
+`ceil(128 / block_size)` blocks, not room for `max_seq_len`.
+
+Sizing (`PagedKVConfig`): an explicit `num_blocks`, or a fraction of the device memory that is free once
+the weights are loaded (TensorRT-LLM's `kv_cache_free_gpu_mem_fraction`; CUDA only: the CPU has no such
+figure, so there `num_blocks` is required). `check_paged_config` refuses impossible combinations with
+the numbers: a pool smaller than one sequence of `max_seq_len`, a step budget (`max_num_tokens`) smaller
+than one block, and so on.
+
+Imports: stdlib and torch only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serving.engine.errors import EngineLimitError
+
+DEFAULT_BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class PagedKVConfig:
+    """How the paged engine sizes its cache and its steps (resolved once, at load)."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE  # token positions per block
+    num_blocks: int | None = None  # explicit pool size (required on the CPU)
+    free_mem_fraction: float = 0.9  # of the device memory free after the weights, when num_blocks is None
+    max_num_tokens: int = 8192  # tokens (prefill chunks + decodes) one step computes at most
+    max_batch_size: int | None = None  # live requests at most (None: the engine's limits.max_batch_size)
+
+
+def kv_block_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, element_bytes: int) -> int:
+    """Keys + values of every layer for one block of `block_size` positions."""
+    return 2 * n_layers * n_kv_heads * head_dim * block_size * element_bytes
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold `tokens` positions."""
+    return -(-tokens // block_size)
+
+
+def blocks_from_memory(free_bytes: int, fraction: float, block_bytes: int) -> int:
+    """Blocks that fit in `fraction` of `free_bytes`."""
+    return int(free_bytes * fraction) // block_bytes
+
+
+def check_paged_config(config: PagedKVConfig, *, num_blocks: int, max_seq_len: int, max_batch_size: int,
+                       block_bytes: int) -> None:
+    """Raise EngineLimitError naming the values when the paged cache cannot serve the engine's limits."""
+    if config.block_size < 1:
+        raise EngineLimitError(f"paged.block_size={config.block_size} must be >= 1")
+    if config.max_num_tokens < config.block_size:
+        raise EngineLimitError(f"paged.max_num_tokens={config.max_num_tokens} is smaller than one block "
+                               f"(paged.block_size={config.block_size}); raise max_num_tokens")
+    if max_batch_size < 1:
+        raise EngineLimitError(f"paged max_batch_size={max_batch_size} must be >= 1 (live requests)")
+    if config.max_num_tokens < max_batch_size:
+        raise EngineLimitError(f"paged.max_num_tokens={config.max_num_tokens} < max_batch_size={max_batch_size}: "
+                               "a step could not give every live request its decode token")
+    if not 0.0 < config.free_mem_fraction <= 1.0:
+        raise EngineLimitError(f"paged.free_mem_fraction={config.free_mem_fraction} must be in (0, 1]")
+    need = blocks_for(max_seq_len, config.block_size)
+    if num_blocks < need:
+        raise EngineLimitError(
+            f"the paged KV cache has {num_blocks} blocks of {config.block_size} positions "
+            f"({num_blocks * block_bytes / 2**20:.1f} MiB) but one sequence of limits.max_seq_len={max_seq_len} "
+            f"needs {need} blocks ({need * block_bytes / 2**20:.1f} MiB): raise paged.num_blocks / "
+            f"paged.free_mem_fraction or lower max_seq_len")
+
+
+def resolve_num_blocks(config: PagedKVConfig, device: torch.device, block_bytes: int) -> int:
+    """The pool size: `config.num_blocks`, or `free_mem_fraction` of the free CUDA memory."""
+    if config.num_blocks is not None:
+        if config.num_blocks < 1:
+            raise EngineLimitError(f"paged.num_blocks={config.num_blocks} must be >= 1")
+        return config.num_blocks
+    if device.type != "cuda":
+        raise EngineLimitError(f"paged.num_blocks is required on device {device}: sizing the cache from "
+                               f"paged.free_mem_fraction={config.free_mem_fraction} needs CUDA's free memory")
+    free, _total = torch.cuda.mem_get_info(device)
+    return blocks_from_memory(free, config.free_mem_fraction, block_bytes)
+
+
+class BlockAllocator:
+    """Free block ids of one pool, taken and given back in whole lists. Not thread-safe (the scheduler
+    thread owns it)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest ids first
+        self._taken = [False] * num_blocks
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def take(self, n: int) -> list[int] | None:
+        """`n` blocks, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._taken[b] = True
+        return out
+
+    def give_back(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if not 0 <= b < self.num_blocks or not self._taken[b]:
+                raise ValueError(f"block {b} is not taken (pool of {self.num_blocks}); a double free")
+            self._taken[b] = False
+            self._free.append(b)
+
+
+class PagedKVCache:
+    """The block pools of every layer, on one device and dtype."""
+
+    def __init__(self, *, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys/values of T tokens ([T, Hkv, hd]) into their `slots` ([T], block * block_size + offset)."""
+        kp, vp = self.k[layer], self.v[layer]
+        kp.view(-1, *kp.shape[2:])[slots] = k
+        vp.view(-1, *vp.shape[2:])[slots] = v
+
+    def gather(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, length) of one sequence whose block table is `blocks` ([n] long) -> keys, values
+        [Hkv, length, hd] (a copy)."""
+        n = blocks_for(length, self.block_size)
+        kp, vp = self.k[layer], self.v[layer]
+        idx = blocks[:n]
+        keys = kp[idx].reshape(n * self.block_size, *kp.shape[2:])[:length].transpose(0, 1)
+        values = vp[idx].reshape(n * self.block_size, *vp.shape[2:])[:length].transpose(0, 1)
+        return keys, values
+
+    def gather_batch(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequences' block tables `tables` ([B, n] long, padded with any valid block id) -> keys, values
+        [B, Hkv, n * block_size, hd] (a copy; positions past each sequence's length are garbage to mask)."""
+        bsz, n = tables.shape
+        kp, vp = self.k[layer], self.v[layer]
+        keys = kp[tables].reshape(bsz, n * self.block_size, *kp.shape[2:]).transpose(1, 2)
+        values = vp[tables].reshape(bsz, n * self.block_size, *vp.shape[2:]).transpose(1, 2)
+        return keys, values
+
+
+def cache_bytes(cache: PagedKVCache) -> int:
+    return sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+
+
+def describe(num_blocks: int, block_size: int, block_bytes: int) -> str:
+    return (f"{num_blocks} blocks x {block_size} positions = {num_blocks * block_size} tokens, "
+            f"{num_blocks * block_bytes / 2**30:.2f} GiB")
+

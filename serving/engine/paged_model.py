@@ -1,0 +1,156 @@
+"""One forward of a mixed step over the paged KV cache: prefill chunks and decode tokens packed together.
+
+A step computes T tokens of N sequences, back to back (no padding): each sequence contributes one chunk,
+its tokens at positions `[start, start + n)` (n = 1 for a decode, up to a whole prompt for a prefill or a
+chunk of one). Projections and the MLP run on the packed `[T]` tokens; each token's K/V go to its slot in
+the pools (`PagedKVCache.write`); attention reads each sequence's positions `[0, start + n)` through its
+block table, causal inside the chunk:
+
+- the single-token chunks (decodes, and a prompt's last token alone) together: every table gathered into
+  `[Bd, Hkv, L, hd]` and masked to each sequence's length (the masked matmul of `model.decode_step`);
+- each longer chunk on its own: its context gathered, then SDPA (causal from position 0, else a mask).
+
+This is the torch reference path: it runs on the CPU and on CUDA (where gathering the context copies it;
+a kernel that reads the pools through the tables in place is the fast path's job). The result is the
+float32 logits of the tokens named by `sample_index` (each sampling sequence's last computed token).
+
+Imports: stdlib and torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from serving.engine.model import Transformer, _rope_1
+from serving.engine.paged_cache import PagedKVCache, blocks_for
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One sequence's part of a step (host values)."""
+
+    tokens: Sequence[int]  # the chunk's input tokens
+    start: int  # position of its first token
+    table: Sequence[int]  # the sequence's block table, covering positions [0, start + len(tokens))
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """A step's inputs on the device (`build_step`)."""
+
+    tokens: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slots: torch.Tensor  # [T] long: block * block_size + offset of each token's K/V
+    single_rows: torch.Tensor  # [Bd] long: where the single-token chunks' tokens are in [T]
+    single_tables: torch.Tensor  # [Bd, nmax] long, padded with block 0
+    single_lengths: torch.Tensor  # [Bd] long: visible positions (start + 1)
+    long_chunks: tuple[tuple[int, int, int, torch.Tensor], ...]  # (offset in T, n, start, table [nblocks])
+    sample_index: torch.Tensor  # [N] long: the tokens whose logits the step returns
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]
+
+
+def build_step(chunks: Sequence[ChunkPlan], sample: Sequence[int], block_size: int,
+               device: torch.device) -> PagedStep:
+    """The device inputs of a step of `chunks`; `sample` lists the chunks whose last token's logits are
+    wanted (in that order). Built on the host, copied over once per tensor."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    single_rows, single_tables, single_lengths = [], [], []
+    longs: list[tuple[int, int, int, list[int]]] = []
+    last: list[int] = []
+    for chunk in chunks:
+        n, offset = len(chunk.tokens), len(tokens)
+        if blocks_for(chunk.start + n, block_size) > len(chunk.table):
+            raise ValueError(f"block table of {len(chunk.table)} blocks does not cover positions up to "
+                             f"{chunk.start + n} (block_size {block_size})")
+        tokens.extend(chunk.tokens)
+        for p in range(chunk.start, chunk.start + n):
+            positions.append(p)
+            slots.append(chunk.table[p // block_size] * block_size + p % block_size)
+        if n == 1:
+            single_rows.append(offset)
+            single_tables.append(list(chunk.table[:blocks_for(chunk.start + 1, block_size)]))
+            single_lengths.append(chunk.start + 1)
+        else:
+            longs.append((offset, n, chunk.start, list(chunk.table[:blocks_for(chunk.start + n, block_size)])))
+        last.append(offset + n - 1)
+    width = max((len(t) for t in single_tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in single_tables]
+
+    def dev(values, shape=None) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.long)
+        if shape is not None:
+            t = t.view(shape)
+        return t.to(device, non_blocking=True) if device.type == "cuda" else t
+
+    return PagedStep(
+        tokens=dev(tokens), positions=dev(positions), slots=dev(slots), single_rows=dev(single_rows),
+        single_tables=dev(padded, (len(padded), width)), single_lengths=dev(single_lengths),
+        long_chunks=tuple((o, n, s, dev(t)) for o, n, s, t in longs),
+        sample_index=dev([last[i] for i in sample]),
+    )
+
+
+def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope_cos: torch.Tensor,
+                  rope_sin: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
+    """Run `step` through the model, writing its K/V into `cache` -> float32 logits [N, V] of the tokens in
+    `step.sample_index` (or of every token, [T, V], with `all_logits`)."""
+    a = model.args
+    total = step.num_tokens
+    group = a.n_heads // a.n_kv_heads
+    scale = 1.0 / math.sqrt(a.head_dim)
+    cos, sin = rope_cos[step.positions], rope_sin[step.positions]  # [T, hd]
+    x = model.tok_embeddings(step.tokens)  # [T, D]
+    single = step.single_rows.shape[0]
+    if single:
+        width = step.single_tables.shape[1] * cache.block_size
+        visible = torch.arange(width, device=x.device).unsqueeze(0) < step.single_lengths.unsqueeze(1)  # [Bd, L]
+        neg = torch.zeros(visible.shape, dtype=torch.float32, device=x.device).masked_fill(
+            ~visible, float("-inf")).view(single, 1, 1, width)
+    for i, layer in enumerate(model.layers):
+        attn = layer.attention
+        h = layer.attention_norm(x)
+        q, k, v = attn.wqkv(h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = _rope_1(q.view(total, a.n_heads, a.head_dim), cos, sin)  # [T, H, hd]
+        k = _rope_1(k.view(total, a.n_kv_heads, a.head_dim), cos, sin)  # [T, Hkv, hd]
+        cache.write(i, step.slots, k, v.view(total, a.n_kv_heads, a.head_dim))
+        y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
+        if single:
+            keys, values = cache.gather_batch(i, step.single_tables)  # [Bd, Hkv, L, hd]
+            qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + neg  # [Bd, Hkv, G, L]
+            probs = scores.softmax(dim=-1).to(values.dtype)
+            y[step.single_rows] = torch.matmul(probs, values).reshape(single, a.q_size)
+        for offset, n, start, table in step.long_chunks:
+            y[offset:offset + n] = _chunk_attention(cache, i, q[offset:offset + n], table, start, group)
+        x = x + attn.wo(y)
+        x = x + layer.feed_forward(layer.ffn_norm(x))
+    h = model.norm(x if all_logits else x[step.sample_index])
+    return model.logits(h)
+
+
+def _chunk_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, table: torch.Tensor, start: int,
+                     group: int) -> torch.Tensor:
+    """Queries q [n, H, hd] at positions [start, start + n) over the sequence's positions [0, start + n),
+    causal -> [n, H * hd]."""
+    n, heads, hd = q.shape
+    keys, values = cache.gather(layer, table, start + n)  # [Hkv, ctx, hd]
+    if group > 1:  # expand K/V heads as the static prefill does, so SDPA can take its flash kernel
+        keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+    if start == 0:
+        out = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), values.unsqueeze(0), is_causal=True)
+    else:
+        ctx = start + n
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= torch.arange(start, ctx, device=q.device).unsqueeze(1)
+        out = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)
+    return out[0].transpose(0, 1).reshape(n, heads * hd)

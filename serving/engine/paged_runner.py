@@ -1,0 +1,138 @@
+"""The paged engine: an engine folder's weights with a paged KV cache instead of the static one (opt-in).
+
+`load_paged_engine(engine_dir, config=PagedKVConfig(...))` loads the same weights as `load_engine`, sizes
+the block pools (`config.num_blocks`, or `config.free_mem_fraction` of the CUDA memory free after the
+weights), checks the combination against the engine's limits (`paged_cache.check_paged_config`) and
+returns a `PagedRunner`. It answers what the validation gate and the offline benchmark call on the
+static runner:
+
+- `generate(prompts, *, max_new_tokens, sampling, stop_token_ids, top_logprobs, logprobs)`: every prompt
+  at once through a `PagedScheduler`, which admits them as blocks, the token budget and the live cap
+  allow (more prompts than fit simply queue). A seeded sampler seeds each request on its own (the static
+  runner's one generator per batch is not reproduced: greedy tokens are the contract between the two);
+- `prefill_logits(prompt)`: teacher-forced logits of every position, through borrowed blocks;
+- `forward(chunks, sample)`: one mixed step (`paged_model.paged_forward`), for the scheduler.
+
+No CUDA graphs and no fused kernels yet: the torch reference path on every device.
+
+Imports: stdlib and torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from serving.engine.build import EngineInfo
+from serving.engine.errors import EngineLimitError
+from serving.engine.model import Transformer, rope_cos_sin
+from serving.engine.paged_cache import (
+    BlockAllocator,
+    PagedKVCache,
+    PagedKVConfig,
+    blocks_for,
+    check_paged_config,
+    kv_block_bytes,
+    resolve_num_blocks,
+)
+from serving.engine.paged_model import ChunkPlan, build_step, paged_forward
+from serving.engine.paged_scheduler import PagedRequest, PagedScheduler
+from serving.engine.runner import Generation, load_model
+from serving.engine.sampling import SamplingParams
+
+
+class PagedRunner:
+    """A loaded engine with a paged KV cache. Not thread-safe: one scheduler drives it."""
+
+    def __init__(self, info: EngineInfo, model: Transformer, device: torch.device, config: PagedKVConfig) -> None:
+        a, lim = info.model, info.limits
+        weight = model.tok_embeddings.weight
+        self.info, self.model, self.device, self.config = info, model, device, config
+        self.max_live = config.max_batch_size or lim.max_batch_size
+        self.block_bytes = kv_block_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                                          block_size=config.block_size, element_bytes=weight.element_size())
+        self.num_blocks = resolve_num_blocks(config, device, self.block_bytes)
+        check_paged_config(config, num_blocks=self.num_blocks, max_seq_len=lim.max_seq_len,
+                           max_batch_size=self.max_live, block_bytes=self.block_bytes)
+        self.cache = PagedKVCache(n_layers=a.n_layers, num_blocks=self.num_blocks, block_size=config.block_size,
+                                  n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=weight.dtype, device=device)
+        self.allocator = BlockAllocator(self.num_blocks)
+        cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
+        self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
+
+    @torch.no_grad()
+    def forward(self, chunks: Sequence[ChunkPlan], sample: Sequence[int]) -> torch.Tensor:
+        """One mixed step -> float32 logits [len(sample), V] of the sampled chunks' last tokens."""
+        step = build_step(chunks, sample, self.config.block_size, self.device)
+        return paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
+
+    @torch.no_grad()
+    def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced float32 logits of every position of `prompt`: [S, V] on the CPU (up to
+        limits.max_seq_len tokens, in one chunk, through blocks borrowed for the call)."""
+        lim, vocab = self.info.limits, self.info.model.vocab_size
+        if not 1 <= len(prompt) <= lim.max_seq_len:
+            raise EngineLimitError(f"prefill_logits: {len(prompt)} tokens, need 1..limits.max_seq_len="
+                                   f"{lim.max_seq_len}")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise EngineLimitError(f"prefill_logits prompt has token ids {bad[:5]} outside [0, vocab_size={vocab})")
+        need = blocks_for(len(prompt), self.config.block_size)
+        blocks = self.allocator.take(need)
+        if blocks is None:
+            raise EngineLimitError(f"prefill_logits: {len(prompt)} tokens need {need} KV blocks, "
+                                   f"{self.allocator.free} are free (live requests hold the rest)")
+        try:
+            step = build_step([ChunkPlan(list(prompt), 0, blocks)], [0], self.config.block_size, self.device)
+            return paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin, all_logits=True).cpu()
+        finally:
+            self.allocator.give_back(blocks)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
+                 top_logprobs: int = 0, logprobs: bool = True, events: list | None = None) -> list[Generation]:
+        """New tokens for each prompt (greedy when `sampling` is None), all submitted at once. `events` is
+        accepted for the static runner's signature and left empty (no per-step timing events here)."""
+        vocab = self.info.model.vocab_size
+        if not 0 <= top_logprobs <= vocab:
+            raise EngineLimitError(f"top_logprobs={top_logprobs} must be in [0, vocab_size={vocab}]")
+        scheduler = PagedScheduler(self)
+        out = [Generation(token_ids=[], logprobs=[]) for _ in prompts]
+        want = logprobs or top_logprobs > 0
+
+        def sinks(gen: Generation):
+            def emit(ids: list[int], reason: str | None) -> None:
+                gen.token_ids.extend(ids)
+                if reason is not None:
+                    gen.finish_reason = reason
+
+            def on_logprobs(lp: float, top: dict[int, float]) -> None:
+                gen.logprobs.append(lp)
+                if top_logprobs:
+                    gen.top_logprobs.append(top)
+
+            return emit, (on_logprobs if want else None)
+
+        failures: list[BaseException] = []
+
+        for i, p in enumerate(prompts):  # all checked before any is queued
+            try:
+                scheduler.check(p, max_new_tokens)
+            except EngineLimitError as exc:
+                raise EngineLimitError(f"prompt {i}: {exc}") from None
+        for p, gen in zip(prompts, out):
+            emit, on_lp = sinks(gen)
+            scheduler.submit(PagedRequest(list(p), max_new_tokens, emit, failures.append, sampling, tuple(stop_token_ids),
+                                          top_logprobs=top_logprobs, on_logprobs=on_lp))
+        scheduler.run_until_idle()
+        if failures:
+            raise failures[0]
+        return out
+
+
+def load_paged_engine(engine_dir: Path, *, config: PagedKVConfig, device: str = "auto") -> PagedRunner:
+    """Read, check and load an engine folder with a paged KV cache sized by `config` (see module doc)."""
+    info, model, dev = load_model(engine_dir, device=device)
+    return PagedRunner(info, model, dev, config)

@@ -1,0 +1,384 @@
+"""In-flight batching over the paged KV cache: chunked prefill mixed with decodes under a token budget.
+
+Each step computes at most `max_num_tokens` tokens for at most `max_live` live requests (the engine's
+`max_batch_size`, or the paged config's). It fills the budget in this order, as vLLM's scheduler does:
+
+1. the live requests, oldest first: a decoding request its one token, a request still prefilling the next
+   chunk of its prompt (as much of it as the budget has left);
+2. waiting requests, first come first served, while the budget, the live cap and the free blocks allow:
+   the first chunk of each prompt.
+
+Blocks are taken as a request's positions grow (`blocks_for(positions, block_size)`) and given back when
+it finishes. A request is admitted only while its first chunk's blocks, plus one block in reserve for
+each live request (their next decode may open a block), are free. When a live request needs a block and
+none is free, the newest live request is preempted: its blocks go back and it returns to the front of
+the queue with its prompt and every token it has delivered, to be prefilled again (recompute; nothing
+it has delivered changes for greedy decoding). So blocks running out means queueing, never an
+out-of-memory error. A request that could never fit (its prompt + `max_tokens` need more blocks than the
+whole pool) is refused at `submit` with the numbers.
+
+Tokens go out through the request's `emit(new_ids, finish_reason)` as in `scheduler.Scheduler` (the same
+`GenRequest`); a `PagedRequest` can also ask for each token's log-prob and top log-probs
+(`on_logprobs`). The step is synchronous: the host waits for each step's tokens before planning the next
+(one step ahead, as the static scheduler runs, is later work).
+
+Thread model: `submit` and `cancel` are thread-safe; `run_forever` (or `start()`) / `run_until_idle` is
+the only code that touches the runner. `stop()` fails what is pending or live with `SchedulerStopped`.
+
+Imports: stdlib and torch only.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from serving.engine.errors import EngineLimitError
+from serving.engine.paged_cache import blocks_for
+from serving.engine.paged_model import ChunkPlan
+from serving.engine.sampling import chosen_logprobs, sample
+from serving.engine.scheduler import GenRequest, RequestCancelled, SchedulerStopped
+
+LogprobSink = Callable[[float, "dict[int, float]"], None]
+
+
+@dataclass
+class PagedRequest(GenRequest):
+    """A `GenRequest` that also wants each chosen token's raw log-prob (and `top_logprobs` alternatives)."""
+
+    top_logprobs: int = 0
+    on_logprobs: LogprobSink | None = None
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: GenRequest
+    tokens: list[int]  # prompt + every token delivered
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # positions whose K/V are in the cache
+    generated: int = 0
+    generator: torch.Generator | None = None
+    stop: frozenset[int] = frozenset()
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.computed
+
+
+@dataclass
+class PagedStats:
+    steps: int = 0
+    admitted: int = 0
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    preempted: int = 0
+    tokens: int = 0  # delivered
+    prefill_tokens: int = 0  # computed in chunks of more than one token, or a prompt's single last token
+    decode_tokens: int = 0
+    largest_batch: int = 0  # live requests in one step
+    peak_blocks: int = 0
+    busy_s: float = 0.0
+
+
+class PagedScheduler:
+    """Continuous batching driver of one `paged_runner.PagedRunner`."""
+
+    def __init__(self, runner: Any, *, idle_wait_s: float = 0.05,
+                 on_error: Callable[[str], None] | None = None) -> None:
+        self.runner = runner
+        limits = runner.info.limits
+        self.max_live = runner.max_live
+        self.max_num_tokens = runner.config.max_num_tokens
+        self.block_size = runner.config.block_size
+        self.max_input_len = int(limits.max_input_len)
+        self.max_seq_len = int(limits.max_seq_len)
+        self.vocab_size = int(runner.info.model.vocab_size)
+        self.allocator = runner.allocator
+        self.device = runner.device
+        self.idle_wait_s = idle_wait_s
+        self.log_error = on_error or (lambda msg: None)
+        self.waiting: collections.deque[_Seq] = collections.deque()
+        self.running: list[_Seq] = []
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.stats = PagedStats()
+        self._ids = itertools.count()
+        self.cancels_pending = 0
+
+    # -- submission (any thread) --------------------------------------------------------------
+    def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
+        """Raise EngineLimitError naming the value and the limit when the engine can never serve it."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise EngineLimitError("prompt is empty; a prompt needs at least one token")
+        if max_tokens < 1:
+            raise EngineLimitError(f"max_tokens={max_tokens} must be >= 1")
+        if n > self.max_input_len:
+            raise EngineLimitError(f"prompt of {n} tokens > limits.max_input_len={self.max_input_len}")
+        if n + max_tokens > self.max_seq_len:
+            raise EngineLimitError(f"prompt of {n} tokens + max_tokens={max_tokens} > limits.max_seq_len="
+                                   f"{self.max_seq_len}")
+        need = blocks_for(n + max_tokens, self.block_size)
+        if need > self.allocator.num_blocks:
+            raise EngineLimitError(f"prompt of {n} tokens + max_tokens={max_tokens} needs {need} KV blocks of "
+                                   f"{self.block_size} positions; the whole paged cache has "
+                                   f"{self.allocator.num_blocks}")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineLimitError(f"token ids {bad[:5]} outside [0, vocab_size={self.vocab_size})")
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue a request (checked first: a bad one raises here, nothing is queued)."""
+        self.check(req.prompt_ids, req.max_tokens)
+        seq = _Seq(req=req, tokens=list(req.prompt_ids), stop=frozenset(req.stop_token_ids))
+        if req.sampling is not None and not req.sampling.is_greedy and req.sampling.seed is not None:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(req.sampling.seed)
+        with self.cond:
+            if self.stopping:
+                raise SchedulerStopped("the scheduler is stopping; request not accepted")
+            if req.request_id is None:
+                req.request_id = next(self._ids)
+            req.queued_at = time.perf_counter()
+            self.waiting.append(seq)
+            self.cond.notify()
+
+    def cancel(self, req: GenRequest) -> None:
+        """Stop `req` at the next step (any thread); it fails with RequestCancelled."""
+        with self.cond:
+            req.cancelled = True
+            self.cancels_pending += 1
+            self.cond.notify()
+
+    @property
+    def live(self) -> int:
+        return len(self.running)
+
+    def idle(self) -> bool:
+        with self.cond:
+            return not self.waiting and not self.running
+
+    # -- the loop -----------------------------------------------------------------------------
+    def start(self, name: str = "enginewright-paged-scheduler") -> threading.Thread:
+        self.thread = threading.Thread(target=self.run_forever, name=name, daemon=True)
+        self.thread.start()
+        return self.thread
+
+    def run_forever(self) -> None:
+        while True:
+            with self.cond:
+                while not self.stopping and not self.waiting and not self.running:
+                    self.cond.wait(self.idle_wait_s)
+                if self.stopping:
+                    break
+            self.step()
+        self._fail_all(SchedulerStopped("the scheduler stopped (model unloading) before the request finished"))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
+        else:
+            self._fail_all(SchedulerStopped("the scheduler stopped before the request finished"))
+
+    def run_until_idle(self) -> None:
+        """Step until nothing waits or lives (tests and offline use, on the caller's thread)."""
+        while not self.idle():
+            self.step()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Plan one step under the token budget, run it, deliver the tokens it sampled."""
+        started = time.perf_counter()
+        if self.cancels_pending:
+            self._apply_cancels()
+        plan = self._plan()
+        if plan:
+            self._run(plan)
+        self.stats.busy_s += time.perf_counter() - started
+
+    # -- planning -----------------------------------------------------------------------------
+    def _plan(self) -> list[tuple[_Seq, int]]:
+        budget = self.max_num_tokens
+        plan: list[tuple[_Seq, int]] = []
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted for an older request's block
+                continue
+            n = min(seq.remaining, budget)
+            if not self._grow(seq, seq.computed + n):
+                preempted = True
+                continue
+            plan.append((seq, n))
+            budget -= n
+        while budget and not preempted and len(self.running) < self.max_live:
+            with self.cond:
+                if not self.waiting:
+                    break
+                seq = self.waiting[0]
+                n = min(seq.remaining, budget)
+                need = blocks_for(n, self.block_size)
+                if self.allocator.free < need + len(self.running):
+                    break
+                self.waiting.popleft()
+            seq.blocks = self.allocator.take(need) or []
+            self.running.append(seq)
+            self.stats.admitted += 1
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def _grow(self, seq: _Seq, positions: int) -> bool:
+        """Give `seq` the blocks for `positions`, preempting the newest live requests while none are free.
+        False when `seq` itself was the newest and went back to the queue."""
+        need = blocks_for(positions, self.block_size) - len(seq.blocks)
+        while need > self.allocator.free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.blocks += self.allocator.take(need) or []
+        return True
+
+    def _preempt(self, seq: _Seq) -> None:
+        self.running.remove(seq)
+        self.allocator.give_back(seq.blocks)
+        seq.blocks, seq.computed = [], 0
+        self.stats.preempted += 1
+        with self.cond:
+            self.waiting.appendleft(seq)
+
+    # -- running ------------------------------------------------------------------------------
+    def _run(self, plan: list[tuple[_Seq, int]]) -> None:
+        chunks = [ChunkPlan(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks) for seq, n in plan]
+        sampling = [i for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self.allocator.used)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(plan))
+        try:
+            logits = self.runner.forward(chunks, sampling)  # [N, V]
+            lives = [plan[i][0] for i in sampling]
+            tokens = self._sample(logits, lives)
+            extras = self._logprobs(logits, tokens, lives)
+            token_list = tokens.tolist()
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
+            self._fail([seq for seq, _ in plan], exc)
+            return
+        self.stats.steps += 1
+        for seq, n in plan:
+            seq.computed += n
+            if n == 1 and seq.generated > 0:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += n
+        for k, seq in enumerate(lives):
+            self._deliver(seq, token_list[k], extras[k] if extras else None)
+
+    def _sample(self, logits: torch.Tensor, lives: list[_Seq]) -> torch.Tensor:
+        out = logits.argmax(dim=-1)  # [N]
+        for row, seq in enumerate(lives):
+            params = seq.req.sampling
+            if params is not None and not params.is_greedy:
+                out[row] = sample(logits[row:row + 1], params, seq.generator)[0]
+        return out
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, lives: list[_Seq]
+                  ) -> list[tuple[float, dict[int, float]] | None] | None:
+        wanting = [isinstance(s.req, PagedRequest) and s.req.on_logprobs is not None for s in lives]
+        if not any(wanting):
+            return None
+        top_n = max(s.req.top_logprobs for s, w in zip(lives, wanting) if w)
+        chosen, top_v, top_i = chosen_logprobs(logits, tokens, top_n)
+        chosen_l = chosen.tolist()
+        top_vl = top_v.tolist() if top_v is not None else None
+        top_il = top_i.tolist() if top_i is not None else None
+        out: list[tuple[float, dict[int, float]] | None] = []
+        for row, (seq, want) in enumerate(zip(lives, wanting)):
+            if not want:
+                out.append(None)
+                continue
+            n = seq.req.top_logprobs
+            top = dict(zip(top_il[row][:n], top_vl[row][:n])) if n and top_il is not None else {}
+            out.append((chosen_l[row], top))
+        return out
+
+    def _deliver(self, seq: _Seq, token: int, extra: tuple[float, dict[int, float]] | None) -> None:
+        seq.tokens.append(token)
+        seq.generated += 1
+        self.stats.tokens += 1
+        reason = None
+        if token in seq.stop:
+            reason = "stop"
+        elif seq.generated >= seq.req.max_tokens or len(seq.tokens) >= self.max_seq_len:
+            reason = "length"
+        if reason is not None:
+            self._retire(seq)
+            self.stats.finished += 1
+        try:
+            if extra is not None:
+                seq.req.on_logprobs(*extra)  # type: ignore[attr-defined]
+            seq.req.emit([token], reason)
+        except Exception as exc:  # noqa: BLE001 - a broken callback must not stop the others
+            self.log_error(f"request {seq.req.request_id}: emit failed: {type(exc).__name__}: {exc}")
+            if reason is None:
+                self._fail_one(seq, exc)
+            else:
+                self._tell_failed(seq.req, exc)
+
+    def _retire(self, seq: _Seq) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.allocator.give_back(seq.blocks)
+            seq.blocks = []
+
+    def _apply_cancels(self) -> None:
+        with self.cond:
+            self.cancels_pending = 0
+            dropped = [seq for seq in self.waiting if seq.req.cancelled]
+            for seq in dropped:
+                self.waiting.remove(seq)
+        dropped += [seq for seq in self.running if seq.req.cancelled]
+        cancelled = RequestCancelled("the request was cancelled before it finished")
+        for seq in dropped:
+            self._retire(seq)
+            self.stats.cancelled += 1
+            self._tell_failed(seq.req, cancelled)
+
+    def _fail(self, seqs: Sequence[_Seq], exc: BaseException) -> None:
+        if not seqs:
+            return
+        self.log_error(f"step failed for {len(seqs)} requests: {type(exc).__name__}: {exc}")
+        for seq in seqs:
+            self._fail_one(seq, exc)
+
+    def _fail_one(self, seq: _Seq, exc: BaseException) -> None:
+        self._retire(seq)
+        self.stats.failed += 1
+        self._tell_failed(seq.req, exc)
+
+    def _tell_failed(self, req: GenRequest, exc: BaseException) -> None:
+        try:
+            req.fail(exc)
+        except Exception as cb_exc:  # noqa: BLE001
+            self.log_error(f"request {req.request_id}: fail callback: {cb_exc}")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self.cond:
+            pending = list(self.waiting)
+            self.waiting.clear()
+        for seq in pending:
+            self._tell_failed(seq.req, exc)
+        self._fail(list(self.running), exc)

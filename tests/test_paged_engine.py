@@ -1,0 +1,150 @@
+"""The paged KV cache on the CPU (tiny float32 llama): greedy tokens equal the static engine's with
+chunked prefill, more requests than fit at once and preemption; blocks given back; the validation gate
+passes on it as on the static engine; impossible sizes refused with the numbers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from serving.engine import EngineLimitError, EngineLimits, build_engine, convert_checkpoint, load_engine
+from serving.engine.paged_cache import (
+    BlockAllocator,
+    PagedKVConfig,
+    blocks_for,
+    blocks_from_memory,
+    check_paged_config,
+)
+from serving.engine.paged_runner import load_paged_engine
+from serving.engine.paged_scheduler import PagedScheduler
+from serving.engine.scheduler import GenRequest, RequestCancelled, collect
+from tasks.tiny_model import make_tiny_model
+
+LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=40, max_seq_len=80)
+# 8-position blocks; the pool holds 160 positions (two sequences of max_seq_len), each step 24 tokens
+CONFIG = PagedKVConfig(block_size=8, num_blocks=20, max_num_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("paged")
+    hf = make_tiny_model(root / "hf")
+    ckpt = convert_checkpoint(hf, root / "ckpt", dtype="float32")
+    engine = build_engine(ckpt, root / "engine", limits=LIMITS).path
+    return hf, engine, load_engine(engine, device="cpu"), load_paged_engine(engine, config=CONFIG, device="cpu")
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(1, 512) for _ in range(rnd.randrange(1, LIMITS.max_input_len + 1))] for _ in range(n)]
+
+
+def test_greedy_tokens_equal_static_past_the_kv_budget(engines):
+    """8 mixed-length requests (1-40 tokens, 24 new each): together they need more blocks than the pool of 20 and
+    more live requests than the cap of 4, prompts longer than the step's budget prefill in chunks, and live
+    requests get preempted when blocks run out: every one finishes with the static engine's tokens."""
+    _, _, static, paged = engines
+    prompts, max_tokens = _prompts(8), 24
+    assert sum(blocks_for(len(p) + max_tokens, CONFIG.block_size) for p in prompts) > CONFIG.num_blocks
+    sched = PagedScheduler(paged)
+    got = collect(sched, prompts, max_tokens=max_tokens)
+    want = static.generate(prompts, max_new_tokens=max_tokens)
+    for i, ((ids, reason), ref) in enumerate(zip(got, want)):
+        assert ids == ref.token_ids, f"request {i} ({len(prompts[i])} prompt tokens) diverged"
+        assert reason == "length"
+    s = sched.stats
+    assert s.finished == 8 and s.failed == 0 and s.preempted > 0 and s.admitted == 8 + s.preempted
+    assert s.largest_batch <= 4 and s.peak_blocks <= CONFIG.num_blocks
+    assert paged.allocator.free == CONFIG.num_blocks, "finished requests give their blocks back"
+
+
+def test_chunked_prefill_of_a_long_prompt_mixed_with_decodes(engines):
+    """A 40-token prompt arrives while another request decodes: with 24 tokens a step it prefills in two
+    chunks beside the decode, and both keep the static engine's tokens."""
+    _, _, static, paged = engines
+    short, long_prompt = [5, 6, 7], _prompts(1, seed=3)[0][:1] * 40
+    sched = PagedScheduler(paged)
+    out: dict[str, list[int]] = {"short": [], "long": []}
+    sched.submit(GenRequest(short, 12, lambda ids, r: out["short"].extend(ids), lambda e: None))
+    sched.step()  # the short one is prefilled and decodes from here on
+    sched.submit(GenRequest(long_prompt, 6, lambda ids, r: out["long"].extend(ids), lambda e: None))
+    sched.run_until_idle()
+    assert out["short"] == static.generate([short], max_new_tokens=12)[0].token_ids
+    assert out["long"] == static.generate([long_prompt], max_new_tokens=6)[0].token_ids
+    assert sched.stats.prefill_tokens >= 43 and sched.stats.preempted == 0
+
+
+def test_generate_logprobs_stop_tokens_and_prefill_logits_match_static(engines):
+    _, _, static, paged = engines
+    prompts = _prompts(3, seed=1)
+    ref = static.generate(prompts, max_new_tokens=10, top_logprobs=3)
+    stop = ref[0].token_ids[4]
+    ref = static.generate(prompts, max_new_tokens=10, top_logprobs=3, stop_token_ids=[stop])
+    got = paged.generate(prompts, max_new_tokens=10, top_logprobs=3, stop_token_ids=[stop])
+    for g, r in zip(got, ref):
+        assert g.token_ids == r.token_ids and g.finish_reason == r.finish_reason
+        assert g.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+        assert [sorted(t) for t in g.top_logprobs] == [sorted(t) for t in r.top_logprobs]
+    assert got[0].finish_reason == "stop"
+    seq = prompts[0] + ref[0].token_ids
+    assert (paged.prefill_logits(seq) - static.prefill_logits(seq)).abs().max() < 1e-4
+    assert paged.allocator.free == CONFIG.num_blocks
+
+
+def test_validation_gate_passes_on_the_paged_engine_as_on_the_static(engines):
+    from tasks.validate import ValidationSpec, reference_run, validate_engine
+
+    hf, engine, static, paged = engines
+    spec = ValidationSpec(prompts=["Once upon a time", "The quick brown"], max_new_tokens=6,
+                          passages=["The quick brown fox jumps over the lazy dog."])
+    reference = reference_run(hf, spec, "float32", max_seq_len=LIMITS.max_seq_len)
+    on_static = validate_engine(engine, hf, spec, reference=reference, runner=static)
+    on_paged = validate_engine(engine, hf, spec, reference=reference, runner=paged)
+    assert on_static.passed and on_paged.passed, on_paged.failures
+    assert [c.status for c in on_paged.comparisons] == [c.status for c in on_static.comparisons]
+    assert on_paged.top1_agreement == on_static.top1_agreement
+
+
+def test_cancel_frees_blocks_and_a_request_that_can_never_fit_is_refused_at_submit(engines):
+    _, _, _, paged = engines
+    sched = PagedScheduler(paged)
+    failed: list[BaseException] = []
+    req = GenRequest([1, 2, 3], 30, lambda ids, r: None, failed.append)
+    sched.submit(req)
+    sched.step()
+    assert paged.allocator.free < CONFIG.num_blocks
+    sched.cancel(req)
+    sched.step()
+    assert isinstance(failed[0], RequestCancelled) and paged.allocator.free == CONFIG.num_blocks
+    with pytest.raises(EngineLimitError, match="max_tokens=79 > limits.max_seq_len=80"):
+        sched.submit(GenRequest([1, 2], 79, lambda ids, r: None, failed.append))
+    assert sched.idle()
+
+
+def test_impossible_paged_sizes_are_refused_with_the_numbers(engines):
+    _, engine, _, _ = engines
+    with pytest.raises(EngineLimitError, match=r"has 9 blocks of 8 positions .* limits.max_seq_len=80 needs 10 blocks"):
+        load_paged_engine(engine, config=PagedKVConfig(block_size=8, num_blocks=9), device="cpu")
+    with pytest.raises(EngineLimitError, match="paged.num_blocks is required on device cpu"):
+        load_paged_engine(engine, config=PagedKVConfig(), device="cpu")
+    with pytest.raises(EngineLimitError, match=r"max_num_tokens=4 is smaller than one block \(paged.block_size=8\)"):
+        check_paged_config(PagedKVConfig(block_size=8, max_num_tokens=4), num_blocks=100, max_seq_len=80,
+                           max_batch_size=1, block_bytes=1)
+    with pytest.raises(EngineLimitError, match="max_num_tokens=64 < max_batch_size=128"):
+        check_paged_config(PagedKVConfig(block_size=8, max_num_tokens=64), num_blocks=100, max_seq_len=80,
+                           max_batch_size=128, block_bytes=1)
+
+
+def test_block_allocator_and_sizing_arithmetic():
+    alloc = BlockAllocator(4)
+    first = alloc.take(3)
+    assert first == [0, 1, 2] and alloc.free == 1 and alloc.take(2) is None and alloc.free == 1
+    alloc.give_back(first[:2])
+    assert alloc.used == 1
+    with pytest.raises(ValueError, match="block 0 is not taken"):
+        alloc.give_back([0])
+    assert blocks_for(1, 8) == 1 and blocks_for(8, 8) == 1 and blocks_for(9, 8) == 2
+    # Llama-3.1-8B bf16, 32-position blocks: 4 MiB a block; 90% of 100 GiB free -> 23,040 blocks (737,280 tokens)
+    block = 2 * 32 * 8 * 128 * 32 * 2
+    assert block == 4 << 20 and blocks_from_memory(100 << 30, 0.9, block) == 23040
