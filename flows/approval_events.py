@@ -297,13 +297,11 @@ def promote_on_approval(spec_path: str, model_name: str, version: str):
     return promote_flow(spec, version)
 
 
-TAG_ROLLOUT = "rollout"  # the promote flow's outcome tag on a version (flows.promote)
-
-
 def approved_without_outcome(tracking_uri: str, model_name: str) -> list[str]:
     """Versions of ``model_name`` tagged approved that no promotion has finished with yet (no ``rollout`` tag)."""
     from registry._client import mlflow_client
     from registry.approval import APPROVED, TAG_APPROVAL
+    from registry.rollout_record import TAG_ROLLOUT
 
     found = mlflow_client(tracking_uri).search_model_versions(
         f"name = '{model_name}' and tags.{TAG_APPROVAL} = '{APPROVED}'")

@@ -24,6 +24,19 @@ from prefect import flow
 from prefect.states import Failed, State
 
 from flows.spec import ReleaseSpec
+from registry import model_registry as mr
+from registry.promotion import require_complete
+from registry.rollout_record import (
+    TAG_ROLLOUT_DECISION,
+    Decision,
+    record_canary,
+    record_failure,
+    record_hold,
+    record_interrupted,
+    record_production,
+    record_success,
+    take_decision,
+)
 from tasks.errors import ApprovalRejected, RolloutAborted, StepError
 from tasks.fit import CandidateDoesNotFit, check_fits
 from tasks.gray_release import RolloutReport, gray_release, gray_release_task
@@ -34,8 +47,6 @@ from tasks.targets import Target, check_reachable, fleet_live_version, resolve_t
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_AUTHOR = "enginewright-rollout"
-TAG_DECISION = "rollout.decision"
 
 
 class RolloutInterrupted(StepError):
@@ -67,7 +78,7 @@ def vocab_size(engine_dir: Path, spec: ReleaseSpec) -> int:
     return int(json.loads(config.read_text()).get("vocab_size", 32000)) if config else 32000
 
 
-def _targets(spec: ReleaseSpec) -> list[Target]:
+def connect_targets(spec: ReleaseSpec) -> list[Target]:
     if spec.triton.endpoints:
         return resolve_targets(spec.triton)
     from flows.embedded import ensure_embedded
@@ -83,11 +94,11 @@ def _repositories(spec: ReleaseSpec) -> list[Path]:
     return [Path(spec.triton.model_repository)]
 
 
-def _approve(spec: ReleaseSpec, version: str) -> str:
+def _approve(spec: ReleaseSpec, version: int) -> str:
     from tasks.approve import approve
 
     approved_by = approve(spec.approval, tracking_uri=spec.mlflow.tracking_uri, model_name=spec.model_name,
-                          version=version)
+                          version=str(version))
     print(f"{spec.model_name} version {version} approved by {approved_by}")
     return approved_by
 
@@ -98,26 +109,23 @@ def _in_flow() -> bool:
     return FlowRunContext.get() is not None
 
 
-def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollback"] = "promote",
+def promote(spec: ReleaseSpec, version: int | str, *, kind: Literal["promote", "rollback"] = "promote",
             rollout: RolloutSpec | None = None, skip_approval: bool = False) -> PromoteResult:
     """Reconcile any unfinished rollout, then approve, stage and gray-release `version` (plain function).
 
     Raises ApprovalRejected, StageFailed, RolloutAborted or RolloutInterrupted; each leaves every endpoint
     serving exactly one version and MLflow saying which and why.
     """
-    from registry import model_registry as mr
-    from registry.promotion import require_complete
-
     name, uri, cand = spec.model_name, spec.mlflow.tracking_uri, int(version)
     rollout = rollout or spec.rollout
-    timeline = spec.work_dir / "reports" / f"{kind}-{name}-v{version}.png"
+    timeline = spec.work_dir / "reports" / f"{kind}-{name}-v{cand}.png"
     previous = read_journal(_repositories(spec), name)
     unfinished = previous is not None and not previous.terminal
 
     approved_by = "(rollback to an earlier published version)"
     if not skip_approval and not unfinished:  # no server is started for a version that may be rejected
-        approved_by = _approve(spec, version)
-    targets = _targets(spec)
+        approved_by = _approve(spec, cand)
+    targets = connect_targets(spec)
     check_reachable(targets)
     migrate_layout(targets, name, spec.triton.load_timeout_s)  # before anything reads the repositories
     repos = [t.model_repository for t in targets]
@@ -126,28 +134,28 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
         done = reconcile(spec, targets, previous)
         if previous.candidate == cand and previous.kind == kind:
             if done == "finished":
-                info = mr.get_version(uri, name, version)
+                info = mr.get_version(uri, name, str(cand))
                 report = RolloutReport(name, cand, previous.live, reason="finished by reconciliation after a crash")
-                return PromoteResult(name, version, info.fingerprint or "", [t.url for t in targets],
+                return PromoteResult(name, str(cand), info.fingerprint or "", [t.url for t in targets],
                                      "(approved before the crash)", report, timeline)
             raise RolloutInterrupted(
-                f"the previous {kind} of {name} version {version} was interrupted in phase {previous.phase!r} "
+                f"the previous {kind} of {name} version {cand} was interrupted in phase {previous.phase!r} "
                 f"(step {previous.step}); every endpoint was rolled back to version {previous.live} and MLflow "
                 f"tagged rollout=interrupted. Run the {kind} again to retry.")
 
     live = fleet_live_version(targets, name)
-    info = mr.get_version(uri, name, version)
+    info = mr.get_version(uri, name, str(cand))
     if live == cand:  # already live: converge (idempotent) and make MLflow agree
         from tasks.rollback import make_live
 
         make_live(targets, name, cand, spec.triton.load_timeout_s)
-        mr.set_alias(uri, name, mr.ALIAS_PRODUCTION, version)
-        report = RolloutReport(name, cand, live, reason=f"version {version} was already live")
-        return PromoteResult(name, version, info.fingerprint or "", [t.url for t in targets], "(already live)",
+        record_production(uri, name, cand)
+        report = RolloutReport(name, cand, live, reason=f"version {cand} was already live")
+        return PromoteResult(name, str(cand), info.fingerprint or "", [t.url for t in targets], "(already live)",
                              report, timeline)
 
     if not skip_approval and unfinished:  # reconciled first (that needs the servers), then approved
-        approved_by = _approve(spec, version)
+        approved_by = _approve(spec, cand)
 
     device = "cuda" if spec.triton.device == "cuda" else "cpu" if spec.triton.device == "cpu" else "auto"
     require_complete(spec.artifacts.uri, info)  # a version without its manifest is never promoted
@@ -158,13 +166,13 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
     try:
         check_fits(targets, engine_dir, device=device, engine_kind=spec.engine.kind)
     except CandidateDoesNotFit as exc:
-        _record_failure(uri, name, version, str(exc), {}, reject=False)
-        raise StageFailed(f"{name} version {version} was not staged ({exc}); nothing changed, version {live} "
+        record_failure(uri, name, cand, str(exc), {}, reject=False)
+        raise StageFailed(f"{name} version {cand} was not staged ({exc}); nothing changed, version {live} "
                           "stays live; MLflow tagged rollout=failed") from exc
     journal = Journal(name, cand, live, "staging", kind=kind, endpoints=[t.url for t in targets],
                       seq=previous.seq if previous else 0)
     write_journal(repos, journal)
-    mr.set_alias(uri, name, mr.ALIAS_CANARY, version)
+    record_canary(uri, name, cand)
     try:
         if _in_flow():
             staged = stage_task(targets, model_name=name, engine_dir=engine_dir, version=cand, triton=spec.triton,
@@ -181,13 +189,13 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
             from tasks.rollback import restore_live
 
             restore_live(targets, name, live, spec.triton.load_timeout_s)
-        _record_failure(uri, name, version, reason, {}, reject=False)
+        record_failure(uri, name, cand, reason, {}, reject=False)
         write_journal(repos, journal, phase="aborted")
-        raise StageFailed(f"{name} version {version} was not staged ({reason}); every endpoint serves version "
+        raise StageFailed(f"{name} version {cand} was not staged ({reason}); every endpoint serves version "
                           f"{live} again; MLflow tagged rollout=failed") from exc
 
     vocab = vocab_size(engine_dir, spec)
-    decide = _decider(spec, version)
+    decide = _decider(spec, cand)
     try:
         args = {"rollout": rollout, "triton": spec.triton, "vocab_size": vocab, "journal": journal, "decide": decide}
         report = gray_release_task(targets, staged, **args) if _in_flow() else gray_release(targets, staged, **args)
@@ -199,15 +207,15 @@ def promote(spec: ReleaseSpec, version: str, *, kind: Literal["promote", "rollba
         figures = report.figures() if report is not None else {}
         # the analysis judged the engine: reject it; a step that failed (a reload on one endpoint) may be the
         # infrastructure's fault: tag the failure, leave the approval as it is
-        _record_failure(uri, name, version, exc.reason, figures,
+        record_failure(uri, name, cand, exc.reason, figures,
                         reject=kind == "promote" and exc.reason.startswith("analysis"))
         write_journal(repos, journal, phase="aborted")
         raise
     journal = read_journal(repos, name) or journal
     _attach_timeline(uri, info.run_id, report, timeline)
-    _record_success(uri, name, version, live, kind)
+    record_success(uri, name, cand, live, kind)
     write_journal(repos, journal, phase="done")
-    return PromoteResult(name, version, info.fingerprint or "", [t.url for t in targets], approved_by, report,
+    return PromoteResult(name, str(cand), info.fingerprint or "", [t.url for t in targets], approved_by, report,
                          timeline)
 
 
@@ -221,39 +229,35 @@ def reconcile(spec: ReleaseSpec, targets: list[Target], journal: Journal) -> Lit
           f"(phase {journal.phase}, step {journal.step})")
     if journal.phase == "finishing":
         make_live(targets, name, journal.candidate, timeout)
-        _record_success(uri, name, str(journal.candidate), journal.live, journal.kind)
+        record_success(uri, name, journal.candidate, journal.live, journal.kind)
         write_journal(repos, journal, phase="done")
         return "finished"
     restore_live(targets, name, journal.live, timeout)
     if journal.phase == "aborting":
-        _record_failure(uri, name, str(journal.candidate), journal.reason, journal.figures,
+        record_failure(uri, name, journal.candidate, journal.reason, journal.figures,
                         reject=journal.kind == "promote" and journal.reason.startswith("analysis"))
         write_journal(repos, journal, phase="aborted")
     else:
         reason = (f"interrupted in phase {journal.phase} (step {journal.step}, weights {journal.weights}); "
                   f"rolled back to version {journal.live}")
-        _record_interrupted(uri, name, str(journal.candidate), reason)
+        record_interrupted(uri, name, journal.candidate, reason)
         write_journal(repos, journal, phase="interrupted", reason=reason)
     return "rolled_back"
 
 
-def _decider(spec: ReleaseSpec, version: str):
+def _decider(spec: ReleaseSpec, version: int):
     """Hold for a person: poll the MLflow version tag `rollout.decision` (continue / abort) until the timeout."""
-    from registry import model_registry as mr
-
     hold = spec.rollout.hold
 
-    def decide(reason: str) -> Literal["continue", "abort"]:
+    def decide(reason: str) -> Decision:
         uri, name = spec.mlflow.tracking_uri, spec.model_name
-        mr.set_version_tag(uri, name, version, "rollout.hold", reason[:5000])
-        print(f"analysis inconclusive ({reason}); holding the weight. Set the tag {TAG_DECISION}=continue or "
+        record_hold(uri, name, version, reason)
+        print(f"analysis inconclusive ({reason}); holding the weight. Set the tag {TAG_ROLLOUT_DECISION}=continue or "
               f"abort on {name} version {version} (timeout {hold.timeout_s:g} s -> abort)")
         deadline = time.monotonic() + hold.timeout_s
         while time.monotonic() < deadline:
-            value = mr.get_version_tags(uri, name, version).get(TAG_DECISION, "").strip().lower()
-            if value in ("continue", "abort"):
-                mr.set_version_tag(uri, name, version, TAG_DECISION, f"{value} (used)")
-                return value  # type: ignore[return-value]
+            if (value := take_decision(uri, name, version)) is not None:
+                return value
             time.sleep(hold.poll_s)
         return "abort"
 
@@ -288,42 +292,6 @@ def _rollout_markdown(report: RolloutReport, png: Path) -> str:
         f"| t (s) | outcome | requests | success rate | per version | reason |\n"
         f"| --- | --- | --- | --- | --- | --- |\n{rows}\n\nTimeline: `{png}`\n"
     )
-
-
-def _record_success(uri: str, name: str, version: str, live: int | None, kind: str) -> None:
-    from registry import model_registry as mr
-
-    mr.set_alias(uri, name, mr.ALIAS_PRODUCTION, version)
-    mr.delete_alias(uri, name, mr.ALIAS_CANARY)
-    mr.set_version_tag(uri, name, version, "rollout", "succeeded")
-    if live is not None and str(live) != str(version):
-        mr.set_version_tag(uri, name, str(live), "superseded_by", str(version))
-        if kind == "rollback":
-            mr.set_version_tag(uri, name, str(live), "rollout", "rolled_back")
-            mr.set_version_tag(uri, name, str(live), "rolled_back_to", str(version))
-    print(f"{name} version {version} is production: router sends it 100% of traffic")
-
-
-def _record_failure(uri: str, name: str, version: str, reason: str, figures: dict, *, reject: bool) -> None:
-    from registry import approval
-    from registry import model_registry as mr
-
-    mr.delete_alias(uri, name, mr.ALIAS_CANARY)
-    mr.set_version_tag(uri, name, version, "rollout", "failed")
-    mr.set_version_tag(uri, name, version, "rollout.reason", reason[:5000])
-    if figures:
-        mr.set_version_tag(uri, name, version, "rollout.analysis", json.dumps(figures, default=str)[:5000])
-    if reject:
-        approval.reject(name, version, tracking_uri=uri, by=ROLLOUT_AUTHOR, note=reason[:5000])
-
-
-def _record_interrupted(uri: str, name: str, version: str, reason: str) -> None:
-    from registry import model_registry as mr
-
-    if mr.get_version_by_alias(uri, name, mr.ALIAS_CANARY) == version:
-        mr.delete_alias(uri, name, mr.ALIAS_CANARY)
-    mr.set_version_tag(uri, name, version, "rollout", "interrupted")
-    mr.set_version_tag(uri, name, version, "rollout.reason", reason[:5000])
 
 
 @flow(name="promote", log_prints=True)

@@ -12,44 +12,38 @@ from __future__ import annotations
 from prefect import flow
 from prefect.states import Failed, State
 
-from flows.promote import PromoteResult, RolloutInterrupted, StageFailed, promote
+from flows.promote import PromoteResult, RolloutInterrupted, StageFailed, connect_targets, promote
 from flows.spec import ReleaseSpec
+from registry.rollout_record import finished_versions, rejection_of
 from tasks.errors import RolloutAborted, StepError
 from tasks.promote_spec import RolloutSpec, SetWeight
+from tasks.targets import fleet_live_version
 
 
 class RollbackRefused(StepError):
     """No earlier version to go back to, or the version asked for cannot be served."""
 
 
-def previous_version(spec: ReleaseSpec, live: int) -> str:
+def previous_version(spec: ReleaseSpec, live: int | None) -> int:
     """The newest version below `live` that once finished a rollout (MLflow tag rollout=succeeded)."""
-    from registry._client import mlflow_client
-
-    client = mlflow_client(spec.mlflow.tracking_uri)
-    good = [int(mv.version) for mv in client.search_model_versions(f"name = '{spec.model_name}'")
-            if (mv.tags or {}).get("rollout") in ("succeeded", "rolled_back") and int(mv.version) < live]
+    good = [v for v in finished_versions(spec.mlflow.tracking_uri, spec.model_name) if live is None or v < live]
     if not good:
         raise RollbackRefused(f"{spec.model_name}: no version below the live version {live} ever finished a rollout "
                               "(MLflow tag rollout=succeeded); pass --to VERSION")
-    return str(max(good))
+    return max(good)
 
 
-def rollback(spec: ReleaseSpec, to_version: str | None = None, *, immediate: bool = False) -> PromoteResult:
+def rollback(spec: ReleaseSpec, to_version: int | str | None = None, *, immediate: bool = False) -> PromoteResult:
     """Go back to `to_version` (default: the previous production version) on every endpoint."""
-    from flows.promote import _targets
-    from registry import model_registry as mr
-    from tasks.targets import fleet_live_version
-
     name, uri = spec.model_name, spec.mlflow.tracking_uri
-    live = fleet_live_version(_targets(spec), name)
+    live = fleet_live_version(connect_targets(spec), name)
     if live is None and to_version is None:
         raise RollbackRefused(f"{name} is not live on any endpoint; pass --to VERSION to serve one")
-    target = to_version or previous_version(spec, live)
-    tags = mr.get_version_tags(uri, name, target)
-    if tags.get("approval", "").lower() == "rejected":
+    target = int(to_version) if to_version is not None else previous_version(spec, live)
+    note = rejection_of(uri, name, target)
+    if note is not None:
         raise RollbackRefused(f"{name} version {target} is rejected in MLflow (approval=rejected: "
-                              f"{tags.get('approval_note', '')!r}); pick another --to VERSION")
+                              f"{note!r}); pick another --to VERSION")
     plan = RolloutSpec(steps=[SetWeight(set_weight=100)], concurrency=spec.rollout.concurrency) if immediate \
         else spec.rollout
     print(f"rolling {name} back from version {live} to version {target} "
