@@ -56,13 +56,26 @@ def _build(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path):
     if (out / "engine.json").is_file():  # build_engine renames a complete folder into place
         return read_engine_info(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return build_engine(converted.path, out, limits=limits, quantization=quant_info(engine))
+    return build_engine(converted.path, out, limits=limits, quantization=quant_info(engine), paged=_paged(engine))
+
+
+def _paged(engine: EngineSpec) -> Any:
+    """The spec's paged KV settings as serving.engine.paged_cache.PagedKVConfig, or None (static cache)."""
+    if engine.paged is None:
+        return None
+    from serving.engine.paged_cache import PagedKVConfig
+
+    p = engine.paged
+    return PagedKVConfig(block_size=p.block_size, num_blocks=p.num_blocks, free_mem_fraction=p.free_gpu_mem_fraction,
+                         max_num_tokens=p.max_num_tokens)
 
 
 def _unquantized_keys(engine: EngineSpec) -> set[str]:
-    """Fields left out of the build key: the TensorRT-LLM options, and the quantization fields while they
-    hold their defaults (so that unquantized builds keep the keys they had)."""
+    """Fields left out of the build key: the TensorRT-LLM options, and the quantization and paged fields while
+    they hold their defaults (so that unquantized, static-cache builds keep the keys they had)."""
     keys = {"trtllm"}
+    if engine.paged is None:
+        keys.add("paged")
     if engine.quantization == "none":
         keys |= {"quantization", "quantize_lm_head"}
     return keys

@@ -63,6 +63,21 @@ class TrtllmSpec(BaseModel):
                                               description="Toolchain of the serving fleet, checked at stage time.")
 
 
+class PagedKvSpec(BaseModel):
+    """The paged KV cache of the `torch` kind (serving.engine.paged_cache): blocks shared by every request,
+    admitted by free blocks; prefill in chunks mixed with decodes under a token budget per step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = Field(32, ge=1, description="Token positions per KV block (TensorRT-LLM's tokens_per_block).")
+    num_blocks: int | None = Field(None, ge=1, description="Blocks in the pool; None: sized at load from "
+                                   "free_gpu_mem_fraction (CUDA only; the CPU needs a number).")
+    free_gpu_mem_fraction: float = Field(0.9, gt=0, le=1, description="Share of the GPU memory free after the "
+                                         "weights that the pool takes (kv_cache_free_gpu_mem_fraction).")
+    max_num_tokens: int = Field(8192, ge=1, description="Tokens one step computes at most: prefill chunks and "
+                                "one decode token per live request (TensorRT-LLM's max_num_tokens).")
+
+
 class EngineSpec(BaseModel):
     """Engine kind and build limits; the engine refuses requests beyond them."""
 
@@ -80,12 +95,35 @@ class EngineSpec(BaseModel):
     max_batch_size: int = Field(8, ge=1, le=1024, description="Most sequences the engine decodes at once.")
     max_input_len: int = Field(128, ge=1, description="Longest prompt, in tokens.")
     max_seq_len: int = Field(256, ge=2, description="Longest prompt + generated tokens, in tokens.")
+    paged: PagedKvSpec | None = Field(None, description="`torch` kind: a paged KV cache (opt-in; "
+                                      "docs/throughput.md); None: the static cache of max_batch_size x max_seq_len. "
+                                      "max_batch_size is then the most live requests.")
     trtllm: TrtllmSpec = Field(default_factory=TrtllmSpec, description="Options of the TensorRT-LLM kinds.")
 
     @model_validator(mode="after")
     def _lm_head_needs_quantization(self) -> EngineSpec:
         if self.quantize_lm_head and self.quantization == "none":
             raise ValueError("quantize_lm_head=true needs quantization 'fp8' or 'int8-weight-only', not 'none'")
+        return self
+
+    @model_validator(mode="after")
+    def _paged_limits_fit(self) -> EngineSpec:
+        p = self.paged
+        if p is None:
+            return self
+        if self.kind != "torch":
+            raise ValueError(f"paged is an option of kind 'torch'; kind {self.kind!r} sets its KV cache in trtllm")
+        if p.max_num_tokens < p.block_size:
+            raise ValueError(f"paged.max_num_tokens ({p.max_num_tokens}) is smaller than one block "
+                             f"(paged.block_size {p.block_size})")
+        if p.max_num_tokens < self.max_batch_size:
+            raise ValueError(f"paged.max_num_tokens ({p.max_num_tokens}) < max_batch_size ({self.max_batch_size}): "
+                             "a step could not give every live request its decode token")
+        need = -(-self.max_seq_len // p.block_size)
+        if p.num_blocks is not None and p.num_blocks < need:
+            raise ValueError(f"paged.num_blocks ({p.num_blocks}) x block_size ({p.block_size}) = "
+                             f"{p.num_blocks * p.block_size} positions cannot hold one sequence of max_seq_len "
+                             f"({self.max_seq_len}, {need} blocks)")
         return self
 
     @model_validator(mode="after")

@@ -131,7 +131,7 @@ def test_impossible_paged_sizes_are_refused_with_the_numbers(engines):
     with pytest.raises(EngineLimitError, match=r"max_num_tokens=4 is smaller than one block \(paged.block_size=8\)"):
         check_paged_config(PagedKVConfig(block_size=8, max_num_tokens=4), num_blocks=100, max_seq_len=80,
                            max_batch_size=1, block_bytes=1)
-    with pytest.raises(EngineLimitError, match="max_num_tokens=64 < max_batch_size=128"):
+    with pytest.raises(EngineLimitError, match="max_num_tokens=64 < limits.max_batch_size=128"):
         check_paged_config(PagedKVConfig(block_size=8, max_num_tokens=64), num_blocks=100, max_seq_len=80,
                            max_batch_size=128, block_bytes=1)
 
@@ -148,3 +148,44 @@ def test_block_allocator_and_sizing_arithmetic():
     # Llama-3.1-8B bf16, 32-position blocks: 4 MiB a block; 90% of 100 GiB free -> 23,040 blocks (737,280 tokens)
     block = 2 * 32 * 8 * 128 * 32 * 2
     assert block == 4 << 20 and blocks_from_memory(100 << 30, 0.9, block) == 23040
+
+
+def test_spec_refuses_impossible_paged_limits_and_the_build_records_them(engines, tmp_path):
+    from pydantic import ValidationError
+
+    from serving.engine import read_engine_info
+    from tasks.engine_spec import EngineSpec
+
+    with pytest.raises(ValidationError, match=r"paged.num_blocks \(7\) x block_size \(32\) = 224 positions cannot "
+                       r"hold one sequence of max_seq_len \(256, 8 blocks\)"):
+        EngineSpec(max_seq_len=256, paged={"num_blocks": 7})
+    with pytest.raises(ValidationError, match=r"paged.max_num_tokens \(512\) < max_batch_size \(1024\)"):
+        EngineSpec(max_batch_size=1024, paged={"max_num_tokens": 512})
+    assert EngineSpec(max_batch_size=1024, max_seq_len=8192, max_input_len=4096, paged={}).paged.block_size == 32
+    _, engine, _, _ = engines
+    ckpt = engine.parent / "ckpt"
+    with pytest.raises(EngineLimitError, match="paged.max_num_tokens=2 < limits.max_batch_size=4"):
+        build_engine(ckpt, tmp_path / "bad", limits=LIMITS, paged=PagedKVConfig(block_size=1, max_num_tokens=2))
+    built = build_engine(ckpt, tmp_path / "paged", limits=LIMITS, paged=CONFIG)
+    assert built.paged == CONFIG and read_engine_info(built.path).paged == CONFIG
+    assert read_engine_info(engine).paged is None and built.fingerprint != read_engine_info(engine).fingerprint
+    assert load_paged_engine(built.path, device="cpu").num_blocks == CONFIG.num_blocks
+    with pytest.raises(EngineLimitError, match="was built without paged KV settings"):
+        load_paged_engine(engine, device="cpu")
+
+
+def test_release_build_step_carries_the_paged_settings(engines, tmp_path):
+    """tasks.build: a spec's paged settings reach engine.json and get a build key of their own, while a
+    static spec keeps its key (and engine.json) as before."""
+    from tasks.build import build
+    from tasks.convert import convert
+    from tasks.engine_spec import EngineSpec
+
+    hf = engines[0]
+    limits = {"dtype": "float32", "max_batch_size": 4, "max_input_len": 40, "max_seq_len": 80}
+    static = EngineSpec(**limits)
+    paged = EngineSpec(**limits, paged={"block_size": 8, "num_blocks": 20, "max_num_tokens": 24})
+    converted = convert(hf, static, tmp_path)
+    on_static, on_paged = build(converted, static, tmp_path).info, build(converted, paged, tmp_path).info
+    assert on_static.paged is None and on_paged.paged == CONFIG and on_static.path != on_paged.path
+    assert "paged" not in (on_static.path / "engine.json").read_text()

@@ -48,6 +48,7 @@ from serving.engine.errors import (
     ToolchainMismatchError,
 )
 from serving.engine.model import ModelArgs
+from serving.engine.paged_cache import PagedKVConfig, check_paged_config, kv_block_bytes
 from serving.engine.quantize import QuantInfo, check_capability_text
 
 ENGINE_FORMAT = "enginewright-torch-engine"
@@ -95,6 +96,7 @@ class EngineInfo:
     path: Path
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
     quantization: QuantInfo = field(default_factory=QuantInfo)
+    paged: PagedKVConfig | None = None  # the paged KV cache's settings (`paged_runner`); None: static only
 
     @property
     def weight_files(self) -> list[str]:
@@ -189,13 +191,19 @@ def sha256_file(path: Path) -> str:
 
 
 def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits,
-                 quantization: QuantInfo | None = None) -> EngineInfo:
+                 quantization: QuantInfo | None = None, paged: PagedKVConfig | None = None) -> EngineInfo:
     """Write the engine folder `out_dir` from an engine checkpoint; idempotent for identical inputs.
-    `quantization`, when given, must be what the checkpoint was converted with."""
+    `quantization`, when given, must be what the checkpoint was converted with; `paged`, when given, is
+    checked against the limits and recorded."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     meta = read_checkpoint_meta(checkpoint_dir)
     model = ModelArgs.from_dict(meta["model"])
     limits.validate(model)
+    if paged is not None:
+        check_paged_config(paged, max_seq_len=limits.max_seq_len, max_batch_size=limits.max_batch_size,
+                           block_bytes=kv_block_bytes(n_layers=model.n_layers, n_kv_heads=model.n_kv_heads,
+                                                      head_dim=model.head_dim, block_size=max(paged.block_size, 1),
+                                                      element_bytes=DTYPES[limits.dtype].itemsize))
     if limits.dtype != meta["dtype"]:
         raise EngineLimitError(f"limits.dtype={limits.dtype!r} but checkpoint {str(checkpoint_dir)!r} was "
                                f"converted to dtype={meta['dtype']!r}; convert with dtype={limits.dtype!r}")
@@ -230,6 +238,8 @@ def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits,
         }
         if quantization.enabled:  # (absent for unquantized engines: their fingerprints stay as they were)
             engine_json["quantization"] = meta["quantization"]
+        if paged is not None:  # (absent for static-only engines: their fingerprints stay as they were)
+            engine_json["paged"] = paged.to_dict()
         engine_json["fingerprint"] = compute_fingerprint(engine_json)
         (tmp / ENGINE_JSON).write_text(json.dumps(engine_json, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
@@ -277,6 +287,7 @@ def read_engine_info(engine_dir: Path) -> EngineInfo:
             path=engine_dir,
             files=d["files"],
             quantization=QuantInfo.from_dict(d.get("quantization")),
+            paged=PagedKVConfig.from_dict(d["paged"]) if d.get("paged") else None,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise EngineFormatError(f"{path} is malformed: {e!r}") from None

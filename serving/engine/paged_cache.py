@@ -19,7 +19,9 @@ Imports: stdlib and torch only.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,13 +32,24 @@ DEFAULT_BLOCK_SIZE = 32
 
 @dataclass(frozen=True)
 class PagedKVConfig:
-    """How the paged engine sizes its cache and its steps (resolved once, at load)."""
+    """How the paged engine sizes its cache and its steps (resolved once; recorded in engine.json by the
+    build as `paged`). Live requests are capped by the engine's `limits.max_batch_size`."""
 
     block_size: int = DEFAULT_BLOCK_SIZE  # token positions per block
     num_blocks: int | None = None  # explicit pool size (required on the CPU)
     free_mem_fraction: float = 0.9  # of the device memory free after the weights, when num_blocks is None
     max_num_tokens: int = 8192  # tokens (prefill chunks + decodes) one step computes at most
-    max_batch_size: int | None = None  # live requests at most (None: the engine's limits.max_batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PagedKVConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown paged KV settings {unknown} (known: {sorted(names)})")
+        return cls(**d)
 
 
 def kv_block_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, element_bytes: int) -> int:
@@ -54,23 +67,25 @@ def blocks_from_memory(free_bytes: int, fraction: float, block_bytes: int) -> in
     return int(free_bytes * fraction) // block_bytes
 
 
-def check_paged_config(config: PagedKVConfig, *, num_blocks: int, max_seq_len: int, max_batch_size: int,
-                       block_bytes: int) -> None:
-    """Raise EngineLimitError naming the values when the paged cache cannot serve the engine's limits."""
+def check_paged_config(config: PagedKVConfig, *, max_seq_len: int, max_batch_size: int, block_bytes: int,
+                       num_blocks: int | None = None) -> None:
+    """Raise EngineLimitError naming the values when the paged cache cannot serve the engine's limits
+    (`num_blocks`: the pool's size, when known; the build knows it only when it is explicit)."""
     if config.block_size < 1:
         raise EngineLimitError(f"paged.block_size={config.block_size} must be >= 1")
     if config.max_num_tokens < config.block_size:
         raise EngineLimitError(f"paged.max_num_tokens={config.max_num_tokens} is smaller than one block "
                                f"(paged.block_size={config.block_size}); raise max_num_tokens")
-    if max_batch_size < 1:
-        raise EngineLimitError(f"paged max_batch_size={max_batch_size} must be >= 1 (live requests)")
     if config.max_num_tokens < max_batch_size:
-        raise EngineLimitError(f"paged.max_num_tokens={config.max_num_tokens} < max_batch_size={max_batch_size}: "
-                               "a step could not give every live request its decode token")
+        raise EngineLimitError(f"paged.max_num_tokens={config.max_num_tokens} < limits.max_batch_size="
+                               f"{max_batch_size}: a step could not give every live request its decode token")
     if not 0.0 < config.free_mem_fraction <= 1.0:
         raise EngineLimitError(f"paged.free_mem_fraction={config.free_mem_fraction} must be in (0, 1]")
+    if config.num_blocks is not None and config.num_blocks < 1:
+        raise EngineLimitError(f"paged.num_blocks={config.num_blocks} must be >= 1")
+    num_blocks = config.num_blocks if num_blocks is None else num_blocks
     need = blocks_for(max_seq_len, config.block_size)
-    if num_blocks < need:
+    if num_blocks is not None and num_blocks < need:
         raise EngineLimitError(
             f"the paged KV cache has {num_blocks} blocks of {config.block_size} positions "
             f"({num_blocks * block_bytes / 2**20:.1f} MiB) but one sequence of limits.max_seq_len={max_seq_len} "
@@ -81,8 +96,6 @@ def check_paged_config(config: PagedKVConfig, *, num_blocks: int, max_seq_len: i
 def resolve_num_blocks(config: PagedKVConfig, device: torch.device, block_bytes: int) -> int:
     """The pool size: `config.num_blocks`, or `free_mem_fraction` of the free CUDA memory."""
     if config.num_blocks is not None:
-        if config.num_blocks < 1:
-            raise EngineLimitError(f"paged.num_blocks={config.num_blocks} must be >= 1")
         return config.num_blocks
     if device.type != "cuda":
         raise EngineLimitError(f"paged.num_blocks is required on device {device}: sizing the cache from "

@@ -50,7 +50,7 @@ class PagedRunner:
         a, lim = info.model, info.limits
         weight = model.tok_embeddings.weight
         self.info, self.model, self.device, self.config = info, model, device, config
-        self.max_live = config.max_batch_size or lim.max_batch_size
+        self.max_live = lim.max_batch_size
         self.block_bytes = kv_block_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                                           block_size=config.block_size, element_bytes=weight.element_size())
         self.num_blocks = resolve_num_blocks(config, device, self.block_bytes)
@@ -132,7 +132,12 @@ class PagedRunner:
         return out
 
 
-def load_paged_engine(engine_dir: Path, *, config: PagedKVConfig, device: str = "auto") -> PagedRunner:
-    """Read, check and load an engine folder with a paged KV cache sized by `config` (see module doc)."""
+def load_paged_engine(engine_dir: Path, *, config: PagedKVConfig | None = None, device: str = "auto") -> PagedRunner:
+    """Read, check and load an engine folder with a paged KV cache sized by `config` (default: the engine's
+    own `paged` settings, from its build; see module doc)."""
     info, model, dev = load_model(engine_dir, device=device)
+    config = config or info.paged
+    if config is None:
+        raise EngineLimitError(f"engine {str(info.path)!r} was built without paged KV settings (engine.paged); "
+                               "build it with engine.paged set, or pass config=PagedKVConfig(...)")
     return PagedRunner(info, model, dev, config)
