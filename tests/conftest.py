@@ -4,6 +4,16 @@ services (``services``) and a rerun of a test that failed while Triton segfaulte
 
 from __future__ import annotations
 
+import os
+
+# One OpenMP/MKL thread per test process (and per server or CLI it starts, which inherit it): pytest runs
+# three workers on CI's two cores, and torch's default pool of one thread per core in each worker spins
+# while it waits, so the workers burn each other's cores. Measured on the 2-core machine, loaded:
+# tests/test_engine_generate.py took 11.4 s of CPU (59 s wall) with one thread against 40 s (197 s) with
+# two. Set before anything imports torch; a value already in the environment wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 import pytest
 
 
