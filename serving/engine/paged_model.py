@@ -8,7 +8,9 @@ block table, causal inside the chunk:
 
 - the single-token chunks (decodes, and a prompt's last token alone) together: every table gathered into
   `[Bd, Hkv, L, hd]` and masked to each sequence's length (the masked matmul of `model.decode_step`);
-- each longer chunk on its own: its context gathered, then SDPA (causal from position 0, else a mask).
+- the longer chunks that start at position 0 (whole prompts, or their first chunks), grouped by length: one
+  causal SDPA per length over the step's own K/V (nothing read back from the cache), as the static prefill;
+- each other chunk (a later chunk of a prompt) on its own: its context gathered, then SDPA under a mask.
 
 This is the torch reference path: it runs on the CPU and on CUDA (where gathering the context copies it;
 a kernel that reads the pools through the tables in place is the fast path's job). The result is the
@@ -49,7 +51,8 @@ class PagedStep:
     single_rows: torch.Tensor  # [Bd] long: where the single-token chunks' tokens are in [T]
     single_tables: torch.Tensor  # [Bd, nmax] long, padded with block 0
     single_lengths: torch.Tensor  # [Bd] long: visible positions (start + 1)
-    long_chunks: tuple[tuple[int, int, int, torch.Tensor], ...]  # (offset in T, n, start, table [nblocks])
+    fresh_groups: tuple[torch.Tensor, ...]  # [m, n] long: the tokens of m chunks of n > 1 tokens from position 0
+    long_chunks: tuple[tuple[int, int, int, torch.Tensor], ...]  # (offset in T, n, start > 0, table [nblocks])
     sample_index: torch.Tensor  # [N] long: the tokens whose logits the step returns
 
     @property
@@ -66,6 +69,7 @@ def build_step(chunks: Sequence[ChunkPlan], sample: Sequence[int], block_size: i
     slots: list[int] = []
     single_rows, single_tables, single_lengths = [], [], []
     longs: list[tuple[int, int, int, list[int]]] = []
+    fresh: dict[int, list[list[int]]] = {}
     last: list[int] = []
     for chunk in chunks:
         n, offset = len(chunk.tokens), len(tokens)
@@ -80,6 +84,8 @@ def build_step(chunks: Sequence[ChunkPlan], sample: Sequence[int], block_size: i
             single_rows.append(offset)
             single_tables.append(list(chunk.table[:blocks_for(chunk.start + 1, block_size)]))
             single_lengths.append(chunk.start + 1)
+        elif chunk.start == 0:
+            fresh.setdefault(n, []).append(list(range(offset, offset + n)))
         else:
             longs.append((offset, n, chunk.start, list(chunk.table[:blocks_for(chunk.start + n, block_size)])))
         last.append(offset + n - 1)
@@ -95,6 +101,7 @@ def build_step(chunks: Sequence[ChunkPlan], sample: Sequence[int], block_size: i
     return PagedStep(
         tokens=dev(tokens), positions=dev(positions), slots=dev(slots), single_rows=dev(single_rows),
         single_tables=dev(padded, (len(padded), width)), single_lengths=dev(single_lengths),
+        fresh_groups=tuple(dev(rows) for rows in fresh.values()),
         long_chunks=tuple((o, n, s, dev(t)) for o, n, s, t in longs),
         sample_index=dev([last[i] for i in sample]),
     )
@@ -122,7 +129,8 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
         q, k, v = attn.wqkv(h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q = _rope_1(q.view(total, a.n_heads, a.head_dim), cos, sin)  # [T, H, hd]
         k = _rope_1(k.view(total, a.n_kv_heads, a.head_dim), cos, sin)  # [T, Hkv, hd]
-        cache.write(i, step.slots, k, v.view(total, a.n_kv_heads, a.head_dim))
+        v = v.view(total, a.n_kv_heads, a.head_dim)
+        cache.write(i, step.slots, k, v)
         y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
         if single:
             keys, values = cache.gather_batch(i, step.single_tables)  # [Bd, Hkv, L, hd]
@@ -130,12 +138,26 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
             scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + neg  # [Bd, Hkv, G, L]
             probs = scores.softmax(dim=-1).to(values.dtype)
             y[step.single_rows] = torch.matmul(probs, values).reshape(single, a.q_size)
+        for rows in step.fresh_groups:
+            y[rows.flatten()] = _fresh_attention(q, k, v, rows, group)
         for offset, n, start, table in step.long_chunks:
             y[offset:offset + n] = _chunk_attention(cache, i, q[offset:offset + n], table, start, group)
         x = x + attn.wo(y)
         x = x + layer.feed_forward(layer.ffn_norm(x))
     h = model.norm(x if all_logits else x[step.sample_index])
     return model.logits(h)
+
+
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, group: int
+                     ) -> torch.Tensor:
+    """m chunks of n tokens from position 0 (their token indices `rows` [m, n]), causal over their own
+    keys/values (q [T, H, hd], k, v [T, Hkv, hd]) -> [m * n, H * hd]."""
+    m, n = rows.shape
+    qc, kc, vc = q[rows], k[rows], v[rows]  # [m, n, heads, hd]
+    if group > 1:
+        kc, vc = kc.repeat_interleave(group, dim=2), vc.repeat_interleave(group, dim=2)
+    out = F.scaled_dot_product_attention(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), is_causal=True)
+    return out.transpose(1, 2).reshape(m * n, -1)
 
 
 def _chunk_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, table: torch.Tensor, start: int,
@@ -147,10 +169,7 @@ def _chunk_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, table: to
     if group > 1:  # expand K/V heads as the static prefill does, so SDPA can take its flash kernel
         keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-    if start == 0:
-        out = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), values.unsqueeze(0), is_causal=True)
-    else:
-        ctx = start + n
-        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= torch.arange(start, ctx, device=q.device).unsqueeze(1)
-        out = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)
+    ctx = start + n
+    mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= torch.arange(start, ctx, device=q.device).unsqueeze(1)
+    out = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)
     return out[0].transpose(0, 1).reshape(n, heads * hd)
