@@ -189,3 +189,21 @@ def test_release_build_step_carries_the_paged_settings(engines, tmp_path):
     on_static, on_paged = build(converted, static, tmp_path).info, build(converted, paged, tmp_path).info
     assert on_static.paged is None and on_paged.paged == CONFIG and on_static.path != on_paged.path
     assert "paged" not in (on_static.path / "engine.json").read_text()
+
+
+def test_throughput_bench_serves_every_request_on_both_sides(tmp_path):
+    """`bench throughput` on the tiny shape (CPU): both sides deliver every requested token and report
+    percentiles; the paged side under a pool smaller than the requests' total."""
+    import json
+
+    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+
+    cfg = ThroughputConfig(shape="tiny", requests=6, input_len=8, output_len=4, spread=0.5, static_batch=2,
+                           paged_live=4, block_size=4, max_num_tokens=16, num_blocks=6, warmup_requests=0)
+    report = bench_throughput(cfg, device="cpu", out_json=tmp_path / "t.json", progress=lambda line: None)
+    want = sum(n for _, n in workload(cfg, 512))
+    assert [s.side for s in report.sides] == ["static", "paged"]
+    for side in report.sides:
+        assert side.output_tokens == want and side.output_tok_s > 0 and side.ttft_ms["p50"] <= side.ttft_ms["p99"]
+    assert report.sides[0].largest_batch <= 2 and report.sides[1].largest_batch <= 4
+    assert json.loads((tmp_path / "t.json").read_text())["sides"][1]["side"] == "paged"

@@ -105,6 +105,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     qua.add_argument("--no-check", action="store_true", help="skip the kernels-vs-reference logits check")
     qua.add_argument("--deadline-s", type=float, default=1e9, help="skip cells starting after this many seconds")
     qua.add_argument("--out", type=Path, default=Path("bench-quantized.json"))
+    thr = sub.add_parser("throughput", help="N requests at once, offline: the static engine beside the paged one "
+                         "(output tok/s, TTFT / TPOT / ITL percentiles)")
+    thr.add_argument("--shape", default="llama-3.1-8b", help="llama-3.2-1b, llama-3.1-8b or tiny (random weights)")
+    thr.add_argument("--requests", type=int, default=1024)
+    thr.add_argument("--workload", default="128/128", help="input/output tokens per request")
+    thr.add_argument("--spread", type=float, default=0.0, help="lengths uniform in len x [1 - spread, 1 + spread]")
+    thr.add_argument("--sides", default="static,paged", help="comma list of static, paged")
+    thr.add_argument("--static-batch", type=int, default=256, help="the static engine's max_batch_size (cache rows)")
+    thr.add_argument("--paged-live", type=int, default=1024, help="the paged engine's live requests at most")
+    thr.add_argument("--block-size", type=int, default=32)
+    thr.add_argument("--max-num-tokens", type=int, default=8192, help="the paged engine's tokens per step")
+    thr.add_argument("--num-blocks", type=int, help="paged pool size (default: a share of the free GPU memory)")
+    thr.add_argument("--free-mem-fraction", type=float, default=0.9)
+    thr.add_argument("--warmup-requests", type=int, default=64)
+    thr.add_argument("--device", default="auto")
+    thr.add_argument("--out", type=Path, default=Path("bench-throughput.json"))
     eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
     eng.add_argument("--shape", default="llama-3.2-1b")
     eng.add_argument("--batch", type=int, default=64)
@@ -179,6 +195,17 @@ def run(args: argparse.Namespace) -> int:
             batch_sizes=_ints(args.batch_sizes), prompt_len=prompt_len, gen_len=gen_len, repeats=args.repeats,
             check=not args.no_check, deadline_s=args.deadline_s), out_json=args.out)
         print(render_quant_table(report))
+        return 0
+    if args.bench_mode == "throughput":
+        from serving.bench.throughput import ThroughputConfig, bench_throughput
+
+        (input_len, output_len), = _pairs(args.workload)
+        bench_throughput(ThroughputConfig(
+            shape=args.shape, requests=args.requests, input_len=input_len, output_len=output_len, spread=args.spread,
+            static_batch=args.static_batch, paged_live=args.paged_live, block_size=args.block_size,
+            max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction,
+            sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests), device=args.device,
+            out_json=args.out)
         return 0
     if args.bench_mode == "engine-offline":
         from serving.bench.served import bench_offline_engine, build_random_engine

@@ -1,0 +1,216 @@
+"""`enginewright bench throughput`: throughput at saturation, offline, the static engine beside the paged one.
+
+N requests arrive at once (an infinite request rate, as `trtllm-bench throughput` runs by default), with
+fixed input/output lengths or lengths spread uniformly around them (`spread`: a fraction, each length drawn
+from [len * (1 - spread), len * (1 + spread)]). Each side's in-flight scheduler serves them all on this
+thread: the static engine through `scheduler.Scheduler` (one cache row per live request, CUDA graphs of the
+decode step), the paged one through `paged_scheduler.PagedScheduler` (chunked prefill under
+`max_num_tokens`, admission by free blocks). The two share one model's weights and run one after the other
+in the same process on the same requests.
+
+Reported per side, like `trtllm-bench` and `vllm bench serve`: output tok/s (generated tokens / wall time
+from the first submit to the last token), requests/s, TTFT (submit -> first token on the host), TPOT (a
+request's (last - first token) / (tokens - 1)) and ITL (every gap between a request's consecutive tokens)
+at p50 / p90 / p99, the most live requests in one step, and the paged side's preemptions.
+
+Weights are random (`quantized.random_model`, or the tiny shape on the CPU): the figures are of the
+engine's speed, not of a model's answers, and requests never stop early (no stop tokens).
+
+Imports: stdlib and torch; the engine modules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.bench.offline import percentile
+
+Work = list[tuple[list[int], int]]  # (prompt ids, max_tokens) per request
+
+
+@dataclass(frozen=True)
+class ThroughputConfig:
+    shape: str = "llama-3.1-8b"
+    requests: int = 1024
+    input_len: int = 128
+    output_len: int = 128
+    spread: float = 0.0
+    static_batch: int = 256  # the static engine's max_batch_size (cache rows)
+    paged_live: int = 1024  # the paged engine's max_batch_size (live requests)
+    block_size: int = 32
+    max_num_tokens: int = 8192
+    num_blocks: int | None = None  # None: free_mem_fraction of the free CUDA memory
+    free_mem_fraction: float = 0.9
+    sides: tuple[str, ...] = ("static", "paged")
+    warmup_requests: int = 64
+    seed: int = 0
+
+
+@dataclass
+class SideResult:
+    side: str
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float
+    request_per_s: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    largest_batch: int
+    preempted: int = 0
+    setup_s: float = 0.0
+    note: str = ""
+
+    def row(self) -> str:
+        def pct(d: dict[str, float]) -> str:
+            return "/".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p99"))
+
+        return (f"{self.side:>7}: {self.output_tok_s:>9.0f} output tok/s  {self.request_per_s:7.1f} req/s  wall "
+                f"{self.wall_s:6.1f} s  TTFT p50/p90/p99 {pct(self.ttft_ms)} ms  TPOT {pct(self.tpot_ms)} ms  "
+                f"ITL {pct(self.itl_ms)} ms  live<= {self.largest_batch}  preempted {self.preempted}  "
+                f"setup {self.setup_s:.0f} s {self.note}")
+
+
+@dataclass
+class ThroughputReport:
+    config: dict[str, Any]
+    device: str
+    sides: list[SideResult] = field(default_factory=list)
+
+
+def workload(cfg: ThroughputConfig, vocab: int, *, requests: int | None = None, output_len: int | None = None) -> Work:
+    """The requests of one run: random prompt ids, lengths fixed or spread (seeded)."""
+    rng = random.Random(cfg.seed)
+    out_len = output_len or cfg.output_len
+
+    def length(mean: int) -> int:
+        lo, hi = max(1, round(mean * (1 - cfg.spread))), max(1, round(mean * (1 + cfg.spread)))
+        return rng.randint(lo, hi)
+
+    return [([rng.randrange(1, vocab) for _ in range(length(cfg.input_len))], length(out_len))
+            for _ in range(requests or cfg.requests)]
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+
+
+def run_side(scheduler: Any, work: Work, side: str) -> SideResult:
+    """Submit every request of `work` at once to `scheduler` (static or paged), serve them on this thread,
+    and time every token as the host receives it."""
+    from serving.engine.scheduler import GenRequest
+
+    times: list[list[float]] = [[] for _ in work]
+    failures: list[BaseException] = []
+
+    def emitter(i: int) -> Callable[[list[int], str | None], None]:
+        def emit(ids: list[int], reason: str | None) -> None:
+            now = time.perf_counter()
+            times[i].extend([now] * len(ids))
+        return emit
+
+    started = time.perf_counter()
+    for i, (prompt, max_tokens) in enumerate(work):
+        scheduler.submit(GenRequest(prompt, max_tokens, emitter(i), failures.append))
+    scheduler.run_until_idle()
+    if scheduler.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    if failures:
+        raise RuntimeError(f"{side}: {len(failures)} requests failed, the first: {failures[0]!r}")
+    ttft = [(t[0] - started) * 1e3 for t in times if t]
+    tpot = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) for t in times if len(t) > 1]
+    itl = [(b - a) * 1e3 for t in times for a, b in itertools.pairwise(t)]
+    generated = sum(len(t) for t in times)
+    stats = scheduler.stats
+    return SideResult(side=side, requests=len(work), input_tokens=sum(len(p) for p, _ in work),
+                      output_tokens=generated, wall_s=wall, output_tok_s=generated / wall,
+                      request_per_s=len(work) / wall, ttft_ms=_stats(ttft), tpot_ms=_stats(tpot), itl_ms=_stats(itl),
+                      largest_batch=stats.largest_batch, preempted=getattr(stats, "preempted", 0))
+
+
+def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any]:
+    """(model, static runner or None, paged runner or None) over one random model's weights."""
+    from serving.bench.models import model_args
+    from serving.engine.build import EngineInfo, EngineLimits
+    from serving.engine.model import Transformer
+    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.paged_runner import PagedRunner
+    from serving.engine.runner import EngineRunner, pick_decode_attention, pick_decode_gemm
+
+    args = model_args(cfg.shape)
+    seq = cfg.input_len + cfg.output_len
+    max_seq_len = max(round(cfg.input_len * (1 + cfg.spread)) + round(cfg.output_len * (1 + cfg.spread)), seq) + 1
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = Transformer(args)
+    model = model.to(dtype).eval().requires_grad_(False)
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+
+    def info(max_batch_size: int) -> EngineInfo:
+        limits = EngineLimits(name, max_batch_size=max_batch_size, max_input_len=max_seq_len - 1, max_seq_len=max_seq_len)
+        return EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."))
+
+    static = paged = None
+    if "paged" in cfg.sides:  # sized first: from the memory free before the static cache takes its share
+        config = PagedKVConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_tokens=cfg.max_num_tokens,
+                               free_mem_fraction=cfg.free_mem_fraction)
+        if "static" in cfg.sides and cfg.num_blocks is None and device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+            static_bytes = 2 * args.n_layers * args.kv_size * cfg.static_batch * max_seq_len * 2
+            config = PagedKVConfig(block_size=cfg.block_size, max_num_tokens=cfg.max_num_tokens,
+                                   free_mem_fraction=cfg.free_mem_fraction * (free - static_bytes) / free)
+        paged = PagedRunner(info(cfg.paged_live), model, device, config)
+    if "static" in cfg.sides:
+        model.setup_caches(cfg.static_batch, max_seq_len)
+        model.decode_attention_impl = pick_decode_attention("auto", device, dtype)
+        model.decode_gemm_impl = pick_decode_gemm("auto", device, dtype)
+        static = EngineRunner(info(cfg.static_batch), model, device)
+    return model, static, paged
+
+
+def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: Path | None = None,
+                     progress: Callable[[str], None] = print) -> ThroughputReport:
+    """Both sides on the same requests, one after the other; each warmed first on `warmup_requests`."""
+    from serving.engine.paged_scheduler import PagedScheduler
+    from serving.engine.runner import resolve_device
+    from serving.engine.scheduler import Scheduler
+
+    dev = resolve_device(device)
+    started = time.perf_counter()
+    model, static, paged = _runners(cfg, dev)
+    progress(f"model {cfg.shape} on {dev} in {time.perf_counter() - started:.0f} s"
+             + (f"; paged cache {paged.num_blocks} blocks of {cfg.block_size}" if paged else ""))
+    report = ThroughputReport(config=asdict(cfg), device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
+    work = workload(cfg, model.args.vocab_size)
+    warm = workload(cfg, model.args.vocab_size, requests=cfg.warmup_requests, output_len=8)
+    for side in cfg.sides:
+        runner = static if side == "static" else paged
+        make = (lambda r=runner: Scheduler(r)) if side == "static" else (lambda r=runner: PagedScheduler(r))
+        t0 = time.perf_counter()
+        if side == "static" and runner.graphs is not None:
+            runner.graphs.warm_up()
+        if cfg.warmup_requests:
+            run_side(make(), warm, side)
+        setup = time.perf_counter() - t0
+        result = run_side(make(), work, side)
+        result.setup_s = setup
+        report.sides.append(result)
+        progress(result.row())
+        if out_json is not None:
+            out_json.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    return report
