@@ -1,5 +1,6 @@
 """Analysis of one rollout step: Argo-style metrics over the router's counters and Triton's Prometheus
-endpoint, plus a baseline-vs-canary latency comparison (one-sided Mann-Whitney U).
+endpoint, plus a baseline-vs-canary latency comparison (the candidate/live ratio with confidence bounds
+against a relative budget).
 
 Outcomes follow Argo Rollouts: ``Successful`` (continue), ``Failed`` (abort), ``Inconclusive`` (hold for a
 person). The pieces here are plain functions over numbers; ``gray_release`` supplies the readers.
@@ -12,7 +13,10 @@ import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any, Literal
+
+import numpy as np
 
 from tasks.promote_spec import AnalysisSpec, ComparisonSpec, MetricSpec, parse_condition
 from tasks.traffic import RequestRecord
@@ -42,12 +46,21 @@ class MetricResult:
 class Comparison:
     metric: str  # ttft | tpot
     outcome: Outcome
+    judged: bool  # False: no verdict on the latency (not compared, too few samples, or undecided)
     n_baseline: int
     n_canary: int
     median_baseline_s: float | None
     median_canary_s: float | None
-    p_value: float | None
+    ratio: float | None  # candidate / live, Hodges-Lehmann estimate on log latencies
+    interval: tuple[float, float] | None  # one-sided bounds of the ratio, each at confidence 1 - alpha
+    limit: float | None  # the largest ratio within budget: max(1 + max_slowdown, 1 + floor / live median)
     reason: str
+
+    def figures(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, "judged": self.judged, "n": [self.n_baseline, self.n_canary],
+                "median_live_ms": _ms(self.median_baseline_s), "median_candidate_ms": _ms(self.median_canary_s),
+                "ratio": _round(self.ratio), "interval": None if self.interval is None else
+                [_round(x) for x in self.interval], "limit": _round(self.limit), "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -60,20 +73,33 @@ class AnalysisResult:
     reason: str
     metrics: list[MetricResult] = field(default_factory=list)
     comparisons: list[Comparison] = field(default_factory=list)
+    window_s: float = 0.0  # how long the window stayed open
+    expected_window_s: float | None = None  # the least length the traffic rate and weight allowed, when known
+    ceiling_s: float | None = None  # analysis.timeout_s
+
+    @property
+    def unjudged(self) -> list[str]:
+        """Why parts of this window gave no latency verdict (not compared, too few samples, undecided)."""
+        return [c.reason for c in self.comparisons if not c.judged]
 
     def figures(self) -> dict[str, Any]:
         """Numbers a person reads (MLflow tags, reports)."""
         return {
             "outcome": self.outcome, "requests": self.requests, "success_rate": round(self.success_rate, 4),
+            "window": {"seconds": round(self.window_s, 2), "expected_s": _round(self.expected_window_s),
+                       "ceiling_s": self.ceiling_s},
             "metrics": {m.name: [x.value for x in m.measurements] for m in self.metrics},
-            "comparisons": {c.metric: {"p": c.p_value, "median_live_ms": _ms(c.median_baseline_s),
-                                       "median_candidate_ms": _ms(c.median_canary_s), "n": [c.n_baseline, c.n_canary]}
-                            for c in self.comparisons},
+            "comparisons": {c.metric: c.figures() for c in self.comparisons},
+            "not_judged": self.unjudged,
         }
 
 
 def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 3)
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(x, 4)
 
 
 # ---------------------------------------------------------------- metric values from counters
@@ -210,40 +236,75 @@ def comparable(spec: ComparisonSpec, candidate_weight: int | None) -> bool:
     return candidate_weight is None or low <= candidate_weight <= high
 
 
+def ratio_interval(candidate: list[float], baseline: list[float], alpha: float) -> tuple[float, float, float]:
+    """Candidate/baseline latency ratio: (estimate, lower, upper), each bound one-sided at confidence 1 - alpha.
+
+    The Hodges-Lehmann shift of log latencies (the median of every pairwise difference) with its
+    distribution-free interval from the Mann-Whitney statistic's normal approximation (order statistics of
+    the m*n differences). Too few samples for a bound at that confidence: (estimate, 0, inf).
+    """
+    c = np.log(np.asarray(candidate, dtype=np.float64))
+    b = np.log(np.asarray(baseline, dtype=np.float64))
+    diffs = np.sort(np.subtract.outer(c, b).ravel())
+    m, n = len(c), len(b)
+    z = NormalDist().inv_cdf(1.0 - alpha)
+    k = math.floor(m * n / 2 - z * math.sqrt(m * n * (m + n + 1) / 12.0))
+    estimate = math.exp(float(np.median(diffs)))
+    if k < 0:
+        return estimate, 0.0, math.inf
+    return estimate, math.exp(float(diffs[k])), math.exp(float(diffs[len(diffs) - 1 - k]))
+
+
 def compare(records: list[RequestRecord], *, live: int | None, candidate: int, spec: ComparisonSpec,
             candidate_weight: int | None = None) -> list[Comparison]:
-    """One-sided Mann-Whitney U per metric: H1 = candidate values stochastically larger than live's."""
-    from scipy.stats import mannwhitneyu
+    """Per metric, is the candidate slower than live beyond the budget? A verdict needs confidence 1 - alpha.
 
+    Failed: the ratio's lower bound is above the limit (surely slower than the budget). Successful: its upper
+    bound is at or below the limit (surely within). Otherwise, and with fewer than ``min_samples`` on a side,
+    Inconclusive and not judged: the window stays open for more samples, up to its ceiling.
+    """
     out = []
     for kind in spec.metrics:
-        if not comparable(spec, candidate_weight):
-            out.append(Comparison(kind, "Successful", 0, 0, None, None, None,
-                                  f"{kind}: not compared at candidate weight {candidate_weight}% (weight_range "
-                                  f"{list(spec.weight_range)})"))
-            continue
         base = latency_samples(records, live, kind)
         cand = latency_samples(records, candidate, kind)
-        mb = _median(base)
-        mc = _median(cand)
+        mb, mc, n = _median(base), _median(cand), (len(base), len(cand))
         if live is None or live == candidate:
-            out.append(Comparison(kind, "Successful", len(base), len(cand), mb, mc, None, "no baseline version"))
+            out.append(Comparison(kind, "Successful", False, *n, mb, mc, None, None, None,
+                                  f"{kind}: not compared (no baseline version)"))
+            continue
+        if candidate_weight is not None and candidate_weight in (0, 100):
+            out.append(Comparison(kind, "Successful", False, *n, mb, mc, None, None, None,
+                                  f"{kind}: not compared at candidate weight {candidate_weight}% (one version "
+                                  "carries all traffic)"))
+            continue
+        if not comparable(spec, candidate_weight):
+            out.append(Comparison(kind, "Successful", False, *n, mb, mc, None, None, None,
+                                  f"{kind}: not compared at candidate weight {candidate_weight}% (compare."
+                                  f"weight_range {list(spec.weight_range)})"))
             continue
         if len(base) < spec.min_samples or len(cand) < spec.min_samples:
-            verdict: Outcome = "Successful" if spec.insufficient == "pass" else "Inconclusive"
-            out.append(Comparison(kind, verdict, len(base), len(cand), mb, mc, None,
-                                  f"{kind}: {len(base)} live and {len(cand)} candidate samples; need "
+            out.append(Comparison(kind, "Inconclusive", False, *n, mb, mc, None, None, None,
+                                  f"{kind}: not judged: {len(base)} live and {len(cand)} candidate samples; need "
                                   f"{spec.min_samples} each (compare.min_samples)"))
             continue
-        p = float(mannwhitneyu(cand, base, alternative="greater").pvalue)
-        effect = (mc / mb - 1.0) if mb and mb > 0 else math.inf
-        floor_ms = spec.min_abs_effect_ms.get(kind, 0.0)
-        slower = p < spec.alpha and effect > spec.min_effect and (mc - mb) * 1e3 > floor_ms
-        reason = (f"{kind}: candidate median {mc * 1e3:.2f} ms vs live {mb * 1e3:.2f} ms ({effect:+.0%}), "
-                  f"one-sided Mann-Whitney U p={p:.2g} (alpha {spec.alpha}, min_effect {spec.min_effect:.0%} and "
-                  f"{floor_ms:g} ms, n={len(cand)}/{len(base)})")
-        out.append(Comparison(kind, "Failed" if slower else "Successful", len(base), len(cand), mb, mc, p, reason))
+        ratio, low, high = ratio_interval(cand, base, spec.alpha)
+        floor_s = spec.min_abs_effect_ms.get(kind, 0.0) / 1e3
+        limit = max(1.0 + spec.max_slowdown, 1.0 + floor_s / mb) if mb else 1.0 + spec.max_slowdown
+        outcome: Outcome = "Failed" if low > limit else "Successful" if high <= limit else "Inconclusive"
+        verdict = {"Failed": "slower than the budget", "Successful": "within the budget",
+                   "Inconclusive": "not judged: the interval holds the limit"}[outcome]
+        out.append(Comparison(
+            kind, outcome, outcome != "Inconclusive", *n, mb, mc, ratio, (low, high), limit,
+            f"{kind}: {verdict}: candidate/live {ratio:.3f}x, bounds [{low:.3f}, {high:.3f}] at confidence "
+            f"{1 - spec.alpha:.0%} each (n={len(cand)}/{len(base)}; medians {mc * 1e3:.2f} vs {mb * 1e3:.2f} ms); "
+            f"limit {limit:.3f}x = compare.max_slowdown {spec.max_slowdown:.0%} or min_abs_effect_ms "
+            f"{floor_s * 1e3:g} ms, whichever is larger"))
     return out
+
+
+def decided(comparisons: list[Comparison]) -> bool:
+    """No comparison is still waiting for samples or confidence."""
+    return all(c.outcome != "Inconclusive" for c in comparisons)
 
 
 def _median(xs: list[float]) -> float | None:
@@ -286,5 +347,6 @@ def combine(t_s: float, records: list[RequestRecord], spec: AnalysisSpec, metric
     for c in comparisons:
         (failed if c.outcome == "Failed" else unsure if c.outcome == "Inconclusive" else []).append(c.reason)
     outcome: Outcome = "Failed" if failed else "Inconclusive" if unsure else "Successful"
-    reason = "; ".join(failed or unsure)
+    notes = [c.reason for c in comparisons if not c.judged and c.outcome == "Successful"]
+    reason = "; ".join(failed or unsure or notes)  # a pass says what it did not compare
     return AnalysisResult(t_s, n, rate, per_version(records), outcome, reason, metrics, comparisons)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from prefect import task
@@ -28,14 +29,16 @@ from prefect.cache_policies import NO_CACHE
 from tasks.analysis import (
     AnalysisResult,
     combine,
+    comparable,
     compare,
+    decided,
     prometheus_value,
     router_value,
     run_metrics,
     take_readings,
 )
 from tasks.errors import RolloutAborted
-from tasks.promote_spec import Analysis, MetricSpec, Pause, RolloutSpec, SetWeight, TritonSpec
+from tasks.promote_spec import Analysis, AnalysisSpec, MetricSpec, Pause, RolloutSpec, SetWeight, TritonSpec
 from tasks.rollback import make_live, restore_live
 from tasks.rollout_state import Journal, write_journal
 from tasks.stage import StagedVersion
@@ -212,10 +215,12 @@ def _run_step(index: int, step, targets: list[Target], report: RolloutReport, tr
     elif isinstance(step, Pause):
         time.sleep(step.pause.duration_s)
     elif isinstance(step, Analysis):
-        result = analyse_step(step, targets, report, traffic)
+        result = analyse_step(step, targets, report, traffic, rollout.ttft_probe_every)
         report.analyses.append(result)
-        print(f"analysis at step {index}: {result.outcome} ({result.requests} requests, success "
-              f"{result.success_rate:.3f}) {json.dumps(result.figures(), default=str)}")
+        print(f"analysis at step {index}: {result.outcome} ({result.requests} requests in {result.window_s:.1f} s, "
+              f"success {result.success_rate:.3f}) {json.dumps(result.figures(), default=str)}")
+        for why in result.unjudged:
+            print(f"analysis at step {index}: {why}")
         if result.outcome == "Failed":
             report.outcome, report.reason = "Failed", f"analysis at step {index} Failed: {result.reason}"
         elif result.outcome == "Inconclusive":
@@ -236,9 +241,12 @@ def _on_inconclusive(rollout: RolloutSpec, reason: str, decide: DecideFn | None)
     return decide(reason)
 
 
-def analyse_step(step: Analysis, targets: list[Target], report: RolloutReport,
-                 traffic: TrafficGenerator) -> AnalysisResult:
-    """Metrics (measured while traffic flows) + the window's traffic + the baseline-vs-canary comparison."""
+def analyse_step(step: Analysis, targets: list[Target], report: RolloutReport, traffic: TrafficGenerator,
+                 probe_every: int) -> AnalysisResult:
+    """Metrics (measured while traffic flows) + the window's traffic + the baseline-vs-canary comparison.
+
+    The window stays open until it can be judged (``_window_complete``), at most ``timeout_s``; its expected
+    length follows from the traffic rate and the candidate's weight (``expected_window_s``) and is logged."""
     spec = step.analysis
     name, cand, live = report.model_name, report.candidate, report.live
     start = traffic.log.count()
@@ -260,32 +268,69 @@ def analyse_step(step: Analysis, targets: list[Target], report: RolloutReport,
         return prometheus_value(metric.query, before, after)
 
     initial = take_readings(spec.metrics, read)
-    deadline = time.monotonic() + spec.timeout_s
-    while time.monotonic() < deadline and not _window_complete(traffic.log.since(start), spec, report):
-        time.sleep(0.05)
+    weights = report.weight_changes[-1].weights if report.weight_changes else {}
+    opened = time.monotonic()
+    deadline = opened + spec.timeout_s
+    expected: float | None = None
+    while time.monotonic() < deadline:
+        window = traffic.log.since(start)
+        elapsed = time.monotonic() - opened
+        if expected is None and len(window) >= WINDOW_RATE_REQUESTS and elapsed > 0:
+            expected = expected_window_s(len(window) / elapsed, weights.get(cand), spec, probe_every)
+            _say_expected(expected, len(window) / elapsed, weights.get(cand), spec)
+        if _window_complete(window, spec, report, weights):
+            break
+        time.sleep(0.1)
+    window_s = time.monotonic() - opened
     metrics = run_metrics(spec.metrics, read, value_of, initial=initial)
     window = traffic.log.since(start)
-    weights = report.weight_changes[-1].weights if report.weight_changes else {}
     comparisons = (compare(window, live=live, candidate=cand, spec=spec.compare, candidate_weight=weights.get(cand))
                    if spec.compare else [])
-    return combine(time.monotonic() - traffic.t0, window, spec, metrics, comparisons)
+    result = combine(time.monotonic() - traffic.t0, window, spec, metrics, comparisons)
+    return replace(result, window_s=window_s, expected_window_s=expected, ceiling_s=spec.timeout_s)
 
 
-def _window_complete(window: list[RequestRecord], spec, report: RolloutReport) -> bool:
-    """``requests`` finished, and when versions are compared, ``min_samples`` of each kind on both sides
-    (only while both carry traffic: at 100% there is no baseline left)."""
+WINDOW_RATE_REQUESTS = 5  # requests seen before the traffic rate (and so the window's length) is estimated
+
+
+def expected_window_s(rate: float, candidate_weight: int | None, spec: AnalysisSpec, probe_every: int) -> float:
+    """The least time the window needs at ``rate`` requests/s: the candidate's share must bring
+    ``candidate_requests``, and with ``compare`` both sides ``min_samples`` of each kind (a TTFT sample is every
+    ``probe_every``-th request, a TPOT sample the others). inf when a needed share is 0."""
+    share = (candidate_weight if candidate_weight is not None else 100) / 100.0
+    needs = [spec.requests / rate, spec.candidate_requests / (rate * share) if share else math.inf]
+    if spec.compare is not None and 0 < share < 1 and comparable(spec.compare, candidate_weight):
+        ttft = 1.0 / probe_every if probe_every else 0.0
+        fractions = {"ttft": ttft, "tpot": 1.0 - ttft}
+        smaller_side = min(share, 1.0 - share)
+        for kind in spec.compare.metrics:
+            f = fractions[kind] * smaller_side
+            needs.append(spec.compare.min_samples / (rate * f) if f else math.inf)
+    return max(needs)
+
+
+def _say_expected(expected: float, rate: float, weight: int | None, spec: AnalysisSpec) -> None:
+    line = (f"analysis window at candidate weight {weight}%: {rate:.1f} requests/s, so at least {expected:.0f} s "
+            f"for its samples (ceiling analysis.timeout_s {spec.timeout_s:g} s)")
+    if expected > spec.timeout_s:
+        log.warning("%s: it will likely end not judged (Inconclusive); raise timeout_s, rollout.concurrency "
+                    "or the weight", line)
+    else:
+        log.info("%s", line)
+
+
+def _window_complete(window: list[RequestRecord], spec: AnalysisSpec, report: RolloutReport,
+                     weights: dict[int, int]) -> bool:
+    """``requests`` finished, ``candidate_requests`` of them by the candidate (while it carries traffic), and,
+    when versions are compared, every comparison judged (``min_samples`` per side, then a verdict)."""
+    live, cand = report.live, report.candidate
     if len(window) < spec.requests:
         return False
-    weights = report.weight_changes[-1].weights if report.weight_changes else {}
-    live, cand = report.live, report.candidate
-    from tasks.analysis import comparable, latency_samples
-
-    if spec.compare is None or live is None or not weights.get(live) or not weights.get(cand) \
-            or not comparable(spec.compare, weights.get(cand)):
+    if weights.get(cand, 100) and sum(r.version == cand for r in window) < spec.candidate_requests:
+        return False
+    if spec.compare is None or live is None:
         return True
-
-    need = spec.compare.min_samples
-    return all(len(latency_samples(window, v, kind)) >= need for v in (live, cand) for kind in spec.compare.metrics)
+    return decided(compare(window, live=live, candidate=cand, spec=spec.compare, candidate_weight=weights.get(cand)))
 
 
 def finish(targets: list[Target], staged: StagedVersion, triton: TritonSpec) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -176,45 +176,69 @@ def _default_metrics() -> list[MetricSpec]:
 
 
 class ComparisonSpec(BaseModel):
-    """Baseline (live) vs canary: is the candidate slower? One-sided Mann-Whitney U per metric.
+    """Baseline (live) vs canary: is the candidate slower than live beyond a budget, with confidence?
 
-    H0: the candidate's values are not stochastically larger than the live version's. Failed when
-    p < alpha AND the candidate's median exceeds the baseline's by more than min_effect (relative) AND by
-    more than min_abs_effect_ms (absolute), so a significant but negligible slowdown passes. Fewer than min_samples on either side: Inconclusive.
+    Per metric, the candidate/live latency ratio (Hodges-Lehmann on log latencies) and its one-sided bounds,
+    each at confidence 1 - alpha. The limit is the larger of 1 + max_slowdown and 1 + min_abs_effect_ms /
+    live median (a few ms on a tiny engine is no slowdown a user sees). Failed: the lower bound is above the
+    limit. Successful: the upper bound is at or below it. Neither, or fewer than min_samples per side: not
+    judged, and the window stays open for more samples up to its ceiling (analysis.timeout_s); a window that
+    ends not judged is Inconclusive (rollout.hold decides), never a pass.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     metrics: list[Literal["ttft", "tpot"]] = Field(
         default_factory=lambda: ["ttft", "tpot"],
         description="ttft: latency of max_tokens=1 probe requests; tpot: latency per output token of the others.")
-    alpha: float = Field(0.01, gt=0, lt=1, description="Significance level of the one-sided test.")
-    min_effect: float = Field(0.5, ge=0, description="Smallest relative slowdown of the median that fails "
-                              "(0.5: the candidate's median is more than 1.5x the live one's).")
+    alpha: float = Field(0.01, gt=0, lt=0.5, description="Error rate of each one-sided bound (0.01: a good "
+                         "candidate is failed, or a slow one passed, in at most 1% of windows).")
+    max_slowdown: float = Field(
+        0.2, ge=0, validation_alias=AliasChoices("max_slowdown", "min_effect"),
+        description="Relative budget on the candidate's latency (0.2: at most 20% slower than live); alias "
+        "min_effect.")
     min_abs_effect_ms: dict[Literal["ttft", "tpot"], float] = Field(
         default_factory=lambda: {"ttft": 50.0, "tpot": 5.0},
-        description="Smallest absolute slowdown of the median (ms) that fails, per metric: a tiny engine at a few "
-        "ms per request can be 3x 'slower' by 15 ms of scheduling noise (measured), which no user notices.")
-    min_samples: int = Field(8, ge=3, description="Fewest samples per side for a verdict.")
+        description="Smallest absolute slowdown (ms) that can fail, per metric: a tiny engine at a few ms per "
+        "request can be 3x 'slower' by 15 ms of scheduling noise (measured), which no user notices.")
+    min_samples: int = Field(8, ge=3, description="Fewest samples per side before a verdict is tried.")
     weight_range: tuple[int, int] = Field(
-        (25, 75), description="Compare only while the candidate's weight is within [low, high]. Measured: at a 10% "
-        "weight the canary is mostly idle and a good engine showed a 3.7x higher median latency per token than "
-        "the busy baseline (fixed per-request costs are not amortized), so unequal loads are not compared.")
-    insufficient: Literal["pass", "inconclusive"] = Field(
-        "pass", description="Fewer than min_samples on a side (typical at a 10% weight): `pass` leaves the verdict "
-        "to a later step with more candidate traffic; `inconclusive` holds the rollout.")
+        (1, 99), description="Compare only while the candidate's weight is within [low, high] (at 0% and 100% "
+        "one version carries all traffic and there is nothing to compare).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_insufficient(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "insufficient" in data:
+            raise ValueError(f"compare.insufficient={data['insufficient']!r} is no longer a setting: a window with "
+                             "too few samples stays open up to analysis.timeout_s and then is Inconclusive "
+                             "(rollout.hold decides), never a pass")
+        return data
+
+    @field_validator("weight_range")
+    @classmethod
+    def _ordered(cls, value: tuple[int, int]) -> tuple[int, int]:
+        if not 0 <= value[0] <= value[1] <= 100:
+            raise ValueError(f"compare.weight_range {list(value)} must be [low, high] with 0 <= low <= high <= 100")
+        return value
 
 
 class AnalysisSpec(BaseModel):
+    """One analysis window: test traffic through the router until the window can be judged, up to a ceiling."""
+
     model_config = ConfigDict(extra="forbid")
-    requests: int = Field(20, ge=1, description="Requests the analysis waits for (the window of the test traffic); "
-                          "with `compare`, it also waits for compare.min_samples per version, up to timeout_s.")
+    requests: int = Field(20, ge=1, description="Fewest requests in the window (all versions).")
+    candidate_requests: int = Field(
+        10, ge=0, description="Fewest of them answered by the candidate: at a 10% weight the window lasts about "
+        "10x longer than at 100%. With `compare`, the window also waits for compare.min_samples per version and "
+        "kind, and for a verdict, up to timeout_s.")
     min_success_rate: float = Field(1.0, ge=0, le=1, description="Least fraction of successful requests.")
     max_new_tokens: int = Field(8, ge=1, description="Tokens generated per analysis request.")
     metrics: list[MetricSpec] = Field(default_factory=_default_metrics, description="Argo-style metrics.")
     compare: ComparisonSpec | None = Field(
         default_factory=ComparisonSpec, description="Baseline-vs-canary latency test; null to skip.")
-    timeout_s: float = Field(120, gt=0, description="Longest wait for the requests (and samples) of the window.")
+    timeout_s: float = Field(120, gt=0, description="Ceiling of the window: how long it may stay open for its "
+                             "requests, samples and verdict. What was not judged by then is Inconclusive.")
 
 
 class Analysis(BaseModel):
@@ -264,4 +288,8 @@ class RolloutSpec(BaseModel):
         weights = [s.set_weight for s in self.steps if isinstance(s, SetWeight)]
         if not weights or weights[-1] != 100:
             raise ValueError(f"the last set_weight step must be 100 (got weights {weights})")
+        if self.ttft_probe_every == 0 and any(s.analysis.compare is not None and "ttft" in s.analysis.compare.metrics
+                                              for s in self.steps if isinstance(s, Analysis)):
+            raise ValueError("rollout.ttft_probe_every=0 sends no TTFT probes, so an analysis comparing ttft could "
+                             "never be judged: set it > 0 or leave ttft out of compare.metrics")
         return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from tasks.analysis import AnalysisResult
 from tasks.gray_release import RolloutReport
 
 
@@ -17,6 +18,19 @@ def _bins(end: float) -> tuple[float, int]:
 def _percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def analysis_label(analysis: AnalysisResult) -> str:
+    """What a dashed analysis line says: its outcome and, per latency metric, judged or why not."""
+    parts = []
+    for c in analysis.comparisons:
+        if c.judged:
+            parts.append(f"{c.metric} {c.ratio:.2f}x")
+        elif c.outcome == "Inconclusive":
+            parts.append(f"{c.metric} NOT JUDGED")
+        else:
+            parts.append(f"{c.metric} not compared")
+    return f"{analysis.outcome} ({analysis.window_s:.0f} s)" + (": " + ", ".join(parts) if parts else "")
 
 
 def plot_timeline(report: RolloutReport, path: Path) -> Path:
@@ -66,6 +80,8 @@ def plot_timeline(report: RolloutReport, path: Path) -> Path:
         color = {"Successful": "green", "Failed": "red"}.get(analysis.outcome, "orange")
         for ax in (ax_w, ax_rate, ax_err, ax_lat):
             ax.axvline(analysis.t_s, color=color, alpha=0.5, linestyle="--")
+        ax_w.text(analysis.t_s, 102, analysis_label(analysis), color=color, fontsize=7, rotation=90, ha="right",
+                  va="top")
     ax_w.set_ylabel("router weight %")
     ax_w.set_ylim(-5, 105)
     ax_w.legend(loc="center right", fontsize=8)
