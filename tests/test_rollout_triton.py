@@ -105,12 +105,15 @@ def test_rollout_and_automatic_rollback_under_load_drop_nothing(world) -> None:
 
     assert good.rollout.outcome == "Successful" and good.rollout.metrics["rollout_failed_requests"] == 0
     assert [a.outcome for a in good.rollout.analyses] == ["Successful"] * 3
+    assert [[c.judged for c in a.comparisons] for a in good.rollout.analyses] == [[True, True], [True, True],
+                                                                                 [False, False]]  # 100%: none
     assert [c.weights for c in good.rollout.weight_changes] == [{1: 90, 2: 10}, {1: 50, 2: 50}, {1: 0, 2: 100}]
     bad = aborted.value.report
     assert bad.metrics["rollout_failed_requests"] == 0
-    assert "Mann-Whitney" in aborted.value.reason and "tpot" in aborted.value.reason
+    assert "slower than the budget" in aborted.value.reason and "tpot" in aborted.value.reason
+    assert bad.analyses[0].comparisons[1].judged, "the 10% step itself judges the slow candidate"
     tags = mr.get_version_tags(spec.mlflow.tracking_uri, NAME, "3")
-    assert tags["rollout"] == "failed" and "Mann-Whitney" in tags["rollout.reason"]
+    assert tags["rollout"] == "failed" and "slower than the budget" in tags["rollout.reason"]
     assert tags["approval"] == "rejected" and "comparisons" in tags["rollout.analysis"]
     assert back.version == "1"
     v2 = mr.get_version_tags(spec.mlflow.tracking_uri, NAME, "2")
