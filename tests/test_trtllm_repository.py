@@ -245,7 +245,7 @@ def fake_trtllm(monkeypatch):
 
 def llmapi_repo(tmp_path: Path, toolchain: dict = TOOLCHAIN) -> Path:
     hf = tmp_path / "hf"
-    hf.mkdir()
+    hf.mkdir(exist_ok=True)
     (hf / "config.json").write_text(json.dumps({"eos_token_id": 1}))
     (hf / "model.safetensors").write_bytes(b"w")
     opts = TrtllmOptions(kind="trtllm-llmapi", max_batch_size=4, max_input_len=16, max_seq_len=32,
@@ -271,7 +271,7 @@ def test_llmapi_model_calls_documented_api(monkeypatch, tmp_path: Path, fake_trt
     assert out(r[0], "output_ids").tolist() == [[5, 6, 7]] and out(r[0], "finish_reason").tolist() == [[b"length"]]
     sp = next(c for c in fake_trtllm.CALLS if c[0] == "SamplingParams")[1]
     assert sp == {"max_tokens": 3, "temperature": 0.5, "end_id": 1}
-    assert r[1].has_error() and "input_ids or text_input" in r[1].error().message()
+    assert r[1].has_error() and "exactly one of inputs" in r[1].error().message()
     model.finalize()
     assert model.llm.closed
 
@@ -325,3 +325,100 @@ def test_adapter_in_a_decoupled_engine_model_sends_final_responses(monkeypatch, 
     assert asyncio.run(model.execute([req])) is None
     assert out(sent[0][0], "output_ids").tolist() == [[7, 1]] and sent[0][1] == 1
     assert out(sent[0][0], "finish_reason").tolist() == [[b"stop"]]  # ended on end_id 1 before max_tokens
+
+
+# ---------------------------------------------------------------- chat, stop strings, ignore_eos, prompt_tokens
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}")
+WORDS = ["<unk>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>", "hello", "world", "user", "assistant", "STOP", "<s>"]
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer with special tokens, a BOS post-processor and a chat template (what the
+    adapters read from the checkpoint's tokenizer files)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<unk>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>", "<s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 10)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "<s>",
+                                                              "eos_token": "</s>"}))
+
+
+CHAT = json.dumps([{"role": "user", "content": "hello world"}])
+CHAT_IDS = [3, 7, 5, 6, 4, 3, 8]  # <|im_start|> user hello world <|im_end|> <|im_start|> assistant, no <s>
+
+
+def test_adapter_maps_chat_stop_strings_ignore_eos_and_prompt_tokens(monkeypatch, tmp_path: Path) -> None:
+    """The TensorRT backend's documented inputs: a chat rendered with the template and tokenized without
+    special tokens; stop strings become stop_words_list entries beside stop ids ([ids..], [ends.., -1 pad]);
+    ignore_eos sends end_id -1; the text is cut before a stop string; prompt_tokens is the prompt's length."""
+    import serving.trtllm.toolchain as tc
+
+    monkeypatch.setattr(tc, "current_toolchain", lambda: dict(TOOLCHAIN))
+    art = engine_artifact(tmp_path)
+    root = tmp_path / "repo"
+    stage_trtllm_version(root, "m", art, target_toolchain=TOOLCHAIN, link=False, verify=False)
+    write_tokenizer(root / "m_v1" / "1" / "tokenizer")
+    answer = {"ids": [5, 6, 7]}
+
+    def backend(model, version, inputs, requested):
+        return FakeResponse([FakeTensor("output_ids", np.asarray([[answer["ids"]]], np.int32)),
+                             FakeTensor("sequence_length", np.asarray([[len(answer["ids"])]], np.int32))])
+
+    model, pb = load_model(monkeypatch, "trtllm_adapter", root / "m_v1", backend)
+    chat = FakeRequest({"messages": np.array([[CHAT.encode()]], dtype=object), "max_tokens": [[4]],
+                        "stop": np.array([[b"world", b"STOP hello"]], dtype=object), "stop_token_ids": [[9]],
+                        "ignore_eos": [[True]]})
+    text = FakeRequest({"text_input": np.array([[b"hello world"]], dtype=object), "max_tokens": [[3]]})
+    r = asyncio.run(model.execute([chat, text]))
+    sent = [{t.name(): t.as_numpy() for t in call[2]} for call in pb.calls]
+    assert sent[0]["input_ids"].tolist() == [CHAT_IDS] and sent[0]["input_lengths"].tolist() == [[7]]
+    assert sent[0]["stop_words_list"].tolist() == [[[9, 6, 9, 5], [1, 2, 4, -1]]]
+    assert sent[0]["end_id"].tolist() == [[-1]]
+    assert out(r[0], "text_output").tolist() == [[b"hello "]] and out(r[0], "finish_reason").tolist() == [[b"stop"]]
+    assert out(r[0], "prompt_tokens").tolist() == [[7]]
+    assert sent[1]["input_ids"].tolist() == [[10, 5, 6]] and sent[1]["end_id"].tolist() == [[1]]  # <s> added
+    assert "stop_words_list" not in sent[1] and out(r[1], "prompt_tokens").tolist() == [[3]]
+    assert out(r[1], "finish_reason").tolist() == [[b"length"]]
+
+
+def test_adapter_refuses_a_chat_without_a_template(monkeypatch, tmp_path: Path) -> None:
+    import serving.trtllm.toolchain as tc
+
+    monkeypatch.setattr(tc, "current_toolchain", lambda: dict(TOOLCHAIN))
+    root = tmp_path / "repo"
+    stage_trtllm_version(root, "m", engine_artifact(tmp_path), target_toolchain=TOOLCHAIN, link=False, verify=False)
+    write_tokenizer(root / "m_v1" / "1" / "tokenizer")
+    (root / "m_v1" / "1" / "tokenizer" / "tokenizer_config.json").write_text("{}")
+    model, pb = load_model(monkeypatch, "trtllm_adapter", root / "m_v1")
+    r = asyncio.run(model.execute([FakeRequest({"messages": np.array([[CHAT.encode()]], dtype=object),
+                                                "max_tokens": [[2]]})]))
+    assert r[0].has_error() and "needs a chat template" in r[0].error().message() and not pb.calls
+
+
+def test_llmapi_model_maps_chat_stop_ignore_eos_to_sampling_params(monkeypatch, tmp_path: Path, fake_trtllm) -> None:
+    """The LLM API's documented SamplingParams names: stop, stop_token_ids, ignore_eos, end_id,
+    add_special_tokens=False for a chat rendered with the checkpoint's template; prompt_tokens from
+    RequestOutput.prompt_token_ids."""
+    import serving.trtllm.toolchain as tc
+
+    monkeypatch.setattr(tc, "current_toolchain", lambda: dict(TOOLCHAIN))
+    write_tokenizer(tmp_path / "hf")
+    root = llmapi_repo(tmp_path)
+    model, _ = load_model(monkeypatch, "trtllm_llmapi", root / "m_v1")
+    chat = FakeRequest({"messages": np.array([[CHAT.encode()]], dtype=object), "max_tokens": [[2]],
+                        "stop": np.array([[b"world"]], dtype=object), "stop_token_ids": [[9]], "ignore_eos": [[True]]})
+    r = asyncio.run(model.execute([chat, FakeRequest({"input_ids": [[3, 4]], "max_tokens": [[1]]})]))
+    rendered = "<|im_start|>user hello world<|im_end|><|im_start|>assistant"
+    prompts = [c[1]["inputs"] for c in fake_trtllm.CALLS if c[0] == "generate_async"]
+    assert prompts == [rendered, [3, 4]]
+    params = [c[1] for c in fake_trtllm.CALLS if c[0] == "SamplingParams"]
+    assert params[0] == {"max_tokens": 2, "stop_token_ids": [9], "stop": ["world"], "ignore_eos": True,
+                         "add_special_tokens": False, "end_id": 1}
+    assert params[1] == {"max_tokens": 1, "end_id": 1}
+    assert out(r[0], "prompt_tokens").tolist() == [[len(rendered)]] and out(r[1], "prompt_tokens").tolist() == [[2]]

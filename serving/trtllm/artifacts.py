@@ -42,7 +42,7 @@ HF_FILES_DIR = "hf_tokenizer"  # tokenizer + config files of the source, kept be
 FORMAT = "enginewright-trtllm-artifact"
 FORMAT_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json", "vocab.json", "merges.txt")
+                   "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 # Options that do not change the artifact (paths, timeouts) stay out of the metadata and the fingerprint.
 NON_CONTENT_OPTIONS = frozenset({"examples_dir", "modelopt_examples_dir", "convert_timeout_s", "build_timeout_s",
                                  "extra"})

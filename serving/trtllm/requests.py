@@ -1,8 +1,11 @@
 """Pure request helpers of the Triton models in front of TensorRT-LLM (no numpy, no Triton).
 
-The router contract (``docs/triton.md``): inputs ``input_ids`` INT32 [n] or ``text_input`` BYTES,
-``max_tokens``, optional ``temperature`` / ``top_k`` / ``top_p`` / ``seed`` / ``stop_token_ids``; outputs
-``output_ids`` (new tokens only), ``text_output``, ``finish_reason`` ("stop" | "length").
+The router contract (``docs/triton.md``), the same as the torch ``llm`` model's: exactly one of
+``input_ids`` INT32 [n], ``text_input`` BYTES or ``messages`` BYTES (a JSON chat, rendered with the
+checkpoint's chat template), ``max_tokens``, optional ``temperature`` / ``top_k`` / ``top_p`` / ``seed`` /
+``stop_token_ids`` (added to the model's EOS), ``stop`` BYTES [k] (stop strings; the text returned ends
+before the match), ``ignore_eos`` BOOL (do not stop at EOS; stop ids and strings still apply); outputs
+``output_ids`` (new tokens only), ``text_output``, ``finish_reason`` ("stop" | "length"), ``prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from typing import Any
 TENSORRT_LLM_INPUTS = {
     "input_ids": "input_ids", "max_tokens": "request_output_len", "temperature": "temperature",
     "top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "seed", "stop_token_ids": "stop_words_list",
+    "stop": "stop_words_list", "ignore_eos": "end_id",
 }
+IGNORED_END_ID = -1  # what TensorRT-LLM's own executor sends as end_id for SamplingParams(ignore_eos=True)
 
 
 @dataclass
@@ -28,6 +33,9 @@ class GenRequest:
     top_p: float | None = None
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    messages: str | None = None  # the JSON chat, rendered by the model with the chat template
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
 
 
 def _flat(value: Any) -> list[Any]:
@@ -44,16 +52,20 @@ def _flat(value: Any) -> list[Any]:
     return out
 
 
+def _string(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
 def parse_request(get: Callable[[str], Any]) -> GenRequest:
     """Read one request; ``get(name)`` returns the input (nested lists / numpy) or None. Raises ValueError."""
-    ids, text = get("input_ids"), get("text_input")
+    ids, text, messages = get("input_ids"), get("text_input"), get("messages")
+    if sum(x is not None for x in (ids, text, messages)) != 1:
+        raise ValueError("exactly one of inputs 'input_ids', 'text_input' and 'messages' must be given")
     prompt_ids = [int(t) for t in _flat(ids)] if ids is not None else None
-    text_value = None
-    if prompt_ids is None and text is not None:
-        raw = _flat(text)[0]
-        text_value = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-    if not prompt_ids and not text_value:
-        raise ValueError("the request needs a non-empty input_ids or text_input")
+    text_value = _string(_flat(text)[0]) if text is not None else None
+    chat = _string(_flat(messages)[0]) if messages is not None else None
+    if not prompt_ids and not text_value and not chat:
+        raise ValueError("the request needs a non-empty input_ids, text_input or messages")
     max_tokens = get("max_tokens")
     if max_tokens is None or int(_flat(max_tokens)[0]) < 1:
         raise ValueError("max_tokens must be given and >= 1")
@@ -62,10 +74,14 @@ def parse_request(get: Callable[[str], Any]) -> GenRequest:
         value = get(name)
         return None if value is None else cast(_flat(value)[0])
 
-    stops = get("stop_token_ids")
+    stops, stop_strings = get("stop_token_ids"), get("stop")
+    words = [_string(w) for w in _flat(stop_strings)] if stop_strings is not None else []
+    if any(not w for w in words):
+        raise ValueError("input 'stop' holds an empty string")
     return GenRequest(prompt_ids, text_value, int(_flat(max_tokens)[0]), opt("temperature", float),
                       opt("top_k", int), opt("top_p", float), opt("seed", int),
-                      [int(t) for t in _flat(stops)] if stops is not None else [])
+                      [int(t) for t in _flat(stops)] if stops is not None else [], chat, words,
+                      bool(opt("ignore_eos", bool) or False))
 
 
 def check_limits(prompt_len: int, max_tokens: int, *, max_input_len: int, max_seq_len: int) -> None:
@@ -75,9 +91,34 @@ def check_limits(prompt_len: int, max_tokens: int, *, max_input_len: int, max_se
         raise ValueError(f"prompt ({prompt_len}) + max_tokens ({max_tokens}) is over max_seq_len {max_seq_len}")
 
 
-def stop_words_list(stop_ids: list[int]) -> list[list[int]]:
-    """TensorRT-LLM's ``stop_words_list`` [2, n] for single-token stop words: ids, then cumulative offsets."""
-    return [list(stop_ids), list(range(1, len(stop_ids) + 1))]
+def stop_words_list(words: list[list[int]]) -> list[list[int]]:
+    """TensorRT-LLM's ``stop_words_list`` [2, n]: every word's token ids concatenated, then the cumulative end
+    offset of each word padded with -1 (the layout the backend's preprocessing model writes)."""
+    flat = [int(t) for w in words for t in w]
+    ends, total = [], 0
+    for w in words:
+        total += len(w)
+        ends.append(total)
+    width = max(1, len(flat))
+    return [flat + [0] * (width - len(flat)), ends + [-1] * (width - len(ends))]
+
+
+def stop_words(stop_ids: list[int], stop_strings: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Stop words as token-id sequences: each stop id alone, each stop string as the tokenizer encodes it
+    without special tokens (the engine then matches tokens: a string that the model spells with other
+    tokens is still cut from the text by ``cut_at_stop``)."""
+    out = [[int(t)] for t in stop_ids]
+    for text in stop_strings:
+        ids = [int(t) for t in encode(text)]
+        if ids:
+            out.append(ids)
+    return out
+
+
+def cut_at_stop(text: str, stop_strings: list[str]) -> tuple[str, bool]:
+    """The text before the first stop string, and whether one was found (the torch model's semantics)."""
+    hits = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return (text[:min(hits)], True) if hits else (text, False)
 
 
 def generated_tokens(output_ids: list[int], sequence_length: int, *, prompt_len: int,

@@ -4,8 +4,11 @@ The router's contract holds unchanged (``docs/triton.md``); this model maps it t
 (``docs/tensorrt-llm.md``, "Name mapping"): ``max_tokens`` -> ``request_output_len``, ``top_k`` ->
 ``runtime_top_k``, ``top_p`` -> ``runtime_top_p``, ``stop_token_ids`` -> ``stop_words_list`` [2, n],
 ``seed`` -> UINT64, plus ``input_lengths``, ``end_id``/``pad_id`` from the checkpoint and
-``exclude_input_in_output`` = true; back: ``output_ids[0, :sequence_length]`` -> ``output_ids``,
-detokenized ``text_output``, ``finish_reason``. Text prompts are tokenized here (``tokenizers``, lazily).
+``exclude_input_in_output`` = true; ``stop`` strings -> more ``stop_words_list`` entries (token ids, multi-token
+words allowed), ``ignore_eos`` -> ``end_id`` = -1 (what TensorRT-LLM's executor sends for
+``SamplingParams(ignore_eos=True)``); back: ``output_ids[0, :sequence_length]`` -> ``output_ids``,
+detokenized ``text_output`` (cut before a stop string), ``finish_reason``, ``prompt_tokens``. Text and chat
+prompts are tokenized here (``trtllm_prompts``: the chat template, ``tokenizers``, lazily).
 
 Per-version facts live in ``<N>/version.json`` (written by ``stage_trtllm_version``): target model,
 limits, special tokens and the toolchain the engine was built with, checked against this host at load.
@@ -21,11 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from serving.triton.models.trtllm_prompts import Prompts
 from serving.trtllm.requests import (
+    IGNORED_END_ID,
     check_limits,
+    cut_at_stop,
     finish_reason,
     generated_tokens,
     parse_request,
+    stop_words,
     stop_words_list,
 )
 
@@ -67,19 +74,11 @@ class TritonPythonModel:
         self.input_in_output = bool(self.info.get("input_in_output", False))
         self.end_id = int(self.info["special_tokens"]["end_id"])
         self.pad_id = int(self.info["special_tokens"].get("pad_id", self.end_id))
-        self.tokenizer_dir = vdir / "tokenizer"
-        self._tokenizer = None
+        self.prompts = Prompts(vdir / "tokenizer")
         loader = getattr(pb_utils, "load_model", None)
         ready = getattr(pb_utils, "is_model_ready", None)
         if loader is not None and ready is not None and not ready(model_name=self.target):
             loader(model_name=self.target)  # explicit model control: the engine model comes up with its adapter
-
-    def _tok(self) -> Any:
-        if self._tokenizer is None:
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
-        return self._tokenizer
 
     def _error(self, message: str) -> Any:
         return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{self.tag} {message}"))
@@ -97,15 +96,16 @@ class TritonPythonModel:
         inputs = [T("input_ids", np.asarray([ids], dtype=np.int32)),
                   T("input_lengths", np.asarray([[len(ids)]], dtype=np.int32)),
                   T("request_output_len", np.asarray([[req.max_tokens]], dtype=np.int32)),
-                  T("end_id", np.asarray([[self.end_id]], dtype=np.int32)),
+                  T("end_id", np.asarray([[IGNORED_END_ID if req.ignore_eos else self.end_id]], dtype=np.int32)),
                   T("pad_id", np.asarray([[self.pad_id]], dtype=np.int32)),
                   T("exclude_input_in_output", np.asarray([[not self.input_in_output]], dtype=bool))]
         for name, value, dtype in (("temperature", req.temperature, np.float32), ("runtime_top_k", req.top_k, np.int32),
                                    ("runtime_top_p", req.top_p, np.float32), ("seed", req.seed, np.uint64)):
             if value is not None:
                 inputs.append(T(name, np.asarray([[value]], dtype=dtype)))
-        if req.stop_token_ids:
-            inputs.append(T("stop_words_list", np.asarray([stop_words_list(req.stop_token_ids)], dtype=np.int32)))
+        words = stop_words(req.stop_token_ids, req.stop, self.prompts.encode_stop)
+        if words:
+            inputs.append(T("stop_words_list", np.asarray([stop_words_list(words)], dtype=np.int32)))
         return inputs
 
     async def _call(self, inputs: list[Any]) -> tuple[list[int], int] | str:
@@ -135,7 +135,7 @@ class TritonPythonModel:
 
         try:
             req = parse_request(get)
-            ids = req.prompt_ids if req.prompt_ids else self._tok().encode(req.text).ids
+            ids = self.prompts.ids(req)
             check_limits(len(ids), req.max_tokens, max_input_len=int(self.info["max_input_len"]),
                          max_seq_len=int(self.info["max_seq_len"]))
         except ValueError as exc:
@@ -147,14 +147,19 @@ class TritonPythonModel:
         if isinstance(result, str):
             return self._error(result)
         tokens = generated_tokens(result[0], result[1], prompt_len=len(ids), input_in_output=self.input_in_output)
-        reason = finish_reason(tokens, req.max_tokens, {self.end_id, *req.stop_token_ids})
+        stops = {*req.stop_token_ids, *(() if req.ignore_eos else (self.end_id,))}
+        reason = finish_reason(tokens, req.max_tokens, stops)
         names = getattr(request, "requested_output_names", None)
         requested = set(names() if callable(names) else ())
-        text = self._tok().decode(tokens) if ("text_output" in requested or req.text is not None) else ""
+        text = ""
+        if "text_output" in requested or req.prompt_ids is None or req.stop:
+            text, cut = cut_at_stop(self.prompts.decode(tokens), req.stop)
+            reason = "stop" if cut else reason
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("output_ids", np.asarray([tokens], dtype=np.int32)),
             pb_utils.Tensor("text_output", np.asarray([[text.encode()]], dtype=np.object_)),
             pb_utils.Tensor("finish_reason", np.asarray([[reason.encode()]], dtype=np.object_)),
+            pb_utils.Tensor("prompt_tokens", np.asarray([[len(ids)]], dtype=np.int32)),
         ])
 
     def finalize(self) -> None:

@@ -1,7 +1,8 @@
 """A recorded fake of the ``tensorrt_llm`` 1.2 API surface enginewright uses (tests only).
 
 Signatures recorded from the TensorRT-LLM 1.2 docs (LLM API reference, KvCacheConfig example,
-llm_inference_async_streaming example). Every call is appended to ``CALLS`` and checked: an argument
+llm_inference_async_streaming example; SamplingParams' stop / stop_token_ids / include_stop_str_in_output /
+ignore_eos / add_special_tokens / skip_special_tokens and RequestOutput.prompt_token_ids from the API reference). Every call is appended to ``CALLS`` and checked: an argument
 outside the recorded signature raises TypeError, as the real classes would.
 Put ``tests/golden/trtllm/fake_tensorrt_llm`` first on ``sys.path`` to import it as ``tensorrt_llm``.
 """
@@ -21,7 +22,8 @@ LLM_SIGNATURE = frozenset({
     "enable_chunked_prefill",
 })
 SAMPLING_SIGNATURE = frozenset({"max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "end_id",
-                                "pad_id", "n", "stop", "detokenize", "return_log_probs"})
+                                "pad_id", "n", "stop", "detokenize", "return_log_probs", "include_stop_str_in_output",
+                                "ignore_eos", "add_special_tokens", "skip_special_tokens"})
 
 
 def _check(name: str, kwargs: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -43,14 +45,17 @@ class CompletionOutput:
 
 
 class RequestOutput:
-    def __init__(self, outputs: list[CompletionOutput]) -> None:
+    def __init__(self, outputs: list[CompletionOutput], prompt_token_ids: list[int]) -> None:
         self.outputs = outputs
+        self.prompt_token_ids = prompt_token_ids
 
 
 class _Generation:
     """What ``generate_async`` returns: awaitable via ``aresult()``, async-iterable when streaming."""
 
     def __init__(self, prompt: Any, params: SamplingParams, streaming: bool) -> None:
+        # a text prompt "tokenizes" to one id per character, so its prompt_token_ids have a checkable length
+        self.prompt_ids = list(prompt) if isinstance(prompt, list) else [ord(c) for c in prompt]
         start = prompt[-1] if isinstance(prompt, list) else len(prompt)
         n = int(params.max_tokens)
         self.tokens = [int(start) + i + 1 for i in range(n)]
@@ -58,7 +63,8 @@ class _Generation:
 
     def _out(self, k: int) -> RequestOutput:
         toks = self.tokens[:k]
-        return RequestOutput([CompletionOutput(toks, " ".join(map(str, toks)), "length" if k == len(self.tokens) else None)])
+        return RequestOutput([CompletionOutput(toks, " ".join(map(str, toks)), "length" if k == len(self.tokens) else None)],
+                             self.prompt_ids)
 
     async def aresult(self) -> RequestOutput:
         return self._out(len(self.tokens))
