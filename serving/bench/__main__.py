@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gem.add_argument("--tuned-only", action="store_true",
                      help="time only the config the engine runs at each shape (no sweep, no compile pool)")
     gem.add_argument("--out", type=Path, default=Path("bench-gemms.json"))
+    f8 = sub.add_parser("fp8-gemms", help="the split-K FP8 tensor-core kernel vs the engine's other fp8 decode "
+                        "paths, GEMM by GEMM (prints TUNED_FP8; CUDA)")
+    f8.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b", help="comma list")
+    f8.add_argument("--rows", default="1,64", help="comma list of row counts (decode batch sizes)")
+    f8.add_argument("--workers", type=int, default=12, help="processes compiling the Triton configs")
+    f8.add_argument("--out", type=Path, default=Path("bench-fp8-gemms.json"))
     qua = sub.add_parser("quantized", help="decode and end-to-end generate of bf16 beside fp8 / int8 weight-only "
                          "engines, side by side in one run, % of the roofline of the bytes each step reads (CUDA)")
     qua.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b", help="comma list")
@@ -185,6 +191,11 @@ def run(args: argparse.Namespace) -> int:
             return 0
         run_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, workers=args.workers,
                   deadline_s=args.deadline_s, method=args.quantization, tuned_only=args.tuned_only)
+        return 0
+    if args.bench_mode == "fp8-gemms":
+        from serving.bench.fp8_sweep import run_fp8_sweep
+
+        run_fp8_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, workers=args.workers)
         return 0
     if args.bench_mode == "quantized":
         from serving.bench.quantized import QuantBenchConfig, render_quant_table, run_quantized

@@ -6,11 +6,14 @@
 #                                     tc     - `bench gemms --quantization fp8 --tuned-only`: the engine's fp8
 #                                              decode kernels beside the FP8 tensor cores and bf16 cuBLAS;
 #                                     sweep  - `bench gemms --quantization fp8` (skinny and gate/up tables);
-#                                     bench  - `bench quantized` (bf16 beside fp8 and int8 weight-only).
+#                                     fp8sweep - `bench fp8-gemms` (the TUNED_FP8 table; the bench after it in
+#                                              this call runs on what it found);
+#                                     bench  - `bench quantized` (bf16 beside fp8 and int8 weight-only);
+#                                     fp8tests - the split-K FP8 tensor-core kernel's GPU tests (last).
 # Env: SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, DEADLINE (bench s),
 #      BENCH_TIMEOUT, BATCH_SIZES (bench, default 1,64), TC_ROWS (tc, default 1,16,64).
 # Results under $OUT: steps.log, gpu-tests.log, tc.log/.json, sweep.log/.json, gate-up.log/.json,
-# quantized.json/.log.
+# fp8-sweep.log/.json, quantized.json/.log.
 set -u
 OUT=${OUT:-/tmp/quant-out}
 mkdir -p "$OUT"
@@ -46,18 +49,33 @@ case ",$STEPS," in *,sweep,*)
     --rows "${SWEEP_ROWS:-1,64}" --out "$OUT/gate-up.json" >"$OUT/gate-up.log" 2>&1
   log "gate-up sweep rc=$?" ;;
 esac
+case ",$STEPS," in *,fp8sweep,*)
+  log "fp8 kernel sweep"
+  timeout "${FP8_SWEEP_TIMEOUT:-200}" python3 -m serving.bench fp8-gemms --shapes "${SWEEP_SHAPES:-llama-3.1-8b,llama-3.2-1b}" \
+    --rows "${SWEEP_ROWS:-1,64}" --out "$OUT/fp8-sweep.json" >"$OUT/fp8-sweep.log" 2>&1
+  log "fp8 sweep rc=$?" ;;
+esac
 case ",$STEPS," in *,bench,*)
   log "bench quantized"
   # after a sweep in this call, the engines run on what it found (serving/bench/quant_tables.py)
   TABLES=(); [ -s "$OUT/sweep.json" ] && [ -s "$OUT/gate-up.json" ] && TABLES=(-m serving.bench.quant_tables "$OUT/sweep.json" "$OUT/gate-up.json" --)
+  [ ${#TABLES[@]} -eq 0 ] && [ -s "$OUT/fp8-sweep.json" ] && TABLES=(-m serving.bench.quant_tables --fp8 "$OUT/fp8-sweep.json" --)
   [ ${#TABLES[@]} -eq 0 ] && TABLES=(-m serving.bench)
   timeout "${BENCH_TIMEOUT:-420}" python3 "${TABLES[@]}" quantized --shapes "${SHAPES:-llama-3.1-8b,llama-3.2-1b}" \
     --methods "${METHODS:-none,fp8,int8-weight-only}" --batch-sizes "${BATCH_SIZES:-1,64}" --deadline-s "${DEADLINE:-330}" --out "$OUT/quantized.json" \
     >"$OUT/quantized.log" 2>&1
   log "bench rc=$?" ;;
 esac
+# after the bench: its figures come back even if the tests outlast the call
+case ",$STEPS," in *,fp8tests,*)
+  log "fp8 kernel gpu tests"
+  timeout "${FP8_TESTS_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_gemm.py \
+    >"$OUT/fp8-tests.log" 2>&1
+  log "fp8 kernel gpu tests rc=$? $(tail -1 "$OUT/fp8-tests.log")" ;;
+esac
 echo "==== summary"
-grep -E "passed|failed|error|rel err" "$OUT/gpu-tests.log" 2>/dev/null | tail -6
+grep -E "passed|failed|error|rel err" "$OUT/gpu-tests.log" "$OUT/fp8-tests.log" 2>/dev/null | tail -6
+grep -E "^llama|^TUNED|^    \(|^}|Traceback|Error" "$OUT/fp8-sweep.log" 2>/dev/null
 grep -E "^llama|Traceback|Error" "$OUT/tc.log" 2>/dev/null
 grep -E "FAILED|Error" "$OUT/gpu-tests.log" 2>/dev/null | head -8
 sed -n '/^TUNED/,/^}/p' "$OUT/sweep.log" "$OUT/gate-up.log" 2>/dev/null | grep -v lm_head

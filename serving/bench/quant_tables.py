@@ -5,6 +5,8 @@ they stay in the engine dtype unless the spec quantizes them). `python3 -m servi
 sweep.json gate-up.json -- <bench arguments>` installs them into `skinny_gemm.TUNED_QUANTIZED` /
 `gate_up.TUNED_GATE_UP_QUANTIZED` for this process and runs the benchmark, so that one device call can
 sweep and then time the engines on what it found; the lines to paste into the tables are printed.
+`python3 -m serving.bench.quant_tables --fp8 fp8-sweep.json -- <bench arguments>` does the same with a
+`bench fp8-gemms` report and `fp8_gemm.TUNED_FP8` (`fp8_sweep.table_of`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,25 @@ def install(skinny: dict[tuple[int, int, int], str], gate_up_table: dict[tuple[i
     gate_up.TUNED_GATE_UP_QUANTIZED_CONFIGS.update(skinny_gemm.parse_table(gate_up_table))
 
 
+def install_fp8(report_path: str) -> None:
+    from serving.bench.fp8_sweep import table_of
+    from serving.engine.fp8_gemm import install_table
+
+    table = table_of(json.loads(Path(report_path).read_text()))
+    install_table(table)
+    print("TUNED_FP8 = {")
+    for key, config in sorted(table.items()):
+        print(f"    {key}: {config!r},")
+    print("}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     split = argv.index("--")
+    if argv[0] == "--fp8":
+        install_fp8(argv[1])
+        from serving.bench.__main__ import main as bench
+
+        return bench(argv[split + 1:])
     sweep, gate = (json.loads(Path(p).read_text()) for p in argv[:split])
     skinny = tables_from_sweep(sweep)
     # one row: the w13 gemv and SiLU * up beat the fused kernel (8B: 35.5 + ~3 against 47.5 us, 2026-12-01)

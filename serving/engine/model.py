@@ -417,6 +417,7 @@ def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn
     if gemm != "triton":
         one = reference_linear if gemm == REFERENCE_GEMM else torch_linear
         return (lambda module, x: one(module, x).unsqueeze(0)) if parts else one
+    from serving.engine.fp8_gemm import fp8_config_for, fp8_partials, sum_partials
     from serving.engine.skinny_gemm import kernel_config, skinny_linear, skinny_linear_parts
 
     product = skinny_linear_parts if parts else skinny_linear
@@ -424,6 +425,9 @@ def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn
     def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(module, QuantLinear):
             return product(x, module.weight, getattr(module, "bias", None), pdl=pdl)
+        if module.bias is None and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
+            y = fp8_partials(x, module.weight, module.weight_scale, fp8, pdl=pdl)
+            return y if parts else sum_partials(y, x.dtype)
         if module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores
             y = module.tensor_core(x)
         elif kernel_config(x, module.weight) is None:  # more rows than the kernels take: the layer's own GEMM
@@ -440,12 +444,15 @@ def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
     (the step multiplies by w13 and runs SiLU * up itself)."""
     if gemm != "triton":
         return None
+    from serving.engine.fp8_gemm import fp8_config_for, fp8_linear
     from serving.engine.gate_up import gate_up
 
     def product(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(module, QuantLinear):
             return gate_up(x, module.weight, pdl=pdl)
-        if module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores, then SiLU * up
+        if module.bias is None and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
+            gate, up = fp8_linear(x, module.weight, module.weight_scale, config=fp8, pdl=pdl).chunk(2, dim=-1)
+        elif module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores, then SiLU * up
             gate, up = module.tensor_core(x).chunk(2, dim=-1)
         elif x.shape[0] > MAX_DECODE_KERNEL_ROWS:  # the layer's own GEMM, then SiLU * up
             gate, up = module(x).chunk(2, dim=-1)

@@ -5,12 +5,13 @@ Methods (`engine.quantization` in the release spec):
 - `none`: weights in the engine dtype.
 - `fp8`: each quantized weight `W [N, K]` is stored as float8_e4m3fn `Q` with one float32 scale per
   output channel (row) `s [N]`, `W ~= Q * s[:, None]`, `s = max|W[n]| / 448`. On a GPU that has FP8
-  tensor cores (compute capability 8.9 or later, bf16 engines), prefill GEMMs (more than 64 rows) and
-  decode GEMMs of 16-64 rows with outputs at least `FP8_TENSOR_CORE_MIN_N` wide (w13) scale each
-  activation row (token) to e4m3 at run time (`quantize_tokens_fp8`) and multiply e4m3 x e4m3 through
-  `torch._scaled_mm`, both scales in its epilogue. Other decode GEMMs take the decode kernels, which read
-  `Q` and `s` at their stored precision and convert the tile exactly in registers (`skinny_gemm`,
-  `gate_up`): weight-only numerics.
+  tensor cores (compute capability 8.9 or later, bf16 engines), GEMMs scale each activation row (token)
+  to e4m3 at run time (`quantize_tokens_fp8`) and multiply e4m3 x e4m3, both scales in the epilogue:
+  prefill GEMMs (more than 64 rows) through `torch._scaled_mm`; decode GEMMs (1-64 rows) of the shapes in
+  `fp8_gemm.TUNED_FP8` (on compute capability 9.0: every Llama-1B/8B projection) through the split-K
+  `fp8_gemm` kernel; other decode GEMMs of 16-64 rows with outputs at least `FP8_TENSOR_CORE_MIN_N` wide
+  through `_scaled_mm`. The remaining decode GEMMs take the weight-only decode kernels, which read `Q` and
+  `s` at their stored precision and convert the tile exactly in registers (`skinny_gemm`, `gate_up`).
 - `int8-weight-only`: `Q` is int8, `s = max|W[n]| / 127`, round to nearest; activations stay in the
   engine dtype everywhere (for GPUs without FP8 and for the CPU).
 
@@ -93,9 +94,10 @@ class QuantInfo:
             "weight_dtype": str(STORED_DTYPES[self.method]).removeprefix("torch."),
             "scales": {"granularity": "per-output-channel", "dtype": "float32", "suffix": SCALE_SUFFIX,
                        "where": "tensor '<weight name>_scale' [N] beside each quantized weight, same file"},
-            "activations": (f"per-token e4m3 at run time in FP8 tensor-core GEMMs (prefill; decode of >= "
+            "activations": ("per-token e4m3 at run time in FP8 tensor-core GEMMs (prefill; decode GEMMs in "
+                            "fp8_gemm.TUNED_FP8, and of >= "
                             f"{FP8_TENSOR_CORE_MIN_ROWS} rows where N >= {FP8_TENSOR_CORE_MIN_N}); engine dtype in "
-                            "the decode kernels and on the CPU"
+                            "the weight-only decode kernels and on the CPU"
                             if self.method == FP8 else "engine dtype"),
             "tensors": [f"{m}.weight" for m in self.quantized_modules(n_layers, tie_word_embeddings=tie_word_embeddings)],
         }

@@ -1,0 +1,142 @@
+"""The split-K FP8 tensor-core decode kernel (`serving.engine.fp8_gemm`) against `fp8_emulated_linear`.
+
+- CPU, every run: the fit rules, the table lookup (no config on the CPU, or off the table), a refused launch.
+- TRITON_INTERPRET=1 with Triton importable (skipped otherwise, so in CI): the kernel on CPU tensors, every
+  split, 1..64 rows, N not a multiple of the block, against the emulation (the same e4m3 inputs).
+- CUDA (`gpu`): the kernel at the Llama-1B / 8B shapes against the emulation (float32 sums in another order,
+  one bf16 rounding), per token within e4m3's rounding of the weight-only reference, and through the PDL op.
+
+Errors are relative, ||out - ref|| / ||ref||, fresh random inputs per check.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from serving.engine import fp8_gemm
+from serving.engine.fp8_gemm import fits, fp8_config_for, fp8_linear, install_table
+from serving.engine.quantize import (
+    FP8,
+    dequantize_weight,
+    fp8_emulated_linear,
+    quantize_tokens_fp8,
+    quantize_weight,
+)
+from serving.engine.skinny_gemm import GemmConfig, triton_available
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
+HAS_CUDA = torch.cuda.is_available() and triton_available() and not INTERPRET
+E4M3_ROUNDING = 2.0**-4
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all()
+    return float((out - ref).norm() / ref.norm())
+
+
+def test_fit_rules():
+    config = GemmConfig.parse("dott:n64:k128:s4:w4:st3")
+    assert fits(config, 64, 4096, 4096) and fits(config, 1, 4096, 512)
+    assert not fits(config, 65, 4096, 4096)  # more rows than a decode batch: `_scaled_mm`
+    assert not fits(config, 8, 4096, 4096 + 128)  # K slices must tile K
+    assert not fits(GemmConfig.parse("dot:n64:k128:s1:w4:st3"), 8, 4096, 4096)  # the transposed kernel only
+    assert not fits(GemmConfig.parse("dott:n64:k16:s1:w4:st3"), 8, 4096, 4096)  # e4m3 MMAs take K of 32
+
+
+def test_lookup_needs_the_table_a_cuda_bf16_input_and_an_e4m3_weight(monkeypatch):
+    w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
+    monkeypatch.setattr(fp8_gemm, "TUNED_FP8", {})
+    monkeypatch.setattr(fp8_gemm, "TUNED_FP8_CONFIGS", {})
+    install_table({(64, 256, 512): "dott:n64:k128:s2:w4:st3"})
+    assert fp8_gemm.TUNED_FP8_CONFIGS[(64, 256, 512)].split == 2
+    x = torch.zeros(16, 512, dtype=torch.bfloat16)
+    assert fp8_config_for(x, w) is None  # a CPU tensor: the dequantizing reference
+    if triton_available():
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        assert fp8_config_for(x, w).key() == "dott:n64:k128:s2:w4:st3"
+        assert fp8_config_for(x[:1], w) is None  # one row is another bucket, not in this table
+        assert fp8_config_for(x.float(), w) is None
+        assert fp8_config_for(x, w.to(torch.int8)) is None  # int8 weight-only keeps its kernels
+        assert fp8_config_for(torch.zeros(65, 512, dtype=torch.bfloat16), w) is None
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_a_config_that_does_not_fit_is_refused_naming_it():
+    xq, xs = quantize_tokens_fp8(torch.randn(4, 96))
+    w, s = quantize_weight(torch.randn(32, 96), FP8)
+    with pytest.raises(ValueError, match="dott:n32:k64:s1:w4:st2 does not fit M=4, N=32, K=96"):
+        fp8_gemm.launch_fp8(xq, xs, w, s, GemmConfig.parse("dott:n32:k64:s1:w4:st2"))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("config", ["dott:n32:k32:s1:w4:st2", "dott:n16:k32:s4:w4:st2"])
+def test_kernel_matches_the_emulation_interpreted(rows, config):
+    w, s = quantize_weight(torch.randn(40, 128) * 0.02, FP8)  # N = 40: not a multiple of the blocks
+    x = torch.randn(rows, 128) * torch.logspace(-1, 1, rows)[:, None]
+    xq, xs = quantize_tokens_fp8(x)
+    parts = fp8_gemm.launch_fp8(xq, xs, w, s, GemmConfig.parse(config))
+    assert parts.shape == (GemmConfig.parse(config).split, rows, 40)
+    ref = F.linear(xq.double() * xs.double(), dequantize_weight(w, s, torch.float64))
+    assert rel_err(parts.double().sum(0), ref) < 1e-2, (rows, config)  # bf16 output rounding at one slice
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA
+
+LLAMA_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (6144, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("config", ["dott:n64:k128:s1:w4:st3", "dott:n128:k256:s4:w8:st3"])
+def test_kernel_at_llama_shapes(rows, config):
+    config = GemmConfig.parse(config)
+    for n, k in LLAMA_SHAPES:
+        w, s = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, FP8)
+        x = (torch.randn(rows, k, device="cuda") * torch.logspace(-2, 2, rows, device="cuda")[:, None]).bfloat16()
+        for pdl in (False, True):
+            out = fp8_linear(x, w, s, config=config, pdl=pdl)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+            assert rel_err(out, fp8_emulated_linear(x, w, s, None)) < 5e-3, (rows, n, k, pdl)
+        ref = F.linear(x.double(), dequantize_weight(w, s, torch.float64))
+        per_token = (out.double() - ref).norm(dim=1) / ref.norm(dim=1)
+        assert per_token.max() < E4M3_ROUNDING, (rows, n, k, per_token.max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+def test_compiled_decode_on_the_fp8_kernel_matches_its_reference_path(monkeypatch):
+    """Every projection of a 2-layer Llama-1B-wide fp8 engine on the kernel (one config for all), compiled in
+    CUDA graphs: greedy tokens as the eager step's, logits within e4m3's rounding of weight-only numerics."""
+    from serving.bench.quantized import random_runner
+    from serving.engine.model import REFERENCE_GEMM, decode_step
+
+    monkeypatch.setattr(fp8_gemm, "TUNED_FP8", {})
+    monkeypatch.setattr(fp8_gemm, "TUNED_FP8_CONFIGS", {})
+    shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
+    install_table({(bucket, n, k): "dott:n64:k128:s2:w4:st3" for bucket in (1, 64) for n, k in shapes})
+    runner = random_runner("llama-3.2-1b", FP8, max_batch_size=64, max_seq_len=256, n_layers=2)
+    layer = runner.model.layers[0]
+    x = torch.zeros(16, 2048, device="cuda", dtype=torch.bfloat16)
+    assert fp8_config_for(x, layer.attention.wqkv.weight) is not None
+    assert fp8_config_for(x[:1], layer.feed_forward.w2.weight) is not None
+    prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(20 + i)] for i in range(16)]
+    ref = runner.generate(prompts, max_new_tokens=12)  # CUDA graphs of the eager step
+    runner.compile_decode()
+    got = runner.generate(prompts, max_new_tokens=12)
+    agree = sum(a == b for r, g in zip(ref, got) for a, b in zip(r.token_ids, g.token_ids))
+    assert agree >= 0.9 * 16 * 12, agree
+    tokens = torch.tensor([p[-1] for p in prompts], device="cuda")
+    pos = torch.tensor([len(p) for p in prompts], device="cuda")
+    for rows in (1, 16):
+        fast = decode_step(runner.model, tokens[:rows], pos[:rows], 256, gemm="triton").float()
+        slow = decode_step(runner.model, tokens[:rows], pos[:rows], 256, gemm=REFERENCE_GEMM).float()
+        print(f"fp8 kernel, {rows} rows: logits rel err against the dequantizing reference {rel_err(fast, slow):.2e}")
+        assert rel_err(fast, slow) < E4M3_ROUNDING
