@@ -13,7 +13,6 @@ The same logic is a plain function (`promote`), so it also runs without Prefect 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from registry.rollout_record import (
     record_success,
     take_decision,
 )
+from tasks.engine_kinds import kind_of
 from tasks.errors import ApprovalRejected, RolloutAborted, StepError
 from tasks.fit import CandidateDoesNotFit, check_fits
 from tasks.gray_release import RolloutReport, gray_release, gray_release_task
@@ -66,16 +66,6 @@ class PromoteResult:
     approved_by: str
     rollout: RolloutReport
     timeline_png: Path
-
-
-def vocab_size(engine_dir: Path, spec: ReleaseSpec) -> int:
-    """Vocabulary of the staged engine, for the analysis traffic's random prompts."""
-    if spec.engine.kind == "torch":
-        from serving.engine import read_engine_info
-
-        return read_engine_info(engine_dir).model.vocab_size
-    config = next(engine_dir.rglob("config.json"), None)  # the HF config travels with every artifact kind
-    return int(json.loads(config.read_text()).get("vocab_size", 32000)) if config else 32000
 
 
 def connect_targets(spec: ReleaseSpec) -> list[Target]:
@@ -194,7 +184,7 @@ def promote(spec: ReleaseSpec, version: int | str, *, kind: Literal["promote", "
         raise StageFailed(f"{name} version {cand} was not staged ({reason}); every endpoint serves version "
                           f"{live} again; MLflow tagged rollout=failed") from exc
 
-    vocab = vocab_size(engine_dir, spec)
+    vocab = kind_of(spec.engine).vocab_size(engine_dir)
     decide = _decider(spec, cand)
     try:
         args = {"rollout": rollout, "triton": spec.triton, "vocab_size": vocab, "journal": journal, "decide": decide}

@@ -1,158 +1,61 @@
-"""Dispatch convert / build / fingerprint / stage checks by ``engine.kind`` for the TensorRT-LLM kinds.
+"""The engine kinds, one table: each kind's convert / build / verify / stage (and what a promotion reads from
+its artifact), so the steps never ask which kind they hold and a new kind is one new entry.
 
-``tasks/convert.py`` and ``tasks/build.py`` keep the ``torch`` path and call here for the others. The
-work is keyed by content hashes like the torch path, so a re-run finds finished conversions and builds.
-TensorRT-LLM is required up front (``require_trtllm``): a machine without it fails before any hashing,
-with a message naming ``engine.kind``.
+| kind | convert | build | artifact |
+| --- | --- | --- | --- |
+| ``torch`` | fused wqkv / w13, dtype, quantization (``tasks.kind_torch``) | ``serving.engine`` folder | ``engine.json`` + weights |
+| ``trtllm-engine`` | ``convert_checkpoint.py`` / ``quantize.py`` (``tasks.kind_trtllm``) | ``trtllm-build`` | TensorRT engines |
+| ``trtllm-llmapi`` | nothing (the HF checkpoint is the input) | ``LLM()`` arguments beside the checkpoint | checkpoint + ``model.yaml`` |
 """
 
 from __future__ import annotations
 
-import logging
-import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from tasks.checkpoint import ConvertedCheckpoint, check_checkpoint
+from tasks import kind_torch, kind_trtllm
+from tasks.checkpoint import ConvertedCheckpoint
 from tasks.engine_spec import EngineSpec
-from tasks.hashing import tree_digest, value_digest
-
-log = logging.getLogger(__name__)
-
-TRTLLM_KINDS = ("trtllm-engine", "trtllm-llmapi")
+from tasks.promote_spec import TritonSpec
 
 
-def trtllm_options(engine: EngineSpec) -> Any:
-    """The spec's engine section as ``serving.trtllm.TrtllmOptions`` (cross-field rules checked).
-
-    ``engine.quantization`` (the field every kind takes) sets ``engine.trtllm.quantization`` (fp8 -> fp8,
-    int8-weight-only -> int8_weight_only: QuantAlgo FP8 / W8A16); both set and different is an error.
-    ``trtllm-engine`` warns which TensorRT-LLM versions it is for."""
-    from serving.trtllm import TrtllmOptions
-    from serving.trtllm.errors import TrtllmOptionError
-    from serving.trtllm.options import FROM_ENGINE_QUANTIZATION, TRTLLM_ENGINE_VERSIONS
-
-    values = {**engine.model_dump(exclude={"trtllm"}), **engine.trtllm.model_dump(exclude={"target_toolchain"})}
-    mapped = FROM_ENGINE_QUANTIZATION[engine.quantization]
-    if mapped != "none":
-        if engine.trtllm.quantization not in ("none", mapped):
-            raise TrtllmOptionError(f"engine.quantization={engine.quantization!r} (TensorRT-LLM {mapped!r}) and "
-                                    f"engine.trtllm.quantization={engine.trtllm.quantization!r} disagree; set one")
-        values["quantization"] = mapped
-    if engine.kind == "trtllm-engine":
-        warnings.warn(TRTLLM_ENGINE_VERSIONS, FutureWarning, stacklevel=2)
-        log.warning("%s", TRTLLM_ENGINE_VERSIONS)
-    options = TrtllmOptions.from_mapping(values)
-    options.check()
-    return options
+class StageFn(Protocol):
+    def __call__(self, root: Path, name: str, engine_dir: Path, *, version: int, engine: EngineSpec | None,
+                 triton: TritonSpec) -> None: ...
 
 
-def require_kind_available(engine: EngineSpec) -> None:
-    """Fail early (naming ``engine.kind``) when this machine cannot run the kind's convert/build."""
-    from serving.trtllm import require_trtllm
-
-    if engine.kind == "trtllm-engine":
-        require_trtllm(engine.kind, commands=("trtllm-build",))
-    elif engine.kind == "trtllm-llmapi":
-        require_trtllm(engine.kind)
+class VerifyFn(Protocol):
+    def __call__(self, engine_dir: Path, engine: EngineSpec | None, *, fingerprint: str, device: str) -> None: ...
 
 
-def convert_for_kind(checkpoint: Path, engine: EngineSpec, work_dir: Path):
-    """trtllm-engine: HF -> TensorRT-LLM checkpoint (convert_checkpoint.py / quantize.py).
+@dataclass(frozen=True)
+class Kind:
+    """One engine kind's steps. ``build`` returns the artifact's record (``.path``, ``.fingerprint``)."""
 
-    trtllm-llmapi: nothing to convert (the artifact is built from the HF checkpoint in ``build``).
-    """
-    from serving.trtllm import convert_trtllm_checkpoint
-
-    options = trtllm_options(engine)
-    require_kind_available(engine)
-    check_checkpoint(checkpoint)
-    source_digest = tree_digest(checkpoint)
-    if engine.kind == "trtllm-llmapi":
-        return ConvertedCheckpoint(Path(checkpoint), source_digest)
-    key = value_digest({"source": source_digest, "kind": engine.kind,
-                        "convert": _convert_relevant(engine)})[:16]
-    out = work_dir / "checkpoints" / key
-    if (out / "config.json").is_file():
-        log.info("TensorRT-LLM conversion already done: %s", out)
-        return ConvertedCheckpoint(out, source_digest)
-    convert_trtllm_checkpoint(checkpoint, out, options, log_dir=work_dir / "logs" / key,
-                              progress=lambda m: log.info("%s", m))
-    return ConvertedCheckpoint(out, source_digest)
+    name: str
+    convert: Callable[[Path, EngineSpec, Path], ConvertedCheckpoint]  # (checkpoint, engine, work_dir)
+    build: Callable[[ConvertedCheckpoint, EngineSpec, Path], Any]  # (converted, engine, work_dir)
+    verify: VerifyFn  # a fetched artifact, before anything is staged
+    stage: StageFn  # the artifact as the Triton model of one version
+    vocab_size: Callable[[Path], int]  # for the analysis traffic's random prompts
+    memory_estimate: Callable[[Path], Any] | None  # serving.engine.memory.MemoryEstimate; None: not known
 
 
-def _convert_relevant(engine: EngineSpec) -> dict[str, Any]:
-    t = engine.trtllm
-    return {"dtype": engine.dtype, "quantization": t.quantization, "kv_cache_dtype": t.kv_cache_dtype,
-            "calib_size": t.calib_size, "awq_block_size": t.awq_block_size, "tp": t.tp_size, "pp": t.pp_size,
-            "family": t.model_family}
+TORCH = Kind("torch", kind_torch.convert, kind_torch.build, kind_torch.verify_fetched, kind_torch.stage_version,
+             kind_torch.vocab_size, kind_torch.memory_estimate)
+TRTLLM = {name: Kind(name, kind_trtllm.convert_for_kind, kind_trtllm.build_for_kind, kind_trtllm.verify_fetched,
+                     kind_trtllm.stage_version, kind_trtllm.vocab_size, None)
+          for name in kind_trtllm.TRTLLM_KINDS}
+KINDS: dict[str, Kind] = {TORCH.name: TORCH, **TRTLLM}
 
 
-def build_for_kind(converted, engine: EngineSpec, work_dir: Path, *, hf_checkpoint: Path | None = None):
-    """Build the kind's artifact; returns a ``TrtllmArtifact`` (``.path``, ``.fingerprint``)."""
-    from serving.trtllm import build_trtllm_engine, prepare_llmapi_artifact, read_artifact
-
-    options = trtllm_options(engine)
-    require_kind_available(engine)
-    spec = engine.model_dump(exclude={"trtllm": {"examples_dir", "modelopt_examples_dir", "convert_timeout_s",
-                                                 "build_timeout_s", "target_toolchain"}})
-    key = value_digest({"checkpoint": converted.path.name, "source": converted.source_digest, "engine": spec})[:16]
-    out = work_dir / "engines" / key
-    if out.is_dir():
-        log.info("TensorRT-LLM artifact already built: %s", out)
-        return read_artifact(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    logs = work_dir / "logs" / key
-    if engine.kind == "trtllm-llmapi":
-        return prepare_llmapi_artifact(converted.path, out, options, log_dir=logs, progress=lambda m: log.info("%s", m))
-    hf = Path(hf_checkpoint) if hf_checkpoint else _hf_source_of(converted)
-    return build_trtllm_engine(converted.path, hf, out, options, log_dir=logs, progress=lambda m: log.info("%s", m))
-
-
-def _hf_source_of(converted) -> Path:
-    """The source's tokenizer/config files, kept by ``convert_trtllm_checkpoint`` beside the checkpoint."""
-    from serving.trtllm.artifacts import HF_FILES_DIR
-
-    hf = Path(converted.path) / HF_FILES_DIR
-    if not (hf / "config.json").is_file():
-        raise ValueError(f"converted checkpoint {converted.path} has no {HF_FILES_DIR}/config.json; pass "
-                         "hf_checkpoint (source.checkpoint) to build engine.kind='trtllm-engine'")
-    return hf
-
-
-def fingerprint_for_kind(engine: EngineSpec, path: Path) -> str:
-    """The artifact's fingerprint (verifying every file) for any kind."""
-    if engine.kind == "torch":
-        from serving.engine import verify_engine
-
-        return verify_engine(path).fingerprint
-    from serving.trtllm import verify_artifact
-
-    return verify_artifact(path).fingerprint
-
-
-def target_toolchain(engine: EngineSpec) -> dict[str, Any] | None:
-    """The fleet toolchain from ``engine.trtllm.target_toolchain``; None when no field is set (detect)."""
-    values = engine.trtllm.target_toolchain.model_dump()
-    return values if any(values.values()) else None
-
-
-def check_stage_toolchain(artifact_dir: Path, engine: EngineSpec) -> None:
-    """Before promotion/staging: refuse an artifact built for another GPU or TensorRT-LLM version."""
-    from serving.trtllm import check_trtllm_toolchain, current_toolchain, read_artifact
-
-    art = read_artifact(artifact_dir)
-    opts = trtllm_options(engine)
-    check_trtllm_toolchain(art.toolchain, target_toolchain(engine) or current_toolchain(), kind=art.kind,
-                           uses_fp8=opts.uses_fp8)
-
-
-def stage_for_kind(root: Path, name: str, artifact_dir: Path, engine: EngineSpec, *, version: int | None = None,
-                   max_queue_delay_us: int = 2000, max_queue_size: int = 64,
-                   repository_mount: str | None = None) -> int:
-    """Stage a TensorRT-LLM artifact into the gray-release layout (toolchain checked first)."""
-    from serving.triton.trtllm_repository import stage_trtllm_version
-
-    return stage_trtllm_version(root, name, artifact_dir, target_toolchain=target_toolchain(engine), version=version,
-                                max_queue_delay_us=max_queue_delay_us, max_queue_size=max_queue_size,
-                                repository_mount=repository_mount)
+def kind_of(engine: EngineSpec | str | None) -> Kind:
+    """The steps of ``engine.kind`` (a spec, a kind's name, or None for the default ``torch``)."""
+    name = "torch" if engine is None else engine if isinstance(engine, str) else engine.kind
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"engine.kind={name!r} is not a known engine kind: expected one of "
+                         f"{', '.join(sorted(KINDS))}") from None

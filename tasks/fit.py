@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.engine_kinds import kind_of
 from tasks.errors import StepError
 from tasks.targets import Target
 
@@ -70,13 +71,12 @@ def check_fits(targets: list[Target], engine_dir: Path, *, device: str, engine_k
     on some device; return what was checked (or why not), one line per endpoint, as logged."""
     from serving.triton.metrics import scrape
 
-    if engine_kind != "torch":
+    estimate_memory = kind_of(engine_kind).memory_estimate
+    if estimate_memory is None:
         line = f"fit check skipped: no memory estimate for engine kind {engine_kind!r} (torch engines only)"
         log.warning(line)
         return [line]
-    from serving.engine.memory import estimate_engine_memory
-
-    estimate = estimate_engine_memory(engine_dir)
+    estimate = estimate_memory(engine_dir)
     checked, problems = [], []
     for target in targets:
         if not target.metrics_url:

@@ -13,6 +13,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.engine_kinds import kind_of
 from tasks.engine_spec import EngineSpec
 from tasks.promote_spec import TritonSpec
 from tasks.rollback import remove_leftovers, restore_live
@@ -37,25 +38,11 @@ def fetch_engine(*, artifacts_uri: str, model_name: str, fingerprint: str, cache
     TensorRT-LLM version) instead: a mismatch is refused before anything is staged.
     """
     from registry.stores import artifact_key, open_store
-    from serving.engine import check_toolchain, read_engine_info
-    from serving.engine.runner import resolve_device
 
     local = cache_dir / model_name / fingerprint
     store = open_store(artifacts_uri)
     store.get_tree(artifact_key(model_name, fingerprint), local)
-    if engine is not None and engine.kind != "torch":
-        from serving.trtllm import verify_artifact
-        from tasks.engine_kinds import check_stage_toolchain
-
-        verify_artifact(local)
-        check_stage_toolchain(local, engine)
-        return local
-    info = read_engine_info(local)
-    if info.fingerprint != fingerprint:
-        raise ValueError(
-            f"artifact {model_name}/{fingerprint} holds an engine with fingerprint {info.fingerprint}"
-        )
-    check_toolchain(info, device=resolve_device(device))
+    kind_of(engine).verify(local, engine, fingerprint=fingerprint, device=device)
     return local
 
 
@@ -88,9 +75,10 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
     the rollback's error) and the caller must retry the rollback.
     """
     from serving.triton.operations import apply_router_weights, serve_versions
-    from serving.triton.repository import list_versions, served_versions, stage_engine_version
+    from serving.triton.repository import list_versions, served_versions
     from tasks.rollout_state import checkpoint
 
+    kind = kind_of(engine)
     try:
         for target in targets:
             remove_leftovers(target.model_repository, model_name)
@@ -98,22 +86,7 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
             if version in list_versions(target.model_repository, model_name):
                 raise ValueError(f"version {version} of {model_name} is already staged on {target.url} but not "
                                  "live; the rollout journal should have rolled it back")
-            if engine is not None and engine.kind != "torch":  # toolchain refused here on a mismatch
-                from tasks.engine_kinds import stage_for_kind
-
-                stage_for_kind(target.model_repository, model_name, engine_dir, engine, version=version,
-                               max_queue_delay_us=triton.max_queue_delay_us, max_queue_size=triton.max_queue_size)
-            else:
-                stage_engine_version(
-                    target.model_repository,
-                    model_name,
-                    engine_dir,
-                    version=version,
-                    device_kind=triton.device,
-                    max_queue_size=triton.max_queue_size,
-                    max_queue_delay_us=triton.max_queue_delay_us,
-                    parameters=dict(triton.engine_parameters) if triton.engine_parameters else None,
-                )
+            kind.stage(target.model_repository, model_name, engine_dir, version=version, engine=engine, triton=triton)
             checkpoint(f"stage {target.url}: version {version} folder in place")
             serving = sorted({*before, version})
             serve_versions(target.control(), target.model_repository, model_name, serving, timeout_s=triton.load_timeout_s)

@@ -13,8 +13,8 @@ from serving.trtllm import commands
 from serving.trtllm.errors import TrtllmOptionError
 from serving.trtllm.flags import check_llm_args
 from serving.trtllm.options import TRTLLM_ENGINE_VERSIONS
-from tasks.engine_kinds import trtllm_options
 from tasks.engine_spec import EngineSpec
+from tasks.kind_trtllm import trtllm_options
 
 
 def spec(**kw) -> EngineSpec:

@@ -41,8 +41,8 @@ def parse(text: str) -> model_config_pb2.ModelConfig:
 
 
 def reference_values() -> dict:
-    from tasks.engine_kinds import trtllm_options
     from tasks.engine_spec import EngineSpec
+    from tasks.kind_trtllm import trtllm_options
 
     spec = yaml.safe_load((GOLDEN / "spec.yaml").read_text())
     t = spec["triton"]
@@ -153,8 +153,8 @@ def test_stage_refuses_toolchain_mismatch(tmp_path: Path, field: str, value: str
 
 
 def test_stage_toolchain_via_spec(tmp_path: Path) -> None:
-    from tasks.engine_kinds import stage_for_kind
     from tasks.engine_spec import EngineSpec
+    from tasks.kind_trtllm import stage_for_kind
 
     art = engine_artifact(tmp_path)
     engine = EngineSpec(kind="trtllm-engine", dtype="bfloat16",

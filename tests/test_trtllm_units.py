@@ -49,7 +49,7 @@ def reference_engine() -> EngineSpec:
 
 
 def reference_options() -> TrtllmOptions:
-    from tasks.engine_kinds import trtllm_options
+    from tasks.kind_trtllm import trtllm_options
 
     return trtllm_options(reference_engine())
 
