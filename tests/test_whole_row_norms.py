@@ -1,7 +1,7 @@
 """Row reductions compiled in one pass over the row (serving/engine/whole_row_norms.py).
 
 - CPU, every run: the context puts inductor's own choices back, even after an error; the compile options
-  keep such a compile out of the FX graph cache; the decode graphs take it by default.
+  put the choice into the FX graph cache key; the decode graphs take it by default.
 - CUDA (`gpu`): a residual add + RMSNorm of 64 rows compiles persistent at 2,048 columns and looped at
   4,096, persistent at 4,096 for one row, and computes what inductor's own kernels compute.
 """
@@ -12,6 +12,7 @@ import inspect
 
 import pytest
 import torch
+from torch._inductor.codecache import FxGraphHashDetails
 from torch._inductor.utils import run_and_get_code
 from torch._inductor.virtualized import V
 
@@ -33,9 +34,13 @@ def test_the_context_puts_inductors_choices_back():
         assert type(V.choices) is before
 
 
-def test_a_compile_under_it_stays_out_of_the_fx_graph_cache():
-    assert compile_options(True) == {"fx_graph_cache": False}
+def test_a_compile_under_it_has_the_choice_in_the_fx_graph_cache_key():
     assert compile_options(False) == {}
+    key_pass = compile_options(True)["post_grad_custom_post_pass"]
+    assert key_pass.uuid().startswith("whole-row-norms:2048:4096:")
+    with torch._inductor.config.patch(compile_options(True)):  # an unknown name raises AttributeError
+        details = FxGraphHashDetails(torch.fx.symbolic_trace(lambda x: x + 1), [], {}, [])
+        assert details.post_grad_custom_post_pass == key_pass.uuid()
 
 
 def test_decode_graphs_take_it_by_default():

@@ -140,6 +140,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--built-marker", type=Path, help="file touched once the engine is built")
     eng.add_argument("--work", type=Path, default=Path("build/bench-served"))
     eng.add_argument("--out", type=Path, default=Path("bench-engine-offline.json"))
+    lod = sub.add_parser("engine-load", help="one load of an engine folder as the decoupled llm model loads it "
+                         "(compiled decode step, compile cache restored or stored), timed to ready (CUDA)")
+    lod.add_argument("--engine", type=Path, required=True)
+    lod.add_argument("--compile-cache", type=Path, required=True, help="root of the compile caches")
+    lod.add_argument("--out", type=Path, default=Path("bench-engine-load.json"))
+    pair = sub.add_parser("load-pair", help="first load against second load of an engine, each in a fresh process "
+                          "with empty inductor/Triton caches: the second finds only the first's compile cache")
+    pair.add_argument("--engine", type=Path, required=True)
+    pair.add_argument("--work", type=Path, default=Path("build/bench-load"))
+    pair.add_argument("--out", type=Path, default=Path("bench-load.json"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,6 +242,19 @@ def run(args: argparse.Namespace) -> int:
                                       scheduler_requests_per_client=args.scheduler_requests_per_client,
                                       out_json=args.out)
         print(json.dumps(report, indent=1))
+        return 0
+    if args.bench_mode == "engine-load":
+        from serving.bench.load_time import measure_load
+
+        report = measure_load(args.engine, args.compile_cache)
+        args.out.write_text(json.dumps(report, indent=1))
+        return 0
+    if args.bench_mode == "load-pair":
+        from serving.bench.load_time import run_load_pair
+
+        args.work.mkdir(parents=True, exist_ok=True)
+        report = run_load_pair(args.engine, args.work / "compile-cache", args.work)
+        args.out.write_text(json.dumps(report, indent=1))
         return 0
     from serving.bench.served import parse_variant, run_served
 

@@ -12,8 +12,10 @@ Llama-1B batch 64 1.037-1.039 against 1.076 ms, batch 1 0.865-0.866 against 0.88
 4.115-4.117 against 4.145-4.148 ms. At Llama-8B batch 64 the 4,096-column rows were slower persistent,
 4.806-4.807 against 4.787-4.791 ms, so rows that wide stay looped there.
 
-The choice is not part of inductor's cache keys: a step compiled under it must not share the FX graph
-cache with one compiled without it (`compile_options`).
+The choice is not part of inductor's cache keys by itself: a step compiled under it must not share FX
+graph cache entries with one compiled without it. `compile_options` puts it in the key, as a no-op
+post-grad pass whose `uuid` (which inductor hashes into every FX graph and AOTAutograd cache key) names
+the choice and this file's content, so the step stays cacheable (`serving.engine.compile_cache`).
 
 Imports: torch only.
 """
@@ -26,6 +28,7 @@ from typing import Any
 
 from torch._inductor import config
 from torch._inductor.choices import InductorChoices
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.ir import ReductionHint
 from torch._inductor.virtualized import V
 
@@ -59,7 +62,16 @@ def whole_row_reductions(enabled: bool = True) -> Iterator[None]:
         yield
 
 
-def compile_options(enabled: bool) -> dict[str, bool]:
-    """Inductor settings for a compile under `whole_row_reductions(enabled)`: no FX graph cache, whose key
-    would not tell the two kinds of kernels apart."""
-    return {"fx_graph_cache": False} if enabled else {}
+class WholeRowCacheKey(CustomGraphPass):
+    """A post-grad pass that changes nothing: its `uuid` puts `WholeRowChoices` into inductor's cache keys."""
+
+    def __call__(self, graph: Any) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return f"whole-row-norms:{MAX_COLUMNS}:{MAX_COLUMNS_ONE_ROW}:{get_hash_for_files((__file__,)).hex()}"
+
+
+def compile_options(enabled: bool) -> dict[str, Any]:
+    """Inductor settings for a compile under `whole_row_reductions(enabled)`: the choice in the cache keys."""
+    return {"post_grad_custom_post_pass": WholeRowCacheKey()} if enabled else {}

@@ -29,7 +29,10 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
   request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
   get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
-  step, ~30-50 s more at load on an H200), ``decode_pdl`` (default "true": that step with
+  step, ~30-50 s more at a first load on an H200; its compile artifacts are then kept in
+  ``compile_cache_dir``, default ``.compile-cache`` in the repository's root, "off" for none, and a
+  later load on the same toolchain restores them instead of compiling: `serving.engine.compile_cache`),
+  ``decode_pdl`` (default "true": that step with
   programmatic dependent launch on Hopper and later, `serving.engine.cuda_graphs`), ``warmup`` ("false" to skip
   capturing graphs and running the first, cold prefills at load), ``gil_switch_interval_ms`` (default
   0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
@@ -242,8 +245,9 @@ class EngineThread:
     def __init__(self, runner: Any, log: Log, *, device_id: int | None, compile_decode: bool,
                  warmup: bool, while_waiting: Callable[[], bool] | None = None,
                  drain: Callable[[], None] | None = None, admit_gap_s: float = 0.0,
-                 decode_pdl: bool = True) -> None:
+                 decode_pdl: bool = True, compile_cache_root: Path | None = None) -> None:
         self.runner = runner
+        self.compile_cache_root = compile_cache_root
         self.decode_pdl = decode_pdl
         self.admit_gap_s = admit_gap_s
         self.while_waiting = while_waiting
@@ -299,8 +303,12 @@ class EngineThread:
             return
         for pdl in dict.fromkeys((self.decode_pdl, False)):  # with PDL as configured, then without
             try:
-                self.runner.compile_decode(pdl=pdl)
-                self._warm_graphs()  # a compile happens at the first capture: its errors surface here
+                from serving.engine.compile_cache import decode_step_cache, kept  # lazy: imports torch
+
+                with kept(decode_step_cache(self.runner, self.compile_cache_root if self.warmup else None, pdl=pdl,
+                                            log=self.log.info)):
+                    self.runner.compile_decode(pdl=pdl)
+                    self._warm_graphs()  # a compile happens at the first capture: its errors surface here
                 self.decode_pdl = pdl
                 return
             except Exception as exc:  # noqa: BLE001 - the fallbacks below
@@ -368,12 +376,15 @@ class TritonPythonModel:
                                  stream_interval_s=milliseconds(params, "stream_interval_ms") / 1e3,
                                  idle_senders=count(params, "idle_senders"))
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
+            from serving.engine.compile_cache import cache_root  # lazy: imports torch
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
                                               compile_decode=flag(params, "compile_decode"),
                                               warmup=flag(params, "warmup"),
                                               while_waiting=self.outbox.send_next, drain=self.outbox.drain,
                                               admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3,
-                                              decode_pdl=flag(params, "decode_pdl"))
+                                              decode_pdl=flag(params, "decode_pdl"),
+                                              compile_cache_root=cache_root(params.get("compile_cache_dir"),
+                                                                            Path(args["model_repository"])))
             try:
                 self.engine_thread.start()
             except BaseException as exc:

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Issue 27 on the device (one H200, from the repo root, wheels of serving/bench/device_wheels.sh in $WHL,
+# default .whl/): in one call,
+#  - the 1B engine built (random bf16 weights -> HF checkpoint -> convert -> build; max batch 64, 256 positions),
+#  - offline: its first load against its second (`serving.bench load-pair`: each in a fresh process with fresh
+#    empty inductor/Triton caches; the second finds only the first's compile cache),
+#  - Triton: the same engine as a decoupled compiled llm model, loaded by a first server then a second one
+#    (fresh inductor/Triton caches each, one compile cache dir), model load to ready and one request,
+#  - while the second serves it: the fit check (tasks.fit.check_fits, Triton's GPU memory metrics) of a
+#    candidate built from the same checkpoint with limits that fit an empty GPU but not beside the live one.
+# Results under $OUT: steps.log, load-pair.json, triton.json, triton-*.log.
+set -u
+OUT=${OUT:-/tmp/loadcache-out}
+WHL=${WHL:-.whl}
+W=/tmp/lc
+mkdir -p "$OUT" "$W"
+export PYTHONUNBUFFERED=1 LC_ALL=C.UTF-8
+T0=$(date +%s)
+log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
+{ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+} >>"$OUT/steps.log" 2>&1
+
+(  # the Triton stub's venv (numpy 1.26 shadows the image's numpy 2), tritonclient, pydantic for tasks.fit
+  set -e
+  python3 -m venv --without-pip --system-site-packages /tmp/venv
+  SP=$(/tmp/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SP" \
+    "$WHL"/numpy-1.26.4-*.whl "$WHL"/python_rapidjson-*.whl "$WHL"/pyd/*.whl
+  python3 -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+    >"$SP/zz-system-packages.pth"
+  tar -xJf "$WHL"/pytriton-312.tar.xz -C "$SP"
+  cp -r "$WHL"/site/tritonclient "$SP"/
+) >>"$OUT/steps.log" 2>&1 &
+VENV_PID=$!
+
+timeout 120 python3 -c 'from pathlib import Path; from serving.bench.served import build_random_engine
+print(build_random_engine("llama-3.2-1b", Path("/tmp/lc"), max_batch_size=64, max_seq_len=256))' >>"$OUT/steps.log" 2>&1
+log "engine built rc=$?"
+timeout 240 python3 -m serving.bench load-pair --engine "$W/engine" --work "$W/offline" --out "$OUT/load-pair.json" \
+  >"$OUT/load-pair.log" 2>&1
+log "load pair rc=$?"
+wait $VENV_PID; log "venv rc=$?"
+
+PATH=/tmp/venv/bin:$PATH timeout "${TRITON_S:-200}" /tmp/venv/bin/python - "$W" "$OUT" <<'PY' >"$OUT/triton-run.log" 2>&1
+import json, sys
+from pathlib import Path
+
+from serving.bench.load_time import run_triton_loads
+
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+
+
+def fit_check(metrics_url: str, http_url: str) -> dict:
+    from serving.engine import EngineLimits, build_engine, read_engine_info
+    from serving.engine.memory import kv_cache_bytes
+    from serving.triton.metrics import scrape
+    from tasks.fit import HEADROOM_FRACTION, INSTANCE_OVERHEAD_BYTES, CandidateDoesNotFit, check_fits, device_memory
+    from tasks.targets import Target
+
+    gpu = device_memory(scrape(metrics_url), "gpu")[0]
+    live = read_engine_info(work / "engine").model
+    per_seq = kv_cache_bytes(n_layers=live.n_layers, n_kv_heads=live.n_kv_heads, head_dim=live.head_dim,
+                             max_batch_size=1, max_seq_len=8192, dtype="bfloat16")
+    weights = sum(p.stat().st_size for p in (work / "engine").glob("*.pt"))
+    # needs more than the room beside the live engine, less than an empty GPU's room
+    target = gpu.room_bytes() + gpu.used_bytes // 2
+    batch = (target - weights - INSTANCE_OVERHEAD_BYTES["gpu"]) // per_seq
+    cand = build_engine(work / "ckpt", work / "candidate", limits=EngineLimits(
+        "bfloat16", max_batch_size=int(batch), max_input_len=8191, max_seq_len=8192)).path
+    result = {"gpu_total": gpu.total_bytes, "gpu_used": gpu.used_bytes, "candidate_max_batch_size": int(batch),
+              "empty_gpu_room": int(gpu.total_bytes * (1 - HEADROOM_FRACTION))}
+    try:
+        result["checked"] = check_fits([Target(http_url, work / "repo", "device run", metrics_url)], cand, device="cuda")
+        result["refused"] = False
+    except CandidateDoesNotFit as exc:
+        result.update(refused=True, message=str(exc))
+    print("FIT", result, flush=True)
+    return result
+
+
+report = run_triton_loads(work / "engine", work / "triton", during_second=fit_check)
+(out / "triton.json").write_text(json.dumps(report, indent=1))
+PY
+log "triton rc=$?"
+cp "$W"/triton/triton-*.log "$OUT"/ 2>/dev/null
+python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/steps.log"
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+for name in ("load-pair.json", "triton.json"):
+    try:
+        rep = json.loads((out / name).read_text())
+    except Exception as exc:
+        print(name, "missing", exc)
+        continue
+    for label, fig in rep.items():
+        print(name, label, {k: v for k, v in fig.items() if k not in ("log", "during_second")})
+        for line in fig.get("log", []):
+            print("   ", line)
+        if "during_second" in fig:
+            print("   FIT", fig["during_second"])
+PY
+log done

@@ -1,0 +1,134 @@
+"""Load time: an engine's first load (compiling its decode step) against a second one (restoring the compile cache).
+
+`measure_load` (one process, `python3 -m serving.bench engine-load`) loads an engine folder the way the
+decoupled `llm` model does (`load_engine`, then `EngineThread`: compiled decode step, every graph captured,
+the cold prefills run, with `serving.engine.compile_cache` restored first or stored after) and times the
+load, the time to ready, and one generate after it. `run_load_pair` runs it twice, each in a fresh process
+with fresh empty inductor and Triton cache folders, so that the second load finds nothing but the
+compile cache of the first. Figures in docs/performance.md.
+
+Imports: stdlib at import time; torch and serving.engine inside the functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def fresh_compile_dirs(parent: Path) -> dict[str, str]:
+    """Environment variables pointing inductor's and Triton's caches at new empty folders under `parent`."""
+    base = Path(tempfile.mkdtemp(prefix="compile-dirs-", dir=parent))
+    return {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"), "TRITON_CACHE_DIR": str(base / "triton")}
+
+
+def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, gen_len: int = 16) -> dict[str, Any]:
+    """Load, compile (with the compile cache under `cache_root`), warm up, then time one generate."""
+    import torch
+
+    from serving.engine import load_engine
+    from serving.engine.compile_cache import decode_step_cache, inductor_cache_counts
+    from serving.triton.models.llm import EngineThread, Log
+
+    lines: list[str] = []
+
+    class _Log(Log):
+        def info(self, msg: str) -> None:
+            lines.append(msg)
+            super().info(msg)
+
+    log = _Log("load-bench")
+    t0 = time.perf_counter()
+    runner = load_engine(engine_dir, device="auto")
+    torch.cuda.synchronize()
+    loaded = time.perf_counter()
+    thread = EngineThread(runner, log, device_id=0, compile_decode=True, warmup=True,
+                          compile_cache_root=cache_root)
+    thread.start()
+    ready = time.perf_counter()
+    thread.stop()
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(64)] for i in range(batch)]
+    g0 = time.perf_counter()
+    runner.generate(prompts, max_new_tokens=gen_len, logprobs=False)
+    torch.cuda.synchronize()
+    generated = time.perf_counter()
+    cache = decode_step_cache(runner, cache_root, pdl=thread.decode_pdl)
+    return {
+        "engine": str(engine_dir), "load_s": loaded - t0, "prepare_s": ready - loaded, "ready_s": ready - t0,
+        "first_generate_s": generated - g0, "compile_decode": thread.compile_decode, "decode_pdl": thread.decode_pdl,
+        "graphs": len(runner.graphs.graphs) if runner.graphs is not None else 0,
+        "fx_graph_cache": inductor_cache_counts(), "cache_entry": str(cache.entry) if cache else None,
+        "restored": any("restored" in line for line in lines), "log": lines,
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    }
+
+
+def run_load_pair(engine_dir: Path, cache_root: Path, work: Path, *, timeout_s: float = 300.0) -> dict[str, Any]:
+    """First load (empty compile cache) then second load (the first's cache), each in a fresh process with
+    fresh inductor/Triton cache folders."""
+    report: dict[str, Any] = {}
+    for label in ("first", "second"):
+        out = work / f"load-{label}.json"
+        env = {**os.environ, **fresh_compile_dirs(work), "PYTHONUNBUFFERED": "1"}
+        started = time.perf_counter()
+        cmd = [sys.executable, "-m", "serving.bench", "engine-load", "--engine", str(engine_dir),
+               "--compile-cache", str(cache_root), "--out", str(out)]
+        done = subprocess.run(cmd, check=False, env=env, timeout=timeout_s)  # its output: this process's
+        if done.returncode != 0:
+            report[label] = {"error": f"rc={done.returncode}"}
+            break
+        report[label] = json.loads(out.read_text())
+        report[label]["process_s"] = time.perf_counter() - started
+        print(label, {k: v for k, v in report[label].items() if k != "log"}, flush=True)
+    return report
+
+
+MODEL = "loadbench"
+
+
+def run_triton_loads(engine_dir: Path, work: Path, *, load_timeout_s: float = 300.0,
+                     during_second: Any = None) -> dict[str, Any]:
+    """The engine staged as a decoupled, compiled `llm` model, loaded by two Triton servers one after the
+    other, each with fresh inductor/Triton cache folders and the same `compile_cache_dir`: the first load
+    compiles and stores, the second restores. Each: model load to ready (`load_model` returning), then one
+    request through `/generate`. `during_second(metrics_url, http_url)`, when given, runs while the second
+    server serves the engine; what it returns is reported under ``during_second``."""
+    from serving.triton import init_repository, stage_engine_version
+    from serving.triton.client import generate_ids
+    from serving.triton.process import start_triton
+
+    root = init_repository(work / "repo")
+    cache_dir = work / "triton-compile-cache"
+    stage_engine_version(root, MODEL, engine_dir, device_kind="auto", parameters={
+        "decoupled": "true", "compile_decode": "true", "compile_cache_dir": str(cache_dir)})
+    report: dict[str, Any] = {}
+    for label in ("first", "second"):
+        os.environ.update(fresh_compile_dirs(work))  # the stub inherits tritonserver's environment
+        log_path = work / f"triton-{label}.log"
+        proc = start_triton(root, log_path=log_path, ready_timeout_s=120)
+        figures: dict[str, Any] = {}
+        report[label] = figures
+        try:
+            started = time.perf_counter()
+            proc.control().load_model(f"{MODEL}_v1", timeout_s=load_timeout_s)
+            figures["load_s"] = time.perf_counter() - started
+            started = time.perf_counter()
+            out = generate_ids(proc.http_url, f"{MODEL}_v1", list(range(1, 65)), max_tokens=16)
+            figures["first_request_s"] = time.perf_counter() - started
+            figures["tokens"] = len(out.output_ids)
+            if label == "second" and during_second is not None:
+                figures["during_second"] = during_second(proc.metrics_url, proc.http_url)
+        finally:
+            proc.stop(timeout_s=20)
+        text = log_path.read_text(errors="replace")
+        figures["log"] = [line[-400:] for line in text.splitlines()
+                          if "compile cache" in line or "compiled in" in line or "ready in" in line
+                          or "loaded from" in line]
+        print(label, {k: v for k, v in figures.items() if k != "log"}, flush=True)
+    return report

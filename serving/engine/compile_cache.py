@@ -1,0 +1,263 @@
+"""The decode step's compile artifacts, kept per engine and toolchain, so a second load skips the compile.
+
+A compiled decode step (`DecodeGraphs` under torch.compile) costs tens of seconds at every load; what it
+produces is torch's own compile caches (inductor's FX graph cache with the generated Triton kernels bundled
+in, AOTAutograd's, the autotuning results), which `torch.compiler.save_cache_artifacts()` serializes into one
+blob and `load_cache_artifacts()` puts back into this process's cache folders ("mega-cache"). Dynamo still
+traces the step at the next load; inductor then finds each graph in its cache instead of compiling it.
+
+One entry per engine and toolchain:
+
+    <root>/<fingerprint[:16]>/<key digest[:16]>/
+        artifacts.bin    torch's serialized cache artifacts
+        cache.json       the key (below), the artifacts' sha256 and size, what torch said it holds
+
+The key is everything the compiled code depends on that the engine folder does not pin: the torch,
+Triton and CUDA versions, the GPU's name and compute capability, the engine's fingerprint, a digest of
+`serving/engine`'s source (the step and its kernels) and the compile settings the caller names. An entry
+is used only when its record's key equals this process's key field by field and the artifacts' sha256
+matches the record; anything else (another toolchain, a truncated or edited file, an unreadable record)
+is logged and ignored, and the load compiles as if there were no cache. The sha256 catches corruption,
+not malice: the blob is a pickle, so the root must be writable only by whoever runs the engine.
+Entries are written aside and renamed: a reader sees a whole entry or none.
+
+Imports: stdlib and torch only (Triton's version is read lazily).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CACHE_FORMAT_VERSION = 1
+ARTIFACTS_FILE = "artifacts.bin"
+RECORD_FILE = "cache.json"
+DEFAULT_DIR_NAME = ".compile-cache"  # in a Triton model repository's root, beside the engines' models
+ENGINE_SOURCE = Path(__file__).resolve().parent
+
+Log = Callable[[str], None]
+SaveFn = Callable[[], "tuple[bytes, Any] | None"]
+LoadFn = Callable[[bytes], Any]
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return str(triton.__version__)
+
+
+def source_digest(folder: Path = ENGINE_SOURCE) -> str:
+    """sha256 over the names and contents of the engine's Python sources (the step and its kernels)."""
+    h = hashlib.sha256()
+    for path in sorted(folder.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def cache_key(fingerprint: str, device: torch.device, settings: Mapping[str, str | bool | int]) -> dict[str, Any]:
+    """What an entry must match to be used here: toolchain, GPU, engine, engine code, compile settings."""
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    else:
+        gpu, capability = device.type, device.type
+    return {
+        "format_version": CACHE_FORMAT_VERSION,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "cuda": torch.version.cuda,
+        "gpu": gpu,
+        "compute_capability": capability,
+        "engine_fingerprint": fingerprint,
+        "engine_source": source_digest(),
+        "settings": dict(sorted(settings.items())),
+    }
+
+
+def key_digest(key: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def key_differences(recorded: Mapping[str, Any], here: Mapping[str, Any]) -> list[str]:
+    """'name: recorded -> here' for every key field that differs."""
+    return [f"{name}: {recorded.get(name)!r} -> {here.get(name)!r}" for name in sorted(set(recorded) | set(here))
+            if recorded.get(name) != here.get(name)]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What `CompileCache.restore` put back."""
+
+    entry: Path
+    bytes: int
+    took_s: float
+
+
+class CompileCache:
+    """The entry of one (engine, toolchain, settings) under `root`: restore it before compiling, store it after."""
+
+    def __init__(self, root: Path, key: Mapping[str, Any], *, log: Log | None = None,
+                 save: SaveFn | None = None, load: LoadFn | None = None) -> None:
+        self.root = Path(root)
+        self.key = dict(key)
+        self.digest = key_digest(self.key)
+        self.log = log or (lambda msg: None)
+        self._save = save or torch.compiler.save_cache_artifacts
+        self._load = load or torch.compiler.load_cache_artifacts
+
+    @property
+    def engine_dir(self) -> Path:
+        return self.root / str(self.key["engine_fingerprint"])[:16]
+
+    @property
+    def entry(self) -> Path:
+        return self.engine_dir / self.digest[:16]
+
+    def restore(self) -> Restored | None:
+        """Put this key's artifacts into torch's caches when a whole, matching entry exists; else None (logged)."""
+        started = time.perf_counter()
+        record_path, artifacts = self.entry / RECORD_FILE, self.entry / ARTIFACTS_FILE
+        if not record_path.is_file():
+            self._log_absent()
+            return None
+        try:
+            record = json.loads(record_path.read_text())
+            differs = key_differences(record["key"], self.key)
+            if differs:
+                return self._ignore(f"its key differs ({'; '.join(differs)})")
+            actual = _sha256(artifacts)
+            if actual != record["sha256"]:
+                return self._ignore(f"{ARTIFACTS_FILE} has sha256 {actual[:12]}, its record says {record['sha256'][:12]}")
+            data = artifacts.read_bytes()
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return self._ignore(f"it cannot be read: {type(exc).__name__}: {exc}")
+        try:
+            loaded = self._load(data)  # None: torch could not deserialize it (and logged why)
+        except Exception as exc:  # noqa: BLE001 - a cache that torch cannot take is ignored, never fatal
+            return self._ignore(f"torch could not load it: {type(exc).__name__}: {exc}")
+        if loaded is None:
+            return self._ignore("torch could not load it (torch.compiler.load_cache_artifacts returned None)")
+        took = time.perf_counter() - started
+        self.log(f"compile cache {self.entry}: restored {len(data):,} bytes in {took:.2f} s")
+        return Restored(self.entry, len(data), took)
+
+    def store(self) -> Path | None:
+        """Write what this process compiled as this key's entry (written aside, then renamed); None when torch
+        recorded nothing or the root cannot be written (logged). An entry already there is kept."""
+        if (self.entry / RECORD_FILE).is_file():
+            return self.entry
+        saved = self._save()
+        if saved is None or not saved[0]:
+            self.log(f"compile cache {self.entry}: nothing to store (torch recorded no compile artifacts)")
+            return None
+        data, info = saved
+        tmp = self.engine_dir / f".{self.digest[:16]}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.mkdir(parents=True)
+            (tmp / ARTIFACTS_FILE).write_bytes(data)
+            record = {"key": self.key, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                      "created_unix": int(time.time()), "torch_info": _describe(info)}
+            (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+            os.rename(tmp, self.entry)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if (self.entry / RECORD_FILE).is_file():  # another instance stored the same key first
+                return self.entry
+            self.log(f"compile cache {self.entry}: not stored: {type(exc).__name__}: {exc}")
+            return None
+        self.log(f"compile cache {self.entry}: stored {len(data):,} bytes")
+        return self.entry
+
+    def _ignore(self, why: str) -> None:
+        self.log(f"compile cache {self.entry} ignored: {why}; compiling without it")
+
+    def _log_absent(self) -> None:
+        others = sorted(p for p in self.engine_dir.glob("*/" + RECORD_FILE)) if self.engine_dir.is_dir() else []
+        for path in others:  # entries of this engine for another toolchain or settings: say what differs
+            try:
+                differs = key_differences(json.loads(path.read_text())["key"], self.key)
+            except (OSError, ValueError, KeyError, TypeError):
+                differs = ["unreadable record"]
+            self.log(f"compile cache {path.parent} ignored: not this toolchain ({'; '.join(differs)})")
+        self.log(f"compile cache {self.entry}: no entry yet; this load compiles and stores one")
+
+
+def _describe(info: Any) -> Any:
+    """torch's CacheInfo (artifact kinds -> keys) as JSON, or its repr."""
+    for value in (info, getattr(info, "artifacts", None)):
+        if isinstance(value, dict):
+            try:
+                return json.loads(json.dumps({str(k): [str(x) for x in v] if isinstance(v, (list, tuple)) else str(v)
+                                              for k, v in value.items()}))
+            except (TypeError, ValueError):
+                break
+    return repr(info)
+
+
+def cache_root(setting: str | None, model_repository: Path | None) -> Path | None:
+    """Where an `llm` model keeps compile caches: `setting` (its `compile_cache_dir` parameter) when set,
+    none when it is "off", else `.compile-cache` in the root of the model repository."""
+    value = (setting or "").strip()
+    if value.lower() == "off":
+        return None
+    if value:
+        return Path(value)
+    return Path(model_repository).parent / DEFAULT_DIR_NAME if model_repository is not None else None
+
+
+def inductor_cache_counts() -> dict[str, int]:
+    """This process's FX graph cache hits, misses and bypasses so far (torch's own counters)."""
+    from torch._dynamo.utils import counters
+
+    return {name: int(counters["inductor"][f"fxgraph_cache_{name}"]) for name in ("hit", "miss", "bypass")}
+
+
+def decode_step_cache(runner: Any, root: Path | None, *, pdl: bool, log: Log | None = None) -> CompileCache | None:
+    """The entry for `runner`'s compiled decode step (CUDA graphs under torch.compile, `mode` "auto", `pdl`) under
+    `root`; None without a root or CUDA graphs (nothing to cache)."""
+    if root is None or getattr(runner, "graphs", None) is None:
+        return None
+    model = runner.model
+    settings = {"compile": "auto", "decode_pdl": pdl, "whole_row_norms": True,
+                "decode_attention": model.decode_attention_impl, "decode_gemm": model.decode_gemm_impl}
+    return CompileCache(root, cache_key(runner.info.fingerprint, runner.device, settings), log=log)
+
+
+@contextlib.contextmanager
+def kept(cache: CompileCache | None, log: Log | None = None) -> Iterator[Restored | None]:
+    """Around a compile (and the graph captures that run it): restore `cache` first; after a compile that
+    succeeded without it, store it. Logs the FX graph cache's hits/misses/bypasses of the block."""
+    if cache is None:
+        yield None
+        return
+    say = log or cache.log
+    before = inductor_cache_counts()
+    restored = cache.restore()
+    started = time.perf_counter()
+    yield restored
+    after = inductor_cache_counts()
+    say(f"compiled in {time.perf_counter() - started:.2f} s; FX graph cache " +
+        ", ".join(f"{name} {after[name] - before[name]}" for name in after))
+    if restored is None:
+        cache.store()

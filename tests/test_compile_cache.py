@@ -1,0 +1,184 @@
+"""The decode step's compile cache (serving/engine/compile_cache.py): keying, verification, ignore on mismatch.
+
+CPU, every run, cheap: torch's own save/load of compile artifacts is replaced by a recorder where a test needs
+artifacts (a CPU inductor compile takes minutes on a busy 2-core machine); torch's real functions are called
+where they need no compile (nothing recorded -> nothing stored; bytes torch cannot read -> ignored). The real
+round trip, a compiled 1B step restored in a fresh process, is measured on the H200
+(serving/bench/device_loadcache.sh, docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from serving.engine.compile_cache import (
+    ARTIFACTS_FILE,
+    RECORD_FILE,
+    CompileCache,
+    cache_key,
+    cache_root,
+    decode_step_cache,
+    kept,
+    key_digest,
+    source_digest,
+)
+
+CPU = torch.device("cpu")
+SETTINGS = {"compile": "auto", "decode_pdl": True}
+
+
+class Torch:
+    """Stands in for torch.compiler.save/load_cache_artifacts: what was saved, what was loaded."""
+
+    def __init__(self, blob: bytes = b"artifacts of a compiled step") -> None:
+        self.blob = blob
+        self.loaded: list[bytes] = []
+
+    def save(self):
+        return self.blob, {"inductor": ["fx-key"]}
+
+    def load(self, data: bytes) -> dict[str, list[str]]:
+        self.loaded.append(data)
+        return {"inductor": ["fx-key"]}
+
+
+def make(root: Path, fake: Torch, *, fingerprint: str = "f" * 64, key: dict | None = None,
+         lines: list[str] | None = None) -> CompileCache:
+    key = key or cache_key(fingerprint, CPU, SETTINGS)
+    log = lines.append if lines is not None else None
+    return CompileCache(root, key, log=log, save=fake.save, load=fake.load)
+
+
+def test_the_key_names_toolchain_gpu_engine_code_and_settings():
+    key = cache_key("a" * 64, CPU, SETTINGS)
+    assert key["torch"] == torch.__version__ and key["cuda"] == torch.version.cuda
+    assert (key["gpu"], key["compute_capability"]) == ("cpu", "cpu")
+    assert key["engine_fingerprint"] == "a" * 64 and key["engine_source"] == source_digest()
+    assert key["settings"] == SETTINGS
+    digests = {key_digest(key), key_digest({**key, "torch": "9.9.9"}), key_digest({**key, "gpu": "NVIDIA H100"}),
+               key_digest(cache_key("b" * 64, CPU, SETTINGS)), key_digest(cache_key("a" * 64, CPU, {"decode_pdl": False}))}
+    assert len(digests) == 5
+
+
+def test_the_source_digest_follows_the_engine_code(tmp_path):
+    (tmp_path / "step.py").write_text("x = 1\n")
+    before = source_digest(tmp_path)
+    (tmp_path / "step.py").write_text("x = 2\n")
+    assert source_digest(tmp_path) != before
+
+
+def test_a_stored_entry_is_restored_by_the_next_load(tmp_path):
+    first, second = Torch(), Torch()
+    entry = make(tmp_path, first).store()
+    record = json.loads((entry / RECORD_FILE).read_text())
+    assert record["bytes"] == len(first.blob) and record["torch_info"] == {"inductor": ["fx-key"]}
+    lines: list[str] = []
+    restored = make(tmp_path, second, lines=lines).restore()
+    assert restored is not None and restored.entry == entry
+    assert second.loaded == [first.blob]
+    assert "restored" in lines[-1]
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # nothing left aside
+
+
+def test_another_toolchain_is_logged_and_ignored(tmp_path):
+    make(tmp_path, Torch()).store()
+    here = {**cache_key("f" * 64, CPU, SETTINGS), "torch": "2.99.0"}
+    fake, lines = Torch(), []
+    assert make(tmp_path, fake, key=here, lines=lines).restore() is None
+    assert fake.loaded == []
+    assert any("ignored: not this toolchain" in line and "2.99.0" in line for line in lines)
+
+
+def test_a_record_whose_key_differs_from_its_place_is_ignored(tmp_path):
+    entry = make(tmp_path, Torch()).store()
+    record = json.loads((entry / RECORD_FILE).read_text())
+    record["key"]["gpu"] = "NVIDIA H100 80GB HBM3"
+    (entry / RECORD_FILE).write_text(json.dumps(record))
+    fake, lines = Torch(), []
+    assert make(tmp_path, fake, lines=lines).restore() is None
+    assert fake.loaded == [] and "its key differs (gpu: 'NVIDIA H100 80GB HBM3' -> 'cpu')" in lines[-1]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "edited", "record unreadable", "artifacts missing"])
+def test_a_damaged_entry_is_ignored_never_loaded(tmp_path, damage):
+    entry = make(tmp_path, Torch()).store()
+    blob = entry / ARTIFACTS_FILE
+    if damage == "truncated":
+        blob.write_bytes(blob.read_bytes()[:5])
+    elif damage == "edited":
+        blob.write_bytes(b"X" + blob.read_bytes()[1:])
+    elif damage == "record unreadable":
+        (entry / RECORD_FILE).write_text("{not json")
+    else:
+        blob.unlink()
+    fake, lines = Torch(), []
+    assert make(tmp_path, fake, lines=lines).restore() is None
+    assert fake.loaded == []
+    assert "ignored" in lines[-1] and "compiling without it" in lines[-1]
+
+
+def test_bytes_torch_cannot_read_are_ignored(tmp_path):
+    make(tmp_path, Torch(b"not torch's serialization")).store()
+    lines: list[str] = []
+    cache = CompileCache(tmp_path, cache_key("f" * 64, CPU, SETTINGS), log=lines.append)  # torch's own load
+    assert cache.restore() is None
+    assert "torch could not load it" in lines[-1]
+
+
+def test_nothing_compiled_stores_nothing(tmp_path):
+    lines: list[str] = []
+    cache = CompileCache(tmp_path, cache_key("f" * 64, CPU, SETTINGS), log=lines.append)  # torch's own save
+    assert cache.store() is None
+    assert not cache.entry.exists() and "nothing to store" in lines[-1]
+
+
+def test_an_entry_already_there_is_kept(tmp_path):
+    entry = make(tmp_path, Torch(b"first")).store()
+    assert make(tmp_path, Torch(b"second")).store() == entry
+    assert (entry / ARTIFACTS_FILE).read_bytes() == b"first"
+
+
+def test_an_unwritable_root_loses_only_the_cache(tmp_path):
+    root = tmp_path / "file-not-folder"
+    root.write_text("")
+    lines: list[str] = []
+    assert make(root, Torch(), lines=lines).store() is None
+    assert "not stored" in lines[-1]
+
+
+def test_kept_stores_after_a_compile_without_a_cache_and_restores_next_time(tmp_path):
+    first = Torch()
+    with kept(make(tmp_path, first)) as restored:
+        assert restored is None
+    second = Torch()
+    with kept(make(tmp_path, second)) as restored:
+        assert restored is not None
+    assert second.loaded == [first.blob]
+
+
+def test_kept_stores_nothing_when_the_compile_fails(tmp_path):
+    cache = make(tmp_path, Torch())
+    with pytest.raises(RuntimeError), kept(cache):
+        raise RuntimeError("compile failed")
+    assert not cache.entry.exists()
+    with kept(None) as restored:
+        assert restored is None
+
+
+def test_where_an_llm_model_keeps_its_caches(tmp_path):
+    repo_model = tmp_path / "repo" / "demo_v3"
+    assert cache_root(None, repo_model) == tmp_path / "repo" / ".compile-cache"
+    assert cache_root("", repo_model) == tmp_path / "repo" / ".compile-cache"
+    assert cache_root(str(tmp_path / "per-device"), repo_model) == tmp_path / "per-device"
+    assert cache_root("OFF", repo_model) is None
+
+
+def test_a_runner_without_cuda_graphs_has_no_cache(tmp_path):
+    class CpuRunner:
+        graphs = None
+
+    assert decode_step_cache(CpuRunner(), tmp_path, pdl=True) is None
