@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -182,3 +183,46 @@ def test_a_runner_without_cuda_graphs_has_no_cache(tmp_path):
         graphs = None
 
     assert decode_step_cache(CpuRunner(), tmp_path, pdl=True) is None
+
+
+def test_a_save_that_fails_is_logged_and_loses_only_the_cache(tmp_path):
+    def broken():
+        raise RuntimeError("cannot pickle")
+
+    lines: list[str] = []
+    cache = CompileCache(tmp_path, cache_key("f" * 64, CPU, SETTINGS), log=lines.append, save=broken)
+    assert cache.store() is None
+    assert "torch could not save its artifacts: RuntimeError: cannot pickle" in lines[-1]
+
+
+class GraphsRunner:
+    """What the llm model's engine thread needs of a runner with CUDA graphs, on the CPU."""
+
+    class Graphs:
+        def warm_up(self) -> None:
+            GraphsRunner.calls.append("warm")
+
+    calls: ClassVar[list[str]] = []
+
+    def __init__(self) -> None:
+        self.graphs = self.Graphs()
+        self.device = CPU
+        self.model = type("Model", (), {"decode_attention_impl": "triton", "decode_gemm_impl": "triton"})()
+        self.info = type("Info", (), {"fingerprint": "e" * 64})()
+
+    def compile_decode(self, *, pdl: bool) -> None:
+        self.calls.append(f"compile pdl={pdl}")
+
+
+def test_the_llm_models_engine_thread_restores_and_stores_around_its_compile(tmp_path):
+    from serving.triton.models.llm import EngineThread
+
+    lines: list[str] = []
+    log = type("Log", (), {"prefix": "m_v1", "info": staticmethod(lines.append), "error": staticmethod(lines.append)})
+    GraphsRunner.calls = []
+    EngineThread(GraphsRunner(), log, device_id=None, compile_decode=True, warmup=True,
+                 compile_cache_root=tmp_path).prepare_decode()
+    assert GraphsRunner.calls == ["compile pdl=True", "warm"]
+    assert any("no entry yet" in line for line in lines)  # restore looked first
+    assert "FX graph cache hit 0, miss 0, bypass 0" in lines[-2]
+    assert "nothing to store" in lines[-1]  # torch's own save: nothing compiled here

@@ -45,10 +45,12 @@ def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, g
 
     log = _Log("load-bench")
     t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
     runner = load_engine(engine_dir, device="auto")
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     loaded = time.perf_counter()
-    thread = EngineThread(runner, log, device_id=0, compile_decode=True, warmup=True,
+    thread = EngineThread(runner, log, device_id=0 if cuda else None, compile_decode=True, warmup=True,
                           compile_cache_root=cache_root)
     thread.start()
     ready = time.perf_counter()
@@ -56,7 +58,8 @@ def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, g
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(64)] for i in range(batch)]
     g0 = time.perf_counter()
     runner.generate(prompts, max_new_tokens=gen_len, logprobs=False)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     generated = time.perf_counter()
     cache = decode_step_cache(runner, cache_root, pdl=thread.decode_pdl)
     return {
@@ -65,7 +68,7 @@ def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, g
         "graphs": len(runner.graphs.graphs) if runner.graphs is not None else 0,
         "fx_graph_cache": inductor_cache_counts(), "cache_entry": str(cache.entry) if cache else None,
         "restored": any("restored" in line for line in lines), "log": lines,
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None, "torch": torch.__version__,
     }
 
 
@@ -105,8 +108,9 @@ def run_triton_loads(engine_dir: Path, work: Path, *, load_timeout_s: float = 30
 
     root = init_repository(work / "repo")
     cache_dir = work / "triton-compile-cache"
-    stage_engine_version(root, MODEL, engine_dir, device_kind="auto", parameters={
+    version = stage_engine_version(root, MODEL, engine_dir, device_kind="auto", parameters={
         "decoupled": "true", "compile_decode": "true", "compile_cache_dir": str(cache_dir)})
+    model = f"{MODEL}_v{version}"
     report: dict[str, Any] = {}
     for label in ("first", "second"):
         os.environ.update(fresh_compile_dirs(work))  # the stub inherits tritonserver's environment
@@ -116,14 +120,19 @@ def run_triton_loads(engine_dir: Path, work: Path, *, load_timeout_s: float = 30
         report[label] = figures
         try:
             started = time.perf_counter()
-            proc.control().load_model(f"{MODEL}_v1", timeout_s=load_timeout_s)
+            proc.control().load_model(model, timeout_s=load_timeout_s)
             figures["load_s"] = time.perf_counter() - started
             started = time.perf_counter()
-            out = generate_ids(proc.http_url, f"{MODEL}_v1", list(range(1, 65)), max_tokens=16)
+            out = generate_ids(proc.http_url, model, list(range(1, 65)), max_tokens=16)
             figures["first_request_s"] = time.perf_counter() - started
             figures["tokens"] = len(out.output_ids)
             if label == "second" and during_second is not None:
-                figures["during_second"] = during_second(proc.metrics_url, proc.http_url)
+                try:
+                    figures["during_second"] = during_second(proc.metrics_url, proc.http_url)
+                except Exception as exc:  # noqa: BLE001 - reported; the load figures stand
+                    figures["during_second"] = {"error": f"{type(exc).__name__}: {exc}"}
+                out = generate_ids(proc.http_url, model, list(range(1, 65)), max_tokens=16)
+                figures["tokens_after"] = len(out.output_ids)  # the live engine still serves
         finally:
             proc.stop(timeout_s=20)
         text = log_path.read_text(errors="replace")

@@ -167,7 +167,12 @@ class CompileCache:
         recorded nothing or the root cannot be written (logged). An entry already there is kept."""
         if (self.entry / RECORD_FILE).is_file():
             return self.entry
-        saved = self._save()
+        try:
+            saved = self._save()
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot be written costs the next load, nothing else
+            self.log(f"compile cache {self.entry}: not stored: torch could not save its artifacts: "
+                     f"{type(exc).__name__}: {exc}")
+            return None
         if saved is None or not saved[0]:
             self.log(f"compile cache {self.entry}: nothing to store (torch recorded no compile artifacts)")
             return None
