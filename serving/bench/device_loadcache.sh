@@ -34,15 +34,15 @@ log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
 ) >>"$OUT/steps.log" 2>&1 &
 VENV_PID=$!
 
-timeout 120 python3 -c 'from pathlib import Path; from serving.bench.served import build_random_engine
+timeout 100 python3 -c 'from pathlib import Path; from serving.bench.served import build_random_engine
 print(build_random_engine("llama-3.2-1b", Path("/tmp/lc"), max_batch_size=64, max_seq_len=256))' >>"$OUT/steps.log" 2>&1
 log "engine built rc=$?"
-timeout 240 python3 -m serving.bench load-pair --engine "$W/engine" --work "$W/offline" --out "$OUT/load-pair.json" \
+timeout 150 python3 -m serving.bench load-pair --engine "$W/engine" --work "$W/offline" --out "$OUT/load-pair.json" \
   >"$OUT/load-pair.log" 2>&1
 log "load pair rc=$?"
 wait $VENV_PID; log "venv rc=$?"
 
-PATH=/tmp/venv/bin:$PATH timeout "${TRITON_S:-200}" /tmp/venv/bin/python - "$W" "$OUT" <<'PY' >"$OUT/triton-run.log" 2>&1
+PATH=/tmp/venv/bin:$PATH timeout "${TRITON_S:-150}" /tmp/venv/bin/python - "$W" "$OUT" <<'PY' >"$OUT/triton-run.log" 2>&1
 import json, sys
 from pathlib import Path
 
