@@ -10,6 +10,9 @@ round trip, a compiled 1B step restored in a fresh process, is measured on the H
 from __future__ import annotations
 
 import json
+import os
+import tarfile
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -19,6 +22,7 @@ import torch
 from serving.engine.compile_cache import (
     ARTIFACTS_FILE,
     RECORD_FILE,
+    TRITON_FILE,
     CompileCache,
     cache_key,
     cache_root,
@@ -26,6 +30,7 @@ from serving.engine.compile_cache import (
     kept,
     key_digest,
     source_digest,
+    unpack_folders,
 )
 
 CPU = torch.device("cpu")
@@ -48,10 +53,21 @@ class Torch:
 
 
 def make(root: Path, fake: Torch, *, fingerprint: str = "f" * 64, key: dict | None = None,
-         lines: list[str] | None = None) -> CompileCache:
+         lines: list[str] | None = None, triton_dir: Path | None = None) -> CompileCache:
     key = key or cache_key(fingerprint, CPU, SETTINGS)
     log = lines.append if lines is not None else None
-    return CompileCache(root, key, log=log, save=fake.save, load=fake.load)
+    return CompileCache(root, key, log=log, save=fake.save, load=fake.load,
+                        triton_dir=triton_dir or root.parent / f"triton-of-{root.name}")
+
+
+def kernel_folder(triton_dir: Path, name: str, *, mtime: float | None = None) -> Path:
+    folder = triton_dir / name
+    folder.mkdir(parents=True)
+    for file in ("k.cubin", "k.json"):
+        (folder / file).write_bytes(name.encode() + b" " + file.encode())
+        if mtime is not None:
+            os.utime(folder / file, (mtime, mtime))
+    return folder
 
 
 def test_the_key_names_toolchain_gpu_engine_code_and_settings():
@@ -76,7 +92,8 @@ def test_a_stored_entry_is_restored_by_the_next_load(tmp_path):
     first, second = Torch(), Torch()
     entry = make(tmp_path, first).store()
     record = json.loads((entry / RECORD_FILE).read_text())
-    assert record["bytes"] == len(first.blob) and record["torch_info"] == {"inductor": ["fx-key"]}
+    assert record["files"][ARTIFACTS_FILE]["bytes"] == len(first.blob)
+    assert record["torch_info"] == {"inductor": ["fx-key"]}
     lines: list[str] = []
     restored = make(tmp_path, second, lines=lines).restore()
     assert restored is not None and restored.entry == entry
@@ -104,21 +121,25 @@ def test_a_record_whose_key_differs_from_its_place_is_ignored(tmp_path):
     assert fake.loaded == [] and "its key differs (gpu: 'NVIDIA H100 80GB HBM3' -> 'cpu')" in lines[-1]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "edited", "record unreadable", "artifacts missing"])
+@pytest.mark.parametrize("damage", ["truncated", "edited", "record unreadable", "artifacts missing",
+                                    "triton kernels edited"])
 def test_a_damaged_entry_is_ignored_never_loaded(tmp_path, damage):
-    entry = make(tmp_path, Torch()).store()
-    blob = entry / ARTIFACTS_FILE
+    kernel_folder(tmp_path / "triton", "K1")
+    entry = make(tmp_path / "root", Torch(), triton_dir=tmp_path / "triton").store(since=time.time() - 60)
+    blob = entry / (TRITON_FILE if damage == "triton kernels edited" else ARTIFACTS_FILE)
     if damage == "truncated":
         blob.write_bytes(blob.read_bytes()[:5])
     elif damage == "edited":
         blob.write_bytes(b"X" + blob.read_bytes()[1:])
     elif damage == "record unreadable":
         (entry / RECORD_FILE).write_text("{not json")
-    else:
+    elif damage == "artifacts missing":
         blob.unlink()
+    else:
+        blob.write_bytes(blob.read_bytes() + b"\0")
     fake, lines = Torch(), []
-    assert make(tmp_path, fake, lines=lines).restore() is None
-    assert fake.loaded == []
+    assert make(tmp_path / "root", fake, lines=lines, triton_dir=tmp_path / "fresh").restore() is None
+    assert fake.loaded == [] and not (tmp_path / "fresh").exists()
     assert "ignored" in lines[-1] and "compiling without it" in lines[-1]
 
 
@@ -226,3 +247,28 @@ def test_the_llm_models_engine_thread_restores_and_stores_around_its_compile(tmp
     assert any("no entry yet" in line for line in lines)  # restore looked first
     assert "FX graph cache hit 0, miss 0, bypass 0" in lines[-2]
     assert "nothing to store" in lines[-1]  # torch's own save: nothing compiled here
+
+
+def test_the_triton_kernels_a_compile_wrote_are_kept_and_put_back(tmp_path):
+    first_triton, second_triton = tmp_path / "triton-1", tmp_path / "triton-2"
+    kernel_folder(first_triton, "OLD", mtime=time.time() - 3600)  # there before the compile
+    with kept(make(tmp_path / "root", Torch(), triton_dir=first_triton)):
+        kernel_folder(first_triton, "NEW")  # what the compile's JIT wrote
+    record = json.loads(next((tmp_path / "root").glob(f"*/*/{RECORD_FILE}")).read_text())
+    assert record["triton_kernel_folders"] == 1 and TRITON_FILE in record["files"]
+    lines: list[str] = []
+    with kept(make(tmp_path / "root", Torch(), triton_dir=second_triton, lines=lines)) as restored:
+        assert restored is not None
+    assert sorted(p.name for p in second_triton.iterdir()) == ["NEW"]
+    assert (second_triton / "NEW" / "k.cubin").read_bytes() == b"NEW k.cubin"
+    assert "(2 Triton cache files)" in lines[0]
+
+
+def test_an_archive_reaching_outside_its_folder_is_refused(tmp_path):
+    outside = tmp_path / "evil.txt"
+    outside.write_text("x")
+    archive = tmp_path / "bad.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(outside, arcname="../evil.txt")
+    with pytest.raises(ValueError, match="not a plain file or folder inside it"):
+        unpack_folders(archive, tmp_path / "triton")

@@ -5,17 +5,23 @@ produces is torch's own compile caches (inductor's FX graph cache with the gener
 in, AOTAutograd's, the autotuning results), which `torch.compiler.save_cache_artifacts()` serializes into one
 blob and `load_cache_artifacts()` puts back into this process's cache folders ("mega-cache"). Dynamo still
 traces the step at the next load; inductor then finds each graph in its cache instead of compiling it.
+The engine's own Triton kernels (the skinny GEMMs and the attention, launched by opaque custom ops for
+programmatic dependent launch) are compiled by Triton's JIT outside inductor, into Triton's cache folder:
+the files a compile adds there are kept too, and put back before the next compile (Triton names each
+kernel's folder by a hash of its source, options, target and versions, so a folder put back is used only
+where it matches).
 
 One entry per engine and toolchain:
 
     <root>/<fingerprint[:16]>/<key digest[:16]>/
         artifacts.bin    torch's serialized cache artifacts
-        cache.json       the key (below), the artifacts' sha256 and size, what torch said it holds
+        triton.tar.gz    the Triton cache folders the compile wrote (when it wrote any)
+        cache.json       the key (below), each file's sha256 and size, what torch said it holds
 
 The key is everything the compiled code depends on that the engine folder does not pin: the torch,
 Triton and CUDA versions, the GPU's name and compute capability, the engine's fingerprint, a digest of
 `serving/engine`'s source (the step and its kernels) and the compile settings the caller names. An entry
-is used only when its record's key equals this process's key field by field and the artifacts' sha256
+is used only when its record's key equals this process's key field by field and every file's sha256
 matches the record; anything else (another toolchain, a truncated or edited file, an unreadable record)
 is logged and ignored, and the load compiles as if there were no cache. The sha256 catches corruption,
 not malice: the blob is a pickle, so the root must be writable only by whoever runs the engine.
@@ -31,6 +37,7 @@ import hashlib
 import json
 import os
 import shutil
+import tarfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +50,7 @@ import torch
 CACHE_FORMAT_VERSION = 1
 ARTIFACTS_FILE = "artifacts.bin"
 RECORD_FILE = "cache.json"
+TRITON_FILE = "triton.tar.gz"
 DEFAULT_DIR_NAME = ".compile-cache"  # in a Triton model repository's root, beside the engines' models
 ENGINE_SOURCE = Path(__file__).resolve().parent
 
@@ -57,6 +65,51 @@ def _triton_version() -> str | None:
     except ImportError:
         return None
     return str(triton.__version__)
+
+
+def triton_cache_dir(device: torch.device | None = None) -> Path:
+    """The folder Triton's JIT caches kernels in: TRITON_CACHE_DIR when set, else the one inductor sets for
+    the device before its first kernel (set here now, so that restoring and compiling agree), else Triton's."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    if device is not None and device.type == "cuda":
+        try:
+            from torch._inductor.runtime.cache_dir_utils import triton_cache_dir as inductors
+
+            os.environ["TRITON_CACHE_DIR"] = inductors(device.index or 0)
+            return Path(os.environ["TRITON_CACHE_DIR"])
+        except Exception:  # noqa: BLE001, S110 - another torch: Triton's own default below
+            pass
+    return Path.home() / ".triton" / "cache"
+
+
+def pack_new_folders(folder: Path, since: float, out: Path) -> int:
+    """Tar (gzip) every folder directly under `folder` holding a file modified at or after `since` (time.time())
+    into `out`; returns how many folders (0: nothing written)."""
+    if not folder.is_dir():
+        return 0
+    fresh = sorted(d for d in folder.iterdir() if d.is_dir() and any(
+        f.is_file() and f.stat().st_mtime >= since for f in d.iterdir()))
+    if not fresh:
+        return 0
+    with tarfile.open(out, "w:gz", compresslevel=1) as tar:
+        for d in fresh:
+            tar.add(d, arcname=d.name)
+    return len(fresh)
+
+
+def unpack_folders(archive: Path, folder: Path) -> int:
+    """Extract a `pack_new_folders` archive into `folder` (plain files and folders inside it only); returns
+    the number of files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "r:gz") as tar:
+        members = tar.getmembers()
+        for m in members:
+            if not (m.isfile() or m.isdir()) or m.name.startswith(("/", "..")) or ".." in Path(m.name).parts:
+                raise ValueError(f"{archive.name}: member {m.name!r} is not a plain file or folder inside it")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.11.4+: refuse links, modes
+        tar.extractall(folder, members=members, **safe)
+    return sum(m.isfile() for m in members)
 
 
 def source_digest(folder: Path = ENGINE_SOURCE) -> str:
@@ -118,8 +171,9 @@ class CompileCache:
     """The entry of one (engine, toolchain, settings) under `root`: restore it before compiling, store it after."""
 
     def __init__(self, root: Path, key: Mapping[str, Any], *, log: Log | None = None,
-                 save: SaveFn | None = None, load: LoadFn | None = None) -> None:
+                 save: SaveFn | None = None, load: LoadFn | None = None, triton_dir: Path | None = None) -> None:
         self.root = Path(root)
+        self.triton_dir = triton_dir  # None: `triton_cache_dir()` when needed
         self.key = dict(key)
         self.digest = key_digest(self.key)
         self.log = log or (lambda msg: None)
@@ -134,10 +188,16 @@ class CompileCache:
     def entry(self) -> Path:
         return self.engine_dir / self.digest[:16]
 
+    def _triton(self) -> Path:
+        if self.triton_dir is None:
+            self.triton_dir = triton_cache_dir()
+        return self.triton_dir
+
     def restore(self) -> Restored | None:
-        """Put this key's artifacts into torch's caches when a whole, matching entry exists; else None (logged)."""
+        """Put this key's artifacts into torch's and Triton's caches when a whole, matching entry exists; else
+        None (logged)."""
         started = time.perf_counter()
-        record_path, artifacts = self.entry / RECORD_FILE, self.entry / ARTIFACTS_FILE
+        record_path = self.entry / RECORD_FILE
         if not record_path.is_file():
             self._log_absent()
             return None
@@ -146,10 +206,12 @@ class CompileCache:
             differs = key_differences(record["key"], self.key)
             if differs:
                 return self._ignore(f"its key differs ({'; '.join(differs)})")
-            actual = _sha256(artifacts)
-            if actual != record["sha256"]:
-                return self._ignore(f"{ARTIFACTS_FILE} has sha256 {actual[:12]}, its record says {record['sha256'][:12]}")
-            data = artifacts.read_bytes()
+            files = record["files"]
+            for name, want in files.items():
+                actual = _sha256(self.entry / name)
+                if actual != want["sha256"]:
+                    return self._ignore(f"{name} has sha256 {actual[:12]}, its record says {want['sha256'][:12]}")
+            data = (self.entry / ARTIFACTS_FILE).read_bytes()
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return self._ignore(f"it cannot be read: {type(exc).__name__}: {exc}")
         try:
@@ -158,13 +220,21 @@ class CompileCache:
             return self._ignore(f"torch could not load it: {type(exc).__name__}: {exc}")
         if loaded is None:
             return self._ignore("torch could not load it (torch.compiler.load_cache_artifacts returned None)")
+        kernels = 0
+        if TRITON_FILE in files:
+            try:
+                kernels = unpack_folders(self.entry / TRITON_FILE, self._triton())
+            except (OSError, ValueError, tarfile.TarError) as exc:
+                self.log(f"compile cache {self.entry}: {TRITON_FILE} ignored: {type(exc).__name__}: {exc}")
         took = time.perf_counter() - started
-        self.log(f"compile cache {self.entry}: restored {len(data):,} bytes in {took:.2f} s")
-        return Restored(self.entry, len(data), took)
+        size = sum(int(f["bytes"]) for f in files.values())
+        self.log(f"compile cache {self.entry}: restored {size:,} bytes ({kernels} Triton cache files) in {took:.2f} s")
+        return Restored(self.entry, size, took)
 
-    def store(self) -> Path | None:
-        """Write what this process compiled as this key's entry (written aside, then renamed); None when torch
-        recorded nothing or the root cannot be written (logged). An entry already there is kept."""
+    def store(self, since: float | None = None) -> Path | None:
+        """Write what this process compiled as this key's entry (written aside, then renamed): torch's artifacts
+        and, with `since` (a time.time()), the Triton cache folders written from then on. None when there is
+        nothing to store or the root cannot be written (logged). An entry already there is kept."""
         if (self.entry / RECORD_FILE).is_file():
             return self.entry
         try:
@@ -181,17 +251,21 @@ class CompileCache:
         try:
             tmp.mkdir(parents=True)
             (tmp / ARTIFACTS_FILE).write_bytes(data)
-            record = {"key": self.key, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+            kernels = pack_new_folders(self._triton(), since, tmp / TRITON_FILE) if since is not None else 0
+            files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+                     for p in sorted(tmp.iterdir()) if p.is_file()}
+            record = {"key": self.key, "files": files, "triton_kernel_folders": kernels,
                       "created_unix": int(time.time()), "torch_info": _describe(info)}
             (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
             os.rename(tmp, self.entry)
-        except OSError as exc:
+        except (OSError, tarfile.TarError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             if (self.entry / RECORD_FILE).is_file():  # another instance stored the same key first
                 return self.entry
             self.log(f"compile cache {self.entry}: not stored: {type(exc).__name__}: {exc}")
             return None
-        self.log(f"compile cache {self.entry}: stored {len(data):,} bytes")
+        size = sum(f["bytes"] for f in files.values())
+        self.log(f"compile cache {self.entry}: stored {size:,} bytes ({kernels} Triton kernel folders)")
         return self.entry
 
     def _ignore(self, why: str) -> None:
@@ -232,10 +306,13 @@ def cache_root(setting: str | None, model_repository: Path | None) -> Path | Non
 
 
 def inductor_cache_counts() -> dict[str, int]:
-    """This process's FX graph cache hits, misses and bypasses so far (torch's own counters)."""
+    """This process's FX graph cache and AOTAutograd cache hits, misses and bypasses so far (torch's counters)."""
     from torch._dynamo.utils import counters
 
-    return {name: int(counters["inductor"][f"fxgraph_cache_{name}"]) for name in ("hit", "miss", "bypass")}
+    out = {name: int(counters["inductor"][f"fxgraph_cache_{name}"]) for name in ("hit", "miss", "bypass")}
+    out.update({f"aot_{name}": int(counters["aot_autograd"][f"autograd_cache_{name}"])
+                for name in ("hit", "miss", "bypass")})
+    return out
 
 
 def decode_step_cache(runner: Any, root: Path | None, *, pdl: bool, log: Log | None = None) -> CompileCache | None:
@@ -246,7 +323,8 @@ def decode_step_cache(runner: Any, root: Path | None, *, pdl: bool, log: Log | N
     model = runner.model
     settings = {"compile": "auto", "decode_pdl": pdl, "whole_row_norms": True,
                 "decode_attention": model.decode_attention_impl, "decode_gemm": model.decode_gemm_impl}
-    return CompileCache(root, cache_key(runner.info.fingerprint, runner.device, settings), log=log)
+    return CompileCache(root, cache_key(runner.info.fingerprint, runner.device, settings), log=log,
+                        triton_dir=triton_cache_dir(runner.device))
 
 
 @contextlib.contextmanager
@@ -259,10 +337,12 @@ def kept(cache: CompileCache | None, log: Log | None = None) -> Iterator[Restore
     say = log or cache.log
     before = inductor_cache_counts()
     restored = cache.restore()
-    started = time.perf_counter()
+    started, since = time.perf_counter(), time.time() - 1.0  # mtimes may be coarser than time.time()
     yield restored
     after = inductor_cache_counts()
     say(f"compiled in {time.perf_counter() - started:.2f} s; FX graph cache " +
-        ", ".join(f"{name} {after[name] - before[name]}" for name in after))
+        ", ".join(f"{name} {after[name] - before[name]}" for name in after if not name.startswith("aot_")) +
+        "; AOTAutograd cache " + ", ".join(f"{name[4:]} {after[name] - before[name]}" for name in after
+                                           if name.startswith("aot_")))
     if restored is None:
-        cache.store()
+        cache.store(since=since)
