@@ -164,15 +164,6 @@ class PagedKVCache:
         values = vp[idx].reshape(n * self.block_size, *vp.shape[2:])[:length].transpose(0, 1)
         return keys, values
 
-    def gather_batch(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequences' block tables `tables` ([B, n] long, padded with any valid block id) -> keys, values
-        [B, Hkv, n * block_size, hd] (a copy; positions past each sequence's length are garbage to mask)."""
-        bsz, n = tables.shape
-        kp, vp = self.k[layer], self.v[layer]
-        keys = kp[tables].reshape(bsz, n * self.block_size, *kp.shape[2:]).transpose(1, 2)
-        values = vp[tables].reshape(bsz, n * self.block_size, *vp.shape[2:]).transpose(1, 2)
-        return keys, values
-
 
 def cache_bytes(cache: PagedKVCache) -> int:
     return sum(t.numel() * t.element_size() for t in cache.k + cache.v)

@@ -6,15 +6,14 @@ chunk of one). Projections and the MLP run on the packed `[T]` tokens; each toke
 the pools (`PagedKVCache.write`); attention reads each sequence's positions `[0, start + n)` through its
 block table, causal inside the chunk:
 
-- the single-token chunks (decodes, and a prompt's last token alone) together: every table gathered into
-  `[Bd, Hkv, L, hd]` and masked to each sequence's length (the masked matmul of `model.decode_step`);
+- the single-token chunks (decodes, and a prompt's last token alone) together: `paged_attention` (on CUDA a
+  Triton kernel reading the pools through the tables in place; elsewhere the tables gathered and masked);
 - the longer chunks that start at position 0 (whole prompts, or their first chunks), grouped by length: one
   causal SDPA per length over the step's own K/V (nothing read back from the cache), as the static prefill;
 - each other chunk (a later chunk of a prompt) on its own: its context gathered, then SDPA under a mask.
 
-This is the torch reference path: it runs on the CPU and on CUDA (where gathering the context copies it;
-a kernel that reads the pools through the tables in place is the fast path's job). The result is the
-float32 logits of the tokens named by `sample_index` (each sampling sequence's last computed token).
+Eager, on the CPU and on CUDA (no CUDA graphs yet). The result is the float32 logits of the tokens named by
+`sample_index` (each sampling sequence's last computed token).
 
 Imports: stdlib and torch only.
 """
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from serving.engine.model import Transformer, _rope_1
+from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache, blocks_for
 
 
@@ -118,11 +118,6 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
     cos, sin = rope_cos[step.positions], rope_sin[step.positions]  # [T, hd]
     x = model.tok_embeddings(step.tokens)  # [T, D]
     single = step.single_rows.shape[0]
-    if single:
-        width = step.single_tables.shape[1] * cache.block_size
-        visible = torch.arange(width, device=x.device).unsqueeze(0) < step.single_lengths.unsqueeze(1)  # [Bd, L]
-        neg = torch.zeros(visible.shape, dtype=torch.float32, device=x.device).masked_fill(
-            ~visible, float("-inf")).view(single, 1, 1, width)
     for i, layer in enumerate(model.layers):
         attn = layer.attention
         h = layer.attention_norm(x)
@@ -133,11 +128,9 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
         cache.write(i, step.slots, k, v)
         y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
         if single:
-            keys, values = cache.gather_batch(i, step.single_tables)  # [Bd, Hkv, L, hd]
             qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + neg  # [Bd, Hkv, G, L]
-            probs = scores.softmax(dim=-1).to(values.dtype)
-            y[step.single_rows] = torch.matmul(probs, values).reshape(single, a.q_size)
+            y[step.single_rows] = paged_decode_attention(qg, cache.k[i], cache.v[i], step.single_tables,
+                                                         step.single_lengths, scale).reshape(single, a.q_size)
         for rows in step.fresh_groups:
             y[rows.flatten()] = _fresh_attention(q, k, v, rows, group)
         for offset, n, start, table in step.long_chunks:

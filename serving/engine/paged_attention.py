@@ -1,0 +1,143 @@
+"""Decode attention through block tables: one query token per sequence over its paged K/V, in place.
+
+`paged_decode_attention(q, k_pool, v_pool, tables, lengths, scale)` computes, for every sequence b, kv head
+h and query head g of its group, `softmax(q k^T * scale) v` over positions `[0, lengths[b])`, where position
+p of sequence b lives in block `tables[b, p // block_size]` at offset `p % block_size`; softmax in float32.
+
+Layout:
+- q: `[B, Hkv, G, hd]` (the G = n_heads // n_kv_heads query heads sharing kv head h next to each other);
+- k_pool, v_pool: `[num_blocks, block_size, Hkv, hd]`, one layer's pools (`paged_cache.PagedKVCache`);
+- tables: `[B, n]` int64, each row's blocks in position order, padded with any valid block id;
+- lengths: `[B]` int64, the visible positions of each row (>= 1, <= n * block_size);
+- returns `[B, Hkv, G, hd]` in q.dtype.
+
+On CUDA (Triton importable) one kernel runs with one program per (sequence, kv head): it loads the G query
+heads once (padded to 16 rows for `tl.dot`) and walks the sequence's blocks through its table row, one
+block of positions per iteration, with an online softmax in float32 (base 2); K/V are read where they
+lie, never copied. There is no split over positions: at the batch sizes where paging matters (hundreds
+of sequences x 8 KV heads) the grid already fills the GPU; a long context at a small batch runs on few
+programs (split-K, as `decode_attention.py` does for the static cache, is later work). The kernel needs
+a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
+runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` and the masked matmul of
+`model.decode_step`.
+
+Checked with TRITON_INTERPRET=1 on CPU tensors against the reference (tests/test_paged_attention.py).
+
+Imports: stdlib and torch; Triton only if importable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+MIN_ROWS = 16  # tl.dot needs M, K >= 16: query heads are padded to this many rows, blocks must be this long
+
+
+def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Pure torch (same signature and semantics as `paged_decode_attention`): gathers, then masks."""
+    bsz, n = tables.shape
+    block_size = k_pool.shape[1]
+    width = n * block_size
+    keys = k_pool[tables].reshape(bsz, width, *k_pool.shape[2:]).transpose(1, 2)  # [B, Hkv, L, hd]
+    values = v_pool[tables].reshape(bsz, width, *v_pool.shape[2:]).transpose(1, 2)
+    visible = torch.arange(width, device=q.device).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
+    neg = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(
+        ~visible, float("-inf")).view(bsz, 1, 1, width)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale + neg  # [B, Hkv, G, L]
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).to(q.dtype)
+
+
+def kernel_fits(block_size: int, head_dim: int) -> bool:
+    """Whether the Triton kernel takes these shapes (powers of two, >= 16)."""
+    def pow2(x: int) -> bool:
+        return x >= MIN_ROWS and not x & (x - 1)
+
+    return triton is not None and pow2(block_size) and pow2(head_dim)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr,
+                             stride_qb, stride_qh, stride_qg, stride_kblk, stride_kpos, stride_kh,
+                             stride_vblk, stride_vpos, stride_vh, stride_tb, qk_scale,
+                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr, IEEE_DOT: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        n_heads = tl.num_programs(1)
+        qk_scale = tl.cast(qk_scale, tl.float32)
+        length = tl.load(len_ptr + b).to(tl.int32)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_SIZE)
+        g_mask = offs_g < GROUP
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
+                    mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for i in range(tl.cdiv(length, BLOCK_SIZE)):
+            block = tl.load(table_ptr + b * stride_tb + i).to(tl.int64)
+            pos = i * BLOCK_SIZE + offs_n
+            n_mask = pos < length
+            k = tl.load(k_ptr + block * stride_kblk + offs_n[None, :] * stride_kpos + h * stride_kh + offs_d[:, None],
+                        mask=n_mask[None, :], other=0.0)  # [HEAD_DIM, BLOCK_SIZE]
+            if IEEE_DOT:
+                qk = tl.dot(q, k, input_precision="ieee")
+            else:
+                qk = tl.dot(q, k)
+            qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))  # [GROUP_PAD, BLOCK_SIZE]
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + block * stride_vblk + offs_n[:, None] * stride_vpos + h * stride_vh + offs_d[None, :],
+                        mask=n_mask[:, None], other=0.0)  # [BLOCK_SIZE, HEAD_DIM]
+            if IEEE_DOT:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / l_i[:, None]
+        dst = o_ptr + ((b * n_heads + h) * GROUP + offs_g[:, None]) * HEAD_DIM + offs_d[None, :]
+        tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                        lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """The Triton kernel on any device Triton runs on (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise RuntimeError("Triton is needed for the paged decode attention kernel")
+    bsz, n_kv_heads, group, head_dim = q.shape
+    block_size = int(k_pool.shape[1])
+    if not kernel_fits(block_size, head_dim):
+        raise ValueError(f"paged decode kernel needs power-of-two block_size and head_dim >= {MIN_ROWS}, "
+                         f"got block_size={block_size}, head_dim={head_dim}")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    log2e = 1.4426950408889634
+    _paged_decode_kernel[(bsz, n_kv_heads)](
+        q, k_pool, v_pool, tables, lengths, out,
+        q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
+        GROUP=group, GROUP_PAD=max(MIN_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, IEEE_DOT=q.dtype == torch.float32, num_warps=4)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """See the module doc: the Triton kernel on CUDA where it fits, the torch reference elsewhere."""
+    if q.device.type == "cuda" and kernel_fits(int(k_pool.shape[1]), int(q.shape[-1])):
+        return paged_decode_triton(q, k_pool, v_pool, tables, lengths, scale)
+    return paged_decode_reference(q, k_pool, v_pool, tables, lengths, scale)
