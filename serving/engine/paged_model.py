@@ -29,16 +29,12 @@ import torch.nn.functional as F
 
 from serving.engine.model import Transformer, _rope_1
 from serving.engine.paged_attention import paged_decode_attention
-from serving.engine.paged_cache import PagedKVCache, blocks_for
+from serving.engine.paged_cache import PagedKVCache
 
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """One sequence's part of a step (host values)."""
-
-    tokens: Sequence[int]  # the chunk's input tokens
-    start: int  # position of its first token
-    table: Sequence[int]  # the sequence's block table, covering positions [0, start + len(tokens))
+# One sequence's part of a step (host values): (the chunk's input tokens, the position of its first token,
+# the sequence's block table covering positions [0, start + len(tokens))). A plain tuple: one is built per
+# live request per step.
+ChunkPlan = tuple[list[int], int, list[int]]
 
 
 @dataclass(frozen=True)
@@ -63,34 +59,44 @@ class PagedStep:
 def build_step(chunks: Sequence[ChunkPlan], sample: Sequence[int], block_size: int,
                device: torch.device) -> PagedStep:
     """The device inputs of a step of `chunks`; `sample` lists the chunks whose last token's logits are
-    wanted (in that order). Built on the host, copied over once per tensor."""
+    wanted (in that order). Built on the host (a decode costs a few list operations: this runs for every
+    live request every step), copied over once per tensor."""
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    single_rows, single_tables, single_lengths = [], [], []
+    single_rows: list[int] = []
+    single_tables: list[Sequence[int]] = []
+    single_lengths: list[int] = []
     longs: list[tuple[int, int, int, list[int]]] = []
     fresh: dict[int, list[list[int]]] = {}
     last: list[int] = []
-    for chunk in chunks:
-        n, offset = len(chunk.tokens), len(tokens)
-        if blocks_for(chunk.start + n, block_size) > len(chunk.table):
-            raise ValueError(f"block table of {len(chunk.table)} blocks does not cover positions up to "
-                             f"{chunk.start + n} (block_size {block_size})")
-        tokens.extend(chunk.tokens)
-        for p in range(chunk.start, chunk.start + n):
-            positions.append(p)
-            slots.append(chunk.table[p // block_size] * block_size + p % block_size)
+    width = 0
+    for toks, start, table in chunks:
+        n, offset = len(toks), len(tokens)
+        end = start + n
+        used = -(-end // block_size)
+        if used > len(table):
+            raise ValueError(f"block table of {len(table)} blocks does not cover positions up to {end} "
+                             f"(block_size {block_size})")
+        tokens += toks
         if n == 1:
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
             single_rows.append(offset)
-            single_tables.append(list(chunk.table[:blocks_for(chunk.start + 1, block_size)]))
-            single_lengths.append(chunk.start + 1)
-        elif chunk.start == 0:
-            fresh.setdefault(n, []).append(list(range(offset, offset + n)))
+            single_tables.append(table)
+            single_lengths.append(end)
+            width = max(width, used)
         else:
-            longs.append((offset, n, chunk.start, list(chunk.table[:blocks_for(chunk.start + n, block_size)])))
+            positions += range(start, end)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            if start == 0:
+                fresh.setdefault(n, []).append(list(range(offset, offset + n)))
+            else:
+                longs.append((offset, n, start, list(table[:used])))
         last.append(offset + n - 1)
-    width = max((len(t) for t in single_tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in single_tables]
+    pad = [0] * width
+    padded = [t + pad[len(t):] if len(t) < width else t[:width] for t in
+              (t if isinstance(t, list) else list(t) for t in single_tables)]
 
     def dev(values, shape=None) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)

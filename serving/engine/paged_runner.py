@@ -85,7 +85,7 @@ class PagedRunner:
             raise EngineLimitError(f"prefill_logits: {len(prompt)} tokens need {need} KV blocks, "
                                    f"{self.allocator.free} are free (live requests hold the rest)")
         try:
-            step = build_step([ChunkPlan(list(prompt), 0, blocks)], [0], self.config.block_size, self.device)
+            step = build_step([(list(prompt), 0, blocks)], [0], self.config.block_size, self.device)
             return paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin, all_logits=True).cpu()
         finally:
             self.allocator.give_back(blocks)
