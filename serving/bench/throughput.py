@@ -136,10 +136,12 @@ def run_side(scheduler: Any, work: Work, side: str) -> SideResult:
     itl = [(b - a) * 1e3 for t in times for a, b in itertools.pairwise(t)]
     generated = sum(len(t) for t in times)
     stats = scheduler.stats
+    parts = ("plan_s", "forward_s", "wait_s", "deliver_s") if hasattr(stats, "plan_s") else ("launch_s", "deliver_s", "wait_s")
+    note = f"{stats.steps} steps: " + ", ".join(f"{p[:-2]} {getattr(stats, p):.1f} s" for p in parts)
     return SideResult(side=side, requests=len(work), input_tokens=sum(len(p) for p, _ in work),
                       output_tokens=generated, wall_s=wall, output_tok_s=generated / wall,
                       request_per_s=len(work) / wall, ttft_ms=_stats(ttft), tpot_ms=_stats(tpot), itl_ms=_stats(itl),
-                      largest_batch=stats.largest_batch, preempted=getattr(stats, "preempted", 0))
+                      largest_batch=stats.largest_batch, preempted=getattr(stats, "preempted", 0), note=note)
 
 
 def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any]:

@@ -86,7 +86,11 @@ class PagedStats:
     decode_tokens: int = 0
     largest_batch: int = 0  # live requests in one step
     peak_blocks: int = 0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # inside step(): the three below and the rest
+    plan_s: float = 0.0  # choosing the step's chunks, taking blocks
+    forward_s: float = 0.0  # building the inputs, launching the forward and sampling (the GPU runs behind)
+    wait_s: float = 0.0  # then waiting for the step's tokens to reach the host
+    deliver_s: float = 0.0  # handing the tokens to the requests' callbacks
 
 
 class PagedScheduler:
@@ -204,7 +208,9 @@ class PagedScheduler:
         started = time.perf_counter()
         if self.cancels_pending:
             self._apply_cancels()
+        planning = time.perf_counter()
         plan = self._plan()
+        self.stats.plan_s += time.perf_counter() - planning
         if plan:
             self._run(plan)
         self.stats.busy_s += time.perf_counter() - started
@@ -271,15 +277,20 @@ class PagedScheduler:
         sampling = [i for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.allocator.used)
         self.stats.largest_batch = max(self.stats.largest_batch, len(plan))
+        started = time.perf_counter()
         try:
             logits = self.runner.forward(chunks, sampling)  # [N, V]
             lives = [plan[i][0] for i in sampling]
             tokens = self._sample(logits, lives)
             extras = self._logprobs(logits, tokens, lives)
+            waiting = time.perf_counter()
             token_list = tokens.tolist()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
             self._fail([seq for seq, _ in plan], exc)
             return
+        delivering = time.perf_counter()
+        self.stats.forward_s += waiting - started
+        self.stats.wait_s += delivering - waiting
         self.stats.steps += 1
         for seq, n in plan:
             seq.computed += n
@@ -290,6 +301,7 @@ class PagedScheduler:
         for k, seq in enumerate(lives):
             self._deliver(seq, token_list[k], extras[k] if extras else None)
         self._drop_retired()
+        self.stats.deliver_s += time.perf_counter() - delivering
 
     def _sample(self, logits: torch.Tensor, lives: list[_Seq]) -> torch.Tensor:
         out = logits.argmax(dim=-1)  # [N]
