@@ -9,7 +9,7 @@
 #                                     fp8sweep - `bench fp8-gemms` (the TUNED_FP8 table; the bench after it in
 #                                              this call runs on what it found);
 #                                     bench  - `bench quantized` (bf16 beside fp8 and int8 weight-only);
-#                                     fp8tests - the split-K FP8 tensor-core kernel's GPU tests (last).
+#                                     fp8tests - the FP8 kernels' GPU tests and the quantized ones (last; FP8_TESTS_K: -k).
 # Env: SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, DEADLINE (bench s),
 #      BENCH_TIMEOUT, BATCH_SIZES (bench, default 1,64), TC_ROWS (tc, default 1,16,64).
 # Results under $OUT: steps.log, gpu-tests.log, tc.log/.json, sweep.log/.json, gate-up.log/.json,
@@ -69,8 +69,8 @@ esac
 # after the bench: its figures come back even if the tests outlast the call
 case ",$STEPS," in *,fp8tests,*)
   log "fp8 kernel gpu tests"
-  timeout "${FP8_TESTS_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_gemm.py \
-    >"$OUT/fp8-tests.log" 2>&1
+  timeout "${FP8_TESTS_TIMEOUT:-180}" python3 -m pytest -q -s -p no:cacheprovider -m gpu -k "${FP8_TESTS_K:-not nothing}" \
+    tests/test_fp8_gemm.py tests/test_quantized_kernels.py >"$OUT/fp8-tests.log" 2>&1
   log "fp8 kernel gpu tests rc=$? $(tail -1 "$OUT/fp8-tests.log")" ;;
 esac
 echo "==== summary"
