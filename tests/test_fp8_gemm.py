@@ -175,3 +175,14 @@ def test_compiled_decode_on_the_fp8_kernel_matches_its_reference_path(monkeypatc
         slow = decode_step(runner.model, tokens[:rows], pos[:rows], 256, gemm=REFERENCE_GEMM).float()
         print(f"fp8 kernel, {rows} rows: logits rel err against the dequantizing reference {rel_err(fast, slow):.2e}")
         assert rel_err(fast, slow) < E4M3_ROUNDING
+
+
+def test_a_layer_timed_on_the_weight_only_kernels_keeps_off_the_fp8_kernel():
+    """The bench's fp8-decode-kernels variant raises tensor_core_min_rows past the decode rows."""
+    from serving.engine.quantize import QuantLinear
+
+    assert QuantLinear(64, 32, method=FP8, bias=False, dtype=torch.bfloat16).decode_tensor_cores
+    assert not QuantLinear(64, 32, method=FP8, bias=False, dtype=torch.bfloat16,
+                           tensor_core_min_rows=65).decode_tensor_cores
+    assert not QuantLinear(64, 32, method=FP8, bias=True, dtype=torch.bfloat16).decode_tensor_cores
+    assert not QuantLinear(64, 32, method="int8-weight-only", bias=False, dtype=torch.bfloat16).decode_tensor_cores

@@ -425,7 +425,7 @@ def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn
     def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(module, QuantLinear):
             return product(x, module.weight, getattr(module, "bias", None), pdl=pdl)
-        if module.bias is None and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
+        if module.decode_tensor_cores and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
             y = fp8_partials(x, module.weight, module.weight_scale, fp8, pdl=pdl)
             return y if parts else sum_partials(y, x.dtype)
         if module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores
@@ -450,7 +450,7 @@ def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
     def product(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(module, QuantLinear):
             return gate_up(x, module.weight, pdl=pdl)
-        if module.bias is None and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
+        if module.decode_tensor_cores and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
             gate, up = fp8_linear(x, module.weight, module.weight_scale, config=fp8, pdl=pdl).chunk(2, dim=-1)
         elif module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores, then SiLU * up
             gate, up = module.tensor_core(x).chunk(2, dim=-1)

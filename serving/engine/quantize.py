@@ -191,6 +191,13 @@ class QuantLinear(nn.Module):
             return self.tensor_core(x)
         return self.reference(x)
 
+    @property
+    def decode_tensor_cores(self) -> bool:
+        """Whether the decode step may run this layer's GEMMs of 1-64 rows on the split-K FP8 kernel
+        (`fp8_gemm`, shapes in its table): fp8, no bias, and `tensor_core_min_rows` within the decode rows
+        (the bench's `fp8-decode-kernels` sets it past them to time the weight-only kernels alone)."""
+        return self.method == FP8 and self.bias is None and self.tensor_core_min_rows <= FP8_DECODE_MAX_ROWS
+
     def tensor_core_shape(self, x: torch.Tensor) -> bool:
         """Whether x [..., K] goes to the FP8 tensor cores, by method, device type, dtype and shape only (no
         device query: a loaded fp8 engine's GPU was checked by `check_device`). At decode rows only wide
