@@ -207,3 +207,28 @@ def test_throughput_bench_serves_every_request_on_both_sides(tmp_path):
         assert side.output_tokens == want and side.output_tok_s > 0 and side.ttft_ms["p50"] <= side.ttft_ms["p99"]
     assert report.sides[0].largest_batch <= 2 and report.sides[1].largest_batch <= 4
     assert json.loads((tmp_path / "t.json").read_text())["sides"][1]["side"] == "paged"
+
+
+def test_1024_live_requests_at_max_seq_len_8192_on_the_h200s_pool():
+    """Admission by blocks at the issue's scale, scheduling only (a stand-in forward): with max_seq_len 8192,
+    1,024 requests of 128/128 and the pool the H200 run sized for Llama-3.1-8B (21,251 blocks of 32; a static
+    cache of that memory holds 83 rows of 8192), every request is live at once."""
+    from types import SimpleNamespace
+
+    import torch
+
+    live = 1024
+    runner = SimpleNamespace(
+        info=SimpleNamespace(limits=SimpleNamespace(max_input_len=4096, max_seq_len=8192),
+                             model=SimpleNamespace(vocab_size=8)),
+        max_live=live, config=PagedKVConfig(block_size=32, num_blocks=21251, max_num_tokens=8192),
+        allocator=BlockAllocator(21251), device=torch.device("cpu"),
+        forward=lambda chunks, sample: torch.zeros(len(sample), 8))
+    assert 21251 * 32 // 8192 == 83
+    sched = PagedScheduler(runner)
+    for _ in range(live):
+        sched.submit(GenRequest([1] * 128, 20, lambda ids, reason: None, lambda exc: None))
+    sched.run_until_idle()
+    s = sched.stats
+    assert s.largest_batch == live and s.finished == live and s.preempted == 0
+    assert s.peak_blocks == live * blocks_for(128 + 19, 32) and runner.allocator.free == 21251

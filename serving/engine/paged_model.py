@@ -60,7 +60,7 @@ def build_step(chunks: Sequence[ChunkPlan], sample: Sequence[int], block_size: i
                device: torch.device) -> PagedStep:
     """The device inputs of a step of `chunks`; `sample` lists the chunks whose last token's logits are
     wanted (in that order). Built on the host (a decode costs a few list operations: this runs for every
-    live request every step), copied over once per tensor."""
+    live request every step), copied over in one piece."""
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -98,18 +98,26 @@ def build_step(chunks: Sequence[ChunkPlan], sample: Sequence[int], block_size: i
     padded = [t + pad[len(t):] if len(t) < width else t[:width] for t in
               (t if isinstance(t, list) else list(t) for t in single_tables)]
 
-    def dev(values, shape=None) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.long)
-        if shape is not None:
-            t = t.view(shape)
-        return t.to(device, non_blocking=True) if device.type == "cuda" else t
-
+    # every index in one host tensor, one copy to the device (pinned and non-blocking on CUDA: a pageable
+    # copy waits for the stream), then views of it
+    parts: list[tuple[list[int], tuple[int, ...]]] = [
+        (tokens, (len(tokens),)), (positions, (len(positions),)), (slots, (len(slots),)),
+        (single_rows, (len(single_rows),)), ([i for t in padded for i in t], (len(padded), width)),
+        (single_lengths, (len(single_lengths),)), ([last[i] for i in sample], (len(sample),)),
+    ]
+    parts += [([i for r in rows for i in r], (len(rows), len(rows[0]))) for rows in fresh.values()]
+    parts += [(t, (len(t),)) for _, _, _, t in longs]
+    host = torch.tensor([i for values, _ in parts for i in values], dtype=torch.long)
+    flat = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    views, at = [], 0
+    for values, shape in parts:
+        views.append(flat[at:at + len(values)].view(shape))
+        at += len(values)
+    n_fresh = len(fresh)
     return PagedStep(
-        tokens=dev(tokens), positions=dev(positions), slots=dev(slots), single_rows=dev(single_rows),
-        single_tables=dev(padded, (len(padded), width)), single_lengths=dev(single_lengths),
-        fresh_groups=tuple(dev(rows) for rows in fresh.values()),
-        long_chunks=tuple((o, n, s, dev(t)) for o, n, s, t in longs),
-        sample_index=dev([last[i] for i in sample]),
+        tokens=views[0], positions=views[1], slots=views[2], single_rows=views[3], single_tables=views[4],
+        single_lengths=views[5], sample_index=views[6], fresh_groups=tuple(views[7:7 + n_fresh]),
+        long_chunks=tuple((o, n, st, views[7 + n_fresh + k]) for k, (o, n, st, _) in enumerate(longs)),
     )
 
 
