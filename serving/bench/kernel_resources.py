@@ -2,8 +2,8 @@
 not here: Triton compiles them for the target (Hopper, sm_90, by default) and `cuobjdump -res-usage`
 reads the cubin. No GPU is needed, only Triton with its bundled NVIDIA tools.
 
-`python3 -m serving.bench kernel-resources` prints, for the attention's split kernel and the skinny
-GEMM at the shipped configs of the Llama-1B and 8B decode shapes (and some alternatives), the registers
+`python3 -m serving.bench kernel-resources` prints, for the attention's split kernel, the skinny GEMM and
+the split-K FP8 GEMM at the shipped configs of the Llama-1B and 8B decode shapes (and some alternatives), the registers
 per thread, the bytes spilled to the stack, the shared memory and how many programs fit on one SM by
 registers (65,536 per SM) and shared memory (228 KB). A memory-bound kernel with few programs per SM has few loads in flight.
 """
@@ -114,10 +114,26 @@ def skinny_cases() -> list[Case]:
     return cases
 
 
+def fp8_cases() -> list[Case]:
+    """The split-K FP8 tensor-core kernel with PDL, as tuned (`fp8_gemm.TUNED_FP8`)."""
+    from serving.engine.fp8_gemm import TUNED_FP8, _fp8_dot_t_kernel
+    from serving.engine.skinny_gemm import GemmConfig, block_m
+
+    cases = []
+    for (rows, n, k), text in TUNED_FP8.items():
+        config = GemmConfig.parse(text)
+        types = {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+                 "out_ptr": "*fp32" if config.split > 1 else "*bf16"}
+        constexprs = {"BLOCK_M": block_m(rows), "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GDC": True}
+        cases.append((f"{rows} rows {n}x{k} ({text})", _fp8_dot_t_kernel, types, constexprs, config.warps,
+                      config.stages))
+    return cases
+
+
 def run_resources() -> list[dict[str, Any]]:
-    """Print and return the resources of `attention_cases` and `skinny_cases` on sm_90."""
+    """Print and return the resources of `attention_cases`, `skinny_cases` and `fp8_cases` on sm_90."""
     rows = []
-    for name, kernel, types, constexprs, warps, stages in attention_cases() + skinny_cases():
+    for name, kernel, types, constexprs, warps, stages in attention_cases() + skinny_cases() + fp8_cases():
         res = compile_offline(kernel, types, constexprs, warps=warps, stages=stages)
         rows.append({"kernel": kernel.__name__, "case": name, "registers": res.registers, "spilled": res.stack,
                      "shared": res.shared, "warps": warps, "programs_per_sm": res.programs_per_sm()})
