@@ -23,3 +23,13 @@ def test_the_attention_compiles_for_hopper_and_reports_its_registers():
     name, kernel, types, constexprs, warps, stages = attention_cases()[1]  # 1B batch 64, block 64
     res = compile_offline(kernel, types, constexprs, warps=warps, stages=stages)
     assert 32 <= res.registers <= 255 and res.shared > 0, (name, res)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (with its bundled ptxas and cuobjdump)")
+def test_the_fp8_gemm_compiles_for_hopper_without_spilling():
+    from serving.bench.kernel_resources import fp8_cases
+
+    cases = fp8_cases()
+    name, kernel, types, constexprs, warps, stages = next(c for c in cases if c[0].startswith("64 rows 4096x4096"))
+    res = compile_offline(kernel, types, constexprs, warps=warps, stages=stages)
+    assert res.stack == 0 and res.shared >= stages * 2 * 64 * constexprs["BLOCK_K"], (name, res)  # both e4m3 tiles
