@@ -10,7 +10,7 @@
 #                                              this call runs on what it found);
 #                                     bench  - `bench quantized` (bf16 beside fp8 and int8 weight-only);
 #                                     fp8tests - the FP8 kernels' GPU tests and the quantized ones (last; FP8_TESTS_K: -k).
-# Env: SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, DEADLINE (bench s),
+# Env: SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, FP8_SWEEP_ROWS, DEADLINE (bench s),
 #      BENCH_TIMEOUT, BATCH_SIZES (bench, default 1,64), TC_ROWS (tc, default 1,16,64).
 # Results under $OUT: steps.log, gpu-tests.log, tc.log/.json, sweep.log/.json, gate-up.log/.json,
 # fp8-sweep.log/.json, quantized.json/.log.
@@ -52,7 +52,7 @@ esac
 case ",$STEPS," in *,fp8sweep,*)
   log "fp8 kernel sweep"
   timeout "${FP8_SWEEP_TIMEOUT:-200}" python3 -m serving.bench fp8-gemms --shapes "${SWEEP_SHAPES:-llama-3.1-8b,llama-3.2-1b}" \
-    --rows "${SWEEP_ROWS:-1,64}" --out "$OUT/fp8-sweep.json" >"$OUT/fp8-sweep.log" 2>&1
+    --rows "${FP8_SWEEP_ROWS:-1,64,128}" --out "$OUT/fp8-sweep.json" >"$OUT/fp8-sweep.log" 2>&1
   log "fp8 sweep rc=$?" ;;
 esac
 case ",$STEPS," in *,bench,*)

@@ -7,6 +7,8 @@
 - `weight_only_us`: the weight-only decode kernel the engine runs without `TUNED_FP8`
   (`skinny_gemm.quantized_config_for`, e4m3 converted to bf16 in registers);
 - `scaled_mm_us`: `torch._scaled_mm` row-wise on pre-scaled tokens (16+ rows; the GEMM alone);
+- `prefill_us` (more rows than a decode batch, `--rows 128`): the engine's prefill GEMM, `fp8_scaled_linear`,
+  the tokens' scaling kernel included (the fp8 kernel takes decode rows only, so no config is tried);
 - every fitting config of the fp8 kernel, on pre-scaled tokens (the tokens' scaling is fused into the
   step's RMSNorm or SiLU * up when compiled), checked against `quantize.fp8_emulated_linear` on the same
   e4m3 inputs (`rel_err`).
@@ -48,6 +50,10 @@ def candidate_configs() -> list[GemmConfig]:
         out.append(GemmConfig("dott", n, k, 1, 4, stages))
         if n == 128:
             out.append(GemmConfig("dott", n, k, 1, 8, stages))
+    # wide weight tiles with few stages: fewer bytes of the tokens' tile per weight byte, two programs per SM
+    # (not yet timed; kernel-resources showed the tuned 64-wide configs at one program per SM)
+    for (n, k), warps in itertools.product([(128, 128), (128, 256), (256, 128)], (4, 8)):
+        out.append(GemmConfig("dott", n, k, 1, warps, 2))
     return out
 
 
@@ -100,10 +106,11 @@ def sweep_cell(rows: int, n: int, k: int) -> dict[str, Any]:
         FP8_TENSOR_CORE_MIN_N,
         FP8_TENSOR_CORE_MIN_ROWS,
         fp8_emulated_linear,
+        fp8_scaled_linear,
         quantize_tokens_fp8,
         quantize_weight,
     )
-    from serving.engine.skinny_gemm import launch, quantized_config_for
+    from serving.engine.skinny_gemm import MAX_ROWS, launch, quantized_config_for
 
     copies = max(1, min(16, math.ceil(COLD_BYTES / (n * k))))
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 8))]
@@ -126,7 +133,9 @@ def sweep_cell(rows: int, n: int, k: int) -> dict[str, Any]:
         cell["scaled_mm_us"] = time_cold_us(
             lambda w: torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scales[id(w)].view(1, -1),
                                        out_dtype=torch.bfloat16), weights)
-    engine_takes_scaled_mm = rows >= FP8_TENSOR_CORE_MIN_ROWS and n >= FP8_TENSOR_CORE_MIN_N
+    if rows > MAX_ROWS:  # a prefill: the engine's whole GEMM, the tokens' scaling kernel included
+        cell["prefill_us"] = time_cold_us(lambda w: fp8_scaled_linear(x, w, scales[id(w)], None), weights)
+    engine_takes_scaled_mm = rows > MAX_ROWS or (rows >= FP8_TENSOR_CORE_MIN_ROWS and n >= FP8_TENSOR_CORE_MIN_N)
     cell["baseline_us"] = cell["scaled_mm_us"] if engine_takes_scaled_mm else cell.get("weight_only_us", cublas)
     results = []
     for base, split in itertools.product(candidate_configs(), SPLITS):
@@ -158,7 +167,15 @@ def describe(name: str, cell: dict[str, Any]) -> str:
     best = cell["best"][0] if cell["best"] else None
     return (f"{name:5s} rows {cell['rows']:3d} {cell['n']:6d}x{cell['k']:<6d} bf16 {tbs(cell['cublas_us'], 2 * cell['bytes'])}"
             f" | weight-only {tbs(cell.get('weight_only_us'))} | _scaled_mm {tbs(cell.get('scaled_mm_us'))}"
-            f" | fp8 kernel {tbs(best['us'] if best else None)} {best['config'] if best else ''}")
+            f" | fp8 kernel {tbs(best['us'] if best else None)} {best['config'] if best else ''}"
+            + (f" | prefill GEMM {tbs(cell['prefill_us'])}" if "prefill_us" in cell else ""))
+
+
+def bucket_key(cell: dict[str, Any]) -> tuple[int, int, int] | None:
+    """The `TUNED_FP8` key of a decode cell (rows bucket 1 or 64, N, K); None for a prefill cell."""
+    if cell["rows"] > 64:
+        return None
+    return (1 if cell["rows"] == 1 else 64, cell["n"], cell["k"])
 
 
 def table_of(report: dict[str, Any], *, min_gain: float = MIN_GAIN) -> dict[tuple[int, int, int], str]:
@@ -166,8 +183,8 @@ def table_of(report: dict[str, Any], *, min_gain: float = MIN_GAIN) -> dict[tupl
     out = {}
     for cell in report["cells"]:
         best = cell["best"][0] if cell["best"] else None
-        if best is not None and best["us"] < (1 - min_gain) * cell["baseline_us"]:
-            out[(1 if cell["rows"] == 1 else 64, cell["n"], cell["k"])] = best["config"]
+        if best is not None and bucket_key(cell) and best["us"] < (1 - min_gain) * cell["baseline_us"]:
+            out[bucket_key(cell)] = best["config"]
     return out
 
 
@@ -189,7 +206,7 @@ def run_fp8_sweep(shapes: list[str], rows_list: list[int], *, out: Path, workers
                 out.write_text(json.dumps(report, indent=1))
     print("TUNED_FP8 = {")
     for key, config in sorted(table_of(report).items()):
-        cell = next(c for c in report["cells"] if (1 if c["rows"] == 1 else 64, c["n"], c["k"]) == key)
+        cell = next(c for c in report["cells"] if bucket_key(c) == key)
         print(f"    {key}: {config!r},  # {cell['shape']} {cell['name']}: {cell['best'][0]['us']:.1f} vs "
               f"{cell['baseline_us']:.1f} us (engine's other fp8 path), bf16 cuBLAS {cell['cublas_us']:.1f}")
     print("}", flush=True)
