@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from tasks.canary_text import TextCheck
 from tasks.promote_spec import AnalysisSpec, ComparisonSpec, MetricSpec, parse_condition
 from tasks.traffic import RequestRecord
 
@@ -73,6 +74,7 @@ class AnalysisResult:
     reason: str
     metrics: list[MetricResult] = field(default_factory=list)
     comparisons: list[Comparison] = field(default_factory=list)
+    text: TextCheck | None = None  # the candidate's text answers against the live tokenizer's ids
     window_s: float = 0.0  # how long the window stayed open
     expected_window_s: float | None = None  # the least length the traffic rate and weight allowed, when known
     ceiling_s: float | None = None  # analysis.timeout_s
@@ -80,7 +82,8 @@ class AnalysisResult:
     @property
     def unjudged(self) -> list[str]:
         """Why parts of this window gave no latency verdict (not compared, too few samples, undecided)."""
-        return [c.reason for c in self.comparisons if not c.judged]
+        return [c.reason for c in self.comparisons if not c.judged] + (
+            [self.text.reason] if self.text is not None and not self.text.judged else [])
 
     def figures(self) -> dict[str, Any]:
         """Numbers a person reads (MLflow tags, reports)."""
@@ -90,6 +93,7 @@ class AnalysisResult:
                        "ceiling_s": self.ceiling_s},
             "metrics": {m.name: [x.value for x in m.measurements] for m in self.metrics},
             "comparisons": {c.metric: c.figures() for c in self.comparisons},
+            "text": None if self.text is None else self.text.figures(),
             "not_judged": self.unjudged,
         }
 
@@ -330,9 +334,9 @@ def per_version(records: list[RequestRecord]) -> dict[int, dict[str, float]]:
 
 
 def combine(t_s: float, records: list[RequestRecord], spec: AnalysisSpec, metrics: list[MetricResult],
-            comparisons: list[Comparison]) -> AnalysisResult:
-    """Failed if anything failed (traffic success rate, a metric, a comparison); else Inconclusive if anything
-    was; else Successful. The reason lists every failing (or inconclusive) part."""
+            comparisons: list[Comparison], text: TextCheck | None = None) -> AnalysisResult:
+    """Failed if anything failed (traffic success rate, a metric, a comparison, the text check); else
+    Inconclusive if anything was; else Successful. The reason lists every failing (or inconclusive) part."""
     n = len(records)
     rate = sum(r.ok for r in records) / n if n else 0.0
     failed, unsure = [], []
@@ -344,9 +348,10 @@ def combine(t_s: float, records: list[RequestRecord], spec: AnalysisSpec, metric
                       f"requests; errors: {errors}")
     for m in metrics:
         (failed if m.outcome == "Failed" else unsure if m.outcome == "Inconclusive" else []).append(m.reason)
-    for c in comparisons:
+    parts = [*comparisons, *([text] if text is not None else [])]
+    for c in parts:
         (failed if c.outcome == "Failed" else unsure if c.outcome == "Inconclusive" else []).append(c.reason)
     outcome: Outcome = "Failed" if failed else "Inconclusive" if unsure else "Successful"
-    notes = [c.reason for c in comparisons if not c.judged and c.outcome == "Successful"]
+    notes = [c.reason for c in parts if not c.judged and c.outcome == "Successful"]
     reason = "; ".join(failed or unsure or notes)  # a pass says what it did not compare
-    return AnalysisResult(t_s, n, rate, per_version(records), outcome, reason, metrics, comparisons)
+    return AnalysisResult(t_s, n, rate, per_version(records), outcome, reason, metrics, comparisons, text)

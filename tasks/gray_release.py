@@ -6,9 +6,10 @@ with a complete config override. Every step is applied to every endpoint of the 
 endpoint (a reload that fails, a router that does not answer) aborts the rollout and rolls ALL back.
 Each step is written to the rollout journal before it is applied (``tasks.rollout_state``).
 
-Analysis (per ``analysis`` step): the test traffic of the window (``requests``), the spec's metrics over
-the router's counters and Triton's Prometheus endpoint, and a baseline-vs-canary comparison of TTFT and
-time per output token (``tasks.analysis.compare``). Outcomes: Successful -> next step, Failed -> abort,
+Analysis (per ``analysis`` step): the test traffic of the window (``requests``, ``candidate_requests``; token
+ids and fixed texts, ``tasks.canary_text``), the spec's metrics over the router's counters and Triton's
+Prometheus endpoint, a baseline-vs-canary comparison of TTFT and time per output token
+(``tasks.analysis.compare``), and the candidate's text answers against the live tokenizer's ids. Outcomes: Successful -> next step, Failed -> abort,
 Inconclusive -> hold for a person (MLflow tag ``rollout.decision``) or decide per ``rollout.hold``.
 """
 
@@ -37,6 +38,7 @@ from tasks.analysis import (
     run_metrics,
     take_readings,
 )
+from tasks.canary_text import IDS_KEY, TEXT_KEY, TextCheck, TextPlan, check_text, text_plan
 from tasks.errors import RolloutAborted
 from tasks.promote_spec import Analysis, AnalysisSpec, MetricSpec, Pause, RolloutSpec, SetWeight, TritonSpec
 from tasks.rollback import make_live, restore_live
@@ -67,6 +69,7 @@ class RolloutReport:
     analyses: list[AnalysisResult] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list)
     holds: list[str] = field(default_factory=list)
+    text_plan: TextPlan | None = None
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -142,7 +145,7 @@ def gray_release(
 
     Raises ``RolloutAborted`` (carrying the report) after rolling every endpoint back.
     """
-    from serving.triton.client import infer_ids
+    from serving.triton.client import infer_ids, infer_text
 
     name, cand, live = staged.model_name, staged.version, staged.live_version
     repos = [t.model_repository for t in targets]
@@ -153,11 +156,23 @@ def gray_release(
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(4, 12))] for _ in range(16)]
     probe = rollout.ttft_probe_every
+    compare_text = any(s.analysis.text_pairs for s in rollout.steps if isinstance(s, Analysis))
+    report.text_plan = plan = text_plan(repos[0], name, live=live, candidate=cand, compare=compare_text)
+    print(f"canary text: {len(plan.texts) if plan.send_text else 0} fixed texts sent as text"
+          + (f" and as the live tokenizer's ids ({plan.reference})" if plan.reference_ids else f" ({plan.reference})"))
 
-    def send(url: str, n: int) -> tuple[int | None, str, int]:
+    def send(url: str, n: int) -> tuple:
         tokens = 1 if probe and n % probe == 0 else max_new
-        result = infer_ids(url, name, prompts[n % len(prompts)], max_tokens=tokens, timeout_s=triton.request_timeout_s)
-        return result.routed_version, "", len(result.output_ids)
+        key = "" if tokens == 1 else plan.key_of(n)
+        kind, j = key.split(":") if key else ("", "0")
+        timeout = triton.request_timeout_s
+        if kind == TEXT_KEY:
+            result = infer_text(url, name, plan.texts[int(j)], max_tokens=tokens, routed=True, timeout_s=timeout)
+        else:
+            ids = list(plan.reference_ids[int(j)]) if kind == IDS_KEY and plan.reference_ids else \
+                prompts[n % len(prompts)]
+            result = infer_ids(url, name, ids, max_tokens=tokens, timeout_s=timeout)
+        return result.routed_version, "", len(result.output_ids), key, result.output_ids
 
     traffic = TrafficGenerator([t.url for t in targets], send, concurrency=rollout.concurrency, max_seconds=3600)
     try:
@@ -286,7 +301,8 @@ def analyse_step(step: Analysis, targets: list[Target], report: RolloutReport, t
     window = traffic.log.since(start)
     comparisons = (compare(window, live=live, candidate=cand, spec=spec.compare, candidate_weight=weights.get(cand))
                    if spec.compare else [])
-    result = combine(time.monotonic() - traffic.t0, window, spec, metrics, comparisons)
+    text = _text_check(window, spec, report, weights)
+    result = combine(time.monotonic() - traffic.t0, window, spec, metrics, comparisons, text)
     return replace(result, window_s=window_s, expected_window_s=expected, ceiling_s=spec.timeout_s)
 
 
@@ -328,9 +344,21 @@ def _window_complete(window: list[RequestRecord], spec: AnalysisSpec, report: Ro
         return False
     if weights.get(cand, 100) and sum(r.version == cand for r in window) < spec.candidate_requests:
         return False
+    text = _text_check(window, spec, report, weights)
+    if text is not None and text.outcome == "Inconclusive":
+        return False
     if spec.compare is None or live is None:
         return True
     return decided(compare(window, live=live, candidate=cand, spec=spec.compare, candidate_weight=weights.get(cand)))
+
+
+def _text_check(window: list[RequestRecord], spec: AnalysisSpec, report: RolloutReport,
+                weights: dict[int, int]) -> TextCheck | None:
+    """The candidate's text answers against the live tokenizer's ids, while it carries traffic."""
+    plan = report.text_plan
+    if plan is None or spec.text_pairs == 0 or not weights.get(report.candidate, 100):
+        return None
+    return check_text(window, plan, report.candidate, min_pairs=spec.text_pairs, max_mismatch=spec.max_text_mismatch)
 
 
 def finish(targets: list[Target], staged: StagedVersion, triton: TritonSpec) -> None:

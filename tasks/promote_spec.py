@@ -239,6 +239,13 @@ class AnalysisSpec(BaseModel):
         default_factory=ComparisonSpec, description="Baseline-vs-canary latency test; null to skip.")
     timeout_s: float = Field(120, gt=0, description="Ceiling of the window: how long it may stay open for its "
                              "requests, samples and verdict. What was not judged by then is Inconclusive.")
+    text_pairs: int = Field(
+        2, ge=0, description="Fewest fixed texts the candidate must answer both as text (tokenized in Triton by its "
+        "engine folder's tokenizer) and as the live version's token ids of that text (tasks.canary_text); 0: not "
+        "compared. Greedy answers of one version agree when its tokenizer tokenizes like the live one's.")
+    max_text_mismatch: float = Field(
+        0.5, ge=0, le=1, description="Largest share of those texts whose two answers may differ (a rare argmax flip "
+        "under another batch is not a tokenizer fault; another tokenizer of the same vocabulary differs on most).")
 
 
 class Analysis(BaseModel):

@@ -111,14 +111,21 @@ def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: 
 
 def warm_up(target: Target, model_name: str, version: int, triton: TritonSpec) -> None:
     """A few requests straight to the new version (first calls are slow; a version that cannot answer fails here)."""
-    from serving.triton.client import generate_ids, infer_ids
+    from serving.triton.client import generate_ids, generate_text, infer_ids, infer_text
     from serving.triton.models.params import flag
     from serving.triton.repository import engine_model_name
+    from tasks.canary_text import CANARY_TEXTS, version_tokenizer
 
-    send = generate_ids if flag(triton.engine_parameters, "decoupled") else infer_ids  # /infer refuses decoupled
+    decoupled = flag(triton.engine_parameters, "decoupled")
+    send = generate_ids if decoupled else infer_ids  # /infer refuses decoupled
+    send_text = generate_text if decoupled else infer_text
+    has_tokenizer = version_tokenizer(target.model_repository, model_name, version) is not None
     for i in range(triton.warmup_requests):
         send(target.url, engine_model_name(model_name, version), [1 + i, 2, 3], max_tokens=4,
              timeout_s=triton.request_timeout_s, setting=target.setting)
+        if has_tokenizer and i == 0:  # the text path too: the engine folder's tokenizer, in Triton
+            send_text(target.url, engine_model_name(model_name, version), CANARY_TEXTS[0], max_tokens=4,
+                      timeout_s=triton.request_timeout_s, setting=target.setting)
 
 
 @task(name="stage", retries=0, cache_policy=NO_CACHE)

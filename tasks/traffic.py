@@ -21,6 +21,8 @@ class RequestRecord:
     error: str = ""
     endpoint: str = ""
     tokens: int = 0  # output tokens of a successful answer (0 when unknown or failed)
+    prompt: str = ""  # which fixed prompt it was ("text:<j>" / "ids:<j>", tasks.canary_text), "" for others
+    output_ids: tuple[int, ...] = ()  # the answer's token ids, kept for fixed prompts only
 
 
 @dataclass
@@ -43,7 +45,7 @@ class TrafficLog:
 
 ERROR_BACKOFF_S = 0.05  # a failing endpoint answers fast; do not turn the stream into a flood
 
-# (endpoint url, request number) -> (version, "" or error) or (version, "" or error, output tokens)
+# (endpoint url, request number) -> (version, "" or error[, output tokens[, prompt key, output ids]])
 SendFn = Callable[[str, int], tuple]
 
 
@@ -96,16 +98,18 @@ class TrafficGenerator:
                 return
             endpoint = self.endpoints[n % len(self.endpoints)]
             started = time.monotonic()
-            tokens = 0
+            tokens, prompt, ids = 0, "", ()
             try:
                 answer = self.send(endpoint, n)
                 version, error = answer[0], answer[1]
                 tokens = int(answer[2]) if len(answer) > 2 else 0
+                if len(answer) > 4:
+                    prompt, ids = str(answer[3]), tuple(answer[4])
             except Exception as exc:  # noqa: BLE001 - every failure is a data point
                 version, error = None, f"{type(exc).__name__}: {exc}"
             self.log.add(
                 RequestRecord(started - self.t0, time.monotonic() - started, version, not error, error, endpoint,
-                              tokens if not error else 0)
+                              tokens if not error else 0, prompt, ids if not error else ())
             )
             if error:
                 self._stop.wait(ERROR_BACKOFF_S)

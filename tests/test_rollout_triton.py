@@ -150,3 +150,34 @@ def test_a_candidate_that_does_not_fit_is_refused_before_anything_changes(world,
     assert "nothing changed, version 1 stays live" in str(refused.value)
     assert TritonLog.loads(log.take(), NAME) == []
     assert assert_consistent(spec, 1)["endpoints"] == before["endpoints"]
+
+
+def permute_tokenizer(engine_dir: Path) -> None:
+    """Another tokenizer of the same vocabulary size: the ids of the ordinary (not special) tokens reversed."""
+    path = engine_dir / "tokenizer.json"
+    doc = json.loads(path.read_text())
+    special = {t["id"] for t in doc.get("added_tokens", [])}
+    vocab = doc["model"]["vocab"]
+    ordinary = sorted((i, t) for t, i in vocab.items() if i not in special)
+    for (i, token), (j, _) in zip(ordinary, reversed(ordinary)):
+        vocab[token] = j
+    path.write_text(json.dumps(doc))
+
+
+def test_an_engine_folder_with_another_tokenizer_fails_the_canary(world) -> None:
+    """The canary sends fixed texts as text and as the live tokenizer's ids: a candidate whose engine folder
+    carries another tokenizer of the same vocabulary answers them differently and is rolled back."""
+    spec, tmp = world["spec"], world["tmp"]
+    assert_consistent(spec, 1)  # where the tests above left it
+    engine = make_tiny_engine(tmp / "engines-tokenizer", seed=3)
+    permute_tokenizer(engine)
+    version = publish(tmp, NAME, engine)
+    steps = [{"set_weight": 50}, {"analysis": {"requests": 8, "compare": None}}, {"set_weight": 100}]
+    plan = spec.rollout.model_validate({**spec.rollout.model_dump(), "steps": steps})
+    with pytest.raises(RolloutAborted, match="text: the engine folder's tokenizer does not tokenize like the live "
+                                             r"version's: \d of \d texts answered differently") as aborted:
+        promote(spec, version, rollout=plan)
+    text = aborted.value.report.analyses[0].text
+    assert text.judged and text.mismatched > text.pairs / 2 and text.text_requests >= 2
+    assert aborted.value.report.metrics["rollout_failed_requests"] == 0  # the text path answers, only wrongly
+    assert_consistent(spec, 1)

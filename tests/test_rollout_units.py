@@ -270,3 +270,31 @@ def test_journal_written_everywhere_newest_wins(tmp_path: Path) -> None:
     got = read_journal(repos, "m")
     assert got.phase == "shifting" and got.weights == {1: 90, 2: 10} and not got.terminal
     assert [h["phase"] for h in got.history] == ["staging", "shifting"]
+
+
+def test_text_check_fails_a_candidate_whose_text_answers_differ_from_the_live_tokenizers_ids() -> None:
+    from tasks.canary_text import TextPlan, check_text
+
+    plan = TextPlan(("a", "b", "c"), ((1,), (2,), (3,)), "live tokenizer")
+    assert [plan.key_of(n) for n in range(8)] == ["", "text:0", "", "ids:0", "", "text:1", "", "ids:1"]
+
+    def answer(key: str, ids: tuple[int, ...], version: int = 2) -> RequestRecord:
+        return RequestRecord(0.0, 0.01, version, True, tokens=len(ids), prompt=key, output_ids=ids)
+
+    same = [answer("text:0", (5, 6)), answer("ids:0", (5, 6)), answer("text:1", (7,)), answer("ids:1", (7,))]
+    good = check_text(same, plan, 2, min_pairs=2, max_mismatch=0.5)
+    assert good.outcome == "Successful" and good.judged and (good.pairs, good.mismatched) == (2, 0)
+    differ = [answer("text:0", (9, 9)), answer("ids:0", (5, 6)), answer("text:1", (8,)), answer("ids:1", (7,)),
+              answer("text:0", (5, 6), version=1), answer("ids:0", (5, 6), version=1)]
+    bad = check_text(differ, plan, 2, min_pairs=2, max_mismatch=0.5)
+    assert bad.outcome == "Failed" and "does not tokenize like the live version's" in bad.reason and "'a'" in bad.reason
+    assert check_text(differ, plan, 1, min_pairs=1, max_mismatch=0.5).outcome == "Successful"  # live agrees
+    one_flip = check_text(same[:2] + differ[2:4], plan, 2, min_pairs=2, max_mismatch=0.5)
+    assert one_flip.outcome == "Successful" and one_flip.mismatched == 1  # 1 of 2 is not more than half
+    waiting = check_text(same[:2], plan, 2, min_pairs=2, max_mismatch=0.5)
+    assert waiting.outcome == "Inconclusive" and "not judged" in waiting.reason
+    result = combine(1.0, differ, AnalysisSpec(requests=1), [], [], bad)
+    assert result.outcome == "Failed" and result.figures()["text"]["mismatched"] == 2
+    first = TextPlan(("a",), None, "no live version to take a reference tokenizer from")
+    assert "ids" not in "".join(first.key_of(n) for n in range(8))
+    assert check_text(same, first, 2, min_pairs=2, max_mismatch=0.5).judged is False

@@ -116,6 +116,18 @@ def generate_ids(http_url: str, model: str, prompt_ids: list[int], *, max_tokens
                        finish_reason=doc.get("finish_reason"), model_version=doc.get("model_version"))
 
 
+def generate_text(http_url: str, model: str, text: str, *, max_tokens: int, version: int | None = None,
+                  timeout_s: float = 60.0, setting: str = "triton.http_url") -> InferResult:
+    """Generate from text through ``/generate`` (which answers a decoupled model too); the engine folder's
+    tokenizer tokenizes it in Triton."""
+    body = {"text_input": text, "max_tokens": max_tokens}
+    doc = _post(http_url, model, version, "generate", body, timeout_s=timeout_s, setting=setting)
+    ids = doc.get("output_ids", [])
+    return InferResult(output_ids=[int(x) for x in (ids if isinstance(ids, list) else [ids])],
+                       text=doc.get("text_output"), finish_reason=doc.get("finish_reason"),
+                       model_version=doc.get("model_version"))
+
+
 def infer_text(http_url: str, model: str, text: str, *, max_tokens: int, version: int | None = None,
                timeout_s: float = 60.0, routed: bool | None = None, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
