@@ -287,6 +287,7 @@ def analyse_step(step: Analysis, targets: list[Target], report: RolloutReport, t
     opened = time.monotonic()
     deadline = opened + spec.timeout_s
     expected: float | None = None
+    window = traffic.log.since(start)
     while time.monotonic() < deadline:
         window = traffic.log.since(start)
         elapsed = time.monotonic() - opened
@@ -295,18 +296,20 @@ def analyse_step(step: Analysis, targets: list[Target], report: RolloutReport, t
             _say_expected(expected, len(window) / elapsed, weights.get(cand), spec)
         if _window_complete(window, spec, report, weights):
             break
-        time.sleep(0.1)
+        time.sleep(WINDOW_POLL_S)
     window_s = time.monotonic() - opened
-    metrics = run_metrics(spec.metrics, read, value_of, initial=initial)
-    window = traffic.log.since(start)
-    comparisons = (compare(window, live=live, candidate=cand, spec=spec.compare, candidate_weight=weights.get(cand))
+    closed = window  # the comparisons judge the window as it closed, not what came after
+    comparisons = (compare(closed, live=live, candidate=cand, spec=spec.compare, candidate_weight=weights.get(cand))
                    if spec.compare else [])
-    text = _text_check(window, spec, report, weights)
+    text = _text_check(closed, spec, report, weights)
+    metrics = run_metrics(spec.metrics, read, value_of, initial=initial)
+    window = traffic.log.since(start)  # success rate over everything, the metrics' intervals included
     result = combine(time.monotonic() - traffic.t0, window, spec, metrics, comparisons, text)
     return replace(result, window_s=window_s, expected_window_s=expected, ceiling_s=spec.timeout_s)
 
 
 WINDOW_RATE_REQUESTS = 5  # requests seen before the traffic rate (and so the window's length) is estimated
+WINDOW_POLL_S = 0.25  # between two checks of the window (each re-runs the comparison over all its samples)
 
 
 def expected_window_s(rate: float, candidate_weight: int | None, spec: AnalysisSpec, probe_every: int) -> float:
