@@ -68,7 +68,7 @@ def text_plan(repository: Path, name: str, *, live: int | None, candidate: int, 
     if live is None or live == candidate:
         return TextPlan(texts, None, "no live version to take a reference tokenizer from")
     if not compare:
-        return TextPlan(texts, None, "analysis.text_pairs is 0 in every analysis")
+        return TextPlan(texts, None, "no analysis step compares texts (none, or analysis.text_pairs 0)")
     path = version_tokenizer(repository, name, live)
     if path is None:
         return TextPlan(texts, None, f"the live version's model {name}_v{live} has no tokenizer.json")
