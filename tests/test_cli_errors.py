@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -14,9 +17,36 @@ from serving.triton.process import free_port
 CLI = [sys.executable, "-m", "flows.cli"]
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+@dataclass(frozen=True)
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`enginewright` as a person runs it: its own process, exit code and stderr as the shell sees them."""
     env = {**os.environ, "PREFECT_HOME": str(cwd / "prefect-home")}
     return subprocess.run([*CLI, *args], cwd=cwd, env=env, check=False, capture_output=True, text=True, timeout=300)
+
+
+def run_cli(*args: str, cwd: Path) -> Done:
+    """The same entry point (`flows.cli.main`) in this process: a process of its own costs seconds of imports
+    (torch, Prefect, MLflow) on CI's two cores; one test keeps the real process (run_cli_process)."""
+    from flows.cli import main
+
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ["PREFECT_HOME"] = str(cwd / "prefect-home")
+    os.chdir(cwd)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)  # main() sets its quiet defaults in the environment
+    return Done(code, out.getvalue(), err.getvalue())
 
 
 def write_spec(tmp: Path, **changes) -> Path:
@@ -40,7 +70,7 @@ def assert_one_paragraph(stderr: str) -> None:
 
 def test_malformed_spec_names_the_field(tmp_path):
     spec = write_spec(tmp_path, engine={"max_batch_size": 0}, rollout={"steps": [{"set_weight": 50}]})
-    done = run_cli("release", str(spec), cwd=tmp_path)
+    done = run_cli_process("release", str(spec), cwd=tmp_path)
     assert done.returncode == 2
     assert_one_paragraph(done.stderr)
     assert "engine.max_batch_size" in done.stderr and "(got 0)" in done.stderr
