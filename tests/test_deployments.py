@@ -70,31 +70,50 @@ def prefect_server(prefect):
     return prefect.api, {**prefect.env, "PREFECT_HOME": str(prefect.home / "client")}
 
 
-def run_in(env: dict[str, str], coro_fn):
-    """Run a coroutine with the Prefect client pointed at the test server."""
-    code = f"import asyncio, json, sys\n{coro_fn}\nprint(json.dumps(asyncio.run(main())))"
-    done = subprocess.run([sys.executable, "-c", code], env=env, check=False, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    import json
+def on_server(api: str, read):
+    """``await read(client)`` with a Prefect client of this process pointed at the test server (no process of
+    its own: importing Prefect costs seconds on CI's two cores)."""
+    import asyncio
 
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from prefect.client.orchestration import PrefectClient
+
+    async def main():
+        async with PrefectClient(api) as client:
+            return await read(client)
+
+    return asyncio.run(main())
 
 
-WAIT_FOR_RUN = '''
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
-from prefect.events import emit_event
-async def main():
-    emit_event(event=sys.argv[1] if len(sys.argv) > 1 else EVENT, resource=RESOURCE, payload=PAYLOAD)
-    async with get_client() as client:
-        for _ in range(60):
-            runs = await client.read_flow_runs(
-                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[DEPLOYMENT])))
-            if runs:
-                return [r.parameters for r in runs]
-            await asyncio.sleep(1)
-    return []
-'''
+def deployment_names(api: str) -> list[str]:
+    async def read(client):
+        return [d.name for d in await client.read_deployments()]
+
+    return on_server(api, read)
+
+
+def run_parameters(api: str, deployment: str) -> list[dict]:
+    """The parameters of every flow run of ``deployment``."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    async def read(client):
+        runs = await client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(
+            any_=[deployment])))
+        return [r.parameters for r in runs]
+
+    return on_server(api, read)
+
+
+def emit_and_wait_for_runs(api: str, event: str, resource: dict, payload: dict, deployment: str,
+                           timeout_s: float = 60) -> list[dict]:
+    """Post one event to the server's events API, then poll until ``deployment`` has a flow run."""
+    from prefect.events import Event
+
+    body = Event(event=event, resource=resource, payload=payload).model_dump(mode="json")
+    httpx.post(f"{api}/events", json=[body], timeout=30).raise_for_status()
+    deadline = time.monotonic() + timeout_s
+    while not (runs := run_parameters(api, deployment)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return runs
 
 
 def test_deploy_registers_everything_and_events_start_runs(prefect_server):
@@ -104,27 +123,23 @@ def test_deploy_registers_everything_and_events_start_runs(prefect_server):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "registered 7 deployments" in done.stdout
 
-    deployments = run_in(env, '''
-from prefect.client.orchestration import get_client
-async def main():
-    async with get_client() as client:
-        found = await client.read_deployments()
-        return {d.name: {"pool": d.work_pool_name, "schedules": len(d.schedules)} for d in found}
-''')
+    api = prefect_server[0]
+
+    async def read(client):
+        return {d.name: {"pool": d.work_pool_name, "schedules": len(d.schedules)} for d in await client.read_deployments()}
+
+    deployments = on_server(api, read)
     assert deployments["release-nightly"] == {"pool": "enginewright-process", "schedules": 1}
     assert deployments["promote-on-approval-k8s"]["pool"] == "enginewright-k8s"
 
-    approval = WAIT_FOR_RUN.replace("EVENT", '"enginewright.approval.approved"').replace(
-        "RESOURCE", '{"prefect.resource.id": "mlflow.model-version.tiny-llama.7", "mlflow.model.name": "tiny-llama", '
-        '"mlflow.model.version": "7"}').replace("PAYLOAD", "{}").replace("DEPLOYMENT", '"promote-on-approval"')
-    runs = run_in(env, approval)
+    runs = emit_and_wait_for_runs(api, "enginewright.approval.approved", {
+        "prefect.resource.id": "mlflow.model-version.tiny-llama.7", "mlflow.model.name": "tiny-llama",
+        "mlflow.model.version": "7"}, {}, "promote-on-approval")
     assert {"spec_path": "deployments/specs/tiny-llama.yaml", "model_name": "tiny-llama", "version": "7"} in runs
 
-    checkpoint = WAIT_FOR_RUN.replace("EVENT", '"enginewright.checkpoint.published"').replace(
-        "RESOURCE", '{"prefect.resource.id": "checkpoint.tiny-llama"}').replace(
-        "PAYLOAD", '{"spec_path": "deployments/specs/tiny-llama.yaml", "checkpoint": "/data/tiny-llama-v2"}').replace(
-        "DEPLOYMENT", '"release-on-new-checkpoint"')
-    runs = run_in(env, checkpoint)
+    runs = emit_and_wait_for_runs(api, "enginewright.checkpoint.published", {"prefect.resource.id": "checkpoint.tiny-llama"},
+                                  {"spec_path": "deployments/specs/tiny-llama.yaml", "checkpoint": "/data/tiny-llama-v2"},
+                                  "release-on-new-checkpoint")
     assert {"spec_path": "deployments/specs/tiny-llama.yaml", "checkpoint": "/data/tiny-llama-v2"} in runs
 
 
@@ -135,30 +150,14 @@ def test_deploy_without_a_server_names_the_setting(tmp_path):
     assert done.returncode == 2 and "PREFECT_API_URL" in done.stderr
 
 
-PROMOTE_RUNS = '''
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
-async def main():
-    async with get_client() as client:
-        runs = await client.read_flow_runs(
-            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["promote-on-approval"])))
-        return [r.parameters for r in runs]
-'''
-
-
 def test_an_approval_delivered_while_prefect_is_down_starts_promote_exactly_once(prefect, prefect_server):
     """Acceptance (issue 23): the receiver answers 503 while Prefect is down (so MLflow retries), and once
     Prefect is back the retried delivery, a replay of it and a second delivery of the same decision (what
     the reconciliation re-emits) start the promote deployment exactly once. Runs last: it restarts Prefect."""
     from flows.approval_events import sign
 
-    _, env = prefect_server
-    if not any(d == "promote-on-approval" for d in run_in(env, '''
-from prefect.client.orchestration import get_client
-async def main():
-    async with get_client() as client:
-        return [d.name for d in await client.read_deployments()]
-''')):
+    api, env = prefect_server
+    if "promote-on-approval" not in deployment_names(api):
         deployed = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], env=env, check=False,
                                   capture_output=True, text=True, timeout=300)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
@@ -198,10 +197,10 @@ async def main():
         runs: list = []
         deadline = time.monotonic() + 60
         while not runs and time.monotonic() < deadline:
-            runs = [r for r in run_in(env, PROMOTE_RUNS) if r.get("version") == "41"]
-            time.sleep(1)
+            runs = [r for r in run_parameters(api, "promote-on-approval") if r.get("version") == "41"]
+            time.sleep(0.5)
         time.sleep(5)  # room for a second run, were one to come
-        runs = [r for r in run_in(env, PROMOTE_RUNS) if r.get("version") == "41"]
+        runs = [r for r in run_parameters(api, "promote-on-approval") if r.get("version") == "41"]
         assert runs == [{"spec_path": "deployments/specs/tiny-llama.yaml", "model_name": "tiny-llama",
                          "version": "41"}], runs
     finally:
