@@ -17,13 +17,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/enginewright demo
 
-# Most tests wait on servers they start (Triton, MLflow, Prefect, moto), so three workers share the two
-# cores well (measured: 20.6 against 36.4 min on a loaded machine); a test file stays on one worker, with
-# its module fixtures. The gray-release tests (a promotion killed at every step, a fleet, a load test)
-# judge latency: they run alone in a pytest process of their own, after the rest.
+# One pytest over three pytest-xdist workers (most tests wait on servers they start, so three share two cores
+# well). tests/conftest.py makes each file one unit of work (its module fixtures on one worker), puts the
+# gray-release files on one worker in turn (they judge latency side by side and count failed requests; no
+# two of their load tests compete), and hands out the longest units first; --no-loadscope-reorder keeps
+# that order (xdist would otherwise start the files with the most tests first and the long ones last).
+# The 30 slowest tests are listed at the end, to see where the time goes.
 test: $(STAMP) browser
-	$(BIN)/pytest -q -n 3 --dist loadfile --ignore-glob='tests/test_rollout_*.py'
-	$(BIN)/pytest -q tests/test_rollout_*.py
+	$(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30
 
 # The browser test (tests/test_browser_approval.py) drives Debian's headless Chromium: installed when missing
 # and apt-get may (root, as in CI); where it cannot, that test skips saying why.
