@@ -151,6 +151,32 @@ def test_a_cancelled_stream_frees_its_slot_and_serving_goes_on(world) -> None:
     assert "cancelled=1," in stats and "finished=0," in stats, stats
 
 
+def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
+    """The same checkpoint built with a paged KV cache (40 blocks of 8 positions, 16 tokens a step), served
+    by the llm model through `engine_loader: serving.engine.paged_runner:load_paged_engine`: more requests
+    than live slots, streamed and accumulated, each with the static engine's tokens."""
+    from serving.engine import EngineLimits, build_engine
+    from serving.engine.paged_cache import PagedKVConfig
+
+    root, control, work = world["root"], world["control"], Path(world["work"])
+    paged = build_engine(work / "ckpt-0", work / "engine-paged", paged=PagedKVConfig(8, 40, max_num_tokens=16),
+                         limits=EngineLimits(dtype="float32", max_batch_size=4, max_input_len=128, max_seq_len=256))
+    stage_engine_version(root, "paged", paged.path, device_kind="cpu",
+                         parameters={"decoupled": "true", "engine_loader": "serving.engine.paged_runner:load_paged_engine"})
+    control.load_model("paged_v1", timeout_s=90)
+    try:
+        reqs = [(PROMPTS[i % 4] * (5 if i == 2 else 1), 3 + i, i % 2 == 0) for i in range(6)]
+        out = run_stream(world["proc"].grpc_url, reqs, model="paged_v1")
+        assert "errors" not in out
+        for i, (prompt, n, _) in enumerate(reqs):
+            assert [t for ids, _, _ in out[str(i)] for t in ids] == reference(world["engine"], prompt, n), f"request {i}"
+    finally:
+        control.unload_model("paged_v1", wait=True)
+    logs = "".join(p.read_text(errors="replace") for p in work.glob("triton-*.log"))
+    joined = next(line for line in logs.splitlines() if "[paged_v1 v1] engine thread joined" in line)
+    assert "scheduler PagedStats(" in joined and "finished=6," in joined, joined
+
+
 def test_the_router_answers_through_a_decoupled_engine_over_http(world) -> None:
     """The stable name of a gray release in front of the in-flight batching llm: the router calls it with
     decoupled BLS and answers once (HTTP, no streaming), tokens equal to the engine's; its counters count

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -90,6 +91,25 @@ class PagedRunner:
         finally:
             self.allocator.give_back(blocks)
 
+    graphs = None  # no CUDA graphs of the paged step yet (Triton's `llm` model asks)
+
+    def scheduler(self, **options: Any) -> PagedScheduler:
+        """The in-flight scheduler that drives this runner (`scheduler.Scheduler`'s options)."""
+        return PagedScheduler(self, **options)
+
+    @torch.no_grad()
+    def warm_up_prefill(self, typical_len: int = 128) -> list[tuple[int, int]]:
+        """Before serving: one step of a batch of `typical_len`-token prompts (capped by the token budget
+        and the live cap) and one of two unequal prompts, each to its first token; blocks given back.
+        Returns the (prompts, tokens) of each."""
+        lim = self.info.limits
+        short = max(1, min(typical_len, lim.max_input_len))
+        batch = max(1, min(self.max_live, self.config.max_num_tokens // short, self.num_blocks // 2))
+        shapes = [[short] * batch, [max(1, short // 2), short]]
+        for lengths in shapes:
+            self.generate([[1] * n for n in lengths], max_new_tokens=1, logprobs=False)
+        return [(len(lengths), sum(lengths)) for lengths in shapes]
+
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
                  top_logprobs: int = 0, logprobs: bool = True, events: list | None = None) -> list[Generation]:
@@ -132,9 +152,12 @@ class PagedRunner:
         return out
 
 
-def load_paged_engine(engine_dir: Path, *, config: PagedKVConfig | None = None, device: str = "auto") -> PagedRunner:
+def load_paged_engine(engine_dir: Path, *, config: PagedKVConfig | None = None, device: str = "auto",
+                      decode_attention: str = "auto", decode_gemm: str = "auto") -> PagedRunner:
     """Read, check and load an engine folder with a paged KV cache sized by `config` (default: the engine's
-    own `paged` settings, from its build; see module doc)."""
+    own `paged` settings, from its build; see module doc). Also Triton's `llm` model's `engine_loader`
+    (`serving.engine.paged_runner:load_paged_engine`); `decode_attention` and `decode_gemm` are accepted
+    for `load_engine`'s signature and unused (the paged step picks its own attention, F.linear GEMMs)."""
     info, model, dev = load_model(engine_dir, device=device)
     config = config or info.paged
     if config is None:

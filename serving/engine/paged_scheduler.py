@@ -22,6 +22,10 @@ Tokens go out through the request's `emit(new_ids, finish_reason)` as in `schedu
 (`on_logprobs`). The step is synchronous: the host waits for each step's tokens before planning the next
 (one step ahead, as the static scheduler runs, is later work).
 
+`while_waiting` and `drain` are the static scheduler's (Triton's `llm` model sends its responses there):
+`while_waiting()` is called until it reports nothing left after every step, `drain()` (or `while_waiting`)
+whenever the loop goes idle. `admit_gap_s` is accepted and unused (a step admits what fits at once).
+
 Thread model: `submit` and `cancel` are thread-safe; `run_forever` (or `start()`) / `run_until_idle` is
 the only code that touches the runner. `stop()` fails what is pending or live with `SchedulerStopped`.
 
@@ -97,8 +101,15 @@ class PagedScheduler:
     """Continuous batching driver of one `paged_runner.PagedRunner`."""
 
     def __init__(self, runner: Any, *, idle_wait_s: float = 0.05,
-                 on_error: Callable[[str], None] | None = None) -> None:
+                 on_error: Callable[[str], None] | None = None,
+                 while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
+                 admit_gap_s: float = 0.0) -> None:
+        if not admit_gap_s >= 0.0:
+            raise ValueError(f"admit_gap_s={admit_gap_s!r} must be >= 0")
         self.runner = runner
+        self.while_waiting = while_waiting or (lambda: False)
+        self.drain = drain
+        self.admit_gap_s = admit_gap_s  # accepted for the static scheduler's signature; a paged step admits at once
         limits = runner.info.limits
         self.max_live = runner.max_live
         self.max_num_tokens = runner.config.max_num_tokens
@@ -180,6 +191,11 @@ class PagedScheduler:
 
     def run_forever(self) -> None:
         while True:
+            if self.idle():
+                self._drain()
+            else:  # the step waited for its tokens: now is the time for the other work
+                while self.while_waiting():
+                    pass
             with self.cond:
                 while not self.stopping and not self.waiting and not self.running:
                     self.cond.wait(self.idle_wait_s)
@@ -187,6 +203,14 @@ class PagedScheduler:
                     break
             self.step()
         self._fail_all(SchedulerStopped("the scheduler stopped (model unloading) before the request finished"))
+        self._drain()
+
+    def _drain(self) -> None:
+        if self.drain is not None:
+            self.drain()
+        else:
+            while self.while_waiting():
+                pass
 
     def stop(self, timeout_s: float = 30.0) -> None:
         with self.cond:

@@ -54,6 +54,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -271,7 +272,8 @@ class EngineThread:
 
     def _main(self) -> None:
         try:
-            from serving.engine.scheduler import Scheduler  # lazy: imports torch
+            from serving.engine.paged_runner import PagedRunner  # lazy: imports torch
+            from serving.engine.scheduler import Scheduler
 
             if self.device_id is not None:
                 import torch
@@ -282,8 +284,10 @@ class EngineThread:
             if self.warmup:
                 self.runner.warm_up_prefill()
             graphs = getattr(self.runner, "graphs", None)
-            self.scheduler = Scheduler(self.runner, on_error=self.log.error, while_waiting=self.while_waiting,
-                                       drain=self.drain, admit_gap_s=self.admit_gap_s)
+            # a paged engine (engine_loader serving.engine.paged_runner:load_paged_engine) brings its own scheduler
+            make = self.runner.scheduler if isinstance(self.runner, PagedRunner) else partial(Scheduler, self.runner)
+            self.scheduler = make(on_error=self.log.error, while_waiting=self.while_waiting, drain=self.drain,
+                                  admit_gap_s=self.admit_gap_s)
             self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
                           f"{self.compile_decode}, decode_pdl={self.decode_pdl}, "
                           f"graphs={'yes' if graphs is not None else 'no'})")
