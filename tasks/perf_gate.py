@@ -1,14 +1,18 @@
 """Gate 2: the candidate against the production engine, timed interleaved in one run, plus absolute SLOs.
 
-Each round times one iteration of the fixed workload on each engine (``serving.bench.offline.bench_engine``,
-the code of ``enginewright bench``), the order alternating (ABBA...) so drift and load hit both alike.
-The per-round throughput ratio candidate/production is averaged in log space with a Student-t interval at
-``confidence``; rounds go on (at least ``iterations``, at most ``max_iterations``) until that interval lies
-wholly on one side of the budget ``1 - max_slowdown``. The candidate fails when the interval lies below the
-budget, or, when the rounds ran out undecided, when it is slower than production with confidence and
-beyond the budget by the estimate (``slower_than_budget``); an undecided pass is marked inconclusive.
-Odds: with a stopping rule like this the interval's coverage is approximate (it is checked after every
-round), so the stated confidence is a target, not a guarantee.
+Each round times the fixed workload (``serving.bench.offline.bench_engine``, the code of ``enginewright bench``)
+twice on each engine in the order ABBA (BAAB the next round), so a drift within the round hits both alike; the
+round's ratio is candidate/production of the two iterations' geometric means. The verdict is a sign test on
+those ratios against the budget ``1 - max_slowdown`` (H0: the median round ratio is the budget), which a load
+burst can move by one round at most, however large it is:
+- *slower*: so many rounds below the budget that p < alpha at a look: refused;
+- *within*: so many above it that p < alpha: passed, the rounds stop;
+- neither by the last look: passed, marked inconclusive (a noisy machine does not refuse a good build).
+Looks are planned, not taken every round: at ``n0``, 2 ``n0``, 4 ``n0``... and ``max_iterations``, ``n0`` the
+fewest rounds (at least ``iterations``) at which a look can decide, and alpha = ``1 - confidence`` is split
+evenly over them (Bonferroni), so the chance of refusing an engine whose median round ratio is within budget
+is at most alpha over the whole run, whatever the stopping. The estimate is the median round ratio, with the
+order-statistic interval of the median at ``confidence``.
 An iteration that raises counts as an error; ``slo.max_error_rate`` bounds the candidate's share.
 Without a production engine the candidate alone is timed and only the absolute SLOs apply; an SLO
 missed is measured once more (``slo_retries``) before it fails, since one noisy sample on a loaded
@@ -52,10 +56,12 @@ class PerfSpec(BaseModel):
     input_len: int = Field(32, ge=1, description="Prompt length in tokens (random token ids, seeded).")
     output_len: int = Field(32, ge=2, description="Generated tokens per sequence.")
     warmup: int = Field(1, ge=0, description="Untimed iterations per engine before measuring.")
-    iterations: int = Field(5, ge=2, description="Fewest timed rounds (one iteration per engine each).")
-    max_iterations: int = Field(30, ge=2, description="Most timed rounds while the ratio is not yet decided.")
-    confidence: float = Field(0.95, gt=0.5, lt=1, description="Two-sided confidence of the throughput ratio's "
-                              "interval that ends the rounds once it lies on one side of the budget.")
+    iterations: int = Field(5, ge=2, description="Fewest timed rounds (each: two iterations per engine, ABBA); "
+                            "the first look is at this or at the fewest rounds that can decide, whichever is more.")
+    max_iterations: int = Field(30, ge=2, description="Most timed rounds while the verdict is not yet decided.")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="1 - the chance, over the whole run, of refusing an "
+                              "engine whose median round ratio is within budget (and of stopping early on a "
+                              "'within' verdict for one that is not); also the level of the reported interval.")
     max_slowdown: float = Field(0.10, ge=0, lt=1, description="Largest relative throughput loss against the "
                                 "production engine in the same run (0.10: at most 10% slower).")
     slo_retries: int = Field(1, ge=0, description="Measurements repeated when an absolute SLO is missed.")
@@ -100,10 +106,10 @@ class PerfResult:
     iterations: int = 0
     production_version: str | None = None
     production: EngineFigures | None = None
-    throughput_ratio: float | None = None  # candidate / production, geometric mean over the rounds
+    throughput_ratio: float | None = None  # candidate / production, median of the rounds' ratios
     ratio_interval: tuple[float, float] | None = None
     stopped: str = ""  # why the rounds ended
-    inconclusive: bool = False  # the ratio's interval still held the budget when the rounds ran out
+    inconclusive: bool = False  # the sign tests had decided neither way when the rounds ran out
     skipped: str = ""  # why production was not timed
 
     @property
@@ -186,16 +192,53 @@ class _Timer:
             ttft_samples_ms=list(self.ttft), tpot_samples_ms=list(self.tpot), first_error=self.first_error)
 
 
-def ratio_interval(log_ratios: list[float], confidence: float) -> tuple[float, float, float]:
-    """(geometric mean ratio, low, high) of per-round ratios given as logs; Student-t interval."""
-    from scipy.stats import t
+def sign_test_p(hits: int, misses: int) -> float:
+    """One-sided exact sign test: P(at least `hits` of `hits + misses` fair coin flips come up 'hit')."""
+    n = hits + misses
+    return 1.0 if n == 0 else sum(math.comb(n, k) for k in range(hits, n + 1)) / 2 ** n
 
-    n = len(log_ratios)
-    mean = statistics.fmean(log_ratios)
-    if n < 2:
-        return math.exp(mean), 0.0, math.inf
-    half = t.ppf(0.5 + confidence / 2, n - 1) * statistics.stdev(log_ratios) / math.sqrt(n)
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+def planned_looks(spec: PerfSpec) -> tuple[list[int], float]:
+    """The rounds after which the verdict is looked at, and the alpha each look spends (Bonferroni split of
+    1 - confidence): n0, 2 n0, 4 n0, ... and max_iterations, n0 >= iterations the fewest rounds whose
+    unanimous sign test reaches the per-look alpha."""
+    alpha = 1.0 - spec.confidence
+    looks: list[int] = [spec.max_iterations]
+    for _ in range(8):  # the number of looks and n0 settle in a few passes
+        per_look = alpha / len(looks)
+        n0 = max(spec.iterations, math.ceil(math.log2(1.0 / per_look)))
+        new = [n for n in (n0 * 2 ** k for k in range(32)) if n < spec.max_iterations] + [spec.max_iterations]
+        if new == looks:
+            break
+        looks = new
+    return looks, alpha / len(looks)
+
+
+def ab_verdict(log_ratios: list[float], budget: float, alpha: float) -> str:
+    """'slower' (rounds below the budget significantly more often than not), 'within' (above it), or
+    'undecided': one-sided sign tests at `alpha` on the per-round log ratios against log(budget)."""
+    line = math.log(budget)
+    below = sum(r < line for r in log_ratios)
+    above = sum(r > line for r in log_ratios)
+    if sign_test_p(below, above) < alpha:
+        return "slower"
+    if sign_test_p(above, below) < alpha:
+        return "within"
+    return "undecided"
+
+
+def median_interval(log_ratios: list[float], confidence: float) -> tuple[float, float, float]:
+    """(median ratio, low, high): the order-statistic interval of the median at `confidence` (distribution-free;
+    (0, inf) when there are too few rounds for that confidence)."""
+    ordered = sorted(log_ratios)
+    n = len(ordered)
+    median = math.exp(statistics.median(ordered))
+    k = 0  # the interval is [x_(k), x_(n-1-k)] (0-based) while P(Bin(n, 1/2) <= k) <= (1 - confidence) / 2
+    while k < n // 2 and sum(math.comb(n, j) for j in range(k + 1)) / 2 ** n <= (1 - confidence) / 2:
+        k += 1
+    if k == 0:
+        return median, 0.0, math.inf
+    return median, math.exp(ordered[k - 1]), math.exp(ordered[n - k])
 
 
 def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
@@ -206,28 +249,33 @@ def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
     for timer in (cand, prod):
         if timer:
             timer.warm_up()
-    log_ratios: list[float] = []
-    stopped = f"{spec.iterations} rounds (no production engine to compare with)"
     budget = 1.0 - spec.max_slowdown
-    for i in range(spec.max_iterations if prod else spec.iterations):
-        order = (cand, prod) if i % 2 == 0 else (prod, cand)
-        got = {id(timer): timer.once() for timer in order if timer is not None}
-        if prod is None:
-            continue
+    looks, alpha = planned_looks(spec)
+    log_ratios: list[float] = []
+    verdict = "undecided"
+    stopped = f"{spec.iterations} iterations (no production engine to compare with)"
+    if prod is None:
+        for _ in range(spec.iterations):
+            cand.once()
+    for i in range(spec.max_iterations if prod else 0):
+        order = (cand, prod, prod, cand) if i % 2 == 0 else (prod, cand, cand, prod)  # ABBA, BAAB, ...
+        got: dict[int, list[float | None]] = {id(cand): [], id(prod): []}
+        for timer in order:
+            got[id(timer)].append(timer.once())
         c, p = got[id(cand)], got[id(prod)]
-        if c and p:
-            log_ratios.append(math.log(c / p))
-        if i + 1 >= spec.iterations:
-            if cand.errors == cand.iterations or prod.errors == prod.iterations:
-                stopped = f"{i + 1} rounds: an engine failed every iteration"
+        if all(c) and all(p):
+            log_ratios.append((math.log(c[0]) + math.log(c[1]) - math.log(p[0]) - math.log(p[1])) / 2)
+        if cand.errors == cand.iterations or prod.errors == prod.iterations:
+            stopped = f"{i + 1} rounds: an engine failed every iteration"
+            break
+        if i + 1 in looks:
+            verdict = ab_verdict(log_ratios, budget, alpha)
+            if verdict != "undecided":
+                stopped = (f"{i + 1} rounds: {verdict} ({_count(log_ratios, budget)}; sign test at alpha "
+                           f"{alpha:.3g} per look, looks at rounds {looks})")
                 break
-            if len(log_ratios) >= 2:
-                _, low, high = ratio_interval(log_ratios, spec.confidence)
-                if low > budget or high < budget:
-                    stopped = (f"{i + 1} rounds: the {spec.confidence:.0%} interval [{low:.3f}, {high:.3f}] lies on "
-                               f"one side of the budget {budget:.2f}")
-                    break
-        stopped = f"{i + 1} rounds (perf.max_iterations): the ratio's interval still straddles the budget {budget:.2f}"
+        stopped = (f"{i + 1} rounds (perf.max_iterations), undecided: {_count(log_ratios, budget)}; sign test at "
+                   f"alpha {alpha:.3g} per look, looks at rounds {looks}")
     result = _result(cand.figures(), spec)
     result.stopped = stopped
     result.skipped = skipped
@@ -235,14 +283,15 @@ def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
         result.production_version = production_version
         result.production = prod.figures()
         if log_ratios:
-            ratio, low, high = ratio_interval(log_ratios, spec.confidence)
+            ratio, low, high = median_interval(log_ratios, spec.confidence)
             result.throughput_ratio, result.ratio_interval = ratio, (low, min(high, 1e9))
-            result.inconclusive = low <= budget <= high
-            if slower_than_budget(ratio, low, high, budget):
+            result.inconclusive = verdict == "undecided"
+            if verdict == "slower":
                 result.failures.append(
-                    f"throughput {ratio:.3f}x production version {production_version}'s in the same run "
-                    f"({result.output_tokens_per_s:.1f} vs {result.production.output_tokens_per_s:.1f} tok/s, "
-                    f"{spec.confidence:.0%} interval [{low:.3f}, {high:.3f}], {len(log_ratios)} rounds) < "
+                    f"throughput {ratio:.3f}x production version {production_version}'s in the same run (median of "
+                    f"{len(log_ratios)} ABBA rounds; {result.output_tokens_per_s:.1f} vs "
+                    f"{result.production.output_tokens_per_s:.1f} tok/s; {_count(log_ratios, budget)}, sign test "
+                    f"p < {alpha:.3g}; {spec.confidence:.0%} interval [{low:.3f}, {min(high, 1e9):.3g}]) < "
                     f"1 - perf.max_slowdown = {budget:.2f}")
     result.failures += check_errors(cand.figures(), spec.slo)
     if not result.failures:
@@ -261,14 +310,9 @@ def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
     return result
 
 
-def slower_than_budget(ratio: float, low: float, high: float, budget: float) -> bool:
-    """The verdict on the throughput ratio: slower beyond the budget with confidence (the whole interval below
-    it), or, when the rounds ran out undecided, slower than production with confidence (interval below 1)
-    and beyond the budget by the estimate. An undecided run of an engine as fast as production passes, so
-    a noisy machine does not refuse a good build; the report says it was undecided."""
-    if high < budget:
-        return True
-    return low <= budget <= high and ratio < budget and high < 1.0
+def _count(log_ratios: list[float], budget: float) -> str:
+    below = sum(r < math.log(budget) for r in log_ratios)
+    return f"{below} of {len(log_ratios)} rounds below the budget {budget:.2f}"
 
 
 def _result(fig: EngineFigures, spec: PerfSpec) -> PerfResult:
@@ -337,7 +381,7 @@ def render_report(result: PerfResult) -> str:
                f"{p.iterations} ({p.errors})" if p else "")
         + (f"\nThroughput ratio candidate/production: {result.throughput_ratio:.3f} "
            f"(interval {result.ratio_interval[0]:.3f}-{result.ratio_interval[1]:.3f})"
-           f"{'; inconclusive: the interval holds the budget' if result.inconclusive else ''}.\n"
+           f"{'; inconclusive: neither slower nor within the budget with confidence' if result.inconclusive else ''}.\n"
            if result.throughput_ratio is not None and result.ratio_interval else "")
         + f"\nRounds: {result.stopped}.\n\nWorkload: `{json.dumps(result.workload)}`\n"
     )

@@ -106,7 +106,7 @@ def gate_rows(validation: ValidationResult, perf: PerfResult, slo: PerfSlo,
         low, high = perf.ratio_interval or (float("nan"), float("nan"))
         rows.append(("performance", f"throughput / production v{perf.production_version} (same run)",
                      f"{perf.throughput_ratio:.3f} [{low:.3f}, {high:.3f}]"
-                     + (" (inconclusive: interval holds the budget)" if perf.inconclusive else ""), f">= {budget:.2f}"))
+                     + (" (inconclusive: neither slower nor within budget with confidence)" if perf.inconclusive else ""), f">= {budget:.2f}"))
     rows.append(("performance", "error rate", f"{perf.errors} of {perf.iterations}", f"<= {slo.max_error_rate:g}"))
     for value, bound, label, sign in (
         (perf.output_tokens_per_s, slo.min_output_tokens_per_s, "output tokens/s", ">="),

@@ -120,3 +120,17 @@ def add_noise(relative: float, seed: int = 0) -> Callable[[Tensors, dict], None]
                 x = w.float()
                 tensors[name] = (x + torch.randn(x.shape, generator=g) * x.std() * relative).to(w.dtype)
     return edit
+
+
+class SlowedRunner:
+    """A loaded engine that does each `generate` call `factor` times (returning the last): `factor` x slower
+    whatever the machine's load, since the extra work is the engine's own."""
+
+    def __init__(self, runner, factor: int = 2) -> None:
+        self.runner, self.factor = runner, factor
+        self.info, self.device = runner.info, runner.device
+
+    def generate(self, *args, **kwargs):
+        for _ in range(self.factor - 1):
+            self.runner.generate(*args, **kwargs)
+        return self.runner.generate(*args, **kwargs)
