@@ -225,18 +225,52 @@ def _hf_model(checkpoint: Path, dtype: str, device):
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(device).eval()
 
 
+class _Fp8TokensLinear(torch.nn.Module):
+    """An HF linear as the engine's fp8 GEMMs compute it on FP8 tensor cores: tokens rounded to e4m3 per row."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.q, self.scale, self.bias = q, scale, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from serving.engine.quantize import fp8_emulated_linear
+
+        return fp8_emulated_linear(x, self.q, self.scale, self.bias)
+
+
+def engine_scales_tokens(method: str, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether an fp8 engine of `dtype` on `device` rounds its GEMMs' tokens to e4m3 (FP8 tensor cores, bf16)
+    rather than computing weight-only (the dequantizing path: the CPU, older GPUs)."""
+    from serving.engine.quantize import FP8, has_fp8_tensor_cores
+
+    device = torch.device(device)
+    return (method == FP8 and dtype == torch.bfloat16 and device.type == "cuda"
+            and has_fp8_tensor_cores(device.index or 0))
+
+
 @torch.no_grad()
-def quantize_hf_linears(model, method: str, *, lm_head: bool) -> None:
+def quantize_hf_linears(model, method: str, *, lm_head: bool, scale_tokens: bool | None = None) -> None:
     """Replace each decoder layer's linear weights (and the LM head's, when the engine quantizes it) by
-    their quantized-then-dequantized values, per output channel as the engine's conversion does."""
+    their quantized-then-dequantized values, per output channel as the engine's conversion does. Where the
+    engine rounds tokens to e4m3 too (`scale_tokens`; by default `engine_scales_tokens` on the model's
+    device), the peer's linears do the same, so that error is the peer's as well as the engine's."""
     from serving.engine.quantize import dequantize_weight, quantize_weight
 
-    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    if scale_tokens is None:
+        scale_tokens = engine_scales_tokens(method, model.dtype, model.device)
+    linears = [(layer, name) for layer in model.model.layers for name, m in layer.named_modules()
+               if isinstance(m, torch.nn.Linear)]
     if lm_head:
-        linears.append(model.lm_head)
-    for linear in linears:
+        linears.append((model, "lm_head"))
+    for owner, name in linears:
+        linear = owner.get_submodule(name)
         q, scale = quantize_weight(linear.weight.data, method)
-        linear.weight.data = dequantize_weight(q, scale, linear.weight.dtype)
+        if scale_tokens:
+            parent_name, _, child = name.rpartition(".")
+            parent = owner.get_submodule(parent_name) if parent_name else owner
+            setattr(parent, child, _Fp8TokensLinear(q, scale, linear.bias))
+        else:
+            linear.weight.data = dequantize_weight(q, scale, linear.weight.dtype)
 
 
 @torch.no_grad()
