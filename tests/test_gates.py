@@ -97,18 +97,6 @@ def tiny_engine(tmp_path_factory) -> tuple[Path, Path]:
     return hf, Path(info.path)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The A/B tests time a tiny engine: on a loaded 2-core machine torch's two threads spin waiting for each
-    other (an iteration took 1.1 s with two, 0.06 s with one), which only slows the test, not the verdict."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 PERF = PerfSpec(batch_size=2, input_len=8, output_len=8, warmup=1, iterations=4, max_iterations=12)
 
 
