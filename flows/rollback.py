@@ -3,8 +3,8 @@
 The earlier version is fetched again from the artifact store (checked against its manifest), staged beside
 the live one on every endpoint, and traffic moves by the router: either through the spec's gray-release
 plan (with analysis) or at once (`immediate`: one `set_weight: 100`). Journal, reconciliation and MLflow
-records are those of `flows.promote` with kind `rollback`: the target version becomes `production`, the
-version rolled back from is tagged `rollout=rolled_back` and `rolled_back_to`.
+records are a promotion's (`tasks.promotion` with kind `rollback`, `registry.rollout_record`): the target
+version becomes `production`, the version rolled back from is tagged `rollout=rolled_back` and `rolled_back_to`.
 """
 
 from __future__ import annotations
