@@ -28,6 +28,7 @@ class PrecisionBudget:
     max_nll_delta: float  # floor of |mean NLL(engine) - mean NLL(reference)|, nats per token
     max_top1_disagreement: float  # floor of the share of positions whose argmax differs from the reference
     peer_factor: float  # the engine may be this many times as far from the reference as the peer is
+    extra_diverged_prompts: int = 0  # prompts the engine may diverge on beyond those the peer diverges on
     peer_quantization: str | None = None  # the peer's weights go through this scheme (a quantized engine's)
     peer_lm_head: bool = False  # ... the LM head's too
 
@@ -35,10 +36,12 @@ class PrecisionBudget:
 PRECISION_BUDGETS: dict[str, PrecisionBudget] = {
     "float32": PrecisionBudget(peer_dtype=None, max_mean_kl=1e-5, max_nll_delta=1e-3,
                                max_top1_disagreement=0.005, peer_factor=0.0),
+    # one greedy prompt more than the peer: a good bf16 build diverged beyond the top-N on one of six prompts in 4
+    # of 80 builds of the sweep (tests/gate_sweep.py), each time where HF bf16 did too; KL refuses the faults
     "bfloat16": PrecisionBudget(peer_dtype="bfloat16", max_mean_kl=5e-4, max_nll_delta=5e-3,
-                                max_top1_disagreement=0.01, peer_factor=2.0),
+                                max_top1_disagreement=0.01, peer_factor=2.0, extra_diverged_prompts=1),
     "float16": PrecisionBudget(peer_dtype="float16", max_mean_kl=2e-4, max_nll_delta=2e-3,
-                               max_top1_disagreement=0.01, peer_factor=2.0),
+                               max_top1_disagreement=0.01, peer_factor=2.0, extra_diverged_prompts=1),
 }
 
 
@@ -68,4 +71,5 @@ def budget_for(precision: str, *, setting: str = "engine.dtype") -> PrecisionBud
     floors = PRECISION_BUDGETS["bfloat16"] if dtype == "float32" else base  # fp32 + quantization: bf16-like floors
     return PrecisionBudget(peer_dtype=dtype, peer_quantization=method, peer_lm_head=lm_head,
                            max_mean_kl=floors.max_mean_kl, max_nll_delta=floors.max_nll_delta,
-                           max_top1_disagreement=floors.max_top1_disagreement, peer_factor=QUANTIZED_PEER_FACTOR)
+                           max_top1_disagreement=floors.max_top1_disagreement, peer_factor=QUANTIZED_PEER_FACTOR,
+                           extra_diverged_prompts=PRECISION_BUDGETS["bfloat16"].extra_diverged_prompts)

@@ -349,7 +349,7 @@ def _limits(spec: ValidationSpec, budget: PrecisionBudget, reference: ReferenceR
         return (default if floor is None else floor) + (factor * peer_value if peer else 0.0)
 
     return {
-        "max_failed_prompts": spec.max_failed_prompts + reference.peer_diverged,
+        "max_failed_prompts": spec.max_failed_prompts + budget.extra_diverged_prompts + reference.peer_diverged,
         "max_mean_kl": limit(spec.max_mean_kl, budget.max_mean_kl, peer.mean_kl if peer else 0.0),
         "max_nll_delta": limit(spec.max_nll_delta, budget.max_nll_delta, abs(peer.nll_delta) if peer else 0.0),
         "max_top1_disagreement": limit(spec.max_top1_disagreement, budget.max_top1_disagreement,
@@ -363,7 +363,8 @@ def _judge(comparisons: list[PromptComparison], figures: DistanceFigures, limits
     diverged = [c for c in comparisons if c.status == "diverged"]
     if len(diverged) > limits["max_failed_prompts"]:
         failures.append(f"{len(diverged)} of {len(comparisons)} prompts diverged beyond the top-N tolerance (limit "
-                        f"{limits['max_failed_prompts']:g}: validation.max_failed_prompts + HF's own at this precision)")
+                        f"{limits['max_failed_prompts']:g}: validation.max_failed_prompts + the precision's allowance + HF's own at "
+                        "this precision)")
     for value, key, what in ((figures.mean_kl, "max_mean_kl", "mean per-token KL(reference || engine)"),
                              (abs(figures.nll_delta), "max_nll_delta", "|NLL difference| per token"),
                              (figures.top1_disagreement, "max_top1_disagreement", "top-1 disagreement")):

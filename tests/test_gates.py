@@ -78,6 +78,8 @@ def test_perf_verdict_is_a_sign_test_with_planned_looks():
 def test_quality_budgets_are_one_table_keyed_by_precision():
     assert {"float32", "bfloat16", "float16"} <= set(PRECISION_BUDGETS)
     assert budget_for("float32").peer_dtype is None
+    assert budget_for("float32").extra_diverged_prompts == 0  # float32 must diverge nowhere HF float32 does not
+    assert budget_for("bfloat16").extra_diverged_prompts == budget_for("bfloat16+fp8").extra_diverged_prompts == 1
     with pytest.raises(ValueError, match="engine.dtype='int3' has no quality budget"):
         budget_for("int3")
     fp8 = budget_for(quantized_precision("bfloat16", "fp8", lm_head=True))  # "bfloat16+fp8+lm_head"
