@@ -97,7 +97,7 @@ def test_a_run_stopped_by_its_time_limit_keeps_the_requests_done_so_far(tmp_path
     def stop_mid_run() -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            if metrics and model_counter(scrape(metrics[0]), "nv_inference_request_success", "bench_default_v1") >= 4:
+            if metrics and model_counter(scrape(metrics[0]), "nv_inference_request_success", "bench_default_v1") >= 12:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             time.sleep(0.2)
