@@ -76,6 +76,9 @@ class PagedKvSpec(BaseModel):
                                          "weights that the pool takes (kv_cache_free_gpu_mem_fraction).")
     max_num_tokens: int = Field(8192, ge=1, description="Tokens one step computes at most: prefill chunks and "
                                 "one decode token per live request (TensorRT-LLM's max_num_tokens).")
+    max_waiting: int | None = Field(None, ge=1, description="Served requests waiting for admission (blocks or "
+                                    "live slots full) at most; one more is refused as overloaded (HTTP 429 at the "
+                                    "OpenAI front, UNAVAILABLE from Triton) instead of queueing. None: no limit.")
 
 
 class EngineSpec(BaseModel):

@@ -248,7 +248,7 @@ def evaluate_engines(engine_dir: Path, spec: EvaluationSpec, *, production_dir: 
                      production_version: str | None = None, skipped: str = "",
                      data: EvaluationData | None = None) -> EvaluationComparison:
     """Score the candidate (and production's engine, when given) on the fixed evaluation and compare them."""
-    from serving.engine import load_engine
+    from serving.engine.engine_loader import load_as_built as load_engine  # paged when engine.json says so
     from tasks.text_path import server_encode
 
     data = data or load_evaluation()

@@ -1,7 +1,7 @@
 """Test-only engine loader that makes a REAL engine bad on purpose: slow, failing, or unable to load.
 
 Used by setting the engine models' parameter ``engine_loader`` to ``tasks.fault_injection:load_engine``
-(spec: ``triton.engine_parameters``). Without a fault file it is exactly ``serving.engine.load_engine``.
+(spec: ``triton.engine_parameters``). Without a fault file it is exactly the default loader.
 The fault is read from ``<model repository>/.faults-<release>.json`` (a file Triton ignores), keyed
 by engine version number, so a test can make one version, or one server of a fleet, misbehave::
 
@@ -82,9 +82,9 @@ class FaultyRunner:
 
 
 def load_engine(engine_dir: Path, *, device: str = "auto", **options: Any) -> Any:
-    """``serving.engine.load_engine`` (with ``options``, e.g. ``decode_gemm``) plus the fault configured
-    for this version, if any."""
-    from serving.engine import load_engine as real_load
+    """The llm model's default loader (``serving.engine.engine_loader.load_as_built``, with ``options``, e.g.
+    ``decode_gemm``) plus the fault configured for this version, if any."""
+    from serving.engine.engine_loader import load_as_built as real_load
 
     engine_dir = Path(engine_dir)
     model_dir = engine_dir.parent.parent  # <repo>/<release>_v<N>/1/engine

@@ -1,6 +1,7 @@
 """Before staging: does the candidate fit beside the live engine on every device of every endpoint?
 
-The candidate's need is `serving.engine.memory.estimate_engine_memory` (weights + KV cache at its limits)
+The candidate's need is `serving.engine.memory.estimate_engine_memory` (weights + KV cache: the static cache
+at its limits, or a paged engine's block pool)
 plus a fixed overhead per instance (python stub; on GPU the CUDA context). What a device has free comes
 from the endpoint's own Triton metrics (``nv_gpu_memory_*`` per GPU, ``nv_cpu_memory_*`` for host memory),
 so a remote fleet is measured where it runs and the live engine is already counted as used. An endpoint
@@ -97,12 +98,13 @@ def check_fits(targets: list[Target], engine_dir: Path, *, device: str, engine_k
         need = estimate.total_bytes + INSTANCE_OVERHEAD_BYTES[kind]
         problems += fit_problems(need, devices, where=target.url)
         line = (f"fit check on {target.url}: candidate needs {_mib(need)} (weights {_mib(estimate.weights_bytes)} + "
-                f"KV cache {_mib(estimate.kv_cache_bytes)} + overhead {_mib(INSTANCE_OVERHEAD_BYTES[kind])}); "
+                f"KV cache {_mib(estimate.kv_cache_bytes)} ({estimate.kv_cache}) + overhead {_mib(INSTANCE_OVERHEAD_BYTES[kind])}); "
                 + ", ".join(f"{d.device} {_mib(d.free_bytes)} free" for d in devices))
         log.info(line)
         checked.append(line)
     if problems:
         raise CandidateDoesNotFit("the candidate does not fit beside the live engine: " + "; ".join(problems)
                                   + ". Free memory on those devices, or build the engine with smaller limits "
-                                    "(max_batch_size, max_seq_len).")
+                                    + ("(paged.num_blocks, max_seq_len)." if estimate.paged
+                                       else "(max_batch_size, max_seq_len)."))
     return checked

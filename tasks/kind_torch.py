@@ -85,7 +85,7 @@ def _paged(engine: EngineSpec) -> Any:
 
     p = engine.paged
     return PagedKVConfig(block_size=p.block_size, num_blocks=p.num_blocks, free_mem_fraction=p.free_gpu_mem_fraction,
-                         max_num_tokens=p.max_num_tokens)
+                         max_num_tokens=p.max_num_tokens, max_waiting=p.max_waiting)
 
 
 def _unquantized_keys(engine: EngineSpec) -> set[str]:

@@ -351,7 +351,7 @@ def check_slos(result: PerfResult, slo: PerfSlo) -> list[str]:
 def measure_engine(engine_dir: Path, spec: PerfSpec, production_dir: Path | None = None, *,
                    production_version: str | None = None, skipped: str = "") -> PerfResult:
     """Load the candidate (and the production engine, when given) and run `compare_runners`."""
-    from serving.engine import load_engine
+    from serving.engine.engine_loader import load_as_built as load_engine  # paged when engine.json says so
 
     candidate = load_engine(engine_dir)
     production = load_engine(production_dir) if production_dir is not None else None

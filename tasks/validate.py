@@ -301,9 +301,9 @@ def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: Validati
     """Judge the engine against the HF reference (computed here unless given) and the precision's budget.
 
     `runner` (a loaded engine, e.g. wrapped by tasks.fault_injection) replaces loading `engine_dir`."""
-    from serving.engine import load_engine
+    from serving.engine.engine_loader import load_as_built  # paged when engine.json says so
 
-    runner = runner or load_engine(engine_dir)
+    runner = runner or load_as_built(engine_dir)
     precision = engine_precision(runner.info)
     if reference is None:
         reference = reference_run(reference_checkpoint, spec, precision, device=runner.device,

@@ -4,6 +4,7 @@ passes on it as on the static engine; impossible sizes refused with the numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -232,3 +233,79 @@ def test_1024_live_requests_at_max_seq_len_8192_on_the_h200s_pool():
     s = sched.stats
     assert s.largest_batch == live and s.finished == live and s.preempted == 0
     assert s.peak_blocks == live * blocks_for(128 + 19, 32) and runner.allocator.free == 21251
+
+
+# a served paged build of the same checkpoint: CONFIG's pool, and at most 2 requests waiting for admission
+SERVED = dataclasses.replace(CONFIG, max_waiting=2)
+
+
+@pytest.fixture(scope="module")
+def paged_build(engines):
+    return build_engine(engines[1].parent / "ckpt", engines[1].parent / "engine-paged", limits=LIMITS, paged=SERVED).path
+
+
+def test_an_engine_built_paged_loads_paged_in_the_gates_and_the_fit_estimate_counts_its_pool(engines, paged_build,
+                                                                                               monkeypatch):
+    """`load_as_built` (the gates' loader and the llm model's default) follows engine.json; the validation gate,
+    left to load the engine itself, gets the paged runner and passes; the perf gate's measurement runs on it;
+    the fit check's estimate is the pool, not max_batch_size x max_seq_len."""
+    from serving.bench.offline import bench_engine
+    from serving.engine import EngineRunner, engine_loader, read_engine_info
+    from serving.engine.memory import estimate_engine_memory, kv_cache_bytes, paged_pool_bytes
+    from serving.engine.paged_cache import kv_block_bytes
+    from serving.engine.paged_runner import PagedRunner
+    from tasks.validate import ValidationSpec, reference_run, validate_engine
+
+    hf, static_dir, _, _ = engines
+    assert isinstance(engine_loader.load_as_built(static_dir, device="cpu"), EngineRunner)
+    loaded: list = []
+
+    def recording(engine_dir, **options):
+        loaded.append(engine_loader.load_paged_engine(engine_dir, **options) if engine_loader.is_paged(engine_dir)
+                      else engine_loader.load_engine(engine_dir, **options))
+        return loaded[-1]
+
+    monkeypatch.setattr(engine_loader, "load_as_built", recording)
+    spec = ValidationSpec(prompts=["Once upon a time"], max_new_tokens=6, passages=["The quick brown fox."])
+    reference = reference_run(hf, spec, "float32", max_seq_len=LIMITS.max_seq_len)
+    result = validate_engine(paged_build, hf, spec, reference=reference)
+    assert result.passed, result.failures
+    assert isinstance(loaded[0], PagedRunner) and loaded[0].config == SERVED and loaded[0].num_blocks == 20
+    cell = bench_engine(loaded[0], batch=3, prompt_len=30, gen_len=4, repeats=1, warmup=0)  # 90 tokens: 4 steps
+    assert cell.e2e_tok_s > 0 and cell.ttft_ms_p50 > 0
+
+    a = read_engine_info(paged_build).model
+    block = kv_block_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, block_size=8,
+                           element_bytes=4)
+    estimate = estimate_engine_memory(paged_build)
+    assert estimate.kv_cache_bytes == 20 * block and estimate.paged and "20 blocks of 8" in estimate.kv_cache
+    static_kv = kv_cache_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                               max_batch_size=4, max_seq_len=80, dtype="float32")
+    assert estimate_engine_memory(static_dir).kv_cache_bytes == static_kv and not estimate_engine_memory(static_dir).paged
+    by_memory = dataclasses.replace(read_engine_info(paged_build), paged=dataclasses.replace(
+        SERVED, num_blocks=None, free_mem_fraction=0.5))
+    assert paged_pool_bytes(by_memory)[0] == 2 * 10 * block  # one sequence of 80 = 10 blocks, within half the room
+
+
+def test_a_full_admission_queue_refuses_as_overloaded_and_keeps_the_queued(engines, paged_build):
+    """Served with `paged.max_waiting` 2, a request arriving while 2 wait is refused at submit with words the
+    OpenAI front turns into 429; the queued ones are untouched and finish; offline `generate` has no limit."""
+    from serving.engine.paged_runner import load_paged_engine
+    from serving.engine.scheduler import SchedulerFull
+    from serving.llm_client import is_overload
+    from serving.openai.backend import _error
+
+    runner = load_paged_engine(paged_build, device="cpu")
+    sched = runner.scheduler()
+    done: list[str] = []
+    for i in range(2):
+        sched.submit(GenRequest([1, 2, 3], 4, lambda ids, r, i=i: r and done.append(r), lambda e: None))
+    with pytest.raises(SchedulerFull, match=r"2 requests already wait for admission \(paged.max_waiting=2; 0 live, "
+                       r"20 of 20 KV blocks free\)") as refused:
+        sched.submit(GenRequest([4, 5], 4, lambda ids, r: None, lambda e: None))
+    assert is_overload("", str(refused.value)) and _error(RuntimeError(str(refused.value)), "m").http_status == 429
+    sched.run_until_idle()
+    assert done == ["length", "length"] and runner.allocator.free == 20
+    assert len(runner.generate(_prompts(5), max_new_tokens=2)) == 5
+    with pytest.raises(EngineLimitError, match="paged.max_waiting=0 must be >= 1"):
+        check_paged_config(dataclasses.replace(CONFIG, max_waiting=0), max_seq_len=80, max_batch_size=4, block_bytes=1)

@@ -152,8 +152,8 @@ def test_a_cancelled_stream_frees_its_slot_and_serving_goes_on(world) -> None:
 
 
 def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
-    """The same checkpoint built with a paged KV cache (40 blocks of 8 positions, 16 tokens a step), served
-    by the llm model through `engine_loader: serving.engine.paged_runner:load_paged_engine`: more requests
+    """The same checkpoint built with a paged KV cache (40 blocks of 8 positions, 16 tokens a step), staged
+    with no loader named: the llm model's default loader serves it paged (engine.json says so), more requests
     than live slots, streamed and accumulated, each with the static engine's tokens."""
     from serving.engine import EngineLimits, build_engine
     from serving.engine.paged_cache import PagedKVConfig
@@ -162,7 +162,7 @@ def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
     paged = build_engine(work / "ckpt-0", work / "engine-paged", paged=PagedKVConfig(8, 40, max_num_tokens=16),
                          limits=EngineLimits(dtype="float32", max_batch_size=4, max_input_len=128, max_seq_len=256))
     stage_engine_version(root, "paged", paged.path, device_kind="cpu",
-                         parameters={"decoupled": "true", "engine_loader": "serving.engine.paged_runner:load_paged_engine"})
+                         parameters={"decoupled": "true"})
     control.load_model("paged_v1", timeout_s=90)
     try:
         reqs = [(PROMPTS[i % 4] * (5 if i == 2 else 1), 3 + i, i % 2 == 0) for i in range(6)]

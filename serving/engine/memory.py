@@ -1,8 +1,12 @@
 """How much device memory an engine takes once loaded, estimated from its folder and its limits.
 
-weights (the bytes of its weight files) + a KV cache of ``max_batch_size x max_seq_len`` tokens (keys and
-values for every layer and KV head, in the engine's dtype): the static caches the runner allocates. What
-the runtime adds on top (activations, CUDA graphs, the python stub) is the caller's margin.
+weights (the bytes of its weight files) + the KV cache (keys and values for every layer and KV head, in the
+engine's dtype): for a static engine ``max_batch_size x max_seq_len`` tokens, the caches the runner allocates;
+for a paged engine (``engine.json`` has ``paged``) its pool: ``num_blocks`` blocks when the build fixed them,
+else (a pool sized at load from ``free_mem_fraction`` of the memory free after the weights) the least memory
+that lets the load succeed: one sequence of ``max_seq_len`` must fit in that fraction, so the estimate is that
+sequence's blocks divided by the fraction. What the runtime adds on top (activations, CUDA graphs, the python
+stub) is the caller's margin.
 """
 
 from __future__ import annotations
@@ -11,12 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+STATIC_KV = "static, max_batch_size x max_seq_len"
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     weights_bytes: int
     kv_cache_bytes: int
+    kv_cache: str = STATIC_KV  # how the KV figure was reached, for the fit check's lines
+
+    @property
+    def paged(self) -> bool:
+        return self.kv_cache != STATIC_KV
 
     @property
     def total_bytes(self) -> int:
@@ -35,7 +45,24 @@ def estimate_engine_memory(engine_dir: Path) -> MemoryEstimate:
 
     info = read_engine_info(engine_dir)
     weights = sum((Path(engine_dir) / name).stat().st_size for name in info.weight_files)
+    if info.paged is not None:
+        return MemoryEstimate(weights, *paged_pool_bytes(info))
     kv = kv_cache_bytes(n_layers=info.model.n_layers, n_kv_heads=info.model.n_kv_heads, head_dim=info.model.head_dim,
                         max_batch_size=info.limits.max_batch_size, max_seq_len=info.limits.max_seq_len,
                         dtype=info.limits.dtype)
     return MemoryEstimate(weights, kv)
+
+
+def paged_pool_bytes(info) -> tuple[int, str]:
+    """A paged engine's pool (``info``: its ``EngineInfo``) in bytes, and how it was reached (module doc)."""
+    from serving.engine.paged_cache import blocks_for, kv_block_bytes
+
+    a, p = info.model, info.paged
+    block = kv_block_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                           block_size=p.block_size, element_bytes=DTYPE_BYTES[info.limits.dtype])
+    if p.num_blocks is not None:
+        return p.num_blocks * block, f"paged pool of {p.num_blocks} blocks of {p.block_size}"
+    least = blocks_for(info.limits.max_seq_len, p.block_size)
+    how = (f"paged pool sized at load from {p.free_mem_fraction:.0%} of the free memory; at least {least} blocks "
+           f"(one sequence of max_seq_len {info.limits.max_seq_len})")
+    return int(least * block / p.free_mem_fraction), how

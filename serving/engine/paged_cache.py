@@ -39,6 +39,7 @@ class PagedKVConfig:
     num_blocks: int | None = None  # explicit pool size (required on the CPU)
     free_mem_fraction: float = 0.9  # of the device memory free after the weights, when num_blocks is None
     max_num_tokens: int = 8192  # tokens (prefill chunks + decodes) one step computes at most
+    max_waiting: int | None = None  # served requests waiting for admission at most (more: refused); None: no limit
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -81,6 +82,8 @@ def check_paged_config(config: PagedKVConfig, *, max_seq_len: int, max_batch_siz
                                f"{max_batch_size}: a step could not give every live request its decode token")
     if not 0.0 < config.free_mem_fraction <= 1.0:
         raise EngineLimitError(f"paged.free_mem_fraction={config.free_mem_fraction} must be in (0, 1]")
+    if config.max_waiting is not None and config.max_waiting < 1:
+        raise EngineLimitError(f"paged.max_waiting={config.max_waiting} must be >= 1 (or unset: no limit)")
     if config.num_blocks is not None and config.num_blocks < 1:
         raise EngineLimitError(f"paged.num_blocks={config.num_blocks} must be >= 1")
     num_blocks = config.num_blocks if num_blocks is None else num_blocks

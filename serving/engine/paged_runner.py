@@ -62,12 +62,16 @@ class PagedRunner:
         self.allocator = BlockAllocator(self.num_blocks)
         cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
         self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
+        self.step_events: list | None = None  # set by `generate(events=...)` on CUDA: one event per sampling step
 
     @torch.no_grad()
     def forward(self, chunks: Sequence[ChunkPlan], sample: Sequence[int]) -> torch.Tensor:
         """One mixed step -> float32 logits [len(sample), V] of the sampled chunks' last tokens."""
         step = build_step(chunks, sample, self.config.block_size, self.device)
-        return paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
+        logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
+        if self.step_events is not None and sample:
+            self.step_events.append(_recorded_event())
+        return logits
 
     @torch.no_grad()
     def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
@@ -94,8 +98,9 @@ class PagedRunner:
     graphs = None  # no CUDA graphs of the paged step yet (Triton's `llm` model asks)
 
     def scheduler(self, **options: Any) -> PagedScheduler:
-        """The in-flight scheduler that drives this runner (`scheduler.Scheduler`'s options)."""
-        return PagedScheduler(self, **options)
+        """The in-flight scheduler that serves this runner (`scheduler.Scheduler`'s options), refusing requests
+        past the engine's `paged.max_waiting`."""
+        return PagedScheduler(self, max_waiting=self.config.max_waiting, **options)
 
     @torch.no_grad()
     def warm_up_prefill(self, typical_len: int = 128) -> list[tuple[int, int]]:
@@ -113,8 +118,9 @@ class PagedRunner:
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
                  top_logprobs: int = 0, logprobs: bool = True, events: list | None = None) -> list[Generation]:
-        """New tokens for each prompt (greedy when `sampling` is None), all submitted at once. `events` is
-        accepted for the static runner's signature and left empty (no per-step timing events here)."""
+        """New tokens for each prompt (greedy when `sampling` is None), all submitted at once. `events` (CUDA,
+        as the static runner's): a CUDA event recorded at the start, then one after each step that sampled
+        tokens (the first of them: the first token of the prompts admitted first); left empty on the CPU."""
         vocab = self.info.model.vocab_size
         if not 0 <= top_logprobs <= vocab:
             raise EngineLimitError(f"top_logprobs={top_logprobs} must be in [0, vocab_size={vocab}]")
@@ -146,10 +152,23 @@ class PagedRunner:
             emit, on_lp = sinks(gen)
             scheduler.submit(PagedRequest(list(p), max_new_tokens, emit, failures.append, sampling, tuple(stop_token_ids),
                                           top_logprobs=top_logprobs, on_logprobs=on_lp))
-        scheduler.run_until_idle()
+        timed = events is not None and self.device.type == "cuda"
+        if timed:
+            events.append(_recorded_event())
+            self.step_events = events
+        try:
+            scheduler.run_until_idle()
+        finally:
+            self.step_events = None
         if failures:
             raise failures[0]
         return out
+
+
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def load_paged_engine(engine_dir: Path, *, config: PagedKVConfig | None = None, device: str = "auto",

@@ -15,7 +15,10 @@ none is free, the newest live request is preempted: its blocks go back and it re
 the queue with its prompt and every token it has delivered, to be prefilled again (recompute; nothing
 it has delivered changes for greedy decoding). So blocks running out means queueing, never an
 out-of-memory error. A request that could never fit (its prompt + `max_tokens` need more blocks than the
-whole pool) is refused at `submit` with the numbers.
+whole pool) is refused at `submit` with the numbers. With `max_waiting` (the engine's `paged.max_waiting`
+when served), a request that arrives while that many already wait is refused at `submit` with
+`SchedulerFull` (overload: Triton's `llm` model answers UNAVAILABLE, the OpenAI front 429), so a burst
+past the KV budget costs clients a retry, never the server its memory.
 
 Tokens go out through the request's `emit(new_ids, finish_reason)` as in `scheduler.Scheduler` (the same
 `GenRequest`); a `PagedRequest` can also ask for each token's log-prob and top log-probs
@@ -48,7 +51,7 @@ from serving.engine.errors import EngineLimitError
 from serving.engine.paged_cache import blocks_for
 from serving.engine.paged_model import ChunkPlan
 from serving.engine.sampling import chosen_logprobs, sample
-from serving.engine.scheduler import GenRequest, RequestCancelled, SchedulerStopped
+from serving.engine.scheduler import GenRequest, RequestCancelled, SchedulerFull, SchedulerStopped
 
 LogprobSink = Callable[[float, "dict[int, float]"], None]
 
@@ -103,10 +106,11 @@ class PagedScheduler:
     def __init__(self, runner: Any, *, idle_wait_s: float = 0.05,
                  on_error: Callable[[str], None] | None = None,
                  while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
-                 admit_gap_s: float = 0.0) -> None:
+                 admit_gap_s: float = 0.0, max_waiting: int | None = None) -> None:
         if not admit_gap_s >= 0.0:
             raise ValueError(f"admit_gap_s={admit_gap_s!r} must be >= 0")
         self.runner = runner
+        self.max_waiting = max_waiting
         self.while_waiting = while_waiting or (lambda: False)
         self.drain = drain
         self.admit_gap_s = admit_gap_s  # accepted for the static scheduler's signature; a paged step admits at once
@@ -162,6 +166,11 @@ class PagedScheduler:
         with self.cond:
             if self.stopping:
                 raise SchedulerStopped("the scheduler is stopping; request not accepted")
+            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+                raise SchedulerFull(f"resource exhausted: {len(self.waiting)} requests already wait for admission "
+                                    f"(paged.max_waiting={self.max_waiting}; {len(self.running)} live, "
+                                    f"{self.allocator.free} of {self.allocator.num_blocks} KV blocks free): "
+                                    "try again later")
             if req.request_id is None:
                 req.request_id = next(self._ids)
             req.queued_at = time.perf_counter()

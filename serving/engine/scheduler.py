@@ -74,6 +74,11 @@ class SchedulerStopped(EngineError):
     """The scheduler stopped before the request finished."""
 
 
+class SchedulerFull(EngineError):
+    """The queue of requests waiting for admission is at its limit: the request is refused, not queued. The
+    message carries "resource exhausted", the words clients and the OpenAI front read as overload (429)."""
+
+
 class RequestCancelled(EngineError):
     """The request was cancelled (its client went away) before it finished."""
 

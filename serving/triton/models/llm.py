@@ -79,7 +79,7 @@ try:  # only present inside Triton's python backend; unit tests install a fake m
 except ImportError:  # pragma: no cover - exercised outside Triton
     pb_utils = None
 
-DEFAULT_ENGINE_LOADER = "serving.engine:load_engine"
+DEFAULT_ENGINE_LOADER = "serving.engine.engine_loader:load_as_built"  # paged when engine.json says so
 
 
 def resolve(spec: str) -> Callable[..., Any]:
@@ -216,11 +216,13 @@ class EngineHost:
         self.runner = None
 
 
-def _error_response(message: str, *, invalid_arg: bool = False, cancelled: bool = False) -> Any:
-    """An error response; a rejected request gets INVALID_ARG (HTTP 400), a cancelled one CANCELLED,
-    anything else INTERNAL (500)."""
+def _error_response(message: str, *, invalid_arg: bool = False, cancelled: bool = False,
+                    unavailable: bool = False) -> Any:
+    """An error response; a rejected request gets INVALID_ARG (HTTP 400), a cancelled one CANCELLED, one
+    refused for a full queue UNAVAILABLE (503; its words make it an overload), anything else INTERNAL (500)."""
     code = (getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid_arg
-            else getattr(pb_utils.TritonError, "CANCELLED", None) if cancelled else None)
+            else getattr(pb_utils.TritonError, "CANCELLED", None) if cancelled
+            else getattr(pb_utils.TritonError, "UNAVAILABLE", None) if unavailable else None)
     if invalid_arg:
         message = f"{INVALID_REQUEST}: {message}"
     error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
@@ -435,7 +437,11 @@ class TritonPythonModel:
 
     def _submit(self, index: int, request: Any) -> None:
         """Decoupled: parse one request and hand it to the scheduler; answer errors on its sender."""
-        from serving.engine.scheduler import GenRequest, RequestCancelled  # lazy: imports torch
+        from serving.engine.scheduler import (  # lazy: imports torch
+            GenRequest,
+            RequestCancelled,
+            SchedulerFull,
+        )
 
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -496,6 +502,8 @@ class TritonPythonModel:
         gen = GenRequest(list(item.prompt_ids), req.max_tokens, emit, fail, engine_sampling(req), req.stop_token_ids)
         try:
             scheduler.submit(gen)
+        except SchedulerFull as exc:  # overloaded: the client may retry (UNAVAILABLE; the OpenAI front's 429)
+            sender.send(_error_response(f"{tag}: {exc}", unavailable=True), flags=final)
         except Exception as exc:  # noqa: BLE001 - limits the parse did not catch, or stopping
             sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
 
