@@ -274,3 +274,40 @@ def test_a_lone_request_at_an_idle_engine_waits_one_gap(runner):
 def test_a_negative_admit_gap_is_refused_by_name(runner):
     with pytest.raises(ValueError, match="admit_gap_s=-1"):
         Scheduler(runner, admit_gap_s=-1)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+def test_both_schedulers_share_the_queue_limit_and_the_lifecycle(runner, paged):
+    """`scheduler_loop.SchedulerLoop` under both: a request past `max_waiting` is refused as overloaded and
+    nothing is queued; a request streams on the loop's thread; stop() fails what still waits, joins the
+    thread and refuses what comes after."""
+    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.paged_runner import load_paged_engine
+    from serving.engine.paged_scheduler import PagedScheduler
+    from serving.engine.scheduler import SchedulerFull
+
+    if paged:
+        engine = load_paged_engine(runner.info.path, device="cpu", config=PagedKVConfig(8, 16, max_num_tokens=16))
+        make = PagedScheduler
+    else:
+        engine, make = runner, Scheduler
+    failed: list[BaseException] = []
+    sched = make(engine, max_waiting=1)
+    sched.submit(GenRequest(PROMPTS[0], 4, lambda ids, r: None, failed.append))
+    setting = "paged.max_waiting=1" if paged else "max_waiting=1"
+    with pytest.raises(SchedulerFull, match=rf"resource exhausted: 1 requests already wait for admission \({setting}; "):
+        sched.submit(GenRequest(PROMPTS[1], 4, lambda ids, r: None, failed.append))
+    assert len(sched.waiting) == 1
+    sched.run_until_idle()
+    done = threading.Event()
+    sched.start()
+    sched.submit(GenRequest(PROMPTS[2], 3, lambda ids, r: r and done.set(), failed.append))
+    assert done.wait(30) and not failed
+    sched.stop()
+    assert not sched.thread.is_alive()
+    with pytest.raises(SchedulerStopped):
+        sched.submit(GenRequest(PROMPTS[2], 3, lambda ids, r: None, failed.append))
+    idle = make(engine)
+    idle.submit(GenRequest(PROMPTS[3], 3, lambda ids, r: None, failed.append))
+    idle.stop()  # never started: fails the waiting request on this thread
+    assert [type(e) for e in failed] == [SchedulerStopped] and idle.idle()

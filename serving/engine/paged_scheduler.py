@@ -25,9 +25,10 @@ Tokens go out through the request's `emit(new_ids, finish_reason)` as in `schedu
 (`on_logprobs`). The step is synchronous: the host waits for each step's tokens before planning the next
 (one step ahead, as the static scheduler runs, is later work).
 
-`while_waiting` and `drain` are the static scheduler's (Triton's `llm` model sends its responses there):
-`while_waiting()` is called until it reports nothing left after every step, `drain()` (or `while_waiting`)
-whenever the loop goes idle. `admit_gap_s` is accepted and unused (a step admits what fits at once).
+The queue, `submit` / `cancel`, the loop (`run_forever`, `start`, `stop`, `run_until_idle`), `while_waiting`
+/ `drain` (Triton's `llm` model sends its responses there: after every step, the step being synchronous,
+and whenever the loop goes idle) and `admit_gap_s` (an idle engine lets a burst of arrivals finish, so it
+is admitted in one step) are `scheduler_loop.SchedulerLoop`'s, shared with the static scheduler.
 
 Thread model: `submit` and `cancel` are thread-safe; `run_forever` (or `start()`) / `run_until_idle` is
 the only code that touches the runner. `stop()` fails what is pending or live with `SchedulerStopped`.
@@ -37,9 +38,6 @@ Imports: stdlib and torch only.
 
 from __future__ import annotations
 
-import collections
-import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +49,7 @@ from serving.engine.errors import EngineLimitError
 from serving.engine.paged_cache import blocks_for
 from serving.engine.paged_model import ChunkPlan
 from serving.engine.sampling import chosen_logprobs, sample
-from serving.engine.scheduler import GenRequest, RequestCancelled, SchedulerFull, SchedulerStopped
+from serving.engine.scheduler_loop import GenRequest, RequestCancelled, SchedulerLoop
 
 LogprobSink = Callable[[float, "dict[int, float]"], None]
 
@@ -93,6 +91,8 @@ class PagedStats:
     decode_tokens: int = 0
     largest_batch: int = 0  # live requests in one step
     peak_blocks: int = 0
+    drain_s: float = 0.0  # idle, finishing the `while_waiting` work (or `drain`)
+    gather_s: float = 0.0  # idle, letting a burst of arrivals finish (`admit_gap_s`)
     busy_s: float = 0.0  # inside step(): the three below and the rest
     plan_s: float = 0.0  # choosing the step's chunks, taking blocks
     forward_s: float = 0.0  # building the inputs, launching the forward and sampling (the GPU runs behind)
@@ -100,140 +100,55 @@ class PagedStats:
     deliver_s: float = 0.0  # handing the tokens to the requests' callbacks
 
 
-class PagedScheduler:
-    """Continuous batching driver of one `paged_runner.PagedRunner`."""
+class PagedScheduler(SchedulerLoop):
+    """Continuous batching driver of one `paged_runner.PagedRunner`; the queue and the loop are
+    `scheduler_loop.SchedulerLoop`'s."""
+
+    THREAD_NAME = "enginewright-paged-scheduler"
+    MAX_WAITING_SETTING = "paged.max_waiting"
 
     def __init__(self, runner: Any, *, idle_wait_s: float = 0.05,
                  on_error: Callable[[str], None] | None = None,
                  while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
                  admit_gap_s: float = 0.0, max_waiting: int | None = None) -> None:
-        if not admit_gap_s >= 0.0:
-            raise ValueError(f"admit_gap_s={admit_gap_s!r} must be >= 0")
-        self.runner = runner
-        self.max_waiting = max_waiting
-        self.while_waiting = while_waiting or (lambda: False)
-        self.drain = drain
-        self.admit_gap_s = admit_gap_s  # accepted for the static scheduler's signature; a paged step admits at once
-        limits = runner.info.limits
-        self.max_live = runner.max_live
+        super().__init__(runner, idle_wait_s=idle_wait_s, on_error=on_error, while_waiting=while_waiting,
+                         drain=drain, admit_gap_s=admit_gap_s, max_waiting=max_waiting)
+        self.max_live = self.capacity = runner.max_live
         self.max_num_tokens = runner.config.max_num_tokens
         self.block_size = runner.config.block_size
-        self.max_input_len = int(limits.max_input_len)
-        self.max_seq_len = int(limits.max_seq_len)
-        self.vocab_size = int(runner.info.model.vocab_size)
         self.allocator = runner.allocator
-        self.device = runner.device
-        self.idle_wait_s = idle_wait_s
-        self.log_error = on_error or (lambda msg: None)
-        self.waiting: collections.deque[_Seq] = collections.deque()
         self.running: list[_Seq] = []
-        self.cond = threading.Condition()
-        self.stopping = False
-        self.thread: threading.Thread | None = None
         self.stats = PagedStats()
-        self._ids = itertools.count()
-        self.cancels_pending = 0
 
-    # -- submission (any thread) --------------------------------------------------------------
     def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
-        """Raise EngineLimitError naming the value and the limit when the engine can never serve it."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise EngineLimitError("prompt is empty; a prompt needs at least one token")
-        if max_tokens < 1:
-            raise EngineLimitError(f"max_tokens={max_tokens} must be >= 1")
-        if n > self.max_input_len:
-            raise EngineLimitError(f"prompt of {n} tokens > limits.max_input_len={self.max_input_len}")
-        if n + max_tokens > self.max_seq_len:
-            raise EngineLimitError(f"prompt of {n} tokens + max_tokens={max_tokens} > limits.max_seq_len="
-                                   f"{self.max_seq_len}")
-        need = blocks_for(n + max_tokens, self.block_size)
+        """Raise EngineLimitError naming the value and the limit when the engine can never serve it (also:
+        more blocks than the whole pool)."""
+        super().check(prompt_ids, max_tokens)
+        need = blocks_for(len(prompt_ids) + max_tokens, self.block_size)
         if need > self.allocator.num_blocks:
-            raise EngineLimitError(f"prompt of {n} tokens + max_tokens={max_tokens} needs {need} KV blocks of "
-                                   f"{self.block_size} positions; the whole paged cache has "
+            raise EngineLimitError(f"prompt of {len(prompt_ids)} tokens + max_tokens={max_tokens} needs {need} KV "
+                                   f"blocks of {self.block_size} positions; the whole paged cache has "
                                    f"{self.allocator.num_blocks}")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineLimitError(f"token ids {bad[:5]} outside [0, vocab_size={self.vocab_size})")
 
-    def submit(self, req: GenRequest) -> None:
-        """Queue a request (checked first: a bad one raises here, nothing is queued)."""
-        self.check(req.prompt_ids, req.max_tokens)
+    def _waiting_item(self, req: GenRequest) -> _Seq:
         seq = _Seq(req=req, tokens=list(req.prompt_ids), stop=frozenset(req.stop_token_ids))
         if req.sampling is not None and not req.sampling.is_greedy and req.sampling.seed is not None:
             seq.generator = torch.Generator(device=self.device)
             seq.generator.manual_seed(req.sampling.seed)
-        with self.cond:
-            if self.stopping:
-                raise SchedulerStopped("the scheduler is stopping; request not accepted")
-            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
-                raise SchedulerFull(f"resource exhausted: {len(self.waiting)} requests already wait for admission "
-                                    f"(paged.max_waiting={self.max_waiting}; {len(self.running)} live, "
-                                    f"{self.allocator.free} of {self.allocator.num_blocks} KV blocks free): "
-                                    "try again later")
-            if req.request_id is None:
-                req.request_id = next(self._ids)
-            req.queued_at = time.perf_counter()
-            self.waiting.append(seq)
-            self.cond.notify()
+        return seq
 
-    def cancel(self, req: GenRequest) -> None:
-        """Stop `req` at the next step (any thread); it fails with RequestCancelled."""
-        with self.cond:
-            req.cancelled = True
-            self.cancels_pending += 1
-            self.cond.notify()
+    def _request_of(self, item: _Seq) -> GenRequest:
+        return item.req
 
     @property
     def live(self) -> int:
         return len(self.running)
 
-    def idle(self) -> bool:
-        with self.cond:
-            return not self.waiting and not self.running
+    def _busy(self) -> bool:
+        return bool(self.running)
 
-    # -- the loop -----------------------------------------------------------------------------
-    def start(self, name: str = "enginewright-paged-scheduler") -> threading.Thread:
-        self.thread = threading.Thread(target=self.run_forever, name=name, daemon=True)
-        self.thread.start()
-        return self.thread
-
-    def run_forever(self) -> None:
-        while True:
-            if self.idle():
-                self._drain()
-            else:  # the step waited for its tokens: now is the time for the other work
-                while self.while_waiting():
-                    pass
-            with self.cond:
-                while not self.stopping and not self.waiting and not self.running:
-                    self.cond.wait(self.idle_wait_s)
-                if self.stopping:
-                    break
-            self.step()
-        self._fail_all(SchedulerStopped("the scheduler stopped (model unloading) before the request finished"))
-        self._drain()
-
-    def _drain(self) -> None:
-        if self.drain is not None:
-            self.drain()
-        else:
-            while self.while_waiting():
-                pass
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join(timeout_s)
-        else:
-            self._fail_all(SchedulerStopped("the scheduler stopped before the request finished"))
-
-    def run_until_idle(self) -> None:
-        """Step until nothing waits or lives (tests and offline use, on the caller's thread)."""
-        while not self.idle():
-            self.step()
+    def _load(self) -> str:
+        return (f"{len(self.running)} live, {self.allocator.free} of {self.allocator.num_blocks} KV blocks free")
 
     @torch.no_grad()
     def step(self) -> None:
@@ -399,11 +314,7 @@ class PagedScheduler:
             self.running = [seq for seq in self.running if seq.live]
 
     def _apply_cancels(self) -> None:
-        with self.cond:
-            self.cancels_pending = 0
-            dropped = [seq for seq in self.waiting if seq.req.cancelled]
-            for seq in dropped:
-                self.waiting.remove(seq)
+        dropped = self._take_cancelled_waiting()
         dropped += [seq for seq in self.running if seq.req.cancelled]
         cancelled = RequestCancelled("the request was cancelled before it finished")
         for seq in dropped:
@@ -425,16 +336,5 @@ class PagedScheduler:
         self.stats.failed += 1
         self._tell_failed(seq.req, exc)
 
-    def _tell_failed(self, req: GenRequest, exc: BaseException) -> None:
-        try:
-            req.fail(exc)
-        except Exception as cb_exc:  # noqa: BLE001
-            self.log_error(f"request {req.request_id}: fail callback: {cb_exc}")
-
-    def _fail_all(self, exc: BaseException) -> None:
-        with self.cond:
-            pending = list(self.waiting)
-            self.waiting.clear()
-        for seq in pending:
-            self._tell_failed(seq.req, exc)
+    def _fail_live(self, exc: BaseException) -> None:
         self._fail(list(self.running), exc)

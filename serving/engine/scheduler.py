@@ -42,9 +42,11 @@ out of step (more, smaller decode steps, each prefill stalling the others). An i
 admits once no request has arrived for `admit_gap_s` (or the slots are full, or GATHER_MAX_GAPS gaps
 have passed). A lone request waits one gap; an engine with live requests never waits.
 
-Thread model: `submit` is thread-safe; `run_forever` (or `start()`, which runs it on a daemon
-thread) is the only code that touches the runner. `stop()` ends the loop, fails what is still
-pending or live with `SchedulerStopped`, and joins the thread.
+The request, `submit` / `cancel`, the loop (`run_forever`, `start`, `stop`, `run_until_idle`) and the
+refusal of a request past `max_waiting` (`SchedulerFull`) are `scheduler_loop.SchedulerLoop`'s, shared
+with the paged scheduler. Thread model: `submit` is thread-safe; `run_forever` (or `start()`, which runs
+it on a daemon thread) is the only code that touches the runner. `stop()` ends the loop, fails what is
+still pending or live with `SchedulerStopped`, and joins the thread.
 
 Imports: stdlib and torch only.
 """
@@ -52,8 +54,6 @@ Imports: stdlib and torch only.
 from __future__ import annotations
 
 import collections
-import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,41 +61,19 @@ from typing import Any
 
 import torch
 
-from serving.engine.errors import EngineError, EngineLimitError
 from serving.engine.sampling import SamplingParams, sample
+from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabulary, imported from here too
+    GATHER_MAX_GAPS,
+    Emit,
+    Fail,
+    GenRequest,
+    RequestCancelled,
+    SchedulerFull,
+    SchedulerLoop,
+    SchedulerStopped,
+)
 
 HOST_BUFFERS = 4
-GATHER_MAX_GAPS = 10  # an idle engine waits for a burst of arrivals at most this many `admit_gap_s`
-Emit = Callable[[list[int], "str | None"], None]
-Fail = Callable[[BaseException], None]
-
-
-class SchedulerStopped(EngineError):
-    """The scheduler stopped before the request finished."""
-
-
-class SchedulerFull(EngineError):
-    """The queue of requests waiting for admission is at its limit: the request is refused, not queued. The
-    message carries "resource exhausted", the words clients and the OpenAI front read as overload (429)."""
-
-
-class RequestCancelled(EngineError):
-    """The request was cancelled (its client went away) before it finished."""
-
-
-@dataclass
-class GenRequest:
-    """One request: prompt, limits and sampling, and where its tokens go."""
-
-    prompt_ids: Sequence[int]
-    max_tokens: int
-    emit: Emit
-    fail: Fail
-    sampling: SamplingParams | None = None  # None or greedy params: argmax
-    stop_token_ids: Sequence[int] = ()
-    request_id: Any = None
-    cancelled: bool = False  # set by Scheduler.cancel
-    queued_at: float = 0.0  # perf_counter time it was submitted
 
 
 @dataclass(eq=False)
@@ -140,35 +118,20 @@ class SchedulerStats:
     gather_s: float = 0.0  # idle, letting a burst of arrivals finish (`admit_gap_s`)
 
 
-class Scheduler:
-    """Continuous batching driver of one `EngineRunner` (`prefill`, `decode`, `info.limits`)."""
+class Scheduler(SchedulerLoop):
+    """Continuous batching driver of one `EngineRunner` (`prefill`, `decode`, `info.limits`); the queue and
+    the loop are `scheduler_loop.SchedulerLoop`'s."""
 
     def __init__(self, runner: Any, *, max_prefill_tokens: int = 16384, idle_wait_s: float = 0.05,
                  on_error: Callable[[str], None] | None = None,
                  while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
-                 admit_gap_s: float = 0.0) -> None:
-        if not admit_gap_s >= 0.0:
-            raise ValueError(f"admit_gap_s={admit_gap_s!r} must be >= 0")
-        self.runner = runner
-        self.admit_gap_s = admit_gap_s
-        self.while_waiting = while_waiting or (lambda: False)
-        self.drain = drain
-        limits = runner.info.limits
-        self.max_slots = int(limits.max_batch_size)
-        self.max_input_len = int(limits.max_input_len)
-        self.max_seq_len = int(limits.max_seq_len)
-        self.vocab_size = int(runner.info.model.vocab_size)
+                 admit_gap_s: float = 0.0, max_waiting: int | None = None) -> None:
+        super().__init__(runner, idle_wait_s=idle_wait_s, on_error=on_error, while_waiting=while_waiting,
+                         drain=drain, admit_gap_s=admit_gap_s, max_waiting=max_waiting)
+        self.max_slots = self.capacity = int(runner.info.limits.max_batch_size)
         self.max_prefill_tokens = max(max_prefill_tokens, self.max_input_len)
-        self.idle_wait_s = idle_wait_s
-        self.device = runner.device
-        self.log_error = on_error or (lambda msg: None)
         self.slots: list[_Live | None] = [None] * self.max_slots
-        self.waiting: collections.deque[GenRequest] = collections.deque()
-        self.cond = threading.Condition()
-        self.stopping = False
-        self.thread: threading.Thread | None = None
         self.stats = SchedulerStats()
-        self._ids = itertools.count()
         self.inflight: collections.deque[_Launched] = collections.deque()
         self.state = runner.state  # the rows' decode inputs on the device (tokens, positions, active)
         self.state.reset()
@@ -178,117 +141,20 @@ class Scheduler:
         self.host_buffers = [torch.zeros(self.max_slots, dtype=torch.long, pin_memory=pinned) for _ in range(HOST_BUFFERS)]
         self.host_events = [torch.cuda.Event() for _ in range(HOST_BUFFERS)] if pinned else []
         self.next_buffer = 0
-        self.cancels_pending = 0
-
-    # -- submission (any thread) --------------------------------------------------------------
-    def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
-        """Raise EngineLimitError naming the value and the limit when the engine cannot serve it."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise EngineLimitError("prompt is empty; a prompt needs at least one token")
-        if max_tokens < 1:
-            raise EngineLimitError(f"max_tokens={max_tokens} must be >= 1")
-        if n > self.max_input_len:
-            raise EngineLimitError(f"prompt of {n} tokens > limits.max_input_len={self.max_input_len}")
-        if n + max_tokens > self.max_seq_len:
-            raise EngineLimitError(f"prompt of {n} tokens + max_tokens={max_tokens} > limits.max_seq_len="
-                                   f"{self.max_seq_len}")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineLimitError(f"token ids {bad[:5]} outside [0, vocab_size={self.vocab_size})")
-
-    def submit(self, req: GenRequest) -> None:
-        """Queue a request (checked first: a bad one raises here, nothing is queued)."""
-        self.check(req.prompt_ids, req.max_tokens)
-        with self.cond:
-            if self.stopping:
-                raise SchedulerStopped("the scheduler is stopping; request not accepted")
-            if req.request_id is None:
-                req.request_id = next(self._ids)
-            req.queued_at = time.perf_counter()
-            self.waiting.append(req)
-            self.cond.notify()
-
-    def cancel(self, req: GenRequest) -> None:
-        """Stop `req` at the next step (any thread): it leaves the queue or frees its slot, and fails
-        with RequestCancelled. A finished request is left alone."""
-        with self.cond:
-            req.cancelled = True
-            self.cancels_pending += 1
-            self.cond.notify()
 
     @property
     def live(self) -> int:
         return sum(s is not None for s in self.slots)
 
-    def idle(self) -> bool:
-        with self.cond:
-            return not self.waiting and self.live == 0 and not self.inflight
+    @property
+    def synchronous(self) -> bool:
+        return self.device.type != "cuda"  # on CUDA the host runs a step ahead of the tokens
 
-    # -- the loop (one thread) ----------------------------------------------------------------
-    def start(self, name: str = "enginewright-scheduler") -> threading.Thread:
-        self.thread = threading.Thread(target=self.run_forever, name=name, daemon=True)
-        self.thread.start()
-        return self.thread
+    def _busy(self) -> bool:
+        return self.live > 0 or bool(self.inflight)
 
-    def run_forever(self) -> None:
-        while True:
-            if self.idle():
-                started = time.perf_counter()
-                self._drain()
-                self.stats.drain_s += time.perf_counter() - started
-            elif self.device.type != "cuda":  # nothing ran asynchronously: this is the time to wait in
-                self._pump()
-            with self.cond:
-                while not self.stopping and not self.waiting and self.live == 0 and not self.inflight:
-                    self.cond.wait(self.idle_wait_s)
-                if self.stopping:
-                    break
-                if self.admit_gap_s and self.live == 0 and not self.inflight:
-                    self._gather_arrivals()
-            self.step()
-        self._fail_all(SchedulerStopped("the scheduler stopped (model unloading) before the request finished"))
-        self._drain()
-
-    def _gather_arrivals(self) -> None:
-        """Idle, with requests waiting (`cond` held): let a burst of arrivals finish before admitting it,
-        so that it is prefilled in one call and decodes in step. Waits while requests keep coming at
-        most `admit_gap_s` apart, for at most GATHER_MAX_GAPS gaps, or until they fill every slot."""
-        started = time.perf_counter()
-        deadline = started + GATHER_MAX_GAPS * self.admit_gap_s
-        while len(self.waiting) < self.max_slots and not self.stopping:
-            seen = len(self.waiting)
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                break
-            self.cond.wait(min(self.admit_gap_s, left))
-            if len(self.waiting) == seen:
-                break
-        self.stats.gather_s += time.perf_counter() - started
-
-    def _drain(self) -> None:
-        if self.drain is not None:
-            self.drain()
-        else:
-            self._pump()
-
-    def _pump(self) -> None:
-        while self.while_waiting():
-            pass
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join(timeout_s)
-        else:
-            self._fail_all(SchedulerStopped("the scheduler stopped before the request finished"))
-
-    def run_until_idle(self) -> None:
-        """Step until nothing waits or lives (tests and offline use, on the caller's thread)."""
-        while not self.idle():
-            self.step()
+    def _load(self) -> str:
+        return f"{self.live} of {self.max_slots} slots live"
 
     @torch.no_grad()
     def step(self) -> None:
@@ -309,11 +175,7 @@ class Scheduler:
 
     # -- internals ----------------------------------------------------------------------------
     def _apply_cancels(self) -> None:
-        with self.cond:
-            self.cancels_pending = 0
-            dropped = [req for req in self.waiting if req.cancelled]
-            for req in dropped:
-                self.waiting.remove(req)
+        dropped = self._take_cancelled_waiting()
         cancelled = RequestCancelled("the request was cancelled before it finished")
         for req in dropped:
             self.stats.cancelled += 1
@@ -499,18 +361,7 @@ class Scheduler:
         self.stats.failed += 1
         self._tell_failed(live.req, exc)
 
-    def _tell_failed(self, req: GenRequest, exc: BaseException) -> None:
-        try:
-            req.fail(exc)
-        except Exception as cb_exc:  # noqa: BLE001
-            self.log_error(f"request {req.request_id}: fail callback: {cb_exc}")
-
-    def _fail_all(self, exc: BaseException) -> None:
-        with self.cond:
-            pending = list(self.waiting)
-            self.waiting.clear()
-        for req in pending:
-            self._tell_failed(req, exc)
+    def _fail_live(self, exc: BaseException) -> None:
         self.inflight.clear()
         self._fail([s for s in self.slots if s is not None], exc)
 
