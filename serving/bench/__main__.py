@@ -100,7 +100,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     f8.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b", help="comma list")
     f8.add_argument("--rows", default="1,64", help="comma list of row counts (decode batch sizes)")
     f8.add_argument("--workers", type=int, default=12, help="processes compiling the Triton configs")
+    f8.add_argument("--gemms", default="wqkv,wo,w13,w2", help="comma list of the projections to time")
     f8.add_argument("--out", type=Path, default=Path("bench-fp8-gemms.json"))
+    f8p = sub.add_parser("fp8-prefill", help="the fp8 prefill GEMMs (device, eager and host time) and whole "
+                         "eager prefills beside bf16 (CUDA)")
+    f8p.add_argument("--shape", default="llama-3.1-8b")
+    f8p.add_argument("--rows", type=int, default=128, help="tokens of the GEMMs timed alone")
+    f8p.add_argument("--batch-sizes", default="1,64", help="comma list: prompts of the whole prefills")
+    f8p.add_argument("--prompt-len", type=int, default=128)
+    f8p.add_argument("--out", type=Path, default=Path("bench-fp8-prefill.json"))
     qua = sub.add_parser("quantized", help="decode and end-to-end generate of bf16 beside fp8 / int8 weight-only "
                          "engines, side by side in one run, % of the roofline of the bytes each step reads (CUDA)")
     qua.add_argument("--shapes", default="llama-3.1-8b,llama-3.2-1b", help="comma list")
@@ -205,7 +213,14 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_mode == "fp8-gemms":
         from serving.bench.fp8_sweep import run_fp8_sweep
 
-        run_fp8_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, workers=args.workers)
+        run_fp8_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, workers=args.workers,
+                      gemms=tuple(args.gemms.split(",")))
+        return 0
+    if args.bench_mode == "fp8-prefill":
+        from serving.bench.fp8_prefill import run_fp8_prefill
+
+        run_fp8_prefill(args.shape, args.rows, batches=_ints(args.batch_sizes), prompt_len=args.prompt_len,
+                        out=args.out)
         return 0
     if args.bench_mode == "quantized":
         from serving.bench.quantized import QuantBenchConfig, render_quant_table, run_quantized

@@ -8,12 +8,15 @@
 #                                     sweep  - `bench gemms --quantization fp8` (skinny and gate/up tables);
 #                                     fp8sweep - `bench fp8-gemms` (the TUNED_FP8 table; the bench after it in
 #                                              this call runs on what it found);
+#                                     prefill - `bench fp8-prefill` (8B: the prefill GEMMs at 128 rows and whole
+#                                              eager prefills, bf16 beside fp8 and its candidates);
 #                                     bench  - `bench quantized` (bf16 beside fp8 and int8 weight-only);
 #                                     fp8tests - the FP8 kernels' GPU tests and the quantized ones (last; FP8_TESTS_K: -k).
-# Env: SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, FP8_SWEEP_ROWS, DEADLINE (bench s),
+# Env: SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, FP8_SWEEP_ROWS,
+#      FP8_SWEEP_GEMMS, DEADLINE (bench s),
 #      BENCH_TIMEOUT, BATCH_SIZES (bench, default 1,64), TC_ROWS (tc, default 1,16,64).
 # Results under $OUT: steps.log, gpu-tests.log, tc.log/.json, sweep.log/.json, gate-up.log/.json,
-# fp8-sweep.log/.json, quantized.json/.log.
+# fp8-sweep.log/.json, prefill.log/.json, quantized.json/.log.
 set -u
 OUT=${OUT:-/tmp/quant-out}
 mkdir -p "$OUT"
@@ -52,8 +55,15 @@ esac
 case ",$STEPS," in *,fp8sweep,*)
   log "fp8 kernel sweep"
   timeout "${FP8_SWEEP_TIMEOUT:-200}" python3 -m serving.bench fp8-gemms --shapes "${SWEEP_SHAPES:-llama-3.1-8b,llama-3.2-1b}" \
-    --rows "${FP8_SWEEP_ROWS:-1,64,128}" --out "$OUT/fp8-sweep.json" >"$OUT/fp8-sweep.log" 2>&1
+    --rows "${FP8_SWEEP_ROWS:-1,64,128}" --gemms "${FP8_SWEEP_GEMMS:-wqkv,wo,w13,w2}" --out "$OUT/fp8-sweep.json" \
+    >"$OUT/fp8-sweep.log" 2>&1
   log "fp8 sweep rc=$?" ;;
+esac
+case ",$STEPS," in *,prefill,*)
+  log "fp8 prefill"
+  timeout "${PREFILL_TIMEOUT:-150}" python3 -m serving.bench fp8-prefill --shape llama-3.1-8b --rows 128 \
+    --out "$OUT/prefill.json" >"$OUT/prefill.log" 2>&1
+  log "fp8 prefill rc=$?" ;;
 esac
 case ",$STEPS," in *,bench,*)
   log "bench quantized"
@@ -76,6 +86,7 @@ esac
 echo "==== summary"
 grep -E "passed|failed|error|rel err" "$OUT/gpu-tests.log" "$OUT/fp8-tests.log" 2>/dev/null | tail -6
 grep -E "^llama|^TUNED|^    \(|^}|Traceback|Error" "$OUT/fp8-sweep.log" 2>/dev/null
+grep -E "rows|^prefill|Traceback|Error" "$OUT/prefill.log" 2>/dev/null
 grep -E "^llama|Traceback|Error" "$OUT/tc.log" 2>/dev/null
 grep -E "FAILED|Error" "$OUT/gpu-tests.log" 2>/dev/null | head -8
 sed -n '/^TUNED/,/^}/p' "$OUT/sweep.log" "$OUT/gate-up.log" 2>/dev/null | grep -v lm_head

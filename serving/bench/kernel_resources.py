@@ -115,17 +115,19 @@ def skinny_cases() -> list[Case]:
 
 
 def fp8_cases() -> list[Case]:
-    """The split-K FP8 tensor-core kernel with PDL, as tuned (`fp8_gemm.TUNED_FP8`)."""
-    from serving.engine.fp8_gemm import TUNED_FP8, _fp8_dot_t_kernel
-    from serving.engine.skinny_gemm import GemmConfig, block_m
+    """The split-K FP8 tensor-core kernel (`skinny_gemm`'s "dott" with e4m3 tokens) with PDL, as tuned
+    (`fp8_gemm.TUNED_FP8`)."""
+    from serving.engine.fp8_gemm import TUNED_FP8
+    from serving.engine.skinny_gemm import GemmConfig, _dot_t_kernel, block_m
 
     cases = []
     for (rows, n, k), text in TUNED_FP8.items():
         config = GemmConfig.parse(text)
-        types = {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+        types = {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                  "out_ptr": "*fp32" if config.split > 1 else "*bf16"}
-        constexprs = {"BLOCK_M": block_m(rows), "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GDC": True}
-        cases.append((f"{rows} rows {n}x{k} ({text})", _fp8_dot_t_kernel, types, constexprs, config.warps,
+        constexprs = {"BLOCK_M": block_m(rows), "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+                      "IEEE_DOT": False, "GDC": True, "SCALED": True, "TOKENS_SCALED": True}
+        cases.append((f"{rows} rows {n}x{k} ({text})", _dot_t_kernel, types, constexprs, config.warps,
                       config.stages))
     return cases
 

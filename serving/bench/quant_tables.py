@@ -6,7 +6,8 @@ sweep.json gate-up.json -- <bench arguments>` installs them into `skinny_gemm.TU
 `gate_up.TUNED_GATE_UP_QUANTIZED` for this process and runs the benchmark, so that one device call can
 sweep and then time the engines on what it found; the lines to paste into the tables are printed.
 `python3 -m serving.bench.quant_tables --fp8 fp8-sweep.json -- <bench arguments>` does the same with a
-`bench fp8-gemms` report and `fp8_gemm.TUNED_FP8` (`fp8_sweep.table_of`).
+`bench fp8-gemms` report and `fp8_gemm.TUNED_FP8` (`fp8_sweep.table_of`; the entries it found replace
+those of their shapes, the rest stay).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ def install(skinny: dict[tuple[int, int, int], str], gate_up_table: dict[tuple[i
 
 def install_fp8(report_path: str) -> None:
     from serving.bench.fp8_sweep import table_of
-    from serving.engine.fp8_gemm import install_table
+    from serving.engine.fp8_gemm import TUNED_FP8, install_table
 
     table = table_of(json.loads(Path(report_path).read_text()))
-    install_table(table)
-    print("TUNED_FP8 = {")
+    install_table({**TUNED_FP8, **table})  # shapes the sweep did not time keep their entries
+    print("TUNED_FP8 |= {")
     for key, config in sorted(table.items()):
         print(f"    {key}: {config!r},")
     print("}", flush=True)

@@ -9,7 +9,8 @@ stored) by the tokens' tile [BLOCK_K, BLOCK_M] (e4m3, each token scaled by its o
 `quantize.quantize_tokens_fp8`, torch ops that the decode step's compile fuses into the RMSNorm or SiLU * up
 before it) on the FP8 tensor cores, accumulating in float32. The product is transposed (out^T = W x^T), as in
 `skinny_gemm`'s "dott" kernel, so the weight is the MMA's M side (64 or 128 wide) and the rows its N side
-(BLOCK_M: 16 for one row, else 64). Each partial sum is multiplied by the weight's per-channel scale and the
+(BLOCK_M: 16 for one row, else 64); it is `skinny_gemm`'s "dott" kernel with e4m3 tokens (`TOKENS_SCALED`) and
+its launcher. Each partial sum is multiplied by the weight's per-channel scale and the
 token's scale, so `fp8_partials` returns `[split, M, N]` partial products of the real product: float32 when
 K is split (the step sums them, fused by inductor into the next elementwise kernel), else bf16.
 
@@ -29,14 +30,13 @@ from __future__ import annotations
 
 import torch
 
-from serving.engine.skinny_gemm import MAX_ROWS, GemmConfig, block_m, parse_table, rows_bucket
+from serving.engine.skinny_gemm import MAX_ROWS, GemmConfig, empty_partials, parse_table, rows_bucket
 
 try:
     import triton
-    import triton.language as tl
     from torch.library import triton_op
 
-    from serving.engine.pdl import gdc, gdc_enter, kernel_for, launch_options
+    from serving.engine.skinny_gemm import launch
 except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
@@ -99,47 +99,16 @@ def fp8_config_for(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
 
 def empty_fp8_partials(xq: torch.Tensor, n: int, config: GemmConfig) -> torch.Tensor:
     """The [split, M, N] output: float32 when K is split, else bf16."""
-    return xq.new_empty((config.split, xq.shape[0], n), dtype=torch.float32 if config.split > 1 else torch.bfloat16)
+    return empty_partials(xq, n, config, torch.bfloat16)
 
 
 if triton is not None:
-
-    @triton.jit
-    def _fp8_dot_t_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, k_split, stride_xm, stride_wn,
-                          stride_os, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GDC: tl.constexpr):
-        """out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K slice] x^T [K slice, BLOCK_M], e4m3 in, float32 sums, times
-        the weight's scale per column and the token's per row."""
-        if GDC:
-            gdc_enter()
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
-        k_start = pid_s * k_split
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [N, K]
-        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # [K, M] view
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for _ in range(0, k_split, BLOCK_K):
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-            acc = tl.dot(w, x, acc)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
-        x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
-        acc = acc * w_scale[:, None] * x_scale[None, :]
-        dst = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
     def launch_fp8(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                    config: GemmConfig, *, pdl: bool = False) -> torch.Tensor:
         """[split, M, N] partial products of the e4m3 tokens xq [M, K] (scales [M] or [M, 1], float32) and the
         e4m3 weight [N, K] (scales [N], float32), the tuning entry point; `pdl`: launched with programmatic
-        dependent launch (Hopper and later)."""
+        dependent launch (Hopper and later). `skinny_gemm`'s "dott" kernel with both operands e4m3."""
         m, k = xq.shape
         n = weight.shape[0]
         if not fits(config, m, n, k):
@@ -152,17 +121,7 @@ if triton is not None:
                              f"with float32 scales [N], got {xq.dtype} {tuple(xq.shape)}, {x_scale.dtype} "
                              f"{tuple(x_scale.shape)}, {weight.dtype} {tuple(weight.shape)}, {w_scale.dtype} "
                              f"{tuple(w_scale.shape)}")
-        xq = xq.contiguous()
-        x_scale = x_scale.reshape(m).contiguous()
-        if weight.stride(1) != 1:
-            weight = weight.contiguous()
-        out = empty_fp8_partials(xq, n, config)
-        grid = (triton.cdiv(n, config.block_n), config.split)
-        kernel_for(_fp8_dot_t_kernel, pdl)[grid](
-            xq, x_scale, weight, w_scale, out, m, n, k // config.split, xq.stride(0), weight.stride(0),
-            out.stride(0), out.stride(1), BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GDC=gdc(pdl), num_warps=config.warps, num_stages=config.stages, **launch_options(pdl))
-        return out
+        return launch(xq, weight, config, pdl=pdl, scale=w_scale, x_scale=x_scale)
 
     @triton_op("enginewright::fp8_partials", mutates_args=())
     def _fp8_partials_op(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,

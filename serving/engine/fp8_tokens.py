@@ -10,13 +10,16 @@ produces x. A program per row reads it twice (the max, then the scaling; the sec
 H200, 8B fp8 at batch 64 (128-token prompts, `bench quantized`): prefill 177.8 ms against 239.9 with the
 torch ops (bf16: 232.4), end-to-end 1.40x bf16 against 1.24x; batch 1 unchanged (48.9 against 46.8 ms).
 
-Registered as `torch.ops.enginewright.tokens_e4m3` (a `triton_op`). Checked under TRITON_INTERPRET=1 and on
+Registered as `torch.ops.enginewright.tokens_e4m3` (a `triton_op`, what a torch.compile traces); eagerly
+`tokens_e4m3` launches the kernel itself. Checked under TRITON_INTERPRET=1 and on
 the GPU (tests/test_fp8_gemm.py).
 
 Imports: torch; Triton only if importable (this module runs inside Triton's python backend).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -49,15 +52,17 @@ if triton is not None:
             tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
         tl.store(scale_ptr + row, scale)
 
-    @triton_op("enginewright::tokens_e4m3", mutates_args=())
-    def _tokens_e4m3_op(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _launch(x: torch.Tensor, qmax: float, kernel: Any) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.contiguous()
         rows, k = x.shape
         q = x.new_empty((rows, k), dtype=torch.float8_e4m3fn)
         scale = x.new_empty((rows, 1), dtype=torch.float32)
-        wrap_triton(_tokens_e4m3_kernel)[(rows,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=qmax, BLOCK_K=BLOCK_K,
-                                                   num_warps=4)
+        kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=qmax, BLOCK_K=BLOCK_K, num_warps=4)
         return q, scale
+
+    @triton_op("enginewright::tokens_e4m3", mutates_args=())
+    def _tokens_e4m3_op(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch(x, qmax, wrap_triton(_tokens_e4m3_kernel))
 
 
 def available() -> bool:
@@ -65,7 +70,18 @@ def available() -> bool:
 
 
 def tokens_e4m3(x2: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (e4m3 [T, K], float32 scales [T, 1]), `quantize.quantize_tokens_fp8`'s values."""
+    """x [T, K] -> (e4m3 [T, K], float32 scales [T, 1]), `quantize.quantize_tokens_fp8`'s values. Eagerly the
+    kernel is launched directly: the registered op's dispatch costs host time at every GEMM of an eager
+    prefill, which a prefill of a few tokens waits for. Traced (torch.compile), the registered op."""
+    if triton is None:
+        raise RuntimeError("Triton (and torch >= 2.6) is needed for the token scaling kernel")
+    if torch.compiler.is_compiling():
+        return torch.ops.enginewright.tokens_e4m3(x2, qmax)
+    return _launch(x2, qmax, _tokens_e4m3_kernel)
+
+
+def tokens_e4m3_op(x2: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tokens_e4m3` through the registered op, also eagerly (the bench times both)."""
     if triton is None:
         raise RuntimeError("Triton (and torch >= 2.6) is needed for the token scaling kernel")
     return torch.ops.enginewright.tokens_e4m3(x2, qmax)

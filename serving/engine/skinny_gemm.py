@@ -238,9 +238,12 @@ if triton is not None:
 
     @triton.jit
     def _dot_t_kernel(x_ptr, w_ptr, out_ptr, M, N, k_split, stride_xm, stride_wn, stride_os, stride_om, scale_ptr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False):
-        """The "dot" kernel's product as out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] x^T [K, BLOCK_M]."""
+                      x_scale_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False,
+                      TOKENS_SCALED: tl.constexpr = False):
+        """The "dot" kernel's product as out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] x^T [K, BLOCK_M].
+        TOKENS_SCALED: x is e4m3 too (`fp8_gemm`: the FP8 tensor cores), each row's sum multiplied by its
+        token's float32 scale [M] at x_scale_ptr."""
         if GDC:
             gdc_enter()
         pid_n = tl.program_id(0)
@@ -267,6 +270,8 @@ if triton is not None:
             w_ptrs += BLOCK_K
         if SCALED:
             acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        if TOKENS_SCALED:
+            acc = acc * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         out = acc.to(out_ptr.dtype.element_ty)
         dst = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
         tl.store(dst, out, mask=n_mask[:, None] & m_mask[None, :])
@@ -298,11 +303,13 @@ if triton is not None:
 
     def launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, pdl: bool = False,
                greedy: tuple[torch.Tensor, torch.Tensor] | None = None,
-               scale: torch.Tensor | None = None) -> torch.Tensor:
+               scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """[split, M, N] partial products of x [M, K] and weight [N, K] (the tuning entry point); `pdl`:
         launched with programmatic dependent launch (Hopper and later, CUDA only); `greedy`: the [M, tiles]
         float32 maxima and int32 columns that `tile_maxima` allocates, written by a one-slice "dot" config;
-        `scale`: the weight is quantized (int8 / float8_e4m3fn) with these float32 per-row scales [N]."""
+        `scale`: the weight is quantized (int8 / float8_e4m3fn) with these float32 per-row scales [N];
+        `x_scale`: x is e4m3 tokens with these float32 per-row scales [M] (a "dott" config, an e4m3 weight
+        with its scales: `fp8_gemm`), the output bf16."""
         m, k = x.shape
         n = weight.shape[0]
         if not config.fits(m, n, k):
@@ -318,19 +325,25 @@ if triton is not None:
                                    or greedy[0].shape != (m, triton.cdiv(n, config.block_n))):
             raise ValueError(f"skinny GEMM config {config.key()}: greedy maxima need a 'dot' config, one K slice "
                              f"and [M={m}, {triton.cdiv(n, config.block_n)}] outputs, got {tuple(greedy[0].shape)}")
+        if x_scale is not None and (config.kernel != "dott" or scale is None or x_scale.numel() != m
+                                    or x_scale.dtype != torch.float32):
+            raise ValueError(f"skinny GEMM with token scales needs a 'dott' config, weight scales and float32 "
+                             f"token scales [M={m}], got {config.key()}, {x_scale.dtype} {tuple(x_scale.shape)}")
         x = x.contiguous()
         if weight.stride(1) != 1:
             weight = weight.contiguous()
-        out = empty_partials(x, n, config)
+        out = empty_partials(x, n, config, torch.bfloat16 if x_scale is not None else x.dtype)
         k_split = k // config.split
         grid = (triton.cdiv(n, config.block_n), config.split)
         options = {"num_warps": config.warps, "num_stages": config.stages, **launch_options(pdl)}
         scales = scale if scale is not None else x.new_empty(1, dtype=torch.float32)  # (unread when unscaled)
         if config.kernel == "dott":
+            x_scales = x_scale.reshape(m).contiguous() if x_scale is not None else scales
             kernel_for(_dot_t_kernel, pdl)[grid](
                 x, weight, out, m, n, k_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), scales,
-                BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k, IEEE_DOT=x.dtype == torch.float32,
-                GDC=gdc(pdl), SCALED=scale is not None, **options)
+                x_scales, BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), SCALED=scale is not None,
+                TOKENS_SCALED=x_scale is not None, **options)
         elif config.kernel == "gemv":
             kernel_for(_gemv_kernel, pdl)[grid](
                 x, weight, out, n, k_split, weight.stride(0), out.stride(0), scales,
@@ -376,9 +389,10 @@ if triton is not None:
         return empty_partials(x, weight.shape[0], GemmConfig.parse(config))
 
 
-def empty_partials(x: torch.Tensor, n: int, config: GemmConfig) -> torch.Tensor:
-    """The [split, M, N] output of x [M, K] times an [N, K] weight: float32 when K is split, else x.dtype."""
-    return x.new_empty((config.split, x.shape[0], n), dtype=torch.float32 if config.split > 1 else x.dtype)
+def empty_partials(x: torch.Tensor, n: int, config: GemmConfig, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The [split, M, N] output of x [M, K] times an [N, K] weight: float32 when K is split, else `dtype`
+    (default x.dtype)."""
+    return x.new_empty((config.split, x.shape[0], n), dtype=torch.float32 if config.split > 1 else dtype or x.dtype)
 
 
 def tile_maxima(x: torch.Tensor, n: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
