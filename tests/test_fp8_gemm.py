@@ -65,6 +65,24 @@ def test_lookup_needs_the_table_a_cuda_bf16_input_and_an_e4m3_weight(monkeypatch
         assert fp8_config_for(torch.zeros(65, 512, dtype=torch.bfloat16), w) is None
 
 
+def test_a_sweep_replaces_only_the_entries_of_the_shapes_it_timed(monkeypatch, tmp_path):
+    import json
+
+    from serving.bench.quant_tables import install_fp8
+
+    monkeypatch.setattr(fp8_gemm, "TUNED_FP8", {})
+    monkeypatch.setattr(fp8_gemm, "TUNED_FP8_CONFIGS", {})
+    install_table({(64, 4096, 4096): "dott:n64:k256:s2:w4:st5", (1, 4096, 4096): "dott:n64:k256:s4:w4:st3"})
+    cell = {"rows": 64, "n": 4096, "k": 4096, "baseline_us": 10.0,
+            "best": [{"config": "dott:n64:k128:s4:w4:st4", "us": 7.0}]}
+    report = tmp_path / "fp8-sweep.json"
+    report.write_text(json.dumps({"cells": [cell]}))
+    install_fp8(str(report))
+    assert fp8_gemm.TUNED_FP8 == {(64, 4096, 4096): "dott:n64:k128:s4:w4:st4",
+                                  (1, 4096, 4096): "dott:n64:k256:s4:w4:st3"}
+    assert fp8_gemm.TUNED_FP8_CONFIGS[(64, 4096, 4096)].split == 4
+
+
 @pytest.mark.skipif(not triton_available(), reason="needs triton")
 def test_a_config_that_does_not_fit_is_refused_naming_it():
     xq, xs = quantize_tokens_fp8(torch.randn(4, 96))
