@@ -44,7 +44,8 @@ def connect_targets(spec: ReleaseSpec) -> list[Target]:
     from flows.embedded import ensure_embedded
 
     server = ensure_embedded(spec.triton.model_repository, load_timeout_s=spec.triton.load_timeout_s)
-    return resolve_targets(spec.triton, embedded_url=server.http_url, embedded_metrics_url=server.metrics_url)
+    return resolve_targets(spec.triton, embedded_url=server.http_url, embedded_metrics_url=server.metrics_url,
+                           embedded_grpc_url=server.grpc_url)
 
 
 def repositories(spec: ReleaseSpec) -> tuple[Path, ...]:

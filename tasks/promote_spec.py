@@ -40,6 +40,18 @@ class TritonEndpoint(BaseModel):
     metrics_url: str | None = Field(
         None, description="Prometheus endpoint of that server (e.g. http://127.0.0.1:8002); needed by analysis "
         "metrics with provider `prometheus`.")
+    grpc_url: str | None = Field(
+        None, description="gRPC address of that server (host:port, e.g. 127.0.0.1:8001). When set, model loads "
+        "go through it: an HTTP load holds one of Triton's HTTP threads until the model is loaded, and the HTTP "
+        "clients whose connections that thread serves wait with it (seconds while a candidate loads).")
+
+    @field_validator("grpc_url")
+    @classmethod
+    def _host_port(cls, grpc_url: str | None) -> str | None:
+        if grpc_url is not None and (grpc_url.startswith(("http://", "https://", "grpc://")) or ":" not in grpc_url):
+            raise ValueError(f"Triton gRPC address {grpc_url!r} (triton.endpoints[].grpc_url) must be host:port, "
+                             "without a scheme")
+        return grpc_url
 
     @field_validator("url")
     @classmethod

@@ -19,25 +19,27 @@ class Target:
     model_repository: Path
     setting: str
     metrics_url: str | None = None
+    grpc_url: str | None = None  # model loads go over gRPC when set (serving.triton.control: HTTP loads stall clients)
 
     def control(self, *, request_timeout_s: float = 10.0):
         from serving.triton.control import TritonControl
 
-        return TritonControl(self.url, setting=self.setting, request_timeout_s=request_timeout_s)
+        return TritonControl(self.url, grpc_url=self.grpc_url, setting=self.setting,
+                             request_timeout_s=request_timeout_s)
 
 
 def resolve_targets(triton: TritonSpec, *, embedded_url: str | None = None,
-                    embedded_metrics_url: str | None = None) -> list[Target]:
+                    embedded_metrics_url: str | None = None, embedded_grpc_url: str | None = None) -> list[Target]:
     """The spec's endpoints, or the embedded server when the spec names none."""
     if triton.endpoints:
         return [
-            Target(e.url, Path(e.model_repository), f"triton.endpoints[{i}].url", e.metrics_url)
+            Target(e.url, Path(e.model_repository), f"triton.endpoints[{i}].url", e.metrics_url, e.grpc_url)
             for i, e in enumerate(triton.endpoints)
         ]
     if embedded_url is None:
         raise ValueError("no Triton endpoints in the spec and no embedded server running")
     return [Target(embedded_url, Path(triton.model_repository), "triton.model_repository (embedded server)",
-                   embedded_metrics_url)]
+                   embedded_metrics_url, embedded_grpc_url)]
 
 
 def live_version(target: Target, model_name: str) -> int | None:

@@ -298,3 +298,15 @@ def test_text_check_fails_a_candidate_whose_text_answers_differ_from_the_live_to
     first = TextPlan(("a",), None, "no live version to take a reference tokenizer from")
     assert "ids" not in "".join(first.key_of(n) for n in range(8))
     assert check_text(same, first, 2, min_pairs=2, max_mismatch=0.5).judged is False
+
+
+def test_an_endpoint_grpc_url_is_host_and_port() -> None:
+    from tasks.promote_spec import TritonEndpoint
+    from tasks.targets import resolve_targets
+
+    ok = TritonEndpoint(url="http://127.0.0.1:8000", model_repository="/r", grpc_url="127.0.0.1:8001")
+    assert resolve_targets(TritonSpec(endpoints=[ok]))[0].control().grpc_url == "127.0.0.1:8001"
+    for bad in ("grpc://127.0.0.1:8001", "127.0.0.1"):
+        with pytest.raises(ValidationError, match=rf"gRPC address '{bad}' \(triton.endpoints\[\]\.grpc_url\) must "
+                                                  "be host:port"):
+            TritonEndpoint(url="http://127.0.0.1:8000", model_repository="/r", grpc_url=bad)

@@ -7,6 +7,7 @@ The tests in this module share one server and run in file order (each step build
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from triton_support import TritonServers, make_tiny_engine, pid_alive
 from serving.engine import load_engine
 from serving.triton import (
     InferenceError,
+    ModelLoadError,
     ModelLoadTimeout,
     TritonControl,
     apply_router_weights,
@@ -178,6 +180,23 @@ class TritonPythonModel:
     def execute(self, requests):
         return []
 '''
+
+
+def test_loads_over_grpc(world) -> None:
+    """With ``grpc_url`` loads go over gRPC (an HTTP load holds one of Triton's HTTP threads until it is done,
+    stalling the HTTP clients that thread serves): the router reloads there with its complete config and
+    answers; a model the repository lacks is refused, naming it, the address and the setting."""
+    from serving.triton.repository import router_weights
+
+    proc, root = world["proc"], world["root"]
+    control = TritonControl(proc.http_url, grpc_url=proc.grpc_url, setting="triton.endpoints[0]")
+    weights = router_weights(root, NAME)
+    config = apply_router_weights(control, root, NAME, weights, timeout_s=60)
+    assert control.model_config(NAME)["parameters"]["load_id"] == config["parameters"]["load_id"]
+    assert infer_ids(proc.http_url, NAME, PROMPTS[0], max_tokens=2).routed_version in weights
+    with pytest.raises(ModelLoadError, match=rf"Triton at {re.escape(proc.grpc_url)} \(gRPC of .*triton.endpoints"
+                                             r"\[0\]\) refused to load 'absent': .*absent"):
+        control.load_model("absent", timeout_s=30)
 
 
 def test_load_timeout_raises_and_stop_kills(world) -> None:

@@ -1,9 +1,13 @@
-"""Triton repository API client (explicit model-control mode) over HTTP.
+"""Triton repository API client (explicit model-control mode) over HTTP, loads over gRPC when given its address.
 
 Pitfalls handled here (measured on the bundled 2.51): a python stub that cannot start makes
 ``load`` hang forever, so every call has its own timeout; ``unload`` returns before the unload has
 finished, so ``unload_model(wait=True)`` polls the repository index; ``load_model(config=...)``
 replaces the WHOLE config, and after such an override a plain load is a no-op until unload + load.
+An HTTP load holds the HTTP thread that took it until the model is loaded, and every HTTP client whose
+connection that thread serves waits with it (Triton issue #8958; seen: both clients of a rollout's load
+test stalled 7-11 s while a candidate loaded); a gRPC load runs on a thread of its own, so with
+``grpc_url`` loads go over gRPC (``tritonclient.grpc``, imported when first used).
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ class ModelState:
 class TritonControl:
     """Repository and health API of one Triton endpoint."""
 
-    def __init__(self, http_url: str, *, setting: str = "triton.http_url", request_timeout_s: float = 10.0) -> None:
+    def __init__(self, http_url: str, *, grpc_url: str | None = None, setting: str = "triton.http_url",
+                 request_timeout_s: float = 10.0) -> None:
         self.http_url = http_url.rstrip("/")
+        self.grpc_url = grpc_url
         self.setting = setting
         self.request_timeout_s = request_timeout_s
 
@@ -83,6 +89,9 @@ class TritonControl:
 
     def load_model(self, name: str, *, config: dict[str, Any] | None = None, timeout_s: float = 60.0) -> None:
         """Load (or reload) ``name``; ``config`` must be the COMPLETE model config (it replaces the file's)."""
+        if self.grpc_url:
+            self._load_over_grpc(name, config, timeout_s)
+            return
         body: dict[str, Any] = {}
         if config is not None:
             body = {"parameters": {"config": json.dumps(config)}}
@@ -95,6 +104,27 @@ class TritonControl:
                 f"{timeout_s:g} s (argument timeout_s); a python stub that cannot start hangs the load: "
                 "stop the server by PID"
             ) from exc
+
+    def _load_over_grpc(self, name: str, config: dict[str, Any] | None, timeout_s: float) -> None:
+        from tritonclient.grpc import InferenceServerClient
+        from tritonclient.utils import InferenceServerException
+
+        where = f"Triton at {self.grpc_url} (gRPC of {self.http_url}, setting {self.setting})"
+        client = InferenceServerClient(self.grpc_url)
+        try:
+            client.load_model(name, config=None if config is None else json.dumps(config), client_timeout=timeout_s)
+        except InferenceServerException as exc:
+            status = str(exc.status() or "")
+            if status.endswith("DEADLINE_EXCEEDED"):
+                raise ModelLoadTimeout(
+                    f"model {name!r} did not load on {where} within {timeout_s:g} s (argument timeout_s); a python "
+                    "stub that cannot start hangs the load: stop the server by PID") from exc
+            if status.endswith("UNAVAILABLE"):
+                raise TritonUnreachableError(f"{where} is unreachable for the load of {name!r}: {exc.message()}") \
+                    from exc
+            raise ModelLoadError(f"{where} refused to load {name!r}: {exc.message()}") from exc
+        finally:
+            client.close()
 
     def unload_model(self, name: str, *, timeout_s: float = 30.0, wait: bool = True,
                      unload_dependents: bool = False) -> None:
