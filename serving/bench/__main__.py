@@ -153,11 +153,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lod.add_argument("--engine", type=Path, required=True)
     lod.add_argument("--compile-cache", type=Path, required=True, help="root of the compile caches")
     lod.add_argument("--out", type=Path, default=Path("bench-engine-load.json"))
+    lod.add_argument("--profile", type=Path, default=None, help="compile on this thread under cProfile; its top "
+                     "calls written here")
     pair = sub.add_parser("load-pair", help="first load against second load of an engine, each in a fresh process "
                           "with empty inductor/Triton caches: the second finds only the first's compile cache")
     pair.add_argument("--engine", type=Path, required=True)
     pair.add_argument("--work", type=Path, default=Path("build/bench-load"))
     pair.add_argument("--out", type=Path, default=Path("bench-load.json"))
+    pair.add_argument("--profile", action="store_true", help="a third load, as the second under cProfile")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -261,14 +264,14 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_mode == "engine-load":
         from serving.bench.load_time import measure_load
 
-        report = measure_load(args.engine, args.compile_cache)
+        report = measure_load(args.engine, args.compile_cache, profile=args.profile)
         args.out.write_text(json.dumps(report, indent=1))
         return 0
     if args.bench_mode == "load-pair":
         from serving.bench.load_time import run_load_pair
 
         args.work.mkdir(parents=True, exist_ok=True)
-        report = run_load_pair(args.engine, args.work / "compile-cache", args.work)
+        report = run_load_pair(args.engine, args.work / "compile-cache", args.work, profile=args.profile)
         args.out.write_text(json.dumps(report, indent=1))
         return 0
     from serving.bench.served import parse_variant, run_served

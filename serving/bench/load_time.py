@@ -28,10 +28,16 @@ def fresh_compile_dirs(parent: Path) -> dict[str, str]:
     return {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"), "TRITON_CACHE_DIR": str(base / "triton")}
 
 
-def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, gen_len: int = 16) -> dict[str, Any]:
-    """Load, compile (with the compile cache under `cache_root`), warm up, then time one generate."""
+def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, gen_len: int = 16,
+                 profile: Path | None = None) -> dict[str, Any]:
+    """Load, compile (with the compile cache under `cache_root`), warm up, then time one generate; with the
+    breakdown: torch import, CUDA start, weights, each graph's capture (its compile included), torch's compile
+    caches (`compile_trace`). With `profile`, the compile and warm-up run on this thread under cProfile instead
+    of the engine thread, and the 60 most expensive calls (cumulative) are written there."""
+    t_import = time.perf_counter()
     import torch
 
+    from serving.bench.compile_trace import CompileTrace
     from serving.engine import load_engine
     from serving.engine.compile_cache import decode_step_cache, inductor_cache_counts
     from serving.triton.models.llm import EngineThread, Log
@@ -46,15 +52,24 @@ def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, g
     log = _Log("load-bench")
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
+    if cuda:
+        torch.empty(1, device="cuda")
+        torch.cuda.synchronize()
+    cuda_started = time.perf_counter()
     runner = load_engine(engine_dir, device="auto")
     if cuda:
         torch.cuda.synchronize()
     loaded = time.perf_counter()
     thread = EngineThread(runner, log, device_id=0 if cuda else None, compile_decode=True, warmup=True,
                           compile_cache_root=cache_root)
-    thread.start()
+    with CompileTrace() as trace:
+        if profile is None:
+            thread.start()
+        else:
+            _profiled(profile, lambda: (thread.prepare_decode(), runner.warm_up_prefill()))
     ready = time.perf_counter()
-    thread.stop()
+    if profile is None:
+        thread.stop()
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(64)] for i in range(batch)]
     g0 = time.perf_counter()
     runner.generate(prompts, max_new_tokens=gen_len, logprobs=False)
@@ -62,33 +77,63 @@ def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, g
         torch.cuda.synchronize()
     generated = time.perf_counter()
     cache = decode_step_cache(runner, cache_root, pdl=thread.decode_pdl)
+    graphs = runner.graphs
     return {
         "engine": str(engine_dir), "load_s": loaded - t0, "prepare_s": ready - loaded, "ready_s": ready - t0,
+        "breakdown": {"import_s": t0 - t_import, "cuda_start_s": cuda_started - t0, "weights_s": loaded - cuda_started,
+                      "captures_s": {f"{b}x{kv}": round(s, 3) for (b, kv), s in
+                                     (graphs.capture_times.items() if graphs is not None else ())},
+                      "profiled": str(profile) if profile else None},
         "first_generate_s": generated - g0, "compile_decode": thread.compile_decode, "decode_pdl": thread.decode_pdl,
-        "graphs": len(runner.graphs.graphs) if runner.graphs is not None else 0,
+        "graphs": len(graphs.graphs) if graphs is not None else 0,
         "fx_graph_cache": inductor_cache_counts(), "cache_entry": str(cache.entry) if cache else None,
         "restored": any("restored" in line for line in lines), "log": lines,
         "gpu": torch.cuda.get_device_name(0) if cuda else None, "torch": torch.__version__,
+        "compile_trace": trace.report(),
     }
 
 
-def run_load_pair(engine_dir: Path, cache_root: Path, work: Path, *, timeout_s: float = 300.0) -> dict[str, Any]:
+def _profiled(out: Path, work: Any) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(work)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+    out.write_text(text.getvalue())
+
+
+def run_load_pair(engine_dir: Path, cache_root: Path, work: Path, *, timeout_s: float = 300.0,
+                  profile: bool = False) -> dict[str, Any]:
     """First load (empty compile cache) then second load (the first's cache), each in a fresh process with
-    fresh inductor/Triton cache folders."""
+    fresh inductor/Triton cache folders; with `profile`, a third ("second-profiled", as the second under
+    cProfile: `<work>/second-profile.txt`). ``aot_key_differences``: why the second's AOTAutograd lookups that
+    missed did (`compile_trace.key_differences`)."""
+    from serving.bench.compile_trace import key_differences
+
     report: dict[str, Any] = {}
-    for label in ("first", "second"):
+    for label in ("first", "second", "second-profiled") if profile else ("first", "second"):
         out = work / f"load-{label}.json"
         env = {**os.environ, **fresh_compile_dirs(work), "PYTHONUNBUFFERED": "1"}
         started = time.perf_counter()
         cmd = [sys.executable, "-m", "serving.bench", "engine-load", "--engine", str(engine_dir),
                "--compile-cache", str(cache_root), "--out", str(out)]
+        if label == "second-profiled":
+            cmd += ["--profile", str(work / "second-profile.txt")]
         done = subprocess.run(cmd, check=False, env=env, timeout=timeout_s)  # its output: this process's
         if done.returncode != 0:
             report[label] = {"error": f"rc={done.returncode}"}
             break
         report[label] = json.loads(out.read_text())
         report[label]["process_s"] = time.perf_counter() - started
-        print(label, {k: v for k, v in report[label].items() if k != "log"}, flush=True)
+        print(label, {k: v for k, v in report[label].items() if k not in ("log", "compile_trace")}, flush=True)
+    if "compile_trace" in report.get("second", {}):
+        report["aot_key_differences"] = key_differences(report["first"]["compile_trace"]["aot_keys"],
+                                                        report["second"]["compile_trace"]["aot_keys"])
+        print("AOTAutograd keys of the second load that the first lacked:",
+              json.dumps(report["aot_key_differences"], indent=1)[:20000], flush=True)
     return report
 
 

@@ -174,6 +174,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_s = 0.0
+        self.capture_times: dict[tuple[int, int], float] = {}  # seconds per captured graph, compile included
 
     def batch_bucket(self, b: int) -> int:
         return next(x for x in self.buckets if x >= b)
@@ -202,6 +203,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         took = time.perf_counter() - started
         self.capture_s += took
+        self.capture_times[(bsz, kv_len)] = took
         self.log(f"captured decode graph batch={bsz} kv_len={kv_len} in {took:.2f} s")
         return graph, logits
 
