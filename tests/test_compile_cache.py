@@ -264,6 +264,24 @@ def test_the_triton_kernels_a_compile_wrote_are_kept_and_put_back(tmp_path):
     assert "(2 Triton cache files)" in lines[0]
 
 
+def test_kernels_put_back_under_another_cache_root_are_found_there(tmp_path):
+    """Triton's group record names the kernel's files by absolute path and takes a missing path as a miss: put
+    back under another root, the record must point at the files there (else every kernel compiles again)."""
+    first_triton, second_triton = tmp_path / "triton-1", tmp_path / "triton-2"
+    with kept(make(tmp_path / "root", Torch(), triton_dir=first_triton)):
+        folder = kernel_folder(first_triton, "NEW")
+        (folder / "__grp__k.json").write_text(json.dumps(
+            {"child_paths": {name: str(folder / name) for name in ("k.cubin", "k.json")}}))
+        names_only = kernel_folder(first_triton, "NAMES")  # a Triton that records the names alone
+        (names_only / "__grp__k.json").write_text(json.dumps({"child_paths": ["k.cubin", "k.json"]}))
+    with kept(make(tmp_path / "root", Torch(), triton_dir=second_triton)) as restored:
+        assert restored is not None
+    paths = json.loads((second_triton / "NEW" / "__grp__k.json").read_text())["child_paths"]
+    assert paths == {name: str(second_triton / "NEW" / name) for name in ("k.cubin", "k.json")}
+    assert all(Path(p).is_file() for p in paths.values())
+    assert json.loads((second_triton / "NAMES" / "__grp__k.json").read_text()) == {"child_paths": ["k.cubin", "k.json"]}
+
+
 def test_an_archive_reaching_outside_its_folder_is_refused(tmp_path):
     outside = tmp_path / "evil.txt"
     outside.write_text("x")

@@ -8,7 +8,8 @@
 #    (fresh inductor/Triton caches each, one compile cache dir), model load to ready and one request,
 #  - while the second serves it: the fit check (tasks.fit.check_fits, Triton's GPU memory metrics) of a
 #    candidate built from the same checkpoint with limits that fit an empty GPU but not beside the live one.
-# Results under $OUT: steps.log, load-pair.json, triton.json, triton-*.log.
+# Results under $OUT: steps.log, load-pair.json, triton.json, triton-*.log. OFFLINE=0 skips the offline pair,
+# FIT=0 the fit check (each ~40 s of device time); LAYERS=4 builds the 1B shape with 4 layers (a quick breakdown).
 set -u
 OUT=${OUT:-/tmp/loadcache-out}
 WHL=${WHL:-.whl}
@@ -34,16 +35,20 @@ log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
 ) >>"$OUT/steps.log" 2>&1 &
 VENV_PID=$!
 
-timeout 100 python3 -c 'from pathlib import Path; from serving.bench.served import build_random_engine
-print(build_random_engine("llama-3.2-1b", Path("/tmp/lc"), max_batch_size=64, max_seq_len=256))' >>"$OUT/steps.log" 2>&1
+timeout 100 python3 -c 'import sys; from pathlib import Path; from serving.bench import models
+from serving.bench.served import build_random_engine
+models.SHAPES["lc"] = {**models.SHAPES["llama-3.2-1b"], "num_hidden_layers": int(sys.argv[1])}
+print(build_random_engine("lc", Path("/tmp/lc"), max_batch_size=64, max_seq_len=256))' "${LAYERS:-16}" >>"$OUT/steps.log" 2>&1
 log "engine built rc=$?"
-timeout 150 python3 -m serving.bench load-pair --engine "$W/engine" --work "$W/offline" --out "$OUT/load-pair.json" \
-  >"$OUT/load-pair.log" 2>&1
-log "load pair rc=$?"
+if [ "${OFFLINE:-1}" = 1 ]; then
+  timeout 200 python3 -m serving.bench load-pair --engine "$W/engine" --work "$W/offline" --out "$OUT/load-pair.json" \
+    >"$OUT/load-pair.log" 2>&1
+  log "load pair rc=$?"
+fi
 wait $VENV_PID; log "venv rc=$?"
 
 PATH=/tmp/venv/bin:$PATH timeout "${TRITON_S:-150}" /tmp/venv/bin/python - "$W" "$OUT" <<'PY' >"$OUT/triton-run.log" 2>&1
-import json, sys
+import json, os, sys
 from pathlib import Path
 
 from serving.bench.load_time import run_triton_loads
@@ -79,7 +84,8 @@ def fit_check(metrics_url: str, http_url: str) -> dict:
     return result
 
 
-report = run_triton_loads(work / "engine", work / "triton", during_second=fit_check)
+report = run_triton_loads(work / "engine", work / "triton",
+                          during_second=fit_check if os.environ.get("FIT", "1") == "1" else None)
 (out / "triton.json").write_text(json.dumps(report, indent=1))
 PY
 log "triton rc=$?"
@@ -94,7 +100,10 @@ for name in ("load-pair.json", "triton.json"):
         print(name, "missing", exc)
         continue
     for label, fig in rep.items():
-        print(name, label, {k: v for k, v in fig.items() if k not in ("log", "during_second")})
+        if not isinstance(fig, dict) or label == "aot_key_differences":
+            print(name, label, json.dumps(fig)[:3000])
+            continue
+        print(name, label, {k: v for k, v in fig.items() if k not in ("log", "during_second", "compile_trace")})
         for line in fig.get("log", []):
             print("   ", line)
         if "during_second" in fig:

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -23,9 +24,25 @@ from typing import Any
 
 
 def fresh_compile_dirs(parent: Path) -> dict[str, str]:
-    """Environment variables pointing inductor's and Triton's caches at new empty folders under `parent`."""
+    """Environment variables pointing inductor's and Triton's caches at new empty folders under `parent` (new
+    names each time: the compile cache must not depend on where the folders were when it was stored)."""
     base = Path(tempfile.mkdtemp(prefix="compile-dirs-", dir=parent))
     return {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"), "TRITON_CACHE_DIR": str(base / "triton")}
+
+
+def triton_folders(triton_dir: Path, cache_root: Path | None) -> dict[str, Any]:
+    """The Triton cache folders after a load: how many came from the compile cache's archives under `cache_root`
+    and which kernels (the names of their files) Triton compiled here instead."""
+    restored: set[str] = set()
+    for archive in sorted(cache_root.glob("*/*/triton.tar.gz")) if cache_root is not None else ():
+        with tarfile.open(archive, "r:gz") as tar:
+            restored |= {Path(m.name).parts[0] for m in tar.getmembers()}
+    folders = sorted(d for d in triton_dir.iterdir() if d.is_dir()) if triton_dir.is_dir() else []
+    compiled = [d for d in folders if d.name not in restored]
+    kernels = sorted({f.name.split(".")[0] for d in compiled for f in d.iterdir()
+                      if f.suffix == ".json" and not f.name.startswith("__grp__")})
+    return {"folders": len(folders), "from_archive": len(folders) - len(compiled), "compiled_here": len(compiled),
+            "compiled_kernels": kernels}
 
 
 def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, gen_len: int = 16,
@@ -56,6 +73,8 @@ def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, g
         torch.empty(1, device="cuda")
         torch.cuda.synchronize()
     cuda_started = time.perf_counter()
+    import_kernels()
+    kernels_imported = time.perf_counter()
     runner = load_engine(engine_dir, device="auto")
     if cuda:
         torch.cuda.synchronize()
@@ -80,7 +99,8 @@ def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, g
     graphs = runner.graphs
     return {
         "engine": str(engine_dir), "load_s": loaded - t0, "prepare_s": ready - loaded, "ready_s": ready - t0,
-        "breakdown": {"import_s": t0 - t_import, "cuda_start_s": cuda_started - t0, "weights_s": loaded - cuda_started,
+        "breakdown": {"import_s": t0 - t_import, "cuda_start_s": cuda_started - t0,
+                      "kernel_imports_s": kernels_imported - cuda_started, "weights_s": loaded - kernels_imported,
                       "captures_s": {f"{b}x{kv}": round(s, 3) for (b, kv), s in
                                      (graphs.capture_times.items() if graphs is not None else ())},
                       "profiled": str(profile) if profile else None},
@@ -90,7 +110,17 @@ def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, g
         "restored": any("restored" in line for line in lines), "log": lines,
         "gpu": torch.cuda.get_device_name(0) if cuda else None, "torch": torch.__version__,
         "compile_trace": trace.report(),
+        "triton_folders": triton_folders(Path(os.environ["TRITON_CACHE_DIR"]), cache_root)
+        if os.environ.get("TRITON_CACHE_DIR") else None,
     }
+
+
+def import_kernels() -> None:
+    """What an engine's load imports besides torch: Triton, inductor's runtime and the engine's kernel modules."""
+    import serving.engine.cuda_graphs
+    import serving.engine.decode_attention
+    import serving.engine.gate_up
+    import serving.engine.skinny_gemm  # noqa: F401
 
 
 def _profiled(out: Path, work: Any) -> None:
@@ -158,7 +188,8 @@ def run_triton_loads(engine_dir: Path, work: Path, *, load_timeout_s: float = 30
     model = f"{MODEL}_v{version}"
     report: dict[str, Any] = {}
     for label in ("first", "second"):
-        os.environ.update(fresh_compile_dirs(work))  # the stub inherits tritonserver's environment
+        dirs = fresh_compile_dirs(work)
+        os.environ.update(dirs)  # the stub inherits tritonserver's environment
         log_path = work / f"triton-{label}.log"
         proc = start_triton(root, log_path=log_path, ready_timeout_s=120)
         figures: dict[str, Any] = {}
@@ -180,9 +211,10 @@ def run_triton_loads(engine_dir: Path, work: Path, *, load_timeout_s: float = 30
                 figures["tokens_after"] = len(out.output_ids)  # the live engine still serves
         finally:
             proc.stop(timeout_s=20)
+        figures["triton_folders"] = triton_folders(Path(dirs["TRITON_CACHE_DIR"]), cache_dir)
         text = log_path.read_text(errors="replace")
-        figures["log"] = [line[-400:] for line in text.splitlines()
+        figures["log"] = [line[-600:] for line in text.splitlines()
                           if "compile cache" in line or "compiled in" in line or "ready in" in line
-                          or "loaded from" in line]
+                          or "loaded from" in line or "captured" in line]
         print(label, {k: v for k, v in figures.items() if k != "log"}, flush=True)
     return report

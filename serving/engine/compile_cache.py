@@ -9,7 +9,7 @@ The engine's own Triton kernels (the skinny GEMMs and the attention, launched by
 programmatic dependent launch) are compiled by Triton's JIT outside inductor, into Triton's cache folder:
 the files a compile adds there are kept too, and put back before the next compile (Triton names each
 kernel's folder by a hash of its source, options, target and versions, so a folder put back is used only
-where it matches).
+where it matches; its group record, which names the files by absolute path, is pointed at their new place).
 
 One entry per engine and toolchain:
 
@@ -51,6 +51,7 @@ CACHE_FORMAT_VERSION = 1
 ARTIFACTS_FILE = "artifacts.bin"
 RECORD_FILE = "cache.json"
 TRITON_FILE = "triton.tar.gz"
+TRITON_GROUP_PREFIX = "__grp__"  # Triton's record of the files of one compiled kernel
 DEFAULT_DIR_NAME = ".compile-cache"  # in a Triton model repository's root, beside the engines' models
 ENGINE_SOURCE = Path(__file__).resolve().parent
 
@@ -99,8 +100,8 @@ def pack_new_folders(folder: Path, since: float, out: Path) -> int:
 
 
 def unpack_folders(archive: Path, folder: Path) -> int:
-    """Extract a `pack_new_folders` archive into `folder` (plain files and folders inside it only); returns
-    the number of files."""
+    """Extract a `pack_new_folders` archive into `folder` (plain files and folders inside it only), with each
+    kernel's group record pointed at its files' new place (`relink_groups`); returns the number of files."""
     folder.mkdir(parents=True, exist_ok=True)
     with tarfile.open(archive, "r:gz") as tar:
         members = tar.getmembers()
@@ -109,7 +110,36 @@ def unpack_folders(archive: Path, folder: Path) -> int:
                 raise ValueError(f"{archive.name}: member {m.name!r} is not a plain file or folder inside it")
         safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.11.4+: refuse links, modes
         tar.extractall(folder, members=members, **safe)
+    for name in sorted({Path(m.name).parts[0] for m in members}):
+        relink_groups(folder / name)
     return sum(m.isfile() for m in members)
+
+
+def relink_groups(kernel_folder: Path) -> int:
+    """Point the file paths in a Triton kernel folder's group records (`__grp__<kernel>.json`, {"child_paths":
+    {file name: absolute path}}) at the files in `kernel_folder`; returns how many records changed.
+
+    Triton finds a cached kernel through that record and counts a path that does not exist as a miss, so a
+    folder put back under another cache root (another machine's, user's, or a fresh temporary folder) was
+    compiled again: 24 kernels at every second load of the 1B engine on the H200 (docs/performance.md).
+    Records that list only the file names (other Triton versions) are left as they are."""
+    changed = 0
+    for record in sorted(kernel_folder.glob(f"{TRITON_GROUP_PREFIX}*.json")):
+        try:
+            data = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue  # Triton reads it as no entry: a miss, as before
+        paths = data.get("child_paths") if isinstance(data, dict) else None
+        if not isinstance(paths, dict):
+            continue
+        here = {name: str(kernel_folder / Path(str(path)).name) for name, path in paths.items()}
+        if here != paths:
+            data["child_paths"] = here
+            tmp = record.with_name(record.name + f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, record)
+            changed += 1
+    return changed
 
 
 def source_digest(folder: Path = ENGINE_SOURCE) -> str:

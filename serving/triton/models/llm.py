@@ -328,6 +328,9 @@ class EngineThread:
         graphs = getattr(self.runner, "graphs", None)
         if self.warmup and graphs is not None:
             graphs.warm_up()
+            times = getattr(graphs, "capture_times", {})
+            self.log.info(f"captured {len(times)} decode graphs in {sum(times.values()):.2f} s (batch x KV bucket: "
+                          + ", ".join(f"{b}x{kv} {s:.2f} s" for (b, kv), s in times.items()) + ")")
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.scheduler is not None:
