@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -38,7 +37,6 @@ import torch
 
 from serving.engine.quantize import fp8_scaled_linear as ENGINE_LINEAR  # bound before any patch
 
-COLD_BYTES = 256 * 2**20  # weight copies per GEMM, so that L2 never holds the next one
 EAGER_CALLS = 40
 GEMMS = ("wqkv", "wo", "w13", "w2")
 
@@ -123,23 +121,16 @@ def _cold(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> 
 
 def gemm_cell(rows: int, n: int, k: int) -> dict[str, Any]:
     """Every variant of one prefill GEMM [rows, k] x [n, k]^T."""
-    from serving.engine.quantize import (
-        fp8_scaled_linear,
-        quantize_tokens_fp8,
-        quantize_weight,
-        tokens_to_e4m3,
-    )
+    from serving.bench.fp8_sweep import cold_bf16_weights, fp8_copies
+    from serving.engine.quantize import fp8_scaled_linear, quantize_tokens_fp8, tokens_to_e4m3
 
-    copies = max(2, min(16, math.ceil(COLD_BYTES / (n * k))))
-    bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 8))]
+    bf16, copies = cold_bf16_weights(n, k, least=2)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     cell: dict[str, Any] = {"rows": rows, "n": n, "k": k, "variants": {}}
     v = cell["variants"]
     v["bf16 F.linear"] = _cold(lambda w: torch.nn.functional.linear(x, w), bf16)
-    quantized = [quantize_weight(bf16[i % len(bf16)] * (1 + 0.01 * i), "fp8") for i in range(copies)]
+    weights, scales = fp8_copies(bf16, copies)
     del bf16
-    scales = {id(q): s for q, s in quantized}
-    weights = [q for q, _ in quantized]
     xq, xs = quantize_tokens_fp8(x)
     one = torch.ones((), device="cuda", dtype=torch.float32)
     ref = fp8_scaled_linear(x, weights[0], scales[id(weights[0])], None).float()
@@ -154,7 +145,8 @@ def gemm_cell(rows: int, n: int, k: int) -> dict[str, Any]:
         out = fn(x, weights[0], scales[id(weights[0])], None).float()
         v[f"candidate {name}"] = {**_cold(lambda w, f=fn: f(x, w, scales[id(w)], None), weights),
                                   "rel_err": float((out - ref).norm() / ref.norm())}
-    del weights, quantized
+    del weights
+    scales.clear()
     torch.cuda.empty_cache()
     return cell
 

@@ -102,6 +102,20 @@ def time_cold_us(fn, weights: list[torch.Tensor]) -> float:
     return graph_time_us(lambda: fn(next(copies)), calls=24, replays=3, warmup=2)
 
 
+def cold_bf16_weights(n: int, k: int, *, least: int = 1) -> tuple[list[torch.Tensor], int]:
+    """Random bf16 weights [N, K] (at most 8) and how many one-byte copies keep L2 cold (`COLD_BYTES`)."""
+    copies = max(least, min(16, math.ceil(COLD_BYTES / (n * k))))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 8))], copies
+
+
+def fp8_copies(bf16: list[torch.Tensor], copies: int) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """`copies` e4m3 weights of `bf16` in turn (each pass 1% larger) and their scales by the weight's id."""
+    from serving.engine.quantize import quantize_weight
+
+    quantized = [quantize_weight(bf16[i % len(bf16)] * (1 + 0.01 * (i // len(bf16))), "fp8") for i in range(copies)]
+    return [q for q, _ in quantized], {id(q): s for q, s in quantized}
+
+
 def sweep_cell(rows: int, n: int, k: int) -> dict[str, Any]:
     """The engine's paths and every fitting fp8 config at one (rows, N, K)."""
     from serving.engine.fp8_gemm import fits, launch_fp8
@@ -111,19 +125,14 @@ def sweep_cell(rows: int, n: int, k: int) -> dict[str, Any]:
         fp8_emulated_linear,
         fp8_scaled_linear,
         quantize_tokens_fp8,
-        quantize_weight,
     )
     from serving.engine.skinny_gemm import MAX_ROWS, launch, quantized_config_for
 
-    copies = max(1, min(16, math.ceil(COLD_BYTES / (n * k))))
-    bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 8))]
+    bf16, copies = cold_bf16_weights(n, k)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     cublas = time_cold_us(lambda w: torch.nn.functional.linear(x, w), bf16)
-    quantized = [quantize_weight(w, "fp8") for w in bf16]
-    quantized += [quantize_weight(bf16[i % len(bf16)] * 1.01, "fp8") for i in range(copies - len(bf16))]
+    weights, scales = fp8_copies(bf16, copies)
     del bf16
-    scales = {id(q): s for q, s in quantized}
-    weights = [q for q, _ in quantized]
     xq, xs = quantize_tokens_fp8(x)
     ref = fp8_emulated_linear(x, weights[0], scales[id(weights[0])], None).float()
 
@@ -158,7 +167,8 @@ def sweep_cell(rows: int, n: int, k: int) -> dict[str, Any]:
         results.append({"config": config.key(), "us": us, "rel_err": err})
     timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
     cell.update(best=timed[:3], tried=len(results), failed=[r for r in results if "us" not in r][:5])
-    del weights, quantized
+    del weights
+    scales.clear()
     torch.cuda.empty_cache()
     return cell
 
