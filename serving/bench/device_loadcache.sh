@@ -9,7 +9,8 @@
 #  - while the second serves it: the fit check (tasks.fit.check_fits, Triton's GPU memory metrics) of a
 #    candidate built from the same checkpoint with limits that fit an empty GPU but not beside the live one.
 # Results under $OUT: steps.log, load-pair.json, triton.json, triton-*.log. OFFLINE=0 skips the offline pair,
-# FIT=0 the fit check (each ~40 s of device time); LAYERS=4 builds the 1B shape with 4 layers (a quick breakdown).
+# FIT=0 the fit check (each ~40 s of device time); LAYERS=4 builds the 1B shape with 4 layers and PROFILE=1 adds a
+# cProfile'd second offline load (the breakdown: LAYERS=4 PROFILE=1 TRITON=0, ~110 s); TRITON=0 skips Triton.
 set -u
 OUT=${OUT:-/tmp/loadcache-out}
 WHL=${WHL:-.whl}
@@ -41,12 +42,14 @@ models.SHAPES["lc"] = {**models.SHAPES["llama-3.2-1b"], "num_hidden_layers": int
 print(build_random_engine("lc", Path("/tmp/lc"), max_batch_size=64, max_seq_len=256))' "${LAYERS:-16}" >>"$OUT/steps.log" 2>&1
 log "engine built rc=$?"
 if [ "${OFFLINE:-1}" = 1 ]; then
-  timeout 200 python3 -m serving.bench load-pair --engine "$W/engine" --work "$W/offline" --out "$OUT/load-pair.json" \
-    >"$OUT/load-pair.log" 2>&1
+  timeout 300 python3 -m serving.bench load-pair --engine "$W/engine" --work "$W/offline" --out "$OUT/load-pair.json" \
+    ${PROFILE:+--profile} >"$OUT/load-pair.log" 2>&1
+  cp "$W"/offline/second-profile.txt "$OUT"/ 2>/dev/null
   log "load pair rc=$?"
 fi
 wait $VENV_PID; log "venv rc=$?"
 
+if [ "${TRITON:-1}" = 1 ]; then
 PATH=/tmp/venv/bin:$PATH timeout "${TRITON_S:-150}" /tmp/venv/bin/python - "$W" "$OUT" <<'PY' >"$OUT/triton-run.log" 2>&1
 import json, os, sys
 from pathlib import Path
@@ -89,6 +92,7 @@ report = run_triton_loads(work / "engine", work / "triton",
 (out / "triton.json").write_text(json.dumps(report, indent=1))
 PY
 log "triton rc=$?"
+fi
 cp "$W"/triton/triton-*.log "$OUT"/ 2>/dev/null
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/steps.log"
 import json, sys, pathlib
