@@ -58,6 +58,7 @@ def test_greedy_tokens_equal_static_past_the_kv_budget(engines):
     assert s.finished == 8 and s.failed == 0 and s.preempted > 0 and s.admitted == 8 + s.preempted
     assert s.largest_batch <= 4 and s.peak_blocks <= CONFIG.num_blocks
     assert paged.allocator.free == CONFIG.num_blocks, "finished requests give their blocks back"
+    assert paged.decode.steps > 0, "steps of decodes only went through paged_decode"
 
 
 def test_chunked_prefill_of_a_long_prompt_mixed_with_decodes(engines):
@@ -278,7 +279,7 @@ def test_an_engine_built_paged_loads_paged_in_the_gates_and_the_fit_estimate_cou
     block = kv_block_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, block_size=8,
                            element_bytes=4)
     estimate = estimate_engine_memory(paged_build)
-    assert estimate.kv_cache_bytes == 20 * block and estimate.paged and "20 blocks of 8" in estimate.kv_cache
+    assert estimate.kv_cache_bytes == 21 * block and estimate.paged and "20 blocks of 8" in estimate.kv_cache
     static_kv = kv_cache_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                                max_batch_size=4, max_seq_len=80, dtype="float32")
     assert estimate_engine_memory(static_dir).kv_cache_bytes == static_kv and not estimate_engine_memory(static_dir).paged

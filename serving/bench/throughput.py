@@ -176,7 +176,8 @@ def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any
             static_bytes = 2 * args.n_layers * args.kv_size * cfg.static_batch * max_seq_len * 2
             config = PagedKVConfig(block_size=cfg.block_size, max_num_tokens=cfg.max_num_tokens,
                                    free_mem_fraction=cfg.free_mem_fraction * (free - static_bytes) / free)
-        paged = PagedRunner(info(cfg.paged_live), model, device, config)
+        paged = PagedRunner(info(cfg.paged_live), model, device, config,
+                            decode_gemm=pick_decode_gemm("auto", device, dtype))
     if "static" in cfg.sides:
         model.setup_caches(cfg.static_batch, max_seq_len)
         model.decode_attention_impl = pick_decode_attention("auto", device, dtype)
@@ -206,6 +207,8 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
         t0 = time.perf_counter()
         if side == "static" and runner.graphs is not None:
             runner.graphs.warm_up()
+        if side == "paged":
+            runner.warm_up_decode()
         if cfg.warmup_requests:
             run_side(make(), warm, side)
         setup = time.perf_counter() - t0

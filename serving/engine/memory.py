@@ -2,7 +2,8 @@
 
 weights (the bytes of its weight files) + the KV cache (keys and values for every layer and KV head, in the
 engine's dtype): for a static engine ``max_batch_size x max_seq_len`` tokens, the caches the runner allocates;
-for a paged engine (``engine.json`` has ``paged``) its pool: ``num_blocks`` blocks when the build fixed them,
+for a paged engine (``engine.json`` has ``paged``) its pool: ``num_blocks`` blocks when the build fixed them
+(plus the one block the decode graphs' padding rows write to),
 else (a pool sized at load from ``free_mem_fraction`` of the memory free after the weights) the least memory
 that lets the load succeed: one sequence of ``max_seq_len`` must fit in that fraction, so the estimate is that
 sequence's blocks divided by the fraction. What the runtime adds on top (activations, CUDA graphs, the python
@@ -61,7 +62,7 @@ def paged_pool_bytes(info) -> tuple[int, str]:
     block = kv_block_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                            block_size=p.block_size, element_bytes=DTYPE_BYTES[info.limits.dtype])
     if p.num_blocks is not None:
-        return p.num_blocks * block, f"paged pool of {p.num_blocks} blocks of {p.block_size}"
+        return (p.num_blocks + 1) * block, f"paged pool of {p.num_blocks} blocks of {p.block_size} (+1 for padding)"
     least = blocks_for(info.limits.max_seq_len, p.block_size)
     how = (f"paged pool sized at load from {p.free_mem_fraction:.0%} of the free memory; at least {least} blocks "
            f"(one sequence of max_seq_len {info.limits.max_seq_len})")

@@ -13,7 +13,9 @@ static runner:
 - `prefill_logits(prompt)`: teacher-forced logits of every position, through borrowed blocks;
 - `forward(chunks, sample)`: one mixed step (`paged_model.paged_forward`), for the scheduler.
 
-No CUDA graphs and no fused kernels yet: the torch reference path on every device.
+A step of decodes only (every live request past its prompt) runs through `paged_decode.PagedDecodeGraphs`:
+block tables kept on the device, the static step's GEMMs (`decode_gemm`), on CUDA one graph per batch
+bucket. A step with a prefill chunk in it runs `paged_model.paged_forward` eagerly.
 
 Imports: stdlib and torch only.
 """
@@ -38,16 +40,18 @@ from serving.engine.paged_cache import (
     kv_block_bytes,
     resolve_num_blocks,
 )
+from serving.engine.paged_decode import PagedDecodeGraphs, is_decode_only
 from serving.engine.paged_model import ChunkPlan, build_step, paged_forward
 from serving.engine.paged_scheduler import PagedRequest, PagedScheduler
-from serving.engine.runner import Generation, load_model
+from serving.engine.runner import Generation, load_model, pick_decode_gemm
 from serving.engine.sampling import SamplingParams
 
 
 class PagedRunner:
     """A loaded engine with a paged KV cache. Not thread-safe: one scheduler drives it."""
 
-    def __init__(self, info: EngineInfo, model: Transformer, device: torch.device, config: PagedKVConfig) -> None:
+    def __init__(self, info: EngineInfo, model: Transformer, device: torch.device, config: PagedKVConfig, *,
+                 decode_gemm: str = "torch", cuda_graphs: bool = True) -> None:
         a, lim = info.model, info.limits
         weight = model.tok_embeddings.weight
         self.info, self.model, self.device, self.config = info, model, device, config
@@ -57,18 +61,25 @@ class PagedRunner:
         self.num_blocks = resolve_num_blocks(config, device, self.block_bytes)
         check_paged_config(config, num_blocks=self.num_blocks, max_seq_len=lim.max_seq_len,
                            max_batch_size=self.max_live, block_bytes=self.block_bytes)
-        self.cache = PagedKVCache(n_layers=a.n_layers, num_blocks=self.num_blocks, block_size=config.block_size,
+        # one block more than the allocator hands out: the decode graphs' padding rows write there
+        self.cache = PagedKVCache(n_layers=a.n_layers, num_blocks=self.num_blocks + 1, block_size=config.block_size,
                                   n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=weight.dtype, device=device)
         self.allocator = BlockAllocator(self.num_blocks)
         cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
         self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
+        self.decode = PagedDecodeGraphs(model, self.cache, self.rope_cos, self.rope_sin, max_live=self.max_live,
+                                        max_seq_len=lim.max_seq_len, gemm=decode_gemm,
+                                        graphs=cuda_graphs and device.type == "cuda")
         self.step_events: list | None = None  # set by `generate(events=...)` on CUDA: one event per sampling step
 
     @torch.no_grad()
     def forward(self, chunks: Sequence[ChunkPlan], sample: Sequence[int]) -> torch.Tensor:
         """One mixed step -> float32 logits [len(sample), V] of the sampled chunks' last tokens."""
-        step = build_step(chunks, sample, self.config.block_size, self.device)
-        logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
+        if is_decode_only(chunks, sample):
+            logits = self.decode.step(chunks)
+        else:
+            step = build_step(chunks, sample, self.config.block_size, self.device)
+            logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
         if self.step_events is not None and sample:
             self.step_events.append(_recorded_event())
         return logits
@@ -95,7 +106,11 @@ class PagedRunner:
         finally:
             self.allocator.give_back(blocks)
 
-    graphs = None  # no CUDA graphs of the paged step yet (Triton's `llm` model asks)
+    graphs = None  # no static-cache graphs to compile (Triton's `llm` model asks); the decode graphs: `decode`
+
+    def warm_up_decode(self) -> None:
+        """Capture the decode step's graph of every batch bucket (CUDA; nothing elsewhere)."""
+        self.decode.warm_up()
 
     def scheduler(self, **options: Any) -> PagedScheduler:
         """The in-flight scheduler that serves this runner (`scheduler.Scheduler`'s options), refusing requests
@@ -105,14 +120,15 @@ class PagedRunner:
     @torch.no_grad()
     def warm_up_prefill(self, typical_len: int = 128) -> list[tuple[int, int]]:
         """Before serving: one step of a batch of `typical_len`-token prompts (capped by the token budget
-        and the live cap) and one of two unequal prompts, each to its first token; blocks given back.
-        Returns the (prompts, tokens) of each."""
+        and the live cap) and one of two unequal prompts, each to its first token; blocks given back. Then
+        the decode graphs of every batch bucket (`warm_up_decode`). Returns the (prompts, tokens) of each."""
         lim = self.info.limits
         short = max(1, min(typical_len, lim.max_input_len))
         batch = max(1, min(self.max_live, self.config.max_num_tokens // short, self.num_blocks // 2))
         shapes = [[short] * batch, [max(1, short // 2), short]]
         for lengths in shapes:
             self.generate([[1] * n for n in lengths], max_new_tokens=1, logprobs=False)
+        self.warm_up_decode()
         return [(len(lengths), sum(lengths)) for lengths in shapes]
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -175,11 +191,13 @@ def load_paged_engine(engine_dir: Path, *, config: PagedKVConfig | None = None, 
                       decode_attention: str = "auto", decode_gemm: str = "auto") -> PagedRunner:
     """Read, check and load an engine folder with a paged KV cache sized by `config` (default: the engine's
     own `paged` settings, from its build; see module doc). Also Triton's `llm` model's `engine_loader`
-    (`serving.engine.paged_runner:load_paged_engine`); `decode_attention` and `decode_gemm` are accepted
-    for `load_engine`'s signature and unused (the paged step picks its own attention, F.linear GEMMs)."""
+    (`serving.engine.paged_runner:load_paged_engine`). `decode_gemm` is `load_engine`'s (the decode-only
+    steps' GEMMs); `decode_attention` is accepted for its signature and unused (the paged kernel reads the
+    pools)."""
     info, model, dev = load_model(engine_dir, device=device)
+    gemm = pick_decode_gemm(decode_gemm, dev, model.tok_embeddings.weight.dtype)
     config = config or info.paged
     if config is None:
         raise EngineLimitError(f"engine {str(info.path)!r} was built without paged KV settings (engine.paged); "
                                "build it with engine.paged set, or pass config=PagedKVConfig(...)")
-    return PagedRunner(info, model, dev, config)
+    return PagedRunner(info, model, dev, config, decode_gemm=gemm)

@@ -1,0 +1,199 @@
+"""Decode-only steps of the paged engine: inputs kept on the device, the static step's GEMMs, CUDA graphs.
+
+Once every live request has its prompt in the cache, a paged step is B requests of one token each. Such a
+step runs here instead of through `paged_model.paged_forward` (which stays the path of every step with a
+prefill chunk in it):
+
+- **Block tables on the device, updated incrementally.** `tables` is one row per possible first block
+  (a sequence's first block is its own while it lives, so it names the sequence): `[num_blocks + 1, W]`,
+  W the blocks of one `max_seq_len` sequence. A step sends only each row's key (its first block), token
+  and position, plus the table entries that changed since the sequence's last decode step (a block
+  opened every `block_size` tokens; a whole row when a new sequence took that first block). The step
+  derives each token's slot and visible length on the device. So the host's per-step work is three small
+  integer arrays, not a padded `[B, W]` table, and one pinned copy.
+- **The static step's multiplications.** The projections and the MLP go through `model._linear_fn` /
+  `_gate_up_fn` with the engine's `decode_gemm` ("triton": the tuned skinny kernels where they were tuned,
+  which are the decode shapes of up to 64 rows; cuBLAS beyond), attention through
+  `paged_attention.paged_decode_attention` (the Triton kernel reading the pools through the tables).
+- **CUDA graphs per batch bucket** (`BUCKETS`, capped at the live limit): rows past B are padding that
+  writes its K/V into a trash block (block `num_blocks`, never handed out) and reads only it. The
+  logits land in one shared `[max_live, V]` float32 buffer (a view of it is returned; consume it before
+  the next step). `warm_up()` captures every bucket before serving; a bucket not captured yet is captured
+  the first time it is needed (capture runs the step on padding only: nothing live is written).
+
+On the CPU (or `graphs=False`) the same code runs eagerly on the same buffers: the tests check it against
+`paged_forward`.
+
+Not here yet: the host preparing step N+1 while step N runs (the scheduler waits for each step's tokens),
+and the static step's fused rotary + K/V-write attention kernel (it reads the static cache's layout).
+
+Imports: stdlib and torch only (Triton through the kernels, lazily).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from serving.engine.model import Transformer, _gate_up_fn, _linear_fn, _rope_1
+from serving.engine.paged_attention import paged_decode_attention
+from serving.engine.paged_cache import PagedKVCache, blocks_for
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+def decode_buckets(max_live: int) -> list[int]:
+    """The batch buckets graphs are captured at: BUCKETS up to `max_live`, and `max_live` itself."""
+    return sorted({b for b in BUCKETS if b < max_live} | {max_live})
+
+
+def is_decode_only(chunks: Sequence[tuple[list[int], int, list[int]]], sample: Sequence[int]) -> bool:
+    """Whether a step is single tokens only, each sampled in order (what `PagedDecodeGraphs.step` takes)."""
+    return len(sample) == len(chunks) and all(len(toks) == 1 for toks, _, _ in chunks) and \
+        all(i == s for i, s in enumerate(sample))
+
+
+def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                        tables: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache, rope_cos: torch.Tensor,
+                        rope_sin: torch.Tensor, gemm: str) -> torch.Tensor:
+    """One token per row (tokens, positions, slots, lengths [B]; tables [B, W]) -> float32 logits [B, V].
+    No host sync and shapes fixed by B: capturable."""
+    a = model.args
+    bsz = tokens.shape[0]
+    group = a.n_heads // a.n_kv_heads
+    scale = 1.0 / math.sqrt(a.head_dim)
+    linear = _linear_fn(gemm)
+    gate_up = _gate_up_fn(gemm) if getattr(model, "decode_gate_up", True) else None
+    cos, sin = rope_cos[positions], rope_sin[positions]  # [B, hd]
+    x = model.tok_embeddings(tokens)  # [B, D]
+    for i, layer in enumerate(model.layers):
+        attn = layer.attention
+        h = layer.attention_norm(x)
+        q, k, v = linear(attn.wqkv, h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = _rope_1(q.view(bsz, a.n_heads, a.head_dim), cos, sin)
+        k = _rope_1(k.view(bsz, a.n_kv_heads, a.head_dim), cos, sin)
+        cache.write(i, slots, k, v.view(bsz, a.n_kv_heads, a.head_dim))
+        y = paged_decode_attention(q.view(bsz, a.n_kv_heads, group, a.head_dim), cache.k[i], cache.v[i], tables,
+                                   lengths, scale)
+        x = x + linear(attn.wo, y.reshape(bsz, a.q_size))
+        x = x + layer.feed_forward(layer.ffn_norm(x), linear, gate_up)
+    return model.logits(model.norm(x), linear)
+
+
+class PagedDecodeGraphs:
+    """The decode-only steps of one `PagedRunner` (see the module doc). Not thread-safe: the scheduler's."""
+
+    def __init__(self, model: Transformer, cache: PagedKVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
+                 max_live: int, max_seq_len: int, gemm: str, graphs: bool,
+                 log: Callable[[str], None] = lambda line: None) -> None:
+        self.model, self.cache, self.rope_cos, self.rope_sin = model, cache, rope_cos, rope_sin
+        self.gemm, self.use_graphs, self.log = gemm, graphs, log
+        self.block_size = cache.block_size
+        self.trash = cache.num_blocks - 1  # the pool's last block: padding rows write and read only it
+        self.width = blocks_for(max_seq_len, self.block_size)
+        self.buckets = decode_buckets(max_live)
+        dev = rope_cos.device
+        self.device = dev
+        self.tables = torch.full((cache.num_blocks, self.width), self.trash, dtype=torch.long, device=dev)
+        self.inputs = torch.zeros(3, max_live, dtype=torch.long, device=dev)  # keys, tokens, positions
+        self.inputs[0].fill_(self.trash)
+        self.logits = torch.empty(max_live, model.args.vocab_size, dtype=torch.float32, device=dev)
+        self.written: dict[int, tuple[list[int], int]] = {}  # first block -> (its table list, entries on the device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.capture_s = 0.0
+        self.steps = 0
+
+    def bucket(self, b: int) -> int:
+        return next(x for x in self.buckets if x >= b)
+
+    # -- the step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, chunks: Sequence[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """A decode-only step (`is_decode_only`) -> float32 logits [B, V], a view of the shared buffer."""
+        n = len(chunks)
+        bsz = self.bucket(n)
+        if self.use_graphs and bsz not in self.graphs:
+            self._capture(bsz)
+        keys, toks, poss, updates = self._host_inputs(chunks)
+        pad = bsz - n
+        host = torch.tensor(keys + [self.trash] * pad + toks + [0] * pad + poss + [0] * pad + updates,
+                            dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(self.device, non_blocking=True)
+        self.inputs[:, :bsz].copy_(flat[:3 * bsz].view(3, bsz))
+        if updates:
+            upd = flat[3 * bsz:].view(3, -1)
+            self.tables[upd[0], upd[1]] = upd[2]
+        if self.use_graphs:
+            self.graphs[bsz].replay()
+        else:  # eagerly, reading only as many table columns as the longest row needs
+            self._forward(bsz, blocks_for(max(poss) + 1, self.block_size))
+        self.steps += 1
+        return self.logits[:n]
+
+    def _host_inputs(self, chunks: Sequence[tuple[list[int], int, list[int]]]
+                     ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Each row's key (first block), token and position, and the table entries (rows, columns, blocks,
+        flattened) the device does not have yet."""
+        bs, written = self.block_size, self.written
+        keys, toks, poss = [], [], []
+        up_rows: list[int] = []
+        up_cols: list[int] = []
+        up_blocks: list[int] = []
+        for tokens, start, table in chunks:
+            key = table[0]
+            seen = written.get(key)
+            done = seen[1] if seen is not None and seen[0] is table else 0
+            used = start // bs + 1
+            if used > done:
+                up_rows += [key] * (used - done)
+                up_cols += range(done, used)
+                up_blocks += table[done:used]
+                written[key] = (table, used)
+            keys.append(key)
+            toks.append(tokens[0])
+            poss.append(start)
+        return keys, toks, poss, up_rows + up_cols + up_blocks
+
+    def _forward(self, bsz: int, width: int | None = None) -> None:
+        keys, tokens, positions = self.inputs[0, :bsz], self.inputs[1, :bsz], self.inputs[2, :bsz]
+        tables = self.tables[keys] if width is None else self.tables[keys, :width]  # [B, W]
+        bs = self.block_size
+        slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        logits = paged_decode_logits(self.model, tokens, positions, slots, tables, positions + 1, self.cache,
+                                     self.rope_cos, self.rope_sin, self.gemm)
+        self.logits[:bsz].copy_(logits)
+
+    # -- graphs -----------------------------------------------------------------------------------
+    def _capture(self, bsz: int) -> None:
+        """Capture bucket `bsz` on padding rows (keys: the trash block): no live K/V is touched."""
+        started = time.perf_counter()
+        self.inputs[0, :bsz].fill_(self.trash)
+        self.inputs[1:, :bsz].zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compiles the Triton kernels, sets up cuBLAS, outside the capture
+            for _ in range(2):
+                self._forward(bsz)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._forward(bsz)
+        torch.cuda.synchronize()
+        self.graphs[bsz] = graph
+        took = time.perf_counter() - started
+        self.capture_s += took
+        self.log(f"captured paged decode graph batch={bsz} in {took:.2f} s")
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Capture every bucket's graph (before serving: a capture mid-run stalls every stream)."""
+        if self.use_graphs:
+            for bsz in self.buckets:
+                if bsz not in self.graphs:
+                    self._capture(bsz)

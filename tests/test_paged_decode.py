@@ -1,0 +1,72 @@
+"""The paged engine's decode-only steps (serving/engine/paged_decode.py): block tables kept on the device and
+updated by the entries that changed, logits equal to the mixed step's (CPU, float32); on CUDA, the captured
+graphs give the eager step's tokens (bf16, more requests than live, blocks reused)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from serving.bench.throughput import ThroughputConfig, _runners
+from serving.engine.paged_decode import decode_buckets, is_decode_only
+from serving.engine.paged_model import build_step, paged_forward
+from serving.engine.paged_scheduler import PagedScheduler
+from serving.engine.scheduler import collect
+
+
+def _paged(device: str, *, graphs: bool = True, num_blocks: int = 24, live: int = 6):
+    cfg = ThroughputConfig(shape="tiny", input_len=30, output_len=30, sides=("paged",), paged_live=live, block_size=16,
+                           max_num_tokens=64, num_blocks=num_blocks, warmup_requests=0)
+    _, _, runner = _runners(cfg, torch.device(device))
+    runner.decode.use_graphs = graphs and runner.decode.use_graphs
+    return runner
+
+
+def test_decode_steps_send_only_changed_table_entries_and_match_the_mixed_step():
+    runner = _paged("cpu")
+    bs, graphs = runner.config.block_size, runner.decode
+    blocks = [runner.allocator.take(2) for _ in range(3)]  # three sequences of up to 32 positions
+    prompt = [[random.Random(i).randrange(1, 512) for _ in range(15)] for i in range(3)]
+    prefill = build_step([(p, 0, b) for p, b in zip(prompt, blocks)], [0, 1, 2], bs, runner.device)
+    paged_forward(runner.model, prefill, runner.cache, runner.rope_cos, runner.rope_sin)
+    chunks = [([7], 15, b) for b in blocks]  # position 15: the last of each first block
+    assert is_decode_only(chunks, [0, 1, 2]) and not is_decode_only(chunks, [0, 2]) and \
+        not is_decode_only([([1, 2], 0, blocks[0])], [0])
+    keys, toks, poss, updates = graphs._host_inputs(chunks)
+    assert keys == [b[0] for b in blocks] and toks == [7] * 3 and poss == [15] * 3
+    assert updates == keys + [0, 0, 0] + keys  # each row's first entry, once
+    assert graphs._host_inputs(chunks)[3] == []  # nothing changed
+    assert graphs._host_inputs([([7], 16, blocks[1])])[3] == [blocks[1][0], 1, blocks[1][1]]  # a block opened
+    fresh = list(blocks[2])  # another sequence (another list) on the same first block: its whole row again
+    assert graphs._host_inputs([([7], 16, fresh)])[3] == [fresh[0]] * 2 + [0, 1] + fresh
+
+    step = build_step(chunks, [0, 1, 2], bs, runner.device)
+    saved = [t.clone() for t in runner.cache.k + runner.cache.v]
+    want = paged_forward(runner.model, step, runner.cache, runner.rope_cos, runner.rope_sin)
+    for t, s in zip(runner.cache.k + runner.cache.v, saved):
+        t.copy_(s)
+    graphs.written.clear()
+    got = graphs.step(chunks)
+    assert (got - want).abs().max() < 1e-5
+    assert decode_buckets(6) == [1, 2, 4, 6] and decode_buckets(1024)[-1] == 1024 and graphs.bucket(3) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the decode graphs are captured there")
+def test_captured_decode_graphs_give_the_eager_steps_tokens_on_cuda():
+    """bf16 tiny shape: 10 requests of 5-30 prompt tokens, 30 new each, 6 live at most on a pool of 24 blocks
+    of 16 (preemption and reuse of first blocks): graphs and the eager decode step deliver the same tokens."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 512) for _ in range(rng.randrange(5, 31))] for _ in range(10)]
+    outs, steps = [], []
+    for graphs in (True, False):
+        runner = _paged("cuda", graphs=graphs)
+        runner.warm_up_decode()
+        sched = PagedScheduler(runner)
+        outs.append(collect(sched, prompts, max_tokens=30))
+        steps.append((runner.decode.steps, len(runner.decode.graphs), sched.stats.preempted))
+        assert runner.allocator.free == runner.num_blocks
+    assert outs[0] == outs[1], steps
+    assert steps[0][0] > 30 and steps[0][1] == len(decode_buckets(6)) and steps[1][1] == 0, steps
