@@ -91,6 +91,18 @@ def test_a_config_that_does_not_fit_is_refused_naming_it():
         fp8_gemm.launch_fp8(xq, xs, w, s, GemmConfig.parse("dott:n32:k64:s1:w4:st2"))
 
 
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_token_scales_need_the_transposed_kernel_and_weight_scales():
+    from serving.engine.skinny_gemm import launch
+
+    xq, xs = quantize_tokens_fp8(torch.randn(4, 256))
+    w, s = quantize_weight(torch.randn(64, 256), FP8)
+    with pytest.raises(ValueError, match="token scales needs a 'dott' config.*dot:n64:k128:s1:w4:st3"):
+        launch(xq, w, GemmConfig.parse("dot:n64:k128:s1:w4:st3"), scale=s, x_scale=xs)
+    with pytest.raises(ValueError, match=r"token scales \[M=4\], got dott:n64:k128:s1:w4:st3, torch.float32 \(3, 1\)"):
+        launch(xq, w, GemmConfig.parse("dott:n64:k128:s1:w4:st3"), scale=s, x_scale=xs[:3])
+
+
 @pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
 @pytest.mark.parametrize("rows", [1, 5, 64])
 @pytest.mark.parametrize("config", ["dott:n32:k32:s1:w4:st2", "dott:n16:k32:s4:w4:st2"])
