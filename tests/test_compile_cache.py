@@ -240,13 +240,17 @@ def test_the_llm_models_engine_thread_restores_and_stores_around_its_compile(tmp
 
     lines: list[str] = []
     log = type("Log", (), {"prefix": "m_v1", "info": staticmethod(lines.append), "error": staticmethod(lines.append)})
+    from serving.engine.compile_cache_prune import Pruning
+
     GraphsRunner.calls = []
-    EngineThread(GraphsRunner(), log, device_id=None, compile_decode=True, warmup=True,
-                 compile_cache_root=tmp_path).prepare_decode()
+    unstaged = make(tmp_path, Torch(), fingerprint="d" * 64).store()
+    EngineThread(GraphsRunner(), log, device_id=None, compile_decode=True, warmup=True, compile_cache_root=tmp_path,
+                 compile_cache_pruning=Pruning(staged=frozenset({"e" * 64}))).prepare_decode()
     assert GraphsRunner.calls == ["compile pdl=True", "warm"]
     assert any("no entry yet" in line for line in lines)  # restore looked first
-    assert "FX graph cache hit 0, miss 0, bypass 0" in lines[-2]
-    assert "nothing to store" in lines[-1]  # torch's own save: nothing compiled here
+    assert "FX graph cache hit 0, miss 0, bypass 0" in lines[-3]
+    assert "nothing to store" in lines[-2]  # torch's own save: nothing compiled here
+    assert "removed (its engine is no longer staged" in lines[-1] and not unstaged.exists()
 
 
 def test_the_triton_kernels_a_compile_wrote_are_kept_and_put_back(tmp_path):
@@ -290,3 +294,58 @@ def test_an_archive_reaching_outside_its_folder_is_refused(tmp_path):
         tar.add(outside, arcname="../evil.txt")
     with pytest.raises(ValueError, match="not a plain file or folder inside it"):
         unpack_folders(archive, tmp_path / "triton")
+
+
+def stored_entry(root: Path, fingerprint: str, *, used_unix: float, size: int = 100) -> Path:
+    """An entry of `fingerprint` under `root` holding `size` bytes, last used at `used_unix`."""
+    entry = make(root, Torch(b"x" * size), fingerprint=fingerprint).store()
+    os.utime(entry / RECORD_FILE, (used_unix, used_unix))
+    return entry
+
+
+def staged_repository(tmp_path: Path, *fingerprints: str) -> Path:
+    repo = tmp_path / "repo"
+    for i, fingerprint in enumerate(fingerprints):
+        engine = repo / f"m_v{i + 1}" / "1" / "engine"
+        engine.mkdir(parents=True)
+        (engine / "engine.json").write_text(json.dumps({"fingerprint": fingerprint}))
+    return repo
+
+
+def test_entries_of_engines_no_longer_staged_are_removed(tmp_path):
+    from serving.engine.compile_cache_prune import prune_entries, pruning_for
+
+    repo = staged_repository(tmp_path, "a" * 64, "b" * 64)
+    root = repo / ".compile-cache"
+    now = time.time()
+    live, candidate, gone = (stored_entry(root, c * 64, used_unix=now - 10) for c in "abc")
+    lines: list[str] = []
+    pruning = pruning_for(None, repo / "m_v2")
+    assert pruning is not None and pruning.staged == {"a" * 64, "b" * 64}
+    assert prune_entries(root, pruning, keep=candidate, log=lines.append) == [gone]
+    assert live.is_dir() and candidate.is_dir() and not gone.parent.exists()
+    assert "its engine is no longer staged" in lines[0]
+    assert not list(root.rglob(".*"))  # nothing left aside
+
+
+def test_the_least_recently_used_entries_go_beyond_the_cap_never_the_loads_own(tmp_path):
+    from serving.engine.compile_cache_prune import Pruning, cache_entries, prune_entries
+
+    root, now = tmp_path / "cache", time.time()
+    oldest, own, newest = (stored_entry(root, c * 64, used_unix=now - age, size=1000) for c, age in
+                           (("a", 300), ("b", 200), ("c", 100)))
+    size = cache_entries(root)[0].bytes  # the blob and its record
+    assert prune_entries(root, Pruning(max_bytes=2 * size), keep=own) == [oldest]
+    assert prune_entries(root, Pruning(max_bytes=size // 2), keep=own) == [newest]  # over the cap: own stays
+    assert [e.path for e in cache_entries(root)] == [own]
+
+
+def test_a_restore_marks_its_entry_used_and_a_named_folder_is_only_capped(tmp_path):
+    from serving.engine.compile_cache_prune import pruning_for
+
+    entry = stored_entry(tmp_path / "cache", "f" * 64, used_unix=time.time() - 3600)
+    assert make(tmp_path / "cache", Torch()).restore() is not None
+    assert (entry / RECORD_FILE).stat().st_mtime > time.time() - 60
+    assert pruning_for(str(tmp_path / "shared"), tmp_path / "repo" / "m_v1").staged is None
+    assert pruning_for("off", tmp_path / "repo" / "m_v1") is None
+    assert pruning_for(None, tmp_path / "empty" / "m_v1").staged is None  # no engines found: none go for that

@@ -256,6 +256,8 @@ class CompileCache:
                 kernels = unpack_folders(self.entry / TRITON_FILE, self._triton())
             except (OSError, ValueError, tarfile.TarError) as exc:
                 self.log(f"compile cache {self.entry}: {TRITON_FILE} ignored: {type(exc).__name__}: {exc}")
+        with contextlib.suppress(OSError):
+            os.utime(record_path)  # used now: the least recently used entries go first (`compile_cache_prune`)
         took = time.perf_counter() - started
         size = sum(int(f["bytes"]) for f in files.values())
         self.log(f"compile cache {self.entry}: restored {size:,} bytes ({kernels} Triton cache files) in {took:.2f} s")

@@ -248,9 +248,11 @@ class EngineThread:
     def __init__(self, runner: Any, log: Log, *, device_id: int | None, compile_decode: bool,
                  warmup: bool, while_waiting: Callable[[], bool] | None = None,
                  drain: Callable[[], None] | None = None, admit_gap_s: float = 0.0,
-                 decode_pdl: bool = True, compile_cache_root: Path | None = None) -> None:
+                 decode_pdl: bool = True, compile_cache_root: Path | None = None,
+                 compile_cache_pruning: Any = None) -> None:
         self.runner = runner
         self.compile_cache_root = compile_cache_root
+        self.compile_cache_pruning = compile_cache_pruning  # compile_cache_prune.Pruning: after the compile
         self.decode_pdl = decode_pdl
         self.admit_gap_s = admit_gap_s
         self.while_waiting = while_waiting
@@ -311,11 +313,16 @@ class EngineThread:
             try:
                 from serving.engine.compile_cache import decode_step_cache, kept  # lazy: imports torch
 
-                with kept(decode_step_cache(self.runner, self.compile_cache_root if self.warmup else None, pdl=pdl,
-                                            log=self.log.info)):
+                cache = decode_step_cache(self.runner, self.compile_cache_root if self.warmup else None, pdl=pdl,
+                                          log=self.log.info)
+                with kept(cache):
                     self.runner.compile_decode(pdl=pdl)
                     self._warm_graphs()  # a compile happens at the first capture: its errors surface here
                 self.decode_pdl = pdl
+                if cache is not None and self.compile_cache_pruning is not None:
+                    from serving.engine.compile_cache_prune import prune_entries  # lazy: imports torch
+
+                    prune_entries(cache.root, self.compile_cache_pruning, keep=cache.entry, log=self.log.info)
                 return
             except Exception as exc:  # noqa: BLE001 - the fallbacks below
                 self.log.error(f"compiled decode with decode_pdl={pdl} failed: {type(exc).__name__}: {exc}")
@@ -386,6 +393,7 @@ class TritonPythonModel:
                                  idle_senders=count(params, "idle_senders"))
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             from serving.engine.compile_cache import cache_root  # lazy: imports torch
+            from serving.engine.compile_cache_prune import pruning_for
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
                                               compile_decode=flag(params, "compile_decode"),
                                               warmup=flag(params, "warmup"),
@@ -393,7 +401,9 @@ class TritonPythonModel:
                                               admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3,
                                               decode_pdl=flag(params, "decode_pdl"),
                                               compile_cache_root=cache_root(params.get("compile_cache_dir"),
-                                                                            Path(args["model_repository"])))
+                                                                            Path(args["model_repository"])),
+                                              compile_cache_pruning=pruning_for(params.get("compile_cache_dir"),
+                                                                                Path(args["model_repository"])))
             try:
                 self.engine_thread.start()
             except BaseException as exc:
