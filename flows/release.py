@@ -17,6 +17,8 @@ from flows.spec import ReleaseSpec
 from tasks import evaluation, perf_gate, validate
 from tasks.build import build_task
 from tasks.convert import convert_task
+from tasks.gate_reference import ReferenceCache
+from tasks.gate_runner import load_gate_runner_task
 from tasks.production import production_engine
 from tasks.publish import PublishedVersion, publish_task
 
@@ -56,7 +58,10 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
     report_dir = spec.work_dir / "reports" / engine.fingerprint[:16]
     print(f"engine {engine.fingerprint} at {engine.path}; cache hits: {', '.join(cache_hits) or 'none'}")
 
-    checked = validate.validate_task(Path(engine.path), spec.source.checkpoint, spec.validation)
+    engine_dir = Path(engine.path)
+    candidate = load_gate_runner_task(engine_dir)  # one load per engine, shared by the gates below
+    references = ReferenceCache(spec.work_dir / "references", converted.source_digest)
+    checked = validate.validate_task(engine_dir, spec.source.checkpoint, spec.validation, candidate, references)
     validation_report = save_report(report_dir, "validation.md", validate.render_report(checked))
     print(f"validation gate: {'passed' if checked.passed else 'FAILED'} {checked.metrics}")
     if not checked.passed:
@@ -66,16 +71,17 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
                                    artifacts_uri=spec.artifacts.uri, cache_dir=spec.work_dir / "production")
     print(f"production: version {production.version} at {production.engine_dir}" if production.engine_dir
           else f"production: not compared ({production.skipped})")
+    production_runner = load_gate_runner_task(production.engine_dir) if production.engine_dir else None
     against = {"production_dir": production.engine_dir, "production_version": production.version,
-               "skipped": production.skipped}
-    evaluated = evaluation.evaluation_task(Path(engine.path), spec.evaluation, **against)
+               "skipped": production.skipped, "runner": candidate, "production_runner": production_runner}
+    evaluated = evaluation.evaluation_task(engine_dir, spec.evaluation, **against)
     evaluation_report = save_report(report_dir, "evaluation.md", evaluation.render_report(evaluated))
     print(f"fixed evaluation: {'skipped' if evaluated.skipped else 'passed' if evaluated.passed else 'FAILED'} "
           f"{evaluated.metrics}")
     if not evaluated.passed:
         return _gate_failed("evaluation", "; ".join(evaluated.failures), evaluation_report)
 
-    timed = perf_gate.perf_gate_task(Path(engine.path), spec.perf, **against)
+    timed = perf_gate.perf_gate_task(engine_dir, spec.perf, **against)
     perf_report = save_report(report_dir, "performance.md", perf_gate.render_report(timed))
     print(f"performance gate: {'passed' if timed.passed else 'FAILED'} {timed.metrics}")
     if not timed.passed:

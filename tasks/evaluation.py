@@ -27,6 +27,7 @@ from functools import cache
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
 DATA_FILE = Path(__file__).with_name("evaluation_data.json")
@@ -246,30 +247,35 @@ def evaluation_verdict(result: EvaluationComparison | None) -> str:
 
 def evaluate_engines(engine_dir: Path, spec: EvaluationSpec, *, production_dir: Path | None = None,
                      production_version: str | None = None, skipped: str = "",
-                     data: EvaluationData | None = None) -> EvaluationComparison:
-    """Score the candidate (and production's engine, when given) on the fixed evaluation and compare them."""
+                     data: EvaluationData | None = None, runner=None, production_runner=None) -> EvaluationComparison:
+    """Score the candidate (and production's engine, when given) on the fixed evaluation and compare them.
+
+    `runner` / `production_runner`: the engines already loaded (the release's gates share them); each engine
+    still tokenizes with its own folder's tokenizer."""
     from serving.engine.engine_loader import load_as_built as load_engine  # paged when engine.json says so
     from tasks.text_path import server_encode
 
     data = data or load_evaluation()
     data = EvaluationData(data.passages[:spec.max_passages], data.choices[:spec.max_choices])
 
-    def scores_of(folder: Path) -> EvaluationScores:
-        runner = load_engine(folder)
+    def scores_of(folder: Path, loaded) -> EvaluationScores:
+        loaded = loaded or load_engine(folder)
         encode, _ = server_encode(folder)
-        return score(runner.prefill_logits, encode, data, max_len=runner.info.limits.max_seq_len)
+        return score(loaded.prefill_logits, encode, data, max_len=loaded.info.limits.max_seq_len)
 
-    candidate = scores_of(engine_dir)
+    candidate = scores_of(engine_dir, runner)
     if not spec.enabled:
         return EvaluationComparison(None, candidate, skipped="evaluation.enabled is false")
     if production_dir is None:
         return EvaluationComparison(production_version, candidate, skipped=skipped or "no production engine")
-    return compare_scores(candidate, scores_of(production_dir), spec, production_version=production_version or "?")
+    return compare_scores(candidate, scores_of(production_dir, production_runner), spec,
+                          production_version=production_version or "?")
 
 
-@task(name="evaluate", retries=0)
+@task(name="evaluate", retries=0, cache_policy=NONE)  # NONE: a runner would be hashed by pickling its model
 def evaluation_task(engine_dir: Path, spec: EvaluationSpec, production_dir: Path | None = None,
-                    production_version: str | None = None, skipped: str = "") -> EvaluationComparison:
+                    production_version: str | None = None, skipped: str = "", runner=None,
+                    production_runner=None) -> EvaluationComparison:
     """The fixed evaluation on the candidate and the production version's engine, compared item by item."""
     return evaluate_engines(engine_dir, spec, production_dir=production_dir, production_version=production_version,
-                            skipped=skipped)
+                            skipped=skipped, runner=runner, production_runner=production_runner)

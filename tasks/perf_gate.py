@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.errors import GateFailed
@@ -349,12 +350,16 @@ def check_slos(result: PerfResult, slo: PerfSlo) -> list[str]:
 
 
 def measure_engine(engine_dir: Path, spec: PerfSpec, production_dir: Path | None = None, *,
-                   production_version: str | None = None, skipped: str = "") -> PerfResult:
-    """Load the candidate (and the production engine, when given) and run `compare_runners`."""
+                   production_version: str | None = None, skipped: str = "", runner=None,
+                   production_runner=None) -> PerfResult:
+    """Run `compare_runners` on the candidate and the production engine (when given), each loaded from its
+    folder unless its runner is given (the release's gates share them)."""
     from serving.engine.engine_loader import load_as_built as load_engine  # paged when engine.json says so
 
-    candidate = load_engine(engine_dir)
-    production = load_engine(production_dir) if production_dir is not None else None
+    candidate = runner or load_engine(engine_dir)
+    production = None
+    if production_dir is not None:
+        production = production_runner or load_engine(production_dir)
     return compare_runners(candidate, production, spec, production_version=production_version, skipped=skipped)
 
 
@@ -393,8 +398,10 @@ def require_passed(result: PerfResult) -> None:
         raise GateFailed("performance", "; ".join(result.failures), render_report(result))
 
 
-@task(name="perf-gate", retries=0)
+@task(name="perf-gate", retries=0, cache_policy=NONE)  # NONE: a runner would be hashed by pickling its model
 def perf_gate_task(engine_dir: Path, spec: PerfSpec, production_dir: Path | None = None,
-                   production_version: str | None = None, skipped: str = "") -> PerfResult:
+                   production_version: str | None = None, skipped: str = "", runner=None,
+                   production_runner=None) -> PerfResult:
     """Time the candidate against the production engine on the fixed workload and check the SLOs."""
-    return measure_engine(engine_dir, spec, production_dir, production_version=production_version, skipped=skipped)
+    return measure_engine(engine_dir, spec, production_dir, production_version=production_version, skipped=skipped,
+                          runner=runner, production_runner=production_runner)

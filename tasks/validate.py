@@ -13,7 +13,7 @@ cannot run (a quantized engine) against its own budget. Figures, all two-sided:
 - the text path: tokenizer files hashed, texts tokenized the way Triton does (``tasks.text_path``).
 
 The HF side is computed once per (checkpoint, spec, precision) by ``reference_run`` and can be reused to
-judge several engines (the tests do).
+judge several engines: the release keeps it in its work dir (``tasks.gate_reference``), the tests in memory.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from typing import Literal
 
 import torch
 from prefect import task
+from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.errors import GateFailed
+from tasks.gate_reference import ReferenceCache
 from tasks.quality_budgets import PrecisionBudget, budget_for, quantized_precision
 from tasks.text_path import TokenizerCheck, check_text_path
 from tasks.token_stats import DistanceFigures, combine, sequence_stats
@@ -297,8 +299,10 @@ def _hf_greedy(model, prompt_ids: Sequence[int], spec: ValidationSpec, eos_ids: 
 
 
 def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: ValidationSpec,
-                    reference: ReferenceRun | None = None, runner=None) -> ValidationResult:
-    """Judge the engine against the HF reference (computed here unless given) and the precision's budget.
+                    reference: ReferenceRun | None = None, runner=None,
+                    reference_cache: ReferenceCache | None = None) -> ValidationResult:
+    """Judge the engine against the HF reference (given, else from `reference_cache`, else computed here) and
+    the precision's budget.
 
     `runner` (a loaded engine, e.g. wrapped by tasks.fault_injection) replaces loading `engine_dir`."""
     from serving.engine.engine_loader import load_as_built  # paged when engine.json says so
@@ -306,8 +310,9 @@ def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: Validati
     runner = runner or load_as_built(engine_dir)
     precision = engine_precision(runner.info)
     if reference is None:
-        reference = reference_run(reference_checkpoint, spec, precision, device=runner.device,
-                                  max_seq_len=runner.info.limits.max_seq_len)
+        run = reference_cache.run if reference_cache is not None else reference_run
+        reference = run(reference_checkpoint, spec, precision, device=runner.device,
+                        max_seq_len=runner.info.limits.max_seq_len)
     elif reference.precision != precision:
         raise ValueError(f"the reference was run for precision {reference.precision!r}, the engine is {precision!r}")
     budget = budget_for(precision)
@@ -420,7 +425,9 @@ def require_passed(result: ValidationResult) -> None:
         raise GateFailed("validation", "; ".join(result.failures), render_report(result))
 
 
-@task(name="validate", retries=0)
-def validate_task(engine_dir: Path, reference_checkpoint: Path, spec: ValidationSpec) -> ValidationResult:
-    """Compare the engine with Hugging Face transformers (float32, and at the engine's precision)."""
-    return validate_engine(engine_dir, reference_checkpoint, spec)
+@task(name="validate", retries=0, cache_policy=NONE)  # NONE: a runner would be hashed by pickling its model
+def validate_task(engine_dir: Path, reference_checkpoint: Path, spec: ValidationSpec, runner=None,
+                  reference_cache: ReferenceCache | None = None) -> ValidationResult:
+    """Compare the engine (loaded from `engine_dir` unless `runner` is given) with Hugging Face transformers
+    (float32, and at the engine's precision; kept in `reference_cache` for later releases of the checkpoint)."""
+    return validate_engine(engine_dir, reference_checkpoint, spec, runner=runner, reference_cache=reference_cache)
