@@ -22,7 +22,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from prefect import task
@@ -30,7 +30,6 @@ from prefect.cache_policies import NONE
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.errors import GateFailed
-from tasks.gate_reference import ReferenceCache
 from tasks.quality_budgets import PrecisionBudget, budget_for, quantized_precision
 from tasks.text_path import TokenizerCheck, check_text_path
 from tasks.token_stats import DistanceFigures, combine, sequence_stats
@@ -147,6 +146,13 @@ class ReferenceRun:
     eos_ids: list[int]
     texts: list[str]  # what the text path check tokenizes
     tokenizer: object  # the checkpoint's HF tokenizer
+
+
+class ReferenceSource(Protocol):
+    """Where a release finds its HF reference runs (``tasks.gate_reference.ReferenceCache``)."""
+
+    def run(self, checkpoint: Path, spec: ValidationSpec, precision: str, *, device: torch.device | str,
+            max_seq_len: int | None) -> ReferenceRun: ...
 
 
 def compare_greedy(*, reference: _Side, engine: _Side) -> tuple[str, int | None]:
@@ -300,7 +306,7 @@ def _hf_greedy(model, prompt_ids: Sequence[int], spec: ValidationSpec, eos_ids: 
 
 def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: ValidationSpec,
                     reference: ReferenceRun | None = None, runner=None,
-                    reference_cache: ReferenceCache | None = None) -> ValidationResult:
+                    reference_cache: ReferenceSource | None = None) -> ValidationResult:
     """Judge the engine against the HF reference (given, else from `reference_cache`, else computed here) and
     the precision's budget.
 
@@ -427,7 +433,7 @@ def require_passed(result: ValidationResult) -> None:
 
 @task(name="validate", retries=0, cache_policy=NONE)  # NONE: a runner would be hashed by pickling its model
 def validate_task(engine_dir: Path, reference_checkpoint: Path, spec: ValidationSpec, runner=None,
-                  reference_cache: ReferenceCache | None = None) -> ValidationResult:
+                  reference_cache: ReferenceSource | None = None) -> ValidationResult:
     """Compare the engine (loaded from `engine_dir` unless `runner` is given) with Hugging Face transformers
     (float32, and at the engine's precision; kept in `reference_cache` for later releases of the checkpoint)."""
     return validate_engine(engine_dir, reference_checkpoint, spec, runner=runner, reference_cache=reference_cache)
