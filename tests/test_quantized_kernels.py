@@ -221,3 +221,16 @@ def test_compiled_quantized_decode_matches_its_reference_path(method):
     slow = decode_step(runner.model, tokens, pos, 256, gemm=REFERENCE_GEMM).float()  # weight-only numerics
     print(f"{method}: logits rel err against the dequantizing reference {rel_err(fast, slow):.2e}")
     assert rel_err(fast, slow) < (E4M3_ROUNDING if method == FP8 else 2e-2)
+
+
+def test_the_bench_checks_an_engine_of_one_row_at_one_row(monkeypatch):
+    from types import SimpleNamespace
+
+    from serving.bench import quantized
+
+    checked = []
+    monkeypatch.setattr(quantized, "check_step", lambda runner, batch, context: checked.append(batch) or {"err": 0.0})
+    runner = SimpleNamespace(info=SimpleNamespace(limits=SimpleNamespace(max_batch_size=1)))
+    assert quantized.check_kernels(runner) == {"err@1": 0.0}
+    runner.info.limits.max_batch_size = 64
+    assert quantized.check_kernels(runner) == {"err@8": 0.0, "err@64": 0.0} and checked == [1, 8, 64]
