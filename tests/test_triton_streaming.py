@@ -152,14 +152,20 @@ def test_a_cancelled_stream_frees_its_slot_and_serving_goes_on(world) -> None:
 
 
 def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
-    """The same checkpoint built with a paged KV cache (40 blocks of 8 positions, 16 tokens a step), staged
-    with no loader named: the llm model's default loader serves it paged (engine.json says so), more requests
-    than live slots, streamed and accumulated, each with the static engine's tokens."""
+    """The same checkpoint built with a paged KV cache (40 blocks of 8 positions, 16 tokens a step, at most 6
+    requests waiting), staged with no loader named: the llm model's default loader serves it paged
+    (engine.json says so), more requests than live slots, streamed and accumulated, each with the static
+    engine's tokens. Then a burst of 12 long requests at once: 4 live, 6 wait, and the ones past the queue
+    limit are refused with UNAVAILABLE in words that clients and the OpenAI front read as overload (429);
+    the others are served."""
     from serving.engine import EngineLimits, build_engine
     from serving.engine.paged_cache import PagedKVConfig
+    from serving.llm_client import is_overload
+    from serving.openai.backend import Overloaded, _error
 
     root, control, work = world["root"], world["control"], Path(world["work"])
-    paged = build_engine(work / "ckpt-0", work / "engine-paged", paged=PagedKVConfig(8, 40, max_num_tokens=16),
+    paged = build_engine(work / "ckpt-0", work / "engine-paged", paged=PagedKVConfig(8, 40, max_num_tokens=16,
+                                                                                     max_waiting=6),
                          limits=EngineLimits(dtype="float32", max_batch_size=4, max_input_len=128, max_seq_len=256))
     stage_engine_version(root, "paged", paged.path, device_kind="cpu",
                          parameters={"decoupled": "true"})
@@ -170,11 +176,19 @@ def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
         assert "errors" not in out
         for i, (prompt, n, _) in enumerate(reqs):
             assert [t for ids, _, _ in out[str(i)] for t in ids] == reference(world["engine"], prompt, n), f"request {i}"
+        burst = run_stream(world["proc"].grpc_url, [(PROMPTS[i % 4], 40, False) for i in range(12)], model="paged_v1")
     finally:
         control.unload_model("paged_v1", wait=True)
+    refused, served = burst.get("errors", []), [k for k in map(str, range(12)) if burst[k]]
+    assert len(refused) >= 2 and len(refused) + len(served) == 12, burst  # 4 live + 6 waiting at most
+    assert all("resource exhausted" in e and "paged.max_waiting=6" in e for e in refused), refused
+    assert all(is_overload("", e) and isinstance(_error(RuntimeError(e), "m"), Overloaded) for e in refused)
+    want = load_engine(world["engine"], device="cpu").generate(PROMPTS, max_new_tokens=40)
+    for k in served:
+        assert [t for ids, _, _ in burst[k] for t in ids] == want[int(k) % 4].token_ids, f"burst request {k}"
     logs = "".join(p.read_text(errors="replace") for p in work.glob("triton-*.log"))
     joined = next(line for line in logs.splitlines() if "[paged_v1 v1] engine thread joined" in line)
-    assert "scheduler PagedStats(" in joined and "finished=6," in joined, joined
+    assert "scheduler PagedStats(" in joined and f"finished={6 + len(served)}," in joined, joined
 
 
 def test_the_router_answers_through_a_decoupled_engine_over_http(world) -> None:

@@ -516,8 +516,10 @@ class TritonPythonModel:
         try:
             scheduler.submit(gen)
         except SchedulerFull as exc:  # overloaded: the client may retry (UNAVAILABLE; the OpenAI front's 429)
+            outbox.discard(stream)
             sender.send(_error_response(f"{tag}: {exc}", unavailable=True), flags=final)
         except Exception as exc:  # noqa: BLE001 - limits the parse did not catch, or stopping
+            outbox.discard(stream)
             sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
 
     def execute(self, requests: list[Any]) -> list[Any] | None:

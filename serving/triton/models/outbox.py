@@ -124,6 +124,14 @@ class Outbox:
                 self.watched[id(stream)] = stream
         return stream
 
+    def discard(self, stream: Stream) -> None:
+        """`stream`'s request was answered outside the outbox (refused at submit): never send or ask for it
+        again (asking Triton whether an answered request was cancelled crashes the server)."""
+        with self.lock:
+            stream.closed = True
+            self.watched.pop(id(stream), None)
+            self.ready.pop(id(stream), None)
+
     def emit(self, stream: Stream, ids: list[int], reason: str | None, text: str = "") -> None:
         """New tokens of `stream` and their text (its finish reason with the last ones). Never sends."""
         with self.lock:
