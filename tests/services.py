@@ -46,6 +46,7 @@ MLFLOW_START_TIMEOUT_S = 120.0
 TEST_ACCESS_KEY_ID = "testing"
 TEST_SECRET_ACCESS_KEY = "testing"  # moto accepts any credentials
 TEST_REGION = "us-east-1"
+AUTH_CACHE_TTL_S = 3600
 
 
 class _Shared(Generic[T]):
@@ -312,6 +313,10 @@ def start_mlflow_auth_server(workdir: Path, s3: S3Server) -> MlflowAuthServer:
         f"database_uri = sqlite:///{workdir / 'auth.db'}\n"
         f"admin_username = {admin.username}\nadmin_password = {admin.password}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        # MLflow's own credential cache (off by default): without it every request of a test pays one
+        # scrypt check (~0.1 s of CPU), which made this server the costliest process of the suite. The
+        # server runs one worker, and no test changes a password, so nothing can go stale.
+        f"auth_cache_ttl_seconds = {AUTH_CACHE_TTL_S}\n"
     )
     ini.chmod(0o600)
     bucket = f"mlartifacts-{uuid.uuid4().hex[:8]}"
