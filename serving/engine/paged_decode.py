@@ -52,8 +52,8 @@ def decode_buckets(max_live: int) -> list[int]:
 
 def is_decode_only(chunks: Sequence[tuple[list[int], int, list[int]]], sample: Sequence[int]) -> bool:
     """Whether a step is single tokens only, each sampled in order (what `PagedDecodeGraphs.step` takes)."""
-    return len(sample) == len(chunks) and all(len(toks) == 1 for toks, _, _ in chunks) and \
-        all(i == s for i, s in enumerate(sample))
+    in_order = all(i == s for i, s in enumerate(sample))
+    return len(sample) == len(chunks) and in_order and all(len(toks) == 1 for toks, _, _ in chunks)
 
 
 def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
