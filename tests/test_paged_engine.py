@@ -310,3 +310,19 @@ def test_a_full_admission_queue_refuses_as_overloaded_and_keeps_the_queued(engin
     assert len(runner.generate(_prompts(5), max_new_tokens=2)) == 5
     with pytest.raises(EngineLimitError, match="paged.max_waiting=0 must be >= 1"):
         check_paged_config(dataclasses.replace(CONFIG, max_waiting=0), max_seq_len=80, max_batch_size=4, block_bytes=1)
+
+
+def test_an_fp8_engine_built_paged_gives_the_static_fp8_engines_tokens(engines, tmp_path):
+    """Quantized weights through the paged steps (the FP8 target's engine; on the CPU the dequantizing path):
+    the same greedy tokens as the static engine of the same fp8 checkpoint, past the KV budget."""
+    from serving.engine.engine_loader import load_as_built
+    from serving.engine.paged_runner import PagedRunner
+    from serving.engine.quantize import QuantInfo
+
+    ckpt = convert_checkpoint(engines[0], tmp_path / "ckpt", dtype="float32", quantization=QuantInfo(method="fp8"))
+    static = load_engine(build_engine(ckpt, tmp_path / "static", limits=LIMITS).path, device="cpu")
+    paged = load_as_built(build_engine(ckpt, tmp_path / "paged", limits=LIMITS, paged=CONFIG).path, device="cpu")
+    prompts = _prompts(6, seed=5)
+    assert isinstance(paged, PagedRunner) and paged.info.quantization.method == "fp8"
+    got, want = paged.generate(prompts, max_new_tokens=16), static.generate(prompts, max_new_tokens=16)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
