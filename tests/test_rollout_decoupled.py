@@ -104,17 +104,17 @@ def test_a_release_turns_in_flight_batching_on_under_load_and_streams_follow(tmp
                              concurrency=1)
         with Load([proc.http_url], NAME, concurrency=1) as load:
             load.mark("plain v1")
-            load.gen.wait_for(10, timeout_s=60)
+            load.wait_for(10, timeout_s=60)
             load.mark("promoting v2, decoupled on")
             assert promote(inflight, "2").rollout.outcome == "Successful"
             load.mark("decoupled v2")
-            load.gen.wait_for(10, timeout_s=60)
+            load.wait_for(10, timeout_s=60)
         print("\n" + load.table())
         assert_consistent(inflight, 2)
         assert llm_model_config(proc.model_repository, NAME, 2)["model_transaction_policy"] == {"decoupled": True}
-        failures = [r.error for r in load.gen.log.since(0) if not r.ok]
+        failures = [r.error for r in load.records() if not r.ok]
         assert not failures, sorted(set(failures))[:3]
-        assert {r.version for r in load.gen.log.since(0) if r.ok} == {1, 2}
+        assert {r.version for r in load.records() if r.ok} == {1, 2}
         with Streams(proc.grpc_url, stream_model_name(NAME), clients=1) as streams:
             deadline = time.monotonic() + 60
             while len(streams.results) < 20 and time.monotonic() < deadline:
@@ -152,8 +152,8 @@ def test_a_failed_release_that_turned_decoupled_on_leaves_the_live_version_plain
             f"{NAME}_v1")
         assert not loaded.get("model_transaction_policy", {}).get("decoupled", False)
         with Load([proc.http_url], NAME, concurrency=1) as load:  # plain /infer through the router
-            load.gen.wait_for(5, timeout_s=60)
-        records = load.gen.log.since(0)
+            load.wait_for(5, timeout_s=60)
+        records = load.records()
         assert records and all(r.ok and r.version == 1 for r in records), [r.error for r in records if not r.ok][:3]
     finally:
         servers.stop_all()

@@ -43,7 +43,7 @@ def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogC
     failing = spec.model_copy(update={"triton": spec.triton.model_copy(update={"engine_parameters": parameters})})
     with Load([p.http_url for p in procs], NAME) as load:
         load.mark("before")
-        load.gen.wait_for(20, timeout_s=60)
+        load.wait_for(20, timeout_s=60)
         load.mark("failed fleet promotion of v2")
         caplog.set_level(logging.INFO, logger="tasks.rollback")
         with pytest.raises(StageFailed, match="injected on server 2 only"):
@@ -51,7 +51,7 @@ def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogC
         rolled_back = [r for r in caplog.records if "rolled back to version 1" in r.getMessage()]
         assert len(rolled_back) == len(procs)  # once per endpoint: the flow does not redo stage()'s rollback
         load.mark("after")
-        load.gen.wait_for(20, timeout_s=60)
+        load.wait_for(20, timeout_s=60)
     print("\n" + load.table())
     assert_consistent(spec, 1)
     for proc in procs:  # what each Triton has loaded: version 1 with its own parameters
@@ -60,7 +60,7 @@ def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogC
         assert {k: v["string_value"] for k, v in loaded["parameters"].items()} == spec.triton.engine_parameters
     tags = mr.get_version_tags(spec.mlflow.tracking_uri, NAME, "2")
     assert tags["rollout"] == "failed" and "injected on server 2 only" in tags["rollout.reason"]
-    records = load.gen.log.since(0)
+    records = load.records()
     assert {r.endpoint for r in records} == {p.http_url for p in procs}
     failures = [r.error for r in records if not r.ok]
     assert not failures, sorted(set(failures))[:3]

@@ -8,6 +8,7 @@ import re
 import time
 from pathlib import Path
 
+from rollout_load import LoadProcess
 from triton_support import TritonServers
 
 from flows.promote import PromoteResult, promote
@@ -26,7 +27,7 @@ from serving.triton.repository import (
 from tasks.promote_spec import SetWeight
 from tasks.rollout_state import read_journal
 from tasks.targets import Target
-from tasks.traffic import RequestRecord, TrafficGenerator
+from tasks.traffic import RequestRecord
 
 
 def start_server(servers: TritonServers, repository: Path) -> TritonProcess:
@@ -142,30 +143,34 @@ class TritonLog:
 
 
 class Load:
-    """A steady, bounded stream of requests through the router, with named phases."""
+    """A steady, bounded stream of requests through the router, with named phases, sent from a process of its
+    own (``rollout_load``: the controller in this process would otherwise add its GIL waits to the latencies)."""
 
     def __init__(self, urls: list[str], name: str, *, concurrency: int = 2, max_requests: int = 20_000,
                  max_seconds: float = 400) -> None:
-        def send(url: str, n: int):
-            r = infer_ids(url, name, [5 + n % 50, 6, 7, 8], max_tokens=4, timeout_s=30)
-            return r.routed_version, "", len(r.output_ids)
-
-        self.gen = TrafficGenerator(urls, send, concurrency=concurrency, max_requests=max_requests,
-                                    max_seconds=max_seconds)
+        self.proc = LoadProcess(urls, name, concurrency=concurrency, max_requests=max_requests,
+                                max_seconds=max_seconds)
         self.marks: list[tuple[str, float]] = []
 
     def __enter__(self) -> Load:  # noqa: PYI034
-        self.gen.start()
+        self.proc.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.gen.stop()
+        self.proc.stop()
+
+    def wait_for(self, count: int, *, timeout_s: float) -> None:
+        self.proc.wait_for(count, timeout_s=timeout_s)
+
+    def records(self) -> list[RequestRecord]:
+        """Every request, once the load has stopped (the ``with`` block has ended)."""
+        return self.proc.stop()
 
     def mark(self, phase: str) -> None:
-        self.marks.append((phase, time.monotonic() - self.gen.t0))
+        self.marks.append((phase, time.monotonic() - self.proc.t0))
 
     def phases(self) -> dict[str, list[RequestRecord]]:
-        records = self.gen.log.since(0)
+        records = self.records()
         bounds = [*self.marks, ("end", float("inf"))]
         return {phase: [r for r in records if start <= r.started_s < bounds[i + 1][1]]
                 for i, (phase, start) in enumerate(bounds[:-1])}
@@ -179,6 +184,10 @@ class Load:
             rows.append(f"| {phase} | {len(recs)} | {sum(not r.ok for r in recs)} | {p50:.1f} | {p99:.1f} "
                         f"| {versions} |")
         return "\n".join(rows)
+
+
+def p99_ms(records: list[RequestRecord]) -> float:
+    return _pct(sorted(r.latency_s * 1e3 for r in records), 0.99)
 
 
 def _pct(sorted_values: list[float], q: float) -> float:
