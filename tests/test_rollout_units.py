@@ -310,3 +310,17 @@ def test_an_endpoint_grpc_url_is_host_and_port() -> None:
         with pytest.raises(ValidationError, match=rf"gRPC address '{bad}' \(triton.endpoints\[\]\.grpc_url\) must "
                                                   "be host:port"):
             TritonEndpoint(url="http://127.0.0.1:8000", model_repository="/r", grpc_url=bad)
+
+
+def test_the_rollout_bench_sets_each_phase_p99_against_the_steady_phases() -> None:
+    from serving.bench.rollout import phase_table
+
+    marks = [("before", 0.0), ("rollout", 10.0), ("between", 20.0), ("rollback", 30.0), ("after", 40.0)]
+    records = [(t + 0.01 * i, (0.1 if int(t) // 10 % 2 == 0 else 0.3) + 0.001 * i, 1, "")
+               for t in (0, 10, 20, 30, 40) for i in range(100)]
+    records.append((15.0, 0.001, None, "InferenceError: 500"))  # a fast failure counts, but not in the latencies
+    table = phase_table(records, marks)
+    assert table["rollout"]["failed"] == 1 and table["rollout"]["requests"] == 101
+    assert table["steady (before+between+after)"]["requests"] == 300
+    assert table["rollout"]["p99_over_steady"] == pytest.approx(0.399 / 0.199, rel=0.01)
+    assert table["before"]["p99_over_steady"] == pytest.approx(1.0, rel=0.01)

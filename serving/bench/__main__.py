@@ -161,6 +161,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pair.add_argument("--work", type=Path, default=Path("build/bench-load"))
     pair.add_argument("--out", type=Path, default=Path("bench-load.json"))
     pair.add_argument("--profile", action="store_true", help="a third load, as the second under cProfile")
+    rol = sub.add_parser("rollout", help="a gray release's Triton steps (load beside, 10/50/100, unload; a second "
+                         "candidate rolled back) under steady load through the router: p50/p99 per phase")
+    rol.add_argument("--engine", type=Path, help="engine folder (default: a random-weight --shape built in --work)")
+    rol.add_argument("--shape", default="llama-3.2-1b")
+    rol.add_argument("--max-batch-size", type=int, default=64)
+    rol.add_argument("--clients", type=int, default=16)
+    rol.add_argument("--prompt-len", type=int, default=128)
+    rol.add_argument("--gen-len", type=int, default=32)
+    rol.add_argument("--steady-s", type=float, default=10.0, help="length of each steady phase")
+    rol.add_argument("--hold-s", type=float, default=3.0, help="time at each weight (stands in for an analysis)")
+    rol.add_argument("--param", action="append", default=[], metavar="K=V",
+                     help="llm model parameter (repeatable); default decoupled=true, compile_decode=false")
+    rol.add_argument("--work", type=Path, default=Path("build/bench-rollout"))
+    rol.add_argument("--out", type=Path, default=Path("bench-rollout.json"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -273,6 +287,19 @@ def run(args: argparse.Namespace) -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         report = run_load_pair(args.engine, args.work / "compile-cache", args.work, profile=args.profile)
         args.out.write_text(json.dumps(report, indent=1))
+        return 0
+    if args.bench_mode == "rollout":
+        from serving.bench.rollout import render_phases, run_rollout_bench
+        from serving.bench.served import build_random_engine
+
+        args.work.mkdir(parents=True, exist_ok=True)
+        engine = args.engine or build_random_engine(args.shape, args.work, max_batch_size=args.max_batch_size,
+                                                    max_seq_len=-(-(args.prompt_len + args.gen_len) // 256) * 256)
+        params = {"decoupled": "true", "compile_decode": "false", **dict(p.split("=", 1) for p in args.param)}
+        report = run_rollout_bench(engine, args.work, clients=args.clients, prompt_len=args.prompt_len,
+                                   gen_len=args.gen_len, steady_s=args.steady_s, hold_s=args.hold_s,
+                                   parameters=params, out_json=args.out)
+        print(render_phases(report))
         return 0
     from serving.bench.served import parse_variant, run_served
 
