@@ -45,10 +45,11 @@ class Kind:
 
 TORCH = Kind("torch", kind_torch.convert, kind_torch.build, kind_torch.verify_fetched, kind_torch.stage_version,
              kind_torch.vocab_size, kind_torch.memory_estimate)
-TRTLLM = {name: Kind(name, kind_trtllm.convert_for_kind, kind_trtllm.build_for_kind, kind_trtllm.verify_fetched,
-                     kind_trtllm.stage_version, kind_trtllm.vocab_size, None)
-          for name in kind_trtllm.TRTLLM_KINDS}
-KINDS: dict[str, Kind] = {TORCH.name: TORCH, **TRTLLM}
+TRTLLM_ENGINE = Kind("trtllm-engine", kind_trtllm.convert_engine_checkpoint, kind_trtllm.build_engine_artifact,
+                     kind_trtllm.verify_fetched, kind_trtllm.stage_version, kind_trtllm.vocab_size, None)
+TRTLLM_LLMAPI = Kind("trtllm-llmapi", kind_trtllm.keep_hf_checkpoint, kind_trtllm.build_llmapi_artifact,
+                     kind_trtllm.verify_fetched, kind_trtllm.stage_version, kind_trtllm.vocab_size, None)
+KINDS: dict[str, Kind] = {k.name: k for k in (TORCH, TRTLLM_ENGINE, TRTLLM_LLMAPI)}
 
 
 def kind_of(engine: EngineSpec | str | None) -> Kind:

@@ -21,7 +21,6 @@ from tasks.promote_spec import TritonSpec
 
 log = logging.getLogger(__name__)
 
-TRTLLM_KINDS = ("trtllm-engine", "trtllm-llmapi")
 DEFAULT_VOCAB_SIZE = 32000  # for the analysis traffic's random prompts when an artifact carries no HF config
 
 
@@ -50,29 +49,14 @@ def trtllm_options(engine: EngineSpec) -> Any:
     return options
 
 
-def require_kind_available(engine: EngineSpec) -> None:
-    """Fail early (naming ``engine.kind``) when this machine cannot run the kind's convert/build."""
-    from serving.trtllm import require_trtllm
-
-    if engine.kind == "trtllm-engine":
-        require_trtllm(engine.kind, commands=("trtllm-build",))
-    elif engine.kind == "trtllm-llmapi":
-        require_trtllm(engine.kind)
-
-
-def convert_for_kind(checkpoint: Path, engine: EngineSpec, work_dir: Path):
-    """trtllm-engine: HF -> TensorRT-LLM checkpoint (convert_checkpoint.py / quantize.py).
-
-    trtllm-llmapi: nothing to convert (the artifact is built from the HF checkpoint in ``build``).
-    """
-    from serving.trtllm import convert_trtllm_checkpoint
+def convert_engine_checkpoint(checkpoint: Path, engine: EngineSpec, work_dir: Path) -> ConvertedCheckpoint:
+    """trtllm-engine: HF -> TensorRT-LLM checkpoint (convert_checkpoint.py / quantize.py), keyed by content."""
+    from serving.trtllm import convert_trtllm_checkpoint, require_trtllm
 
     options = trtllm_options(engine)
-    require_kind_available(engine)
+    require_trtllm(engine.kind, commands=("trtllm-build",))
     check_checkpoint(checkpoint)
     source_digest = tree_digest(checkpoint)
-    if engine.kind == "trtllm-llmapi":
-        return ConvertedCheckpoint(Path(checkpoint), source_digest)
     key = value_digest({"source": source_digest, "kind": engine.kind,
                         "convert": _convert_relevant(engine)})[:16]
     out = work_dir / "checkpoints" / key
@@ -84,6 +68,16 @@ def convert_for_kind(checkpoint: Path, engine: EngineSpec, work_dir: Path):
     return ConvertedCheckpoint(out, source_digest)
 
 
+def keep_hf_checkpoint(checkpoint: Path, engine: EngineSpec, work_dir: Path) -> ConvertedCheckpoint:
+    """trtllm-llmapi: nothing to convert (the artifact is built from the HF checkpoint in ``build``)."""
+    from serving.trtllm import require_trtllm
+
+    trtllm_options(engine)
+    require_trtllm(engine.kind)
+    check_checkpoint(checkpoint)
+    return ConvertedCheckpoint(Path(checkpoint), tree_digest(checkpoint))
+
+
 def _convert_relevant(engine: EngineSpec) -> dict[str, Any]:
     t = engine.trtllm
     return {"dtype": engine.dtype, "quantization": t.quantization, "kv_cache_dtype": t.kv_cache_dtype,
@@ -91,25 +85,41 @@ def _convert_relevant(engine: EngineSpec) -> dict[str, Any]:
             "family": t.model_family}
 
 
-def build_for_kind(converted, engine: EngineSpec, work_dir: Path, *, hf_checkpoint: Path | None = None):
-    """Build the kind's artifact; returns a ``TrtllmArtifact`` (``.path``, ``.fingerprint``)."""
-    from serving.trtllm import build_trtllm_engine, prepare_llmapi_artifact, read_artifact
-
-    options = trtllm_options(engine)
-    require_kind_available(engine)
+def _artifact_dir(converted, engine: EngineSpec, work_dir: Path) -> tuple[Path, Path]:
+    """Where the artifact of ``converted`` built with ``engine`` lives (keyed by content), and its logs."""
     spec = engine.model_dump(exclude={"trtllm": {"examples_dir", "modelopt_examples_dir", "convert_timeout_s",
                                                  "build_timeout_s", "target_toolchain"}})
     key = value_digest({"checkpoint": converted.path.name, "source": converted.source_digest, "engine": spec})[:16]
-    out = work_dir / "engines" / key
+    return work_dir / "engines" / key, work_dir / "logs" / key
+
+
+def build_engine_artifact(converted, engine: EngineSpec, work_dir: Path, *, hf_checkpoint: Path | None = None):
+    """trtllm-engine: ``trtllm-build`` of the converted checkpoint; a ``TrtllmArtifact`` (``.path``, ``.fingerprint``)."""
+    from serving.trtllm import build_trtllm_engine, read_artifact, require_trtllm
+
+    options = trtllm_options(engine)
+    require_trtllm(engine.kind, commands=("trtllm-build",))
+    out, logs = _artifact_dir(converted, engine, work_dir)
     if out.is_dir():
         log.info("TensorRT-LLM artifact already built: %s", out)
         return read_artifact(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    logs = work_dir / "logs" / key
-    if engine.kind == "trtllm-llmapi":
-        return prepare_llmapi_artifact(converted.path, out, options, log_dir=logs, progress=lambda m: log.info("%s", m))
     hf = Path(hf_checkpoint) if hf_checkpoint else _hf_source_of(converted)
     return build_trtllm_engine(converted.path, hf, out, options, log_dir=logs, progress=lambda m: log.info("%s", m))
+
+
+def build_llmapi_artifact(converted, engine: EngineSpec, work_dir: Path, *, hf_checkpoint: Path | None = None):
+    """trtllm-llmapi: the HF checkpoint beside the ``LLM()`` arguments; a ``TrtllmArtifact``."""
+    from serving.trtllm import prepare_llmapi_artifact, read_artifact, require_trtllm
+
+    options = trtllm_options(engine)
+    require_trtllm(engine.kind)
+    out, logs = _artifact_dir(converted, engine, work_dir)
+    if out.is_dir():
+        log.info("TensorRT-LLM artifact already built: %s", out)
+        return read_artifact(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return prepare_llmapi_artifact(converted.path, out, options, log_dir=logs, progress=lambda m: log.info("%s", m))
 
 
 def _hf_source_of(converted) -> Path:
