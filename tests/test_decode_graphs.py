@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
@@ -69,13 +70,20 @@ def test_a_model_whose_batch1_products_are_all_tuned_skips_the_static_compile(mo
     assert not tuned_single_row(meta_model("llama-3.2-1b"))
 
 
-def test_static_steps_compile_per_kv_length_and_dynamic_ones_do_not(tmp_path):
-    """What the policy rests on, with the step functions DecodeGraphs compiles (backend "eager": dynamo's
-    guards and recompiles are the same as under inductor)."""
+@pytest.fixture(scope="module")
+def float32_model(tmp_path_factory):
+    """A tiny float32 engine of 4 slots and 512 positions, loaded on the CPU: its model."""
+    tmp_path = tmp_path_factory.mktemp("float32")
     ckpt = convert_checkpoint(make_tiny_model(tmp_path / "hf"), tmp_path / "ckpt", dtype="float32")
     info = build_engine(ckpt, tmp_path / "engine", limits=EngineLimits(dtype="float32", max_batch_size=4,
                                                                      max_input_len=64, max_seq_len=512))
-    model = load_engine(info.path, device="cpu").model
+    return load_engine(info.path, device="cpu").model
+
+
+def test_static_steps_compile_per_kv_length_and_dynamic_ones_do_not(float32_model):
+    """What the policy rests on, with the step functions DecodeGraphs compiles (backend "eager": dynamo's
+    guards and recompiles are the same as under inductor)."""
+    model = float32_model
     compiled = {"static": torch.compile(_decode_step_single, dynamic=False, fullgraph=True, backend="eager"),
                 "dynamic": torch.compile(decode_step_greedy, dynamic=True, fullgraph=True, backend="eager")}
     frames = {}
@@ -88,6 +96,17 @@ def test_static_steps_compile_per_kv_length_and_dynamic_ones_do_not(tmp_path):
         frames[name] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert frames == {"static": 6, "dynamic": 2}
+
+
+def test_the_dynamic_step_traces_batch_1_once(float32_model):
+    """nn.Embedding's float `norm_type`, which dynamo traced as a tensor and then could not, restarted the step's
+    first trace: one more trace of the whole step (and an AOTAutograd lookup that always missed) at every load."""
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("aot_eager")  # AOTAutograd runs the pass that failed on the float
+    step = torch.compile(decode_step_greedy, dynamic=True, fullgraph=True, backend=backend)
+    step(float32_model, torch.zeros(1, dtype=torch.long), torch.full((1,), 5), 128)
+    torch._dynamo.reset()
+    assert backend.frame_count == 1, f"{backend.frame_count} traces of one graph"
 
 
 def tiny_bf16_engine(tmp_path):

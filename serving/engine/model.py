@@ -510,7 +510,9 @@ def decode_hidden(model: Transformer, tokens: torch.Tensor, input_pos: torch.Ten
     gate_up = _gate_up_fn(gemm_impl, pdl=pdl) if getattr(model, "decode_gate_up", True) else None
     if not rope_fused:
         cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]  # [B, hd]
-    x = model.tok_embeddings(tokens)  # [B, D]
+    # F.embedding of the weight, not the module: dynamo traces nn.Embedding's unused float `norm_type` as a
+    # tensor, fails to, and restarts the whole trace (one more trace of the step at every load)
+    x = F.embedding(tokens, model.tok_embeddings.weight)  # [B, D]
     for layer in model.layers:
         attn = layer.attention
         h = layer.attention_norm(x)
