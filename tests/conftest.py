@@ -1,4 +1,4 @@
-"""Shared fixtures: Prefect's test harness (a temporary API and database for the whole session), and a
+"""Shared fixtures: one Prefect server for an xdist run (``services.prefect_harness``), and a
 fix of Triton's interpreter for bf16 `tl.dot` (the kernel tests under TRITON_INTERPRET=1). The plugins: real
 services (``services``) and a rerun of a test that failed while Triton segfaulted (``triton_crash_rerun``)."""
 
@@ -14,15 +14,30 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+import tempfile
+from pathlib import Path
+
 import pytest
+from services import PREFECT_SHARED_ENV, shares_prefect_server, start_prefect_server, stop_prefect_server
+
+PREFECT_SERVER_KEY = pytest.StashKey[object]()
 
 
-@pytest.fixture(scope="session")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller of an xdist run starts one Prefect server for the whole run before its workers start
+    (they inherit ``PREFECT_API_URL``): every worker's ``prefect_harness`` and every flow run in a test or a
+    CLI process it starts then use it, instead of a temporary server each (15-20 s of CPU apiece)."""
+    if not shares_prefect_server(config):
+        return
+    server = start_prefect_server(Path(tempfile.mkdtemp(prefix="enginewright-prefect-")))
+    config.stash[PREFECT_SERVER_KEY] = server
+    os.environ["PREFECT_API_URL"] = os.environ[PREFECT_SHARED_ENV] = server.api_url
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    server = config.stash.get(PREFECT_SERVER_KEY, None)
+    if server is not None:
+        stop_prefect_server(server)
 
 
 pytest_plugins = ["services", "triton_crash_rerun", "pytester"]

@@ -345,6 +345,96 @@ def mlflow_auth_server(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Se
         stop_mlflow_server(auth.server)
 
 
+# -- Prefect server: one per test run, shared by the pytest-xdist workers ---------------------------
+
+PREFECT_SHARED_ENV = "ENGINEWRIGHT_TEST_PREFECT_API"  # the shared server's API URL, set by the xdist controller
+PREFECT_START_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class PrefectServer:
+    """A Prefect API server on loopback (the app ``prefect_test_harness`` runs, on its own sqlite database)."""
+
+    api_url: str
+    workdir: Path
+    log_path: Path
+    popen: subprocess.Popen
+
+
+def start_prefect_server(workdir: Path) -> PrefectServer:
+    """Start the server and return at once (it takes 15-20 s to come up; ``wait_prefect_server`` waits).
+
+    The command and settings are ``prefect_test_harness``'s (Prefect 3.9's ``SubprocessASGIServer``): the API
+    only, no UI, the services an ephemeral server runs."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("prefect")  # its folder, without importing Prefect here
+    assert spec is not None and spec.origin is not None, "prefect is not installed"
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(workdir / "home"), "PREFECT_UI_ENABLED": "0",
+           "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{workdir / 'prefect.db'}"}
+    log_path = workdir / "prefect-server.log"
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parent.parent), "--factory",
+             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+             "--log-level", "error", "--lifespan", "on"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True)
+    return PrefectServer(f"http://127.0.0.1:{port}/api", workdir, log_path, popen)
+
+
+def wait_prefect_server(api_url: str, timeout_s: float = PREFECT_START_TIMEOUT_S) -> None:
+    """Wait until the server at ``api_url`` answers ``/health``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the shared Prefect server at {api_url} did not answer /health within {timeout_s:g} s")
+        time.sleep(0.3)
+
+
+def stop_prefect_server(server: PrefectServer) -> None:
+    """Stop the server's process group by its PID and remove its folder."""
+    import shutil
+
+    _kill_group(server.popen.pid)
+    server.popen.wait(timeout=10)
+    shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+def shares_prefect_server(config: pytest.Config) -> bool:
+    """True in the controller of a pytest-xdist run: it starts one Prefect server for all its workers."""
+    return not hasattr(config, "workerinput") and str(config.getoption("numprocesses", None) or 0) not in ("0", "")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_prefect_ready() -> None:
+    """A worker of an xdist run waits for the controller's Prefect server before its first test (it was started
+    while the workers collected, so this is normally at once)."""
+    if api_url := os.environ.get(PREFECT_SHARED_ENV):
+        wait_prefect_server(api_url)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A Prefect API for flows run in this process: the xdist run's shared server (``PREFECT_API_URL`` points at
+    it already), else ``prefect_test_harness`` (a temporary server and database for this session)."""
+    if os.environ.get(PREFECT_SHARED_ENV):
+        yield
+        return
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
 # -- fixtures ------------------------------------------------------------------------------------
 
 
