@@ -88,7 +88,8 @@ SHARED_WORKER: dict[str, str] = {  # group: the prefix of its files' names
     "rollout": "test_rollout_",
 }
 LONGEST_FIRST: tuple[str, ...] = (
-    "rollout", "test_end_to_end.py", "test_browser_approval.py", "test_promote_s3.py", "test_deployments.py",
+    "rollout", "test_end_to_end.py", "test_release_smollm2.py", "test_browser_approval.py", "test_promote_s3.py",
+    "test_deployments.py",
     "test_approval_auth.py", "test_openai_doors.py", "test_openai_real_model.py", "test_gates_smollm2.py",
     "test_openai_front.py", "test_publish_s3.py", "test_triton_restart.py", "test_triton_server.py",
     "test_bench_served.py", "test_llm_client.py", "test_release_resume.py", "test_engine_equivalence.py",
