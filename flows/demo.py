@@ -78,9 +78,11 @@ def demo_spec(state: Path, *, max_batch_size: int, model: DemoModel = DEMO_MODEL
             "approval": {"mode": "auto"},
             "triton": {"model_repository": str(state / "triton-repository"), "load_timeout_s": 120},
             "rollout": {
-                "concurrency": 2,
+                # At 10% the window waits for compare.min_samples TTFT probes from the candidate, a 30th of the
+                # traffic: 2 clients on the 2-core CPU took the whole default 120 s ceiling (Inconclusive -> hold).
+                "concurrency": 4,
                 "steps": [
-                    {"set_weight": 10}, {"analysis": {"requests": 16}},
+                    {"set_weight": 10}, {"analysis": {"requests": 16, "timeout_s": 300}},
                     {"set_weight": 50}, {"analysis": {"requests": 16}},
                     {"set_weight": 100}, {"analysis": {"requests": 16}},
                 ],
