@@ -1,5 +1,5 @@
 """The real example model (SmolLM2-135M-Instruct, on the CPU) through the real release flow: real Prefect
-(`prefect_test_harness`), a real MLflow store (sqlite), a file artifact store and a real Triton.
+(`prefect_test_harness`), a real MLflow server (the session's, on loopback), a file artifact store and a real Triton.
 
 A float32 release is published and promoted (production on Triton, serving HF's greedy tokens); a bfloat16
 release of the same checkpoint passes against it and is published. Faulty builds go through the flow's own
@@ -44,10 +44,7 @@ PASSAGES = list(load_evaluation().passages[:3])  # teacher-forced by the validat
 class Stack:
     root: Path
     triton: object
-
-    @property
-    def tracking_uri(self) -> str:
-        return f"sqlite:///{self.root / 'mlflow.db'}"
+    tracking_uri: str  # the session's real `mlflow server` on loopback
 
     @property
     def store(self) -> Path:
@@ -55,11 +52,11 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, prefect_harness) -> Stack:
+def stack(tmp_path_factory, prefect_harness, mlflow_server) -> Stack:
     root = tmp_path_factory.mktemp("release-smollm2")
     repo = init_repository(root / "repository")
     server = start_triton(repo, log_path=root / "triton.log")
-    yield Stack(root, server)
+    yield Stack(root, server, mlflow_server.tracking_uri)
     server.stop()
 
 
