@@ -1,9 +1,10 @@
 """Step 8: gray release. Shift traffic from the live version to the candidate in the spec's steps while
 requests flow, analyse each window, and finish (candidate takes all traffic) or roll back.
 
-Triton has no traffic splitting: the stable model name is a BLS router whose weights change by a reload
-with a complete config override. Every step is applied to every endpoint of the fleet; a failure on one
-endpoint (a reload that fails, a router that does not answer) aborts the rollout and rolls ALL back.
+Triton has no traffic splitting: the stable model name is a BLS router whose weights live in a routing
+file its instances follow (no reload). Every step is applied to every endpoint of the fleet; a failure on
+one endpoint (a write or load that fails, a router that does not answer) aborts the rollout and rolls ALL
+back.
 Each step is written to the rollout journal before it is applied (``tasks.rollout_state``).
 
 Analysis (per ``analysis`` step): the test traffic of the window (``requests``, ``candidate_requests``; token
@@ -97,7 +98,8 @@ def step_weights(live: int | None, candidate: int, percent: int) -> dict[int, in
 
 
 def apply_weights(targets: list[Target], model_name: str, weights: dict[int, int], timeout_s: float) -> None:
-    """Reload the router on every endpoint; the first failure raises (the caller rolls all back)."""
+    """Write the routing file on every endpoint (its routers follow it; nothing reloads); the first failure
+    raises (the caller rolls all back)."""
     from serving.triton.operations import apply_router_weights
 
     for target in targets:

@@ -2,9 +2,9 @@
 (finish). Both are idempotent and safe to run from any intermediate state a crash can leave, which is
 what makes reconciliation after a killed promote possible.
 
-Order matters for zero dropped requests: the router stops choosing a version (reload with a complete
-config override; Triton keeps the old router instance serving until the new one is ready) BEFORE that
-version is unloaded, and only then is its folder renamed aside and deleted.
+Order matters for zero dropped requests: the router stops choosing a version (its routing file, which
+every router instance follows from its next request; no reload) BEFORE that version is unloaded, and only
+then is its folder renamed aside and deleted.
 """
 
 from __future__ import annotations
@@ -41,11 +41,10 @@ def converge(target: Target, name: str, version: int, timeout_s: float) -> None:
     """On one endpoint: router 100% to ``version``, ``version`` the only one served, other folders removed.
 
     When the router already gives every other version weight 0 (a release's last step, or a rollback
-    before any traffic moved), those versions are unloaded first and the router is reloaded once, after:
-    it drops their entries and follows the served version's decoupled setting together (not at all when
-    Triton already runs it with ``version`` alone). Otherwise the
-    router stops choosing them before they are unloaded, and is reloaded again only if that setting
-    changed. Fewer back-to-back router reloads at a release's finish (docs/triton.md, the in-flight hang).
+    before any traffic moved), those versions are unloaded first and the routing file is written once,
+    after: it drops their entries and follows the served version's decoupled setting together (not at all
+    when the router already routes by ``version`` alone). Otherwise the router stops choosing them before
+    they are unloaded, and its routing file is written again only if that setting changed.
     """
     from serving.triton.operations import apply_router_weights, router_loaded_with, serve_versions
     from serving.triton.repository import engine_decoupled, list_versions, remove_version

@@ -49,11 +49,11 @@ ANALYSIS = {"requests": 16, "max_new_tokens": 8,
 STEADY_REQUESTS = 200
 STEADY = ("before", "between", "after")
 ROLLOUT, AUTO_ROLLBACK = "rollout 1->2 (10/50/100)", "automatic rollback of slow v3"
-# The best bound that holds on CI's two loaded cores, NOT the 1.5x: the rollout's own canary traffic
-# doubles the demand on the cores (the rollout's p50 is about 2x steady) and every router reload starts five
-# python stubs beside the live ones; measured 4.8-6.4x through the rollout, 2.6-4.7x through the automatic
-# rollback (docs/performance.md). A load that stalls the live traffic (an HTTP load: 7-11 s) is far beyond it.
-P99_BOUND = 10.0
+# A bound that holds on CI's two loaded cores (three test workers), NOT the 1.5x: the rollout's own
+# canary traffic and the candidate's load (its stub, torch import, warm-up) share the cores with the live
+# engine. Measured 1.6x through the rollout and 1.7x through the automatic rollback beside one other pytest,
+# since the routers follow a routing file (4.8-6.4x and 2.6-4.7x when every weight change reloaded them).
+P99_BOUND = 4.0
 STEPS = [{"set_weight": 10}, {"analysis": ANALYSIS}, {"set_weight": 50}, {"analysis": ANALYSIS},
          {"set_weight": 100}, {"analysis": ANALYSIS}]
 

@@ -22,6 +22,7 @@ from serving.triton.models.routing import (
     hist_quantile,
     merge_counters,
 )
+from serving.triton.models.routing_file import ROUTING_FILE
 from tasks.analysis import combine, compare, judge, router_value, run_metrics, summarize_metric
 from tasks.promote_spec import AnalysisSpec, ComparisonSpec, MetricSpec, RolloutSpec, TritonSpec
 from tasks.rollout_state import Journal, journal_path, read_journal, write_journal
@@ -41,16 +42,17 @@ def test_sticky_routing_is_stable_and_monotone() -> None:
     assert all(choose_sticky({1: 100, 2: 0}, k) == 1 for k in keys[:100])
 
 
-def test_router_routing_key_under_fake_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_routing_key_under_fake_backend(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def handler(model, version, inputs, requested):
         assert "routing_key" not in {t.name() for t in inputs}
         return FakeResponse([FakeTensor("output_ids", np.array([[7, 8, 9]], dtype=np.int32))])
 
     pb = make_fake_pb_utils(handler)
     monkeypatch.setattr(router_mod, "pb_utils", pb)
+    (tmp_path / ROUTING_FILE).write_text(json.dumps({"weights": {"1": 50, "2": 50}, "target_model": "m_engine"}))
     model = router_mod.TritonPythonModel()
-    model.initialize({"model_name": "m", "model_config": json.dumps({"parameters": {
-        "target_model": {"string_value": "m_engine"}, "weights": {"string_value": '{"1": 50, "2": 50}'}}})})
+    model.initialize({"model_name": "m", "model_repository": str(tmp_path), "model_config": json.dumps(
+        {"parameters": {"target_model": {"string_value": "m_engine"}}})})
     reqs = [FakeRequest({"input_ids": [[1]], "max_tokens": [[3]], "routing_key": np.array([[b"alice"]], dtype=object)},
                         ("output_ids",)) for _ in range(20)]
     out = asyncio.run(model.execute(reqs))

@@ -134,6 +134,7 @@ def test_second_version_split_then_switch(world) -> None:
     assert stage_engine_version(root, NAME, world["engines"][2]) == 2
     serve_versions(control, root, NAME, [1, 2], timeout_s=60)
     assert control.ready_versions(ENGINE) == [1] and control.ready_versions(ENGINE2) == [1]
+    stubs = stub_resources(world["proc"].pid)[1]
     apply_router_weights(control, root, NAME, {1: 50, 2: 50}, timeout_s=30)
     expected = {v: reference(world["engines"][v], PROMPTS[0]) for v in (1, 2)}
     assert expected[1] != expected[2]
@@ -150,6 +151,7 @@ def test_second_version_split_then_switch(world) -> None:
 
     apply_router_weights(control, root, NAME, {2: 100}, timeout_s=30)
     assert {infer_ids(url, NAME, PROMPTS[0], max_tokens=2, timeout_s=30).routed_version for _ in range(10)} == {2}
+    assert stub_resources(world["proc"].pid)[1] == stubs  # two weight changes started no stub: nothing reloaded
 
     serve_versions(control, root, NAME, [2], timeout_s=60)
     assert control.ready_versions(ENGINE2) == [1]
@@ -184,15 +186,16 @@ class TritonPythonModel:
 
 def test_loads_over_grpc(world) -> None:
     """With ``grpc_url`` loads go over gRPC (an HTTP load holds one of Triton's HTTP threads until it is done,
-    stalling the HTTP clients that thread serves): the router reloads there with its complete config and
-    answers; a model the repository lacks is refused, naming it, the address and the setting."""
+    stalling the HTTP clients that thread serves): a router Triton does not run loads there with its complete
+    config and answers; a model the repository lacks is refused, naming it, the address and the setting."""
     from serving.triton.repository import router_weights
 
     proc, root = world["proc"], world["root"]
     control = TritonControl(proc.http_url, grpc_url=proc.grpc_url, setting="triton.endpoints[0]")
     weights = router_weights(root, NAME)
+    control.unload_model(NAME, timeout_s=30)
     config = apply_router_weights(control, root, NAME, weights, timeout_s=60)
-    assert control.model_config(NAME)["parameters"]["load_id"] == config["parameters"]["load_id"]
+    assert control.model_config(NAME)["parameters"] == config["parameters"]
     assert infer_ids(proc.http_url, NAME, PROMPTS[0], max_tokens=2).routed_version in weights
     with pytest.raises(ModelLoadError, match=rf"Triton at {re.escape(proc.grpc_url)} \(gRPC of .*triton.endpoints"
                                              r"\[0\]\) refused to load 'absent': .*absent"):

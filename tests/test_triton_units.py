@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -18,12 +19,13 @@ from tritonclient.grpc import model_config_pb2
 from serving.triton import repository as repo_mod
 from serving.triton.errors import ConfigError, RepositoryError, TritonStartError
 from serving.triton.install import locate_triton
-from serving.triton.model_configs import llm_config, router_config
+from serving.triton.model_configs import check_weights, llm_config, router_config
 from serving.triton.models import llm as llm_mod
 from serving.triton.models import params as params_mod
 from serving.triton.models import router as router_mod
 from serving.triton.models.requests import BatchItem, RequestError, check_limits, parse_request, plan_batches
 from serving.triton.models.routing import RouterStats, WeightsError, choose_version, parse_weights
+from serving.triton.models.routing_file import ROUTING_FILE, ROUTING_PARAMETER
 from serving.triton.models.text import EngineText
 from serving.triton.pbtxt import to_pbtxt
 from serving.triton.process import build_command, start_triton
@@ -81,26 +83,36 @@ def two_versions_served(tmp_path: Path, router: dict[int, int]) -> tuple[Path, R
 
 @pytest.mark.parametrize("before", [{1: 0, 2: 100}, {1: 50, 2: 50}])
 def test_converge_unloads_a_version_only_once_the_router_no_longer_picks_it(tmp_path: Path, before) -> None:
-    """Already routed away from version 1 (a release's last step): its model is unloaded first, then ONE
-    router reload drops its 0-weight entry. Still routed to it: the router first, then the unload. The
-    model of the version kept is never reloaded."""
+    """Already routed away from version 1 (a release's last step) or still routed to it: its model is
+    unloaded only once the routing file gives it no weight, and nothing loads (the routers follow the
+    file; the model of the version kept is never reloaded)."""
     from tasks import rollback
     from tasks.targets import Target
 
     root, control = two_versions_served(tmp_path, before)
+    weights_at_unload = []
+    unload = control.unload_model
+
+    def recorded_unload(name: str, **kwargs: float) -> None:
+        weights_at_unload.append(repo_mod.router_weights(root, "m"))
+        unload(name, **kwargs)
+
+    control.unload_model = recorded_unload  # type: ignore[method-assign]
 
     class RecordedTarget(Target):
         def control(self, **_: float) -> RecordingControl:  # type: ignore[override]
             return control
 
     rollback.converge(RecordedTarget("http://127.0.0.1:1", root, "test"), "m", 2, timeout_s=1.0)
-    want = [("unload", "m_v1"), ("load", "m")] if before[1] == 0 else [("load", "m"), ("unload", "m_v1")]
-    assert control.calls == want
+    assert control.calls == [("unload", "m_v1")]
+    assert weights_at_unload[0].get(1, 0) == 0
     assert repo_mod.router_weights(root, "m") == {2: 100}
     assert repo_mod.served_versions(root, "m") == [2] and repo_mod.list_versions(root, "m") == [2]
     control.calls.clear()
+    load_id = repo_mod.router_routing(root, "m").load_id
     rollback.converge(RecordedTarget("http://127.0.0.1:1", root, "test"), "m", 2, timeout_s=1.0)
     assert control.calls == []  # converged already: nothing loads, not even the router
+    assert repo_mod.router_routing(root, "m").load_id == load_id  # nor is the routing file rewritten
 
 
 def test_serve_versions_loads_only_what_is_not_ready(tmp_path: Path) -> None:
@@ -147,16 +159,16 @@ def test_llm_config_parses_with_triton_schema() -> None:
 
 
 def test_router_config_parses_and_validates() -> None:
-    cfg = parse_pbtxt(to_pbtxt(router_config("m", {1: 90, 2: 10})))
+    cfg = parse_pbtxt(to_pbtxt(router_config("m")))
     assert cfg.parameters["target_model"].string_value == "m_v{version}"
-    assert json.loads(cfg.parameters["weights"].string_value) == {"1": 90, "2": 10}
+    assert cfg.parameters[ROUTING_PARAMETER].string_value == ROUTING_FILE and "weights" not in cfg.parameters
     assert {o.name for o in cfg.output} >= {"routed_version", "output_ids"}
     assert not {"stats", "stats_json"} & {t.name for t in [*cfg.input, *cfg.output]}  # counters stay internal
     assert all(i.optional for i in cfg.input if i.name != "max_tokens")  # required, as the engine requires it
     assert not next(i for i in cfg.input if i.name == "max_tokens").optional and cfg.max_batch_size == 1
     for bad in ({}, {1: 0}, {0: 10}, {1: -1}):
         with pytest.raises(ConfigError, match="weights"):
-            router_config("m", bad)
+            check_weights("router 'm'", bad)
 
 
 # ---------------------------------------------------------------- repository
@@ -455,23 +467,28 @@ def test_llm_initialize_error_names_model(monkeypatch: pytest.MonkeyPatch, tmp_p
         llm_mod.TritonPythonModel().initialize(args)
 
 
-def router_model(monkeypatch: pytest.MonkeyPatch, handler, weights: str, **extra: str):
+def router_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, handler, weights: str, *,
+                 target_decoupled: bool = False):
     pb = make_fake_pb_utils(handler)
     monkeypatch.setattr(router_mod, "pb_utils", pb)
+    model_dir = tmp_path / "m"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / ROUTING_FILE).write_text(json.dumps({"weights": json.loads(weights), "load_id": "load-1",
+                                                      "target_model": "m_engine",
+                                                      "target_decoupled": str(target_decoupled).lower()}))
     model = router_mod.TritonPythonModel()
-    model.initialize({"model_name": "m", "model_config": json.dumps({"parameters": {
-        "target_model": {"string_value": "m_engine"}, "weights": {"string_value": weights},
-        "seed": {"string_value": "1"}, **{k: {"string_value": v} for k, v in extra.items()}}})})
+    model.initialize({"model_name": "m", "model_repository": str(model_dir), "model_config": json.dumps(
+        {"parameters": {"target_model": {"string_value": "m_engine"}, "seed": {"string_value": "1"}}})})
     return model, pb
 
 
-def test_router_forwards_counts_and_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_forwards_counts_and_reports(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def handler(model, version, inputs, requested):
         if version == 2:
             return FakeResponse(error=make_fake_pb_utils().TritonError("v2 broke"))
         return FakeResponse([FakeTensor("output_ids", np.array([[version]], dtype=np.int32))])
 
-    model, pb = router_model(monkeypatch, handler, '{"1": 50, "2": 50}')
+    model, pb = router_model(monkeypatch, tmp_path, handler, '{"1": 50, "2": 50}')
     reqs = [FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]}, ("output_ids", "routed_version"))
             for _ in range(40)]
     out = asyncio.run(model.execute(reqs))
@@ -487,7 +504,7 @@ def test_router_forwards_counts_and_reports(monkeypatch: pytest.MonkeyPatch) -> 
     assert stats["versions"]["1"]["requests"] + stats["versions"]["2"]["requests"] == 40
 
 
-def test_router_merges_the_responses_of_a_streaming_target(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_merges_the_responses_of_a_streaming_target(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A decoupled llm answers a BLS call in several responses (and an empty final one): one answer, with
     every token in order, the text joined and the last finish reason; counted once."""
     def handler(model, version, inputs, requested):
@@ -499,7 +516,7 @@ def test_router_merges_the_responses_of_a_streaming_target(monkeypatch: pytest.M
             return FakeResponse(tensors)
         return [piece([7, 8], b"he"), piece([9], b"llo", b"length"), FakeResponse([])]
 
-    model, pb = router_model(monkeypatch, handler, '{"1": 100}')
+    model, pb = router_model(monkeypatch, tmp_path, handler, '{"1": 100}')
     (out,) = asyncio.run(model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[3]]})]))
     assert not out.has_error() and len(pb.calls) == 2  # refused as a plain call, then called decoupled
     asyncio.run(model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[3]]})]))
@@ -510,39 +527,99 @@ def test_router_merges_the_responses_of_a_streaming_target(monkeypatch: pytest.M
     assert model.stats.snapshot()["detail"]["1"]["output_tokens"] == 3 + 3
 
 
-def test_router_told_its_target_is_decoupled_never_makes_a_plain_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``target_decoupled`` in its config the first call is already decoupled: no plain call whose
+def test_router_told_its_target_is_decoupled_never_makes_a_plain_call(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """With ``target_decoupled`` in its routing file the first call is already decoupled: no plain call whose
     refusal can take seconds to come back."""
     def handler(model, version, inputs, requested):
         return [FakeResponse([FakeTensor("output_ids", np.array([[4, 5]], dtype=np.int32))]), FakeResponse([])]
 
-    model, pb = router_model(monkeypatch, handler, '{"1": 100}', target_decoupled="true")
+    model, pb = router_model(monkeypatch, tmp_path, handler, '{"1": 100}', target_decoupled=True)
     (out,) = asyncio.run(model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[2]]})]))
     assert not out.has_error() and out.output("output_ids").tolist() == [[4, 5]]
     assert len(pb.calls) == 1  # straight to the decoupled call
 
 
-def test_router_config_says_target_decoupled_when_its_llm_is_staged_decoupled(tmp_path: Path) -> None:
-    from serving.triton.repository import write_router
+def test_routing_file_says_target_decoupled_when_its_llm_is_staged_decoupled(tmp_path: Path) -> None:
+    from serving.triton.repository import router_routing, write_router
 
-    assert "target_decoupled" not in router_config("m", {1: 100})["parameters"]
-    assert router_config("m", {1: 100}, target_decoupled=True)["parameters"]["target_decoupled"] == {
-        "string_value": "true"}
+    def decoupled(**kwargs) -> bool:
+        config = write_router(root, "m", {1: 100}, **kwargs)
+        assert "target_decoupled" not in config["parameters"] and "weights" not in config["parameters"]
+        return router_routing(root, "m").target_decoupled
+
     root = tmp_path / "repo"
-    assert "target_decoupled" not in write_router(root, "m", {1: 100})["parameters"]  # no llm staged
+    assert not decoupled()  # no llm staged
     engine = fake_engine_dir(tmp_path)
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, device_kind="cpu")
-    assert "target_decoupled" not in write_router(root, "m", {1: 100})["parameters"]  # a plain llm
+    assert not decoupled()  # a plain llm
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"decoupled": "true"})
-    assert "target_decoupled" not in write_router(root, "m", {1: 100})["parameters"]  # staged, not served yet
+    assert not decoupled()  # staged, not served yet
     repo_mod.set_served_versions(root, "m", [1, 2])
-    assert write_router(root, "m", {1: 100})["parameters"]["target_decoupled"] == {"string_value": "true"}
-    assert "target_decoupled" not in write_router(root, "m", {1: 100}, target_model="other")["parameters"]
+    assert decoupled()
+    assert not decoupled(target_model="other")
 
 
-def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(RuntimeError, match=r"\[m\] router parameter weights="):
-        router_model(monkeypatch, None, '{"1": 0}')
+def test_a_weight_change_rewrites_only_the_routing_file(tmp_path: Path) -> None:
+    """The config and model file stay byte for byte (Triton would reload a changed config); the routing
+    file is replaced (a new inode, a new load_id), so the router instances see the change."""
+    from serving.triton.repository import router_routing, write_router
+
+    root = tmp_path / "repo"
+    first = write_router(root, "m", {1: 100})
+    files = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (root / "m" / "config.pbtxt", root / "m" / "1" / "model.py")}
+    before = router_routing(root, "m")
+    inode = (root / "m" / ROUTING_FILE).stat().st_ino
+    assert write_router(root, "m", {1: 90, 2: 10}) == first
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files} == files
+    after = router_routing(root, "m")
+    assert after.weights == {1: 90, 2: 10} and after.load_id != before.load_id
+    assert (root / "m" / ROUTING_FILE).stat().st_ino != inode
+    with pytest.raises(ConfigError, match=r"router 'm': weights=\{1: 0\}"):
+        write_router(root, "m", {1: 0})
+    assert router_routing(root, "m") == after  # a refused write changes nothing
+
+
+def test_router_follows_its_routing_file_and_counts_each_change_apart(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """A new routing file reaches the next batch; the old weights' counters are closed (written, final)
+    and the new ones start at zero; a bad file keeps the routing in force and says so."""
+    def handler(model, version, inputs, requested):
+        return FakeResponse([FakeTensor("output_ids", np.array([[version]], dtype=np.int32))])
+
+    model, _ = router_model(monkeypatch, tmp_path, handler, '{"1": 100}')
+    one = [FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]}, ("output_ids",)) for _ in range(5)]
+    assert {int(r.output("routed_version")[0, 0]) for r in asyncio.run(model.execute(one))} == {1}
+    routing = tmp_path / "m" / ROUTING_FILE
+    tmp = routing.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"weights": {"1": 0, "2": 100}, "load_id": "load-2", "target_model": "m_engine"}))
+    os.replace(tmp, routing)
+    two = [FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]}, ("output_ids",)) for _ in range(3)]
+    assert {int(r.output("routed_version")[0, 0]) for r in asyncio.run(model.execute(two))} == {2}
+    snap = model.stats.snapshot()
+    assert snap["load_id"] == "load-2" and snap["versions"] == {"2": pytest.approx(
+        {"requests": 3, "errors": 0, "latency_sum_s": 0.0, "latency_max_s": 0.0}, abs=1.0)}
+    assert snap["cumulative"]["1"]["requests"] == 5 and snap["generations"] == 2
+    closed = [json.loads(p.read_text()) for p in (tmp_path / "m" / "counters").glob("*.json")]
+    assert [d["final"] for d in closed if d["load_id"] == "load-1"] == [True]
+    tmp.write_text("{not json")
+    os.replace(tmp, routing)
+    assert {int(r.output("routed_version")[0, 0]) for r in asyncio.run(model.execute(two))} == {2}
+    assert model.weights == {1: 0, 2: 100}
+
+
+def test_router_without_a_routing_file_fails_initialize_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    monkeypatch.setattr(router_mod, "pb_utils", make_fake_pb_utils(None))
+    model = router_mod.TritonPythonModel()
+    with pytest.raises(RuntimeError, match=rf"\[m\] routing file {re.escape(str(tmp_path))}.*{ROUTING_FILE}"):
+        model.initialize({"model_name": "m", "model_repository": str(tmp_path), "model_config": json.dumps(
+            {"parameters": {"target_model": {"string_value": "m_engine"}}})})
+
+
+def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"\[m\] routing file .*weights="):
+        router_model(monkeypatch, tmp_path, None, '{"1": 0}')
 
 
 @pytest.mark.parametrize("name, value", [("stream_interval_ms", "-5"), ("stream_interval_ms", "soon"),

@@ -11,7 +11,7 @@ from typing import Any
 
 from serving.triton.errors import ConfigError
 from serving.triton.models.params import check_parameters, flag
-from serving.triton.models.routing import dump_weights
+from serving.triton.models.routing_file import ROUTING_FILE, ROUTING_PARAMETER
 
 # One request per call: the llm reads each input as one value (a batch of 2 is its INVALID_ARG), so a larger
 # max_batch_size would declare what the engine refuses; Triton itself now refuses a batch of 2 with a 400.
@@ -108,35 +108,30 @@ def llm_config(
     return config
 
 
-def _router_params(what: str, weights: dict[int, int], *, target_model: str, seed: int | None,
-                   load_id: str | None) -> dict[str, str]:
-    """The config parameters both routers share; ConfigError naming ``what`` for bad weights."""
+def check_weights(what: str, weights: dict[int, int]) -> None:
+    """ConfigError naming ``what`` unless ``weights`` has versions >= 1, weights >= 0 and a positive sum."""
     if not weights or sum(weights.values()) <= 0 or any(w < 0 or v < 1 for v, w in weights.items()):
         raise ConfigError(f"{what}: weights={weights!r} need versions >= 1, weights >= 0, a positive sum")
-    params = {"target_model": target_model, "weights": dump_weights(weights)}
+
+
+def _router_params(*, target_model: str, seed: int | None) -> dict[str, str]:
+    """The config parameters both routers share; the weights are in the routing file, not here."""
+    params = {"target_model": target_model, ROUTING_PARAMETER: ROUTING_FILE}
     if seed is not None:
         params["seed"] = str(seed)
-    if load_id:
-        params["load_id"] = load_id  # the instances of one load add up their counters
     return params
 
 
 def router_config(
     name: str,
-    weights: dict[int, int],
     *,
     target_model: str | None = None,
     max_batch_size: int = ROUTER_MAX_BATCH_SIZE,
     seed: int | None = None,
     instance_count: int = ROUTER_INSTANCES,
-    load_id: str | None = None,
-    target_decoupled: bool = False,
 ) -> dict[str, Any]:
-    """Complete config of the router ``name`` (also the JSON for a load override that changes weights).
-
-    ``target_decoupled``: the target llm is staged decoupled, so the router calls it with decoupled BLS
-    from its first request (without it, the router learns that from the target's refusal of a plain call,
-    which took 20-30 s in some loads under traffic).
+    """Complete config of the router ``name``. It does not change with the weights (the routing file
+    holds them, with ``target_decoupled``), so a weight change reloads nothing.
 
     No dynamic batching and several instances: a non-decoupled python model answers a batch only when its
     slowest request is done (an ``async`` execute runs in the background only for decoupled models, and
@@ -144,21 +139,17 @@ def router_config(
     live version wait for a slow candidate (measured: live TTFT median 0.83 s beside a slow canary).
     Each instance forwards one request at a time; the llm's own dynamic batcher still groups the BLS calls.
     """
-    params = _router_params(f"router {name!r}", weights, target_model=target_model or f"{name}_v{{version}}",
-                            seed=seed, load_id=load_id)
-    if target_decoupled:
-        params["target_decoupled"] = "true"
+    params = _router_params(target_model=target_model or f"{name}_v{{version}}", seed=seed)
     return _router_model(name, params, max_batch_size=max_batch_size, instance_count=instance_count,
                          extra_inputs=[], extra_outputs=[])
 
 
-def stream_router_config(name: str, weights: dict[int, int], *, target_model: str, counters_model: str,
-                         seed: int | None = None, load_id: str | None = None) -> dict[str, Any]:
+def stream_router_config(name: str, *, target_model: str, counters_model: str,
+                         seed: int | None = None) -> dict[str, Any]:
     """Complete config of the streaming router ``name`` (``<release>_stream``), decoupled, in front of the
-    decoupled llm ``target_model``; it counts into the router ``counters_model``'s counter files. One
-    instance: every stream runs on a thread of its own."""
-    params = _router_params(f"streaming router {name!r}", weights, target_model=target_model, seed=seed,
-                            load_id=load_id)
+    decoupled llm ``target_model``; it routes by, and counts into, the router ``counters_model``'s routing
+    file and counter files. One instance: every stream runs on a thread of its own."""
+    params = _router_params(target_model=target_model, seed=seed)
     params["counters_model"] = counters_model
     config = _router_model(name, params, max_batch_size=ROUTER_MAX_BATCH_SIZE, instance_count=1,
                            extra_inputs=[_tensor("stream", "TYPE_BOOL", [1], optional=True)], extra_outputs=[])

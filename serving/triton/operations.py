@@ -1,4 +1,4 @@
-"""Repository change + reload in one call: the steps a gray release applies to each Triton endpoint."""
+"""Repository change + load in one call: the steps a gray release applies to each Triton endpoint."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from serving.triton.repository import (
     engine_model_name,
     list_versions,
     remove_folder,
+    router_weights,
     set_served_versions,
     stream_model_name,
     write_router,
@@ -25,32 +26,49 @@ from serving.triton.repository import (
 
 def apply_router_weights(control: TritonControl, root: Path, name: str, weights: dict[int, int], *,
                          timeout_s: float = 60.0, **config_kwargs: Any) -> dict[str, Any]:
-    """Persist the router's weights and reload it with the complete config as an override; the same for
-    the streaming router while the llm is decoupled (written, or removed when it no longer is)."""
+    """Route release ``name`` by ``weights`` on one endpoint: write the routing file, which the loaded
+    routers follow from their next request, and load the router (and the streaming router, while the llm
+    is decoupled; it is removed when it no longer is) only where Triton does not run it with the config
+    written: the first time, after a restart, or a router of an older layout. Returns the router's config."""
     decoupled = engine_decoupled(root, name)
     config = write_router(root, name, weights, target_decoupled=decoupled, **config_kwargs)
     if decoupled:
-        load_id = config["parameters"]["load_id"]["string_value"]
-        stream = write_stream_router(root, name, weights, load_id=load_id, seed=config_kwargs.get("seed"))
-        control.load_model(stream_model_name(name), config=stream, timeout_s=timeout_s)
+        stream = write_stream_router(root, name, seed=config_kwargs.get("seed"))
+        _load_unless_running(control, stream_model_name(name), stream, timeout_s=timeout_s)
     else:
         remove_stream_router(control, root, name, timeout_s=timeout_s)
-    control.load_model(name, config=config, timeout_s=timeout_s)
+    _load_unless_running(control, name, config, timeout_s=timeout_s)
     return config
 
 
-def router_loaded_with(control: TritonControl, root: Path, name: str, weights: dict[int, int]) -> bool:
-    """Triton runs the router ``name`` (and the streaming router, while the llm is decoupled) with exactly
-    ``weights``, as loaded (not as written: a crash may fall between the two)."""
-    from serving.triton.models.routing import dump_weights
+def _running_with(control: TritonControl, model: str, config: dict[str, Any]) -> bool:
+    """Triton runs ``model`` with ``config``'s parameters (a router that follows its routing file)."""
+    try:
+        loaded = control.model_config(model)
+    except TritonRequestError:
+        return False
+    return loaded.get("parameters", {}) == config["parameters"]
 
+
+def _load_unless_running(control: TritonControl, model: str, config: dict[str, Any], *, timeout_s: float) -> None:
+    if not _running_with(control, model, config):
+        control.load_model(model, config=config, timeout_s=timeout_s)
+
+
+def router_loaded_with(control: TritonControl, root: Path, name: str, weights: dict[int, int]) -> bool:
+    """The router ``name`` routes by exactly ``weights``: its routing file holds them and Triton runs the
+    router (and the streaming router, while the llm is decoupled) as one that follows that file."""
+    from serving.triton.models.routing_file import routing_parameters
+
+    if router_weights(root, name) != weights:
+        return False
     models = [name] + ([stream_model_name(name)] if engine_decoupled(root, name) else [])
     for model in models:
         try:
             loaded = control.model_config(model)
         except TritonRequestError:
             return False
-        if loaded.get("parameters", {}).get("weights", {}).get("string_value") != dump_weights(weights):
+        if not routing_parameters(loaded.get("parameters", {})):
             return False
     return True
 

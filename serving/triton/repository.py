@@ -4,7 +4,8 @@ Layout for a release ``<name>``: one Triton model per engine version, so each on
 on its own (Triton re-creates every version of a model whose config changes: a model holding all versions
 reloaded the live engine at every promotion)::
 
-    <root>/<name>/config.pbtxt               router (python BLS), parameters target_model + weights
+    <root>/<name>/config.pbtxt               router (python BLS), parameter target_model
+    <root>/<name>/enginewright.json          its routing file: weights, load_id (replaced, never reloaded)
     <root>/<name>/1/model.py                 copy of serving/triton/models/router.py
     <root>/<name>_v<N>/config.pbtxt          llm (python) of engine version N, its own settings
     <root>/<name>_v<N>/1/model.py            copy of serving/triton/models/llm.py
@@ -34,8 +35,9 @@ from typing import Any
 
 from serving.files import link_or_copy
 from serving.triton.errors import RepositoryError
-from serving.triton.model_configs import llm_config, router_config, stream_router_config
+from serving.triton.model_configs import check_weights, llm_config, router_config, stream_router_config
 from serving.triton.models.params import check_parameters, flag
+from serving.triton.models.routing_file import ROUTING_FILE, Routing, read_routing
 from serving.triton.pbtxt import to_pbtxt
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -67,6 +69,7 @@ __all__ = [
     "remove_model",
     "remove_version",
     "router_config",
+    "router_routing",
     "router_weights",
     "served_versions",
     "set_served_versions",
@@ -352,28 +355,33 @@ def remove_version(root: Path, name: str, version: int, *, force: bool = False) 
     remove_folder(path)
 
 
-def write_router(root: Path, name: str, weights: dict[int, int], **config_kwargs: Any) -> dict[str, Any]:
-    """Write (or rewrite) the router model ``name`` with ``weights``; return its complete config.
-
-    The file change alone does not reach a loaded router: apply it with
-    ``TritonControl.load_model(name, config=<returned dict>)``.
-    """
+def write_router(root: Path, name: str, weights: dict[int, int], *, target_decoupled: bool | None = None,
+                 **config_kwargs: Any) -> dict[str, Any]:
+    """Write the router model ``name``: its config and model file when they differ from what is there, and
+    its routing file (``weights``, a fresh ``load_id``: each weight change counts on its own); return the
+    complete config. A loaded router follows the routing file from its next request; the config needs a
+    load only when Triton does not run it yet (`serving.triton.operations.apply_router_weights`)."""
     from serving.triton.models.routing import new_generation
 
     root = init_repository(root)
-    config_kwargs.setdefault("load_id", new_generation())  # fresh per write: each load counts on its own
-    if "target_model" not in config_kwargs:  # its own llms: call them the way they are staged
-        config_kwargs.setdefault("target_decoupled", engine_decoupled(root, name))
-    config = router_config(name, weights, **config_kwargs)
+    check_weights(f"router {name!r}", weights)
+    config = router_config(name, **config_kwargs)
+    target_model = config["parameters"]["target_model"]["string_value"]
+    if target_decoupled is None:  # its own llms: call them the way they are staged
+        target_decoupled = "target_model" not in config_kwargs and engine_decoupled(root, name)
     model_dir = root / name
-    version_dir = model_dir / "1"
-    version_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(version_dir / "model.py", (MODELS_DIR / "router.py").read_bytes())
-    write_atomic(model_dir / "config.pbtxt", to_pbtxt(config))
-    state = {"weights": {str(v): w for v, w in sorted(weights.items())}, "load_id": config_kwargs["load_id"],
-             "target_model": config["parameters"]["target_model"]["string_value"]}
-    write_atomic(model_dir / STATE_FILE, json.dumps(state))
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    routing = Routing(weights=dict(weights), load_id=new_generation(), target_model=target_model,
+                      target_decoupled=target_decoupled)
+    write_atomic(model_dir / ROUTING_FILE, routing.to_json())  # first: a router loaded next reads it
+    _write_if_changed(model_dir / "1" / "model.py", (MODELS_DIR / "router.py").read_bytes())
+    _write_if_changed(model_dir / "config.pbtxt", to_pbtxt(config).encode())
     return config
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    if not (path.is_file() and path.read_bytes() == data):
+        write_atomic(path, data)
 
 
 def engine_decoupled(root: Path, name: str) -> bool:
@@ -385,45 +393,44 @@ def engine_decoupled(root: Path, name: str) -> bool:
     return flag(version_summary(root, name, served[-1]).get("settings", {}).get("parameters") or {}, "decoupled")
 
 
-def write_stream_router(root: Path, name: str, weights: dict[int, int], *, load_id: str,
-                        seed: int | None = None) -> dict[str, Any]:
-    """Write (or rewrite) ``<name>_stream`` with ``weights``; return its complete config. It belongs
-    beside decoupled engine models only (`engine_decoupled`)."""
-    config = stream_router_config(stream_model_name(name), weights, target_model=engine_model_pattern(name),
-                                  counters_model=name, seed=seed, load_id=load_id)
+def write_stream_router(root: Path, name: str, *, seed: int | None = None) -> dict[str, Any]:
+    """Write ``<name>_stream`` (config and model file, when they differ); return its complete config. It
+    routes by the router ``name``'s routing file and belongs beside decoupled engine models only
+    (`engine_decoupled`)."""
+    config = stream_router_config(stream_model_name(name), target_model=engine_model_pattern(name),
+                                  counters_model=name, seed=seed)
     model_dir = Path(root) / stream_model_name(name)
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    write_atomic(model_dir / "1" / "model.py", (MODELS_DIR / "stream_router.py").read_bytes())
-    write_atomic(model_dir / "config.pbtxt", to_pbtxt(config))
+    _write_if_changed(model_dir / "1" / "model.py", (MODELS_DIR / "stream_router.py").read_bytes())
+    _write_if_changed(model_dir / "config.pbtxt", to_pbtxt(config).encode())
     return config
 
 
 def router_stats(root: Path, name: str) -> dict[str, Any]:
     """The router ``name``'s per-version counters (requests, errors, latency, tokens) as its instances
-    last wrote them beside it (after every request): ``versions`` / ``detail`` of the load now written,
-    ``cumulative`` over every load. Read from the repository, never over Triton's ports, which serve clients."""
+    last wrote them beside it (after every request): ``versions`` / ``detail`` of the weights now written,
+    ``cumulative`` over every change. Read from the repository, never over Triton's ports, which serve clients."""
     from serving.triton.models.routing import COUNTERS_DIR, counter_files, counters_snapshot
 
-    state = _router_state(root, name)
-    if state is None:
+    routing = router_routing(root, name)
+    if routing is None:
         raise RepositoryError(f"no router {name!r} in the model repository {str(root)!r}")
-    weights = {int(v): int(w) for v, w in state["weights"].items()}
-    target_model, load_id = state.get("target_model", engine_model_pattern(name)), state.get("load_id", "")
+    target_model, load_id = routing.target_model or engine_model_pattern(name), routing.load_id
     parts = counter_files(Path(root) / name / COUNTERS_DIR, target_model)
     return counters_snapshot([v for lid, v in parts if load_id and lid == load_id], [v for _, v in parts],
-                             load_id=load_id, target_model=target_model, weights=weights)
+                             load_id=load_id, target_model=target_model, weights=routing.weights)
 
 
-def _router_state(root: Path, name: str) -> dict[str, Any] | None:
-    """What `write_router` last recorded beside the router (weights, load_id, target_model); None if none."""
-    path = Path(root) / name / STATE_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+def router_routing(root: Path, name: str) -> Routing | None:
+    """What `write_router` last wrote in the router's routing file; None if there is no router."""
+    path = Path(root) / name / ROUTING_FILE
+    return read_routing(path) if path.is_file() else None
 
 
 def router_weights(root: Path, name: str) -> dict[int, int]:
-    """The weights the router ``name`` was last written with; empty when there is no router yet."""
-    state = _router_state(root, name)
-    return {int(v): int(w) for v, w in state["weights"].items()} if state else {}
+    """The weights the router ``name`` routes by; empty when there is no router yet."""
+    routing = router_routing(root, name)
+    return dict(routing.weights) if routing else {}
 
 
 def remove_model(control: Any, root: Path, name: str, *, timeout_s: float = 60.0) -> None:

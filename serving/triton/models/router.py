@@ -1,19 +1,19 @@
 """The ``router`` Triton python-backend model (BLS): the stable name clients call during a gray release.
 
-Parameters (config ``parameters``): ``target_model`` (``<name>_v{version}``: one model per engine version), ``weights``
-(JSON ``{"1": 90, "2": 10}``) and optionally ``target_decoupled`` ("true"). Per request it picks a
+Parameters (config ``parameters``): ``target_model`` (``<name>_v{version}``: one model per engine version),
+``routing_file`` and optionally ``seed``. The weights (JSON ``{"1": 90, "2": 10}``), the counters'
+``load_id`` and ``target_decoupled`` live in the routing file beside the config (``routing_file``), which
+every instance checks before each batch: a weight change reloads nothing. Per request it picks a
 version by weight, forwards the request's inputs to that version with an async BLS call, and returns
 the target's outputs plus ``routed_version``; an error from the target comes back as this request's
-error. Weights change by reloading the router with a complete config override (which also resets the
-counters).
+error.
 
 A decoupled target (the llm with in-flight batching) is called with ``async_exec(decoupled=True)``
 (which serves a plain llm too), and its responses are merged into this request's one answer: every
-token, the last ``finish_reason``. The router knows the target is decoupled from ``target_decoupled``
-(written when the llm is staged decoupled), or learns it from the target's refusal of a plain BLS call,
-which names ``decoupled=True``: the case of a router loaded before a release turned ``decoupled`` on.
-So a release may turn it on under a live router and no request fails. The refusal can take 20-30 s to
-come back under traffic, so a router loaded after the change does not wait for it. The router itself
+token, the last ``finish_reason``. The router knows the target is decoupled from the routing file's
+``target_decoupled`` (written when the llm is staged decoupled), or learns it from the target's refusal of
+a plain BLS call, which names ``decoupled=True`` (the fallback; the refusal can take 20-30 s to come back
+under traffic). So a release may turn it on under a live router and no request fails. The router itself
 is not decoupled, so HTTP clients keep working; streaming clients call the release's streaming router
 ``<name>_stream``.
 
@@ -24,7 +24,7 @@ random. ``routing_key`` is not forwarded.
 
 Counters per version (requests, errors, latency sum/max/histogram, output tokens) live in memory and
 are written to ``<router dir>/counters/<generation>.json`` after every execute (before its responses go
-out) and at finalize, so a weight change (a reload = a new generation) loses nothing and the router's
+out), at a weight change (a new generation) and at finalize, so a weight change loses nothing and the router's
 several instances (each its own generation) add up. Triton's own metrics count an error response as a
 success, so these are the error counts to trust. The controller reads them from the model repository
 (``serving.triton.repository.router_stats``); no input of the router exposes them to clients.
@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from serving.triton.models.params import truthy
 from serving.triton.models.routing import (
     COUNTERS_DIR,
     RouterStats,
@@ -50,6 +49,7 @@ from serving.triton.models.routing import (
     target_label,
     target_of,
 )
+from serving.triton.models.routing_file import ROUTING_FILE, FollowedRouting, RoutingFileError
 
 try:  # only present inside Triton's python backend; unit tests install a fake module
     import triton_python_backend_utils as pb_utils
@@ -87,18 +87,38 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         self.model_name = args["model_name"]
         read = read_router_params(self.model_name, args["model_config"])
-        params, self.target_model, self.weights, self.rng = read.params, read.target_model, read.weights, read.rng
-        # staged decoupled (config), or learnt from the target's refusal of a plain call
-        self.target_decoupled = truthy(params.get("target_decoupled"))
-        model_dir = args.get("model_repository")
-        counters_dir = Path(model_dir) / COUNTERS_DIR if model_dir else None
-        self.stats = RouterStats(self.target_model, self.weights, counters_dir=counters_dir,
-                                 load_id=params.get("load_id", ""))
+        self.target_model, self.rng = read.target_model, read.rng
+        model_dir = Path(args["model_repository"])
+        try:
+            self.routing = FollowedRouting(model_dir / ROUTING_FILE, self.target_model, model_dir / COUNTERS_DIR)
+        except RoutingFileError as exc:
+            raise RuntimeError(f"[{self.model_name}] {exc}") from exc
+        self.target_decoupled = self.routing.routing.target_decoupled  # or learnt from a refusal
         self._last_log = time.monotonic()
         _log("info", f"[{self.model_name}] routing to {self.target_model} with weights {self.weights}"
                      + (" (decoupled BLS)" if self.target_decoupled else ""))
 
+    @property
+    def weights(self) -> dict[int, int]:
+        return self.routing.weights
+
+    @property
+    def stats(self) -> RouterStats:  # the generation in force
+        return self.routing.stats
+
+    def _follow_routing(self) -> None:
+        try:
+            changed = self.routing.refresh()
+        except RoutingFileError as exc:  # keep routing by the weights in force
+            _log("error", f"[{self.model_name}] {exc}; still routing with {self.weights}")
+            return
+        if changed is not None:
+            self.target_decoupled = changed.target_decoupled
+            _log("info", f"[{self.model_name}] routing with weights {self.weights}"
+                         + (" (decoupled BLS)" if self.target_decoupled else ""))
+
     async def execute(self, requests: list[Any]) -> list[Any]:
+        self._follow_routing()
         responses = await asyncio.gather(*(self._route(r) for r in requests))
         self._persist()  # every execute: other instances read this file for their cumulative figures
         if time.monotonic() - self._last_log > LOG_EVERY_S:

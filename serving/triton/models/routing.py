@@ -1,6 +1,7 @@
 """Pure helpers of the ``router`` model: weights, weighted / sticky choice and per-version counters.
 
-Counters are kept per router *generation* (one loaded instance; every weight change loads a new one).
+Counters are kept per router *generation* (one instance between two weight changes: a new ``load_id`` in
+the routing file starts a new one, see ``routing_file``).
 Each generation (one instance of one load) writes its counters to ``<router dir>/counters/<generation>.json``
 (temp file + ``os.replace``) after every execute and at finalize, so totals survive the reloads: a stats answer
 carries this generation's counters (``versions``, ``detail``) and the sum over every generation that
@@ -70,28 +71,24 @@ def choose_version(weights: dict[int, int], rng: random.Random) -> int:
 
 @dataclass(frozen=True)
 class RouterParams:
-    """The config parameters both router models read (``initialize`` raises naming a bad one)."""
+    """The config parameters both router models read (``initialize`` raises naming a bad one); the weights
+    come from the routing file (``routing_file.FollowedRouting``)."""
 
     params: dict[str, str]
     target_model: str
-    weights: dict[int, int]
     rng: random.Random
 
 
 def read_router_params(model_name: str, model_config: str, *, required: tuple[str, ...] = ()) -> RouterParams:
-    """Parse a router's config JSON; RuntimeError naming the model when ``target_model``, ``weights`` or
-    one of ``required`` is missing or bad."""
+    """Parse a router's config JSON; RuntimeError naming the model when ``target_model`` or one of
+    ``required`` is missing."""
     config = json.loads(model_config)
     params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
     for name in ("target_model", *required):
         if not params.get(name):
             raise RuntimeError(f"[{model_name}] config parameter {name} is missing or empty")
-    try:
-        weights = parse_weights(params.get("weights", ""))
-    except ValueError as exc:
-        raise RuntimeError(f"[{model_name}] {exc}") from exc
     rng = random.Random(int(params["seed"])) if params.get("seed") else random.Random()
-    return RouterParams(params, params["target_model"], weights, rng)
+    return RouterParams(params, params["target_model"], rng)
 
 
 VERSION_FIELD = "{version}"

@@ -1,7 +1,8 @@
 """The ``<name>_stream`` Triton python-backend model: the stable name of a gray release for streaming clients.
 
-It is written beside the ``router`` model of a release whose llm is decoupled (in-flight batching), with the
-same weights, and reloaded with it at every weight change. It is itself decoupled: per request it picks a
+It is written beside the ``router`` model of a release whose llm is decoupled (in-flight batching) and
+routes by the router's routing file (``routing_file``: weights, ``load_id``), followed before each batch;
+a weight change reloads neither. It is itself decoupled: per request it picks a
 version the way the router does (sticky ``routing_key``, else by weight), and a thread of its own calls
 that version with ``exec(decoupled=True)`` and sends each of its responses on as it comes, with
 ``routed_version`` added, then an empty final response. A failed call, or an error response of the
@@ -33,6 +34,7 @@ from serving.triton.models.routing import (
     target_label,
     target_of,
 )
+from serving.triton.models.routing_file import ROUTING_FILE, FollowedRouting, RoutingFileError
 
 try:  # only present inside Triton's python backend
     import triton_python_backend_utils as pb_utils
@@ -54,15 +56,32 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         self.model_name = args["model_name"]
         read = read_router_params(self.model_name, args["model_config"], required=("counters_model",))
-        params, self.target_model, self.weights, self.rng = read.params, read.target_model, read.weights, read.rng
-        counters_dir = Path(args["model_repository"]).parent / params["counters_model"] / COUNTERS_DIR
-        self.stats = RouterStats(self.target_model, self.weights, counters_dir=counters_dir,
-                                 load_id=params.get("load_id", ""))
-        self.persisting = threading.Lock()  # one writer of this generation's file at a time, newest last
+        self.target_model, self.rng = read.target_model, read.rng
+        router_dir = Path(args["model_repository"]).parent / read.params["counters_model"]
+        try:
+            self.routing = FollowedRouting(router_dir / ROUTING_FILE, self.target_model, router_dir / COUNTERS_DIR)
+        except RoutingFileError as exc:
+            raise RuntimeError(f"[{self.model_name}] {exc}") from exc
+        self.persisting = threading.Lock()  # one writer of a generation's file at a time, newest last
         self.streams: set[threading.Thread] = set()
         self.lock = threading.Lock()
 
+    @property
+    def weights(self) -> dict[int, int]:
+        return self.routing.weights
+
+    @property
+    def stats(self) -> RouterStats:  # the generation in force
+        return self.routing.stats
+
     def execute(self, requests: list[Any]) -> None:
+        try:
+            with self.persisting:  # a closing generation's final write, beside the streams' writes
+                self.routing.refresh()
+        except RoutingFileError as exc:  # keep routing by the weights in force
+            logger = getattr(pb_utils, "Logger", None)
+            message = f"[{self.model_name}] {exc}; still routing with {self.weights}"
+            logger.log_error(message) if logger is not None else print(message, flush=True)
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -70,7 +89,7 @@ class TritonPythonModel:
             except Exception as exc:  # noqa: BLE001 - a bad request is its own error, never a crash
                 sender.send(_error(f"{self.model_name}: {exc}"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            thread = threading.Thread(target=self._stream, args=(bls, version, sender), daemon=True)
+            thread = threading.Thread(target=self._stream, args=(bls, version, sender, self.stats), daemon=True)
             with self.lock:
                 self.streams.add(thread)
             thread.start()
@@ -84,7 +103,8 @@ class TritonPythonModel:
         return version, pb_utils.InferenceRequest(**_target_kwargs(self.target_model, version),
                                                   requested_output_names=requested, inputs=inputs)
 
-    def _stream(self, bls: Any, version: int, sender: Any) -> None:
+    def _stream(self, bls: Any, version: int, sender: Any, stats: RouterStats) -> None:
+        """Forward one stream; it counts in ``stats``, the generation that routed it."""
         routed = pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32))
         started, tokens, error = time.monotonic(), 0, None
         try:
@@ -100,9 +120,9 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - the stream's error, never a crash
             error = f"{self.model_name}: forwarding to {target_label(self.target_model, version)} failed: {exc}"
         # counted before the final response: a client that reads the stats next sees its stream
-        self.stats.record(version, ok=error is None, latency_s=time.monotonic() - started, output_tokens=tokens)
+        stats.record(version, ok=error is None, latency_s=time.monotonic() - started, output_tokens=tokens)
         with self.persisting:
-            self.stats.persist()
+            stats.persist()
         try:
             sender.send(None if error is None else _error(error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:  # noqa: BLE001, S110 - the client is gone: nothing left to tell it
