@@ -608,6 +608,27 @@ def test_router_follows_its_routing_file_and_counts_each_change_apart(monkeypatc
     assert model.weights == {1: 0, 2: 100}
 
 
+def test_an_older_enginewrights_router_is_upgraded_before_a_restart_loads_it(tmp_path: Path) -> None:
+    """A router written when the weights lived in its config (no routing file parameter; a model file that
+    reads them there) gets this version's model file and config, keeping the weights it routed by."""
+    root = tmp_path / "repo"
+    repo_mod.write_router(root, "m", {1: 30, 2: 70})
+    old_config = ('name: "m"\nbackend: "python"\nparameters {\n  key: "weights"\n  value {\n'
+                  '    string_value: "{\\"1\\": 30, \\"2\\": 70}"\n  }\n}\n')
+    (root / "m" / "config.pbtxt").write_text(old_config)
+    (root / "m" / "1" / "model.py").write_text("# an older router.py\n")
+    (root / "m" / ROUTING_FILE).write_text(json.dumps({"weights": {"1": 30, "2": 70}, "load_id": "old",
+                                                       "target_model": "m_v{version}"}))  # as it was written
+    assert repo_mod.upgrade_router_files(root, "m")
+    assert (root / "m" / "1" / "model.py").read_bytes() == (repo_mod.MODELS_DIR / "router.py").read_bytes()
+    cfg = parse_pbtxt((root / "m" / "config.pbtxt").read_text())
+    assert cfg.parameters[ROUTING_PARAMETER].string_value == ROUTING_FILE and "weights" not in cfg.parameters
+    assert repo_mod.router_routing(root, "m").weights == {1: 30, 2: 70}
+    assert repo_mod.router_routing(root, "m").load_id == "old"
+    assert not repo_mod.upgrade_router_files(root, "m")  # current already
+    assert not repo_mod.upgrade_router_files(root, "m_v1")  # not a router
+
+
 def test_router_without_a_routing_file_fails_initialize_naming_it(monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:
     monkeypatch.setattr(router_mod, "pb_utils", make_fake_pb_utils(None))

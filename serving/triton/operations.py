@@ -140,8 +140,14 @@ def legacy_served_models(root: Path) -> list[str]:
 def load_served(control: TritonControl, root: Path, *, timeout_s: float = 120.0) -> list[str]:
     """Load every model ``root`` serves (``served_models``) and return their names: a server started in
     explicit model control (a restart) loads nothing by itself. ``--load-model=*`` is no substitute: a
-    folder a crash left at the top of the repository (``.staging-*``) makes Triton 2.51 refuse to start."""
+    folder a crash left at the top of the repository (``.staging-*``) makes Triton 2.51 refuse to start.
+    Routers an older enginewright wrote are upgraded first (`upgrade_router_files`): their model files
+    would not import the routing helpers they were written against."""
+    from serving.triton.repository import upgrade_router_files
+
     models = served_models(root)
+    for model in models:
+        upgrade_router_files(root, model)  # False for anything but an old router
     for model in models:
         control.load_model(model, timeout_s=timeout_s)
     return models

@@ -76,6 +76,7 @@ __all__ = [
     "stage_engine_version",
     "stage_version_model",
     "stream_model_name",
+    "upgrade_router_files",
     "version_summary",
     "write_atomic",
     "write_router",
@@ -382,6 +383,26 @@ def write_router(root: Path, name: str, weights: dict[int, int], *, target_decou
 def _write_if_changed(path: Path, data: bytes) -> None:
     if not (path.is_file() and path.read_bytes() == data):
         write_atomic(path, data)
+
+
+def upgrade_router_files(root: Path, name: str) -> bool:
+    """Rewrite the router ``name``'s model file and config (and its streaming router's) when they are an
+    older enginewright's (weights in the config, no routing file parameter), keeping what it routes by:
+    the weights, ``load_id``, target and ``target_decoupled`` of its routing file. True when it rewrote
+    them. For a server about to load them from disk (a restart after an upgrade)."""
+    from serving.triton.models.routing_file import ROUTING_PARAMETER
+
+    config_path = Path(root) / name / "config.pbtxt"
+    routing = router_routing(root, name)
+    if routing is None or not config_path.is_file() or f'"{ROUTING_PARAMETER}"' in config_path.read_text():
+        return False
+    kwargs = {} if routing.target_model in ("", engine_model_pattern(name)) else {"target_model": routing.target_model}
+    config = router_config(name, **kwargs)
+    _write_if_changed(Path(root) / name / "1" / "model.py", (MODELS_DIR / "router.py").read_bytes())
+    _write_if_changed(config_path, to_pbtxt(config).encode())
+    if (Path(root) / stream_model_name(name) / "config.pbtxt").is_file():
+        write_stream_router(root, name)
+    return True
 
 
 def engine_decoupled(root: Path, name: str) -> bool:
