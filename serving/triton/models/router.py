@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 
 from serving.triton.models.routing import (
-    COUNTERS_DIR,
     RouterStats,
     forwarded_outputs,
     pick_version,
@@ -49,7 +48,7 @@ from serving.triton.models.routing import (
     target_label,
     target_of,
 )
-from serving.triton.models.routing_file import ROUTING_FILE, FollowedRouting, RoutingFileError
+from serving.triton.models.routing_file import RoutingFileError, open_routing
 
 try:  # only present inside Triton's python backend; unit tests install a fake module
     import triton_python_backend_utils as pb_utils
@@ -88,11 +87,7 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         read = read_router_params(self.model_name, args["model_config"])
         self.target_model, self.rng = read.target_model, read.rng
-        model_dir = Path(args["model_repository"])
-        try:
-            self.routing = FollowedRouting(model_dir / ROUTING_FILE, self.target_model, model_dir / COUNTERS_DIR)
-        except RoutingFileError as exc:
-            raise RuntimeError(f"[{self.model_name}] {exc}") from exc
+        self.routing = open_routing(self.model_name, Path(args["model_repository"]), self.target_model)
         self.target_decoupled = self.routing.routing.target_decoupled  # or learnt from a refusal
         self._last_log = time.monotonic()
         _log("info", f"[{self.model_name}] routing to {self.target_model} with weights {self.weights}"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.triton.models.params import truthy
-from serving.triton.models.routing import RouterStats, WeightsError, dump_weights, parse_weights
+from serving.triton.models.routing import COUNTERS_DIR, RouterStats, WeightsError, dump_weights, parse_weights
 
 ROUTING_FILE = "enginewright.json"
 ROUTING_PARAMETER = "routing_file"  # in a router's config: it follows ROUTING_FILE (older routers had weights there)
@@ -123,6 +123,15 @@ class FollowedRouting:
             old.persist(final=True)
         self.routing = routing
         return routing
+
+
+def open_routing(model_name: str, router_dir: Path, target_model: str) -> FollowedRouting:
+    """The routing of the router whose folder is ``router_dir`` (its routing file, its counters); RuntimeError
+    naming ``model_name`` when the file is missing or bad, so the model's load fails saying why."""
+    try:
+        return FollowedRouting(Path(router_dir) / ROUTING_FILE, target_model, Path(router_dir) / COUNTERS_DIR)
+    except RoutingFileError as exc:
+        raise RuntimeError(f"[{model_name}] {exc}") from exc
 
 
 def routing_parameters(params: dict[str, Any]) -> bool:

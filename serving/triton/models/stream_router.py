@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from serving.triton.models.routing import (
-    COUNTERS_DIR,
     RouterStats,
     forwarded_outputs,
     pick_version,
@@ -34,7 +33,7 @@ from serving.triton.models.routing import (
     target_label,
     target_of,
 )
-from serving.triton.models.routing_file import ROUTING_FILE, FollowedRouting, RoutingFileError
+from serving.triton.models.routing_file import RoutingFileError, open_routing
 
 try:  # only present inside Triton's python backend
     import triton_python_backend_utils as pb_utils
@@ -58,21 +57,10 @@ class TritonPythonModel:
         read = read_router_params(self.model_name, args["model_config"], required=("counters_model",))
         self.target_model, self.rng = read.target_model, read.rng
         router_dir = Path(args["model_repository"]).parent / read.params["counters_model"]
-        try:
-            self.routing = FollowedRouting(router_dir / ROUTING_FILE, self.target_model, router_dir / COUNTERS_DIR)
-        except RoutingFileError as exc:
-            raise RuntimeError(f"[{self.model_name}] {exc}") from exc
+        self.routing = open_routing(self.model_name, router_dir, self.target_model)
         self.persisting = threading.Lock()  # one writer of a generation's file at a time, newest last
         self.streams: set[threading.Thread] = set()
         self.lock = threading.Lock()
-
-    @property
-    def weights(self) -> dict[int, int]:
-        return self.routing.weights
-
-    @property
-    def stats(self) -> RouterStats:  # the generation in force
-        return self.routing.stats
 
     def execute(self, requests: list[Any]) -> None:
         try:
@@ -80,7 +68,7 @@ class TritonPythonModel:
                 self.routing.refresh()
         except RoutingFileError as exc:  # keep routing by the weights in force
             logger = getattr(pb_utils, "Logger", None)
-            message = f"[{self.model_name}] {exc}; still routing with {self.weights}"
+            message = f"[{self.model_name}] {exc}; still routing with {self.routing.weights}"
             logger.log_error(message) if logger is not None else print(message, flush=True)
         for request in requests:
             sender = request.get_response_sender()
@@ -89,13 +77,13 @@ class TritonPythonModel:
             except Exception as exc:  # noqa: BLE001 - a bad request is its own error, never a crash
                 sender.send(_error(f"{self.model_name}: {exc}"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            thread = threading.Thread(target=self._stream, args=(bls, version, sender, self.stats), daemon=True)
+            thread = threading.Thread(target=self._stream, args=(bls, version, sender, self.routing.stats), daemon=True)
             with self.lock:
                 self.streams.add(thread)
             thread.start()
 
     def _forwarded(self, request: Any) -> tuple[int, Any]:
-        version = pick_version(self.weights, pb_utils.get_input_tensor_by_name(request, "routing_key"), self.rng)
+        version = pick_version(self.routing.weights, pb_utils.get_input_tensor_by_name(request, "routing_key"), self.rng)
         inputs = [t for t in request.inputs() if t.name() not in NOT_FORWARDED]
         names = getattr(request, "requested_output_names", None)
         requested = forwarded_outputs(tuple(names() if callable(names) else ()), {t.name() for t in inputs},
@@ -137,7 +125,7 @@ class TritonPythonModel:
         for thread in streams:  # Triton unloads a model once its requests have their final responses
             thread.join(30)
         with self.persisting:
-            self.stats.persist(final=True)
+            self.routing.stats.persist(final=True)
 
 
 def _error(message: str) -> Any:
