@@ -13,6 +13,11 @@ import os
 # two. Set before anything imports torch; a value already in the environment wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# No MLflow telemetry from the tests, their servers and CLIs. MLflow turns it off by itself only where it sees a CI
+# variable when it is imported: in a plain local `make test` its client thread set and unset
+# _MLFLOW_TELEMETRY_SESSION_ID while a flow copied os.environ, and the copy failed with KeyError (a promote in
+# test_release_smollm2: "runs/create failed with exception '_MLFLOW_TELEMETRY_SESSION_ID'").
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import tempfile
 from pathlib import Path

@@ -321,13 +321,22 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def embedding(vocab_size: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, without its random init where the weights are on the meta device (an engine about to load
+    its own): normal_ on meta runs a python decomposition that imports torch._dynamo, 2.5 s of CPU in every
+    process that loads an engine (each Triton `llm` stub), where nothing else would import it."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
+    return nn.Embedding(vocab_size, dim)
+
+
 class Transformer(nn.Module):
     """Embeddings, `n_layers` blocks, final norm, LM head (the embedding matrix when tied)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)

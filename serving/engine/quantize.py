@@ -215,10 +215,15 @@ class QuantLinear(nn.Module):
         return F.linear(x, dequantize_weight(self.weight, self.weight_scale, x.dtype), self.bias)
 
 
-@torch.compiler.assume_constant_result
 def has_fp8_tensor_cores(device_index: int) -> bool:
     """Compute capability >= 8.9 (a constant to torch.compile: queried once per trace, not per step)."""
     return torch.cuda.get_device_capability(device_index) >= FP8_MIN_CAPABILITY
+
+
+# What `@torch.compiler.assume_constant_result` does (torch 2.13, torch/_dynamo/decorators.py), without importing
+# torch._dynamo when this module is imported: that import took 2.5 s of CPU in every process loading an engine (each
+# Triton `llm` stub, each CLI), most of which never compile. tests/test_engine_build.py checks both.
+has_fp8_tensor_cores._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
