@@ -80,8 +80,10 @@ def plot_timeline(report: RolloutReport, path: Path) -> Path:
         color = {"Successful": "green", "Failed": "red"}.get(analysis.outcome, "orange")
         for ax in (ax_w, ax_rate, ax_err, ax_lat):
             ax.axvline(analysis.t_s, color=color, alpha=0.5, linestyle="--")
-        ax_w.text(analysis.t_s, 102, analysis_label(analysis), color=color, fontsize=7, rotation=90, ha="right",
-                  va="top")
+        # inside the weight panel, clipped to it and left out of the layout (a long label would push the
+        # panels apart)
+        ax_w.text(analysis.t_s, 0.97, analysis_label(analysis), color=color, fontsize=6, rotation=90, ha="right",
+                  va="top", transform=ax_w.get_xaxis_transform(), clip_on=True, in_layout=False)
     ax_w.set_ylabel("router weight %")
     ax_w.set_ylim(-5, 105)
     ax_w.legend(loc="center right", fontsize=8)
