@@ -72,6 +72,28 @@ def test_offline_engine_report_has_the_scheduler_figure_of_the_same_workload(tmp
     assert json.loads((tmp_path / "offline.json").read_text())["scheduler"]["clients"] == 4
 
 
+def test_a_quantized_engine_is_built_beside_the_bf16_one_from_the_same_weights(tmp_path: Path) -> None:
+    """`--quantization` serves an engine converted that way from the same random checkpoint, in a folder of
+    its own (never the bf16 engine reused), and the CLI offers exactly the engine's methods."""
+    from serving.bench.__main__ import QUANTIZATION_CHOICES
+    from serving.bench.served import build_random_engine
+    from serving.engine import load_engine
+    from serving.engine.quantize import QUANTIZATIONS
+
+    assert tuple(QUANTIZATION_CHOICES) == tuple(QUANTIZATIONS)
+    plain = build_random_engine("tiny", tmp_path, max_batch_size=2, max_seq_len=256)
+    hf_config = (tmp_path / "hf" / "config.json").stat().st_mtime_ns
+    int8 = build_random_engine("tiny", tmp_path, max_batch_size=2, max_seq_len=256, quantization="int8-weight-only")
+    assert int8 != plain and (tmp_path / "hf" / "config.json").stat().st_mtime_ns == hf_config
+    assert json.loads((int8 / "engine.json").read_text())["quantization"]["method"] == "int8-weight-only"
+    assert json.loads((plain / "engine.json").read_text()).get("quantization", {}).get("method", "none") == "none"
+    prompt = [[5, 6, 7, 8]]
+    ids = {d: load_engine(d, device="cpu").generate(prompt, max_new_tokens=4)[0].token_ids for d in (plain, int8)}
+    assert all(len(v) == 4 for v in ids.values())
+    assert build_random_engine("tiny", tmp_path, max_batch_size=2, max_seq_len=256,
+                               quantization="int8-weight-only") == int8  # built once
+
+
 def test_a_run_stopped_by_its_time_limit_keeps_the_requests_done_so_far(tmp_path: Path, monkeypatch) -> None:
     """`timeout` sends SIGTERM: the report still holds the figures of the requests that finished. The
     signal goes once Triton has answered timed requests (its success count past the two warm-ups), not

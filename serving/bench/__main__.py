@@ -20,6 +20,9 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+QUANTIZATION_CHOICES = ("none", "fp8", "int8-weight-only")  # engine.quantization (serving.engine.quantize)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_mode", required=True)
     off = sub.add_parser("offline", help="engine vs HF transformers (eager, static+compile), random weights")
@@ -44,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--prompt-len", type=int, default=128)
     srv.add_argument("--gen-len", type=int, default=128)
     srv.add_argument("--max-batch-size", type=int, default=64)
+    srv.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
+                     help="engine.quantization of the served engine (built beside the bf16 one in --work)")
     srv.add_argument("--work", type=Path, default=Path("build/bench-served"))
     srv.add_argument("--out", type=Path, default=Path("bench-served.json"))
     srv.add_argument("--no-compile", action="store_true", help="eager kernels in CUDA graphs (no torch.compile)")
@@ -141,6 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--prompt-len", type=int, default=128)
     eng.add_argument("--gen-len", type=int, default=128)
     eng.add_argument("--max-batch-size", type=int, default=64)
+    eng.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
+                     help="engine.quantization of the engine (the same folder `served --quantization` serves)")
     eng.add_argument("--repeats", type=int, default=3)
     eng.add_argument("--no-compile", action="store_true")
     eng.add_argument("--scheduler-requests-per-client", type=int, default=4,
@@ -266,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         max_seq = -(-(args.prompt_len + args.gen_len) // 256) * 256
         engine_dir = build_random_engine(args.shape, args.work, max_batch_size=args.max_batch_size,
-                                         max_seq_len=max_seq)
+                                         max_seq_len=max_seq, quantization=args.quantization)
         if args.built_marker is not None:
             args.built_marker.write_text(str(engine_dir))
         report = bench_offline_engine(engine_dir, batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len,
@@ -308,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
                         prompt_len=args.prompt_len, gen_len=args.gen_len, max_batch_size=args.max_batch_size,
                         work=args.work, out_json=args.out, compile_decode=not args.no_compile,
                         wait_for=tuple(args.wait_for), offline_json=args.offline_json,
-                        via_stream_router=args.via_stream_router)
+                        via_stream_router=args.via_stream_router, quantization=args.quantization)
     print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "variants")}, indent=1))
     for label, figures in report["variants"].items():
         print(label, json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=1))

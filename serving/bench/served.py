@@ -23,25 +23,31 @@ from serving.bench.offline import percentile
 from serving.bench.stream_client import MODEL, stream_client
 
 
-def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_len: int) -> Path:
-    """Random bf16 weights of `shape` saved as an HF checkpoint, converted and built (skipped if present)."""
+def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_len: int,
+                        quantization: str = "none") -> Path:
+    """Random bf16 weights of `shape` saved as an HF checkpoint, converted (quantized per
+    `engine.quantization` = `quantization`) and built; skipped if that engine is there already."""
     import torch
 
     from serving.bench.models import random_hf_model
     from serving.engine import EngineLimits, build_engine, convert_checkpoint
+    from serving.engine.quantize import NONE, QuantInfo
 
-    engine_dir = work / "engine"
+    quant = QuantInfo(method=quantization)
+    suffix = "" if quant.method == NONE else f"-{quant.method}"
+    engine_dir = work / f"engine{suffix}"
     if (engine_dir / "engine.json").is_file():
         return engine_dir
-    hf = random_hf_model(shape, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
-    hf.save_pretrained(work / "hf", safe_serialization=True, max_shard_size="1GB")
-    del hf
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    ckpt = convert_checkpoint(work / "hf", work / "ckpt", dtype="bfloat16")
+    if not (work / "hf" / "config.json").is_file():
+        hf = random_hf_model(shape, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+        hf.save_pretrained(work / "hf", safe_serialization=True, max_shard_size="1GB")
+        del hf
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    ckpt = convert_checkpoint(work / "hf", work / f"ckpt{suffix}", dtype="bfloat16", quantization=quant)
     limits = EngineLimits("bfloat16", max_batch_size=max_batch_size, max_input_len=max_seq_len - 1,
                           max_seq_len=max_seq_len)
-    return build_engine(ckpt, engine_dir, limits=limits).path
+    return build_engine(ckpt, engine_dir, limits=limits, quantization=quant).path
 
 
 def bench_offline_engine(engine_dir: Path, *, batch: int, prompt_len: int, gen_len: int, repeats: int = 3,
@@ -197,7 +203,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                variants: tuple[tuple[str, dict[str, str]], ...] = (("default", {}),),
                load_timeout_s: float = 420.0, wait_for: tuple[Path, ...] = (), wait_timeout_s: float = 300.0,
                offline_json: Path | None = None, get_timeout_s: float = 300.0,
-               via_stream_router: bool = False) -> dict[str, Any]:
+               via_stream_router: bool = False, quantization: str = "none") -> dict[str, Any]:
     """Each variant (label, extra parameters of the llm model) is staged as model ``bench_<label>`` and
     measured in turn on one Triton: load, the clients, unload (its counters are read from the log).
     The report holds every variant under ``variants``, and the first one's figures at the top level.
@@ -223,7 +229,8 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     compile_decode = compile_decode and torch.cuda.is_available()
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + gen_len) // 256) * 256
-    engine_dir = build_random_engine(shape, work, max_batch_size=max_batch_size, max_seq_len=max_seq)
+    engine_dir = build_random_engine(shape, work, max_batch_size=max_batch_size, max_seq_len=max_seq,
+                                     quantization=quantization)
     build_s = time.perf_counter() - t0
     root = init_repository(work / "repo")
     base = {"decoupled": "true", "compile_decode": "true" if compile_decode else "false"}
@@ -233,8 +240,8 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                              parameters={**base, **params})
     log_path = work / "triton.log"
     proc = start_triton(root, log_path=log_path, ready_timeout_s=120)
-    report: dict[str, Any] = {"shape": shape, "clients": clients, "requests_per_client": requests_per_client,
-                              "prompt_len": prompt_len, "gen_len": gen_len, "max_batch_size": max_batch_size,
+    report: dict[str, Any] = {"shape": shape, "quantization": quantization, "clients": clients,
+                              "requests_per_client": requests_per_client, "prompt_len": prompt_len, "gen_len": gen_len, "max_batch_size": max_batch_size,
                               "build_s": build_s, "variants": {}}
     offline = json.loads(offline_json.read_text()) if offline_json is not None and offline_json.is_file() else None
     if offline is not None:
