@@ -86,17 +86,19 @@ def smollm2_checkpoint():
 # handed out in collection order, so the longest go first (longest-processing-time-first: on three workers
 # the short files fill in at the end instead of one long file starting last). A file not named below runs
 # after those named, in its usual order: name a new file here only when it takes more than ~30 s.
-SHARED_WORKER: dict[str, str] = {  # group: the prefix of its files' names
+SHARED_WORKER: dict[str, tuple[str, ...]] = {  # group: the prefixes of its files' names
     # the gray-release tests judge latency side by side (candidate against live, in one Triton) and count
     # failed requests: one worker runs them in turn, so no two of their load tests compete for the cores.
     # All 20 passed with the machine at load 10-13 from other work (17.6 min wall, 5.2 min of CPU).
-    "rollout": "test_rollout_",
+    "rollout": ("test_rollout_",),
+    # the files of the session's `mlflow server --app-name basic-auth` (``mlflow_auth_server``): on one worker they
+    # start it once, instead of once on each worker that runs one of them (10-15 s of CPU a start)
+    "mlflow-auth": ("test_approval_auth.py", "test_promote_s3.py", "test_publish_s3.py"),
 }
 LONGEST_FIRST: tuple[str, ...] = (
-    "rollout", "test_end_to_end.py", "test_release_smollm2.py", "test_browser_approval.py", "test_promote_s3.py",
-    "test_deployments.py",
-    "test_approval_auth.py", "test_openai_doors.py", "test_openai_real_model.py", "test_gates_smollm2.py",
-    "test_openai_front.py", "test_publish_s3.py", "test_triton_restart.py", "test_triton_server.py",
+    "rollout", "test_end_to_end.py", "test_release_smollm2.py", "test_browser_approval.py", "mlflow-auth",
+    "test_deployments.py", "test_openai_doors.py", "test_openai_real_model.py", "test_gates_smollm2.py",
+    "test_openai_front.py", "test_triton_restart.py", "test_triton_server.py",
     "test_bench_served.py", "test_llm_client.py", "test_release_resume.py", "test_engine_equivalence.py",
     "test_approval_wait.py", "test_triton_streaming.py", "test_registry_approval.py", "test_triton_reload_skip.py",
     "test_registry_mlflow.py", "test_triton_crash_rerun.py", "test_engine_generate.py", "test_decode_graphs.py",
@@ -107,7 +109,7 @@ LONGEST_FIRST: tuple[str, ...] = (
 
 def worker_unit(file_name: str) -> str:
     """The unit of work of the test file ``file_name``: its SHARED_WORKER group, or the file itself."""
-    return next((group for group, prefix in SHARED_WORKER.items() if file_name.startswith(prefix)), file_name)
+    return next((group for group, prefixes in SHARED_WORKER.items() if file_name.startswith(prefixes)), file_name)
 
 
 @pytest.hookimpl(tryfirst=True)
