@@ -39,11 +39,24 @@ def check_api(api_url: str) -> None:
         raise DeployError(f"Prefect API at {api_url} (setting PREFECT_API_URL) is not healthy")
 
 
-def ensure_pools(env: dict[str, str]) -> list[str]:
+def existing_pools(api_url: str) -> set[str]:
+    """The names of the server's work pools, read over its REST API (no `prefect` process to start: each costs
+    seconds of CPU importing Prefect)."""
+    import httpx
+
+    resp = httpx.post(f"{api_url.rstrip('/')}/work_pools/filter", json={}, timeout=30)
+    if resp.status_code != 200:
+        raise DeployError(f"Prefect API at {api_url} (setting PREFECT_API_URL) answered {resp.status_code} to "
+                          f"listing work pools: {resp.text[:500]}")
+    return {pool["name"] for pool in resp.json()}
+
+
+def ensure_pools(env: dict[str, str], api_url: str) -> list[str]:
     """Create the work pools that do not exist yet; return the names created."""
     created = []
+    existing = existing_pools(api_url)
     for name, kind in POOLS.items():
-        if _run(["work-pool", "inspect", name], env).returncode == 0:
+        if name in existing:
             continue
         done = _run(["work-pool", "create", name, "--type", kind], env)
         if done.returncode != 0:
@@ -59,7 +72,7 @@ def deploy(api_url: str | None = None, *, prefect_file: Path = ROOT / "deploymen
         raise DeployError("no Prefect server: set PREFECT_API_URL (or pass --api-url) to the server's /api URL")
     check_api(api_url)
     env = {**os.environ, "PREFECT_API_URL": api_url, "ENGINEWRIGHT_HOME": str(ROOT)}
-    created = ensure_pools(env)
+    created = ensure_pools(env, api_url)
     done = _run(["--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file)], env)
     if done.returncode != 0:
         raise DeployError(f"prefect deploy failed for {prefect_file}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

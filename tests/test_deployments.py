@@ -129,6 +129,9 @@ def test_deploy_registers_everything_and_events_start_runs(prefect_server):
         return {d.name: {"pool": d.work_pool_name, "schedules": len(d.schedules)} for d in await client.read_deployments()}
 
     deployments = on_server(api, read)
+    from flows.deploy import POOLS, existing_pools
+
+    assert existing_pools(api) >= set(POOLS), "what a second deploy reads to create no pool twice"
     assert deployments["release-nightly"] == {"pool": "enginewright-process", "schedules": 1}
     assert deployments["promote-on-approval-k8s"]["pool"] == "enginewright-k8s"
 
@@ -143,10 +146,13 @@ def test_deploy_registers_everything_and_events_start_runs(prefect_server):
     assert {"spec_path": "deployments/specs/tiny-llama.yaml", "checkpoint": "/data/tiny-llama-v2"} in runs
 
 
-def test_deploy_without_a_server_names_the_setting(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], env={**env, "PREFECT_HOME": str(tmp_path)},
-                          check=False, capture_output=True, text=True, timeout=120)
+def test_deploy_without_a_server_names_the_setting(tmp_path, monkeypatch):
+    """In this process (`flows.cli.main`, as test_cli_errors' run_cli): the test above runs `deploy` as a process
+    of its own, and one more would cost 9 s of CPU importing torch, Prefect and MLflow for an error message."""
+    from test_cli_errors import run_cli
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    done = run_cli("deploy", cwd=tmp_path)
     assert done.returncode == 2 and "PREFECT_API_URL" in done.stderr
 
 
