@@ -133,6 +133,30 @@ def test_tampered_object_fails_naming_file_and_both_checksums(backend: Backend, 
     assert not (tmp_path / "dst" / "weights" / "rank0.bin").exists()  # a bad file is never kept
 
 
+def test_a_second_fetch_keeps_intact_local_files_and_replaces_the_others(backend: Backend, tmp_path: Path) -> None:
+    """Fetching the same artifact again downloads only what the folder lacks or holds wrong: with the
+    store's copy tampered, intact local files still verify (nothing downloaded), a damaged local file is
+    fetched again and the tampered object is refused; with the object put back it is repaired."""
+    src = make_tree(tmp_path / "src")
+    backend.store.put_tree(src, KEY, manifest_meta={})
+    dst = tmp_path / "dst"
+    backend.store.get_tree(KEY, dst)
+    weights = dst / "weights" / "rank0.bin"
+    inode = weights.stat().st_ino
+    intact = (src / "weights" / "rank0.bin").read_bytes()
+    tampered = bytearray(intact)
+    tampered[1000] ^= 0xFF
+    backend.write_raw(f"{KEY}/files/weights/rank0.bin", bytes(tampered))
+    manifest = backend.store.get_tree(KEY, dst)  # kept: the local copy matches the manifest
+    verify_tree(dst, manifest)
+    assert weights.stat().st_ino == inode
+    weights.write_bytes(b"x" * len(intact))  # damaged locally, same size
+    with pytest.raises(ChecksumMismatchError, match="weights/rank0.bin"):
+        backend.store.get_tree(KEY, dst)
+    backend.write_raw(f"{KEY}/files/weights/rank0.bin", intact)
+    verify_tree(dst, backend.store.get_tree(KEY, dst))
+
+
 def test_key_without_manifest_is_refused(backend: Backend, tmp_path: Path) -> None:
     backend.write_raw(f"{KEY}/files/engine.json", b"{}")
     assert not backend.store.has_manifest(KEY)

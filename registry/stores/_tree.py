@@ -128,7 +128,11 @@ class TreeStore(ABC):
         )
 
     def get_tree(self, key: str, local_dir: Path, *, progress: ProgressFn | None = None) -> Manifest:
-        """Download ``key`` into ``local_dir``; every file is verified against the manifest."""
+        """Download ``key`` into ``local_dir``; every file is verified against the manifest.
+
+        A file already in ``local_dir`` with the manifest's size and sha256 (an earlier fetch of the same
+        artifact: every release fetches production's engine again) is kept, not downloaded again; any
+        other is replaced by the store's copy, which must match the manifest like every download."""
         manifest = self.read_manifest(key)
         local_dir = Path(local_dir)
         mismatched: list[FileMismatch] = []
@@ -136,6 +140,8 @@ class TreeStore(ABC):
         for entry in manifest.files:
             dest = local_dir / check_relative_path(entry.path, setting=f"manifest {self.manifest_uri(key)}")
             dest.parent.mkdir(parents=True, exist_ok=True)
+            if _holds(dest, entry.sha256, entry.size):
+                continue
             tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.partial")
             try:
                 if not self._download(key, entry.path, tmp, progress):
@@ -175,3 +181,10 @@ class TreeStore(ABC):
 def files_prefix(key: str) -> str:
     """``<key>/files``: where the files of an artifact live."""
     return f"{key}/{FILES_DIR}"
+
+
+def _holds(path: Path, sha256: str, size: int) -> bool:
+    """``path`` is a file of exactly ``size`` bytes whose sha256 is ``sha256``."""
+    if not path.is_file() or path.stat().st_size != size:
+        return False
+    return hash_file(path) == (sha256, size)
