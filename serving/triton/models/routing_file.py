@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.triton.models.params import truthy
-from serving.triton.models.routing import COUNTERS_DIR, RouterStats, WeightsError, dump_weights, parse_weights
+from serving.triton.models.routing import COUNTERS_DIR, RouterStats, WeightsError, parse_weights
 
 ROUTING_FILE = "enginewright.json"
 ROUTING_PARAMETER = "routing_file"  # in a router's config: it follows ROUTING_FILE (older routers had weights there)
@@ -39,7 +39,8 @@ class Routing:
     target_decoupled: bool = False
 
     def to_json(self) -> str:
-        return json.dumps({"weights": json.loads(dump_weights(self.weights)), "load_id": self.load_id,
+        return json.dumps({"weights": {str(v): int(w) for v, w in sorted(self.weights.items())},
+                           "load_id": self.load_id,
                            "target_model": self.target_model,
                            "target_decoupled": "true" if self.target_decoupled else "false"}, sort_keys=True)
 
@@ -118,9 +119,8 @@ class FollowedRouting:
         routing = self.watch.poll()
         if routing is None or routing == self.routing:
             return None
-        if routing.load_id != self.routing.load_id or routing.weights != self.routing.weights:
-            old, self.stats = self.stats, self._new_stats(routing)
-            old.persist(final=True)
+        old, self.stats = self.stats, self._new_stats(routing)  # every write has a fresh load_id
+        old.persist(final=True)
         self.routing = routing
         return routing
 
