@@ -53,7 +53,8 @@ def inputs(prompt: list[int], max_tokens: int, *, stream: bool, stop: list[int] 
     return out
 
 
-BURST = 24  # 12 were all served once on a loaded CI machine: they reached the engine slower than it finished them
+BURST = 48  # 12, then 24, were all served in CI runs: they reached the engine slower than it finished them
+BURST_TOKENS = 64  # 9 blocks a request: 4 live fit the 40 blocks
 
 
 def run_stream(url: str, requests: list[tuple[list[int], int, bool]], timeout_s: float = 60.0,
@@ -158,7 +159,7 @@ def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
     """The same checkpoint built with a paged KV cache (40 blocks of 8 positions, 16 tokens a step, at most 6
     requests waiting), staged with no loader named: the llm model's default loader serves it paged
     (engine.json says so), more requests than live slots, streamed and accumulated, each with the static
-    engine's tokens. Then a burst of 24 long requests at once: 4 live, 6 wait, and the ones past the queue
+    engine's tokens. Then a burst of 48 long requests at once: 4 live, 6 wait, and the ones past the queue
     limit are refused with UNAVAILABLE in words that clients and the OpenAI front read as overload (429);
     the others are served."""
     from serving.engine import EngineLimits, build_engine
@@ -179,7 +180,7 @@ def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
         assert "errors" not in out
         for i, (prompt, n, _) in enumerate(reqs):
             assert [t for ids, _, _ in out[str(i)] for t in ids] == reference(world["engine"], prompt, n), f"request {i}"
-        burst = run_stream(world["proc"].grpc_url, [(PROMPTS[i % 4], 40, False) for i in range(BURST)],
+        burst = run_stream(world["proc"].grpc_url, [(PROMPTS[i % 4], BURST_TOKENS, False) for i in range(BURST)],
                            model="paged_v1")
     finally:
         control.unload_model("paged_v1", wait=True)
@@ -187,7 +188,7 @@ def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
     assert len(refused) >= 2 and len(refused) + len(served) == BURST, burst  # 4 live + 6 waiting at most
     assert all("resource exhausted" in e and "paged.max_waiting=6" in e for e in refused), refused
     assert all(is_overload("", e) and isinstance(_error(RuntimeError(e), "m"), Overloaded) for e in refused)
-    want = load_engine(world["engine"], device="cpu").generate(PROMPTS, max_new_tokens=40)
+    want = load_engine(world["engine"], device="cpu").generate(PROMPTS, max_new_tokens=BURST_TOKENS)
     for k in served:
         assert [t for ids, _, _ in burst[k] for t in ids] == want[int(k) % 4].token_ids, f"burst request {k}"
     logs = "".join(p.read_text(errors="replace") for p in work.glob("triton-*.log"))
