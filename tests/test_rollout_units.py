@@ -3,7 +3,6 @@ success conditions, Mann-Whitney comparison), the journal, and the spec's rollou
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pydantic import ValidationError
-from triton_support import FakeRequest, FakeResponse, FakeTensor, make_fake_pb_utils
+from triton_support import FakeRequest, answers, FakeResponse, FakeTensor, make_fake_pb_utils
 
 from serving.triton.models import router as router_mod
 from serving.triton.models.routing import (
@@ -55,7 +54,7 @@ def test_router_routing_key_under_fake_backend(monkeypatch: pytest.MonkeyPatch, 
         {"parameters": {"target_model": {"string_value": "m_engine"}}})})
     reqs = [FakeRequest({"input_ids": [[1]], "max_tokens": [[3]], "routing_key": np.array([[b"alice"]], dtype=object)},
                         ("output_ids",)) for _ in range(20)]
-    out = asyncio.run(model.execute(reqs))
+    out = answers(model, reqs)
     assert len({int(r.output("routed_version")[0, 0]) for r in out}) == 1
     snap = model.stats.snapshot()
     version = str(out[0].output("routed_version")[0, 0])

@@ -3,7 +3,6 @@ request parsing and batching, router choice, and both models under a fake triton
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random
@@ -13,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from google.protobuf import text_format
-from triton_support import FakeLimits, FakeRequest, FakeResponse, FakeRunner, FakeTensor, make_fake_pb_utils
+from triton_support import (FakeLimits, FakeRequest, FakeResponse, FakeRunner, FakeTensor, answers,
+                            make_fake_pb_utils)
 from tritonclient.grpc import model_config_pb2
 
 from serving.triton import repository as repo_mod
@@ -491,7 +491,7 @@ def test_router_forwards_counts_and_reports(monkeypatch: pytest.MonkeyPatch, tmp
     model, pb = router_model(monkeypatch, tmp_path, handler, '{"1": 50, "2": 50}')
     reqs = [FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]}, ("output_ids", "routed_version"))
             for _ in range(40)]
-    out = asyncio.run(model.execute(reqs))
+    out = answers(model, reqs)
     routed = [r.output("routed_version") for r in out]
     ok = [r for r in out if not r.has_error()]
     assert ok and all(r.output("routed_version")[0, 0] == 1 for r in ok)
@@ -517,9 +517,9 @@ def test_router_merges_the_responses_of_a_streaming_target(monkeypatch: pytest.M
         return [piece([7, 8], b"he"), piece([9], b"llo", b"length"), FakeResponse([])]
 
     model, pb = router_model(monkeypatch, tmp_path, handler, '{"1": 100}')
-    (out,) = asyncio.run(model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[3]]})]))
+    (out,) = answers(model, [FakeRequest({"input_ids": [[1]], "max_tokens": [[3]]})])
     assert not out.has_error() and len(pb.calls) == 2  # refused as a plain call, then called decoupled
-    asyncio.run(model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[3]]})]))
+    answers(model, [FakeRequest({"input_ids": [[1]], "max_tokens": [[3]]})])
     assert len(pb.calls) == 3  # learnt: straight to the decoupled call
     assert out.output("output_ids").tolist() == [[7, 8, 9]]
     assert out.output("text_output")[0, 0] == b"hello" and out.output("finish_reason")[0, 0] == b"length"
@@ -535,7 +535,7 @@ def test_router_told_its_target_is_decoupled_never_makes_a_plain_call(monkeypatc
         return [FakeResponse([FakeTensor("output_ids", np.array([[4, 5]], dtype=np.int32))]), FakeResponse([])]
 
     model, pb = router_model(monkeypatch, tmp_path, handler, '{"1": 100}', target_decoupled=True)
-    (out,) = asyncio.run(model.execute([FakeRequest({"input_ids": [[1]], "max_tokens": [[2]]})]))
+    (out,) = answers(model, [FakeRequest({"input_ids": [[1]], "max_tokens": [[2]]})])
     assert not out.has_error() and out.output("output_ids").tolist() == [[4, 5]]
     assert len(pb.calls) == 1  # straight to the decoupled call
 
@@ -589,13 +589,13 @@ def test_router_follows_its_routing_file_and_counts_each_change_apart(monkeypatc
 
     model, _ = router_model(monkeypatch, tmp_path, handler, '{"1": 100}')
     one = [FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]}, ("output_ids",)) for _ in range(5)]
-    assert {int(r.output("routed_version")[0, 0]) for r in asyncio.run(model.execute(one))} == {1}
+    assert {int(r.output("routed_version")[0, 0]) for r in answers(model, one)} == {1}
     routing = tmp_path / "m" / ROUTING_FILE
     tmp = routing.with_suffix(".tmp")
     tmp.write_text(json.dumps({"weights": {"1": 0, "2": 100}, "load_id": "load-2", "target_model": "m_engine"}))
     os.replace(tmp, routing)
     two = [FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]}, ("output_ids",)) for _ in range(3)]
-    assert {int(r.output("routed_version")[0, 0]) for r in asyncio.run(model.execute(two))} == {2}
+    assert {int(r.output("routed_version")[0, 0]) for r in answers(model, two)} == {2}
     snap = model.stats.snapshot()
     assert snap["load_id"] == "load-2" and snap["versions"] == {"2": pytest.approx(
         {"requests": 3, "errors": 0, "latency_sum_s": 0.0, "latency_max_s": 0.0}, abs=1.0)}
@@ -604,7 +604,7 @@ def test_router_follows_its_routing_file_and_counts_each_change_apart(monkeypatc
     assert [d["final"] for d in closed if d["load_id"] == "load-1"] == [True]
     tmp.write_text("{not json")
     os.replace(tmp, routing)
-    assert {int(r.output("routed_version")[0, 0]) for r in asyncio.run(model.execute(two))} == {2}
+    assert {int(r.output("routed_version")[0, 0]) for r in answers(model, two)} == {2}
     assert model.weights == {1: 0, 2: 100}
 
 

@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -65,12 +66,33 @@ class FakeResponse:
         return None
 
 
+class FakeSender:
+    """A request's response sender: records ``(response, flags)``; ``done`` is set by a final flag."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Any, int]] = []
+        self.done = threading.Event()
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        self.sent.append((response, flags))
+        if flags & COMPLETE_FINAL:
+            self.done.set()
+
+
+COMPLETE_FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
 class FakeRequest:
-    """A server-side request: named numpy inputs (with the batch dim) and requested output names."""
+    """A server-side request: named numpy inputs (with the batch dim), requested output names and its
+    response sender (``sender``)."""
 
     def __init__(self, inputs: dict[str, Any], requested: tuple[str, ...] = ()) -> None:
         self._inputs = [FakeTensor(k, np.asarray(v)) for k, v in inputs.items()]
         self._requested = list(requested)
+        self.sender = FakeSender()
+
+    def get_response_sender(self) -> FakeSender:
+        return self.sender
 
     def inputs(self) -> list[FakeTensor]:
         return self._inputs
@@ -89,6 +111,7 @@ def make_fake_pb_utils(bls_handler: Any = None) -> types.ModuleType:
     mod.Tensor = FakeTensor
     mod.InferenceResponse = FakeResponse
     mod.calls = []
+    mod.TRITONSERVER_RESPONSE_COMPLETE_FINAL = COMPLETE_FINAL
 
     def get_input_tensor_by_name(request: FakeRequest, name: str) -> FakeTensor | None:
         return next((t for t in request.inputs() if t.name() == name), None)
@@ -128,6 +151,17 @@ def make_fake_pb_utils(bls_handler: Any = None) -> types.ModuleType:
     mod.InferenceRequest = InferenceRequest
     mod.Logger = Logger
     return mod
+
+
+def answers(model: Any, requests: list[FakeRequest], *, timeout_s: float = 10.0) -> list[Any]:
+    """Each request's one final response after ``model.execute(requests)`` (a router answers through the
+    senders, from threads of its own); AssertionError when one has none within ``timeout_s``."""
+    assert model.execute(requests) is None
+    for i, request in enumerate(requests):
+        assert request.sender.done.wait(timeout_s), f"request {i} got no final response"
+        finals = [r for r, flags in request.sender.sent if flags & COMPLETE_FINAL]
+        assert len(finals) == 1 and len(request.sender.sent) == 1, request.sender.sent
+    return [request.sender.sent[0][0] for request in requests]
 
 
 # ---------------------------------------------------------------- engine-shaped fake runner

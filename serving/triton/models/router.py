@@ -4,18 +4,24 @@ Parameters (config ``parameters``): ``target_model`` (``<name>_v{version}``: one
 ``routing_file`` and optionally ``seed``. The weights (JSON ``{"1": 90, "2": 10}``), the counters'
 ``load_id`` and ``target_decoupled`` live in the routing file beside the config (``routing_file``), which
 every instance checks before each batch: a weight change reloads nothing. Per request it picks a
-version by weight, forwards the request's inputs to that version with an async BLS call, and returns
+version by weight, forwards the request's inputs to that version with a BLS call, and answers with
 the target's outputs plus ``routed_version``; an error from the target comes back as this request's
 error.
 
-A decoupled target (the llm with in-flight batching) is called with ``async_exec(decoupled=True)``
-(which serves a plain llm too), and its responses are merged into this request's one answer: every
-token, the last ``finish_reason``. The router knows the target is decoupled from the routing file's
+Each request is forwarded on a thread of its own and answered through its response sender, so
+``execute`` returns at once: the python backend never waits on a stub for a whole generation (its
+health check fails a request whose ``execute`` has not returned within a second while the stub's
+health flag is down, which on the H200 failed 6-24% of requests taking a second or more and then
+desynchronised the instance), and one instance forwards any number of requests at once.
+
+A decoupled target (the llm with in-flight batching) is called with ``exec(decoupled=True)`` (which
+serves a plain llm too), and its responses are merged into this request's one answer: every token, the
+last ``finish_reason``. The router knows the target is decoupled from the routing file's
 ``target_decoupled`` (written when the llm is staged decoupled), or learns it from the target's refusal of
 a plain BLS call, which names ``decoupled=True`` (the fallback; the refusal can take 20-30 s to come back
 under traffic). So a release may turn it on under a live router and no request fails. The router itself
-is not decoupled, so HTTP clients keep working; streaming clients call the release's streaming router
-``<name>_stream``.
+is not decoupled (one response per request), so HTTP clients keep working; streaming clients call the
+release's streaming router ``<name>_stream``.
 
 Sticky routing: a request carrying the optional ``routing_key`` BYTES input goes to the version whose
 slice of [0, 1) holds the key's SHA-256 point (``routing.choose_sticky``), so one user (or session)
@@ -23,7 +29,7 @@ stays on one version while the weights move in one direction; requests without a
 random. ``routing_key`` is not forwarded.
 
 Counters per version (requests, errors, latency sum/max/histogram, output tokens) live in memory and
-are written to ``<router dir>/counters/<generation>.json`` after every execute (before its responses go
+are written to ``<router dir>/counters/<generation>.json`` after every request (before its response goes
 out), at a weight change (a new generation) and at finalize, so a weight change loses nothing and the router's
 several instances (each its own generation) add up. Triton's own metrics count an error response as a
 success, so these are the error counts to trust. The controller reads them from the model repository
@@ -32,7 +38,7 @@ success, so these are the error counts to trust. The controller reads them from 
 
 from __future__ import annotations
 
-import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +65,7 @@ ROUTER_INPUTS_ONLY = frozenset({"routing_key"})
 ROUTER_OUTPUTS_ONLY = frozenset({"routed_version"})
 LOG_EVERY_S = 30.0
 DECOUPLED_REFUSAL = "decoupled=True"  # in Triton's answer to a plain BLS call of a decoupled model
+FINALIZE_JOIN_S = 30.0  # per forward still running at unload (Triton waits for final responses first)
 
 
 def _log(level: str, msg: str) -> None:
@@ -89,6 +96,9 @@ class TritonPythonModel:
         self.target_model, self.rng = read.target_model, read.rng
         self.routing = open_routing(self.model_name, Path(args["model_repository"]), self.target_model)
         self.target_decoupled = self.routing.routing.target_decoupled  # or learnt from a refusal
+        self.persisting = threading.Lock()  # one writer of a generation's file at a time, newest last
+        self.forwards: set[threading.Thread] = set()
+        self.lock = threading.Lock()
         self._last_log = time.monotonic()
         _log("info", f"[{self.model_name}] routing to {self.target_model} with weights {self.weights}"
                      + (" (decoupled BLS)" if self.target_decoupled else ""))
@@ -103,7 +113,8 @@ class TritonPythonModel:
 
     def _follow_routing(self) -> None:
         try:
-            changed = self.routing.refresh()
+            with self.persisting:  # a closing generation's final write, beside the forwards' writes
+                changed = self.routing.refresh()
         except RoutingFileError as exc:  # keep routing by the weights in force
             _log("error", f"[{self.model_name}] {exc}; still routing with {self.weights}")
             return
@@ -112,61 +123,102 @@ class TritonPythonModel:
             _log("info", f"[{self.model_name}] routing with weights {self.weights}"
                          + (" (decoupled BLS)" if self.target_decoupled else ""))
 
-    async def execute(self, requests: list[Any]) -> list[Any]:
+    def execute(self, requests: list[Any]) -> None:
         self._follow_routing()
-        responses = await asyncio.gather(*(self._route(r) for r in requests))
-        self._persist()  # every execute: other instances read this file for their cumulative figures
-        if time.monotonic() - self._last_log > LOG_EVERY_S:
-            self._last_log = time.monotonic()
-            _log("info", f"[{self.model_name}] counters {self.stats.to_json()}")
-        return list(responses)
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                version, requested, inputs = self._forwarded(request)
+            except Exception as exc:  # noqa: BLE001 - a bad request is its own error, never a crash
+                _send_final(sender, pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                    f"{self.model_name}: {exc}")))
+                continue
+            thread = threading.Thread(target=self._forward, args=(version, requested, inputs, sender, self.stats),
+                                      daemon=True)
+            with self.lock:
+                self.forwards.add(thread)
+            thread.start()
 
-    async def _route(self, request: Any) -> Any:
+    def _forwarded(self, request: Any) -> tuple[int, list[str], list[Any]]:
         version = pick_version(self.weights, pb_utils.get_input_tensor_by_name(request, "routing_key"), self.rng)
         inputs = [t for t in request.inputs() if t.name() not in ROUTER_INPUTS_ONLY]
         names = getattr(request, "requested_output_names", None)
         requested = forwarded_outputs(tuple(names() if callable(names) else ()), {t.name() for t in inputs},
                                       ROUTER_OUTPUTS_ONLY)
+        return version, requested, inputs
+
+    def _forward(self, version: int, requested: list[str], inputs: list[Any], sender: Any,
+                 stats: RouterStats) -> None:
+        """Answer one request; it counts in ``stats``, the generation that routed it."""
+        try:
+            response = self._route(version, requested, inputs, stats)
+            self._persist(stats)  # counted before the response: a client that reads the stats next sees it
+            self._log_counters()
+            _send_final(sender, response)
+        finally:
+            with self.lock:
+                self.forwards.discard(threading.current_thread())
+
+    def _route(self, version: int, requested: list[str], inputs: list[Any], stats: RouterStats) -> Any:
         started = time.monotonic()
         try:
-            response = await self._call(version, requested, inputs)
+            response = self._call(version, requested, inputs)
         except Exception as exc:  # noqa: BLE001 - a BLS failure is this request's error, never a crash
-            self.stats.record(version, ok=False, latency_s=time.monotonic() - started)
+            stats.record(version, ok=False, latency_s=time.monotonic() - started)
             return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
                 f"{self.model_name}: forwarding to {target_label(self.target_model, version)} failed: {exc}"))
         latency = time.monotonic() - started
         if response.has_error():
-            self.stats.record(version, ok=False, latency_s=latency)
+            stats.record(version, ok=False, latency_s=latency)
             return pb_utils.InferenceResponse(output_tensors=[], error=_forwarded_error(
                 f"{target_label(self.target_model, version)}: {response.error().message()}", response.error()))
         outputs = list(response.output_tensors())
-        self.stats.record(version, ok=True, latency_s=latency, output_tokens=_count_tokens(outputs))
+        stats.record(version, ok=True, latency_s=latency, output_tokens=_count_tokens(outputs))
         outputs.append(pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32)))
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
-    async def _call(self, version: int, requested: list[str], inputs: list[Any]) -> Any:
+    def _call(self, version: int, requested: list[str], inputs: list[Any]) -> Any:
         def request() -> Any:
             return pb_utils.InferenceRequest(**_target_kwargs(self.target_model, version),
                                              requested_output_names=requested, inputs=inputs)
 
         if not self.target_decoupled:
-            response = await request().async_exec()
+            response = request().exec()
             if not (response.has_error() and DECOUPLED_REFUSAL in response.error().message()):
                 return response
             self.target_decoupled = True
             _log("info", f"[{self.model_name}] {self.target_model} is decoupled: calling it with decoupled BLS")
-        # an instance forwards one request at a time, so iterating the responses may block
-        return _Merged(list(await request().async_exec(decoupled=True)))
+        return _Merged(list(request().exec(decoupled=True)))
 
-    def _persist(self, *, final: bool = False) -> None:
+    def _persist(self, stats: RouterStats, *, final: bool = False) -> None:
         try:
-            self.stats.persist(final=final)
+            with self.persisting:
+                stats.persist(final=final)
         except OSError as exc:  # counters on disk are a convenience; serving goes on
             _log("warn", f"[{self.model_name}] cannot write counters: {exc}")
 
+    def _log_counters(self) -> None:
+        with self.lock:
+            due = time.monotonic() - self._last_log > LOG_EVERY_S
+            if due:
+                self._last_log = time.monotonic()
+        if due:
+            _log("info", f"[{self.model_name}] counters {self.stats.to_json()}")
+
     def finalize(self) -> None:
-        self._persist(final=True)
+        with self.lock:
+            forwards = list(self.forwards)
+        for thread in forwards:  # Triton unloads a model once its requests have their final responses
+            thread.join(FINALIZE_JOIN_S)
+        self._persist(self.stats, final=True)
         _log("info", f"[{self.model_name}] final counters {self.stats.to_json()}")
+
+
+def _send_final(sender: Any, response: Any) -> None:
+    try:
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception as exc:  # noqa: BLE001 - the client is gone: nothing left to tell it
+        _log("verbose", f"router: a response could not be sent: {exc}")
 
 
 def _count_tokens(outputs: list[Any]) -> int:
