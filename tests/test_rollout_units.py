@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pydantic import ValidationError
-from triton_support import FakeRequest, answers, FakeResponse, FakeTensor, make_fake_pb_utils
+from triton_support import FakeRequest, FakeResponse, FakeTensor, answers, make_fake_pb_utils
 
 from serving.triton.models import router as router_mod
 from serving.triton.models.routing import (

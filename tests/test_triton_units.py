@@ -12,8 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from google.protobuf import text_format
-from triton_support import (FakeLimits, FakeRequest, FakeResponse, FakeRunner, FakeTensor, answers,
-                            make_fake_pb_utils)
+from triton_support import (
+    FakeLimits,
+    FakeRequest,
+    FakeResponse,
+    FakeRunner,
+    FakeTensor,
+    answers,
+    make_fake_pb_utils,
+)
 from tritonclient.grpc import model_config_pb2
 
 from serving.triton import repository as repo_mod
@@ -497,6 +504,7 @@ def test_router_forwards_counts_and_reports(monkeypatch: pytest.MonkeyPatch, tmp
     assert ok and all(r.output("routed_version")[0, 0] == 1 for r in ok)
     assert any(r.has_error() and "m_engine version 2: v2 broke" in r.error().message() for r in out)
     assert {c[3] and tuple(c[3]) for c in pb.calls} == {("output_ids",)}  # router-only names not forwarded
+    assert set(pb.preferred_memory) == {("preferred", pb.TRITONSERVER_MEMORY_CPU, 0)}  # outputs in host memory
     assert len(routed) == 40
     stats = model.stats.snapshot()
     assert stats["versions"]["1"]["errors"] == 0 and stats["versions"]["2"]["errors"] == stats["versions"]["2"][

@@ -112,14 +112,18 @@ def make_fake_pb_utils(bls_handler: Any = None) -> types.ModuleType:
     mod.InferenceResponse = FakeResponse
     mod.calls = []
     mod.TRITONSERVER_RESPONSE_COMPLETE_FINAL = COMPLETE_FINAL
+    mod.TRITONSERVER_MEMORY_CPU = 0
+    mod.PreferredMemory = lambda memory_type, device_id: ("preferred", memory_type, device_id)
+    mod.preferred_memory = []  # of every BLS request
 
     def get_input_tensor_by_name(request: FakeRequest, name: str) -> FakeTensor | None:
         return next((t for t in request.inputs() if t.name() == name), None)
 
     class InferenceRequest:
         def __init__(self, *, model_name: str, model_version: int = -1, requested_output_names: list[str],
-                     inputs: list[FakeTensor]) -> None:
+                     inputs: list[FakeTensor], preferred_memory: Any = None) -> None:
             self.args = (model_name, model_version, list(inputs), list(requested_output_names))
+            mod.preferred_memory.append(preferred_memory)
 
         def exec(self, decoupled: bool = False) -> Any:
             """One response, or (decoupled) an iterator of them: the handler's one, or each of its list (a

@@ -82,6 +82,12 @@ def _forwarded_error(message: str, error: Any) -> Any:
     return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
 
 
+def _host_memory() -> Any:
+    """The target's outputs in host memory: a router answers from the CPU, and without it a GPU target's
+    outputs may come back in CUDA memory shared with this (CPU) stub."""
+    return pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
+
+
 def _target_kwargs(target_model: str, version: int) -> dict[str, Any]:
     model, model_version = target_of(target_model, version)
     return {"model_name": model, "model_version": model_version}
@@ -180,7 +186,8 @@ class TritonPythonModel:
     def _call(self, version: int, requested: list[str], inputs: list[Any]) -> Any:
         def request() -> Any:
             return pb_utils.InferenceRequest(**_target_kwargs(self.target_model, version),
-                                             requested_output_names=requested, inputs=inputs)
+                                             requested_output_names=requested, inputs=inputs,
+                                             preferred_memory=_host_memory())
 
         if not self.target_decoupled:
             response = request().exec()

@@ -44,6 +44,12 @@ NOT_FORWARDED = frozenset({"routing_key"})
 ROUTER_ONLY_OUTPUTS = frozenset({"routed_version"})
 
 
+def _host_memory() -> Any:
+    """The target's outputs in host memory: a router answers from the CPU, and without it a GPU target's
+    outputs may come back in CUDA memory shared with this (CPU) stub."""
+    return pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
+
+
 def _target_kwargs(target_model: str, version: int) -> dict[str, Any]:
     model, model_version = target_of(target_model, version)
     return {"model_name": model, "model_version": model_version}
@@ -89,7 +95,8 @@ class TritonPythonModel:
         requested = forwarded_outputs(tuple(names() if callable(names) else ()), {t.name() for t in inputs},
                                       ROUTER_ONLY_OUTPUTS)
         return version, pb_utils.InferenceRequest(**_target_kwargs(self.target_model, version),
-                                                  requested_output_names=requested, inputs=inputs)
+                                                  requested_output_names=requested, inputs=inputs,
+                                                  preferred_memory=_host_memory())
 
     def _stream(self, bls: Any, version: int, sender: Any, stats: RouterStats) -> None:
         """Forward one stream; it counts in ``stats``, the generation that routed it."""
