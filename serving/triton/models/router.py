@@ -38,6 +38,7 @@ success, so these are the error counts to trust. The controller reads them from 
 
 from __future__ import annotations
 
+import faulthandler
 import threading
 import time
 from pathlib import Path
@@ -97,6 +98,7 @@ class TritonPythonModel:
     """Weighted BLS router in front of the versions of ``target_model``."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        faulthandler.enable(all_threads=True)  # a crash of this stub leaves its stack in Triton's log
         self.model_name = args["model_name"]
         read = read_router_params(self.model_name, args["model_config"])
         self.target_model, self.rng = read.target_model, read.rng

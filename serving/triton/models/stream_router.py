@@ -17,6 +17,7 @@ Imports: numpy, stdlib and the pure routing helpers.
 
 from __future__ import annotations
 
+import faulthandler
 import threading
 import time
 from pathlib import Path
@@ -59,6 +60,7 @@ class TritonPythonModel:
     """Weighted streaming BLS router in front of the versions of ``target_model``."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        faulthandler.enable(all_threads=True)  # a crash of this stub leaves its stack in Triton's log
         self.model_name = args["model_name"]
         read = read_router_params(self.model_name, args["model_config"], required=("counters_model",))
         self.target_model, self.rng = read.target_model, read.rng
