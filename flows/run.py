@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-from prefect.states import State
+from typing import TYPE_CHECKING, Any
 
 from flows.errors import known_errors
 from flows.spec import ReleaseSpec
+
+if TYPE_CHECKING:
+    from prefect.states import State
 
 
 @dataclass
@@ -53,7 +54,6 @@ def run_promote(spec: ReleaseSpec, version: str) -> Outcome:
     (WaitInterrupted). The flow reads the decision again at once and records it in its own run.
     """
     from flows.interrupt import interruptible
-    from flows.promote import promote_flow
     from tasks.approve import await_decision
     from tasks.errors import ApprovalRejected
     from tasks.targets import check_reachable, resolve_targets
@@ -67,4 +67,7 @@ def run_promote(spec: ReleaseSpec, version: str) -> Outcome:
                                version=version, sleep=sleep)
         except ApprovalRejected as exc:
             return Outcome(False, f"promote stopped: {exc}")
+    # imported after the wait: a process stopped while waiting never loads the flow (seconds of CPU)
+    from flows.promote import promote_flow
+
     return outcome_of(promote_flow(spec, version, return_state=True), what="promote")

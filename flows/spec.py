@@ -9,10 +9,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tasks.engine_spec import EngineSpec
-from tasks.evaluation import EvaluationSpec
-from tasks.perf_gate import PerfSpec
+from tasks.gate_specs import EvaluationSpec, PerfSpec, ValidationSpec
 from tasks.promote_spec import ApprovalSpec, RolloutSpec, TritonSpec
-from tasks.validate import ValidationSpec
 
 
 class SpecError(Exception):

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NONE
-from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.gate_specs import EvaluationSpec
 
 DATA_FILE = Path(__file__).with_name("evaluation_data.json")
 
@@ -56,27 +57,6 @@ def load_evaluation(path: Path = DATA_FILE) -> EvaluationData:
             raise ValueError(f"{path}: choices[{i}] needs >= 2 options and an answer index among them, got {item}")
         items.append(ChoiceItem(item["context"], tuple(item["options"]), int(item["answer"])))
     return EvaluationData(tuple(raw["passages"]), tuple(items))
-
-
-class EvaluationSpec(BaseModel):
-    """The fixed evaluation against the production version: regression budgets of the paired test."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = Field(True, description="Run the fixed evaluation on the candidate and the production version's "
-                          "engine (skipped, and said so in the report, when there is no production version).")
-    max_nll_regression: float = Field(
-        0.02, ge=0, description="Largest mean relative increase of the passages' nats per byte over production's "
-        "(0.02: 2% less likely text) before a significant increase fails.")
-    max_accuracy_drop: float = Field(
-        0.10, ge=0, le=1, description="Largest drop of the cloze items' accuracy below production's before a "
-        "significant drop fails.")
-    alpha: float = Field(0.01, gt=0, lt=1, description="Significance level of each one-sided paired test.")
-    max_passages: int | None = Field(
-        None, ge=1, description="Score only the first N passages of the fixed data (default: all). Fewer make the "
-        "sign test weaker: with N passages the smallest p is 2**-N, so N < 7 can never fail at alpha 0.01.")
-    max_choices: int | None = Field(
-        None, ge=1, description="Score only the first N cloze items (default: all); the same caution as max_passages.")
 
 
 @dataclass(frozen=True)

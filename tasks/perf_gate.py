@@ -31,43 +31,9 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NONE
-from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.errors import GateFailed
-
-
-class PerfSlo(BaseModel):
-    """Absolute service-level objectives; a bound left unset is not checked."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    min_output_tokens_per_s: float | None = Field(None, gt=0, description="Least output tokens per second.")
-    max_ttft_p50_ms: float | None = Field(None, gt=0, description="Largest median time to first token, ms.")
-    max_ttft_p99_ms: float | None = Field(None, gt=0, description="Largest p99 time to first token, ms.")
-    max_tpot_p50_ms: float | None = Field(None, gt=0, description="Largest median time per output token, ms.")
-    max_error_rate: float = Field(0.0, ge=0, le=1, description="Largest share of timed iterations that may raise.")
-
-
-class PerfSpec(BaseModel):
-    """The fixed workload of the performance gate, its budget against production and the absolute SLOs."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    batch_size: int = Field(4, ge=1, description="Concurrent sequences per generate call.")
-    input_len: int = Field(32, ge=1, description="Prompt length in tokens (random token ids, seeded).")
-    output_len: int = Field(32, ge=2, description="Generated tokens per sequence.")
-    warmup: int = Field(1, ge=0, description="Untimed iterations per engine before measuring.")
-    iterations: int = Field(5, ge=2, description="Fewest timed rounds (each: two iterations per engine, ABBA); "
-                            "the first look is at this or at the fewest rounds that can decide, whichever is more.")
-    max_iterations: int = Field(30, ge=2, description="Most timed rounds while the verdict is not yet decided.")
-    confidence: float = Field(0.95, gt=0.5, lt=1, description="1 - the chance, over the whole run, of refusing an "
-                              "engine whose median round ratio is within budget (and of stopping early on a "
-                              "'within' verdict for one that is not); also the level of the reported interval.")
-    max_slowdown: float = Field(0.10, ge=0, lt=1, description="Largest relative throughput loss against the "
-                                "production engine in the same run (0.10: at most 10% slower).")
-    slo_retries: int = Field(1, ge=0, description="Measurements repeated when an absolute SLO is missed.")
-    seed: int = Field(0, description="Seed of the random prompts.")
-    slo: PerfSlo = Field(default_factory=PerfSlo, description="Absolute objectives the engine must meet.")
+from tasks.gate_specs import PerfSlo, PerfSpec
 
 
 @dataclass

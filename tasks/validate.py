@@ -27,53 +27,12 @@ from typing import Literal, Protocol
 import torch
 from prefect import task
 from prefect.cache_policies import NONE
-from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.errors import GateFailed
+from tasks.gate_specs import ValidationSpec
 from tasks.quality_budgets import PrecisionBudget, budget_for, quantized_precision
 from tasks.text_path import TokenizerCheck, check_text_path
 from tasks.token_stats import DistanceFigures, combine, sequence_stats
-
-DEFAULT_PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "In machine learning, a transformer is",
-    "Water boils at",
-]
-
-
-class ValidationSpec(BaseModel):
-    """The quality gate: the engine against HF float32, judged by HF's own error at the engine's precision.
-
-    The four limits default to the engine precision's entry in tasks/quality_budgets.py (docs/gates.md
-    gives the measurements behind them); each is ``floor + peer_factor * HF peer's figure``.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompts: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1, description="Prompts run through both sides.")
-    max_new_tokens: int = Field(16, ge=1, description="Greedy tokens generated per prompt on each side (fewer "
-                                "when a side emits EOS).")
-    top_logprobs: int = Field(5, ge=1, description="N of the top-N logprob tolerance at the first divergence.")
-    max_failed_prompts: int = Field(
-        0, ge=0, description="Prompts allowed to diverge to a token outside the other side's top-N, beyond those "
-        "on which HF at the engine's precision diverges from HF float32 itself.")
-    passages: list[str] | None = Field(
-        None, description="Texts scored teacher-forced; default: the passages of tasks/evaluation_data.json.")
-    max_mean_kl: float | None = Field(
-        None, ge=0, description="Floor of the mean per-token KL(reference || engine), nats; default per precision.")
-    max_nll_delta: float | None = Field(
-        None, ge=0, description="Floor of |mean NLL engine - reference| per token, nats (either sign fails); "
-        "default per precision.")
-    max_top1_disagreement: float | None = Field(
-        None, ge=0, le=1, description="Floor of the share of positions whose argmax differs from the reference; "
-        "default per precision.")
-    peer_factor: float | None = Field(
-        None, ge=0, description="How many times HF's own figure at the engine's precision the engine may add to "
-        "the floors; default per precision.")
 
 
 @dataclass

@@ -148,3 +148,18 @@ def test_every_serving_module_imports_with_torch_and_numpy_only():
     )
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, f"importing serving loaded {done.stdout.strip()} {done.stderr[-2000:]}"
+
+
+# Every CLI command that takes a release spec reads it first (flows.run -> flows.spec): the gates' settings live apart
+# from the gates (tasks.gate_specs), so reading a spec, or a promote stopped while it waits for a person, costs no
+# torch, Prefect or MLflow import (about 5 s of CPU per CLI process on the 2-core machine).
+HEAVY_FOR_A_SPEC = ("torch", "prefect", "mlflow", "transformers", "serving.engine")
+
+
+def test_reading_a_release_spec_imports_no_engine_prefect_or_mlflow():
+    code = (
+        "import sys, flows.run\n"
+        f"print(sorted(m for m in {HEAVY_FOR_A_SPEC!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.strip() == "[]", f"importing flows.run (flows.spec) loaded {done.stdout.strip()}"
