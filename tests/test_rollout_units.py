@@ -53,7 +53,7 @@ def test_router_routing_key_under_fake_backend(monkeypatch: pytest.MonkeyPatch, 
     model.initialize({"model_name": "m", "model_repository": str(tmp_path), "model_config": json.dumps(
         {"parameters": {"target_model": {"string_value": "m_engine"}}})})
     reqs = [FakeRequest({"input_ids": [[1]], "max_tokens": [[3]], "routing_key": np.array([[b"alice"]], dtype=object)},
-                        ("output_ids",)) for _ in range(20)]
+                        ("output_ids", "routed_version")) for _ in range(20)]
     out = answers(model, reqs)
     assert len({int(r.output("routed_version")[0, 0]) for r in out}) == 1
     snap = model.stats.snapshot()

@@ -3,6 +3,7 @@ request parsing and batching, router choice, and both models under a fake triton
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 from triton_support import (
+    COMPLETE_FINAL,
+    STUB_QUEUE,
     FakeLimits,
     FakeRequest,
     FakeResponse,
@@ -27,6 +30,7 @@ from serving.triton import repository as repo_mod
 from serving.triton.errors import ConfigError, RepositoryError, TritonStartError
 from serving.triton.install import locate_triton
 from serving.triton.model_configs import check_weights, llm_config, router_config
+from serving.triton.models import bls as bls_mod
 from serving.triton.models import llm as llm_mod
 from serving.triton.models import params as params_mod
 from serving.triton.models import router as router_mod
@@ -548,6 +552,78 @@ def test_router_told_its_target_is_decoupled_never_makes_a_plain_call(monkeypatc
     assert len(pb.calls) == 1  # straight to the decoupled call
 
 
+def test_router_holds_a_decoupled_call_until_the_stub_is_done_with_it(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """The bundled python backend frees a decoupled call's tensors without the GIL if its own thread drops
+    the last reference (the H200's router segfaults): the router lets go of a call only after a round trip
+    through the stub's queue, and sends no output its client did not ask for (the stub's send drops those
+    without the GIL too). `answers` checks both on every router test; here the parts are named."""
+    def handler(model, version, inputs, requested):
+        return [FakeResponse([FakeTensor("output_ids", np.array([[4, 5]], dtype=np.int32))]), FakeResponse([])]
+
+    model, _ = router_model(monkeypatch, tmp_path, handler, '{"1": 100}', target_decoupled=True)
+    freed = STUB_QUEUE.freed_by_stub
+    (out,) = answers(model, [FakeRequest({"input_ids": [[1]], "max_tokens": [[2]]}, ("output_ids",))])
+    assert [t.name() for t in out.output_tensors()] == ["output_ids"]  # routed_version was not asked for
+    cancelled = FakeRequest({"input_ids": [[1]], "max_tokens": [[2]]})
+    cancelled.sender.cancelled = True  # its barrier is answered from a cache: the call is parked instead
+    parked = bls_mod.parked_calls()
+    (out,) = answers(model, [cancelled])
+    assert out.output("routed_version")[0, 0] == 1 and bls_mod.parked_calls() == parked + 1
+    gc.collect()
+    assert STUB_QUEUE.freed_by_stub == freed
+
+
+def stream_router_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, handler):
+    from serving.triton.models import stream_router as stream_mod
+
+    pb = make_fake_pb_utils(handler)
+    monkeypatch.setattr(stream_mod, "pb_utils", pb)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / ROUTING_FILE).write_text(json.dumps({"weights": {"1": 100}, "load_id": "load-1",
+                                                           "target_model": "m_v{version}"}))
+    model = stream_mod.TritonPythonModel()
+    model.initialize({"model_name": "m_stream", "model_repository": str(tmp_path / "m_stream"),
+                      "model_config": json.dumps({"parameters": {"target_model": {"string_value": "m_v{version}"},
+                                                                 "counters_model": {"string_value": "m"}}})})
+    return model
+
+
+def _streamed(model, request: FakeRequest) -> list:
+    assert model.execute([request]) is None
+    assert request.sender.done.wait(10)
+    model.finalize()
+    gc.collect()
+    return request.sender.sent
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_stream_router_forwards_each_response_and_holds_the_call_until_the_stub_is_done(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fails: bool) -> None:
+    """Each response of the version goes on as it comes (only the outputs asked for), then an empty final
+    one; an error response ends the stream with it, and the rest of the call is still taken, so the stub
+    finishes the call before the router lets go of it."""
+    def piece(ids):
+        return FakeResponse([FakeTensor("output_ids", np.array([ids], dtype=np.int32)),
+                             FakeTensor("prompt_tokens", np.array([[1]], dtype=np.int32))])
+
+    def handler(model, version, inputs, requested):
+        assert model == "m_v1"
+        broke = FakeResponse(error=make_fake_pb_utils().TritonError("v1 broke"))
+        return [piece([7]), broke, piece([8]), FakeResponse([])] if fails else [piece([7]), piece([8]), FakeResponse([])]
+
+    freed = STUB_QUEUE.freed_by_stub
+    model = stream_router_model(monkeypatch, tmp_path, handler)
+    request = FakeRequest({"input_ids": [[1]], "max_tokens": [[2]]}, ("output_ids", "routed_version"))
+    sent = _streamed(model, request)
+    assert not request.sender.pruned and STUB_QUEUE.freed_by_stub == freed
+    streamed = [r.output("output_ids").tolist() for r, flags in sent if r is not None and not r.has_error()]
+    assert streamed == ([[[7]]] if fails else [[[7]], [[8]]])
+    final, flags = sent[-1]
+    assert flags == COMPLETE_FINAL and (final.has_error() and "m_v1: v1 broke" in final.error().message()
+                                        if fails else final is None)
+
+
 def test_routing_file_says_target_decoupled_when_its_llm_is_staged_decoupled(tmp_path: Path) -> None:
     from serving.triton.repository import router_routing, write_router
 
@@ -596,13 +672,16 @@ def test_router_follows_its_routing_file_and_counts_each_change_apart(monkeypatc
         return FakeResponse([FakeTensor("output_ids", np.array([[version]], dtype=np.int32))])
 
     model, _ = router_model(monkeypatch, tmp_path, handler, '{"1": 100}')
-    one = [FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]}, ("output_ids",)) for _ in range(5)]
+    def fresh(n: int) -> list[FakeRequest]:
+        return [FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]}, ("output_ids", "routed_version")) for _ in range(n)]
+
+    one = fresh(5)
     assert {int(r.output("routed_version")[0, 0]) for r in answers(model, one)} == {1}
     routing = tmp_path / "m" / ROUTING_FILE
     tmp = routing.with_suffix(".tmp")
     tmp.write_text(json.dumps({"weights": {"1": 0, "2": 100}, "load_id": "load-2", "target_model": "m_engine"}))
     os.replace(tmp, routing)
-    two = [FakeRequest({"input_ids": [[1]], "max_tokens": [[1]]}, ("output_ids",)) for _ in range(3)]
+    two = fresh(3)
     assert {int(r.output("routed_version")[0, 0]) for r in answers(model, two)} == {2}
     snap = model.stats.snapshot()
     assert snap["load_id"] == "load-2" and snap["versions"] == {"2": pytest.approx(
@@ -612,7 +691,7 @@ def test_router_follows_its_routing_file_and_counts_each_change_apart(monkeypatc
     assert [d["final"] for d in closed if d["load_id"] == "load-1"] == [True]
     tmp.write_text("{not json")
     os.replace(tmp, routing)
-    assert {int(r.output("routed_version")[0, 0]) for r in answers(model, two)} == {2}
+    assert {int(r.output("routed_version")[0, 0]) for r in answers(model, fresh(3))} == {2}
     assert model.weights == {1: 0, 2: 100}
 
 

@@ -7,11 +7,13 @@ Import from tests as ``from triton_support import ...`` (pytest puts ``tests/`` 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
 import threading
 import types
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,17 +68,81 @@ class FakeResponse:
         return None
 
 
-class FakeSender:
-    """A request's response sender: records ``(response, flags)``; ``done`` is set by a final flag."""
+class FakeStubQueue:
+    """The stub's stub-to-parent queue as the bundled python backend (r24.10) runs it, for decoupled BLS
+    calls: a finished call's cleanup waits in the queue (the stub still holds the call) until a later round
+    trip through it (``is_cancelled``) has gone by. ``freed_by_stub`` counts the calls the model let go of
+    before that: the real stub would have freed their tensors on its own thread, without the GIL."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queued: list[dict[str, bool]] = []
+        self.freed_by_stub = 0
+
+    def queue_cleanup(self, call: dict[str, bool]) -> None:
+        with self.lock:
+            self.queued.append(call)
+
+    def round_trip(self) -> None:
+        with self.lock:
+            for call in self.queued:
+                call["released"] = True
+            self.queued.clear()
+
+    def dropped(self, call: dict[str, bool]) -> None:
+        if not call["released"]:
+            with self.lock:
+                self.freed_by_stub += 1
+
+
+STUB_QUEUE = FakeStubQueue()
+
+
+class FakeDecoupledCall:
+    """What ``exec(decoupled=True)`` returns: an iterator of responses whose cleanup is queued when the last
+    one has been taken (`FakeStubQueue`)."""
+
+    def __init__(self, responses: list[Any]) -> None:
+        self._responses = iter(responses)
+        self._call = {"finished": False, "released": False}
+        weakref.finalize(self, STUB_QUEUE.dropped, self._call)
+
+    def __iter__(self) -> FakeDecoupledCall:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._responses)
+        except StopIteration:
+            if not self._call["finished"]:
+                self._call["finished"] = True
+                STUB_QUEUE.queue_cleanup(self._call)
+            raise
+
+
+class FakeSender:
+    """A request's response sender: records ``(response, flags)``; ``done`` is set by a final flag.
+    ``pruned``: the names of outputs sent that the request did not ask for (``requested``; none named:
+    all), which the real stub's send drops without the GIL."""
+
+    def __init__(self, requested: tuple[str, ...] = ()) -> None:
         self.sent: list[tuple[Any, int]] = []
         self.done = threading.Event()
+        self.requested = frozenset(requested)
+        self.pruned: list[str] = []
+        self.cancelled = False
 
     def send(self, response: Any = None, flags: int = 0) -> None:
+        if response is not None and self.requested:
+            self.pruned += [t.name() for t in response.output_tensors() if t.name() not in self.requested]
         self.sent.append((response, flags))
         if flags & COMPLETE_FINAL:
             self.done.set()
+
+    def is_cancelled(self) -> bool:
+        if not self.cancelled:  # the real flag, once true, is answered from a cache
+            STUB_QUEUE.round_trip()
+        return self.cancelled
 
 
 COMPLETE_FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -89,7 +155,7 @@ class FakeRequest:
     def __init__(self, inputs: dict[str, Any], requested: tuple[str, ...] = ()) -> None:
         self._inputs = [FakeTensor(k, np.asarray(v)) for k, v in inputs.items()]
         self._requested = list(requested)
-        self.sender = FakeSender()
+        self.sender = FakeSender(tuple(requested))
 
     def get_response_sender(self) -> FakeSender:
         return self.sender
@@ -137,7 +203,7 @@ def make_fake_pb_utils(bls_handler: Any = None) -> types.ModuleType:
                     "'exec' or 'async_exec' calls for decoupled models.'"))
             if not decoupled:
                 return answer
-            return iter(answer if isinstance(answer, list) else [answer])
+            return FakeDecoupledCall(answer if isinstance(answer, list) else [answer])
 
         async def async_exec(self, decoupled: bool = False) -> Any:
             return self.exec(decoupled=decoupled)
@@ -160,11 +226,15 @@ def make_fake_pb_utils(bls_handler: Any = None) -> types.ModuleType:
 def answers(model: Any, requests: list[FakeRequest], *, timeout_s: float = 10.0) -> list[Any]:
     """Each request's one final response after ``model.execute(requests)`` (a router answers through the
     senders, from threads of its own); AssertionError when one has none within ``timeout_s``."""
+    freed_by_stub = STUB_QUEUE.freed_by_stub
     assert model.execute(requests) is None
     for i, request in enumerate(requests):
         assert request.sender.done.wait(timeout_s), f"request {i} got no final response"
         finals = [r for r, flags in request.sender.sent if flags & COMPLETE_FINAL]
         assert len(finals) == 1 and len(request.sender.sent) == 1, request.sender.sent
+        assert not request.sender.pruned, f"request {i}: sent outputs it did not ask for: {request.sender.pruned}"
+    gc.collect()
+    assert STUB_QUEUE.freed_by_stub == freed_by_stub, "a decoupled BLS call was let go before the stub was done"
     return [request.sender.sent[0][0] for request in requests]
 
 

@@ -9,10 +9,9 @@ the target's outputs plus ``routed_version``; an error from the target comes bac
 error.
 
 Each request is forwarded on a thread of its own and answered through its response sender, so
-``execute`` returns at once: the python backend never waits on a stub for a whole generation (its
-health check fails a request whose ``execute`` has not returned within a second while the stub's
-health flag is down, which on the H200 failed 6-24% of requests taking a second or more and then
-desynchronised the instance), and one instance forwards any number of requests at once.
+``execute`` returns at once and one instance forwards any number of requests at once. The BLS calls and
+sends go through `serving.triton.models.bls`, which keeps the bundled python backend (r24.10) from freeing
+their tensors without the GIL (on the H200, the segfaults that failed most requests of a rollout).
 
 A decoupled target (the llm with in-flight batching) is called with ``exec(decoupled=True)`` (which
 serves a plain llm too), and its responses are merged into this request's one answer: every token, the
@@ -41,11 +40,13 @@ from __future__ import annotations
 import faulthandler
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from serving.triton.models.bls import decoupled_responses, host_memory, requested_only
 from serving.triton.models.routing import (
     RouterStats,
     forwarded_outputs,
@@ -83,15 +84,18 @@ def _forwarded_error(message: str, error: Any) -> Any:
     return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
 
 
-def _host_memory() -> Any:
-    """The target's outputs in host memory: a router answers from the CPU, and without it a GPU target's
-    outputs may come back in CUDA memory shared with this (CPU) stub."""
-    return pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
-
-
 def _target_kwargs(target_model: str, version: int) -> dict[str, Any]:
     model, model_version = target_of(target_model, version)
     return {"model_name": model, "model_version": model_version}
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """The outputs a request asks of the target (``target``) and those its client asked for (``client``;
+    none named: all)."""
+
+    target: list[str]
+    client: frozenset[str]
 
 
 class TritonPythonModel:
@@ -136,60 +140,64 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                version, requested, inputs = self._forwarded(request)
+                version, forwarded, inputs = self._forwarded(request)
             except Exception as exc:  # noqa: BLE001 - a bad request is its own error, never a crash
                 _send_final(sender, pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
                     f"{self.model_name}: {exc}")))
                 continue
-            thread = threading.Thread(target=self._forward, args=(version, requested, inputs, sender, self.stats),
-                                      daemon=True)
+            thread = threading.Thread(target=self._forward, daemon=True,
+                                      args=(version, forwarded, inputs, sender, self.stats))
             with self.lock:
                 self.forwards.add(thread)
             thread.start()
 
-    def _forwarded(self, request: Any) -> tuple[int, list[str], list[Any]]:
+    def _forwarded(self, request: Any) -> tuple[int, Forwarded, list[Any]]:
         version = pick_version(self.weights, pb_utils.get_input_tensor_by_name(request, "routing_key"), self.rng)
         inputs = [t for t in request.inputs() if t.name() not in ROUTER_INPUTS_ONLY]
         names = getattr(request, "requested_output_names", None)
-        requested = forwarded_outputs(tuple(names() if callable(names) else ()), {t.name() for t in inputs},
-                                      ROUTER_OUTPUTS_ONLY)
-        return version, requested, inputs
+        client = tuple(names() if callable(names) else ())
+        target = forwarded_outputs(client, {t.name() for t in inputs}, ROUTER_OUTPUTS_ONLY)
+        return version, Forwarded(target, frozenset(client)), inputs
 
-    def _forward(self, version: int, requested: list[str], inputs: list[Any], sender: Any,
+    def _forward(self, version: int, forwarded: Forwarded, inputs: list[Any], sender: Any,
                  stats: RouterStats) -> None:
         """Answer one request; it counts in ``stats``, the generation that routed it."""
         try:
-            response = self._route(version, requested, inputs, stats)
+            response, outputs = self._route(version, forwarded, inputs, sender, stats)
             self._persist(stats)  # counted before the response: a client that reads the stats next sees it
             self._log_counters()
             _send_final(sender, response)
+            del outputs  # held through the send, so the stub's send frees none of them (bls)
         finally:
             with self.lock:
                 self.forwards.discard(threading.current_thread())
 
-    def _route(self, version: int, requested: list[str], inputs: list[Any], stats: RouterStats) -> Any:
+    def _route(self, version: int, forwarded: Forwarded, inputs: list[Any], sender: Any,
+               stats: RouterStats) -> tuple[Any, list[Any]]:
+        """This request's response, and the output tensors it holds."""
         started = time.monotonic()
         try:
-            response = self._call(version, requested, inputs)
+            response = self._call(version, forwarded.target, inputs, sender)
         except Exception as exc:  # noqa: BLE001 - a BLS failure is this request's error, never a crash
             stats.record(version, ok=False, latency_s=time.monotonic() - started)
             return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                f"{self.model_name}: forwarding to {target_label(self.target_model, version)} failed: {exc}"))
+                f"{self.model_name}: forwarding to {target_label(self.target_model, version)} failed: {exc}")), []
         latency = time.monotonic() - started
         if response.has_error():
             stats.record(version, ok=False, latency_s=latency)
             return pb_utils.InferenceResponse(output_tensors=[], error=_forwarded_error(
-                f"{target_label(self.target_model, version)}: {response.error().message()}", response.error()))
+                f"{target_label(self.target_model, version)}: {response.error().message()}", response.error())), []
         outputs = list(response.output_tensors())
         stats.record(version, ok=True, latency_s=latency, output_tokens=_count_tokens(outputs))
         outputs.append(pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32)))
-        return pb_utils.InferenceResponse(output_tensors=outputs)
+        outputs = requested_only(outputs, forwarded.client)
+        return pb_utils.InferenceResponse(output_tensors=outputs), outputs
 
-    def _call(self, version: int, requested: list[str], inputs: list[Any]) -> Any:
+    def _call(self, version: int, requested: list[str], inputs: list[Any], sender: Any) -> Any:
         def request() -> Any:
             return pb_utils.InferenceRequest(**_target_kwargs(self.target_model, version),
                                              requested_output_names=requested, inputs=inputs,
-                                             preferred_memory=_host_memory())
+                                             preferred_memory=host_memory(pb_utils))
 
         if not self.target_decoupled:
             response = request().exec()
@@ -197,7 +205,7 @@ class TritonPythonModel:
                 return response
             self.target_decoupled = True
             _log("info", f"[{self.model_name}] {self.target_model} is decoupled: calling it with decoupled BLS")
-        return _Merged(list(request().exec(decoupled=True)))
+        return _Merged(list(decoupled_responses(request(), sender)))
 
     def _persist(self, stats: RouterStats, *, final: bool = False) -> None:
         try:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from serving.triton.models.bls import decoupled_responses, host_memory, requested_only
 from serving.triton.models.routing import (
     RouterStats,
     forwarded_outputs,
@@ -43,12 +44,6 @@ except ImportError:  # pragma: no cover - exercised outside Triton
 
 NOT_FORWARDED = frozenset({"routing_key"})
 ROUTER_ONLY_OUTPUTS = frozenset({"routed_version"})
-
-
-def _host_memory() -> Any:
-    """The target's outputs in host memory: a router answers from the CPU, and without it a GPU target's
-    outputs may come back in CUDA memory shared with this (CPU) stub."""
-    return pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
 
 
 def _target_kwargs(target_model: str, version: int) -> dict[str, Any]:
@@ -81,31 +76,34 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                version, bls = self._forwarded(request)
+                version, bls, client = self._forwarded(request)
             except Exception as exc:  # noqa: BLE001 - a bad request is its own error, never a crash
                 sender.send(_error(f"{self.model_name}: {exc}"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            thread = threading.Thread(target=self._stream, args=(bls, version, sender, self.routing.stats), daemon=True)
+            thread = threading.Thread(target=self._stream, args=(bls, version, client, sender, self.routing.stats),
+                                      daemon=True)
             with self.lock:
                 self.streams.add(thread)
             thread.start()
 
-    def _forwarded(self, request: Any) -> tuple[int, Any]:
+    def _forwarded(self, request: Any) -> tuple[int, Any, frozenset[str]]:
+        """The version, the BLS request to it and the outputs the client asked for (none named: all)."""
         version = pick_version(self.routing.weights, pb_utils.get_input_tensor_by_name(request, "routing_key"), self.rng)
         inputs = [t for t in request.inputs() if t.name() not in NOT_FORWARDED]
         names = getattr(request, "requested_output_names", None)
-        requested = forwarded_outputs(tuple(names() if callable(names) else ()), {t.name() for t in inputs},
-                                      ROUTER_ONLY_OUTPUTS)
+        client = tuple(names() if callable(names) else ())
+        requested = forwarded_outputs(client, {t.name() for t in inputs}, ROUTER_ONLY_OUTPUTS)
         return version, pb_utils.InferenceRequest(**_target_kwargs(self.target_model, version),
                                                   requested_output_names=requested, inputs=inputs,
-                                                  preferred_memory=_host_memory())
+                                                  preferred_memory=host_memory(pb_utils)), frozenset(client)
 
-    def _stream(self, bls: Any, version: int, sender: Any, stats: RouterStats) -> None:
-        """Forward one stream; it counts in ``stats``, the generation that routed it."""
+    def _stream(self, bls: Any, version: int, client: frozenset[str], sender: Any, stats: RouterStats) -> None:
+        """Forward one stream; it counts in ``stats``, the generation that routed it. Every tensor sent
+        stays referenced here through its send (`serving.triton.models.bls`)."""
         routed = pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32))
         started, tokens, error = time.monotonic(), 0, None
         try:
-            for response in bls.exec(decoupled=True):
+            for response in decoupled_responses(bls, sender):
                 if response.has_error():
                     error = f"{target_label(self.target_model, version)}: {response.error().message()}"
                     break
@@ -113,7 +111,8 @@ class TritonPythonModel:
                 if not outputs:  # the version's empty final response
                     continue
                 tokens += sum(int(np.asarray(t.as_numpy()).size) for t in outputs if t.name() == "output_ids")
-                sender.send(pb_utils.InferenceResponse(output_tensors=[*outputs, routed]))
+                outputs = requested_only([*outputs, routed], client)
+                sender.send(pb_utils.InferenceResponse(output_tensors=outputs))
         except Exception as exc:  # noqa: BLE001 - the stream's error, never a crash
             error = f"{self.model_name}: forwarding to {target_label(self.target_model, version)} failed: {exc}"
         # counted before the final response: a client that reads the stats next sees its stream
