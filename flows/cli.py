@@ -165,15 +165,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return func(args)
-    except known_errors() as exc:
-        print(f"enginewright: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except WaitInterrupted as exc:
+    except WaitInterrupted as exc:  # first: the next clause's known_errors() imports torch (seconds)
         # Stopped while waiting for a person: nothing was started or changed, so end now. Tearing the
         # interpreter down (torch, Prefect, MLflow modules) takes 1.5-5 s on 2 cores; the exit must be prompt.
         print(f"enginewright {args.command}: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + exc.signum)
+    except known_errors() as exc:
+        print(f"enginewright: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":
