@@ -9,11 +9,10 @@ command on port 5000 and the link into it. A rejection changes nothing but the v
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from prefect import task
 
 from tasks.errors import ApprovalRejected
 from tasks.promote_spec import ApprovalSpec
@@ -86,6 +85,8 @@ def rejection_sentence(tracking_uri: str, decision) -> str:
 
 def _attach_link(model_name: str, version: str, link: ApprovalLink, decision) -> None:
     """Record the link and the decision as a markdown artifact of the Prefect run (when in one)."""
+    if "prefect.context" not in sys.modules:  # no Prefect loaded, so no run: the CLI's wait before its flow
+        return
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is None:
@@ -130,9 +131,3 @@ def verified_approver(tracking_uri: str, model_name: str, version: str, *, claim
         return claimed or f"({NOT_NAMED}: no approved_by tag)"
     who = "/".join(verified.possible_authors)
     return f"{claimed} (verified: only {who} can approve)" if claimed else f"one of {who}"
-
-
-@task(name="approval", retries=0)
-def approve_task(spec: ApprovalSpec, *, tracking_uri: str, model_name: str, version: str) -> str:
-    """Wait for the approval decision on the version."""
-    return approve(spec, tracking_uri=tracking_uri, model_name=model_name, version=version)

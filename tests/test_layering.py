@@ -183,3 +183,11 @@ def test_a_command_stopped_while_waiting_exits_without_importing_the_engine():
     )
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.stdout.split("\n")[0] == "143 []", done.stdout + done.stderr
+
+
+def test_the_approval_wait_imports_no_prefect():
+    """A promote waits for its approval before its flow run: the wait's module loads no Prefect (4 s of CPU
+    of the 15 s a waiting promote took to print its link on the 2-core machine)."""
+    code = "import sys, tasks.approve\nprint(sorted(m for m in ('prefect', 'torch') if m in sys.modules))\n"
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.strip() == "[]", done.stdout
