@@ -114,8 +114,8 @@ def test_stream_interval_paces_middle_responses_but_never_the_first_or_the_final
     rec, box = Recorder(), Outbox("t", print, stream_interval_s=0.2)
     (stream,) = open_streams(box, rec, "a")
     box.emit(stream, [0], None)
+    first = time.monotonic()  # before the send, which stamps the interval's start at or after it
     assert box.send_next()  # the first response is never held back
-    first = time.monotonic()
     box.emit(stream, [1], None)
     box.emit(stream, [2], None)
     assert not box.send_next() and box.pending() == 1  # a middle one waits out the interval
