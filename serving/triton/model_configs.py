@@ -16,7 +16,10 @@ from serving.triton.models.routing_file import ROUTING_FILE, ROUTING_PARAMETER
 # One request per call: the llm reads each input as one value (a batch of 2 is its INVALID_ARG), so a larger
 # max_batch_size would declare what the engine refuses; Triton itself now refuses a batch of 2 with a 400.
 ROUTER_MAX_BATCH_SIZE = 1
-ROUTER_INSTANCES = 4  # requests the router forwards at once
+ROUTER_INSTANCES = 4  # each forwards any number of requests at once, each on a thread of its own
+# Streams forwarded at once: one per instance. Two decoupled BLS calls of several responses each in one
+# python stub can deadlock in the bundled python backend (`serving.triton.models.bls`).
+STREAM_ROUTER_INSTANCES = 8
 
 
 def _tensor(name: str, data_type: str, dims: list[int], *, optional: bool = False,
@@ -148,10 +151,11 @@ def stream_router_config(name: str, *, target_model: str, counters_model: str,
                          seed: int | None = None) -> dict[str, Any]:
     """Complete config of the streaming router ``name`` (``<release>_stream``), decoupled, in front of the
     decoupled llm ``target_model``; it routes by, and counts into, the router ``counters_model``'s routing
-    file and counter files. One instance: every stream runs on a thread of its own."""
+    file and counter files. `STREAM_ROUTER_INSTANCES` instances, each forwarding one stream at a time."""
     params = _router_params(target_model=target_model, seed=seed)
     params["counters_model"] = counters_model
-    config = _router_model(name, params, max_batch_size=ROUTER_MAX_BATCH_SIZE, instance_count=1,
+    config = _router_model(name, params, max_batch_size=ROUTER_MAX_BATCH_SIZE,
+                            instance_count=STREAM_ROUTER_INSTANCES,
                            extra_inputs=[_tensor("stream", "TYPE_BOOL", [1], optional=True)], extra_outputs=[])
     config["model_transaction_policy"] = {"decoupled": True}
     return config

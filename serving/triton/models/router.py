@@ -12,6 +12,8 @@ Each request is forwarded on a thread of its own and answered through its respon
 ``execute`` returns at once and one instance forwards any number of requests at once. The BLS calls and
 sends go through `serving.triton.models.bls`, which keeps the bundled python backend (r24.10) from freeing
 their tensors without the GIL (on the H200, the segfaults that failed most requests of a rollout).
+Its requests never stream, so the llm answers each call in one response: concurrent calls of several
+responses each can deadlock a stub (`bls`).
 
 A decoupled target (the llm with in-flight batching) is called with ``exec(decoupled=True)`` (which
 serves a plain llm too), and its responses are merged into this request's one answer: every token, the

@@ -3,10 +3,16 @@
 It is written beside the ``router`` model of a release whose llm is decoupled (in-flight batching) and
 routes by the router's routing file (``routing_file``: weights, ``load_id``), followed before each batch;
 a weight change reloads neither. It is itself decoupled: per request it picks a
-version the way the router does (sticky ``routing_key``, else by weight), and a thread of its own calls
-that version with ``exec(decoupled=True)`` and sends each of its responses on as it comes, with
-``routed_version`` added, then an empty final response. A failed call, or an error response of the
-version, is the stream's final response.
+version the way the router does (sticky ``routing_key``, else by weight), calls that version with
+``exec(decoupled=True)`` and sends each of its responses on as it comes, with ``routed_version`` added,
+then an empty final response. A failed call, or an error response of the version, is the stream's final
+response.
+
+Each instance forwards one stream at a time, inside ``execute`` (several instances serve streams side by
+side): in the bundled python backend (r24.10) two decoupled BLS calls of several responses each in one
+stub deadlock when one starts while the other's thread wakes for a response (the GIL, the stub's map of
+calls and the call's own mutex, taken in a cycle), as a CPU stress run of the router on threads in front of a target answering in 25 responses did
+within a minute, at 8 and at 32 clients. The router's calls, one response each, cannot close that cycle.
 
 Counters go into the router's counter files (parameter ``counters_model``: the router's folder), so the
 router's stats and a rollout's analysis count streaming requests too: one request per stream, its latency
@@ -18,7 +24,6 @@ Imports: numpy, stdlib and the pure routing helpers.
 from __future__ import annotations
 
 import faulthandler
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,30 +66,22 @@ class TritonPythonModel:
         self.target_model, self.rng = read.target_model, read.rng
         router_dir = Path(args["model_repository"]).parent / read.params["counters_model"]
         self.routing = open_routing(self.model_name, router_dir, self.target_model)
-        self.persisting = threading.Lock()  # one writer of a generation's file at a time, newest last
-        self.streams: set[threading.Thread] = set()
-        self.lock = threading.Lock()
 
     def execute(self, requests: list[Any]) -> None:
         try:
-            with self.persisting:  # a closing generation's final write, beside the streams' writes
-                self.routing.refresh()
+            self.routing.refresh()
         except RoutingFileError as exc:  # keep routing by the weights in force
             logger = getattr(pb_utils, "Logger", None)
             message = f"[{self.model_name}] {exc}; still routing with {self.routing.weights}"
             logger.log_error(message) if logger is not None else print(message, flush=True)
-        for request in requests:
+        for request in requests:  # one stream at a time (module docstring)
             sender = request.get_response_sender()
             try:
                 version, bls, client = self._forwarded(request)
             except Exception as exc:  # noqa: BLE001 - a bad request is its own error, never a crash
                 sender.send(_error(f"{self.model_name}: {exc}"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            thread = threading.Thread(target=self._stream, args=(bls, version, client, sender, self.routing.stats),
-                                      daemon=True)
-            with self.lock:
-                self.streams.add(thread)
-            thread.start()
+            self._stream(bls, version, client, sender, self.routing.stats)
 
     def _forwarded(self, request: Any) -> tuple[int, Any, frozenset[str]]:
         """The version, the BLS request to it and the outputs the client asked for (none named: all)."""
@@ -117,23 +114,14 @@ class TritonPythonModel:
             error = f"{self.model_name}: forwarding to {target_label(self.target_model, version)} failed: {exc}"
         # counted before the final response: a client that reads the stats next sees its stream
         stats.record(version, ok=error is None, latency_s=time.monotonic() - started, output_tokens=tokens)
-        with self.persisting:
-            stats.persist()
+        stats.persist()
         try:
             sender.send(None if error is None else _error(error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:  # noqa: BLE001, S110 - the client is gone: nothing left to tell it
             pass
-        finally:
-            with self.lock:
-                self.streams.discard(threading.current_thread())
 
     def finalize(self) -> None:
-        with self.lock:
-            streams = list(self.streams)
-        for thread in streams:  # Triton unloads a model once its requests have their final responses
-            thread.join(30)
-        with self.persisting:
-            self.routing.stats.persist(final=True)
+        self.routing.stats.persist(final=True)
 
 
 def _error(message: str) -> Any:
