@@ -168,6 +168,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pair.add_argument("--work", type=Path, default=Path("build/bench-load"))
     pair.add_argument("--out", type=Path, default=Path("bench-load.json"))
     pair.add_argument("--profile", action="store_true", help="a third load, as the second under cProfile")
+    bls = sub.add_parser("bls-stress", help="the routers under concurrent BLS calls on real Triton (any machine): "
+                         "answered, failed, crashed stubs")
+    bls.add_argument("--router", choices=("router", "stream"), default="router",
+                     help="HTTP clients through the router, or gRPC streams through the streaming router")
+    bls.add_argument("--clients", type=int, default=32)
+    bls.add_argument("--seconds", type=float, default=60.0)
+    bls.add_argument("--responses", type=int, default=25, help="responses of the target per call (1: not streaming)")
+    bls.add_argument("--model-file", type=Path, help="another model file for the router under test (an older one)")
+    bls.add_argument("--work", type=Path, default=Path("build/bench-bls-stress"))
+    bls.add_argument("--out", type=Path, default=Path("bench-bls-stress.json"))
     rol = sub.add_parser("rollout", help="a gray release's Triton steps (load beside, 10/50/100, unload; a second "
                          "candidate rolled back) under steady load through the router: p50/p99 per phase")
     rol.add_argument("--engine", type=Path, help="engine folder (default: a random-weight --shape built in --work)")
@@ -294,6 +304,14 @@ def run(args: argparse.Namespace) -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         report = run_load_pair(args.engine, args.work / "compile-cache", args.work, profile=args.profile)
         args.out.write_text(json.dumps(report, indent=1))
+        return 0
+    if args.bench_mode == "bls-stress":
+        from serving.bench.bls_stress import run_bls_stress
+
+        report = run_bls_stress(args.work, router=args.router, clients=args.clients, seconds=args.seconds,
+                                responses=args.responses, model_file=args.model_file)
+        args.out.write_text(json.dumps(report, indent=1))
+        print(json.dumps(report, indent=1))
         return 0
     if args.bench_mode == "rollout":
         from serving.bench.rollout import render_phases, run_rollout_bench
