@@ -13,7 +13,7 @@ the tensor's last reference (PbTensor's destructor took the GIL only from r25.01
   through one FIFO queue, and ``sender.is_cancelled()`` queues a round trip behind the cleanup, so when it
   returns the stub holds nothing of the call and the router's references are the last, freed with the GIL.
 - ``sender.send`` drops the outputs its request did not ask for, with the GIL released: the routers send
-  only requested outputs (`requested_only`) and hold them until the send returns.
+  only requested outputs (`requested_only`), so it drops none.
 
 A CPU stress run (32 HTTP clients through the router for 60 s, a target answering in 25 responses)
 segfaulted the previous router twice (153 of 952 requests failed); with these, none.
@@ -24,7 +24,7 @@ delivers a second response to the other, whose thread woke for the first and hol
 waiting for the GIL. A call answered in one response cannot close that cycle, so the router (whose
 requests never stream) forwards many calls at once, and the streaming router one stream per instance.
 
-Imports: stdlib only (the python backend's module is passed in).
+Imports: stdlib and the pure routing helpers (the python backend's module is passed in).
 """
 
 from __future__ import annotations
@@ -35,16 +35,28 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from serving.triton.models.routing import target_of
+
 PARK_S = 60.0  # a cancelled request's calls, whose barrier is answered from a cache: kept this long
 
 _parked: collections.deque[tuple[float, Any]] = collections.deque()
 _parked_lock = threading.Lock()
 
 
-def host_memory(pb_utils: Any) -> Any:
-    """The target's outputs in host memory: a router answers from the CPU, and without it a GPU target's
-    outputs may come back in CUDA memory shared with this (CPU) stub."""
-    return pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
+def target_request(pb_utils: Any, target_model: str, version: int, requested: list[str], inputs: list[Any]) -> Any:
+    """The BLS request of a router to engine ``version`` (`routing.target_of`), its outputs in host memory:
+    a router answers from the CPU, and without it a GPU target's outputs may come back in CUDA memory
+    shared with this (CPU) stub."""
+    model, model_version = target_of(target_model, version)
+    return pb_utils.InferenceRequest(model_name=model, model_version=model_version, requested_output_names=requested,
+                                     inputs=inputs, preferred_memory=pb_utils.PreferredMemory(
+                                         pb_utils.TRITONSERVER_MEMORY_CPU, 0))
+
+
+def client_outputs(request: Any) -> tuple[str, ...]:
+    """The output names a router's own request asks for (none named: all)."""
+    names = getattr(request, "requested_output_names", None)
+    return tuple(names() if callable(names) else ())
 
 
 def decoupled_responses(request: Any, sender: Any) -> Iterator[Any]:

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.triton.models.bls import decoupled_responses, host_memory, requested_only
+from serving.triton.models.bls import client_outputs, decoupled_responses, requested_only, target_request
 from serving.triton.models.routing import (
     RouterStats,
     forwarded_outputs,
@@ -56,7 +56,6 @@ from serving.triton.models.routing import (
     read_router_params,
     target_error_code,
     target_label,
-    target_of,
 )
 from serving.triton.models.routing_file import RoutingFileError, open_routing
 
@@ -84,11 +83,6 @@ def _forwarded_error(message: str, error: Any) -> Any:
     """A TritonError with ``message`` and the code the target meant (`target_error_code`)."""
     code = target_error_code(message, error, pb_utils.TritonError)
     return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
-
-
-def _target_kwargs(target_model: str, version: int) -> dict[str, Any]:
-    model, model_version = target_of(target_model, version)
-    return {"model_name": model, "model_version": model_version}
 
 
 @dataclass(frozen=True)
@@ -156,8 +150,7 @@ class TritonPythonModel:
     def _forwarded(self, request: Any) -> tuple[int, Forwarded, list[Any]]:
         version = pick_version(self.weights, pb_utils.get_input_tensor_by_name(request, "routing_key"), self.rng)
         inputs = [t for t in request.inputs() if t.name() not in ROUTER_INPUTS_ONLY]
-        names = getattr(request, "requested_output_names", None)
-        client = tuple(names() if callable(names) else ())
+        client = client_outputs(request)
         target = forwarded_outputs(client, {t.name() for t in inputs}, ROUTER_OUTPUTS_ONLY)
         return version, Forwarded(target, frozenset(client)), inputs
 
@@ -165,41 +158,36 @@ class TritonPythonModel:
                  stats: RouterStats) -> None:
         """Answer one request; it counts in ``stats``, the generation that routed it."""
         try:
-            response, outputs = self._route(version, forwarded, inputs, sender, stats)
+            response = self._route(version, forwarded, inputs, sender, stats)
             self._persist(stats)  # counted before the response: a client that reads the stats next sees it
             self._log_counters()
             _send_final(sender, response)
-            del outputs  # held through the send, so the stub's send frees none of them (bls)
         finally:
             with self.lock:
                 self.forwards.discard(threading.current_thread())
 
     def _route(self, version: int, forwarded: Forwarded, inputs: list[Any], sender: Any,
-               stats: RouterStats) -> tuple[Any, list[Any]]:
-        """This request's response, and the output tensors it holds."""
+               stats: RouterStats) -> Any:
         started = time.monotonic()
         try:
             response = self._call(version, forwarded.target, inputs, sender)
         except Exception as exc:  # noqa: BLE001 - a BLS failure is this request's error, never a crash
             stats.record(version, ok=False, latency_s=time.monotonic() - started)
             return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                f"{self.model_name}: forwarding to {target_label(self.target_model, version)} failed: {exc}")), []
+                f"{self.model_name}: forwarding to {target_label(self.target_model, version)} failed: {exc}"))
         latency = time.monotonic() - started
         if response.has_error():
             stats.record(version, ok=False, latency_s=latency)
             return pb_utils.InferenceResponse(output_tensors=[], error=_forwarded_error(
-                f"{target_label(self.target_model, version)}: {response.error().message()}", response.error())), []
+                f"{target_label(self.target_model, version)}: {response.error().message()}", response.error()))
         outputs = list(response.output_tensors())
         stats.record(version, ok=True, latency_s=latency, output_tokens=_count_tokens(outputs))
         outputs.append(pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32)))
-        outputs = requested_only(outputs, forwarded.client)
-        return pb_utils.InferenceResponse(output_tensors=outputs), outputs
+        return pb_utils.InferenceResponse(output_tensors=requested_only(outputs, forwarded.client))
 
     def _call(self, version: int, requested: list[str], inputs: list[Any], sender: Any) -> Any:
         def request() -> Any:
-            return pb_utils.InferenceRequest(**_target_kwargs(self.target_model, version),
-                                             requested_output_names=requested, inputs=inputs,
-                                             preferred_memory=host_memory(pb_utils))
+            return target_request(pb_utils, self.target_model, version, requested, inputs)
 
         if not self.target_decoupled:
             response = request().exec()

@@ -11,8 +11,9 @@ response.
 Each instance forwards one stream at a time, inside ``execute`` (several instances serve streams side by
 side): in the bundled python backend (r24.10) two decoupled BLS calls of several responses each in one
 stub deadlock when one starts while the other's thread wakes for a response (the GIL, the stub's map of
-calls and the call's own mutex, taken in a cycle), as a CPU stress run of the router on threads in front of a target answering in 25 responses did
-within a minute, at 8 and at 32 clients. The router's calls, one response each, cannot close that cycle.
+calls and the call's own mutex, taken in a cycle; `serving.triton.models.bls`). On threads in one
+instance, a CPU stress run of 16 streams (`python3 -m serving.bench bls-stress --router stream`) hung a
+stub within a minute. The router's calls, one response each, cannot close that cycle.
 
 Counters go into the router's counter files (parameter ``counters_model``: the router's folder), so the
 router's stats and a rollout's analysis count streaming requests too: one request per stream, its latency
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.triton.models.bls import decoupled_responses, host_memory, requested_only
+from serving.triton.models.bls import client_outputs, decoupled_responses, requested_only, target_request
 from serving.triton.models.routing import (
     RouterStats,
     forwarded_outputs,
@@ -38,7 +39,6 @@ from serving.triton.models.routing import (
     read_router_params,
     target_error_code,
     target_label,
-    target_of,
 )
 from serving.triton.models.routing_file import RoutingFileError, open_routing
 
@@ -49,11 +49,6 @@ except ImportError:  # pragma: no cover - exercised outside Triton
 
 NOT_FORWARDED = frozenset({"routing_key"})
 ROUTER_ONLY_OUTPUTS = frozenset({"routed_version"})
-
-
-def _target_kwargs(target_model: str, version: int) -> dict[str, Any]:
-    model, model_version = target_of(target_model, version)
-    return {"model_name": model, "model_version": model_version}
 
 
 class TritonPythonModel:
@@ -87,16 +82,12 @@ class TritonPythonModel:
         """The version, the BLS request to it and the outputs the client asked for (none named: all)."""
         version = pick_version(self.routing.weights, pb_utils.get_input_tensor_by_name(request, "routing_key"), self.rng)
         inputs = [t for t in request.inputs() if t.name() not in NOT_FORWARDED]
-        names = getattr(request, "requested_output_names", None)
-        client = tuple(names() if callable(names) else ())
+        client = client_outputs(request)
         requested = forwarded_outputs(client, {t.name() for t in inputs}, ROUTER_ONLY_OUTPUTS)
-        return version, pb_utils.InferenceRequest(**_target_kwargs(self.target_model, version),
-                                                  requested_output_names=requested, inputs=inputs,
-                                                  preferred_memory=host_memory(pb_utils)), frozenset(client)
+        return version, target_request(pb_utils, self.target_model, version, requested, inputs), frozenset(client)
 
     def _stream(self, bls: Any, version: int, client: frozenset[str], sender: Any, stats: RouterStats) -> None:
-        """Forward one stream; it counts in ``stats``, the generation that routed it. Every tensor sent
-        stays referenced here through its send (`serving.triton.models.bls`)."""
+        """Forward one stream; it counts in ``stats``, the generation that routed it."""
         routed = pb_utils.Tensor("routed_version", np.asarray([[version]], dtype=np.int32))
         started, tokens, error = time.monotonic(), 0, None
         try:
