@@ -105,9 +105,16 @@ def run_rollout_bench(engine_dir: Path, work: Path, *, clients: int, prompt_len:
     from serving.triton.control import TritonControl
     from serving.triton.operations import apply_router_weights, serve_versions
     from serving.triton.process import start_triton
-    from serving.triton.repository import engine_model_name
+    from serving.triton.repository import engine_model_name, remove_folder
 
     vocab_size = read_engine_info(engine_dir).model.vocab_size
+    # a fresh repository and log each run: versions left by an earlier run would be served in place of
+    # these three (with that run's parameters) and its log lines read as this run's
+    for stale in (work / "repo", work / "triton.log"):
+        if stale.is_dir():
+            remove_folder(stale)
+        elif stale.exists():
+            stale.unlink()
     root = init_repository(work / "repo")
     for _ in range(3):
         stage_engine_version(root, RELEASE, engine_dir, device_kind="auto", max_queue_size=1024,
