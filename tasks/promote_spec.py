@@ -98,7 +98,7 @@ class TritonSpec(BaseModel):
     engine_parameters: dict[str, str] = Field(
         default_factory=dict, validate_default=True,
         description="Config parameters of the candidate's Triton model `<model>_v<N>` (each version keeps its own), e.g. `device`, "
-        "`decoupled`, `compile_decode`, `stream_interval_ms`, `admit_gap_ms`, `idle_senders` (docs/triton.md). "
+        "`decoupled`, `compile_decode`, `stream_interval_ms`, `admit_gap_ms`, `admit_every_steps`, `idle_senders` (docs/triton.md). "
         "`decoupled` is \"true\" unless given (in-flight batching; streams go token by token through "
         "`<model>_stream`); \"false\" serves plain requests, one response each. "
         "Tests use `engine_loader: tasks.fault_injection:load_engine` to make a bad engine.")

@@ -271,6 +271,54 @@ def test_a_lone_request_at_an_idle_engine_waits_one_gap(runner):
     assert 0.1 <= sched.stats.gather_s < 0.5 and sched.stats.prefills == 1
 
 
+def _prefill_steps(sched, runner, monkeypatch) -> list[int]:
+    """The scheduler's step count at each of its prefills (filled in as it runs)."""
+    at: list[int] = []
+    real = runner.prefill
+
+    def counted(*args, **kwargs):
+        at.append(sched.stats.steps)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "prefill", counted)
+    return at
+
+
+@pytest.mark.parametrize("every, deferred", [(6, True), (1, False)])
+def test_a_busy_engine_admits_an_arrival_at_most_every_admit_every_steps(runner, monkeypatch, every, deferred):
+    """3 slots, 4 requests: the fourth waits while three decode; the first ends after 3 tokens. Admitted
+    every 6 steps, the fourth joins at the sixth step, not when the slot frees; its tokens are unchanged."""
+    sched = Scheduler(runner, admit_every_steps=every)
+    at = _prefill_steps(sched, runner, monkeypatch)
+    max_tokens = [3, 12, 12, 4]
+    got = collect(sched, PROMPTS[:4], max_tokens=max_tokens)
+    prefilled_at = list(at)  # before `generate` below prefills too
+    for p, n, (ids, _) in zip(PROMPTS[:4], max_tokens, got):
+        assert ids == runner.generate([p], max_new_tokens=n)[0].token_ids
+    assert len(prefilled_at) == 2 and prefilled_at[0] == 0
+    assert (prefilled_at[1] >= 6) is deferred, prefilled_at
+
+
+def test_a_burst_at_a_busy_engine_is_admitted_at_once(runner, monkeypatch):
+    """Two arrivals beside one live request outnumber it (WAITING_SERVED_RATIO): admitted at the next step
+    although the last admission was one step ago."""
+    sched = Scheduler(runner, admit_every_steps=50)
+    at = _prefill_steps(sched, runner, monkeypatch)
+    sched.submit(GenRequest(PROMPTS[0], 8, lambda *a: None, print))
+    sched.step()
+    for prompt in PROMPTS[1:3]:
+        sched.submit(GenRequest(prompt, 8, lambda *a: None, print))
+    sched.step()
+    assert at == [0, 1] and sched.live == 3
+    sched.run_until_idle()
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5])
+def test_a_bad_admit_every_steps_is_refused_by_name(runner, bad):
+    with pytest.raises(ValueError, match=f"admit_every_steps={bad}"):
+        Scheduler(runner, admit_every_steps=bad)
+
+
 def test_a_negative_admit_gap_is_refused_by_name(runner):
     with pytest.raises(ValueError, match="admit_gap_s=-1"):
         Scheduler(runner, admit_gap_s=-1)

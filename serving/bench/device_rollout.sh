@@ -6,6 +6,7 @@
 # $CLIENTS closed-loop HTTP clients through the router from a child process, phases before / rollout 1->2
 # (load beside, warm, 10/50/100, unload v1) / between / rollback of 3 (load, warm, 10%, back) / after.
 # Triton's stub and the clients run in /tmp/venv, where numpy 1.26 shadows the image's numpy 2.
+# PARAMS: more arguments of `serving.bench rollout`, e.g. PARAMS="--param admit_every_steps=8".
 # Results under $OUT: steps.log, rollout.json, rollout.log, triton.log.
 set -u
 OUT=${OUT:-/tmp/rollout-out}
@@ -38,7 +39,7 @@ wait $VENV_PID; log "venv rc=$?"
 ( export PATH=/tmp/venv/bin:$PATH
   timeout "${ROLLOUT_S:-150}" /tmp/venv/bin/python -m serving.bench rollout --engine "$W/engine" --work "$W/bench" \
     --clients "${CLIENTS:-16}" --prompt-len 128 --gen-len "${GEN_LEN:-32}" --steady-s "${STEADY_S:-10}" \
-    --hold-s "${HOLD_S:-3}" --out "$OUT/rollout.json" ) >"$OUT/rollout.log" 2>&1
+    --hold-s "${HOLD_S:-3}" --out "$OUT/rollout.json" ${PARAMS:-} ) >"$OUT/rollout.log" 2>&1
 log "rollout rc=$?"
 cp "$W/bench/triton.log" "$OUT/" 2>/dev/null
 tail -12 "$OUT/rollout.log" | tee -a "$OUT/steps.log"

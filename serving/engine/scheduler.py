@@ -42,6 +42,17 @@ out of step (more, smaller decode steps, each prefill stalling the others). An i
 admits once no request has arrived for `admit_gap_s` (or the slots are full, or GATHER_MAX_GAPS gaps
 have passed). A lone request waits one gap; an engine with live requests never waits.
 
+`admit_every_steps` (1: every step) is for arrivals at a busy engine. Closed-loop clients that have
+drifted out of step (a gray release's weight changes do that) finish one or two at a time, and
+admitting each at the next step runs a prefill per decode step: on an H200 the 1B engine at 64 clients
+then spent 28 of 32 busy seconds launching prefills of about two prompts each and served a quarter of
+the requests it served while the clients were in step (`serving.bench rollout`). While requests are
+live, waiting ones are therefore admitted at most once every `admit_every_steps` decode steps, unless
+they outnumber the live ones by WAITING_SERVED_RATIO (a burst); an idle engine admits at once (after
+`admit_gap_s`). This is text-generation-inference's `max_waiting_tokens` / `waiting_served_ratio`. A
+request waits for its first token at most that many steps more; none waits when no other was admitted
+in the last `admit_every_steps` steps.
+
 The request, `submit` / `cancel`, the loop (`run_forever`, `start`, `stop`, `run_until_idle`) and the
 refusal of a request past `max_waiting` (`SchedulerFull`) are `scheduler_loop.SchedulerLoop`'s, shared
 with the paged scheduler. Thread model: `submit` is thread-safe; `run_forever` (or `start()`, which runs
@@ -74,6 +85,7 @@ from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabu
 )
 
 HOST_BUFFERS = 4
+WAITING_SERVED_RATIO = 1.2  # waiting / live at which a busy engine admits at once (text-generation-inference's)
 
 
 @dataclass(eq=False)
@@ -116,6 +128,7 @@ class SchedulerStats:
     drain_s: float = 0.0  # idle, finishing the `while_waiting` work (or `drain`)
     queued_s: float = 0.0  # summed over requests: from submit to admission
     gather_s: float = 0.0  # idle, letting a burst of arrivals finish (`admit_gap_s`)
+    held: int = 0  # steps at which waiting requests were held back (`admit_every_steps`)
 
 
 class Scheduler(SchedulerLoop):
@@ -125,9 +138,13 @@ class Scheduler(SchedulerLoop):
     def __init__(self, runner: Any, *, max_prefill_tokens: int = 16384, idle_wait_s: float = 0.05,
                  on_error: Callable[[str], None] | None = None,
                  while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
-                 admit_gap_s: float = 0.0, max_waiting: int | None = None) -> None:
+                 admit_gap_s: float = 0.0, max_waiting: int | None = None, admit_every_steps: int = 1) -> None:
         super().__init__(runner, idle_wait_s=idle_wait_s, on_error=on_error, while_waiting=while_waiting,
                          drain=drain, admit_gap_s=admit_gap_s, max_waiting=max_waiting)
+        if not isinstance(admit_every_steps, int) or admit_every_steps < 1:
+            raise ValueError(f"admit_every_steps={admit_every_steps!r} must be an integer >= 1")
+        self.admit_every_steps = admit_every_steps
+        self.steps_since_admit = admit_every_steps  # steps since the last admission
         self.max_slots = self.capacity = int(runner.info.limits.max_batch_size)
         self.max_prefill_tokens = max(max_prefill_tokens, self.max_input_len)
         self.slots: list[_Live | None] = [None] * self.max_slots
@@ -165,6 +182,7 @@ class Scheduler(SchedulerLoop):
             self._apply_cancels()
         self._admit()  # the admitted join this very decode step (their first token comes from prefill)
         launched = self._launch_decode()
+        self.steps_since_admit += 1
         queued = time.perf_counter()
         while len(self.inflight) > (1 if launched else 0):
             self._deliver(self.inflight.popleft())
@@ -189,17 +207,27 @@ class Scheduler(SchedulerLoop):
         return (not live.finished and live.launched < live.req.max_tokens
                 and live.next_pos + 1 < self.max_seq_len)
 
+    def _admission_due(self) -> bool:
+        """Whether waiting requests may be admitted now (`cond` held): see `admit_every_steps` above."""
+        live = self.live
+        return (live == 0 or self.steps_since_admit >= self.admit_every_steps
+                or len(self.waiting) >= WAITING_SERVED_RATIO * live)
+
     def _admit(self) -> None:
         free = [i for i, s in enumerate(self.slots) if s is None]
         batch: list[tuple[int, GenRequest]] = []
         budget = self.max_prefill_tokens
         with self.cond:
+            if not self._admission_due():
+                self.stats.held += bool(self.waiting)
+                return
             while self.waiting and len(batch) < len(free) and len(self.waiting[0].prompt_ids) <= budget:
                 req = self.waiting.popleft()
                 budget -= len(req.prompt_ids)
                 batch.append((free[len(batch)], req))
         if not batch:
             return
+        self.steps_since_admit = 0
         started = time.perf_counter()
         self.stats.queued_s += sum(started - req.queued_at for _, req in batch)
         rows, lives = [], []

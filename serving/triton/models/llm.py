@@ -42,7 +42,9 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   how many threads send at once while the engine is idle, such as the final responses of requests
   that ended together; see ``outbox``), ``admit_gap_ms`` (default 3: an idle engine admits a burst of
   arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
-  at once; see ``serving.engine.scheduler``).
+  at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,
+  waiting ones are admitted, in one prefill, at most once every this many decode steps, unless they
+  outnumber the live ones; static KV cache engines; see ``serving.engine.scheduler``).
 """
 
 from __future__ import annotations
@@ -249,8 +251,9 @@ class EngineThread:
                  warmup: bool, while_waiting: Callable[[], bool] | None = None,
                  drain: Callable[[], None] | None = None, admit_gap_s: float = 0.0,
                  decode_pdl: bool = True, compile_cache_root: Path | None = None,
-                 compile_cache_pruning: Any = None) -> None:
+                 compile_cache_pruning: Any = None, admit_every_steps: int = 1) -> None:
         self.runner = runner
+        self.admit_every_steps = admit_every_steps
         self.compile_cache_root = compile_cache_root
         self.compile_cache_pruning = compile_cache_pruning  # compile_cache_prune.Pruning: after the compile
         self.decode_pdl = decode_pdl
@@ -289,11 +292,12 @@ class EngineThread:
                 self.runner.warm_up_prefill()
             graphs = getattr(self.runner, "graphs", None)
             # a paged engine (engine_loader serving.engine.paged_runner:load_paged_engine) brings its own scheduler
-            make = self.runner.scheduler if isinstance(self.runner, PagedRunner) else partial(Scheduler, self.runner)
+            make = (self.runner.scheduler if isinstance(self.runner, PagedRunner)
+                    else partial(Scheduler, self.runner, admit_every_steps=self.admit_every_steps))
             self.scheduler = make(on_error=self.log.error, while_waiting=self.while_waiting, drain=self.drain,
                                   admit_gap_s=self.admit_gap_s)
             self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
-                          f"{self.compile_decode}, decode_pdl={self.decode_pdl}, "
+                          f"{self.compile_decode}, decode_pdl={self.decode_pdl}, admit_every_steps={self.admit_every_steps}, "
                           f"graphs={'yes' if graphs is not None else 'no'})")
         except BaseException as exc:  # noqa: BLE001 - carried back to initialize
             self.error = exc
@@ -399,6 +403,7 @@ class TritonPythonModel:
                                               warmup=flag(params, "warmup"),
                                               while_waiting=self.outbox.send_next, drain=self.outbox.drain,
                                               admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3,
+                                              admit_every_steps=count(params, "admit_every_steps"),
                                               decode_pdl=flag(params, "decode_pdl"),
                                               compile_cache_root=cache_root(params.get("compile_cache_dir"),
                                                                             Path(args["model_repository"])),

@@ -15,6 +15,7 @@ MILLISECOND_PARAMETERS: dict[str, tuple[float, bool]] = {
 # name -> (default, least, most)
 COUNT_PARAMETERS: dict[str, tuple[int, int, int]] = {
     "idle_senders": (1, 1, 64),
+    "admit_every_steps": (8, 1, 64),
 }
 
 
