@@ -110,11 +110,9 @@ def run_rollout_bench(engine_dir: Path, work: Path, *, clients: int, prompt_len:
     vocab_size = read_engine_info(engine_dir).model.vocab_size
     # a fresh repository and log each run: versions left by an earlier run would be served in place of
     # these three (with that run's parameters) and its log lines read as this run's
-    for stale in (work / "repo", work / "triton.log"):
-        if stale.is_dir():
-            remove_folder(stale)
-        elif stale.exists():
-            stale.unlink()
+    if (work / "repo").exists():
+        remove_folder(work / "repo")
+    (work / "triton.log").unlink(missing_ok=True)
     root = init_repository(work / "repo")
     for _ in range(3):
         stage_engine_version(root, RELEASE, engine_dir, device_kind="auto", max_queue_size=1024,
