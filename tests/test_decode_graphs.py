@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -21,11 +23,12 @@ from serving.engine.cuda_graphs import (
     _decode_step_single,
     batch_buckets,
     compile_options,
+    compiled_parts,
     graphs_to_warm,
     single_row_static,
     tuned_single_row,
 )
-from serving.engine.model import decode_step_greedy
+from serving.engine.model import ModelArgs, Transformer, decode_step_greedy
 from tasks.tiny_model import make_tiny_model
 
 
@@ -107,6 +110,31 @@ def test_the_dynamic_step_traces_batch_1_once(float32_model):
     step(float32_model, torch.zeros(1, dtype=torch.long), torch.full((1,), 5), 128)
     torch._dynamo.reset()
     assert backend.frame_count == 1, f"{backend.frame_count} traces of one graph"
+
+
+def test_the_step_compiled_by_layer_traces_one_layer_for_all_and_computes_the_plain_steps_logits():
+    """The dynamic compile puts the step's start, one decode layer and the head under torch.compile on their
+    own: dynamo traces eight graphs for a 6-layer model (the start's, the first layer's, with no residual from a
+    layer before it, every other layer's and the head's, each at batch 1 and for the other batches), where a
+    compile of the whole step traces every layer in each of its two, and the logits and tokens are the plain
+    step's."""
+    args = ModelArgs(architecture="LlamaForCausalLM", vocab_size=96, dim=32, n_layers=6, n_heads=4, n_kv_heads=2,
+                     head_dim=8, intermediate_size=64, norm_eps=1e-5, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    model.setup_caches(4, 128)
+    torch._dynamo.reset()
+    counters.clear()
+    step = partial(decode_step_greedy, parts=compiled_parts(None, backend="eager"))
+    with torch.no_grad():
+        for bsz in (1, 2, 3):
+            tokens, pos = torch.arange(bsz) + 7, torch.arange(bsz) + 3
+            logits, greedy = step(model, tokens, pos, 64)
+            want_logits, want_greedy = decode_step_greedy(model, tokens, pos, 64)
+            assert torch.equal(logits, want_logits) and torch.equal(greedy, want_greedy), f"batch {bsz}"
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == 8
 
 
 def tiny_bf16_engine(tmp_path):

@@ -76,7 +76,8 @@ def linear_split_k_chunks(x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
                           bias: torch.Tensor | None) -> torch.Tensor:
     """The split-K FP8 decode kernel on 64-row chunks (its 64-row `TUNED_FP8` config), up to 256 rows; more
     rows, or a shape not in the table: the engine's `fp8_scaled_linear`."""
-    from serving.engine.fp8_gemm import TUNED_FP8_CONFIGS, launch_fp8, sum_partials
+    from serving.engine.fp8_gemm import TUNED_FP8_CONFIGS, launch_fp8
+    from serving.engine.partials import sum_partials
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from serving.engine.partials import sum_partials
 from serving.engine.skinny_gemm import MAX_ROWS, GemmConfig, empty_partials, parse_table, rows_bucket
 
 try:
@@ -151,14 +152,6 @@ def fp8_partials(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, c
     xq, x_scale = quantize_tokens_fp8(x)
     op = torch.ops.enginewright.fp8_partials_pdl if pdl else torch.ops.enginewright.fp8_partials
     return op(xq, x_scale, weight, w_scale, config.key())
-
-
-def sum_partials(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[split, M, N] -> [M, N] in `dtype`: pointwise adds (inductor fuses them into the consumer's kernel)."""
-    out = parts[0]
-    for i in range(1, parts.shape[0]):
-        out = out + parts[i]
-    return out.to(dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,

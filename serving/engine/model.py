@@ -25,13 +25,14 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from serving.engine.errors import UnsupportedArchitectureError
+from serving.engine.partials import sum_partials
 from serving.engine.quantize import QuantLinear
 
 # architectures[0] of config.json -> (model_type, whether q/k/v carry a bias by default)
@@ -301,10 +302,15 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
                 ) -> torch.Tensor:
         """`gate_up`, when given, computes silu(gate) * up from the w13 module and x itself."""
+        return linear(self.w2, self.gated(x, linear, gate_up))
+
+    def gated(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
+              ) -> torch.Tensor:
+        """silu(gate) * up, the input of w2."""
         if gate_up is not None:
-            return linear(self.w2, gate_up(self.w13, x))
+            return gate_up(self.w13, x)
         gate, up = linear(self.w13, x).split([self.intermediate_size, self.intermediate_size], dim=-1)
-        return linear(self.w2, F.silu(gate) * up)
+        return F.silu(gate) * up
 
 
 class TransformerBlock(nn.Module):
@@ -426,7 +432,7 @@ def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn
     if gemm != "triton":
         one = reference_linear if gemm == REFERENCE_GEMM else torch_linear
         return (lambda module, x: one(module, x).unsqueeze(0)) if parts else one
-    from serving.engine.fp8_gemm import fp8_config_for, fp8_partials, sum_partials
+    from serving.engine.fp8_gemm import fp8_config_for, fp8_partials
     from serving.engine.skinny_gemm import kernel_config, skinny_linear, skinny_linear_parts
 
     product = skinny_linear_parts if parts else skinny_linear
@@ -485,69 +491,125 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
     return model.logits(hidden, _linear_fn(gemm_impl_of(model, gemm), pdl=pdl))
 
 
-def decode_hidden(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
-                  gemm: str | None = None, pdl: bool = False) -> torch.Tensor:
-    """The layers and the final norm of one decode step of cache rows [0, B): tokens, input_pos: [B] ->
-    hidden states [B, D].
+class DecodeInputs(NamedTuple):
+    """What every layer of one decode step reads beside its weights and its input (`decode_inputs`)."""
 
-    Row b writes its K/V at `input_pos[b]` and attends over cache positions `[0, kv_len)` masked to
-    `<= input_pos[b]`; `kv_len` must exceed every `input_pos`. Shapes depend only on (B, kv_len) and
-    there is no host sync: CUDA-graph and torch.compile friendly. `gemm` ("torch" | "triton") overrides
-    `model.decode_gemm_impl`. `pdl` launches the step's own Triton kernels (skinny GEMMs, the attention
-    with its rotary embedding) with programmatic dependent launch (CUDA, compute capability 9.0 or
-    later: `serving.engine.pdl`).
-    """
-    a = model.args
+    input_pos: torch.Tensor  # [B]
+    rows: torch.Tensor  # [B] arange: the cache rows written
+    lengths: torch.Tensor | None  # [B] visible positions of each row (the fused attention)
+    cos: torch.Tensor | None  # [B, hd] (the rotary embedding outside the attention kernel)
+    sin: torch.Tensor | None
+    neg: torch.Tensor | None  # [B, 1, 1, L] additive mask (the matmul attention)
+    rope_cos: torch.Tensor  # [T, hd] tables (the rotary embedding inside the attention kernel)
+    rope_sin: torch.Tensor
+    fused: bool  # attention by `decode_attention`
+    rope_fused: bool  # ... with the rotary embedding and the K/V write inside its kernel
+
+
+LayerFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+HeadFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+StartFn = Callable[..., tuple[DecodeInputs, torch.Tensor]]
+
+
+def decode_start(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int
+                 ) -> tuple[DecodeInputs, torch.Tensor]:
+    """The per-step tensors every layer of `decode_layers` reads, computed once, and the tokens' embeddings
+    [B, D] (the first layer's input)."""
     bsz = tokens.shape[0]
-    group = a.n_heads // a.n_kv_heads
-    scale = 1.0 / math.sqrt(a.head_dim)
     rows = torch.arange(bsz, device=tokens.device)
     fused = getattr(model, "decode_attention_impl", "matmul") == "triton"
     rope_fused = False
+    lengths = cos = sin = neg = None
     if fused:
-        from serving.engine.decode_attention import decode_attention, decode_attention_rope, triton_available
+        from serving.engine.decode_attention import triton_available
 
-        lengths = input_pos + 1  # [B] visible positions of each row
-        # the rotary embedding and the K/V write inside the attention kernel (CUDA)
+        lengths = input_pos + 1
         rope_fused = tokens.is_cuda and triton_available() and getattr(model, "decode_rope_fused", True)
     else:
         visible = model.slots[:kv_len].unsqueeze(0) <= input_pos.unsqueeze(1)  # [B, L]
         neg = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device).masked_fill(
-            ~visible, float("-inf")).view(bsz, 1, 1, kv_len)  # [B, 1, 1, L] additive mask
-    gemm_impl = gemm_impl_of(model, gemm)
-    linear = _linear_fn(gemm_impl, pdl=pdl)
-    gate_up = _gate_up_fn(gemm_impl, pdl=pdl) if getattr(model, "decode_gate_up", True) else None
+            ~visible, float("-inf")).view(bsz, 1, 1, kv_len)
     if not rope_fused:
         cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]  # [B, hd]
+    inputs = DecodeInputs(input_pos, rows, lengths, cos, sin, neg, model.rope_cos, model.rope_sin, fused, rope_fused)
     # F.embedding of the weight, not the module: dynamo traces nn.Embedding's unused float `norm_type` as a
     # tensor, fails to, and restarts the whole trace (one more trace of the step at every load)
-    x = F.embedding(tokens, model.tok_embeddings.weight)  # [B, D]
-    for layer in model.layers:
-        attn = layer.attention
-        h = layer.attention_norm(x)
-        cache = attn.kv_cache
-        if rope_fused:  # the kernel sums the projection's split-K partials itself
-            qkv = _linear_fn(gemm_impl, parts=True, pdl=pdl)(attn.wqkv, h)  # [P, B, (H + 2 Hkv) hd]
-            y = decode_attention_rope(qkv, model.rope_cos, model.rope_sin, cache.k_cache, cache.v_cache, lengths,
-                                      kv_len, scale, pdl=pdl)
+    return inputs, F.embedding(tokens, model.tok_embeddings.weight)
+
+
+def decode_layer(layer: TransformerBlock, x: torch.Tensor, delta: torch.Tensor | None, inputs: DecodeInputs,
+                 kv_len: int, gemm_impl: str, pdl: bool, gate_up: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of a decode step, its bounds moved by one residual add: (x, delta) -> (x', delta'), where the
+    layer's input is x + the sum of delta (the previous layer's MLP output as split-K partial products
+    [P, B, D], `_linear_fn(parts=True)`; None for the first layer), x' is that plus the attention output and
+    delta' the MLP's partials, so the layer's output is x' + sum(delta').
+
+    When each layer is compiled on its own (`cuda_graphs.compiled_parts`), the partials' sum and the residual add
+    at the start stay in one kernel with this layer's RMSNorm, as they are when the whole step is compiled; the
+    additions are the ones `forward` makes, in its order and precision."""
+    if delta is not None:
+        x = x + sum_partials(delta, x.dtype)
+    a = layer.attention.args
+    bsz = x.shape[0]
+    scale = 1.0 / math.sqrt(a.head_dim)
+    attn, cache = layer.attention, layer.attention.kv_cache
+    linear = _linear_fn(gemm_impl, pdl=pdl)
+    h = layer.attention_norm(x)
+    if inputs.rope_fused:  # the kernel sums the projection's split-K partials itself
+        from serving.engine.decode_attention import decode_attention_rope
+
+        qkv = _linear_fn(gemm_impl, parts=True, pdl=pdl)(attn.wqkv, h)  # [P, B, (H + 2 Hkv) hd]
+        y = decode_attention_rope(qkv, inputs.rope_cos, inputs.rope_sin, cache.k_cache, cache.v_cache,
+                                  inputs.lengths, kv_len, scale, pdl=pdl)
+    else:
+        q, k, v = linear(attn.wqkv, h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = _rope_1(q.view(bsz, a.n_heads, a.head_dim), inputs.cos, inputs.sin)  # [B, H, hd]
+        k = _rope_1(k.view(bsz, a.n_kv_heads, a.head_dim), inputs.cos, inputs.sin)  # [B, Hkv, hd]
+        cache.k_cache[inputs.rows, :, inputs.input_pos] = k
+        cache.v_cache[inputs.rows, :, inputs.input_pos] = v.view(bsz, a.n_kv_heads, a.head_dim)
+        qg = q.view(bsz, a.n_kv_heads, a.n_heads // a.n_kv_heads, a.head_dim)  # [B, Hkv, G, hd]
+        if inputs.fused:  # reads each row's filled prefix only
+            from serving.engine.decode_attention import decode_attention
+
+            y = decode_attention(qg, cache.k_cache, cache.v_cache, inputs.lengths, kv_len, scale)
         else:
-            q, k, v = linear(attn.wqkv, h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-            q = _rope_1(q.view(bsz, a.n_heads, a.head_dim), cos, sin)  # [B, H, hd]
-            k = _rope_1(k.view(bsz, a.n_kv_heads, a.head_dim), cos, sin)  # [B, Hkv, hd]
-            cache.k_cache[rows, :, input_pos] = k
-            cache.v_cache[rows, :, input_pos] = v.view(bsz, a.n_kv_heads, a.head_dim)
-            qg = q.view(bsz, a.n_kv_heads, group, a.head_dim)  # [B, Hkv, G, hd]
-            if fused:  # reads each row's filled prefix only
-                y = decode_attention(qg, cache.k_cache, cache.v_cache, lengths, kv_len, scale)
-            else:
-                keys = cache.k_cache[:bsz, :, :kv_len]  # [B, Hkv, L, hd] (strided view, no copy)
-                values = cache.v_cache[:bsz, :, :kv_len]
-                scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + neg  # [B, Hkv, G, L]
-                probs = scores.softmax(dim=-1).to(values.dtype)
-                y = torch.matmul(probs, values)  # [B, Hkv, G, hd]
-        x = x + linear(attn.wo, y.reshape(bsz, a.q_size))
-        x = x + layer.feed_forward(layer.ffn_norm(x), linear, gate_up)
-    return model.norm(x)
+            keys = cache.k_cache[:bsz, :, :kv_len]  # [B, Hkv, L, hd] (strided view, no copy)
+            values = cache.v_cache[:bsz, :, :kv_len]
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + inputs.neg  # [B, Hkv, G, L]
+            probs = scores.softmax(dim=-1).to(values.dtype)
+            y = torch.matmul(probs, values)  # [B, Hkv, G, hd]
+    x = x + linear(attn.wo, y.reshape(bsz, a.q_size))
+    product = _gate_up_fn(gemm_impl, pdl=pdl) if gate_up else None
+    mlp = layer.feed_forward
+    return x, _linear_fn(gemm_impl, parts=True, pdl=pdl)(mlp.w2, mlp.gated(layer.ffn_norm(x), linear, product))
+
+
+def decode_layers(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
+                  gemm_impl: str, pdl: bool, layer_fn: LayerFn = decode_layer, start_fn: StartFn = decode_start
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer of one decode step of cache rows [0, B): tokens, input_pos: [B] -> (x, delta) of the last
+    layer (`decode_layer`; its output is x + delta).
+
+    Row b writes its K/V at `input_pos[b]` and attends over cache positions `[0, kv_len)` masked to
+    `<= input_pos[b]`; `kv_len` must exceed every `input_pos`. Shapes depend only on (B, kv_len) and
+    there is no host sync: CUDA-graph and torch.compile friendly. `gemm_impl` ("torch" | "triton") is how
+    the step multiplies by its weights (`gemm_impl_of`). `pdl` launches the step's own Triton kernels (skinny
+    GEMMs, the attention with its rotary embedding) with programmatic dependent launch (CUDA, compute
+    capability 9.0 or later: `serving.engine.pdl`). `layer_fn` runs one layer (`decode_layer`, or a compile
+    of it), `start_fn` the step's start (`decode_start`, or a compile of it)."""
+    inputs, x = start_fn(model, tokens, input_pos, kv_len)
+    gate_up, delta = getattr(model, "decode_gate_up", True), None
+    for layer in model.layers:
+        x, delta = layer_fn(layer, x, delta, inputs, kv_len, gemm_impl, pdl, gate_up)
+    return x, delta
+
+
+def decode_hidden(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
+                  gemm: str | None = None, pdl: bool = False) -> torch.Tensor:
+    """The layers and the final norm of one decode step (`decode_layers`) -> hidden states [B, D]. `gemm`
+    ("torch" | "triton") overrides `model.decode_gemm_impl`."""
+    x, delta = decode_layers(model, tokens, input_pos, kv_len, gemm_impl_of(model, gemm), pdl)
+    return model.norm(x + sum_partials(delta, x.dtype))
 
 
 def greedy_tokens(logits: torch.Tensor, chunks: int = 64) -> torch.Tensor:
@@ -562,23 +624,42 @@ def greedy_tokens(logits: torch.Tensor, chunks: int = 64) -> torch.Tensor:
     return (chunk * per + where.gather(-1, chunk)).squeeze(-1)
 
 
-def decode_step_greedy(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
-                       gemm: str | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode_step` -> (logits [B, V], each row's greedy next token [B]), compiled as one function (aten's
-    argmax after the compiled step took 27-37 us on an H200, up to 2.8% of a Llama-1B step). Where the LM
-    head has a tuned one-slice kernel (`lm_head`), its logits stay in the model's dtype and the kernel
-    finds the tokens; else they are float32."""
-    gemm_impl = gemm_impl_of(model, gemm)
-    hidden = decode_hidden(model, tokens, input_pos, kv_len, gemm, pdl)
-    if gemm_impl == "triton" and getattr(model, "decode_lm_greedy", True) and not isinstance(model.head(), QuantLinear):
+def decode_head(norm: RMSNorm, head: nn.Module, x: torch.Tensor, delta: torch.Tensor, gemm_impl: str, pdl: bool,
+                lm_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final norm of the last layer's output x + delta and the LM head -> (logits [B, V], greedy tokens
+    [B]). Where the LM head has a tuned one-slice kernel (`lm_head`), its logits stay in the model's dtype
+    and the kernel finds the tokens; else they are float32 and `greedy_tokens` finds them."""
+    hidden = norm(x + sum_partials(delta, x.dtype))
+    if gemm_impl == "triton" and lm_greedy and not isinstance(head, QuantLinear):
         from serving.engine.lm_head import head_config, lm_head_greedy
 
-        weight = model.head().weight
-        config = head_config(hidden, weight)
+        config = head_config(hidden, head.weight)
         if config is not None:
-            return lm_head_greedy(hidden, weight, config, pdl=pdl)
-    logits = model.logits(hidden, _linear_fn(gemm_impl, pdl=pdl))
+            return lm_head_greedy(hidden, head.weight, config, pdl=pdl)
+    logits = _linear_fn(gemm_impl, pdl=pdl)(head, hidden).float()
     return logits, greedy_tokens(logits)
+
+
+class StepParts(NamedTuple):
+    """How `decode_step_greedy` runs its start, a layer and the head: the plain functions, or a compile of each."""
+
+    start: StartFn = decode_start
+    layer: LayerFn = decode_layer
+    head: HeadFn = decode_head
+
+
+PLAIN_STEP = StepParts()
+
+
+def decode_step_greedy(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
+                       gemm: str | None = None, pdl: bool = False, parts: StepParts = PLAIN_STEP
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_step` -> (logits [B, V], each row's greedy next token [B]) (`decode_head`), compiled as one
+    function or, through `parts`, one layer and the head on their own (aten's argmax after the compiled
+    step took 27-37 us on an H200, up to 2.8% of a Llama-1B step)."""
+    gemm_impl = gemm_impl_of(model, gemm)
+    x, delta = decode_layers(model, tokens, input_pos, kv_len, gemm_impl, pdl, parts.layer, parts.start)
+    return parts.head(model.norm, model.head(), x, delta, gemm_impl, pdl, getattr(model, "decode_lm_greedy", True))
 
 
 def packed_index(prompts: list[list[int]] | list[tuple[int, ...]], rows: list[int]) -> torch.Tensor:
