@@ -10,7 +10,9 @@
 #    candidate built from the same checkpoint with limits that fit an empty GPU but not beside the live one.
 # Results under $OUT: steps.log, load-pair.json, triton.json, triton-*.log. OFFLINE=0 skips the offline pair,
 # FIT=0 the fit check (each ~40 s of device time); LAYERS=4 builds the 1B shape with 4 layers and PROFILE=1 adds a
-# cProfile'd second offline load (the breakdown: LAYERS=4 PROFILE=1 TRITON=0, ~110 s); TRITON=0 skips Triton.
+# cProfile'd second offline load (the breakdown: LAYERS=4 PROFILE=1 TRITON=0, ~110 s); TRITON=0 skips Triton;
+# KEYS=1 logs every Triton compile's cache key in the servers' processes and reports, per kernel compiled by
+# both loads, which parts of its key differ (serving/bench/triton_keys.py).
 set -u
 OUT=${OUT:-/tmp/loadcache-out}
 WHL=${WHL:-.whl}
@@ -33,6 +35,9 @@ log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
     >"$SP/zz-system-packages.pth"
   tar -xJf "$WHL"/pytriton-312.tar.xz -C "$SP"
   cp -r "$WHL"/site/tritonclient "$SP"/
+  if [ "${KEYS:-0}" = 1 ]; then  # every process of this venv logs its Triton cache keys (serving/bench/triton_keys.py)
+    echo "import os, sys; os.environ.get('TRITON_KEY_LOG') and (sys.path.insert(0, '$PWD'), __import__('serving.bench.triton_keys', fromlist=['install']).install(__import__('pathlib').Path(os.environ['TRITON_KEY_LOG'])))" >"$SP/zz-triton-keys.pth"
+  fi
 ) >>"$OUT/steps.log" 2>&1 &
 VENV_PID=$!
 
@@ -50,6 +55,7 @@ fi
 wait $VENV_PID; log "venv rc=$?"
 
 if [ "${TRITON:-1}" = 1 ]; then
+[ "${KEYS:-0}" = 1 ] && export TRITON_KEY_LOG=$W/keys
 PATH=/tmp/venv/bin:$PATH timeout "${TRITON_S:-150}" /tmp/venv/bin/python - "$W" "$OUT" <<'PY' >"$OUT/triton-run.log" 2>&1
 import json, os, sys
 from pathlib import Path
@@ -113,4 +119,5 @@ for name in ("load-pair.json", "triton.json"):
         if "during_second" in fig:
             print("   FIT", fig["during_second"])
 PY
+[ "${KEYS:-0}" = 1 ] && python3 -m serving.bench.triton_keys "$W/keys" 2>&1 | tee "$OUT/triton-keys.txt"
 log done
