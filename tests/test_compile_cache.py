@@ -29,6 +29,7 @@ from serving.engine.compile_cache import (
     decode_step_cache,
     kept,
     key_digest,
+    pin_ptxas,
     source_digest,
     unpack_folders,
 )
@@ -349,3 +350,24 @@ def test_a_restore_marks_its_entry_used_and_a_named_folder_is_only_capped(tmp_pa
     assert pruning_for(str(tmp_path / "shared"), tmp_path / "repo" / "m_v1").staged is None
     assert pruning_for("off", tmp_path / "repo" / "m_v1") is None
     assert pruning_for(None, tmp_path / "empty" / "m_v1").staged is None  # no engines found: none go for that
+
+
+def test_the_ptxas_torch_ships_is_pinned_before_any_kernel_even_after_inductor_chose_once(tmp_path, monkeypatch):
+    """Triton's cache key holds the ptxas version; inductor points Triton at torch's ptxas only once it compiles in
+    this process, so the engine pins that choice up front (a first and a second load of one engine assembled its
+    kernels with two ptxas and found none of them again). A TRITON_PTXAS_PATH already set is kept."""
+    from torch._inductor.runtime import compile_tasks
+
+    ptxas = tmp_path / "torch" / "bin" / "ptxas"
+    ptxas.parent.mkdir(parents=True)
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(0o755)
+    monkeypatch.setattr(compile_tasks, "__file__", str(tmp_path / "torch" / "runtime" / "compile_tasks.py"))
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    compile_tasks._set_triton_ptxas_path()  # inductor's choice once, before the variable is unset again
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    pin_ptxas()
+    assert os.environ["TRITON_PTXAS_PATH"] == str(ptxas)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/cuda/bin/ptxas")
+    pin_ptxas()
+    assert os.environ["TRITON_PTXAS_PATH"] == "/opt/cuda/bin/ptxas"

@@ -84,6 +84,21 @@ def triton_cache_dir(device: torch.device | None = None) -> Path:
     return Path.home() / ".triton" / "cache"
 
 
+def pin_ptxas() -> None:
+    """Have Triton assemble with the ptxas torch ships (torch/bin/ptxas) from the first kernel on, as inductor sets
+    it (TRITON_PTXAS_PATH, unless already set) only once it compiles a kernel in this process: until then the
+    engine's own kernels were assembled by Triton's bundled ptxas, whose version is part of Triton's cache key.
+    A first load (inductor compiling in its workers) then cached the engine's kernels under one ptxas and a second
+    load (inductor in this process from the start) looked them up under the other and compiled all of them again
+    (1B engine on the H200: 19 kernels, their TTIR identical; CUDA 12.8's ptxas against 13.0's). A no-op where
+    torch has no ptxas (CPU builds)."""
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # another torch: Triton keeps its own choice
+        return
+    _set_triton_ptxas_path.__wrapped__()  # functools.cache'd: run it even where it ran before the variable was unset
+
+
 def pack_new_folders(folder: Path, since: float, out: Path) -> int:
     """Tar (gzip) every folder directly under `folder` holding a file modified at or after `since` (time.time())
     into `out`; returns how many folders (0: nothing written)."""

@@ -60,6 +60,7 @@ from functools import partial
 
 import torch
 
+from serving.engine.compile_cache import pin_ptxas
 from serving.engine.decode_state import DecodeState
 from serving.engine.model import (
     StepParts,
@@ -173,6 +174,8 @@ class DecodeGraphs:
         self.state = state or DecodeState.zeros(self.max_batch, dev)
         self.tokens, self.input_pos = self.state.tokens, self.state.positions  # [maxB] each
         self.compiled = bool(compile)
+        if self.compiled:
+            pin_ptxas()  # before any kernel of the step is assembled: one ptxas, one Triton cache key, every load
         if compile not in (False, True, "dynamic", "whole", "static", "auto"):
             raise ValueError(f"compile={compile!r}: expected False, True, 'dynamic', 'whole', 'static' or 'auto'")
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
