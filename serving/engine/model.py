@@ -492,7 +492,7 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
 
 
 class DecodeInputs(NamedTuple):
-    """What every layer of one decode step reads beside its weights and its input (`decode_inputs`)."""
+    """What every layer of one decode step reads beside its weights and its input (`decode_start`)."""
 
     input_pos: torch.Tensor  # [B]
     rows: torch.Tensor  # [B] arange: the cache rows written
