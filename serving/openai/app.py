@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +36,7 @@ from serving.openai.schemas import UNSUPPORTED, ChatCompletionRequest, Completio
 RETRY_AFTER_S = 1
 RETRY_LATER = (429, 503)  # the statuses that carry Retry-After
 HTTP_KINDS = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+LOG = logging.getLogger("enginewright.openai")
 
 
 class Metrics:
@@ -58,6 +60,8 @@ def openai_error(status: int, message: str, *, kind: str = "invalid_request_erro
 
 
 def _error_response(exc: BackendError, *, prompt_param: str = "prompt") -> JSONResponse:
+    if exc.http_status >= 500 and exc.http_status != 503:  # ours to look into: say what it was
+        LOG.warning("answering %d: %s (%s)", exc.http_status, exc, exc.status)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status in RETRY_LATER else None
     param = prompt_param if isinstance(exc, ClientError) and "prompt" in str(exc) else None
     return openai_error(exc.http_status, str(exc), kind=exc.kind, param=param, headers=headers)

@@ -80,6 +80,9 @@ CHANNEL_ARGS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect
                 ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
 NOT_LOADED_WORDS = ("unknown model", "is not found", "not ready", "has no available versions")
 UNAVAILABLE_STATUSES = ("UNAVAILABLE", "UNKNOWN", "CANCELLED")  # with a message that is not an overload
+# gRPC's words for a connection that went away under a call (INTERNAL "Received RST_STREAM with error code 2"
+# when the server dies mid-stream): the server is down, not failing
+TRANSPORT_WORDS = ("rst_stream", "socket closed", "connection reset", "goaway", "broken pipe", "stream removed")
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ def _error(exc: Any, model: str) -> BackendError:
     if any(w in message.lower() for w in NOT_LOADED_WORDS) or code == "NOT_FOUND":
         return Unavailable(f"model {model!r} is not loaded in the model server (it may be restarting): "
                            "try again later", status=status)
-    if code in UNAVAILABLE_STATUSES or isinstance(exc, OSError):
+    if code in UNAVAILABLE_STATUSES or isinstance(exc, OSError) or any(w in message.lower() for w in TRANSPORT_WORDS):
         return Unavailable("the model server is unavailable (down or restarting): try again later", status=status)
     return BackendError(f"model {model!r} failed: {message}", status=status)
 
