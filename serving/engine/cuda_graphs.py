@@ -144,9 +144,9 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 def compiled_parts(options: dict[str, bool] | None, backend: str = "inductor") -> StepParts:
     """The step's start, one decode layer and the LM head, each under torch.compile(dynamic=True, fullgraph=True)
-    (`model.StepParts`): dynamo traces
-    one layer where a compile of the whole step traces every layer, and all layers run the same compiled code.
-    The kernels are the whole step's (`decode_layer` keeps each residual add with the next RMSNorm)."""
+    (`model.StepParts`): dynamo traces one layer where a compile of the whole step traces every layer, and all
+    layers run the same compiled code. The kernels are the whole step's (`decode_layer` keeps each residual add
+    with the next RMSNorm)."""
     def compiled(fn: Callable) -> Callable:
         return torch.compile(fn, dynamic=True, fullgraph=True, backend=backend, options=options)
 
@@ -174,10 +174,10 @@ class DecodeGraphs:
         self.state = state or DecodeState.zeros(self.max_batch, dev)
         self.tokens, self.input_pos = self.state.tokens, self.state.positions  # [maxB] each
         self.compiled = bool(compile)
-        if self.compiled:
-            pin_ptxas()  # before any kernel of the step is assembled: one ptxas, one Triton cache key, every load
         if compile not in (False, True, "dynamic", "whole", "static", "auto"):
             raise ValueError(f"compile={compile!r}: expected False, True, 'dynamic', 'whole', 'static' or 'auto'")
+        if self.compiled:
+            pin_ptxas()  # before any kernel of the step is assembled: one ptxas, one Triton cache key, every load
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         quantized = model_quantization(model) != "none"  # the static step's F.linear would dequantize each weight
         if compile == "auto" and (weight_bytes >= SINGLE_ROW_FUSION_MAX_BYTES or tuned_single_row(model) or quantized):

@@ -553,12 +553,12 @@ def decode_layer(layer: TransformerBlock, x: torch.Tensor, delta: torch.Tensor |
     bsz = x.shape[0]
     scale = 1.0 / math.sqrt(a.head_dim)
     attn, cache = layer.attention, layer.attention.kv_cache
-    linear = _linear_fn(gemm_impl, pdl=pdl)
+    linear, partials = _linear_fn(gemm_impl, pdl=pdl), _linear_fn(gemm_impl, parts=True, pdl=pdl)
     h = layer.attention_norm(x)
     if inputs.rope_fused:  # the kernel sums the projection's split-K partials itself
         from serving.engine.decode_attention import decode_attention_rope
 
-        qkv = _linear_fn(gemm_impl, parts=True, pdl=pdl)(attn.wqkv, h)  # [P, B, (H + 2 Hkv) hd]
+        qkv = partials(attn.wqkv, h)  # [P, B, (H + 2 Hkv) hd]
         y = decode_attention_rope(qkv, inputs.rope_cos, inputs.rope_sin, cache.k_cache, cache.v_cache,
                                   inputs.lengths, kv_len, scale, pdl=pdl)
     else:
@@ -581,7 +581,7 @@ def decode_layer(layer: TransformerBlock, x: torch.Tensor, delta: torch.Tensor |
     x = x + linear(attn.wo, y.reshape(bsz, a.q_size))
     product = _gate_up_fn(gemm_impl, pdl=pdl) if gate_up else None
     mlp = layer.feed_forward
-    return x, _linear_fn(gemm_impl, parts=True, pdl=pdl)(mlp.w2, mlp.gated(layer.ffn_norm(x), linear, product))
+    return x, partials(mlp.w2, mlp.gated(layer.ffn_norm(x), linear, product))
 
 
 def decode_layers(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
