@@ -65,6 +65,31 @@ def test_round_trip_error_is_bounded_per_channel(method):
     assert torch.all(q.float().abs().amax(dim=1) >= (440 if method == FP8 else 127))  # each row uses its range
 
 
+def test_an_fp8_layer_on_the_cpu_keeps_its_dequantized_weight_until_the_weight_changes():
+    gen = torch.Generator().manual_seed(0)
+    layer = QuantLinear(32, 16, method=FP8, bias=False, dtype=torch.float32)
+    q, s = quantize_weight(torch.randn(16, 32, generator=gen), FP8)
+    layer.load_state_dict({"weight": q, "weight_scale": s})
+    x = torch.randn(3, 32, generator=gen)
+    first = layer.reference(x)
+    kept = layer.dequantized(torch.float32)
+    assert kept is layer.dequantized(torch.float32), "made once, not at every call"
+    assert torch.equal(first, x @ dequantize_weight(q, s, torch.float32).T)
+    with torch.no_grad():
+        layer.weight_scale.mul_(2)  # in place: the kept weight is stale now
+    assert torch.equal(layer.reference(x), x @ dequantize_weight(q, s * 2, torch.float32).T)
+    layer.weight.data = quantize_weight(torch.randn(16, 32, generator=gen), FP8)[0]  # another storage
+    assert torch.equal(layer.dequantized(torch.float32), dequantize_weight(layer.weight, s * 2, torch.float32))
+    assert layer.dequantized(torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_an_int8_layer_is_dequantized_at_every_call():
+    layer = QuantLinear(32, 16, method=INT8_WEIGHT_ONLY, bias=False, dtype=torch.float32)
+    q, s = quantize_weight(torch.randn(16, 32), INT8_WEIGHT_ONLY)
+    layer.load_state_dict({"weight": q, "weight_scale": s})
+    assert layer.dequantized(torch.float32) is not layer.dequantized(torch.float32)
+
+
 def test_zero_rows_quantize_to_zero():
     q, s = quantize_weight(torch.zeros(3, 16), INT8_WEIGHT_ONLY)
     assert torch.all(q == 0) and torch.all(s == 1)

@@ -25,7 +25,11 @@ path `QuantLinear.reference`: the weight is dequantized on the fly into the engi
 by F.linear, so CI exercises every quantized engine. That is weight-only numerics for fp8 too: the CPU
 has no FP8 tensor cores. `fp8_emulated_linear` reproduces the per-token activation rounding on any
 device (the same e4m3 values and scales; only the accumulation order and precision differ from the
-tensor cores'), for tests and quality measurements.
+tensor cores'), for tests and quality measurements. On the CPU an fp8 layer keeps its dequantized weight
+after the first call (`QuantLinear.dequantized`): torch converts e4m3 to float there at about 80 M
+elements/s (SmolLM2-135M: ~1.4 s of every forward), so an fp8 engine on the CPU takes the memory of its
+engine dtype; it is the reference path, not a way to save CPU memory (int8 weight-only is, and its
+conversion is 4x faster: it is dequantized at every call).
 
 Imports: stdlib and torch only (this module runs inside Triton's python backend).
 """
@@ -182,6 +186,7 @@ class QuantLinear(nn.Module):
                                    requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self._kept: tuple[tuple, torch.Tensor] | None = None  # (what it was made from, the dequantized weight)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, method={self.method}, bias={self.bias is not None}"
@@ -212,7 +217,18 @@ class QuantLinear(nn.Module):
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """x times the dequantized weight in x's dtype: weight-only numerics, any device."""
-        return F.linear(x, dequantize_weight(self.weight, self.weight_scale, x.dtype), self.bias)
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight dequantized to `dtype`: made at each call, except an fp8 weight on the CPU, kept (module
+        docstring) until the weight or its scale change (their version counters and storage are the key)."""
+        if self.method != FP8 or self.weight.device.type != "cpu" or torch.compiler.is_compiling():
+            return dequantize_weight(self.weight, self.weight_scale, dtype)
+        made_from = (dtype, self.weight.data_ptr(), self.weight._version,
+                     self.weight_scale.data_ptr(), self.weight_scale._version)
+        if self._kept is None or self._kept[0] != made_from:
+            self._kept = (made_from, dequantize_weight(self.weight, self.weight_scale, dtype))
+        return self._kept[1]
 
 
 def has_fp8_tensor_cores(device_index: int) -> bool:
