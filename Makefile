@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Python writes each module's bytecode at its first import (the .venv is installed without it, below). An
+# environment that sets PYTHONDONTWRITEBYTECODE (some sandboxes do) makes every process compile every module it
+# imports, every time: each test's servers, CLIs and Triton stubs import torch, transformers, MLflow or Prefect.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test lint clean browser
 
