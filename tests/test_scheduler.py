@@ -256,7 +256,9 @@ def test_an_idle_engine_admits_a_burst_of_arrivals_together_only_with_an_admit_g
     finally:
         sched.stop()
     assert (sched.stats.prefills == 1) is together
-    assert (sched.stats.gather_s >= 0.08) is together  # it waited out the arrivals 40 ms apart
+    # It waited out the arrivals 40 ms apart: the third came 80 ms after the first was submitted, and the loop
+    # starts gathering when it wakes to the first (CI measured 79 ms), so half of that tells the two apart.
+    assert (sched.stats.gather_s >= 0.04) is together
 
 
 def test_a_lone_request_at_an_idle_engine_waits_one_gap(runner):
