@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from serving.engine import skinny_gemm
 from serving.engine.gate_up import gate_up
 from serving.engine.quantize import (
     FP8,
@@ -79,6 +80,15 @@ def test_quantized_config_lookup():
     assert -(-1000 // 64) * config.split <= 264  # about two programs per SM
     assert default_quantized_config(100, 24) is None  # K not a multiple of 16: the reference path
     assert quantized_config_for(65, n, k) is None
+
+
+def test_int8_weights_take_their_own_table_first(monkeypatch):
+    """An int8 weight runs `TUNED_INT8`'s config where it has one; e4m3 weights never do."""
+    (rows, n, k), text = next(iter(TUNED_QUANTIZED.items()))
+    other = GemmConfig("dott", 32, 64, 1, 4, 3)
+    monkeypatch.setitem(skinny_gemm.TUNED_INT8_CONFIGS, (rows, n, k), other)
+    assert quantized_config_for(rows, n, k, int8=True) == other
+    assert quantized_config_for(rows, n, k) == GemmConfig.parse(text)
 
 
 @pytest.mark.parametrize("method", METHODS)

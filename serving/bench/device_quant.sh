@@ -5,14 +5,19 @@
 #                                     qtests - the quantized kernels' GPU tests only;
 #                                     tc     - `bench gemms --quantization fp8 --tuned-only`: the engine's fp8
 #                                              decode kernels beside the FP8 tensor cores and bf16 cuBLAS;
-#                                     sweep  - `bench gemms --quantization fp8` (skinny and gate/up tables);
+#                                     ab     - `bench gemms --quantization int8-weight-only --tuned-only`: the
+#                                              engine's int8 configs, weights widened through float32 bits
+#                                              beside int-to-float conversions;
+#                                     sweep  - `bench gemms --quantization $QUANT` (skinny tables);
+#                                     gateup - the same for the gate/up kernel's table;
 #                                     fp8sweep - `bench fp8-gemms` (the TUNED_FP8 table; the bench after it in
 #                                              this call runs on what it found);
 #                                     prefill - `bench fp8-prefill` (8B: the prefill GEMMs at 128 rows and whole
 #                                              eager prefills, bf16 beside fp8 and its candidates);
 #                                     bench  - `bench quantized` (bf16 beside fp8 and int8 weight-only);
 #                                     fp8tests - the FP8 kernels' GPU tests and the quantized ones (last; FP8_TESTS_K: -k).
-# Env: SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, FP8_SWEEP_ROWS,
+# Env: QUANT (sweep, gateup: fp8 or int8-weight-only, default fp8), AB_SHAPES (ab),
+#      SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, FP8_SWEEP_ROWS,
 #      FP8_SWEEP_GEMMS, DEADLINE (bench s),
 #      BENCH_TIMEOUT, BATCH_SIZES (bench, default 1,64), TC_ROWS (tc, default 1,16,64).
 # Results under $OUT: steps.log, gpu-tests.log, tc.log/.json, sweep.log/.json, gate-up.log/.json,
@@ -21,7 +26,8 @@ set -u
 OUT=${OUT:-/tmp/quant-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=. LC_ALL=C.UTF-8
-STEPS=${STEPS:-tests,sweep,bench}
+STEPS=${STEPS:-tests,sweep,gateup,bench}
+QUANT=${QUANT:-fp8}
 T0=$(date +%s)
 log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv >>"$OUT/steps.log" 2>&1
@@ -43,15 +49,26 @@ case ",$STEPS," in *,tc,*)
     >"$OUT/tc.log" 2>&1
   log "tc rc=$?" ;;
 esac
+case ",$STEPS," in *,ab,*)
+  log "int8 widening: float32 bits beside conversions"
+  timeout "${AB_TIMEOUT:-90}" python3 -m serving.bench gemms --quantization int8-weight-only --tuned-only \
+    --shapes "${AB_SHAPES:-llama-3.1-8b,llama-3.2-1b}" --rows "${SWEEP_ROWS:-1,64}" --out "$OUT/ab.json" \
+    >"$OUT/ab.log" 2>&1
+  log "ab rc=$?" ;;
+esac
 case ",$STEPS," in *,sweep,*)
-  log "sweep"
-  timeout 200 python3 -m serving.bench gemms --quantization fp8 --shapes "${SWEEP_SHAPES:-llama-3.2-1b,llama-3.1-8b}" \
-    --rows "${SWEEP_ROWS:-1,64}" --out "$OUT/sweep.json" >"$OUT/sweep.log" 2>&1
-  log "sweep rc=$?"
-  timeout 90 python3 -m serving.bench gemms --gate-up --quantization fp8 --shapes "${SWEEP_SHAPES:-llama-3.2-1b,llama-3.1-8b}" \
+  log "sweep ($QUANT)"
+  timeout "${SWEEP_TIMEOUT:-200}" python3 -m serving.bench gemms --quantization "$QUANT" \
+    --shapes "${SWEEP_SHAPES:-llama-3.2-1b,llama-3.1-8b}" --rows "${SWEEP_ROWS:-1,64}" --workers 14 \
+    --out "$OUT/sweep.json" >"$OUT/sweep.log" 2>&1
+  log "sweep rc=$?" ;;
+esac
+case ",$STEPS," in *,gateup,*)
+  timeout 90 python3 -m serving.bench gemms --gate-up --quantization "$QUANT" --shapes "${SWEEP_SHAPES:-llama-3.2-1b,llama-3.1-8b}" \
     --rows "${SWEEP_ROWS:-1,64}" --out "$OUT/gate-up.json" >"$OUT/gate-up.log" 2>&1
   log "gate-up sweep rc=$?" ;;
 esac
+[ -s "$OUT/sweep.json" ] && [ ! -s "$OUT/gate-up.json" ] && echo '{"cells": []}' >"$OUT/gate-up.json"
 case ",$STEPS," in *,fp8sweep,*)
   log "fp8 kernel sweep"
   timeout "${FP8_SWEEP_TIMEOUT:-200}" python3 -m serving.bench fp8-gemms --shapes "${SWEEP_SHAPES:-llama-3.1-8b,llama-3.2-1b}" \
@@ -87,7 +104,8 @@ echo "==== summary"
 grep -E "passed|failed|error|rel err" "$OUT/gpu-tests.log" "$OUT/fp8-tests.log" 2>/dev/null | tail -6
 grep -E "^llama|^TUNED|^    \(|^}|Traceback|Error" "$OUT/fp8-sweep.log" 2>/dev/null
 grep -E "rows|^prefill|Traceback|Error" "$OUT/prefill.log" 2>/dev/null
-grep -E "^llama|Traceback|Error" "$OUT/tc.log" 2>/dev/null
+grep -E "^llama|Traceback|Error" "$OUT/tc.log" "$OUT/ab.log" 2>/dev/null
+grep -E "^llama" "$OUT/sweep.log" 2>/dev/null | grep -v lm_head
 grep -E "FAILED|Error" "$OUT/gpu-tests.log" 2>/dev/null | head -8
 sed -n '/^TUNED/,/^}/p' "$OUT/sweep.log" "$OUT/gate-up.log" 2>/dev/null | grep -v lm_head
 sed -n '/^TUNED.* += {/,/^}/p' "$OUT/quantized.log" 2>/dev/null

@@ -20,7 +20,9 @@ a quantized weight has no cuBLAS path in the decode step). With fp8, each cell a
 tensor-core path (`quantize.fp8_scaled_linear`: the tokens to e4m3, then `torch._scaled_mm`), with and
 without `use_fast_accum` and the GEMM alone on pre-scaled tokens, and checks it against the dequantized
 reference (`tc_rel_err`). `--tuned-only` times only the config the engine would run (`quantized_config_for`)
-instead of sweeping every config (no compile pool: seconds instead of minutes).
+instead of sweeping every config (no compile pool: seconds instead of minutes); with int8, it also times that
+config widening the weights by int-to-float conversions (`convert_us`) beside the float32-bits path the
+kernels take (`skinny_gemm.widen`).
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ def gemm_shapes(shape: str) -> dict[str, tuple[int, int]]:
 
 def compiled_configs(rows: int, transposed: bool = False) -> list[GemmConfig]:
     """Every kernel variant tried at `rows` (splits excluded: the split count is a runtime argument);
-    `transposed`: the "dott" kernel's too, beyond one row (the quantized sweeps)."""
+    `transposed`: the "dott" kernel's too (the quantized sweeps)."""
     out = []
-    if transposed and rows > 1:
+    if transposed:
         for (n, k), st in itertools.product([(64, 64), (64, 128), (64, 256), (128, 64), (128, 128)], (3, 4, 5)):
             out.append(GemmConfig("dott", n, k, 1, 4, st))
             if n == 128:
@@ -164,8 +166,9 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None, tuned_only
         return launch(x, w, config, scale=scales[id(w)])
     results = []
     splits = (1, 2) if nbytes > 2**29 else (1, 2, 4, 8, 16)
+    int8 = method == "int8-weight-only"
     if tuned_only:
-        configs = [(quantized_config_for if method else config_for)(rows, n, k)]
+        configs = [quantized_config_for(rows, n, k, int8=int8) if method else config_for(rows, n, k)]
     else:
         configs = [with_split(base, split) for base in compiled_configs(rows, transposed=method is not None)
                    for split in splits]
@@ -182,7 +185,8 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None, tuned_only
             results.append({"config": config.key(), "error": err})
             continue
         us = time_cold_us(lambda w, c=config: launch(x, w, c), weights)
-        results.append({"config": config.key(), "us": us})
+        results.append({"config": config.key(), "us": us, **(int8_convert_us(x, weights, launch, config)
+                                                              if int8 and tuned_only else {})})
     timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
     for r in timed[:3]:  # the best three again, with the split-K sum as its own kernel
         config = GemmConfig.parse(r["config"])
@@ -195,6 +199,19 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None, tuned_only
             "failed": [r for r in results if isinstance(r.get("error"), str)],
             "wrong": [r for r in results if isinstance(r.get("error"), float)], "tried": len(results),
             **tensor_cores}
+
+
+def int8_convert_us(x: torch.Tensor, weights: list[torch.Tensor], launch: Callable, config: GemmConfig
+                    ) -> dict[str, float]:
+    """The config on int8 weights widened by int-to-float conversions (`skinny_gemm.INT8_FLOAT_BITS` off)
+    rather than through float32 bits, for a side-by-side figure."""
+    from serving.engine import skinny_gemm
+
+    skinny_gemm.INT8_FLOAT_BITS = False
+    try:
+        return {"convert_us": time_cold_us(lambda w: launch(x, w, config), weights)}
+    finally:
+        skinny_gemm.INT8_FLOAT_BITS = True
 
 
 def sweep_gate_up(rows: int, intermediate: int, k: int, method: str | None = None) -> dict[str, Any]:
@@ -302,6 +319,8 @@ def describe(cell: dict[str, Any]) -> str:
             f"cuBLAS {cell['cublas_us']:7.1f} us ({tbs(cell['cublas_us'])})")
     for r in cell["best"][:2]:
         line += f" | {r['config']} {r['us']:7.1f} us ({tbs(r['us'])})"
+        if "convert_us" in r:
+            line += f", int8 by conversion {r['convert_us']:.1f} us ({tbs(r['convert_us'])})"
         if "us_with_sum" in r:
             line += f", with sum {r['us_with_sum']:.1f}"
     if "tc_us" in cell:

@@ -2,7 +2,8 @@
 
 `tables_from_sweep(report)` -> {(rows, N, K): config} of each cell's fastest config (LM heads left out:
 they stay in the engine dtype unless the spec quantizes them). `python3 -m serving.bench.quant_tables
-sweep.json gate-up.json -- <bench arguments>` installs them into `skinny_gemm.TUNED_QUANTIZED` /
+sweep.json gate-up.json -- <bench arguments>` installs them into `skinny_gemm.TUNED_QUANTIZED` (an int8 sweep's:
+`TUNED_INT8`) /
 `gate_up.TUNED_GATE_UP_QUANTIZED` for this process and runs the benchmark, so that one device call can
 sweep and then time the engines on what it found; the lines to paste into the tables are printed.
 `python3 -m serving.bench.quant_tables --fp8 fp8-sweep.json -- <bench arguments>` does the same with a
@@ -31,11 +32,15 @@ def tables_from_sweep(report: dict[str, Any], *, min_gain: float = 0.0) -> dict[
     return out
 
 
-def install(skinny: dict[tuple[int, int, int], str], gate_up_table: dict[tuple[int, int, int], str]) -> None:
+def install(skinny: dict[tuple[int, int, int], str], gate_up_table: dict[tuple[int, int, int], str], *,
+            int8: bool = False) -> None:
+    """The sweep's configs into the engine's tables for this process: an int8 sweep's GEMMs into `TUNED_INT8`."""
     from serving.engine import gate_up, skinny_gemm
 
-    skinny_gemm.TUNED_QUANTIZED.update(skinny)
-    skinny_gemm.TUNED_QUANTIZED_CONFIGS.update(skinny_gemm.parse_table(skinny))
+    table, configs = ((skinny_gemm.TUNED_INT8, skinny_gemm.TUNED_INT8_CONFIGS) if int8
+                      else (skinny_gemm.TUNED_QUANTIZED, skinny_gemm.TUNED_QUANTIZED_CONFIGS))
+    table.update(skinny)
+    configs.update(skinny_gemm.parse_table(skinny))
     gate_up.TUNED_GATE_UP_QUANTIZED.update(gate_up_table)
     gate_up.TUNED_GATE_UP_QUANTIZED_CONFIGS.update(skinny_gemm.parse_table(gate_up_table))
 
@@ -63,8 +68,9 @@ def main(argv: list[str]) -> int:
     skinny = tables_from_sweep(sweep)
     # one row: the w13 gemv and SiLU * up beat the fused kernel (8B: 35.5 + ~3 against 47.5 us, 2026-12-01)
     fused = {key: c for key, c in tables_from_sweep(gate, min_gain=0.02).items() if key[0] > 1}
-    install(skinny, fused)
-    for name, table in (("TUNED_QUANTIZED", skinny), ("TUNED_GATE_UP_QUANTIZED", fused)):
+    int8 = sweep.get("quantization") == "int8-weight-only"
+    install(skinny, fused, int8=int8)
+    for name, table in (("TUNED_INT8" if int8 else "TUNED_QUANTIZED", skinny), ("TUNED_GATE_UP_QUANTIZED", fused)):
         print(f"{name} += {{")
         for key, config in sorted(table.items()):
             print(f"    {key}: {config!r},")

@@ -140,9 +140,18 @@ def parse_table(table: dict[tuple[int, int, int], str]) -> dict[tuple[int, int, 
     return {shape: GemmConfig.parse(text) for shape, text in table.items()}
 
 
+# int8 weights where they run another config than e4m3 ones, from `python3 -m serving.bench gemms --quantization
+# int8-weight-only` on an H200 (docs/quantization.md); a shape not here takes TUNED_QUANTIZED's
+TUNED_INT8: dict[tuple[int, int, int], str] = {}
+
+
 TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED)
 TUNED_QUANTIZED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_QUANTIZED)
+TUNED_INT8_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_INT8)
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+# int8 weight tiles are widened through float32 bits (`widen`) rather than by int-to-float conversions; False
+# is the conversion, kept so that `bench gemms --int8-widen convert` can time both in one run
+INT8_FLOAT_BITS = True
 TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H200 for the default quantized config
 
 
@@ -157,14 +166,15 @@ def config_for(m: int, n: int, k: int) -> GemmConfig | None:
     return TUNED_CONFIGS.get((rows_bucket(m), n, k))
 
 
-def quantized_config_for(m: int, n: int, k: int) -> GemmConfig | None:
-    """The config of an [m, k] x [n, k]^T product with a quantized weight: `TUNED_QUANTIZED`, else the bf16
-    table's, else `default_quantized_config` (a quantized weight never takes F.linear in the decode step,
-    which would dequantize the whole matrix first)."""
+def quantized_config_for(m: int, n: int, k: int, *, int8: bool = False) -> GemmConfig | None:
+    """The config of an [m, k] x [n, k]^T product with a quantized weight: for an `int8` one `TUNED_INT8`, then
+    `TUNED_QUANTIZED`, else the bf16 table's, else `default_quantized_config` (a quantized weight never takes
+    F.linear in the decode step, which would dequantize the whole matrix first)."""
     if m > MAX_ROWS:
         return None
-    bucket = rows_bucket(m)
-    config = TUNED_QUANTIZED_CONFIGS.get((bucket, n, k)) or TUNED_CONFIGS.get((bucket, n, k))
+    key = (rows_bucket(m), n, k)
+    config = ((TUNED_INT8_CONFIGS.get(key) if int8 else None) or TUNED_QUANTIZED_CONFIGS.get(key)
+              or TUNED_CONFIGS.get(key))
     if config is not None and config.fits(m, n, k):
         return config
     return default_quantized_config(n, k)
@@ -192,11 +202,23 @@ def block_m(m: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def widen(w, dtype: tl.constexpr, INT8_BITS: tl.constexpr):
+        """A weight tile in `dtype`, exactly. INT8_BITS: an int8 tile widened to float32 goes through float32
+        bits, 2^23 + 128 + w read as a float32 less 2^23 + 128 (integer and float adds), where Triton converts
+        with I2F, one weight per instruction on the SM's conversion units (the gemv kernel for sm_90: 32 I2F
+        per thread per 16 x 256 tile). To bf16 Triton already converts with byte permutes and half adds."""
+        if INT8_BITS:
+            if w.dtype == tl.int8:
+                if dtype == tl.float32:
+                    w = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        return w.to(dtype)
+
+    @triton.jit
     def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, k_split, stride_xm, stride_wn, stride_os, stride_om,
                     max_ptr, arg_ptr, n_tiles, scale_ptr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     IEEE_DOT: tl.constexpr, GDC: tl.constexpr, GREEDY: tl.constexpr = False,
-                    SCALED: tl.constexpr = False):
+                    SCALED: tl.constexpr = False, INT8_BITS: tl.constexpr = True):
         """GREEDY (one K slice): also each row's largest rounded product in the tile and its column, at
         [M, n_tiles] max_ptr / arg_ptr (`lm_head`). SCALED: the weight is quantized (int8 / e4m3), converted
         to x's dtype in registers (exact), and each column's sum multiplied by its scale [N] at scale_ptr."""
@@ -217,7 +239,7 @@ if triton is not None:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
             if SCALED:
-                w = w.to(x.dtype)
+                w = widen(w, x.dtype, INT8_BITS)
             if IEEE_DOT:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
@@ -240,7 +262,7 @@ if triton is not None:
     def _dot_t_kernel(x_ptr, w_ptr, out_ptr, M, N, k_split, stride_xm, stride_wn, stride_os, stride_om, scale_ptr,
                       x_scale_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False,
-                      TOKENS_SCALED: tl.constexpr = False):
+                      TOKENS_SCALED: tl.constexpr = False, INT8_BITS: tl.constexpr = True):
         """The "dot" kernel's product as out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] x^T [K, BLOCK_M].
         TOKENS_SCALED: x is e4m3 too (`fp8_gemm`: the FP8 tensor cores), each row's sum multiplied by its
         token's float32 scale [M] at x_scale_ptr."""
@@ -261,7 +283,7 @@ if triton is not None:
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             if SCALED:
-                w = w.to(x.dtype)
+                w = widen(w, x.dtype, INT8_BITS)
             if IEEE_DOT:
                 acc += tl.dot(w, x, input_precision="ieee")
             else:
@@ -278,7 +300,8 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, k_split, stride_wn, stride_os, scale_ptr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False,
+                     INT8_BITS: tl.constexpr = True):
         if GDC:
             gdc_enter()
         pid_n = tl.program_id(0)
@@ -292,7 +315,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for _ in range(0, k_split, BLOCK_K):
             x = tl.load(x_ptrs).to(tl.float32)
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            w = widen(tl.load(w_ptrs, mask=n_mask[:, None], other=0.0), tl.float32, INT8_BITS)
             acc += w * x[None, :]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -343,11 +366,12 @@ if triton is not None:
                 x, weight, out, m, n, k_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), scales,
                 x_scales, BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                 IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), SCALED=scale is not None,
-                TOKENS_SCALED=x_scale is not None, **options)
+                TOKENS_SCALED=x_scale is not None, INT8_BITS=INT8_FLOAT_BITS, **options)
         elif config.kernel == "gemv":
             kernel_for(_gemv_kernel, pdl)[grid](
                 x, weight, out, n, k_split, weight.stride(0), out.stride(0), scales,
-                BLOCK_N=config.block_n, BLOCK_K=config.block_k, GDC=gdc(pdl), SCALED=scale is not None, **options)
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k, GDC=gdc(pdl), SCALED=scale is not None,
+                INT8_BITS=INT8_FLOAT_BITS, **options)
         else:
             # never written without `greedy`; tensors of their own, as torch.compile does not handle a traced
             # kernel's arguments that alias
@@ -356,7 +380,7 @@ if triton is not None:
                 x, weight, out, m, n, k_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
                 maxima, columns, grid[0], scales, BLOCK_M=block_m(m), BLOCK_N=config.block_n,
                 BLOCK_K=config.block_k, IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), GREEDY=greedy is not None,
-                SCALED=scale is not None, **options)
+                SCALED=scale is not None, INT8_BITS=INT8_FLOAT_BITS, **options)
         return out
 
     @triton_op("enginewright::skinny_partials", mutates_args=())
@@ -431,7 +455,8 @@ def kernel_config(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | No
     m, k = x.shape
     n = weight.shape[0]
     if config is None and x.is_cuda and triton is not None:
-        config = quantized_config_for(m, n, k) if weight.dtype in QUANTIZED_DTYPES else config_for(m, n, k)
+        config = (quantized_config_for(m, n, k, int8=weight.dtype == torch.int8) if weight.dtype in QUANTIZED_DTYPES
+                  else config_for(m, n, k))
     return config if config is not None and config.fits(m, n, k) else None
 
 
