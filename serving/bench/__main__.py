@@ -97,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="time the MLP's fused silu(gate) * up kernel against w13 + SiLU * up instead")
     gem.add_argument("--quantization", choices=("fp8", "int8-weight-only"), default=None,
                      help="time the kernels on weights quantized this way (prints TUNED_QUANTIZED)")
+    gem.add_argument("--gemms", default="wqkv,wo,w13,w2,lm_head", help="comma list of the projections to time")
     gem.add_argument("--tuned-only", action="store_true",
                      help="time only the config the engine runs at each shape (no sweep, no compile pool)")
     gem.add_argument("--out", type=Path, default=Path("bench-gemms.json"))
@@ -242,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
             run_gate_up_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, method=args.quantization)
             return 0
         run_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, workers=args.workers,
-                  deadline_s=args.deadline_s, method=args.quantization, tuned_only=args.tuned_only)
+                  deadline_s=args.deadline_s, method=args.quantization, tuned_only=args.tuned_only,
+                  gemms=tuple(args.gemms.split(",")))
         return 0
     if args.bench_mode == "fp8-gemms":
         from serving.bench.fp8_sweep import run_fp8_sweep

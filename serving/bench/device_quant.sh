@@ -16,7 +16,7 @@
 #                                              eager prefills, bf16 beside fp8 and its candidates);
 #                                     bench  - `bench quantized` (bf16 beside fp8 and int8 weight-only);
 #                                     fp8tests - the FP8 kernels' GPU tests and the quantized ones (last; FP8_TESTS_K: -k).
-# Env: QUANT (sweep, gateup: fp8 or int8-weight-only, default fp8), AB_SHAPES (ab),
+# Env: QUANT (sweep, gateup: fp8 or int8-weight-only, default fp8), AB_SHAPES (ab), SWEEP_GEMMS (sweep),
 #      SHAPES (bench, default llama-3.1-8b,llama-3.2-1b), METHODS, SWEEP_SHAPES, SWEEP_ROWS, FP8_SWEEP_ROWS,
 #      FP8_SWEEP_GEMMS, DEADLINE (bench s),
 #      BENCH_TIMEOUT, BATCH_SIZES (bench, default 1,64), TC_ROWS (tc, default 1,16,64).
@@ -59,7 +59,7 @@ esac
 case ",$STEPS," in *,sweep,*)
   log "sweep ($QUANT)"
   timeout "${SWEEP_TIMEOUT:-200}" python3 -m serving.bench gemms --quantization "$QUANT" \
-    --shapes "${SWEEP_SHAPES:-llama-3.2-1b,llama-3.1-8b}" --rows "${SWEEP_ROWS:-1,64}" --workers 14 \
+    --shapes "${SWEEP_SHAPES:-llama-3.2-1b,llama-3.1-8b}" --rows "${SWEEP_ROWS:-1,64}" --workers 14 --gemms "${SWEEP_GEMMS:-wqkv,wo,w13,w2}" \
     --out "$OUT/sweep.json" >"$OUT/sweep.log" 2>&1
   log "sweep rc=$?" ;;
 esac

@@ -284,7 +284,8 @@ def run_gate_up_sweep(shapes: list[str], rows_list: list[int], *, out: Path, met
 
 
 def run_sweep(shapes: list[str], rows_list: list[int], *, out: Path, workers: int = 12,
-              deadline_s: float = 1e9, method: str | None = None, tuned_only: bool = False) -> dict[str, Any]:
+              deadline_s: float = 1e9, method: str | None = None, tuned_only: bool = False,
+              gemms: tuple[str, ...] = ("wqkv", "wo", "w13", "w2", "lm_head")) -> dict[str, Any]:
     from serving.bench.offline import copy_bandwidth_gb_s
 
     started = time.perf_counter()
@@ -294,6 +295,8 @@ def run_sweep(shapes: list[str], rows_list: list[int], *, out: Path, workers: in
     print(f"compiled in {report['warm_s']:.0f} s; copy bandwidth {report['copy_gb_s']:.0f} GB/s", flush=True)
     for shape, rows in itertools.product(shapes, rows_list):
         for name, (n, k) in gemm_shapes(shape).items():
+            if name not in gemms:
+                continue
             if time.perf_counter() - started > deadline_s:
                 print(f"deadline: skipping {shape} {name} rows={rows}", flush=True)
                 continue
