@@ -207,8 +207,8 @@ if triton is not None:
         bits, 2^23 + 128 + w read as a float32 less 2^23 + 128 (integer and float adds), where Triton converts
         with I2F, one weight per instruction on the SM's conversion units (the gemv kernel for sm_90: 32 I2F
         per thread per 16 x 256 tile). To bf16 Triton already converts with byte permutes and half adds."""
-        if INT8_BITS:
-            if w.dtype == tl.int8:
+        if INT8_BITS:  # noqa: SIM102 - each a compile-time test, nested as Triton compiles them in every version
+            if w.dtype == tl.int8:  # noqa: SIM102
                 if dtype == tl.float32:
                     w = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
         return w.to(dtype)
