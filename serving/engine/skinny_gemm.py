@@ -141,8 +141,20 @@ def parse_table(table: dict[tuple[int, int, int], str]) -> dict[tuple[int, int, 
 
 
 # int8 weights where they run another config than e4m3 ones, from `python3 -m serving.bench gemms --quantization
-# int8-weight-only` on an H200 (docs/quantization.md); a shape not here takes TUNED_QUANTIZED's
-TUNED_INT8: dict[tuple[int, int, int], str] = {}
+# int8-weight-only` on an H200 (docs/quantization.md); a shape not here takes TUNED_QUANTIZED's. At one row the
+# bf16 tensor cores on int8 tiles (Triton's own int8 -> bf16) beat the gemv kernel even with its float32-bits
+# widening ("vs gemv": the TUNED_QUANTIZED config on int8, same run). At 64 rows the MLP's w13 goes through the
+# gate/up kernel, so its entry serves only a model whose gate/up shape has no config.
+TUNED_INT8: dict[tuple[int, int, int], str] = {  # 2026-12-03, int8 weights
+    (1, 6144, 4096): "dot:n64:k128:s4:w4:st4",  # llama-3.1-8b wqkv: 9.2 vs gemv 10.6 us
+    (1, 4096, 4096): "dot:n64:k128:s8:w4:st3",  # llama-3.1-8b wo: 7.1 vs gemv 7.5 us
+    (1, 28672, 4096): "dot:n64:k128:s2:w4:st3",  # llama-3.1-8b w13: 32.1 vs gemv 37.7 us
+    (1, 4096, 14336): "dot:n64:k128:s8:w4:st4",  # llama-3.1-8b w2: 17.4 vs gemv 20.0 us
+    (64, 6144, 4096): "dot:n128:k64:s8:w4:st3",  # llama-3.1-8b wqkv: 13.8 vs dott 15.8 us
+    (64, 4096, 4096): "dot:n128:k64:s8:w4:st4",  # llama-3.1-8b wo: 10.9 vs dott 11.6 us
+    (64, 28672, 4096): "dot:n128:k128:s1:w4:st3",  # llama-3.1-8b w13: 55.2 vs dott 59.5 us
+    (64, 4096, 14336): "dot:n128:k128:s8:w4:st3",  # llama-3.1-8b w2: 27.9 vs dott 31.1 us
+}
 
 
 TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED)
