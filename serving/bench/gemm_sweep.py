@@ -148,6 +148,7 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None, tuned_only
     """cuBLAS and every fitting Triton config at one (rows, N, K) (`tuned_only`: the engine's own config);
     with `method`, the kernels on the weight quantized by it (and cuBLAS on the bf16 weight, for scale;
     fp8: the tensor-core path too, `tensor_core_times`)."""
+    from serving.engine.quantize import INT8_WEIGHT_ONLY
     from serving.engine.skinny_gemm import config_for, launch, quantized_config_for
 
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -166,7 +167,7 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None, tuned_only
         return launch(x, w, config, scale=scales[id(w)])
     results = []
     splits = (1, 2) if nbytes > 2**29 else (1, 2, 4, 8, 16)
-    int8 = method == "int8-weight-only"
+    int8 = method == INT8_WEIGHT_ONLY
     if tuned_only:
         configs = [quantized_config_for(rows, n, k, int8=int8) if method else config_for(rows, n, k)]
     else:
@@ -204,7 +205,7 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None, tuned_only
 def int8_convert_us(x: torch.Tensor, weights: list[torch.Tensor], launch: Callable, config: GemmConfig
                     ) -> dict[str, float]:
     """The config on int8 weights widened by int-to-float conversions (`skinny_gemm.INT8_FLOAT_BITS` off)
-    rather than through float32 bits, for a side-by-side figure."""
+    rather than through float32 bits, for a side-by-side figure (only the gemv kernel differs)."""
     from serving.engine import skinny_gemm
 
     skinny_gemm.INT8_FLOAT_BITS = False

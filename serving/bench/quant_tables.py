@@ -64,11 +64,13 @@ def main(argv: list[str]) -> int:
         from serving.bench.__main__ import main as bench
 
         return bench(argv[split + 1:])
+    from serving.engine.quantize import INT8_WEIGHT_ONLY
+
     sweep, gate = (json.loads(Path(p).read_text()) for p in argv[:split])
     skinny = tables_from_sweep(sweep)
     # one row: the w13 gemv and SiLU * up beat the fused kernel (8B: 35.5 + ~3 against 47.5 us, 2026-12-01)
     fused = {key: c for key, c in tables_from_sweep(gate, min_gain=0.02).items() if key[0] > 1}
-    int8 = sweep.get("quantization") == "int8-weight-only"
+    int8 = sweep.get("quantization") == INT8_WEIGHT_ONLY
     install(skinny, fused, int8=int8)
     for name, table in (("TUNED_INT8" if int8 else "TUNED_QUANTIZED", skinny), ("TUNED_GATE_UP_QUANTIZED", fused)):
         print(f"{name} += {{")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from serving.engine import skinny_gemm
 from serving.engine.skinny_gemm import (
     MAX_ROWS,
     QUANTIZED_DTYPES,
@@ -93,8 +92,7 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_xm, stride_wn, stride_om, scale_ptr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False,
-                        INT8_BITS: tl.constexpr = True):
+                        IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False):
         """SCALED: w13 is quantized (int8 / e4m3), converted to x's dtype in registers, and each column's sums
         multiplied by its row scale ([2I] float32 at scale_ptr) before the rounding."""
         if GDC:
@@ -115,8 +113,8 @@ if triton is not None:
             g = tl.load(g_ptrs, mask=n_mask[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_mask[None, :], other=0.0)
             if SCALED:
-                g = widen(g, x.dtype, INT8_BITS)
-                u = widen(u, x.dtype, INT8_BITS)
+                g = widen(g, x.dtype, True)
+                u = widen(u, x.dtype, True)
             if IEEE_DOT:
                 acc_g += tl.dot(x, g, input_precision="ieee")
                 acc_u += tl.dot(x, u, input_precision="ieee")
@@ -139,8 +137,7 @@ if triton is not None:
     @triton.jit
     def _gate_up_t_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_xm, stride_wn, stride_om, scale_ptr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False,
-                        INT8_BITS: tl.constexpr = True):
+                          IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False):
         """`_gate_up_kernel` transposed (config kernel "dott"): the weight tiles as the products' first
         operands, [BLOCK_N, BLOCK_M] accumulators (see skinny_gemm's "dott")."""
         if GDC:
@@ -161,8 +158,8 @@ if triton is not None:
             g = tl.load(g_ptrs, mask=n_mask[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=n_mask[:, None], other=0.0)
             if SCALED:
-                g = widen(g, x.dtype, INT8_BITS)
-                u = widen(u, x.dtype, INT8_BITS)
+                g = widen(g, x.dtype, True)
+                u = widen(u, x.dtype, True)
             if IEEE_DOT:
                 acc_g += tl.dot(g, x, input_precision="ieee")
                 acc_u += tl.dot(u, x, input_precision="ieee")
@@ -206,8 +203,8 @@ if triton is not None:
             x, w13, out, m, intermediate, k, x.stride(0), w13.stride(0), out.stride(0),
             scale if scale is not None else x.new_empty(1, dtype=torch.float32),
             BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), SCALED=scale is not None,
-            INT8_BITS=skinny_gemm.INT8_FLOAT_BITS, num_warps=config.warps, num_stages=config.stages, **launch_options(pdl))
+            IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), SCALED=scale is not None, num_warps=config.warps,
+            num_stages=config.stages, **launch_options(pdl))
         return out
 
     @triton_op("enginewright::gate_up", mutates_args=())

@@ -161,8 +161,8 @@ TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED)
 TUNED_QUANTIZED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_QUANTIZED)
 TUNED_INT8_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_INT8)
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
-# int8 weight tiles are widened through float32 bits (`widen`) rather than by int-to-float conversions; False
-# is the conversion, kept so that `bench gemms --int8-widen convert` can time both in one run
+# the gemv kernel widens int8 weight tiles through float32 bits (`widen`) rather than by int-to-float
+# conversions; False is the conversion, kept so that `bench gemms --tuned-only` times both in one run
 INT8_FLOAT_BITS = True
 TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H200 for the default quantized config
 
@@ -230,7 +230,7 @@ if triton is not None:
                     max_ptr, arg_ptr, n_tiles, scale_ptr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     IEEE_DOT: tl.constexpr, GDC: tl.constexpr, GREEDY: tl.constexpr = False,
-                    SCALED: tl.constexpr = False, INT8_BITS: tl.constexpr = True):
+                    SCALED: tl.constexpr = False):
         """GREEDY (one K slice): also each row's largest rounded product in the tile and its column, at
         [M, n_tiles] max_ptr / arg_ptr (`lm_head`). SCALED: the weight is quantized (int8 / e4m3), converted
         to x's dtype in registers (exact), and each column's sum multiplied by its scale [N] at scale_ptr."""
@@ -251,7 +251,7 @@ if triton is not None:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
             if SCALED:
-                w = widen(w, x.dtype, INT8_BITS)
+                w = widen(w, x.dtype, True)
             if IEEE_DOT:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
@@ -274,7 +274,7 @@ if triton is not None:
     def _dot_t_kernel(x_ptr, w_ptr, out_ptr, M, N, k_split, stride_xm, stride_wn, stride_os, stride_om, scale_ptr,
                       x_scale_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       IEEE_DOT: tl.constexpr, GDC: tl.constexpr, SCALED: tl.constexpr = False,
-                      TOKENS_SCALED: tl.constexpr = False, INT8_BITS: tl.constexpr = True):
+                      TOKENS_SCALED: tl.constexpr = False):
         """The "dot" kernel's product as out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] x^T [K, BLOCK_M].
         TOKENS_SCALED: x is e4m3 too (`fp8_gemm`: the FP8 tensor cores), each row's sum multiplied by its
         token's float32 scale [M] at x_scale_ptr."""
@@ -295,7 +295,7 @@ if triton is not None:
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             if SCALED:
-                w = widen(w, x.dtype, INT8_BITS)
+                w = widen(w, x.dtype, True)
             if IEEE_DOT:
                 acc += tl.dot(w, x, input_precision="ieee")
             else:
@@ -378,7 +378,7 @@ if triton is not None:
                 x, weight, out, m, n, k_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), scales,
                 x_scales, BLOCK_M=block_m(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                 IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), SCALED=scale is not None,
-                TOKENS_SCALED=x_scale is not None, INT8_BITS=INT8_FLOAT_BITS, **options)
+                TOKENS_SCALED=x_scale is not None, **options)
         elif config.kernel == "gemv":
             kernel_for(_gemv_kernel, pdl)[grid](
                 x, weight, out, n, k_split, weight.stride(0), out.stride(0), scales,
@@ -392,7 +392,7 @@ if triton is not None:
                 x, weight, out, m, n, k_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
                 maxima, columns, grid[0], scales, BLOCK_M=block_m(m), BLOCK_N=config.block_n,
                 BLOCK_K=config.block_k, IEEE_DOT=x.dtype == torch.float32, GDC=gdc(pdl), GREEDY=greedy is not None,
-                SCALED=scale is not None, INT8_BITS=INT8_FLOAT_BITS, **options)
+                SCALED=scale is not None, **options)
         return out
 
     @triton_op("enginewright::skinny_partials", mutates_args=())
