@@ -176,7 +176,8 @@ def gray_release(
             result = infer_ids(url, name, ids, max_tokens=tokens, timeout_s=timeout)
         return result.routed_version, "", len(result.output_ids), key, result.output_ids
 
-    traffic = TrafficGenerator([t.url for t in targets], send, concurrency=rollout.concurrency, max_seconds=3600)
+    traffic = TrafficGenerator([t.url for t in targets], send, concurrency=rollout.concurrency, max_seconds=3600,
+                               rate_per_s=rollout.rate_per_s)
     try:
         with traffic:
             for index, step in enumerate(rollout.steps):

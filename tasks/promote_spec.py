@@ -298,6 +298,10 @@ class RolloutSpec(BaseModel):
 
     steps: list[RolloutStep] = Field(default_factory=_default_steps, description="set_weight / pause / analysis.")
     concurrency: int = Field(2, ge=1, le=64, description="Parallel clients sending traffic during analysis.")
+    rate_per_s: float | None = Field(
+        None, gt=0, description="Requests a second the rollout's test traffic sends in all (paced; `concurrency` "
+        "bounds how many are in flight). Unset: each client sends its next request as soon as the last is answered, "
+        "which on a busy server adds `concurrency` clients' worth of load for the whole rollout.")
     ttft_probe_every: int = Field(
         3, ge=0, description="Every n-th test request asks for one token (a TTFT probe); 0: none.")
     hold: HoldSpec = Field(default_factory=HoldSpec, description="Inconclusive analyses.")

@@ -50,13 +50,16 @@ SendFn = Callable[[str, int], tuple]
 
 
 class TrafficGenerator:
-    """`concurrency` threads sending requests round-robin over the endpoints until stopped."""
+    """`concurrency` threads sending requests round-robin over the endpoints until stopped: back to back, or
+    paced to `rate_per_s` requests a second in all (the threads then only bound how many are in flight)."""
 
     def __init__(self, endpoints: list[str], send: SendFn, *, concurrency: int, max_requests: int = 100_000,
-                 max_seconds: float = 3600.0) -> None:
+                 max_seconds: float = 3600.0, rate_per_s: float | None = None) -> None:
         self.endpoints = endpoints
         self.send = send
         self.concurrency = concurrency
+        self.interval_s = 1.0 / rate_per_s if rate_per_s else 0.0
+        self._next_send = time.monotonic()
         self.max_requests = max_requests
         self.deadline = time.monotonic() + max_seconds
         self.log = TrafficLog()
@@ -85,11 +88,16 @@ class TrafficGenerator:
             thread.join(timeout=120)
 
     def _next(self) -> int | None:
+        """The next request's number, once its send time has come (None: stop)."""
         with self._counter_lock:
             if self._counter >= self.max_requests:
                 return None
             self._counter += 1
-            return self._counter
+            n = self._counter
+            send_at = self._next_send = max(self._next_send + self.interval_s, time.monotonic())
+        if self.interval_s and self._stop.wait(max(0.0, send_at - time.monotonic())):
+            return None
+        return n
 
     def _loop(self) -> None:
         while not self._stop.is_set() and time.monotonic() < self.deadline:

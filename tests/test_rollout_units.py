@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from serving.triton.models.routing_file import ROUTING_FILE
 from tasks.analysis import combine, compare, judge, router_value, run_metrics, summarize_metric
 from tasks.promote_spec import AnalysisSpec, ComparisonSpec, MetricSpec, RolloutSpec, TritonSpec
 from tasks.rollout_state import Journal, journal_path, read_journal, write_journal
-from tasks.traffic import RequestRecord
+from tasks.traffic import RequestRecord, TrafficGenerator
 
 # ---------------------------------------------------------------- sticky routing
 
@@ -207,6 +208,24 @@ def test_window_length_follows_the_rate_and_the_weight() -> None:
     assert expected_window_s(30.0, 50, spec, 3) == pytest.approx(8 / (30 * 0.5 / 3))
     assert expected_window_s(30.0, 100, spec, 3) == pytest.approx(20 / 30)  # nothing to compare at 100%
     assert expected_window_s(30.0, 10, spec, 0) == float("inf")  # no TTFT probes: never judged
+
+
+def test_paced_test_traffic_keeps_its_rate_whatever_the_clients() -> None:
+    sent: list[float] = []
+
+    def send(url: str, n: int) -> tuple:
+        sent.append(time.monotonic())
+        return 1, ""
+
+    with TrafficGenerator(["u"], send, concurrency=4, rate_per_s=50) as traffic:
+        traffic.wait_for(25, timeout_s=5)
+    gaps = np.diff(sorted(sent))
+    assert len(sent) >= 25 and float(np.median(gaps)) == pytest.approx(0.02, abs=0.005), gaps
+    with TrafficGenerator(["u"], send, concurrency=4) as unpaced:  # back to back: far faster than 50 a second
+        unpaced.wait_for(200, timeout_s=5)
+    assert unpaced.log.count() >= 200
+    with pytest.raises(ValidationError, match="rate_per_s"):
+        RolloutSpec(rate_per_s=0)
 
 
 def test_combine_outcomes() -> None:
