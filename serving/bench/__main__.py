@@ -139,6 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     thr.add_argument("--num-blocks", type=int, help="paged pool size (default: a share of the free GPU memory)")
     thr.add_argument("--free-mem-fraction", type=float, default=0.9)
     thr.add_argument("--warmup-requests", type=int, default=64)
+    thr.add_argument("--profile-decode", default="", help="comma list of rows: after the paged side, the kernels "
+                     "of one paged decode step at each (CUDA)")
     thr.add_argument("--device", default="auto")
     thr.add_argument("--out", type=Path, default=Path("bench-throughput.json"))
     eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
@@ -276,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
             shape=args.shape, requests=args.requests, input_len=input_len, output_len=output_len, spread=args.spread,
             static_batch=args.static_batch, paged_live=args.paged_live, block_size=args.block_size,
             max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction,
-            sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests), device=args.device,
+            sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests,
+            profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else ()), device=args.device,
             out_json=args.out)
         return 0
     if args.bench_mode == "engine-offline":

@@ -12,8 +12,8 @@
 #                                     gateup - the same for the gate/up kernel's table;
 #                                     fp8sweep - `bench fp8-gemms` (the TUNED_FP8 table; the bench after it in
 #                                              this call runs on what it found);
-#                                     prefill - `bench fp8-prefill` (8B: the prefill GEMMs at 128 rows and whole
-#                                              eager prefills, bf16 beside fp8 and its candidates);
+#                                     prefill - `bench fp8-prefill` (8B: the prefill GEMMs at PREFILL_ROWS (128) rows and whole
+#                                              eager prefills, bf16 beside fp8 and its candidates, and the kernels of each);
 #                                     bench  - `bench quantized` (bf16 beside fp8 and int8 weight-only);
 #                                     fp8tests - the FP8 kernels' GPU tests and the quantized ones (last; FP8_TESTS_K: -k).
 # Env: QUANT (sweep, gateup: fp8 or int8-weight-only, default fp8), AB_SHAPES (ab), SWEEP_GEMMS (sweep),
@@ -78,7 +78,7 @@ case ",$STEPS," in *,fp8sweep,*)
 esac
 case ",$STEPS," in *,prefill,*)
   log "fp8 prefill"
-  timeout "${PREFILL_TIMEOUT:-150}" python3 -m serving.bench fp8-prefill --shape llama-3.1-8b --rows 128 \
+  timeout "${PREFILL_TIMEOUT:-150}" python3 -m serving.bench fp8-prefill --shape llama-3.1-8b --rows "${PREFILL_ROWS:-128}" \
     --out "$OUT/prefill.json" >"$OUT/prefill.log" 2>&1
   log "fp8 prefill rc=$?" ;;
 esac

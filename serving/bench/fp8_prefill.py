@@ -189,6 +189,17 @@ def profile_prefill(runner: Any, prompt_len: int, rows: int = 18) -> str:
         return f"profiler failed: {type(exc).__name__}: {exc}"
 
 
+def device_kernels(runner: Any, batch: int, prompt_len: int) -> str:
+    """The kernels of one eager prefill of `batch` prompts, by device time (after one unprofiled)."""
+    from serving.bench.kernel_table import kernel_table
+    from serving.bench.offline import random_prompts
+
+    prompts = random_prompts(batch, prompt_len, runner.info.model.vocab_size)
+    runner.prefill(prompts, list(range(batch)))
+    return kernel_table(lambda: runner.prefill(prompts, list(range(batch))),
+                        f"one prefill, batch {batch} x {prompt_len}")
+
+
 def run_fp8_prefill(shape: str, rows: int, *, batches: tuple[int, ...] = (1, 64), prompt_len: int = 128,
                     repeats: int = 5, out: Path, log=print) -> dict[str, Any]:
     from serving.bench.gemm_sweep import gemm_shapes
@@ -226,7 +237,9 @@ def run_fp8_prefill(shape: str, rows: int, *, batches: tuple[int, ...] = (1, 64)
         if method == "fp8":
             table = report["profile_fp8_b1"] = profile_prefill(runner, prompt_len)
             log(table)
-            save()
+        table = report[f"kernels_{method}_b{max_batch}"] = device_kernels(runner, max_batch, prompt_len)
+        log(table)
+        save()
         runner = None
         torch.cuda.empty_cache()
     return report

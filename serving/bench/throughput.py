@@ -53,6 +53,7 @@ class ThroughputConfig:
     sides: tuple[str, ...] = ("static", "paged")
     warmup_requests: int = 64
     seed: int = 0
+    profile_decode: tuple[int, ...] = ()  # rows of the paged decode steps to profile after the run (CUDA)
 
 
 @dataclass
@@ -138,6 +139,8 @@ def run_side(scheduler: Any, work: Work, side: str) -> SideResult:
     stats = scheduler.stats
     parts = ("plan_s", "forward_s", "wait_s", "deliver_s") if hasattr(stats, "plan_s") else ("launch_s", "deliver_s", "wait_s")
     note = f"{stats.steps} steps: " + ", ".join(f"{p[:-2]} {getattr(stats, p):.1f} s" for p in parts)
+    if hasattr(stats, "mixed_steps"):
+        note += f"; {stats.mixed_steps} steps with a prefill chunk: {stats.mixed_s:.1f} s of forward + wait"
     return SideResult(side=side, requests=len(work), input_tokens=sum(len(p) for p, _ in work),
                       output_tokens=generated, wall_s=wall, output_tok_s=generated / wall,
                       request_per_s=len(work) / wall, ttft_ms=_stats(ttft), tpot_ms=_stats(tpot), itl_ms=_stats(itl),
@@ -216,6 +219,25 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
         result.setup_s = setup
         report.sides.append(result)
         progress(result.row())
+        if side == "paged" and dev.type == "cuda":
+            for rows in cfg.profile_decode:
+                progress(profile_paged_decode(runner, rows, cfg.input_len + cfg.output_len // 2))
         if out_json is not None:
             out_json.write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def profile_paged_decode(runner: Any, rows: int, position: int) -> str:
+    """The kernels of one replay of the paged decode graph of `rows` rows (padding rows at `position`: each
+    writes and reads the spare block, so attention's reads hit the cache more than live rows' would)."""
+    from serving.bench.kernel_table import kernel_table
+
+    decode = runner.decode
+    bsz = decode.bucket(rows)
+    if bsz not in decode.graphs:
+        decode._capture(bsz)
+    decode.inputs[0, :bsz].fill_(decode.trash)
+    decode.inputs[1, :bsz].zero_()
+    decode.inputs[2, :bsz].fill_(position)
+    decode.graphs[bsz].replay()
+    return kernel_table(decode.graphs[bsz].replay, f"paged decode step, {bsz} rows at position {position}")

@@ -98,6 +98,8 @@ class PagedStats:
     forward_s: float = 0.0  # building the inputs, launching the forward and sampling (the GPU runs behind)
     wait_s: float = 0.0  # then waiting for the step's tokens to reach the host
     deliver_s: float = 0.0  # handing the tokens to the requests' callbacks
+    mixed_steps: int = 0  # steps with a prefill chunk in them (the others are decode-only)
+    mixed_s: float = 0.0  # their forward + wait
 
 
 class PagedScheduler(SchedulerLoop):
@@ -240,6 +242,9 @@ class PagedScheduler(SchedulerLoop):
         self.stats.forward_s += waiting - started
         self.stats.wait_s += delivering - waiting
         self.stats.steps += 1
+        if len(sampling) != len(plan) or any(n != 1 for _, n in plan):
+            self.stats.mixed_steps += 1
+            self.stats.mixed_s += delivering - started
         for seq, n in plan:
             seq.computed += n
             if n == 1 and seq.generated > 0:
