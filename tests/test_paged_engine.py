@@ -5,6 +5,7 @@ passes on it as on the static engine; impossible sizes refused with the numbers.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -209,6 +210,44 @@ def test_throughput_bench_serves_every_request_on_both_sides(tmp_path):
         assert side.output_tokens == want and side.output_tok_s > 0 and side.ttft_ms["p50"] <= side.ttft_ms["p99"]
     assert report.sides[0].largest_batch <= 2 and report.sides[1].largest_batch <= 4
     assert json.loads((tmp_path / "t.json").read_text())["sides"][1]["side"] == "paged"
+
+
+def test_throughput_bench_at_a_poisson_rate_reports_goodput_against_slos():
+    """`--request-rate`: requests arrive over time in a seeded Poisson process (the run lasts at least until the
+    last arrival, TTFT counts from each request's own submit), both sides serve them all on their own thread;
+    `--goodput`: every request meets SLOs no request can miss, none meets a TTFT SLO none can meet."""
+    import statistics
+
+    from serving.bench.throughput import (
+        ThroughputConfig,
+        arrivals,
+        bench_throughput,
+        met_slos,
+        parse_slos,
+        workload,
+    )
+
+    gaps = [b - a for a, b in itertools.pairwise(arrivals(ThroughputConfig(request_rate=50.0), 2000))]
+    assert statistics.mean(gaps) == pytest.approx(0.02, rel=0.1) and min(gaps) >= 0
+    assert arrivals(ThroughputConfig(), 3) == [0.0, 0.0, 0.0]
+    assert parse_slos("ttft:500, tpot:50") == {"ttft": 500.0, "tpot": 50.0} and parse_slos("") == {}
+    for bad, says in (("itl:5", "unknown SLO 'itl'"), ("ttft:x", "needs a number"), ("tpot:0", "more than 0")):
+        with pytest.raises(ValueError, match=says):
+            parse_slos(bad)
+    assert met_slos(10.0, None, 20.0, 1.0) and not met_slos(10.0, 2.0, 20.0, 1.0) and met_slos(10.0, 2.0, None, None)
+
+    base = {"shape": "tiny", "requests": 10, "input_len": 8, "output_len": 4, "static_batch": 2, "paged_live": 4,
+            "block_size": 4, "max_num_tokens": 16, "num_blocks": 16, "warmup_requests": 0, "request_rate": 25.0}
+    last = arrivals(ThroughputConfig(**base), 10)[-1]
+    want = sum(n for _, n in workload(ThroughputConfig(**base), 512))
+    easy = bench_throughput(ThroughputConfig(**base, slo_ttft_ms=60_000, slo_tpot_ms=60_000), device="cpu",
+                            progress=lambda line: None)
+    for side in easy.sides:
+        assert side.output_tokens == want and side.wall_s >= last
+        assert side.met_slo == 10 and side.goodput_per_s == pytest.approx(10 / side.wall_s)
+        assert side.ttft_ms["p50"] < last * 1e3 / 4, "TTFT counts from each request's own arrival"
+    hard = bench_throughput(ThroughputConfig(**base, slo_ttft_ms=1e-6), device="cpu", progress=lambda line: None)
+    assert [s.met_slo for s in hard.sides] == [0, 0] and all(s.goodput_per_s == 0 for s in hard.sides)
 
 
 def test_1024_live_requests_at_max_seq_len_8192_on_the_h200s_pool():

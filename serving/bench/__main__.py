@@ -23,6 +23,15 @@ def _ints(text: str) -> tuple[int, ...]:
 QUANTIZATION_CHOICES = ("none", "fp8", "int8-weight-only")  # engine.quantization (serving.engine.quantize)
 
 
+def _slos(text: str) -> dict[str, float]:
+    from serving.bench.throughput import parse_slos
+
+    try:
+        return parse_slos(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_mode", required=True)
     off = sub.add_parser("offline", help="engine vs HF transformers (eager, static+compile), random weights")
@@ -139,6 +148,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     thr.add_argument("--num-blocks", type=int, help="paged pool size (default: a share of the free GPU memory)")
     thr.add_argument("--free-mem-fraction", type=float, default=0.9)
     thr.add_argument("--warmup-requests", type=int, default=64)
+    thr.add_argument("--request-rate", type=float, default=0.0,
+                     help="requests a second, arriving in a seeded Poisson process (default 0: all at once)")
+    thr.add_argument("--goodput", type=_slos, default={}, help="SLOs for goodput, e.g. ttft:500,tpot:50 (milliseconds): the "
+                     "requests a second that met every one")
     thr.add_argument("--profile-decode", default="", help="comma list of rows: after the paged side, the kernels "
                      "of one paged decode step at each (CUDA)")
     thr.add_argument("--device", default="auto")
@@ -274,12 +287,15 @@ def run(args: argparse.Namespace) -> int:
         from serving.bench.throughput import ThroughputConfig, bench_throughput
 
         (input_len, output_len), = _pairs(args.workload)
+        slos = args.goodput
         bench_throughput(ThroughputConfig(
             shape=args.shape, requests=args.requests, input_len=input_len, output_len=output_len, spread=args.spread,
             static_batch=args.static_batch, paged_live=args.paged_live, block_size=args.block_size,
             max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction,
             sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests,
-            profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else ()), device=args.device,
+            profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else (),
+            request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"), slo_tpot_ms=slos.get("tpot")),
+            device=args.device,
             out_json=args.out)
         return 0
     if args.bench_mode == "engine-offline":

@@ -1,17 +1,20 @@
 """`enginewright bench throughput`: throughput at saturation, offline, the static engine beside the paged one.
 
-N requests arrive at once (an infinite request rate, as `trtllm-bench throughput` runs by default), with
+N requests arrive at once (an infinite request rate, as `trtllm-bench throughput` runs by default) or at
+`request_rate` a second in a seeded Poisson process (`vllm bench serve --request-rate`), with
 fixed input/output lengths or lengths spread uniformly around them (`spread`: a fraction, each length drawn
-from [len * (1 - spread), len * (1 + spread)]). Each side's in-flight scheduler serves them all on this
-thread: the static engine through `scheduler.Scheduler` (one cache row per live request, CUDA graphs of the
+from [len * (1 - spread), len * (1 + spread)]). Each side's in-flight scheduler serves them (on this thread when
+they arrive at once, else on its own while this one submits them on time): the static engine through `scheduler.Scheduler` (one cache row per live request, CUDA graphs of the
 decode step), the paged one through `paged_scheduler.PagedScheduler` (chunked prefill under
 `max_num_tokens`, admission by free blocks). The two share one model's weights and run one after the other
 in the same process on the same requests.
 
 Reported per side, like `trtllm-bench` and `vllm bench serve`: output tok/s (generated tokens / wall time
-from the first submit to the last token), requests/s, TTFT (submit -> first token on the host), TPOT (a
-request's (last - first token) / (tokens - 1)) and ITL (every gap between a request's consecutive tokens)
-at p50 / p90 / p99, the most live requests in one step, and the paged side's preemptions.
+from the first submit to the last token), requests/s, TTFT (the request's submit -> its first token on the
+host), TPOT (a request's (last - first token) / (tokens - 1)) and ITL (every gap between a request's
+consecutive tokens) at p50 / p90 / p99, the most live requests in one step, the paged side's preemptions,
+and with SLOs (`slo_ttft_ms`, `slo_tpot_ms`) goodput: the requests a second that met every SLO set, as
+`vllm bench serve --goodput` counts them.
 
 Weights are random (`quantized.random_model`, or the tiny shape on the CPU): the figures are of the
 engine's speed, not of a model's answers, and requests never stop early (no stop tokens).
@@ -24,6 +27,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -54,6 +58,9 @@ class ThroughputConfig:
     warmup_requests: int = 64
     seed: int = 0
     profile_decode: tuple[int, ...] = ()  # rows of the paged decode steps to profile after the run (CUDA)
+    request_rate: float = 0.0  # requests a second, Poisson; 0: all at once
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 @dataclass
@@ -72,6 +79,8 @@ class SideResult:
     preempted: int = 0
     setup_s: float = 0.0
     note: str = ""
+    goodput_per_s: float | None = None  # requests a second that met every SLO set (None: no SLO set)
+    met_slo: int | None = None
 
     def row(self) -> str:
         def pct(d: dict[str, float]) -> str:
@@ -80,7 +89,9 @@ class SideResult:
         return (f"{self.side:>7}: {self.output_tok_s:>9.0f} output tok/s  {self.request_per_s:7.1f} req/s  wall "
                 f"{self.wall_s:6.1f} s  TTFT p50/p90/p99 {pct(self.ttft_ms)} ms  TPOT {pct(self.tpot_ms)} ms  "
                 f"ITL {pct(self.itl_ms)} ms  live<= {self.largest_batch}  preempted {self.preempted}  "
-                f"setup {self.setup_s:.0f} s {self.note}")
+                + (f"goodput {self.goodput_per_s:.1f} req/s ({self.met_slo} met the SLOs)  "
+                   if self.goodput_per_s is not None else "")
+                + f"setup {self.setup_s:.0f} s {self.note}")
 
 
 @dataclass
@@ -109,33 +120,92 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
 
 
-def run_side(scheduler: Any, work: Work, side: str) -> SideResult:
-    """Submit every request of `work` at once to `scheduler` (static or paged), serve them on this thread,
-    and time every token as the host receives it."""
+def arrivals(cfg: ThroughputConfig, n: int) -> list[float]:
+    """Each request's submit time in seconds from the start: all 0 at an infinite rate, else the seeded
+    Poisson process of `request_rate` (exponential gaps)."""
+    if cfg.request_rate <= 0:
+        return [0.0] * n
+    rng = random.Random(cfg.seed + 1)
+    return list(itertools.accumulate(rng.expovariate(cfg.request_rate) for _ in range(n)))
+
+
+def parse_slos(text: str) -> dict[str, float]:
+    """`ttft:500,tpot:50` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds); "" -> {}."""
+    slos: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition(":")
+        if name not in ("ttft", "tpot"):
+            raise ValueError(f"--goodput: unknown SLO {name!r} in {text!r} (ttft or tpot, in milliseconds)")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput: {part!r} needs a number of milliseconds, e.g. {name}:500") from None
+        if not slos[name] > 0:
+            raise ValueError(f"--goodput: {part!r} must be more than 0 ms")
+    return slos
+
+
+def met_slos(ttft_ms: float, tpot_ms: float | None, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """Whether one request met every SLO set (a one-token answer has no TPOT to miss)."""
+    return ((slo_ttft_ms is None or ttft_ms <= slo_ttft_ms)
+            and (slo_tpot_ms is None or tpot_ms is None or tpot_ms <= slo_tpot_ms))
+
+
+def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = None,
+             slos: tuple[float | None, float | None] = (None, None)) -> SideResult:
+    """Submit every request of `work` to `scheduler` (static or paged) at its time in `at` (default: all at
+    once, served on this thread; else the scheduler runs on its own thread while this one submits), and time
+    every token as the host receives it."""
     from serving.engine.scheduler import GenRequest
 
+    at = at or [0.0] * len(work)
     times: list[list[float]] = [[] for _ in work]
+    submitted = [0.0] * len(work)
     failures: list[BaseException] = []
+    finished = threading.Semaphore(0)
 
     def emitter(i: int) -> Callable[[list[int], str | None], None]:
         def emit(ids: list[int], reason: str | None) -> None:
             now = time.perf_counter()
             times[i].extend([now] * len(ids))
+            if reason is not None:
+                finished.release()
         return emit
 
+    def failed(exc: BaseException) -> None:
+        failures.append(exc)
+        finished.release()
+
+    paced = any(at)
+    if paced:
+        scheduler.start()
     started = time.perf_counter()
     for i, (prompt, max_tokens) in enumerate(work):
-        scheduler.submit(GenRequest(prompt, max_tokens, emitter(i), failures.append))
-    scheduler.run_until_idle()
+        delay = started + at[i] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        submitted[i] = time.perf_counter()
+        scheduler.submit(GenRequest(prompt, max_tokens, emitter(i), failed))
+    if paced:
+        for _ in work:
+            finished.acquire()
+        scheduler.stop()
+    else:
+        scheduler.run_until_idle()
     if scheduler.device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - started
     if failures:
         raise RuntimeError(f"{side}: {len(failures)} requests failed, the first: {failures[0]!r}")
-    ttft = [(t[0] - started) * 1e3 for t in times if t]
-    tpot = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) for t in times if len(t) > 1]
+    ttfts = [(t[0] - s) * 1e3 if t else float("inf") for t, s in zip(times, submitted)]
+    tpots = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) if len(t) > 1 else None for t in times]
+    ttft = [x for x in ttfts if x != float("inf")]
+    tpot = [x for x in tpots if x is not None]
     itl = [(b - a) * 1e3 for t in times for a, b in itertools.pairwise(t)]
     generated = sum(len(t) for t in times)
+    met = None
+    if slos != (None, None):
+        met = sum(met_slos(a, b, *slos) for a, b in zip(ttfts, tpots))
     stats = scheduler.stats
     parts = ("plan_s", "forward_s", "wait_s", "deliver_s") if hasattr(stats, "plan_s") else ("launch_s", "deliver_s", "wait_s")
     note = f"{stats.steps} steps: " + ", ".join(f"{p[:-2]} {getattr(stats, p):.1f} s" for p in parts)
@@ -144,7 +214,8 @@ def run_side(scheduler: Any, work: Work, side: str) -> SideResult:
     return SideResult(side=side, requests=len(work), input_tokens=sum(len(p) for p, _ in work),
                       output_tokens=generated, wall_s=wall, output_tok_s=generated / wall,
                       request_per_s=len(work) / wall, ttft_ms=_stats(ttft), tpot_ms=_stats(tpot), itl_ms=_stats(itl),
-                      largest_batch=stats.largest_batch, preempted=getattr(stats, "preempted", 0), note=note)
+                      largest_batch=stats.largest_batch, preempted=getattr(stats, "preempted", 0), note=note,
+                      goodput_per_s=None if met is None else met / wall, met_slo=met)
 
 
 def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any]:
@@ -215,7 +286,7 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
         if cfg.warmup_requests:
             run_side(make(), warm, side)
         setup = time.perf_counter() - t0
-        result = run_side(make(), work, side)
+        result = run_side(make(), work, side, arrivals(cfg, len(work)), (cfg.slo_ttft_ms, cfg.slo_tpot_ms))
         result.setup_s = setup
         report.sides.append(result)
         progress(result.row())
