@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serving.engine import row_norm
 from serving.engine.errors import UnsupportedArchitectureError
 from serving.engine.partials import sum_partials
 from serving.engine.quantize import QuantLinear
@@ -263,6 +264,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [B, S, D]; normalise in float32 like HF, cast back before the weight
+        if x.is_cuda and not torch.compiler.is_compiling() and row_norm.fits(x, self.weight):
+            return row_norm.rms_norm(x, self.weight, self.eps)  # eager GPU work: one kernel, not seven
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)

@@ -1,0 +1,58 @@
+"""RMSNorm in one Triton kernel for the engine's eager GPU work: prefills, the paged engine's mixed steps and
+its decode graphs (captured eagerly).
+
+`model.RMSNorm.forward` in torch is seven launches and as many passes over the rows (the float32 copy, its
+square, the mean, the scaling, the cast back, the weight), each writing float32 temporaries: an 8B prefill
+of 64 x 128 tokens runs 65 of them over 8,192 x 4,096 values. `rms_norm` reads each row once and writes the
+result once, with the module's numerics: the row in float32, times rsqrt(mean of squares + eps), rounded to
+the row's dtype, then times the weight, rounded again (the module's `weight * h.to(x.dtype)`). Only the sum's
+order and the rsqrt differ, so a value can land one step of the dtype away (tests/test_row_norm.py).
+
+Compiled code (the static decode step) keeps the torch ops, which inductor fuses itself.
+
+Imports: torch; Triton only if importable (this module runs inside Triton's python backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+MAX_COLUMNS = 16384  # a row held in registers at once (Llama's hidden sizes are 2,048-8,192)
+DTYPES = (torch.bfloat16, torch.float16)
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_D)
+        mask = offs < D
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)
+        h = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes x [..., D] with this weight: Triton importable, a half-precision x of the
+    weight's dtype, D within a row's registers, rows contiguous."""
+    return (triton is not None and x.dtype in DTYPES and weight.dtype == x.dtype and x.shape[-1] <= MAX_COLUMNS
+            and x.stride(-1) == 1 and weight.is_contiguous())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`model.RMSNorm`'s result for x [..., D] in one kernel (a program per row); see the module doc."""
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    out = torch.empty_like(x2)
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=block,
+                                     num_warps=max(1, min(16, block // 512)))
+    return out.view(x.shape)
