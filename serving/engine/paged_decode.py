@@ -24,8 +24,8 @@ prefill chunk in it):
 On the CPU (or `graphs=False`) the same code runs eagerly on the same buffers: the tests check it against
 `paged_forward`.
 
-Not here yet: the host preparing step N+1 while step N runs (the scheduler waits for each step's tokens),
-and the static step's fused rotary + K/V-write attention kernel (it reads the static cache's layout).
+On CUDA the rotary embedding and the K/V write are one kernel (`paged_rope`). Not here yet: the host
+preparing step N+1 while step N runs (the scheduler waits for each step's tokens).
 
 Imports: stdlib and torch only (Triton through the kernels, lazily).
 """
@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from serving.engine import paged_rope
 from serving.engine.model import Transformer, _gate_up_fn, _linear_fn, _rope_1
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache, blocks_for
@@ -67,15 +68,22 @@ def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: tor
     scale = 1.0 / math.sqrt(a.head_dim)
     linear = _linear_fn(gemm)
     gate_up = _gate_up_fn(gemm) if getattr(model, "decode_gate_up", True) else None
-    cos, sin = rope_cos[positions], rope_sin[positions]  # [B, hd]
     x = model.tok_embeddings(tokens)  # [B, D]
+    cos = sin = None
     for i, layer in enumerate(model.layers):
         attn = layer.attention
         h = layer.attention_norm(x)
-        q, k, v = linear(attn.wqkv, h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = _rope_1(q.view(bsz, a.n_heads, a.head_dim), cos, sin)
-        k = _rope_1(k.view(bsz, a.n_kv_heads, a.head_dim), cos, sin)
-        cache.write(i, slots, k, v.view(bsz, a.n_kv_heads, a.head_dim))
+        qkv = linear(attn.wqkv, h)
+        if paged_rope.fits(qkv, cache.k[i], a.head_dim):  # one kernel for the rotations and the K/V write
+            q = paged_rope.rope_and_write(qkv, positions, slots, rope_cos, rope_sin, cache.k[i], cache.v[i],
+                                          a.n_heads, a.n_kv_heads)
+        else:
+            if cos is None:
+                cos, sin = rope_cos[positions], rope_sin[positions]  # [B, hd]
+            q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+            q = _rope_1(q.view(bsz, a.n_heads, a.head_dim), cos, sin)
+            k = _rope_1(k.view(bsz, a.n_kv_heads, a.head_dim), cos, sin)
+            cache.write(i, slots, k, v.view(bsz, a.n_kv_heads, a.head_dim))
         y = paged_decode_attention(q.view(bsz, a.n_kv_heads, group, a.head_dim), cache.k[i], cache.v[i], tables,
                                    lengths, scale)
         x = x + linear(attn.wo, y.reshape(bsz, a.q_size))

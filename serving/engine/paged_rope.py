@@ -1,0 +1,91 @@
+"""The paged decode step's rotary embedding and K/V write in one Triton kernel.
+
+`rope_and_write(qkv, positions, slots, cos, sin, k_pool, v_pool, n_heads, n_kv_heads)` takes the wqkv
+projection of B tokens ([B, (n_heads + 2 n_kv_heads) * hd]), rotates each token's query and key heads by its
+position's row of the cos / sin tables ([max_seq_len, hd], HF's layout: the half-table twice), writes the
+rotated keys and the values into the pools at the tokens' `slots` (block * block_size + offset, pools
+`[num_blocks, block_size, Hkv, hd]`) and returns the rotated queries [B, n_heads, hd].
+
+In torch that is a gather of the tables' rows, ten elementwise launches (`model._rope_1` on q and on k) and
+two index writes a layer, each a pass over the step's heads: about a quarter of the paged step's launches.
+One program per token does it all here, rounding as the torch ops do (each product to the dtype, then the
+sum), so the results are equal (tests/test_paged_rope.py).
+
+Imports: torch; Triton only if importable (this module runs inside Triton's python backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate(x_ptr, dst_ptr, offs_h, h_mask, offs_d, c1, c2, s1, s2, HALF: tl.constexpr):
+        """Heads at x_ptr ([heads, 2 * HALF] rows) rotated into dst_ptr: x * cos + cat(-x2, x1) * sin, each
+        product rounded to the dtype before the sum (torch's order)."""
+        src = x_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        x1 = tl.load(src, mask=h_mask[:, None], other=0.0)
+        x2 = tl.load(src + HALF, mask=h_mask[:, None], other=0.0)
+        dt = x1.dtype
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = ((f1 * c1).to(dt).to(tl.float32) + (-f2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)).to(dt)
+        dst = dst_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        tl.store(dst, o1, mask=h_mask[:, None])
+        tl.store(dst + HALF, o2, mask=h_mask[:, None])
+
+    @triton.jit
+    def _rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_pool_ptr, v_pool_ptr,
+                           stride_qkv, stride_table, stride_q, stride_slot,
+                           N_HEADS: tl.constexpr, N_KV: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+                           HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        offs_d = tl.arange(0, HALF)
+        table = pos * stride_table + offs_d
+        c1 = tl.load(cos_ptr + table).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + table + HALF).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + table).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + table + HALF).to(tl.float32)[None, :]
+        row = qkv_ptr + t * stride_qkv
+        offs_h = tl.arange(0, H_PAD)
+        _rotate(row, q_ptr + t * stride_q, offs_h, offs_h < N_HEADS, offs_d, c1, c2, s1, s2, HALF)
+        offs_kv = tl.arange(0, KV_PAD)
+        kv_mask = offs_kv < N_KV
+        _rotate(row + N_HEADS * 2 * HALF, k_pool_ptr + slot * stride_slot, offs_kv, kv_mask, offs_d, c1, c2, s1, s2,
+                HALF)
+        offs_v = offs_kv[:, None] * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
+        v = tl.load(row + (N_HEADS + N_KV) * 2 * HALF + offs_v, mask=kv_mask[:, None], other=0.0)
+        tl.store(v_pool_ptr + slot * stride_slot + offs_v, v, mask=kv_mask[:, None])
+
+
+def fits(qkv: torch.Tensor, k_pool: torch.Tensor, head_dim: int) -> bool:
+    """Whether the kernel takes this step: Triton importable, CUDA half-precision rows, contiguous pools of
+    the same dtype, an even power-of-two head_dim of at least 16."""
+    return (triton is not None and qkv.is_cuda and qkv.dtype in DTYPES and k_pool.dtype == qkv.dtype
+            and qkv.stride(-1) == 1 and k_pool.is_contiguous() and head_dim >= 16 and not head_dim & (head_dim - 1))
+
+
+def rope_and_write(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, n_heads: int,
+                   n_kv_heads: int) -> torch.Tensor:
+    """See the module doc. qkv [B, (n_heads + 2 n_kv_heads) * hd]; positions, slots [B] int64; cos, sin
+    [max_seq_len, hd] in qkv's dtype; pools [num_blocks, block_size, n_kv_heads, hd] -> q [B, n_heads, hd]."""
+    bsz = qkv.shape[0]
+    head_dim = k_pool.shape[-1]
+    q = qkv.new_empty(bsz, n_heads, head_dim)
+    _rope_write_kernel[(bsz,)](
+        qkv, positions, slots, cos, sin, q, k_pool, v_pool, qkv.stride(0), cos.stride(0), q.stride(0),
+        n_kv_heads * head_dim, N_HEADS=n_heads, N_KV=n_kv_heads, H_PAD=triton.next_power_of_2(n_heads),
+        KV_PAD=triton.next_power_of_2(n_kv_heads), HALF=head_dim // 2, num_warps=4)
+    return q

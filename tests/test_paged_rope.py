@@ -1,0 +1,83 @@
+"""`paged_rope.rope_and_write` (one Triton kernel) against the torch ops it replaces in the paged decode step:
+the tables' rows gathered, `model._rope_1` on the query and key heads, `PagedKVCache.write`.
+
+- TRITON_INTERPRET=1 with Triton importable (skipped otherwise, so in CI): CPU tensors in float16 (the
+  interpreter's float32 -> bfloat16 cast does not round to nearest; bf16 is checked on the GPU).
+- CUDA (`gpu`): bf16 at the Llama-8B head shapes.
+Equal to the last bit: the kernel rounds each product to the dtype before the sum, as the torch ops do. Slots
+not written keep their NaN, so a write to a wrong slot or head shows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from serving.engine import paged_rope
+from serving.engine.model import _rope_1
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and paged_rope.triton is not None
+HAS_CUDA = torch.cuda.is_available() and paged_rope.triton is not None and not INTERPRET
+SHAPES = ((5, 4, 2, 16), (3, 6, 2, 32))  # tokens, query heads, kv heads, head_dim (6 and 2: padded head tiles)
+
+
+def case(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype) -> dict:
+    tokens, heads, kv_heads, hd = shape
+    torch.manual_seed(sum(shape))
+    blocks, block_size, max_seq = 6, 4, 64
+    angles = torch.arange(max_seq, device=device)[:, None] * (0.1 ** torch.linspace(0, 3, hd // 2, device=device))
+    angles = torch.cat((angles, angles), dim=-1)
+    return {"qkv": (2 * torch.randn(tokens, (heads + 2 * kv_heads) * hd, device=device)).to(dtype),
+            "positions": torch.randperm(max_seq, device=device)[:tokens],
+            "slots": torch.randperm(blocks * block_size, device=device)[:tokens],
+            "cos": angles.cos().to(dtype), "sin": angles.sin().to(dtype),
+            "k_pool": torch.full((blocks, block_size, kv_heads, hd), float("nan"), device=device, dtype=dtype),
+            "v_pool": torch.full((blocks, block_size, kv_heads, hd), float("nan"), device=device, dtype=dtype),
+            "n_heads": heads, "n_kv_heads": kv_heads}
+
+
+def torch_ops(c: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, heads, kv_heads = c["qkv"].shape[0], c["n_heads"], c["n_kv_heads"]
+    hd = c["k_pool"].shape[-1]
+    cos, sin = c["cos"][c["positions"]], c["sin"][c["positions"]]
+    q, k, v = c["qkv"].split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q = _rope_1(q.view(n, heads, hd), cos, sin)
+    k_pool, v_pool = c["k_pool"].clone(), c["v_pool"].clone()
+    k_pool.view(-1, kv_heads, hd)[c["slots"]] = _rope_1(k.reshape(n, kv_heads, hd), cos, sin)
+    v_pool.view(-1, kv_heads, hd)[c["slots"]] = v.reshape(n, kv_heads, hd)
+    return q, k_pool, v_pool
+
+
+def check(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype) -> None:
+    c = case(shape, device, dtype)
+    q_ref, k_ref, v_ref = torch_ops(c)
+    q = paged_rope.rope_and_write(**c)
+    assert torch.equal(q, q_ref)
+    for pool, ref in ((c["k_pool"], k_ref), (c["v_pool"], v_ref)):
+        assert torch.equal(pool.isnan(), ref.isnan()), "written where torch writes, nowhere else"
+        assert torch.equal(pool.nan_to_num(), ref.nan_to_num())
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_equals_the_torch_ops_interpreted(shape: tuple[int, int, int, int]) -> None:
+    check(shape, "cpu", torch.float16)
+
+
+def test_fits_only_cuda_half_precision_steps() -> None:
+    qkv = torch.ones(2, 96, dtype=torch.bfloat16)
+    pool = torch.ones(4, 4, 2, 16, dtype=torch.bfloat16)
+    assert not paged_rope.fits(qkv, pool, 16), "CPU tensors take the torch ops"
+    if torch.cuda.is_available() and paged_rope.triton is not None:
+        assert paged_rope.fits(qkv.cuda(), pool.cuda(), 16)
+        assert not paged_rope.fits(qkv.cuda().float(), pool.cuda().float(), 16)
+        assert not paged_rope.fits(qkv.cuda(), pool.cuda(), 24)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.parametrize("shape", (*SHAPES, (64, 32, 8, 128), (1024, 32, 8, 128)))
+def test_kernel_equals_the_torch_ops_on_the_gpu(shape: tuple[int, int, int, int]) -> None:
+    check(shape, "cuda", torch.bfloat16)
