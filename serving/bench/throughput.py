@@ -24,15 +24,17 @@ Imports: stdlib and torch; the engine modules.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -218,6 +220,18 @@ def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = Non
                       goodput_per_s=None if met is None else met / wall, met_slo=met)
 
 
+TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations and K/V writes as torch ops
+
+
+@contextlib.contextmanager
+def torch_row_ops() -> Iterator[None]:
+    """The eager steps' row kernels (`row_norm`, `paged_rope`) turned off: what they replaced, for an A/B."""
+    from serving.engine import paged_rope, row_norm
+
+    with mock.patch.object(row_norm, "fits", lambda *a: False), mock.patch.object(paged_rope, "fits", lambda *a: False):
+        yield
+
+
 def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any]:
     """(model, static runner or None, paged runner or None) over one random model's weights."""
     from serving.bench.models import model_args
@@ -242,7 +256,7 @@ def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any
         return EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."))
 
     static = paged = None
-    if "paged" in cfg.sides:  # sized first: from the memory free before the static cache takes its share
+    if {"paged", TORCH_ROW_OPS_SIDE} & set(cfg.sides):  # sized first: from the memory free before the static cache takes its share
         config = PagedKVConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_tokens=cfg.max_num_tokens,
                                free_mem_fraction=cfg.free_mem_fraction)
         if "static" in cfg.sides and cfg.num_blocks is None and device.type == "cuda":
@@ -279,18 +293,20 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
         runner = static if side == "static" else paged
         make = (lambda r=runner: Scheduler(r)) if side == "static" else (lambda r=runner: PagedScheduler(r))
         t0 = time.perf_counter()
-        if side == "static" and runner.graphs is not None:
-            runner.graphs.warm_up()
-        if side == "paged":
-            runner.warm_up_decode()
-        if cfg.warmup_requests:
-            run_side(make(), warm, side)
-        setup = time.perf_counter() - t0
-        result = run_side(make(), work, side, arrivals(cfg, len(work)), (cfg.slo_ttft_ms, cfg.slo_tpot_ms))
+        with torch_row_ops() if side == TORCH_ROW_OPS_SIDE else contextlib.nullcontext():
+            if side == "static" and runner.graphs is not None:
+                runner.graphs.warm_up()
+            if side != "static":
+                runner.decode.graphs.clear()  # captured again, with or without the row kernels
+                runner.warm_up_decode()
+            if cfg.warmup_requests:
+                run_side(make(), warm, side)
+            setup = time.perf_counter() - t0
+            result = run_side(make(), work, side, arrivals(cfg, len(work)), (cfg.slo_ttft_ms, cfg.slo_tpot_ms))
         result.setup_s = setup
         report.sides.append(result)
         progress(result.row())
-        if side == "paged" and dev.type == "cuda":
+        if side != "static" and dev.type == "cuda":
             for rows in cfg.profile_decode:
                 progress(profile_paged_decode(runner, rows, cfg.input_len + cfg.output_len // 2))
         if out_json is not None:
