@@ -14,7 +14,7 @@ pre-scaled tokens, with `use_fast_accum`, and tensor-wise with unit scales, the 
 `PREFILL_CANDIDATES` (each an `fp8_scaled_linear` replacement, its error against the engine's beside it).
 
 Then whole prefills of a random `shape` engine (all its layers) at batch 1 and 64: bf16, the fp8 engine,
-each also with the norms as torch ops rather than `row_norm`'s kernel, and the fp8 engine with each
+each also with its norms and SiLU * up as torch ops rather than the row kernels (`row_norm`, `silu_mul`), and the fp8 engine with each
 candidate patched in (`mock.patch` of `quantize.fp8_scaled_linear`), timed as the device sees them (events,
 median of `repeats`) and as the host does. Last, torch.profiler tables: the fp8 prefill at batch 1 (host
 time by op), and each engine's prefill at the largest batch (kernels by device time).
@@ -205,7 +205,8 @@ def run_fp8_prefill(shape: str, rows: int, *, batches: tuple[int, ...] = (1, 64)
                     repeats: int = 5, out: Path, log=print) -> dict[str, Any]:
     from serving.bench.gemm_sweep import gemm_shapes
     from serving.bench.quantized import random_model, runner_for
-    from serving.engine import quantize, row_norm
+    from serving.bench.throughput import torch_row_ops
+    from serving.engine import quantize
 
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shape": shape, "gemms": {}, "prefill": {}}
 
@@ -227,8 +228,7 @@ def run_fp8_prefill(shape: str, rows: int, *, batches: tuple[int, ...] = (1, 64)
     for method in ("none", "fp8"):
         runner = runner_for(base, method, max_batch_size=max_batch, max_seq_len=max_seq)
         label = "bf16" if method == "none" else method
-        torch_norms = mock.patch.object(row_norm, "fits", lambda x, w: False)
-        variants = {label: contextlib.nullcontext(), f"{label}, torch norms": torch_norms}
+        variants = {label: contextlib.nullcontext(), f"{label}, torch row ops": torch_row_ops()}
         if method == "fp8":
             variants |= {name: mock.patch.object(quantize, "fp8_scaled_linear", fn)
                          for name, fn in PREFILL_CANDIDATES.items()}

@@ -220,15 +220,17 @@ def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = Non
                       goodput_per_s=None if met is None else met / wall, met_slo=met)
 
 
-TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations and K/V writes as torch ops
+TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations, K/V writes, SiLU * up as torch ops
 
 
 @contextlib.contextmanager
 def torch_row_ops() -> Iterator[None]:
-    """The eager steps' row kernels (`row_norm`, `paged_rope`) turned off: what they replaced, for an A/B."""
-    from serving.engine import paged_rope, row_norm
+    """The eager steps' row kernels (`row_norm`, `paged_rope`, `silu_mul`) turned off: what they replaced, for
+    an A/B."""
+    from serving.engine import paged_rope, row_norm, silu_mul
 
-    with mock.patch.object(row_norm, "fits", lambda *a: False), mock.patch.object(paged_rope, "fits", lambda *a: False):
+    off = [mock.patch.object(module, "fits", lambda *a: False) for module in (row_norm, paged_rope, silu_mul)]
+    with off[0], off[1], off[2]:
         yield
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.engine import row_norm
+from serving.engine import row_norm, silu_mul
 from serving.engine.errors import UnsupportedArchitectureError
 from serving.engine.partials import sum_partials
 from serving.engine.quantize import QuantLinear
@@ -312,7 +312,10 @@ class FeedForward(nn.Module):
         """silu(gate) * up, the input of w2."""
         if gate_up is not None:
             return gate_up(self.w13, x)
-        gate, up = linear(self.w13, x).split([self.intermediate_size, self.intermediate_size], dim=-1)
+        both = linear(self.w13, x)
+        if not torch.compiler.is_compiling() and silu_mul.fits(both):  # eager GPU work: one kernel, not two
+            return silu_mul.silu_mul(both, self.intermediate_size)
+        gate, up = both.split([self.intermediate_size, self.intermediate_size], dim=-1)
         return F.silu(gate) * up
 
 
