@@ -153,6 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="requests a second, arriving in a seeded Poisson process (default 0: all at once)")
     thr.add_argument("--goodput", type=_slos, default={}, help="SLOs for goodput, e.g. ttft:500,tpot:50 (milliseconds): the "
                      "requests a second that met every one")
+    thr.add_argument("--profile-prefill", action="store_true", help="after the paged side, the wall time and kernels "
+                     "of one step of prompts only (CUDA)")
     thr.add_argument("--profile-decode", default="", help="comma list of rows: after the paged side, the kernels "
                      "of one paged decode step at each (CUDA)")
     thr.add_argument("--device", default="auto")
@@ -295,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction,
             sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests,
             profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else (),
-            request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"), slo_tpot_ms=slos.get("tpot")),
+            profile_prefill=args.profile_prefill, request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"), slo_tpot_ms=slos.get("tpot")),
             device=args.device,
             out_json=args.out)
         return 0

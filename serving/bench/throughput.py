@@ -60,6 +60,7 @@ class ThroughputConfig:
     warmup_requests: int = 64
     seed: int = 0
     profile_decode: tuple[int, ...] = ()  # rows of the paged decode steps to profile after the run (CUDA)
+    profile_prefill: bool = False  # after the run, the kernels and wall time of one paged step of prompts only
     request_rate: float = 0.0  # requests a second, Poisson; 0: all at once
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -299,7 +300,7 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
             if side == "static" and runner.graphs is not None:
                 runner.graphs.warm_up()
             if side != "static":
-                runner.decode.graphs.clear()  # captured again, with or without the row kernels
+                runner.decode.drop_graphs()  # captured again, with or without the row kernels
                 runner.warm_up_decode()
             if cfg.warmup_requests:
                 run_side(make(), warm, side)
@@ -311,6 +312,8 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
         if side != "static" and dev.type == "cuda":
             for rows in cfg.profile_decode:
                 progress(profile_paged_decode(runner, rows, cfg.input_len + cfg.output_len // 2))
+            if cfg.profile_prefill:
+                progress(profile_paged_prefill(runner, cfg.input_len))
         if out_json is not None:
             out_json.write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
@@ -330,3 +333,24 @@ def profile_paged_decode(runner: Any, rows: int, position: int) -> str:
     decode.inputs[2, :bsz].fill_(position)
     decode.graphs[bsz].replay()
     return kernel_table(decode.graphs[bsz].replay, f"paged decode step, {bsz} rows at position {position}")
+
+
+def profile_paged_prefill(runner: Any, prompt_len: int) -> str:
+    """One paged step of prompts only, as many `prompt_len`-token prompts as the step budget and the live cap
+    take, each to its first token: wall time on the host (best of 3), then its kernels by device time."""
+    from serving.bench.kernel_table import kernel_table
+
+    n = max(1, min(runner.config.max_num_tokens // prompt_len, runner.max_live))
+    prompts = [[1 + i % 97] * prompt_len for i in range(n)]
+
+    def step() -> None:
+        runner.generate(prompts, max_new_tokens=1, logprobs=False)
+
+    walls = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    title = f"one paged step of {n} x {prompt_len} prompt tokens ({min(walls[1:]) * 1e3:.1f} ms wall)"
+    return kernel_table(step, title, rows=30)

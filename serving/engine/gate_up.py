@@ -31,8 +31,8 @@ Imports: stdlib and torch; Triton only if importable (this module runs inside Tr
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from serving.engine import silu_mul
 from serving.engine.skinny_gemm import (
     MAX_ROWS,
     QUANTIZED_DTYPES,
@@ -244,8 +244,7 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, *, config: GemmConfig | None = N
     if config is None and x.is_cuda and triton is not None:
         config = config_for(m, intermediate, k, quantized=scale is not None)
     if config is None or triton is None or not fits(config, m, k):
-        gate, up = skinny_linear(x, w13, pdl=pdl, scale=scale).split([intermediate, intermediate], dim=-1)
-        return F.silu(gate) * up
+        return silu_mul.gated(skinny_linear(x, w13, pdl=pdl, scale=scale), intermediate)
     if scale is not None:
         op = torch.ops.enginewright.gate_up_scaled_pdl if pdl else torch.ops.enginewright.gate_up_scaled
         return op(x, w13, scale, config.key())

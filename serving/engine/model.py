@@ -312,11 +312,7 @@ class FeedForward(nn.Module):
         """silu(gate) * up, the input of w2."""
         if gate_up is not None:
             return gate_up(self.w13, x)
-        both = linear(self.w13, x)
-        if not torch.compiler.is_compiling() and silu_mul.fits(both):  # eager GPU work: one kernel, not two
-            return silu_mul.silu_mul(both, self.intermediate_size)
-        gate, up = both.split([self.intermediate_size, self.intermediate_size], dim=-1)
-        return F.silu(gate) * up
+        return silu_mul.gated(linear(self.w13, x), self.intermediate_size)
 
 
 class TransformerBlock(nn.Module):
@@ -472,14 +468,14 @@ def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
         if not isinstance(module, QuantLinear):
             return gate_up(x, module.weight, pdl=pdl)
         if module.decode_tensor_cores and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
-            gate, up = fp8_linear(x, module.weight, module.weight_scale, config=fp8, pdl=pdl).chunk(2, dim=-1)
+            both = fp8_linear(x, module.weight, module.weight_scale, config=fp8, pdl=pdl)
         elif module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores, then SiLU * up
-            gate, up = module.tensor_core(x).chunk(2, dim=-1)
+            both = module.tensor_core(x)
         elif x.shape[0] > MAX_DECODE_KERNEL_ROWS:  # the layer's own GEMM, then SiLU * up
-            gate, up = module(x).chunk(2, dim=-1)
+            both = module(x)
         else:
             return gate_up(x, module.weight, pdl=pdl, scale=module.weight_scale)
-        return F.silu(gate) * up
+        return silu_mul.gated(both, module.out_features // 2)
 
     return product
 

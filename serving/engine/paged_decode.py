@@ -198,6 +198,14 @@ class PagedDecodeGraphs:
         self.capture_s += took
         self.log(f"captured paged decode graph batch={bsz} in {took:.2f} s")
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and their memory pool: the next steps capture afresh (a new pool: one
+        whose graphs are all gone cannot be captured into again)."""
+        self.graphs.clear()
+        if self.use_graphs:
+            torch.cuda.synchronize()
+            self.pool = torch.cuda.graph_pool_handle()
+
     @torch.no_grad()
     def warm_up(self) -> None:
         """Capture every bucket's graph (before serving: a capture mid-run stalls every stream)."""

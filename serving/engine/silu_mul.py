@@ -48,3 +48,12 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, BLOCK))](x2, out, inter, x2.stride(0), out.stride(0),
                                                                BLOCK=BLOCK, num_warps=4)
     return out.view(*gate_up.shape[:-1], inter)
+
+
+def gated(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """SiLU(gate) * up of gate_up [..., 2 * inter]: the kernel for eager GPU work, the torch ops elsewhere (the CPU,
+    and code being compiled, which inductor fuses)."""
+    if not torch.compiler.is_compiling() and fits(gate_up):
+        return silu_mul(gate_up, inter)
+    gate, up = gate_up.split([inter, inter], dim=-1)
+    return torch.nn.functional.silu(gate) * up
