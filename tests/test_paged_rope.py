@@ -4,8 +4,11 @@ the tables' rows gathered, `model._rope_1` on the query and key heads, `PagedKVC
 - TRITON_INTERPRET=1 with Triton importable (skipped otherwise, so in CI): CPU tensors in float16 (the
   interpreter's float32 -> bfloat16 cast does not round to nearest; bf16 is checked on the GPU).
 - CUDA (`gpu`): bf16 at the Llama-8B head shapes.
-Equal to the last bit: the kernel rounds each product to the dtype before the sum, as the torch ops do. Slots
-not written keep their NaN, so a write to a wrong slot or head shows.
+The values are copied exactly; the rotations agree with torch's to rounding: the kernel asks for each product
+rounded to the dtype before the sum, as the torch ops do (and under the interpreter, in float16, they are equal
+to the last bit), but on the H200 the compiler may keep a product unrounded (46 of 320 rotated values one bf16
+step away), so there each value is held within one step of the dtype at the size of its two terms. Slots not
+written keep their NaN, so a write to a wrong slot or head shows.
 """
 
 from __future__ import annotations
@@ -50,22 +53,41 @@ def torch_ops(c: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q, k_pool, v_pool
 
 
-def check(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype) -> None:
+def term_sizes(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """|x| |cos| + |rotate_half(x)| |sin| of every rotated query and key value, in float32 (the size of the
+    two terms each result is the rounded sum of), q [T, H, hd] and k laid out as the pool."""
+    n, heads, kv_heads = c["qkv"].shape[0], c["n_heads"], c["n_kv_heads"]
+    hd = c["k_pool"].shape[-1]
+    cos, sin = c["cos"][c["positions"]].float().abs()[:, None], c["sin"][c["positions"]].float().abs()[:, None]
+    x = c["qkv"].float().abs()
+    q, k = x[:, :heads * hd].view(n, heads, hd), x[:, heads * hd:(heads + kv_heads) * hd].view(n, kv_heads, hd)
+    size = [t * cos + torch.cat(t.chunk(2, dim=-1)[::-1], dim=-1) * sin for t in (q, k)]
+    k_size = torch.zeros(c["k_pool"].shape, device=q.device).view(-1, kv_heads, hd)
+    k_size[c["slots"]] = size[1]
+    return size[0], k_size.view(c["k_pool"].shape)
+
+
+def check(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype, exact: bool) -> None:
     c = case(shape, device, dtype)
     q_ref, k_ref, v_ref = torch_ops(c)
+    q_size, k_size = term_sizes(c)
     q = paged_rope.rope_and_write(**c)
-    for name, out, ref in (("q", q, q_ref), ("k", c["k_pool"], k_ref), ("v", c["v_pool"], v_ref)):
+    step = torch.finfo(dtype).eps  # one step of the dtype at 1.0
+    for name, out, ref, size in (("q", q, q_ref, q_size), ("k", c["k_pool"], k_ref, k_size),
+                                 ("v", c["v_pool"], v_ref, None)):
         assert torch.equal(out.isnan(), ref.isnan()), f"{name}: written where torch writes, nowhere else"
         diff = (out.nan_to_num().float() - ref.nan_to_num().float()).abs()
-        assert torch.equal(out.nan_to_num(), ref.nan_to_num()), (
-            f"{name}: {int((diff > 0).sum())} of {diff.numel()} differ, the largest by {float(diff.max()):.3g} "
-            f"(relative {float((diff / ref.nan_to_num().float().abs().clamp_min(1e-6)).max()):.3g})")
+        what = f"{name}: {int((diff > 0).sum())} of {diff.numel()} differ, the largest by {float(diff.max()):.3g}"
+        if exact or size is None:
+            assert torch.equal(out.nan_to_num(), ref.nan_to_num()), what
+        else:
+            assert bool((diff <= 2 * step * size + 1e-6).all()), what
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_equals_the_torch_ops_interpreted(shape: tuple[int, int, int, int]) -> None:
-    check(shape, "cpu", torch.float16)
+    check(shape, "cpu", torch.float16, exact=True)
 
 
 def test_fits_only_cuda_half_precision_steps() -> None:
@@ -82,4 +104,4 @@ def test_fits_only_cuda_half_precision_steps() -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
 @pytest.mark.parametrize("shape", (*SHAPES, (64, 32, 8, 128), (1024, 32, 8, 128)))
 def test_kernel_equals_the_torch_ops_on_the_gpu(shape: tuple[int, int, int, int]) -> None:
-    check(shape, "cuda", torch.bfloat16)
+    check(shape, "cuda", torch.bfloat16, exact=False)

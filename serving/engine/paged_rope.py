@@ -8,8 +8,9 @@ rotated keys and the values into the pools at the tokens' `slots` (block * block
 
 In torch that is a gather of the tables' rows, ten elementwise launches (`model._rope_1` on q and on k) and
 two index writes a layer, each a pass over the step's heads: about a quarter of the paged step's launches.
-One program per token does it all here, rounding as the torch ops do (each product to the dtype, then the
-sum), so the results are equal (tests/test_paged_rope.py).
+One program per token does it all here. It asks for torch's rounding (each product to the dtype, then the
+sum), which the interpreter gives to the last bit; compiled for the H200 a product may stay unrounded, so a
+rotated value can land one step of the dtype away (tests/test_paged_rope.py). Values are copied exactly.
 
 Imports: torch; Triton only if importable (this module runs inside Triton's python backend).
 """
