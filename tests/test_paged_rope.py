@@ -1,5 +1,5 @@
-"""`paged_rope.rope_and_write` (one Triton kernel) against the torch ops it replaces in the paged decode step:
-the tables' rows gathered, `model._rope_1` on the query and key heads, `PagedKVCache.write`.
+"""`paged_rope.rope_and_write` / `rope_write_keys` (one Triton kernel) against the torch ops they replace in the
+paged steps: the tables' rows gathered, `model._rope_1` on the query and key heads, `PagedKVCache.write`.
 
 - TRITON_INTERPRET=1 with Triton importable (skipped otherwise, so in CI): CPU tensors in float16 (the
   interpreter's float32 -> bfloat16 cast does not round to nearest; bf16 is checked on the GPU).
@@ -41,21 +41,22 @@ def case(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype) -> d
             "n_heads": heads, "n_kv_heads": kv_heads}
 
 
-def torch_ops(c: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def torch_ops(c: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, heads, kv_heads = c["qkv"].shape[0], c["n_heads"], c["n_kv_heads"]
     hd = c["k_pool"].shape[-1]
     cos, sin = c["cos"][c["positions"]], c["sin"][c["positions"]]
     q, k, v = c["qkv"].split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     q = _rope_1(q.view(n, heads, hd), cos, sin)
     k_pool, v_pool = c["k_pool"].clone(), c["v_pool"].clone()
-    k_pool.view(-1, kv_heads, hd)[c["slots"]] = _rope_1(k.reshape(n, kv_heads, hd), cos, sin)
+    k = _rope_1(k.reshape(n, kv_heads, hd), cos, sin)
+    k_pool.view(-1, kv_heads, hd)[c["slots"]] = k
     v_pool.view(-1, kv_heads, hd)[c["slots"]] = v.reshape(n, kv_heads, hd)
-    return q, k_pool, v_pool
+    return q, k, k_pool, v_pool
 
 
-def term_sizes(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def term_sizes(c: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """|x| |cos| + |rotate_half(x)| |sin| of every rotated query and key value, in float32 (the size of the
-    two terms each result is the rounded sum of), q [T, H, hd] and k laid out as the pool."""
+    two terms each result is the rounded sum of): q [T, H, hd], k [T, Hkv, hd] and k laid out as the pool."""
     n, heads, kv_heads = c["qkv"].shape[0], c["n_heads"], c["n_kv_heads"]
     hd = c["k_pool"].shape[-1]
     cos, sin = c["cos"][c["positions"]].float().abs()[:, None], c["sin"][c["positions"]].float().abs()[:, None]
@@ -64,17 +65,19 @@ def term_sizes(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
     size = [t * cos + torch.cat(t.chunk(2, dim=-1)[::-1], dim=-1) * sin for t in (q, k)]
     k_size = torch.zeros(c["k_pool"].shape, device=q.device).view(-1, kv_heads, hd)
     k_size[c["slots"]] = size[1]
-    return size[0], k_size.view(c["k_pool"].shape)
+    return size[0], size[1], k_size.view(c["k_pool"].shape)
 
 
 def check(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype, exact: bool) -> None:
-    c = case(shape, device, dtype)
-    q_ref, k_ref, v_ref = torch_ops(c)
-    q_size, k_size = term_sizes(c)
+    c, again = case(shape, device, dtype), case(shape, device, dtype)
+    q_ref, keys_ref, k_ref, v_ref = torch_ops(c)
+    q_size, keys_size, k_size = term_sizes(c)
     q = paged_rope.rope_and_write(**c)
+    q_again, keys = paged_rope.rope_write_keys(**again)
+    assert torch.equal(q_again, q) and torch.equal(again["k_pool"].nan_to_num(), c["k_pool"].nan_to_num())
     step = torch.finfo(dtype).eps  # one step of the dtype at 1.0
     for name, out, ref, size in (("q", q, q_ref, q_size), ("k", c["k_pool"], k_ref, k_size),
-                                 ("v", c["v_pool"], v_ref, None)):
+                                 ("v", c["v_pool"], v_ref, None), ("keys", keys, keys_ref, keys_size)):
         assert torch.equal(out.isnan(), ref.isnan()), f"{name}: written where torch writes, nowhere else"
         diff = (out.nan_to_num().float() - ref.nan_to_num().float()).abs()
         what = f"{name}: {int((diff > 0).sum())} of {diff.numel()} differ, the largest by {float(diff.max()):.3g}"
