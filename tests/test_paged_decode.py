@@ -70,3 +70,34 @@ def test_captured_decode_graphs_give_the_eager_steps_tokens_on_cuda():
         assert runner.allocator.free == runner.num_blocks
     assert outs[0] == outs[1], steps
     assert steps[0][0] > 30 and steps[0][1] == len(decode_buckets(6)) and steps[1][1] == 0, steps
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the row kernels run there")
+def test_row_kernels_keep_the_paged_steps_logits_on_cuda():
+    """bf16 tiny shape: a mixed step's logits of every position (`prefill_logits`) and 8 decode steps' logits
+    (graphs) with the row kernels (norms, rotations + K/V write, SiLU * up) against the same engine with the
+    torch ops they replace: within bf16 noise, the same greedy tokens almost everywhere."""
+    from serving.bench.throughput import torch_row_ops
+
+    rng = random.Random(1)
+    prompt = [rng.randrange(1, 512) for _ in range(30)]
+    prompts = [[rng.randrange(1, 512) for _ in range(rng.randrange(5, 31))] for _ in range(4)]
+    results = []
+    for fused in (True, False):
+        with torch_row_ops() if not fused else torch.no_grad():
+            runner = _paged("cuda")
+            logits = runner.prefill_logits(prompt).float()
+            decoded = runner.generate(prompts, max_new_tokens=8, top_logprobs=1)
+        results.append((logits, decoded))
+    (fused_logits, fused_out), (torch_logits, torch_out) = results
+    rel = float((fused_logits - torch_logits).norm() / torch_logits.norm())
+    agree = float((fused_logits.argmax(-1) == torch_logits.argmax(-1)).float().mean())
+    assert rel < 2e-2 and agree >= 0.9, (rel, agree)
+    same_so_far = []  # each chosen token's log-prob on both sides, while the two sequences still agree
+    for f, t in zip(fused_out, torch_out):
+        for j, (a, b) in enumerate(zip(f.logprobs, t.logprobs)):
+            if f.token_ids[:j] != t.token_ids[:j]:
+                break
+            same_so_far.append((a, b))
+    assert len(same_so_far) >= 16 and max(abs(a - b) for a, b in same_so_far) < 0.1, same_so_far
