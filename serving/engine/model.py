@@ -34,6 +34,7 @@ from torch import nn
 from serving.engine import row_norm, silu_mul
 from serving.engine.errors import UnsupportedArchitectureError
 from serving.engine.partials import sum_partials
+from serving.engine.prefill_attention import sdpa
 from serving.engine.quantize import QuantLinear
 
 # architectures[0] of config.json -> (model_type, whether q/k/v carry a bias by default)
@@ -708,7 +709,7 @@ def prefill_packed(model: Transformer, index: torch.Tensor, lengths: list[int]) 
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if equal:
             s = lengths[0]
-            y = F.scaled_dot_product_attention(
+            y = sdpa(
                 q.view(n, s, a.n_heads, a.head_dim).transpose(1, 2), k.view(n, s, a.n_heads, a.head_dim).transpose(1, 2),
                 v.view(n, s, a.n_heads, a.head_dim).transpose(1, 2), is_causal=True,
             ).transpose(1, 2).reshape(total, a.q_size)  # [T, H * hd]
@@ -716,7 +717,7 @@ def prefill_packed(model: Transformer, index: torch.Tensor, lengths: list[int]) 
             parts = []
             for i in range(n):
                 lo, hi = bounds[i], bounds[i + 1]
-                parts.append(F.scaled_dot_product_attention(
+                parts.append(sdpa(
                     q[lo:hi].transpose(0, 1).unsqueeze(0), k[lo:hi].transpose(0, 1).unsqueeze(0),
                     v[lo:hi].transpose(0, 1).unsqueeze(0), is_causal=True,
                 )[0].transpose(0, 1).reshape(hi - lo, a.q_size))

@@ -25,12 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from serving.engine import paged_rope
 from serving.engine.model import Transformer, _rope_1
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache
+from serving.engine.prefill_attention import sdpa
 
 # One sequence's part of a step (host values): (the chunk's input tokens, the position of its first token,
 # the sequence's block table covering positions [0, start + len(tokens))). A plain tuple: one is built per
@@ -171,7 +171,7 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
     qc, kc, vc = q[rows], k[rows], v[rows]  # [m, n, heads, hd]
     if group > 1:
         kc, vc = kc.repeat_interleave(group, dim=2), vc.repeat_interleave(group, dim=2)
-    out = F.scaled_dot_product_attention(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), is_causal=True)
+    out = sdpa(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), is_causal=True)
     return out.transpose(1, 2).reshape(m * n, -1)
 
 
@@ -186,5 +186,5 @@ def _chunk_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, table: to
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
     ctx = start + n
     mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= torch.arange(start, ctx, device=q.device).unsqueeze(1)
-    out = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)
+    out = sdpa(qh, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)
     return out[0].transpose(0, 1).reshape(n, heads * hd)
