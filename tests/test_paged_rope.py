@@ -29,7 +29,8 @@ SHAPES = ((5, 4, 2, 16), (3, 6, 2, 32))  # tokens, query heads, kv heads, head_d
 def case(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype) -> dict:
     tokens, heads, kv_heads, hd = shape
     torch.manual_seed(sum(shape))
-    blocks, block_size, max_seq = 6, 4, 64
+    block_size = 4
+    blocks, max_seq = max(6, tokens // block_size + 2), max(64, tokens)  # room for every token's own slot
     angles = torch.arange(max_seq, device=device)[:, None] * (0.1 ** torch.linspace(0, 3, hd // 2, device=device))
     angles = torch.cat((angles, angles), dim=-1)
     return {"qkv": (2 * torch.randn(tokens, (heads + 2 * kv_heads) * hd, device=device)).to(dtype),
