@@ -60,6 +60,44 @@ def test_greedy_tokens_equal_static_past_the_kv_budget(engines):
     assert s.largest_batch <= 4 and s.peak_blocks <= CONFIG.num_blocks
     assert paged.allocator.free == CONFIG.num_blocks, "finished requests give their blocks back"
     assert paged.decode.steps > 0, "steps of decodes only went through paged_decode"
+    assert 0 < s.ahead_steps < s.steps, "some decode steps ran one step ahead, the others synchronously"
+
+
+def test_one_step_ahead_delivers_what_the_synchronous_steps_do(engines):
+    """Decode steps launched from the device's unread samples: the same tokens and finish reasons as steps that
+    wait for their tokens, through stop tokens met while the next step already runs (its token for a finished
+    request is dropped), length finishes, preemptions and a cancel; every block given back."""
+    _, _, static, paged = engines
+    prompts = _prompts(8, seed=3)
+    plain = static.generate(prompts, max_new_tokens=20)
+    stops = sorted({ref.token_ids[j] for ref in plain[:4] for j in (3, 9)})  # tokens some requests meet early
+    runs = []
+    for ahead in (True, False):
+        sched = PagedScheduler(paged, step_ahead=ahead)
+        done: dict[int, tuple[list[int], str | None]] = {}
+
+        def emitter(i: int):
+            def emit(ids: list[int], reason: str | None) -> None:
+                got = done.setdefault(i, ([], None))[0]
+                got.extend(ids)
+                done[i] = (got, reason)
+            return emit
+
+        failed: list[BaseException] = []
+        reqs = [GenRequest(p, 20, emitter(i), failed.append, stop_token_ids=stops) for i, p in enumerate(prompts)]
+        for req in reqs:
+            sched.submit(req)
+        for _ in range(6):
+            sched.step()
+        sched.cancel(reqs[7])
+        sched.run_until_idle()
+        runs.append((done, [type(e).__name__ for e in failed], sched.stats))
+        assert paged.allocator.free == CONFIG.num_blocks
+    (ahead, ahead_failed, a), (sync, sync_failed, b) = runs
+    assert a.ahead_steps > 0 and b.ahead_steps == 0
+    assert ahead_failed == sync_failed == ["RequestCancelled"]
+    assert {i: v for i, v in ahead.items() if i != 7} == {i: v for i, v in sync.items() if i != 7}
+    assert any(reason == "stop" for _, reason in ahead.values()) and any(r == "length" for _, r in ahead.values())
 
 
 def test_chunked_prefill_of_a_long_prompt_mixed_with_decodes(engines):

@@ -24,8 +24,9 @@ prefill chunk in it):
 On the CPU (or `graphs=False`) the same code runs eagerly on the same buffers: the tests check it against
 `paged_forward`.
 
-On CUDA the rotary embedding and the K/V write are one kernel (`paged_rope`). Not here yet: the host
-preparing step N+1 while step N runs (the scheduler waits for each step's tokens).
+On CUDA the rotary embedding and the K/V write are one kernel (`paged_rope`). A step may take its input
+tokens from the device (`device_tokens`): the previous step's samples, which the scheduler has not read
+yet when it runs one step ahead (`paged_scheduler`).
 
 Imports: stdlib and torch only (Triton through the kernels, lazily).
 """
@@ -120,22 +121,28 @@ class PagedDecodeGraphs:
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, chunks: Sequence[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-        """A decode-only step (`is_decode_only`) -> float32 logits [B, V], a view of the shared buffer."""
+    def step(self, chunks: Sequence[tuple[list[int], int, list[int]]],
+             device_tokens: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """A decode-only step (`is_decode_only`) -> float32 logits [B, V], a view of the shared buffer.
+        `device_tokens` (tokens [M] on the device, a row of it for each chunk): the input tokens come from
+        there (a previous step's samples the host has not read), not from the chunks."""
         n = len(chunks)
         bsz = self.bucket(n)
         if self.use_graphs and bsz not in self.graphs:
             self._capture(bsz)
         keys, toks, poss, updates = self._host_inputs(chunks)
         pad = bsz - n
-        host = torch.tensor(keys + [self.trash] * pad + toks + [0] * pad + poss + [0] * pad + updates,
+        rows = device_tokens[1] if device_tokens is not None else []
+        host = torch.tensor(keys + [self.trash] * pad + toks + [0] * pad + poss + [0] * pad + rows + updates,
                             dtype=torch.long)
         if self.device.type == "cuda":
             host = host.pin_memory()
         flat = host.to(self.device, non_blocking=True)
         self.inputs[:, :bsz].copy_(flat[:3 * bsz].view(3, bsz))
+        if device_tokens is not None:
+            self.inputs[1, :n] = device_tokens[0][flat[3 * bsz:3 * bsz + n]]
         if updates:
-            upd = flat[3 * bsz:].view(3, -1)
+            upd = flat[3 * bsz + len(rows):].view(3, -1)
             self.tables[upd[0], upd[1]] = upd[2]
         if self.use_graphs:
             self.graphs[bsz].replay()

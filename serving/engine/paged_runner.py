@@ -85,6 +85,15 @@ class PagedRunner:
         return logits
 
     @torch.no_grad()
+    def forward_ahead(self, chunks: Sequence[ChunkPlan], tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """A decode-only step whose input tokens are `tokens[rows]` on the device (the previous step's samples,
+        not read by the host yet) -> float32 logits [len(chunks), V]."""
+        logits = self.decode.step(chunks, device_tokens=(tokens, rows))
+        if self.step_events is not None:
+            self.step_events.append(_recorded_event())
+        return logits
+
+    @torch.no_grad()
     def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
         """Teacher-forced float32 logits of every position of `prompt`: [S, V] on the CPU (up to
         limits.max_seq_len tokens, in one chunk, through blocks borrowed for the call)."""

@@ -22,12 +22,19 @@ past the KV budget costs clients a retry, never the server its memory.
 
 Tokens go out through the request's `emit(new_ids, finish_reason)` as in `scheduler.Scheduler` (the same
 `GenRequest`); a `PagedRequest` can also ask for each token's log-prob and top log-probs
-(`on_logprobs`). The step is synchronous: the host waits for each step's tokens before planning the next
-(one step ahead, as the static scheduler runs, is later work).
+(`on_logprobs`).
+
+One step ahead (`step_ahead`, on by default): while every live request decodes and nothing waiting could
+be admitted, a step is launched before the previous step's tokens reach the host: its input tokens are the
+previous step's samples, read on the device (`PagedRunner.forward_ahead`), and the host delivers those
+tokens while the GPU computes, instead of leaving the GPU idle while it reads, delivers and plans. The
+requests a pending token finishes by length are left out of the next step; one that meets a stop token has
+already been given the next step's row, whose token is dropped (its blocks go back once it is delivered: the
+stream runs that step before any later one can reuse them). A step that needs the tokens on the host (an
+admission, a cancel, a block only a preemption would free, a request wanting log-probs) waits for them first.
 
 The queue, `submit` / `cancel`, the loop (`run_forever`, `start`, `stop`, `run_until_idle`), `while_waiting`
-/ `drain` (Triton's `llm` model sends its responses there: after every step, the step being synchronous,
-and whenever the loop goes idle) and `admit_gap_s` (an idle engine lets a burst of arrivals finish, so it
+/ `drain` (Triton's `llm` model sends its responses there: after every step, and whenever the loop goes idle) and `admit_gap_s` (an idle engine lets a burst of arrivals finish, so it
 is admitted in one step) are `scheduler_loop.SchedulerLoop`'s, shared with the static scheduler.
 
 Thread model: `submit` and `cancel` are thread-safe; `run_forever` (or `start()`) / `run_until_idle` is
@@ -79,6 +86,16 @@ class _Seq:
 
 
 @dataclass
+class _Ahead:
+    """A decode step launched whose sampled tokens the host has not read yet."""
+
+    seqs: list[_Seq]  # its rows, in order
+    tokens: torch.Tensor  # [N] on the device
+    host: torch.Tensor  # [N] on the host (pinned on CUDA), filled by a non-blocking copy after the step
+    ready: Any  # a torch.cuda.Event recorded after that copy; None off CUDA (the copy was synchronous)
+
+
+@dataclass
 class PagedStats:
     steps: int = 0
     admitted: int = 0
@@ -98,6 +115,7 @@ class PagedStats:
     forward_s: float = 0.0  # building the inputs, launching the forward and sampling (the GPU runs behind)
     wait_s: float = 0.0  # then waiting for the step's tokens to reach the host
     deliver_s: float = 0.0  # handing the tokens to the requests' callbacks
+    ahead_steps: int = 0  # decode steps launched before the previous step's tokens were read
     mixed_steps: int = 0  # steps with a prefill chunk in them (the others are decode-only)
     mixed_s: float = 0.0  # their forward + wait
 
@@ -112,9 +130,11 @@ class PagedScheduler(SchedulerLoop):
     def __init__(self, runner: Any, *, idle_wait_s: float = 0.05,
                  on_error: Callable[[str], None] | None = None,
                  while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
-                 admit_gap_s: float = 0.0, max_waiting: int | None = None) -> None:
+                 admit_gap_s: float = 0.0, max_waiting: int | None = None, step_ahead: bool = True) -> None:
         super().__init__(runner, idle_wait_s=idle_wait_s, on_error=on_error, while_waiting=while_waiting,
                          drain=drain, admit_gap_s=admit_gap_s, max_waiting=max_waiting)
+        self.step_ahead = step_ahead and hasattr(runner, "forward_ahead")
+        self.ahead: _Ahead | None = None
         self.max_live = self.capacity = runner.max_live
         self.max_num_tokens = runner.config.max_num_tokens
         self.block_size = runner.config.block_size
@@ -154,8 +174,16 @@ class PagedScheduler(SchedulerLoop):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Plan one step under the token budget, run it, deliver the tokens it sampled."""
+        """Plan one step under the token budget, run it, deliver the tokens it sampled. One step ahead: while
+        only decodes run, launch the next step from the device's samples, then deliver the previous one's."""
         started = time.perf_counter()
+        if self.ahead is not None:
+            rows = self._next_ahead_rows(self.ahead)
+            if rows:
+                self._run_ahead(self.ahead, rows)
+                self.stats.busy_s += time.perf_counter() - started
+                return
+            self._land(self.ahead)
         if self.cancels_pending:
             self._apply_cancels()
         planning = time.perf_counter()
@@ -221,10 +249,92 @@ class PagedScheduler(SchedulerLoop):
         with self.cond:
             self.waiting.appendleft(seq)
 
+    # -- one step ahead ----------------------------------------------------------------------
+    def _may_run_ahead(self, plan: list[tuple[_Seq, int]], sampling: list[int]) -> bool:
+        """Whether a step may be launched and left unread: only decodes, of every live request, none wanting
+        log-probs, nothing waiting that could be admitted."""
+        if not self.step_ahead or len(plan) != len(self.running) or len(sampling) != len(plan):
+            return False
+        if any(n != 1 or (isinstance(seq.req, PagedRequest) and seq.req.on_logprobs is not None) for seq, n in plan):
+            return False
+        with self.cond:
+            return not self.waiting or len(self.running) >= self.max_live
+
+    def _next_ahead_rows(self, ahead: _Ahead) -> list[_Seq]:
+        """The requests the step after `ahead` decodes, launched before its tokens are read: every one still
+        live that its unread token does not finish by length. [] when that step cannot be planned without
+        those tokens: a cancel, an admission, a block that would need a preemption."""
+        if self.cancels_pending or not self._may_run_ahead([(s, 1) for s in self.running], list(self.running)):
+            return []
+        rows = [s for s in ahead.seqs if s.live
+                and s.generated + 1 < s.req.max_tokens and len(s.tokens) + 1 < self.max_seq_len]
+        need = sum(blocks_for(s.computed + 1, self.block_size) - len(s.blocks) for s in rows)
+        return rows if need <= self.allocator.free else []
+
+    def _launch_unread(self, seqs: list[_Seq], logits: torch.Tensor) -> _Ahead:
+        """Sample `seqs`' next tokens from `logits` and start copying them to the host; their positions count
+        as computed from here."""
+        tokens = self._sample(logits, seqs)
+        for seq in seqs:
+            seq.computed += 1
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = tokens.clone(), None
+        self.stats.steps += 1
+        self.stats.ahead_steps += 1
+        self.stats.decode_tokens += len(seqs)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
+        return _Ahead(seqs, tokens, host, ready)
+
+    def _run_ahead(self, prev: _Ahead, rows: list[_Seq]) -> None:
+        """Launch the decode step of `rows` on `prev`'s unread samples, then deliver `prev`'s tokens."""
+        started = time.perf_counter()
+        try:
+            where = {id(seq): i for i, seq in enumerate(prev.seqs)}
+            for seq in rows:
+                self._grow(seq, seq.computed + 1)  # never preempts: `_next_ahead_rows` counted the free blocks
+            chunks: list[ChunkPlan] = [([0], seq.computed, seq.blocks) for seq in rows]
+            logits = self.runner.forward_ahead(chunks, prev.tokens, [where[id(seq)] for seq in rows])
+            self.ahead = self._launch_unread(rows, logits)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
+            self.ahead = None
+            self._fail(list(prev.seqs), exc)
+            return
+        self.stats.forward_s += time.perf_counter() - started
+        self._land(prev)
+
+    def _land(self, ahead: _Ahead) -> None:
+        """Wait for `ahead`'s tokens and deliver them to its requests that are still live."""
+        waiting = time.perf_counter()
+        if ahead.ready is not None:
+            ahead.ready.synchronize()
+        tokens = ahead.host.tolist()
+        delivering = time.perf_counter()
+        self.stats.wait_s += delivering - waiting
+        if self.ahead is ahead:
+            self.ahead = None
+        for seq, token in zip(ahead.seqs, tokens):
+            if seq.live:
+                self._deliver(seq, token, None)
+        self._drop_retired()
+        self.stats.deliver_s += time.perf_counter() - delivering
+
     # -- running ------------------------------------------------------------------------------
     def _run(self, plan: list[tuple[_Seq, int]]) -> None:
         chunks: list[ChunkPlan] = [(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks) for seq, n in plan]
         sampling = [i for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
+        if self._may_run_ahead(plan, sampling):
+            started = time.perf_counter()
+            try:
+                self.ahead = self._launch_unread([seq for seq, _ in plan], self.runner.forward(chunks, sampling))
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
+                self._fail([seq for seq, _ in plan], exc)
+            self.stats.forward_s += time.perf_counter() - started
+            return
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.allocator.used)
         self.stats.largest_batch = max(self.stats.largest_batch, len(plan))
         started = time.perf_counter()
@@ -342,4 +452,5 @@ class PagedScheduler(SchedulerLoop):
         self._tell_failed(seq.req, exc)
 
     def _fail_live(self, exc: BaseException) -> None:
+        self.ahead = None
         self._fail(list(self.running), exc)
