@@ -221,6 +221,7 @@ def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = Non
                       goodput_per_s=None if met is None else met / wall, met_slo=met)
 
 
+SYNC_SIDE = "paged-sync"  # the paged engine waiting for every step's tokens (no step ahead)
 TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations, K/V writes, SiLU * up as torch ops
 
 
@@ -259,7 +260,7 @@ def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any
         return EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."))
 
     static = paged = None
-    if {"paged", TORCH_ROW_OPS_SIDE} & set(cfg.sides):  # sized first: from the memory free before the static cache takes its share
+    if {"paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE} & set(cfg.sides):  # sized first: from the memory free before the static cache takes its share
         config = PagedKVConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_tokens=cfg.max_num_tokens,
                                free_mem_fraction=cfg.free_mem_fraction)
         if "static" in cfg.sides and cfg.num_blocks is None and device.type == "cuda":
@@ -294,7 +295,9 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
     warm = workload(cfg, model.args.vocab_size, requests=cfg.warmup_requests, output_len=8)
     for side in cfg.sides:
         runner = static if side == "static" else paged
-        make = (lambda r=runner: Scheduler(r)) if side == "static" else (lambda r=runner: PagedScheduler(r))
+        ahead = side != SYNC_SIDE
+        make = (lambda r=runner: Scheduler(r)) if side == "static" else \
+            (lambda r=runner, a=ahead: PagedScheduler(r, step_ahead=a))
         t0 = time.perf_counter()
         with torch_row_ops() if side == TORCH_ROW_OPS_SIDE else contextlib.nullcontext():
             if side == "static" and runner.graphs is not None:

@@ -251,11 +251,13 @@ class PagedScheduler(SchedulerLoop):
 
     # -- one step ahead ----------------------------------------------------------------------
     def _may_run_ahead(self, plan: list[tuple[_Seq, int]], sampling: list[int]) -> bool:
-        """Whether a step may be launched and left unread: only decodes, of every live request, none wanting
-        log-probs, nothing waiting that could be admitted."""
-        if not self.step_ahead or len(plan) != len(self.running) or len(sampling) != len(plan):
-            return False
-        if any(n != 1 or (isinstance(seq.req, PagedRequest) and seq.req.on_logprobs is not None) for seq, n in plan):
+        """Whether this step may be launched and left unread: decodes only, of every live request."""
+        return (self.step_ahead and len(plan) == len(self.running) == len(sampling)
+                and all(n == 1 for _, n in plan) and self._nothing_needs_the_tokens())
+
+    def _nothing_needs_the_tokens(self) -> bool:
+        """No live request wants log-probs (read on the host at once) and nothing waiting could be admitted."""
+        if any(isinstance(seq.req, PagedRequest) and seq.req.on_logprobs is not None for seq in self.running):
             return False
         with self.cond:
             return not self.waiting or len(self.running) >= self.max_live
@@ -264,7 +266,7 @@ class PagedScheduler(SchedulerLoop):
         """The requests the step after `ahead` decodes, launched before its tokens are read: every one still
         live that its unread token does not finish by length. [] when that step cannot be planned without
         those tokens: a cancel, an admission, a block that would need a preemption."""
-        if self.cancels_pending or not self._may_run_ahead([(s, 1) for s in self.running], list(self.running)):
+        if self.cancels_pending or not self._nothing_needs_the_tokens():
             return []
         rows = [s for s in ahead.seqs if s.live
                 and s.generated + 1 < s.req.max_tokens and len(s.tokens) + 1 < self.max_seq_len]
