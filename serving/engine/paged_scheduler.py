@@ -279,6 +279,10 @@ class PagedScheduler(SchedulerLoop):
         tokens = self._sample(logits, seqs)
         for seq in seqs:
             seq.computed += 1
+            if seq.generated > 0:
+                self.stats.decode_tokens += 1
+            else:  # a one-token prompt
+                self.stats.prefill_tokens += 1
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -288,8 +292,8 @@ class PagedScheduler(SchedulerLoop):
             host, ready = tokens.clone(), None
         self.stats.steps += 1
         self.stats.ahead_steps += 1
-        self.stats.decode_tokens += len(seqs)
         self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self.allocator.used)
         return _Ahead(seqs, tokens, host, ready)
 
     def _run_ahead(self, prev: _Ahead, rows: list[_Seq]) -> None:
