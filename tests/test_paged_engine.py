@@ -76,7 +76,7 @@ def test_one_step_ahead_delivers_what_the_synchronous_steps_do(engines):
         sched = PagedScheduler(paged, step_ahead=ahead)
         done: dict[int, tuple[list[int], str | None]] = {}
 
-        def emitter(i: int):
+        def emitter(i: int, done: dict = done):
             def emit(ids: list[int], reason: str | None) -> None:
                 got = done.setdefault(i, ([], None))[0]
                 got.extend(ids)

@@ -200,15 +200,14 @@ def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = Non
     wall = time.perf_counter() - started
     if failures:
         raise RuntimeError(f"{side}: {len(failures)} requests failed, the first: {failures[0]!r}")
-    ttfts = [(t[0] - s) * 1e3 if t else float("inf") for t, s in zip(times, submitted)]
+    ttft = [(t[0] - s) * 1e3 for t, s in zip(times, submitted)]  # every request answered (failures raised)
     tpots = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) if len(t) > 1 else None for t in times]
-    ttft = [x for x in ttfts if x != float("inf")]
     tpot = [x for x in tpots if x is not None]
     itl = [(b - a) * 1e3 for t in times for a, b in itertools.pairwise(t)]
     generated = sum(len(t) for t in times)
     met = None
     if slos != (None, None):
-        met = sum(met_slos(a, b, *slos) for a, b in zip(ttfts, tpots))
+        met = sum(met_slos(a, b, *slos) for a, b in zip(ttft, tpots))
     stats = scheduler.stats
     parts = ("plan_s", "forward_s", "wait_s", "deliver_s") if hasattr(stats, "plan_s") else ("launch_s", "deliver_s", "wait_s")
     note = f"{stats.steps} steps: " + ", ".join(f"{p[:-2]} {getattr(stats, p):.1f} s" for p in parts)

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from serving.engine import paged_rope
-from serving.engine.model import Transformer, _gate_up_fn, _linear_fn, _rope_1
+from serving.engine.model import Transformer, _gate_up_fn, _linear_fn
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache, blocks_for
 
@@ -70,21 +70,11 @@ def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: tor
     linear = _linear_fn(gemm)
     gate_up = _gate_up_fn(gemm) if getattr(model, "decode_gate_up", True) else None
     x = model.tok_embeddings(tokens)  # [B, D]
-    cos = sin = None
     for i, layer in enumerate(model.layers):
         attn = layer.attention
         h = layer.attention_norm(x)
-        qkv = linear(attn.wqkv, h)
-        if paged_rope.fits(qkv, cache.k[i], a.head_dim):  # one kernel for the rotations and the K/V write
-            q = paged_rope.rope_and_write(qkv, positions, slots, rope_cos, rope_sin, cache.k[i], cache.v[i],
-                                          a.n_heads, a.n_kv_heads)
-        else:
-            if cos is None:
-                cos, sin = rope_cos[positions], rope_sin[positions]  # [B, hd]
-            q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-            q = _rope_1(q.view(bsz, a.n_heads, a.head_dim), cos, sin)
-            k = _rope_1(k.view(bsz, a.n_kv_heads, a.head_dim), cos, sin)
-            cache.write(i, slots, k, v.view(bsz, a.n_kv_heads, a.head_dim))
+        q, _ = paged_rope.rotate_and_write(linear(attn.wqkv, h), positions, slots, rope_cos, rope_sin, cache, i,
+                                           a.n_heads, a.n_kv_heads, keys=False)
         y = paged_decode_attention(q.view(bsz, a.n_kv_heads, group, a.head_dim), cache.k[i], cache.v[i], tables,
                                    lengths, scale)
         x = x + linear(attn.wo, y.reshape(bsz, a.q_size))

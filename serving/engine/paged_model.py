@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.engine import paged_rope
-from serving.engine.model import Transformer, _rope_1
+from serving.engine.model import Transformer
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache
 from serving.engine.prefill_attention import sdpa
@@ -130,7 +130,6 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
     total = step.num_tokens
     group = a.n_heads // a.n_kv_heads
     scale = 1.0 / math.sqrt(a.head_dim)
-    cos = sin = None
     x = model.tok_embeddings(step.tokens)  # [T, D]
     single = step.single_rows.shape[0]
     for i, layer in enumerate(model.layers):
@@ -138,16 +137,8 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
         h = layer.attention_norm(x)
         qkv = attn.wqkv(h)
         v = qkv[:, a.q_size + a.kv_size:].view(total, a.n_kv_heads, a.head_dim)
-        if paged_rope.fits(qkv, cache.k[i], a.head_dim):  # one kernel: rotations, K/V write, rotated keys
-            q, k = paged_rope.rope_write_keys(qkv, step.positions, step.slots, rope_cos, rope_sin, cache.k[i],
-                                              cache.v[i], a.n_heads, a.n_kv_heads)
-        else:
-            if cos is None:
-                cos, sin = rope_cos[step.positions], rope_sin[step.positions]  # [T, hd]
-            q, k = qkv[:, :a.q_size + a.kv_size].split([a.q_size, a.kv_size], dim=-1)
-            q = _rope_1(q.view(total, a.n_heads, a.head_dim), cos, sin)  # [T, H, hd]
-            k = _rope_1(k.view(total, a.n_kv_heads, a.head_dim), cos, sin)  # [T, Hkv, hd]
-            cache.write(i, step.slots, k, v)
+        q, k = paged_rope.rotate_and_write(qkv, step.positions, step.slots, rope_cos, rope_sin, cache, i,
+                                           a.n_heads, a.n_kv_heads, keys=True)
         y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
         if single:
             qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]

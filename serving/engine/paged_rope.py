@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from serving.engine.model import _rope_1
+from serving.engine.paged_cache import PagedKVCache
+
 try:
     import triton
     import triton.language as tl
@@ -115,3 +118,23 @@ def _launch(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos
         k.stride(0), n_kv_heads * head_dim, N_HEADS=n_heads, N_KV=n_kv_heads, H_PAD=triton.next_power_of_2(n_heads),
         KV_PAD=triton.next_power_of_2(n_kv_heads), HALF=head_dim // 2, KEYS_OUT=keys_out, num_warps=4)
     return q, k
+
+
+def rotate_and_write(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, cache: PagedKVCache, layer: int, n_heads: int, n_kv_heads: int, *,
+                     keys: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A paged step's rotations and K/V write for `layer`: the kernel where it `fits`, else the torch ops
+    (`model._rope_1`, `PagedKVCache.write`) -> (q [T, n_heads, hd], the rotated keys [T, n_kv_heads, hd] when
+    `keys`, else None)."""
+    head_dim = cache.k[layer].shape[-1]
+    if fits(qkv, cache.k[layer], head_dim):
+        q, k = _launch(qkv, positions, slots, cos, sin, cache.k[layer], cache.v[layer], n_heads, n_kv_heads,
+                       keys_out=keys)
+        return q, k if keys else None
+    total, q_size, kv_size = qkv.shape[0], n_heads * head_dim, n_kv_heads * head_dim
+    c, s = cos[positions], sin[positions]  # [T, hd]
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = _rope_1(q.view(total, n_heads, head_dim), c, s)
+    k = _rope_1(k.view(total, n_kv_heads, head_dim), c, s)
+    cache.write(layer, slots, k, v.view(total, n_kv_heads, head_dim))
+    return q, k if keys else None
