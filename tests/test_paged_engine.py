@@ -250,6 +250,32 @@ def test_throughput_bench_serves_every_request_on_both_sides(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["sides"][1]["side"] == "paged"
 
 
+@pytest.mark.parametrize("method", ["fp8", "int8-weight-only"])
+def test_throughput_bench_runs_both_sides_on_quantized_weights(method):
+    """`bench throughput --quantization`: both sides run the quantized linears (the CPU's dequantizing path)
+    and deliver every token."""
+    from unittest import mock
+
+    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+    from serving.engine.quantize import QuantLinear
+
+    cfg = ThroughputConfig(shape="tiny", requests=4, input_len=6, output_len=3, static_batch=2, paged_live=4,
+                           block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0, quantization=method)
+    seen: set[str] = set()
+    reference = QuantLinear.reference
+
+    def counted(layer: QuantLinear, x):
+        seen.add(layer.method)
+        return reference(layer, x)
+
+    with mock.patch.object(QuantLinear, "reference", counted):
+        report = bench_throughput(cfg, device="cpu", progress=lambda line: None)
+    assert seen == {method}
+    want = sum(n for _, n in workload(cfg, 512))
+    assert [s.output_tokens for s in report.sides] == [want, want]
+    assert report.config["quantization"] == method
+
+
 def test_throughput_bench_at_a_poisson_rate_reports_goodput_against_slos():
     """`--request-rate`: requests arrive over time in a seeded Poisson process (the run lasts at least until the
     last arrival, TTFT counts from each request's own submit), both sides serve them all on their own thread;

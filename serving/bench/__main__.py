@@ -158,6 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "of one step of prompts only (CUDA)")
     thr.add_argument("--profile-decode", default="", help="comma list of rows: after the paged side, the kernels "
                      "of one paged decode step at each (CUDA)")
+    thr.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
+                     help="engine.quantization of the random weights both sides share")
     thr.add_argument("--device", default="auto")
     thr.add_argument("--out", type=Path, default=Path("bench-throughput.json"))
     eng = sub.add_parser("engine-offline", help="build the served engine (if missing) and time it offline")
@@ -298,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction,
             sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests,
             profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else (),
-            profile_prefill=args.profile_prefill, request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"), slo_tpot_ms=slos.get("tpot")),
+            profile_prefill=args.profile_prefill, request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"),
+            slo_tpot_ms=slos.get("tpot"), quantization=args.quantization),
             device=args.device,
             out_json=args.out)
         return 0

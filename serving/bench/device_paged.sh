@@ -7,6 +7,8 @@
 #    memory (1,024 requests of 128/128 need 9,216 blocks of 32, the pool has about 14,000), each side warmed
 #    on 128 requests (one full prompt step); then 64 requests (64 rows / 64 live) and 1 request, each pair
 #    side by side in one process.
+# Env: QUANT (engine.quantization of the weights, default none), SIDES (the 1,024-request sides), WORKLOAD
+#      (default 128/128), REQUESTS (default 1024), SMALL= (skip the 64- and 1-request pairs).
 # Results under $OUT: steps.log, gpu-tests.log, t<N>.json/.log.
 set -u
 OUT=${OUT:-/tmp/paged-out}
@@ -24,13 +26,14 @@ fi
 bench() {  # name, timeout, args...
   local name=$1 limit=$2
   shift 2
-  timeout "$limit" python3 -m serving.bench throughput --shape "${SHAPE:-llama-3.1-8b}" --workload 128/128 "$@" \
+  timeout "$limit" python3 -m serving.bench throughput --shape "${SHAPE:-llama-3.1-8b}" --workload "${WORKLOAD:-128/128}" \
+    --quantization "${QUANT:-none}" "$@" \
     --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1
   log "$name rc=$?:"
   grep -E "^ *(static|paged[a-z-]*):|model " "$OUT/$name.log" | cut -c1-400 | tee -a "$OUT/steps.log"
 }
-bench t1024 "${T1024_S:-330}" --requests 1024 --static-batch 512 --paged-live 1024 --max-num-tokens 16384 \
-  --free-mem-fraction 0.6 --warmup-requests 128 --sides static,paged,paged-sync,paged-torch-ops
+bench t1024 "${T1024_S:-330}" --requests "${REQUESTS:-1024}" --static-batch 512 --paged-live 1024 --max-num-tokens 16384 \
+  --free-mem-fraction "${FRACTION:-0.6}" --warmup-requests 128 --sides "${SIDES:-static,paged,paged-sync,paged-torch-ops}"
 [ -n "${SMALL-1}" ] || exit 0
 bench t64 "${T64_S:-120}" --requests 64 --static-batch 64 --paged-live 64 --warmup-requests 16
 [ $(($(date +%s) - T0)) -lt "${T1_UNTIL_S:-420}" ] && \

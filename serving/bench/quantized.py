@@ -84,8 +84,9 @@ def random_model(shape: str, *, n_layers: int | None = None, seed: int = 0) -> T
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
-def runner_for(base: Transformer, method: str, *, max_batch_size: int, max_seq_len: int) -> EngineRunner:
-    """An EngineRunner over `base`'s weights, quantized by `method` (the unquantized tensors shared)."""
+def quantized_model(base: Transformer, method: str, *, dtype: torch.dtype = torch.bfloat16) -> Transformer:
+    """A `Transformer` over `base`'s weights quantized by the bench `method` in memory, as conversion quantizes
+    them (the unquantized tensors shared with `base`)."""
     args = base.args
     method, tensor_core_min_rows = engine_method(method)
     quant = QuantInfo(method)
@@ -95,9 +96,16 @@ def runner_for(base: Transformer, method: str, *, max_batch_size: int, max_seq_l
         model = Transformer(args)
     extra = {} if tensor_core_min_rows is None else {"tensor_core_min_rows": tensor_core_min_rows}
     install_quantized_linears(model, quant, n_layers=args.n_layers, tie_word_embeddings=args.tie_word_embeddings,
-                              dtype=torch.bfloat16, **extra)
+                              dtype=dtype, **extra)
     model.load_state_dict(state, strict=True, assign=True)
-    model = model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
+
+
+def runner_for(base: Transformer, method: str, *, max_batch_size: int, max_seq_len: int) -> EngineRunner:
+    """An EngineRunner over `base`'s weights, quantized by `method` (the unquantized tensors shared)."""
+    args = base.args
+    quant = QuantInfo(engine_method(method)[0])
+    model = quantized_model(base, method)
     model.setup_caches(max_batch_size, max_seq_len)
     device = torch.device("cuda")
     model.decode_attention_impl = pick_decode_attention("auto", device, torch.bfloat16)

@@ -16,7 +16,8 @@ consecutive tokens) at p50 / p90 / p99, the most live requests in one step, the 
 and with SLOs (`slo_ttft_ms`, `slo_tpot_ms`) goodput: the requests a second that met every SLO set, as
 `vllm bench serve --goodput` counts them.
 
-Weights are random (`quantized.random_model`, or the tiny shape on the CPU): the figures are of the
+Weights are random (`quantized.random_model`, or the tiny shape on the CPU), quantized in memory by
+`quantization` as conversion would (`quantized.quantized_model`): the figures are of the
 engine's speed, not of a model's answers, and requests never stop early (no stop tokens).
 
 Imports: stdlib and torch; the engine modules.
@@ -25,6 +26,7 @@ Imports: stdlib and torch; the engine modules.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import random
@@ -62,6 +64,7 @@ class ThroughputConfig:
     profile_decode: tuple[int, ...] = ()  # rows of the paged decode steps to profile after the run (CUDA)
     profile_prefill: bool = False  # after the run, the kernels and wall time of one paged step of prompts only
     request_rate: float = 0.0  # requests a second, Poisson; 0: all at once
+    quantization: str = "none"  # engine.quantization of the weights both sides share
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
 
@@ -238,10 +241,12 @@ def torch_row_ops() -> Iterator[None]:
 def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any]:
     """(model, static runner or None, paged runner or None) over one random model's weights."""
     from serving.bench.models import model_args
+    from serving.bench.quantized import quantized_model
     from serving.engine.build import EngineInfo, EngineLimits
     from serving.engine.model import Transformer
     from serving.engine.paged_cache import PagedKVConfig
     from serving.engine.paged_runner import PagedRunner
+    from serving.engine.quantize import NONE, QuantInfo, check_device
     from serving.engine.runner import EngineRunner, pick_decode_attention, pick_decode_gemm
 
     args = model_args(cfg.shape)
@@ -252,11 +257,18 @@ def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any
     with torch.device(device):
         model = Transformer(args)
     model = model.to(dtype).eval().requires_grad_(False)
+    if cfg.quantization != NONE:
+        check_device(cfg.quantization, device, where="bench throughput --quantization")
+        model = quantized_model(model, cfg.quantization, dtype=dtype)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 weights it replaced, before the paged pool is sized from free memory
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
 
     def info(max_batch_size: int) -> EngineInfo:
         limits = EngineLimits(name, max_batch_size=max_batch_size, max_input_len=max_seq_len - 1, max_seq_len=max_seq_len)
-        return EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."))
+        return EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."),
+                          quantization=QuantInfo(cfg.quantization))
 
     static = paged = None
     if {"paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE} & set(cfg.sides):  # sized first: from the memory free before the static cache takes its share
