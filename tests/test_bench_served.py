@@ -53,6 +53,32 @@ def test_two_variants_measured_in_turn_with_their_counters(tmp_path: Path) -> No
     assert report["output_tok_s"] == report["variants"]["plain"]["output_tok_s"]
 
 
+def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_path: Path) -> None:
+    """`--paged-live` serves an engine built paged; `--lanes-per-client` keeps that many requests in flight on
+    each client's one stream, every response routed to its own request (a response given to the wrong one
+    would leave a request short or over its tokens), and the report sets it against a throughput report."""
+    from serving.bench.served import most_in_flight, offline_figures
+    from serving.engine.paged_cache import PagedKVConfig
+
+    clients, lanes, per_lane, gen_len = 2, 3, 2, 12
+    offline = {"config": {}, "sides": [{"side": "static", "output_tok_s": 1.0},
+                                       {"side": "paged", "output_tok_s": 100.0}]}
+    (tmp_path / "throughput.json").write_text(json.dumps(offline))
+    report = run_served(shape="tiny", clients=clients, lanes=lanes, requests_per_client=per_lane, prompt_len=8,
+                        gen_len=gen_len, max_batch_size=8, work=tmp_path, compile_decode=False,
+                        paged=PagedKVConfig(block_size=16, num_blocks=64, max_num_tokens=64),
+                        offline_json=tmp_path / "throughput.json")
+    assert json.loads((tmp_path / "engine-paged" / "engine.json").read_text())["paged"]["num_blocks"] == 64
+    assert report["n_errors"] == 0, report["errors"]
+    assert report["requests"] == clients * lanes * per_lane
+    assert report["samples"]["tokens"] == [gen_len] * clients * lanes * per_lane
+    assert report["most_in_flight"] > clients
+    assert report["served_over_offline_e2e"] == pytest.approx(report["output_tok_s"] / 100.0)
+    assert most_in_flight([(0, 2), (1, 3), (2.5, 4)]) == 2 and most_in_flight([]) == 0
+    with pytest.raises(ValueError, match="no paged side"):
+        offline_figures({"config": {}, "sides": [{"side": "static", "output_tok_s": 1.0}]})
+
+
 @pytest.mark.parametrize("text", ["bad label:x=1", "ok:novalue", "ok:=3"])
 def test_a_malformed_variant_is_refused_by_name(text: str) -> None:
     with pytest.raises(ValueError, match="--variant"):

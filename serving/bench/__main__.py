@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _pairs(text: str) -> tuple[tuple[int, int], ...]:
@@ -21,6 +22,15 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 QUANTIZATION_CHOICES = ("none", "fp8", "int8-weight-only")  # engine.quantization (serving.engine.quantize)
+
+
+def _paged(args: argparse.Namespace) -> Any:
+    """`bench served`'s paged KV settings (a PagedKVConfig), or None without --paged-live."""
+    if not args.paged_live:
+        return None
+    from serving.engine.paged_cache import PagedKVConfig
+
+    return PagedKVConfig(max_num_tokens=args.max_num_tokens, free_mem_fraction=args.free_mem_fraction)
 
 
 def _slos(text: str) -> dict[str, float]:
@@ -64,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--wait-for", type=Path, action="append", default=[],
                      help="file that must exist before the clients start (repeatable)")
     srv.add_argument("--offline-json", type=Path, help="an engine-offline report to compare with")
+    srv.add_argument("--lanes-per-client", type=int, default=1,
+                     help="requests each client keeps in flight on its one stream (clients x lanes in flight)")
+    srv.add_argument("--paged-live", type=int, default=0, help="serve the engine built with a paged KV cache of "
+                     "this many live requests (its max_batch_size; 0: the static cache)")
+    srv.add_argument("--max-num-tokens", type=int, default=8192, help="the paged engine's tokens per step")
+    srv.add_argument("--free-mem-fraction", type=float, default=0.9, help="the paged pool's share of the free memory")
     srv.add_argument("--via-stream-router", action="store_true",
                      help="after each variant, the same clients through the release's streaming router")
     srv.add_argument("--variant", action="append", default=[], metavar="LABEL[:k=v,...]",
@@ -358,10 +374,12 @@ def run(args: argparse.Namespace) -> int:
 
     variants = tuple(parse_variant(v) for v in args.variant) or (("default", {}),)
     report = run_served(variants=variants, shape=args.shape, clients=args.clients, requests_per_client=args.requests_per_client,
-                        prompt_len=args.prompt_len, gen_len=args.gen_len, max_batch_size=args.max_batch_size,
+                        prompt_len=args.prompt_len, gen_len=args.gen_len,
+                        max_batch_size=args.paged_live or args.max_batch_size,
                         work=args.work, out_json=args.out, compile_decode=not args.no_compile,
                         wait_for=tuple(args.wait_for), offline_json=args.offline_json,
-                        via_stream_router=args.via_stream_router, quantization=args.quantization)
+                        via_stream_router=args.via_stream_router, quantization=args.quantization,
+                        lanes=args.lanes_per_client, paged=_paged(args))
     print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "variants")}, indent=1))
     for label, figures in report["variants"].items():
         print(label, json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=1))

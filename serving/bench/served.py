@@ -11,22 +11,27 @@ Needs `tritonclient[grpc]`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing as mp
 import random
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.bench.offline import percentile
 from serving.bench.stream_client import MODEL, stream_client
 
+if TYPE_CHECKING:
+    from serving.engine.paged_cache import PagedKVConfig
+
 
 def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_len: int,
-                        quantization: str = "none") -> Path:
+                        quantization: str = "none", paged: PagedKVConfig | None = None) -> Path:
     """Random bf16 weights of `shape` saved as an HF checkpoint, converted (quantized per
-    `engine.quantization` = `quantization`) and built; skipped if that engine is there already."""
+    `engine.quantization` = `quantization`) and built (with the paged KV cache `paged`, when given); skipped
+    if that engine is there already."""
     import torch
 
     from serving.bench.models import random_hf_model
@@ -35,7 +40,7 @@ def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_
 
     quant = QuantInfo(method=quantization)
     suffix = "" if quant.method == NONE else f"-{quant.method}"
-    engine_dir = work / f"engine{suffix}"
+    engine_dir = work / f"engine{suffix}{'-paged' if paged is not None else ''}"
     if (engine_dir / "engine.json").is_file():
         return engine_dir
     if not (work / "hf" / "config.json").is_file():
@@ -47,7 +52,7 @@ def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_
     ckpt = convert_checkpoint(work / "hf", work / f"ckpt{suffix}", dtype="bfloat16", quantization=quant)
     limits = EngineLimits("bfloat16", max_batch_size=max_batch_size, max_input_len=max_seq_len - 1,
                           max_seq_len=max_seq_len)
-    return build_engine(ckpt, engine_dir, limits=limits, quantization=quant).path
+    return build_engine(ckpt, engine_dir, limits=limits, quantization=quant, paged=paged).path
 
 
 def bench_offline_engine(engine_dir: Path, *, batch: int, prompt_len: int, gen_len: int, repeats: int = 3,
@@ -126,8 +131,9 @@ def model_counters(triton_log: Path, model: str) -> dict[str, dict[str, float]]:
 
 
 def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: int, requests_per_client: int,
-                prompt_len: int, gen_len: int, vocab: int, get_timeout_s: float) -> None:
-    """`clients` streaming client processes started together; fills `figures` with the served figures
+                prompt_len: int, gen_len: int, vocab: int, get_timeout_s: float, lanes: int = 1) -> None:
+    """`clients` streaming client processes started together, each with `lanes` requests in flight on its
+    stream (`requests_per_client` one after the other per lane); fills `figures` with the served figures
     and raw samples of the timed requests, after a warm-up round of one request per client (the offline
     figures leave their warm-up out too), whose figures go under ``warmup``. Interrupted (SIGTERM from a
     time limit), it fills them from the requests done so far, marked ``partial``, stops the clients and
@@ -142,8 +148,8 @@ def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: 
     try:
         for _ in range(clients):
             warmup, *prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)]
-                                for _ in range(requests_per_client + 1)]
-            p = ctx.Process(target=stream_client, args=(grpc_url, prompts, gen_len, out, barrier, model, warmup))
+                                for _ in range(requests_per_client * lanes + 1)]
+            p = ctx.Process(target=stream_client, args=(grpc_url, prompts, gen_len, out, barrier, model, warmup, lanes))
             p.start()
             procs.append(p)
         finished = 0
@@ -193,7 +199,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
         "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99),
         "responses": responses, "tokens_per_response": tokens / max(responses, 1),
-        "samples": {"ttft_ms": [round(x, 3) for x in ttft], "tpot_ms": [round(x, 3) for x in tpot],
+        "most_in_flight": most_in_flight([(r["sent"], r["stamps"][-1][0]) for r in ok]),
+        "samples": {"tokens": counts, "ttft_ms": [round(x, 3) for x in ttft], "tpot_ms": [round(x, 3) for x in tpot],
                     "itl_ms": [round(x, 3) for x in itl[::7]]},
     }
 
@@ -203,12 +210,15 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                variants: tuple[tuple[str, dict[str, str]], ...] = (("default", {}),),
                load_timeout_s: float = 420.0, wait_for: tuple[Path, ...] = (), wait_timeout_s: float = 300.0,
                offline_json: Path | None = None, get_timeout_s: float = 300.0,
-               via_stream_router: bool = False, quantization: str = "none") -> dict[str, Any]:
+               via_stream_router: bool = False, quantization: str = "none", paged: PagedKVConfig | None = None,
+               lanes: int = 1) -> dict[str, Any]:
     """Each variant (label, extra parameters of the llm model) is staged as model ``bench_<label>`` and
     measured in turn on one Triton: load, the clients, unload (its counters are read from the log).
     The report holds every variant under ``variants``, and the first one's figures at the top level.
     `wait_for`: files that must exist before the first clients start (another job on the GPU finishing);
-    `offline_json`: a `bench_offline_engine` report whose e2e/decode tok/s the served figures are set against;
+    `offline_json`: a `bench_offline_engine` report whose e2e/decode tok/s the served figures are set against,
+    or a `bench throughput` report (its paged side's output tok/s); `paged`: serve an engine built with that
+    paged KV cache; `lanes`: requests each client keeps in flight on its stream;
     `via_stream_router`: after each variant's clients, the same clients again through the release's
     streaming router (``bench_<label>_stream``, the gray release's name for streams), figures under
     ``via_stream_router``."""
@@ -230,7 +240,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + gen_len) // 256) * 256
     engine_dir = build_random_engine(shape, work, max_batch_size=max_batch_size, max_seq_len=max_seq,
-                                     quantization=quantization)
+                                     quantization=quantization, paged=paged)
     build_s = time.perf_counter() - t0
     root = init_repository(work / "repo")
     base = {"decoupled": "true", "compile_decode": "true" if compile_decode else "false"}
@@ -240,10 +250,12 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                              parameters={**base, **params})
     log_path = work / "triton.log"
     proc = start_triton(root, log_path=log_path, ready_timeout_s=120)
-    report: dict[str, Any] = {"shape": shape, "quantization": quantization, "clients": clients,
+    report: dict[str, Any] = {"shape": shape, "quantization": quantization, "clients": clients, "lanes": lanes,
+                              "paged": paged.to_dict() if paged is not None else None,
                               "requests_per_client": requests_per_client, "prompt_len": prompt_len, "gen_len": gen_len, "max_batch_size": max_batch_size,
                               "build_s": build_s, "variants": {}}
-    offline = json.loads(offline_json.read_text()) if offline_json is not None and offline_json.is_file() else None
+    offline = offline_figures(json.loads(offline_json.read_text())) \
+        if offline_json is not None and offline_json.is_file() else None
     if offline is not None:
         report["offline"] = offline
     vocab = 128256 if shape.startswith("llama") else 512
@@ -262,17 +274,18 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                 report["waited_s"] = time.perf_counter() - waited
             before = triton_counters(proc.metrics_url, model)
             run_clients(proc.grpc_url, model, figures, clients=clients, requests_per_client=requests_per_client,
-                        prompt_len=prompt_len, gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s)
+                        prompt_len=prompt_len, gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s, lanes=lanes)
             after = triton_counters(proc.metrics_url, model)
             figures["triton"] = {name: after[name] - before[name] for name in TRITON_COUNTERS}  # warm-up included
             if offline is not None:
                 figures["served_over_offline_e2e"] = figures["output_tok_s"] / offline["e2e_tok_s"]
-                figures["served_over_offline_decode"] = figures["output_tok_s"] / offline["decode_tok_s"]
+                if offline.get("decode_tok_s"):
+                    figures["served_over_offline_decode"] = figures["output_tok_s"] / offline["decode_tok_s"]
             if via_stream_router:
                 routed = figures["via_stream_router"] = {}
                 _run_via_stream_router(proc, root, f"{MODEL}_{label}", routed, clients=clients,
                                        requests_per_client=requests_per_client, prompt_len=prompt_len,
-                                       gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s)
+                                       gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s, lanes=lanes)
                 routed["over_direct"] = routed["output_tok_s"] / figures["output_tok_s"]
                 if offline is not None:
                     routed["served_over_offline_e2e"] = routed["output_tok_s"] / offline["e2e_tok_s"]
@@ -288,6 +301,24 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
             out_json.write_text(json.dumps(report, indent=1))
         signal.signal(signal.SIGTERM, previous_handler)
     return report
+
+
+def most_in_flight(spans: list[tuple[float, float]]) -> int:
+    """The most requests outstanding at once, of (sent, last response) spans."""
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    return max(itertools.accumulate(step for _, step in events), default=0)
+
+
+def offline_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The offline report the served figures are set against: a `bench_offline_engine` report as it is, or a
+    `bench throughput` report as its paged side's figure ({"e2e_tok_s": its output tok/s, "side": ...})."""
+    if "sides" not in report:
+        return report
+    sides = {side["side"]: side for side in report["sides"]}
+    side = next((sides[name] for name in ("paged", "paged-sync") if name in sides), None)
+    if side is None:
+        raise ValueError(f"the throughput report has no paged side to compare with (sides: {sorted(sides)})")
+    return {"e2e_tok_s": side["output_tok_s"], "side": side["side"], "config": report["config"]}
 
 
 def _run_via_stream_router(proc: Any, root: Path, release: str, figures: dict[str, Any], **clients: Any) -> None:

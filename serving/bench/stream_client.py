@@ -1,7 +1,10 @@
 """One streaming gRPC client of the served benchmark (a spawned process: imports no torch).
 
 `stream_client` opens one stream to Triton and waits at the barrier, so that every client starts
-together. With `warmup`, every client first sends that one prompt and the clients wait for each other
+together. With `lanes` > 1 the stream carries that many requests at once: the prompts are dealt round-robin
+to `lanes` threads, each sending its own one after the other, and responses are routed to their lane by
+request id (an error without one reaches every lane), so a few processes hold a thousand streams' worth of
+requests in flight. With `warmup`, every client first sends that one prompt and the clients wait for each other
 again: the round is the served counterpart of the offline benchmark's warm-up `generate`, which its
 timing leaves out too. Then each client sends its prompts one after the other (`stream=True`) and puts
 each request's record on `out` (as a one-item list) as soon as it is done: send time, the arrival time
@@ -13,13 +16,15 @@ has finished.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from typing import Any
 
 MODEL = "bench"
 
 
-def _request(client: Any, events: queue.Queue, model: str, prompt: list[int], gen_len: int) -> dict[str, Any]:
+def _request(client: Any, events: queue.Queue, model: str, prompt: list[int], gen_len: int,
+             request_id: str = "") -> dict[str, Any]:
     """Send one streaming request and wait for its final response: its record."""
     import numpy as np
     import tritonclient.grpc as grpcclient
@@ -34,7 +39,7 @@ def _request(client: Any, events: queue.Queue, model: str, prompt: list[int], ge
         t.set_data_from_numpy(arr)
         inputs.append(t)
     sent = time.perf_counter()
-    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
     stamps, error = [], None
     while True:
         at, result, err = events.get(timeout=600)
@@ -51,24 +56,49 @@ def _request(client: Any, events: queue.Queue, model: str, prompt: list[int], ge
 
 
 def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, barrier: Any = None,
-                  model: str = MODEL + "_v1", warmup: list[int] | None = None) -> None:
+                  model: str = MODEL + "_v1", warmup: list[int] | None = None, lanes: int = 1) -> None:
     import tritonclient.grpc as grpcclient
 
-    events: queue.Queue = queue.Queue()
+    queues: dict[str, queue.Queue] = {str(lane): queue.Queue() for lane in range(lanes)}
+
+    def route(result: Any, error: Any) -> None:
+        at = time.perf_counter()
+        lane = result.get_response().id.partition("-")[0] if result is not None else None
+        for name in [lane] if lane in queues else list(queues):
+            queues[name].put((at, result, error))
+
+    def run_lane(lane: int) -> None:
+        for i, prompt in enumerate(prompts[lane::lanes]):
+            out.put([_request(client, queues[str(lane)], model, prompt, gen_len, f"{lane}-{i}")])
+
     client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
+    client.start_stream(callback=route)
     try:
         if barrier is not None:  # every client connected and imported before the first request
             barrier.wait(timeout=300)
         if warmup is not None:
-            out.put([{**_request(client, events, model, warmup, gen_len), "warmup": True}])
+            out.put([{**_request(client, queues["0"], model, warmup, gen_len, "0-warmup"), "warmup": True}])
             if barrier is not None:  # the timed requests start together, after every warm-up
                 barrier.wait(timeout=600)
-        for prompt in prompts:
-            out.put([_request(client, events, model, prompt, gen_len)])
+        threads = [threading.Thread(target=_guarded, args=(run_lane, lane, out), daemon=True) for lane in range(lanes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     except Exception as exc:  # noqa: BLE001 - reported, never a hang of the parent
-        out.put([{"sent": time.perf_counter(), "stamps": [], "error": f"{type(exc).__name__}: {exc}"}])
+        out.put([_failure(exc)])
     finally:
         client.stop_stream()
         client.close()
         out.put(None)
+
+
+def _guarded(run_lane: Any, lane: int, out: Any) -> None:
+    try:
+        run_lane(lane)
+    except Exception as exc:  # noqa: BLE001 - reported, never a hang of the parent
+        out.put([_failure(exc)])
+
+
+def _failure(exc: BaseException) -> dict[str, Any]:
+    return {"sent": time.perf_counter(), "stamps": [], "error": f"{type(exc).__name__}: {exc}"}
