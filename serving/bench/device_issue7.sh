@@ -22,21 +22,7 @@ log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
   python3 -c 'import sys, numpy, torch; print(sys.version.split()[0], "numpy", numpy.__version__, "torch", torch.__version__, "cuda", torch.version.cuda)'
   nproc; } >>"$OUT/steps.log" 2>&1
 
-# venv for the Triton stub (it finds packages through the first python3 on PATH) and the clients
-(
-  set -e
-  python3 -m venv --without-pip --system-site-packages /tmp/venv
-  SP=$(/tmp/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SP" \
-    .whl/numpy-1.26.4-*.whl .whl/python_rapidjson-*.whl
-  # the image's packages are not all in the base interpreter's site-packages: list every sys.path folder
-  # of the system python3 in a .pth (processed after the venv's own folder, so numpy 1.26 still wins)
-  python3 -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
-    >"$SP/zz-system-packages.pth"
-  tar -xJf .whl/pytriton-312.tar.xz -C "$SP"
-  cp -r .whl/site/tritonclient "$SP"/
-  /tmp/venv/bin/python -c 'import importlib.util, numpy, torch, tritonclient.grpc; assert importlib.util.find_spec("pytriton"); print("venv: numpy", numpy.__version__, "torch", torch.__version__, torch.from_numpy(numpy.ones(2)).sum().item())'
-) >>"$OUT/steps.log" 2>&1 &
+bash serving/bench/device_venv.sh >>"$OUT/steps.log" 2>&1 &
 VENV_PID=$!
 
 # pydantic (tasks.validate) for the parity test; prefect is only its @task decorator: a shim

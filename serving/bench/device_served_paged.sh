@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The paged engine served (one H200, from the repo root, wheels carried in .whl/: serving/bench/device_wheels.sh),
+# in one call: Llama-3.1-8B shape, random bf16 weights quantized per QUANT (default fp8), 128/128,
+#  1. offline: `bench throughput`, the paged side alone, REQUESTS (1,024) at once, 1,024 live, 16,384 tokens a step;
+#  2. served: the same shape built as an engine folder with that paged cache, loaded by the bundled Triton
+#     (decoupled llm model), CLIENTS (16) streaming gRPC clients x LANES (64) requests in flight each, one
+#     request per lane after a warm-up round, set against step 1's figure; one run per variant in $VARIANTS
+#     (`bench served --variant`, e.g. "interval20:stream_interval_ms=20").
+# Results under $OUT: steps.log, offline.json/.log, served.json/.log, triton.log.
+set -u
+OUT=${OUT:-/tmp/served-paged-out}
+W=/tmp/sp
+mkdir -p "$OUT" "$W"
+export PYTHONUNBUFFERED=1 LC_ALL=C.UTF-8
+T0=$(date +%s)
+log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
+QUANT=${QUANT:-fp8}
+bash serving/bench/device_venv.sh >>"$OUT/steps.log" 2>&1 &
+VENV_PID=$!
+if [ "${OFFLINE:-1}" = 1 ]; then
+  timeout "${OFFLINE_S:-200}" python3 -m serving.bench throughput --shape llama-3.1-8b --quantization "$QUANT" \
+    --workload 128/128 --requests "${REQUESTS:-1024}" --sides paged --paged-live 1024 --max-num-tokens 16384 \
+    --free-mem-fraction 0.9 --warmup-requests 128 --out "$OUT/offline.json" >"$OUT/offline.log" 2>&1
+  log "offline rc=$?: $(grep -E '^ *paged' "$OUT/offline.log" | cut -c1-300)"
+fi
+wait $VENV_PID; log "venv rc=$?"
+VARIANT_ARGS=()
+for v in ${VARIANTS:-}; do VARIANT_ARGS+=(--variant "$v"); done
+( export PATH=/tmp/venv/bin:$PATH
+  timeout "${SERVED_S:-360}" /tmp/venv/bin/python -m serving.bench served --shape llama-3.1-8b --quantization "$QUANT" \
+    --paged-live 1024 --max-num-tokens 16384 --free-mem-fraction "${FRACTION:-0.85}" \
+    --clients "${CLIENTS:-16}" --lanes-per-client "${LANES:-64}" --requests-per-client 1 \
+    --prompt-len 128 --gen-len 128 --work "$W" --offline-json "$OUT/offline.json" --out "$OUT/served.json" \
+    "${VARIANT_ARGS[@]}" ) >"$OUT/served.log" 2>&1
+log "served rc=$?"
+grep -E '"(output_tok_s|served_over_offline_e2e|n_errors|most_in_flight|ttft_ms_p50|ttft_ms_p99|itl_ms_p50|itl_ms_p99|tpot_ms_p50|tokens_per_response|load_s|build_s)"' \
+  "$OUT/served.log" | tee -a "$OUT/steps.log"
+cp -f "$W/triton.log" "$OUT/" 2>/dev/null
+log "done"
