@@ -361,3 +361,29 @@ def test_both_schedulers_share_the_queue_limit_and_the_lifecycle(runner, paged):
     idle.submit(GenRequest(PROMPTS[3], 3, lambda ids, r: None, failed.append))
     idle.stop()  # never started: fails the waiting request on this thread
     assert [type(e) for e in failed] == [SchedulerStopped] and idle.idle()
+
+
+def test_work_until_fills_the_devices_time_with_other_work_but_never_all_of_it(runner):
+    """`_work_until(ready)`: items run while the event is not done, at least one, none past it (a step
+    never waits for every pending send: the paged scheduler at 1,024 streams did and ran at the senders'
+    pace); with nothing to do it returns at once."""
+
+    class Event:
+        def __init__(self, busy_polls: int) -> None:
+            self.busy_polls = busy_polls
+
+        def query(self) -> bool:
+            self.busy_polls -= 1
+            return self.busy_polls < 0
+
+    for busy_polls, pending, want in ((3, 10, 4), (0, 10, 1), (5, 2, 2), (3, 0, 0)):
+        left = [pending]
+
+        def work(left: list[int] = left) -> bool:
+            if not left[0]:
+                return False
+            left[0] -= 1
+            return True
+
+        Scheduler(runner, while_waiting=work)._work_until(Event(busy_polls))
+        assert pending - left[0] == want, (busy_polls, pending)

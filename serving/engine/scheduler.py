@@ -344,13 +344,6 @@ class Scheduler(SchedulerLoop):
             if not live.finished:
                 self._deliver_token(live, tokens[i])
 
-    def _work_until(self, ready: Any) -> None:
-        """Run `while_waiting` items until the step behind `ready` is done (at least one item)."""
-        if not self.while_waiting():
-            return
-        while not ready.query() and self.while_waiting():
-            pass
-
     def _deliver_token(self, live: _Live, token: int) -> None:
         live.generated += 1
         self.stats.tokens += 1

@@ -229,6 +229,14 @@ class SchedulerLoop:
         else:
             self._pump()
 
+    def _work_until(self, ready: Any) -> None:
+        """Run `while_waiting` items until the device work behind `ready` (a CUDA event) is done, at least one
+        item: the host's other work fills the time the GPU computes, and a step never waits on all of it."""
+        if not self.while_waiting():
+            return
+        while not ready.query() and self.while_waiting():
+            pass
+
     def _pump(self) -> None:
         while self.while_waiting():
             pass
