@@ -23,6 +23,15 @@ if [ "${OFFLINE:-1}" = 1 ]; then
     --free-mem-fraction 0.9 --warmup-requests 128 --out "$OUT/offline.json" >"$OUT/offline.log" 2>&1
   log "offline rc=$?: $(grep -E '^ *paged' "$OUT/offline.log" | cut -c1-300)"
 fi
+# the engine folder built by the image's python (transformers needs its numpy 2; the venv's 1.26 is for the stub)
+timeout "${BUILD_S:-240}" python3 -c "
+from pathlib import Path
+from serving.bench.served import build_random_engine
+from serving.engine.paged_cache import PagedKVConfig
+print(build_random_engine('llama-3.1-8b', Path('$W'), max_batch_size=1024, max_seq_len=256, quantization='$QUANT',
+                          paged=PagedKVConfig(max_num_tokens=16384, free_mem_fraction=${FRACTION:-0.85})))
+" >"$OUT/build.log" 2>&1
+log "build rc=$?: $(tail -n 1 "$OUT/build.log")"
 wait $VENV_PID; log "venv rc=$?"
 VARIANT_ARGS=()
 for v in ${VARIANTS:-}; do VARIANT_ARGS+=(--variant "$v"); done
