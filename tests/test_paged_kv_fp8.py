@@ -1,0 +1,167 @@
+"""The paged engine's fp8 KV cache (`paged.kv_cache_dtype="fp8"`, serving/engine/paged_cache.py) on the CPU:
+the setting refused unless known and recorded in engine.json (old ones still load, fingerprints of "auto"
+engines unchanged); pools of one byte an element, so a memory budget holds twice the blocks; K/V clamped to
++-448 and rounded to e4m3 on write, dequantized on read; a GPU without e4m3 conversions refused.
+
+The kernels with fp8 pools are tested beside their bf16 tests (tests/test_paged_attention.py,
+tests/test_paged_rope.py, the decode graphs in tests/test_paged_decode.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from serving.engine import EngineLimitError, EngineLimits, build_engine, convert_checkpoint, read_engine_info
+from serving.engine.errors import EngineFormatError, EngineQuantizationError
+from serving.engine.paged_cache import (
+    KV_FP8_DTYPE,
+    KV_FP8_MAX,
+    PagedKVCache,
+    PagedKVConfig,
+    blocks_from_memory,
+    cache_bytes,
+    check_kv_cache_device,
+    check_paged_config,
+    describe,
+    kv_block_bytes,
+    kv_element_bytes,
+    to_kv_fp8,
+)
+from serving.engine.paged_runner import load_paged_engine
+from tasks.tiny_model import make_tiny_model
+
+LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=40, max_seq_len=80)
+AUTO = PagedKVConfig(block_size=8, num_blocks=20, max_num_tokens=24)
+FP8 = dataclasses.replace(AUTO, kv_cache_dtype="fp8")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(the tiny HF model, its float32 engine checkpoint)."""
+    root = tmp_path_factory.mktemp("paged-fp8")
+    hf = make_tiny_model(root / "hf")
+    return hf, convert_checkpoint(hf, root / "ckpt", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def built(checkpoint, tmp_path_factory):
+    """Engines of the same checkpoint built paged with the model's KV dtype and with fp8."""
+    root = tmp_path_factory.mktemp("paged-fp8-engines")
+    _, ckpt = checkpoint
+    return {name: build_engine(ckpt, root / name, limits=LIMITS, paged=config).path
+            for name, config in (("auto", AUTO), ("fp8", FP8))}
+
+
+def test_a_kv_cache_dtype_is_refused_unless_known_naming_the_setting(built):
+    from pydantic import ValidationError
+
+    from tasks.engine_spec import EngineSpec
+
+    says = r"paged.kv_cache_dtype='int8' is not supported; choose one of \['auto', 'fp8'\]"
+    with pytest.raises(EngineLimitError, match=says):
+        PagedKVConfig.from_dict({**AUTO.to_dict(), "kv_cache_dtype": "int8"})
+    with pytest.raises(EngineLimitError, match=says):
+        check_paged_config(dataclasses.replace(AUTO, kv_cache_dtype="int8"), max_seq_len=80, max_batch_size=4,
+                           block_bytes=1)
+    with pytest.raises(EngineLimitError, match=r"paged.kv_cache_dtype='float16' is not supported"):
+        load_paged_engine(built["auto"], config=dataclasses.replace(AUTO, kv_cache_dtype="float16"), device="cpu")
+    with pytest.raises(ValidationError, match=r"paged.kv_cache_dtype\n  Input should be 'auto' or 'fp8'"):
+        EngineSpec(paged={"kv_cache_dtype": "int8"})
+    engine_json = built["fp8"] / "engine.json"  # a hand-edited engine.json is refused as malformed, naming it
+    d = json.loads(engine_json.read_text())
+    d["paged"]["kv_cache_dtype"] = "e5m2"
+    bad = built["fp8"].parent / "bad"
+    bad.mkdir()
+    (bad / "engine.json").write_text(json.dumps(d))
+    with pytest.raises(EngineFormatError, match=r"paged.kv_cache_dtype='e5m2' is not supported"):
+        read_engine_info(bad)
+
+
+def test_the_kv_cache_dtype_round_trips_through_engine_json_and_the_fingerprint(built):
+    """fp8 is written to engine.json and read back, and so enters the fingerprint; "auto" is left out, so an
+    engine.json from before the setting (no key) loads as "auto" and such engines keep their fingerprint."""
+    fp8, auto = read_engine_info(built["fp8"]), read_engine_info(built["auto"])
+    assert fp8.paged == FP8 and fp8.paged.fp8 and auto.paged == AUTO and not auto.paged.fp8
+    assert json.loads((built["fp8"] / "engine.json").read_text())["paged"]["kv_cache_dtype"] == "fp8"
+    assert "kv_cache_dtype" not in json.loads((built["auto"] / "engine.json").read_text())["paged"]
+    assert AUTO.to_dict() == {"block_size": 8, "num_blocks": 20, "free_mem_fraction": 0.9, "max_num_tokens": 24,
+                              "max_waiting": None}, "an 'auto' engine.json is what it was before the setting"
+    assert PagedKVConfig.from_dict(AUTO.to_dict()).kv_cache_dtype == "auto"
+    assert fp8.fingerprint != auto.fingerprint and fp8.files == auto.files  # same weights, another engine
+
+
+def test_the_release_spec_carries_the_kv_cache_dtype_and_keeps_the_build_key_of_auto(checkpoint, tmp_path):
+    from tasks.engine_spec import EngineSpec
+    from tasks.kind_torch import _paged, _unquantized_keys
+
+    limits = {"dtype": "float32", "max_batch_size": 4, "max_input_len": 40, "max_seq_len": 80}
+    auto = EngineSpec(**limits, paged={"block_size": 8, "num_blocks": 20, "max_num_tokens": 24})
+    fp8 = EngineSpec(**limits, paged={"block_size": 8, "num_blocks": 20, "max_num_tokens": 24,
+                                      "kv_cache_dtype": "fp8"})
+    assert _paged(auto) == AUTO and _paged(fp8) == FP8
+    assert "kv_cache_dtype" not in auto.model_dump(exclude=_unquantized_keys(auto))["paged"]
+    assert fp8.model_dump(exclude=_unquantized_keys(fp8))["paged"]["kv_cache_dtype"] == "fp8"
+
+
+def test_fp8_blocks_take_one_byte_an_element_so_a_budget_holds_twice_the_blocks(built):
+    # Llama-3.1-8B bf16, 32-position blocks: 4 MiB a block in bf16, 2 MiB in fp8; 90% of 100 GiB free
+    bf16 = kv_block_bytes(n_layers=32, n_kv_heads=8, head_dim=128, block_size=32, element_bytes=kv_element_bytes("auto", 2))
+    fp8 = kv_block_bytes(n_layers=32, n_kv_heads=8, head_dim=128, block_size=32, element_bytes=kv_element_bytes("fp8", 2))
+    assert bf16 == 4 << 20 and fp8 == 2 << 20
+    assert blocks_from_memory(100 << 30, 0.9, fp8) == 2 * blocks_from_memory(100 << 30, 0.9, bf16) == 46080
+    assert describe(46080, 32, fp8, "fp8").endswith("90.00 GiB, K/V in fp8 e4m3")
+
+    from serving.engine.memory import estimate_engine_memory
+
+    a = read_engine_info(built["fp8"]).model
+    block = kv_block_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, block_size=8,
+                           element_bytes=1)
+    on_fp8, on_auto = estimate_engine_memory(built["fp8"]), estimate_engine_memory(built["auto"])
+    assert on_fp8.kv_cache_bytes == 21 * block and on_auto.kv_cache_bytes == 4 * on_fp8.kv_cache_bytes  # float32
+    assert "K/V in fp8" in on_fp8.kv_cache and "fp8" not in on_auto.kv_cache
+    runner = load_paged_engine(built["fp8"], device="cpu")
+    assert runner.block_bytes == block and runner.num_blocks == 20
+    assert {t.dtype for t in runner.cache.k + runner.cache.v} == {KV_FP8_DTYPE}
+    assert cache_bytes(runner.cache) == 21 * block  # 20 blocks and the decode graphs' padding block
+
+
+def test_write_clamps_and_rounds_to_e4m3_and_gather_dequantizes():
+    """A value of 1000 is stored as 448 (-1000 as -448), never NaN; every value is e4m3's nearest (relative
+    error at most 2**-4 in e4m3's normal range); gather returns the compute dtype, those values exactly."""
+    cache = PagedKVCache(n_layers=2, num_blocks=6, block_size=4, n_kv_heads=2, head_dim=16, dtype=torch.float32,
+                         device=torch.device("cpu"), kv_cache_dtype="fp8")
+    assert cache.k[1].dtype == KV_FP8_DTYPE and cache.dtype == torch.float32
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(7, 2, 16, generator=gen) * 3
+    v = torch.randn(7, 2, 16, generator=gen)
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, KV_FP8_MAX, 1e-3])
+    table = torch.tensor([4, 1])  # positions 0-3 in block 4, 4-6 in block 1
+    slots = torch.tensor([16, 17, 18, 19, 4, 5, 6])
+    cache.write(1, slots, k, v)
+    keys, values = cache.gather(1, table, 7)  # [Hkv, 7, hd]
+    assert keys.dtype == values.dtype == torch.float32 and keys.shape == (2, 7, 16)
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+    assert keys[0, 0, :3].tolist() == [448.0, -448.0, 448.0]
+    assert torch.equal(keys, to_kv_fp8(k).float().transpose(0, 1))
+    assert torch.equal(values, to_kv_fp8(v).float().transpose(0, 1))
+    normal = k.abs() >= 2 ** -6  # e4m3's smallest normal; below it the step is absolute (2**-9)
+    rel = ((keys.transpose(0, 1) - k).abs() / k.abs())[normal & (k.abs() <= KV_FP8_MAX)]
+    assert 0 < float(rel.max()) <= 2 ** -4, float(rel.max())
+    assert float((keys.transpose(0, 1) - k)[~normal].abs().max()) <= 2 ** -10
+    untouched = cache.k[0].float()
+    assert not untouched.any(), "another layer's pool is not written"
+
+
+def test_an_fp8_kv_cache_is_refused_on_a_gpu_without_e4m3_conversions(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A10")
+    with pytest.raises(EngineQuantizationError, match=r"paged engine 'x': paged.kv_cache_dtype='fp8' needs a GPU of "
+                       r"compute capability 8.9 or later .* device cuda:0 \(NVIDIA A10\) has 8.6"):
+        check_kv_cache_device("fp8", "cuda:0", where="paged engine 'x'")
+    check_kv_cache_device("auto", "cuda:0", where="paged engine 'x'")  # the model's dtype: any GPU
+    check_kv_cache_device("fp8", "cpu", where="paged engine 'x'")  # the CPU casts through torch
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_kv_cache_device("fp8", "cuda:0", where="paged engine 'x'")
