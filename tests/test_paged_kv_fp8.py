@@ -257,3 +257,75 @@ def test_greedy_tokens_of_a_model_of_default_init_mostly_agree_with_the_model_dt
     agreement, rel, positions = compare_forced(auto, fp8, _prompts(10, seed=0, longest=30), 30)
     print(f"default init, fp8 KV against float32 KV: top-1 {agreement:.3f} of {positions}, logits {rel:.2%}")
     assert agreement >= 0.97 and rel <= 0.02, (agreement, rel)
+
+
+def test_an_fp8_kv_precision_has_the_quantized_budget_and_a_peer_over_rounded_kv():
+    """``+fp8-kv``: the floors, peer factor and diverged-prompt allowance of the fp8 weight budget at the same
+    dtype (so at least as loose as it, with the K/V rounding's cost in the peer's figures on top); with fp8
+    weights too, both in the peer. The existing precisions keep their budgets."""
+    from tasks.quality_budgets import PRECISION_BUDGETS, budget_for, with_kv_cache
+
+    for dtype in ("float32", "bfloat16", "float16"):
+        kv, weights = budget_for(f"{dtype}+fp8-kv"), budget_for(f"{dtype}+fp8")
+        assert (kv.peer_dtype, kv.peer_kv_cache, kv.peer_quantization) == (dtype, "fp8", None)
+        assert dataclasses.replace(kv, peer_kv_cache=None, peer_quantization="fp8") == weights
+        assert weights.peer_kv_cache is None and budget_for(dtype) == PRECISION_BUDGETS[dtype]
+    both = budget_for("bfloat16+fp8+lm_head+fp8-kv")
+    assert (both.peer_quantization, both.peer_lm_head, both.peer_kv_cache) == ("fp8", True, "fp8")
+    assert with_kv_cache("bfloat16+fp8", "fp8") == "bfloat16+fp8+fp8-kv" and with_kv_cache("bfloat16", "auto") == "bfloat16"
+    with pytest.raises(ValueError, match=r"not <dtype>\[\+<method>\[\+lm_head\]\]\[\+fp8-kv\]"):
+        budget_for("bfloat16+fp8-kv+fp8")
+
+
+def test_the_hf_peer_attends_over_keys_and_values_rounded_to_e4m3(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import sdpa_attention
+
+    from tasks.validate import round_hf_kv_cache
+
+    def tiny() -> LlamaForCausalLM:  # each its own config: the attention implementation is set on it
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2)).eval()
+
+    plain, peer = tiny(), tiny()
+    round_hf_kv_cache(peer, "fp8")
+    seen: list[torch.Tensor] = []
+    sdpa = sdpa_attention.sdpa_attention_forward
+
+    def recording(module, query, key, value, *args, **kwargs):
+        seen.extend((key, value))
+        return sdpa(module, query, key, value, *args, **kwargs)
+
+    ids = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        want = plain(ids).logits
+        monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", recording)
+        moved = (peer(ids).logits - want).abs().max()
+    assert len(seen) == 4 and all(torch.equal(x, to_kv_fp8(x).float()) for x in seen), "every K/V is e4m3's"
+    assert 0 < moved < 0.1, moved
+    with pytest.raises(ValueError, match="paged.kv_cache_dtype='int8' has no HF peer"):
+        round_hf_kv_cache(peer, "int8")
+
+
+def test_the_validation_gate_judges_an_fp8_kv_engine_by_its_precision_and_names_it(checkpoint, built):
+    """The gate names the engine's precision ``float32+fp8-kv``, runs the HF peer over rounded K/V and passes
+    the engine (its greedy generations diverge where the peer's do; its teacher-forced logits, from the
+    prompts' own unrounded K/V, are the reference's). A reference of another precision is refused."""
+    from tasks.validate import ValidationSpec, engine_precision, reference_run, render_report, validate_engine
+
+    hf, _ = checkpoint
+    assert engine_precision(read_engine_info(built["fp8"])) == "float32+fp8-kv"
+    assert engine_precision(read_engine_info(built["auto"])) == "float32"
+    spec = ValidationSpec(prompts=["Once upon a time", "The quick brown", "Rain fell on the", "What is the capital"],
+                          max_new_tokens=8, passages=["The quick brown fox jumps over the lazy dog."])
+    reference = reference_run(hf, spec, "float32+fp8-kv", max_seq_len=LIMITS.max_seq_len)
+    assert reference.peer is not None and reference.peer.mean_kl > 0, "the peer pays the rounding"
+    result = validate_engine(built["fp8"], hf, spec, reference=reference)
+    assert result.passed, result.failures
+    assert result.precision == "float32+fp8-kv"
+    report = render_report(result)
+    assert "(precision float32+fp8-kv)" in report and "rounded as the engine's fp8 KV cache" in report
+    with pytest.raises(ValueError, match="the reference was run for precision 'float32', the engine is "
+                       "'float32\\+fp8-kv'"):
+        validate_engine(built["fp8"], hf, spec, reference=reference_run(hf, spec, "float32", max_seq_len=80))
