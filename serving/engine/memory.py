@@ -1,13 +1,13 @@
 """How much device memory an engine takes once loaded, estimated from its folder and its limits.
 
 weights (the bytes of its weight files) + the KV cache (keys and values for every layer and KV head, in the
-engine's dtype, or one byte each for a paged cache of ``kv_cache_dtype`` fp8): for a static engine ``max_batch_size x max_seq_len`` tokens, the caches the runner allocates;
-for a paged engine (``engine.json`` has ``paged``) its pool: ``num_blocks`` blocks when the build fixed them
-(plus the one block the decode graphs' padding rows write to),
-else (a pool sized at load from ``free_mem_fraction`` of the memory free after the weights) the least memory
-that lets the load succeed: one sequence of ``max_seq_len`` must fit in that fraction, so the estimate is that
-sequence's blocks divided by the fraction. What the runtime adds on top (activations, CUDA graphs, the python
-stub) is the caller's margin.
+engine's dtype, or one byte each for a paged cache of ``kv_cache_dtype`` fp8): for a static engine
+``max_batch_size x max_seq_len`` tokens, the caches the runner allocates; for a paged engine (``engine.json``
+has ``paged``) its pool: ``num_blocks`` blocks when the build fixed them (plus the one block the decode
+graphs' padding rows write to), else (a pool sized at load from ``free_mem_fraction`` of the memory free after
+the weights) the least memory that lets the load succeed: one sequence of ``max_seq_len`` must fit in that
+fraction, so the estimate is that sequence's blocks divided by the fraction. What the runtime adds on top
+(activations, CUDA graphs, the python stub) is the caller's margin.
 """
 
 from __future__ import annotations

@@ -13,16 +13,16 @@ Layout:
 - returns `[B, Hkv, G, hd]` in q.dtype.
 
 On CUDA (Triton importable) one kernel runs with one program per (sequence, kv head): it loads the G query
-heads once (padded to 16 rows for `tl.dot`) and walks the sequence's blocks through its table row, one
-block of positions per iteration, with an online softmax in float32 (base 2); K/V are read where they
-lie, never copied. fp8 pools are converted to q's dtype in registers after the load (the pointer's element
-type says which; bf16 pools load as before), so `tl.dot` multiplies q's dtype on both sides: the win of
-an fp8 cache here is the bytes read, half of bf16's. There is no split over positions: at the batch sizes where paging matters (hundreds
-of sequences x 8 KV heads) the grid already fills the GPU; a long context at a small batch runs on few
-programs (split-K, as `decode_attention.py` does for the static cache, is later work). The kernel needs
-a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
-runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` (cast to q's dtype) and the masked
-matmul of `model.decode_step`.
+heads once (padded to 16 rows for `tl.dot`) and walks the sequence's blocks through its table row, one block
+of positions per iteration, with an online softmax in float32 (base 2); K/V are read where they lie, never
+copied. fp8 pools are converted to q's dtype in registers after the load (the pointer's element type says
+which; bf16 pools load as before), so `tl.dot` multiplies q's dtype on both sides: the win of an fp8 cache
+here is the bytes read, half of bf16's. There is no split over positions: at the batch sizes where paging
+matters (hundreds of sequences x 8 KV heads) the grid already fills the GPU; a long context at a small batch
+runs on few programs (split-K, as `decode_attention.py` does for the static cache, is later work). The kernel
+needs a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
+runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` (cast to q's dtype) and the masked matmul
+of `model.decode_step`.
 
 Checked with TRITON_INTERPRET=1 on CPU tensors against the reference (tests/test_paged_attention.py).
 
