@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Dtype = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["none", "fp8", "int8-weight-only"]  # serving.engine.quantize.QUANTIZATIONS
 EngineKind = Literal["torch", "trtllm-engine", "trtllm-llmapi"]
+KvCacheDtype = Literal["auto", "fp8"]  # serving.engine.paged_cache.KV_CACHE_DTYPES
 
 
 class TargetToolchain(BaseModel):
@@ -79,6 +80,10 @@ class PagedKvSpec(BaseModel):
     max_waiting: int | None = Field(None, ge=1, description="Served requests waiting for admission (blocks or "
                                     "live slots full) at most; one more is refused as overloaded (HTTP 429 at the "
                                     "OpenAI front, UNAVAILABLE from Triton) instead of queueing. None: no limit.")
+    kv_cache_dtype: KvCacheDtype = Field("auto", description="How K/V are stored: `auto` in the engine's dtype, `fp8` "
+                                         "as float8_e4m3fn (scale 1.0, clamped to +-448): half the bytes of bf16, so "
+                                         "twice the blocks and half the KV reads of a decode step; judged by the "
+                                         "`+fp8-kv` quality budget. GPUs of compute capability >= 8.9, or the CPU.")
 
 
 class EngineSpec(BaseModel):

@@ -85,17 +85,20 @@ def _paged(engine: EngineSpec) -> Any:
 
     p = engine.paged
     return PagedKVConfig(block_size=p.block_size, num_blocks=p.num_blocks, free_mem_fraction=p.free_gpu_mem_fraction,
-                         max_num_tokens=p.max_num_tokens, max_waiting=p.max_waiting)
+                         max_num_tokens=p.max_num_tokens, max_waiting=p.max_waiting, kv_cache_dtype=p.kv_cache_dtype)
 
 
-def _unquantized_keys(engine: EngineSpec) -> set[str]:
-    """Fields left out of the build key: the TensorRT-LLM options, and the quantization and paged fields while
-    they hold their defaults (so that unquantized, static-cache builds keep the keys they had)."""
-    keys = {"trtllm"}
+def _unquantized_keys(engine: EngineSpec) -> dict[str, Any]:
+    """Fields left out of the build key (a pydantic `exclude`): the TensorRT-LLM options, and the quantization
+    and paged fields while they hold their defaults (so that unquantized, static-cache builds, and paged builds
+    with the model's KV dtype, keep the keys they had)."""
+    keys: dict[str, Any] = {"trtllm": True}
     if engine.paged is None:
-        keys.add("paged")
+        keys["paged"] = True
+    elif engine.paged.kv_cache_dtype == "auto":
+        keys["paged"] = {"kv_cache_dtype"}
     if engine.quantization == "none":
-        keys |= {"quantization", "quantize_lm_head"}
+        keys |= {"quantization": True, "quantize_lm_head": True}
     return keys
 
 

@@ -30,7 +30,7 @@ from prefect.cache_policies import NONE
 
 from tasks.errors import GateFailed
 from tasks.gate_specs import ValidationSpec
-from tasks.quality_budgets import PrecisionBudget, budget_for, quantized_precision
+from tasks.quality_budgets import PrecisionBudget, budget_for, quantized_precision, with_kv_cache
 from tasks.text_path import TokenizerCheck, check_text_path
 from tasks.token_stats import DistanceFigures, combine, sequence_stats
 
@@ -130,11 +130,14 @@ def compare_greedy(*, reference: _Side, engine: _Side) -> tuple[str, int | None]
 
 
 def engine_precision(info) -> str:
-    """The precision name an engine is judged by: its dtype, and for a quantized engine its scheme too."""
+    """The precision name an engine is judged by: its dtype, for a quantized engine its scheme too, and
+    ``+fp8-kv`` for a paged engine with an fp8 KV cache (``tasks.quality_budgets``)."""
     quantization = getattr(info, "quantization", None)
-    if quantization is None or not quantization.enabled:
-        return info.limits.dtype
-    return quantized_precision(info.limits.dtype, quantization.method, lm_head=quantization.lm_head)
+    precision = info.limits.dtype
+    if quantization is not None and quantization.enabled:
+        precision = quantized_precision(precision, quantization.method, lm_head=quantization.lm_head)
+    paged = getattr(info, "paged", None)
+    return with_kv_cache(precision, paged.kv_cache_dtype) if paged is not None else precision
 
 
 def eos_token_ids(checkpoint: Path) -> list[int]:
@@ -174,10 +177,13 @@ def reference_run(checkpoint: Path, spec: ValidationSpec, precision: str, *, dev
         logits = [_hf_logits(model, s) for s in sequences]
         del model
     peer, peer_diverged = None, 0
-    if budget.peer_dtype is not None and (budget.peer_dtype != "float32" or budget.peer_quantization):
+    if budget.peer_dtype is not None and (budget.peer_dtype != "float32" or budget.peer_quantization
+                                          or budget.peer_kv_cache):
         model = _hf_model(checkpoint, budget.peer_dtype, device)
         if budget.peer_quantization:
             quantize_hf_linears(model, budget.peer_quantization, lm_head=budget.peer_lm_head)
+        if budget.peer_kv_cache:
+            round_hf_kv_cache(model, budget.peer_kv_cache)
         peer = combine(sequence_stats(ref, _hf_logits(model, s), s) for ref, s in zip(logits, sequences))
         peer_greedy = [_hf_greedy(model, ids, spec, eos) for ids in prompt_ids]
         peer_diverged = sum(compare_greedy(reference=r, engine=p)[0] == "diverged" for r, p in zip(greedy, peer_greedy))
@@ -238,6 +244,32 @@ def quantize_hf_linears(model, method: str, *, lm_head: bool, scale_tokens: bool
             setattr(parent, child, _Fp8TokensLinear(q, scale, linear.bias))
         else:
             linear.weight.data = dequantize_weight(q, scale, linear.weight.dtype)
+
+
+HF_FP8_KV_ATTENTION = "enginewright_fp8_kv_sdpa"  # the peer's attention over e4m3-rounded K/V (`round_hf_kv_cache`)
+
+
+def _fp8_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """HF's SDPA attention over keys and values rounded to e4m3 as the engine's fp8 KV cache stores them."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from serving.engine.paged_cache import from_kv_fp8, to_kv_fp8
+
+    key, value = from_kv_fp8(to_kv_fp8(key), key.dtype), from_kv_fp8(to_kv_fp8(value), value.dtype)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def round_hf_kv_cache(model, kv_cache_dtype: str) -> None:
+    """Make the HF model's attention read its keys and values as a KV cache of `kv_cache_dtype` holds them:
+    "fp8" rounds them (rotated; every position, the current ones too) to e4m3 with the engine's clamp and
+    scale (`paged_cache.to_kv_fp8`) before SDPA. Models whose attention goes through transformers'
+    AttentionInterface (Llama, Mistral, Qwen2) take it."""
+    from transformers import AttentionInterface
+
+    if kv_cache_dtype != "fp8":
+        raise ValueError(f"paged.kv_cache_dtype={kv_cache_dtype!r} has no HF peer; only 'fp8' is rounded")
+    AttentionInterface.register(HF_FP8_KV_ATTENTION, _fp8_kv_sdpa)
+    model.set_attn_implementation(HF_FP8_KV_ATTENTION)
 
 
 @torch.no_grad()
@@ -348,6 +380,9 @@ def render_report(result: ValidationResult) -> str:
     """Markdown a person reads: verdict, engine and HF peer figures against the limits, one row per prompt."""
     e, p, t = result.engine, result.peer, result.thresholds
     peer = "HF at the engine's precision" if p else "-"
+    kv_cache = budget_for(result.precision).peer_kv_cache if p else None
+    if kv_cache:
+        peer += f", its attention over K/V rounded as the engine's {kv_cache} KV cache stores them"
 
     def row(label: str, get, limit: str) -> str:
         return f"| {label} | {get(e) if e else '-'} | {get(p) if p else '-'} | {limit} |"

@@ -4,22 +4,29 @@ graphs give the eager step's tokens (bf16, more requests than live, blocks reuse
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from serving.bench.throughput import ThroughputConfig, _runners
+from serving.engine.paged_cache import KV_FP8_DTYPE
 from serving.engine.paged_decode import decode_buckets, is_decode_only
 from serving.engine.paged_model import build_step, paged_forward
+from serving.engine.paged_runner import PagedRunner
 from serving.engine.paged_scheduler import PagedScheduler
 from serving.engine.scheduler import collect
 
 
-def _paged(device: str, *, graphs: bool = True, num_blocks: int = 24, live: int = 6):
+def _paged(device: str, *, graphs: bool = True, num_blocks: int = 24, live: int = 6, kv_cache_dtype: str = "auto"):
     cfg = ThroughputConfig(shape="tiny", input_len=30, output_len=30, sides=("paged",), paged_live=live, block_size=16,
                            max_num_tokens=64, num_blocks=num_blocks, warmup_requests=0)
-    _, _, runner = _runners(cfg, torch.device(device))
+    model, _, runner = _runners(cfg, torch.device(device))
+    if kv_cache_dtype != "auto":  # the same weights over a pool of another dtype
+        runner = PagedRunner(runner.info, model, runner.device,
+                             dataclasses.replace(runner.config, kv_cache_dtype=kv_cache_dtype),
+                             decode_gemm=runner.decode.gemm)
     runner.decode.use_graphs = graphs and runner.decode.use_graphs
     return runner
 
@@ -70,6 +77,31 @@ def test_captured_decode_graphs_give_the_eager_steps_tokens_on_cuda():
         assert runner.allocator.free == runner.num_blocks
     assert outs[0] == outs[1], steps
     assert steps[0][0] > 30 and steps[0][1] == len(decode_buckets(6)) and steps[1][1] == 0, steps
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the decode graphs are captured there")
+def test_captured_decode_graphs_over_an_fp8_kv_cache_give_the_eager_steps_tokens_on_cuda():
+    """As above with `paged.kv_cache_dtype="fp8"` (e4m3 pools: the rotation kernel stores clamped e4m3, the
+    attention kernel converts it back): graphs and the eager decode step deliver the same tokens, and they
+    mostly agree with the bf16 pool's (teacher-forced agreement is checked on the CPU,
+    tests/test_paged_kv_fp8.py; here a floor of half the tokens guards against a garbled pool)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 512) for _ in range(rng.randrange(5, 31))] for _ in range(10)]
+    outs, steps = [], []
+    for graphs in (True, False):
+        runner = _paged("cuda", graphs=graphs, kv_cache_dtype="fp8")
+        assert runner.cache.k[0].dtype == KV_FP8_DTYPE
+        runner.warm_up_decode()
+        sched = PagedScheduler(runner)
+        outs.append(collect(sched, prompts, max_tokens=30))
+        steps.append((runner.decode.steps, len(runner.decode.graphs), sched.stats.preempted))
+        assert runner.allocator.free == runner.num_blocks
+    assert outs[0] == outs[1], steps
+    assert steps[0][0] > 30 and steps[0][1] == len(decode_buckets(6)) and steps[1][1] == 0, steps
+    bf16 = collect(PagedScheduler(_paged("cuda")), prompts, max_tokens=30)
+    same = sum(a == b for (x, _), (y, _) in zip(outs[0], bf16) for a, b in zip(x, y))
+    assert same >= 150, f"{same} of 300 tokens as with the bf16 pool"
 
 
 @pytest.mark.gpu

@@ -9,6 +9,13 @@ rounded to the dtype before the sum, as the torch ops do (and under the interpre
 to the last bit), but on the H200 the compiler may keep a product unrounded (46 of 320 rotated values one bf16
 step away), so there each value is held within one step of the dtype at the size of its two terms. Slots not
 written keep their NaN, so a write to a wrong slot or head shows.
+
+fp8 pools (an fp8 KV cache): the keys and values are stored clamped to +-448 and rounded to e4m3, as
+`PagedKVCache.write` stores them. On the GPU that is checked against torch's cast of the torch ops' K/V. The
+interpreter's float32 -> float8e4nv cast is not torch's: it takes e4m3's subnormals to zero and, where
+rounding up carries into the next binade, halves the value (0.0304 -> 0.015625 for 0.03125, in Triton
+3.9), so under it the kernel's stores are checked against that same cast (`_as_stored` applied to the torch
+ops' K/V by a one-line kernel): slots, heads, the clamp and the dtype path, with rounding left to the GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 
 from serving.engine import paged_rope
 from serving.engine.model import _rope_1
+from serving.engine.paged_cache import KV_FP8_DTYPE, KV_FP8_MAX, to_kv_fp8
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and paged_rope.triton is not None
 HAS_CUDA = torch.cuda.is_available() and paged_rope.triton is not None and not INTERPRET
@@ -109,3 +117,76 @@ def test_fits_only_cuda_half_precision_steps() -> None:
 @pytest.mark.parametrize("shape", (*SHAPES, (64, 32, 8, 128), (1024, 32, 8, 128)))
 def test_kernel_equals_the_torch_ops_on_the_gpu(shape: tuple[int, int, int, int]) -> None:
     check(shape, "cuda", torch.bfloat16, exact=False)
+
+
+if paged_rope.triton is not None:
+    tl = paged_rope.tl
+
+    @paged_rope.triton.jit
+    def _stored_by_triton(x_ptr, out_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(out_ptr + offs, paged_rope._as_stored(tl.load(x_ptr + offs), out_ptr))
+
+
+def as_triton_stores(x: torch.Tensor) -> torch.Tensor:
+    """x cast to e4m3 by the kernel's own store path (`paged_rope._as_stored`), back in float32; x's NaN (the
+    slots not written) kept NaN (the clamp's max/min would turn them into a number)."""
+    flat = x.reshape(-1)
+    n = paged_rope.triton.next_power_of_2(flat.numel())
+    src = torch.cat((flat.nan_to_num(), flat.new_zeros(n - flat.numel())))
+    out = torch.empty(n, dtype=KV_FP8_DTYPE, device=x.device)
+    _stored_by_triton[(1,)](src, out, N=n)
+    return out[:flat.numel()].view(x.shape).float().masked_fill(x.isnan(), float("nan"))
+
+
+def check_fp8(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype, *, interpreted: bool) -> None:
+    """The kernel with e4m3 pools: queries and returned keys as with pools of qkv's dtype (exactly under the
+    interpreter, within one dtype step on the GPU); the pools hold the torch ops' K/V clamped and rounded
+    (on the GPU: torch's cast, a key one e4m3 step away at most where its rotation was one dtype step away;
+    interpreted: the interpreter's own cast, see the module doc); a value of 1000 is stored as 448."""
+    c, plain = case(shape, device, dtype), case(shape, device, dtype)
+    c["qkv"][0, -1] = plain["qkv"][0, -1] = 1000.0  # the first token's last value: out of e4m3's range
+    for name in ("k_pool", "v_pool"):
+        c[name] = torch.full(c[name].shape, float("nan"), dtype=KV_FP8_DTYPE, device=device)
+    _, _, k_ref, v_ref = torch_ops(plain)
+    q, keys = paged_rope.rope_write_keys(**c)
+    q_plain, keys_plain = paged_rope.rope_write_keys(**plain)
+    assert torch.equal(q, q_plain) and torch.equal(keys, keys_plain), "queries and keys do not depend on the pools"
+    assert c["v_pool"].view(-1, *c["v_pool"].shape[2:])[c["slots"][0], -1, -1].float() == KV_FP8_MAX
+    cast = as_triton_stores if interpreted else to_kv_fp8
+    for name, out, ref in (("k", c["k_pool"], k_ref), ("v", c["v_pool"], v_ref)):
+        want = cast(ref.float()).float()
+        got = out.float()
+        assert torch.equal(got.isnan(), want.isnan()), f"{name}: written where torch writes, nowhere else"
+        got, want = got.nan_to_num(), want.nan_to_num()
+        diff = (got - want).abs()
+        what = f"{name}: {int((diff > 0).sum())} of {diff.numel()} differ, the largest by {float(diff.max()):.3g}"
+        if interpreted or name == "v":
+            assert torch.equal(got, want), what
+        else:  # one e4m3 step (2**-3 relative, 2**-9 below the normal range) where the bf16 rotation moved
+            assert bool((diff <= want.abs() * 2 ** -3 + 2 ** -9).all()), what
+    if interpreted:
+        off = int((c["k_pool"].float().nan_to_num() != to_kv_fp8(k_ref.float()).float().nan_to_num()).sum())
+        print(f"{shape}: {off} keys stored otherwise than torch's cast, by the interpreter's fp8 cast")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_writes_fp8_pools_as_the_interpreter_casts_interpreted(shape: tuple[int, int, int, int]) -> None:
+    check_fp8(shape, "cpu", torch.float16, interpreted=True)
+
+
+def test_fits_takes_fp8_pools_of_half_precision_rows() -> None:
+    qkv = torch.ones(2, 96, dtype=torch.bfloat16)
+    pool = torch.ones(4, 4, 2, 16).to(KV_FP8_DTYPE)
+    assert not paged_rope.fits(qkv, pool, 16), "CPU tensors take the torch ops (PagedKVCache.write casts)"
+    if torch.cuda.is_available() and paged_rope.triton is not None:
+        assert paged_rope.fits(qkv.cuda(), pool.cuda(), 16)
+        assert not paged_rope.fits(qkv.cuda().float(), pool.cuda(), 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.parametrize("shape", (*SHAPES, (64, 32, 8, 128), (1024, 32, 8, 128)))
+def test_kernel_writes_fp8_pools_as_torch_casts_on_the_gpu(shape: tuple[int, int, int, int]) -> None:
+    check_fp8(shape, "cuda", torch.bfloat16, interpreted=False)

@@ -48,7 +48,7 @@ from serving.engine.errors import (
     ToolchainMismatchError,
 )
 from serving.engine.model import ModelArgs
-from serving.engine.paged_cache import PagedKVConfig, check_paged_config, kv_block_bytes
+from serving.engine.paged_cache import PagedKVConfig, check_paged_config, kv_block_bytes, kv_element_bytes
 from serving.engine.quantize import QuantInfo, check_capability_text
 
 ENGINE_FORMAT = "enginewright-torch-engine"
@@ -203,7 +203,8 @@ def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits,
         check_paged_config(paged, max_seq_len=limits.max_seq_len, max_batch_size=limits.max_batch_size,
                            block_bytes=kv_block_bytes(n_layers=model.n_layers, n_kv_heads=model.n_kv_heads,
                                                       head_dim=model.head_dim, block_size=max(paged.block_size, 1),
-                                                      element_bytes=DTYPES[limits.dtype].itemsize))
+                                                      element_bytes=kv_element_bytes(paged.kv_cache_dtype,
+                                                                                     DTYPES[limits.dtype].itemsize)))
     if limits.dtype != meta["dtype"]:
         raise EngineLimitError(f"limits.dtype={limits.dtype!r} but checkpoint {str(checkpoint_dir)!r} was "
                                f"converted to dtype={meta['dtype']!r}; convert with dtype={limits.dtype!r}")

@@ -6,20 +6,23 @@ p of sequence b lives in block `tables[b, p // block_size]` at offset `p % block
 
 Layout:
 - q: `[B, Hkv, G, hd]` (the G = n_heads // n_kv_heads query heads sharing kv head h next to each other);
-- k_pool, v_pool: `[num_blocks, block_size, Hkv, hd]`, one layer's pools (`paged_cache.PagedKVCache`);
+- k_pool, v_pool: `[num_blocks, block_size, Hkv, hd]`, one layer's pools (`paged_cache.PagedKVCache`), in
+  q's dtype or float8_e4m3fn (an fp8 KV cache, scale 1.0: read as `value.to(q.dtype)`);
 - tables: `[B, n]` int64, each row's blocks in position order, padded with any valid block id;
 - lengths: `[B]` int64, the visible positions of each row (>= 1, <= n * block_size);
 - returns `[B, Hkv, G, hd]` in q.dtype.
 
 On CUDA (Triton importable) one kernel runs with one program per (sequence, kv head): it loads the G query
-heads once (padded to 16 rows for `tl.dot`) and walks the sequence's blocks through its table row, one
-block of positions per iteration, with an online softmax in float32 (base 2); K/V are read where they
-lie, never copied. There is no split over positions: at the batch sizes where paging matters (hundreds
-of sequences x 8 KV heads) the grid already fills the GPU; a long context at a small batch runs on few
-programs (split-K, as `decode_attention.py` does for the static cache, is later work). The kernel needs
-a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
-runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` and the masked matmul of
-`model.decode_step`.
+heads once (padded to 16 rows for `tl.dot`) and walks the sequence's blocks through its table row, one block
+of positions per iteration, with an online softmax in float32 (base 2); K/V are read where they lie, never
+copied. fp8 pools are converted to q's dtype in registers after the load (the pointer's element type says
+which; bf16 pools load as before), so `tl.dot` multiplies q's dtype on both sides: the win of an fp8 cache
+here is the bytes read, half of bf16's. There is no split over positions: at the batch sizes where paging
+matters (hundreds of sequences x 8 KV heads) the grid already fills the GPU; a long context at a small batch
+runs on few programs (split-K, as `decode_attention.py` does for the static cache, is later work). The kernel
+needs a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
+runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` (cast to q's dtype) and the masked matmul
+of `model.decode_step`.
 
 Checked with TRITON_INTERPRET=1 on CPU tensors against the reference (tests/test_paged_attention.py).
 
@@ -45,8 +48,8 @@ def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     bsz, n = tables.shape
     block_size = k_pool.shape[1]
     width = n * block_size
-    keys = k_pool[tables].reshape(bsz, width, *k_pool.shape[2:]).transpose(1, 2)  # [B, Hkv, L, hd]
-    values = v_pool[tables].reshape(bsz, width, *v_pool.shape[2:]).transpose(1, 2)
+    keys = k_pool[tables].reshape(bsz, width, *k_pool.shape[2:]).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, hd]
+    values = v_pool[tables].reshape(bsz, width, *v_pool.shape[2:]).transpose(1, 2).to(q.dtype)
     visible = torch.arange(width, device=q.device).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
     neg = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(
         ~visible, float("-inf")).view(bsz, 1, 1, width)
@@ -90,7 +93,7 @@ if triton is not None:
             pos = i * BLOCK_SIZE + offs_n
             n_mask = pos < length
             k = tl.load(k_ptr + block * stride_kblk + offs_n[None, :] * stride_kpos + h * stride_kh + offs_d[:, None],
-                        mask=n_mask[None, :], other=0.0)  # [HEAD_DIM, BLOCK_SIZE]
+                        mask=n_mask[None, :], other=0.0).to(q.dtype)  # [HEAD_DIM, BLOCK_SIZE]; fp8 pools converted
             if IEEE_DOT:
                 qk = tl.dot(q, k, input_precision="ieee")
             else:
@@ -101,7 +104,7 @@ if triton is not None:
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + block * stride_vblk + offs_n[:, None] * stride_vpos + h * stride_vh + offs_d[None, :],
-                        mask=n_mask[:, None], other=0.0)  # [BLOCK_SIZE, HEAD_DIM]
+                        mask=n_mask[:, None], other=0.0).to(q.dtype)  # [BLOCK_SIZE, HEAD_DIM]
             if IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:

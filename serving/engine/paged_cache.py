@@ -14,7 +14,19 @@ figure, so there `num_blocks` is required). `check_paged_config` refuses impossi
 the numbers: a pool smaller than one sequence of `max_seq_len`, a step budget (`max_num_tokens`) smaller
 than one block, and so on.
 
-Imports: stdlib and torch only.
+KV cache dtype (`PagedKVConfig.kv_cache_dtype`): "auto" stores K/V in the model's dtype; "fp8" stores them as
+float8_e4m3fn (TensorRT-LLM's and vLLM's `kv_cache_dtype=fp8`), half the bytes of bf16: the pool holds twice
+the blocks and a decode step reads half the bytes. Values are divided by one per-tensor scale
+(`KV_FP8_SCALE`, 1.0: vLLM's default for an uncalibrated fp8 KV cache, where K/V of these models lie well
+inside e4m3's range), clamped to +-448 (`KV_FP8_MAX`: e4m3fn has no infinity, and a cast of an
+out-of-range value is not guaranteed to saturate) and rounded to nearest. Readers dequantize: `gather`
+returns the model's dtype, the attention and rotation kernels convert in registers. A calibrated scale
+(per layer, from K/V statistics) would replace the constant and be passed to `write`/`gather` and to the
+kernels (folded into the softmax scale for K and into the output for V); with 1.0 they skip the multiply.
+fp8 storage needs e4m3 conversions on a GPU (compute capability 8.9 or later, `check_kv_cache_device`);
+the CPU casts through torch.
+
+Imports: stdlib, torch and `serving.engine.quantize`'s constants.
 """
 
 from __future__ import annotations
@@ -25,9 +37,15 @@ from typing import Any
 
 import torch
 
-from serving.engine.errors import EngineLimitError
+from serving.engine.errors import EngineLimitError, EngineQuantizationError
+from serving.engine.quantize import FP8_MIN_CAPABILITY
 
 DEFAULT_BLOCK_SIZE = 32
+AUTO, FP8 = "auto", "fp8"
+KV_CACHE_DTYPES = (AUTO, FP8)  # paged.kv_cache_dtype: the model's dtype, or float8_e4m3fn storage
+KV_FP8_DTYPE = torch.float8_e4m3fn
+KV_FP8_MAX = torch.finfo(KV_FP8_DTYPE).max  # 448.0: stored values are clamped to +-this before the cast
+KV_FP8_SCALE = 1.0  # per-tensor: stored = x / scale (uncalibrated, as vLLM's default); see the module doc
 
 
 @dataclass(frozen=True)
@@ -40,17 +58,79 @@ class PagedKVConfig:
     free_mem_fraction: float = 0.9  # of the device memory free after the weights, when num_blocks is None
     max_num_tokens: int = 8192  # tokens (prefill chunks + decodes) one step computes at most
     max_waiting: int | None = None  # served requests waiting for admission at most (more: refused); None: no limit
+    kv_cache_dtype: str = AUTO  # one of KV_CACHE_DTYPES: "auto" (the model's dtype) or "fp8" (e4m3 storage)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The settings for engine.json; `kv_cache_dtype` only when it is not "auto", so that the engines
+        built before it existed keep their engine.json and fingerprint."""
+        d = dataclasses.asdict(self)
+        if self.kv_cache_dtype == AUTO:
+            del d["kv_cache_dtype"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PagedKVConfig:
+        """Read engine.json's `paged` (a missing `kv_cache_dtype` is "auto"); unknown keys and values refused."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown paged KV settings {unknown} (known: {sorted(names)})")
-        return cls(**d)
+        config = cls(**d)
+        check_kv_cache_dtype(config.kv_cache_dtype)
+        return config
+
+    @property
+    def fp8(self) -> bool:
+        """Whether K/V are stored as float8_e4m3fn."""
+        return self.kv_cache_dtype == FP8
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """Refuse, naming the value and the setting, a KV cache dtype that is not one of KV_CACHE_DTYPES."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise EngineLimitError(f"paged.kv_cache_dtype={kv_cache_dtype!r} is not supported; choose one of "
+                               f"{list(KV_CACHE_DTYPES)} ('auto': the model's dtype, 'fp8': float8_e4m3fn)")
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the pools hold for `kv_cache_dtype` in an engine of `model_dtype`."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    return KV_FP8_DTYPE if kv_cache_dtype == FP8 else model_dtype
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
+    """Bytes of one stored K or V element: 1 for fp8, else the model dtype's (`kv_block_bytes`' element_bytes)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    return KV_FP8_DTYPE.itemsize if kv_cache_dtype == FP8 else model_dtype_bytes
+
+
+def check_kv_cache_device(kv_cache_dtype: str, device: torch.device | str, *, where: str) -> None:
+    """Refuse, naming the setting and the device, an fp8 KV cache on a CUDA GPU below compute capability 8.9
+    (no e4m3 conversions: the kernels could not read or write the pools). The CPU casts through torch."""
+    dev = torch.device(device)
+    if kv_cache_dtype != FP8 or dev.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(dev)
+    if capability < FP8_MIN_CAPABILITY:
+        raise EngineQuantizationError(
+            f"{where}: paged.kv_cache_dtype='fp8' needs a GPU of compute capability "
+            f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or later (Ada, Hopper); device {dev} "
+            f"({torch.cuda.get_device_name(dev)}) has {'.'.join(map(str, capability))}. Use "
+            "paged.kv_cache_dtype='auto' there")
+
+
+def to_kv_fp8(x: torch.Tensor) -> torch.Tensor:
+    """K or V in e4m3 as the pools store them: divided by KV_FP8_SCALE, clamped to +-KV_FP8_MAX (never NaN
+    for a finite value), rounded to nearest."""
+    if KV_FP8_SCALE != 1.0:
+        x = x / KV_FP8_SCALE
+    return x.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE)
+
+
+def from_kv_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored e4m3 K or V back in `dtype` (times KV_FP8_SCALE)."""
+    x = x.to(dtype)
+    return x * KV_FP8_SCALE if KV_FP8_SCALE != 1.0 else x
 
 
 def kv_block_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, element_bytes: int) -> int:
@@ -86,6 +166,7 @@ def check_paged_config(config: PagedKVConfig, *, max_seq_len: int, max_batch_siz
         raise EngineLimitError(f"paged.max_waiting={config.max_waiting} must be >= 1 (or unset: no limit)")
     if config.num_blocks is not None and config.num_blocks < 1:
         raise EngineLimitError(f"paged.num_blocks={config.num_blocks} must be >= 1")
+    check_kv_cache_dtype(config.kv_cache_dtype)
     num_blocks = config.num_blocks if num_blocks is None else num_blocks
     need = blocks_for(max_seq_len, config.block_size)
     if num_blocks is not None and num_blocks < need:
@@ -142,29 +223,38 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """The block pools of every layer, on one device and dtype."""
+    """The block pools of every layer, on one device: K/V computed in `dtype` (the model's), stored in
+    `kv_storage_dtype(kv_cache_dtype, dtype)` (fp8: see the module doc)."""
 
     def __init__(self, *, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = AUTO) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype = dtype  # what `gather` returns and the attention computes in
+        self.fp8 = kv_cache_dtype == FP8
+        storage = kv_storage_dtype(kv_cache_dtype, dtype)
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [torch.zeros(shape, dtype=storage, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=storage, device=device) for _ in range(n_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys/values of T tokens ([T, Hkv, hd]) into their `slots` ([T], block * block_size + offset)."""
+        """Keys/values of T tokens ([T, Hkv, hd]) into their `slots` ([T], block * block_size + offset);
+        clamped and rounded to e4m3 (`to_kv_fp8`) for fp8 pools."""
         kp, vp = self.k[layer], self.v[layer]
+        if self.fp8:
+            k, v = to_kv_fp8(k), to_kv_fp8(v)
         kp.view(-1, *kp.shape[2:])[slots] = k
         vp.view(-1, *vp.shape[2:])[slots] = v
 
     def gather(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [0, length) of one sequence whose block table is `blocks` ([n] long) -> keys, values
-        [Hkv, length, hd] (a copy)."""
+        [Hkv, length, hd] (a copy, in the compute dtype: fp8 pools dequantized)."""
         n = blocks_for(length, self.block_size)
         kp, vp = self.k[layer], self.v[layer]
         idx = blocks[:n]
         keys = kp[idx].reshape(n * self.block_size, *kp.shape[2:])[:length].transpose(0, 1)
         values = vp[idx].reshape(n * self.block_size, *vp.shape[2:])[:length].transpose(0, 1)
+        if self.fp8:
+            keys, values = from_kv_fp8(keys, self.dtype), from_kv_fp8(values, self.dtype)
         return keys, values
 
 
@@ -172,7 +262,9 @@ def cache_bytes(cache: PagedKVCache) -> int:
     return sum(t.numel() * t.element_size() for t in cache.k + cache.v)
 
 
-def describe(num_blocks: int, block_size: int, block_bytes: int) -> str:
+def describe(num_blocks: int, block_size: int, block_bytes: int, kv_cache_dtype: str = AUTO) -> str:
+    """One line of a pool's size: blocks, tokens, GiB (and "fp8 e4m3" when K/V are stored so)."""
+    stored = ", K/V in fp8 e4m3" if kv_cache_dtype == FP8 else ""
     return (f"{num_blocks} blocks x {block_size} positions = {num_blocks * block_size} tokens, "
-            f"{num_blocks * block_bytes / 2**30:.2f} GiB")
+            f"{num_blocks * block_bytes / 2**30:.2f} GiB{stored}")
 

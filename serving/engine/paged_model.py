@@ -12,6 +12,10 @@ block table, causal inside the chunk:
   causal SDPA per length over the step's own K/V (nothing read back from the cache), as the static prefill;
 - each other chunk (a later chunk of a prompt) on its own: its context gathered, then SDPA under a mask.
 
+With an fp8 KV cache the pools hold e4m3 and everything read back from them is dequantized (`gather`, the
+decode attention's conversion in registers), while a chunk from position 0 attends over its own fresh K/V
+in the model's dtype, never rounded (as vLLM does): only positions of earlier steps carry e4m3's error.
+
 Eager, on the CPU and on CUDA (no CUDA graphs yet). The result is the float32 logits of the tokens named by
 `sample_index` (each sampling sequence's last computed token).
 
@@ -169,7 +173,8 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
 def _chunk_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, table: torch.Tensor, start: int,
                      group: int) -> torch.Tensor:
     """Queries q [n, H, hd] at positions [start, start + n) over the sequence's positions [0, start + n),
-    causal -> [n, H * hd]."""
+    causal -> [n, H * hd]. Every key and value comes from the cache (this chunk's were written first), in the
+    compute dtype (`gather` dequantizes fp8 pools)."""
     n, heads, hd = q.shape
     keys, values = cache.gather(layer, table, start + n)  # [Hkv, ctx, hd]
     if group > 1:  # expand K/V heads as the static prefill does, so SDPA can take its flash kernel

@@ -14,6 +14,11 @@ One program per token does it all here. It asks for torch's rounding (each produ
 sum), which the interpreter gives to the last bit; compiled for the H200 a product may stay unrounded, so a
 rotated value can land one step of the dtype away (tests/test_paged_rope.py). Values are copied exactly.
 
+Pools of float8_e4m3fn (an fp8 KV cache, `paged_cache`'s module doc) take the rotated keys and the values as
+`PagedKVCache.write` stores them: clamped to +-448 in float32, then cast to e4m3 rounding to nearest (scale
+1.0); the queries and the returned keys stay in qkv's dtype. The pointer's element type picks the store, so
+bf16 pools are written as before.
+
 Imports: torch; Triton only if importable (this module runs inside Triton's python backend).
 """
 
@@ -22,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from serving.engine.model import _rope_1
-from serving.engine.paged_cache import PagedKVCache
+from serving.engine.paged_cache import KV_FP8_DTYPE, KV_FP8_MAX, KV_FP8_SCALE, PagedKVCache
 
 try:
     import triton
@@ -33,6 +38,7 @@ except ImportError:  # CPU-only installs
 DTYPES = (torch.bfloat16, torch.float16)
 
 if triton is not None:
+    _FP8_MAX = tl.constexpr(KV_FP8_MAX)
 
     @triton.jit
     def _rotated(x_ptr, offs_h, h_mask, offs_d, c1, c2, s1, s2, HALF: tl.constexpr):
@@ -48,10 +54,19 @@ if triton is not None:
         return o1, o2
 
     @triton.jit
+    def _as_stored(x, dst_ptr):
+        """x in the element type of dst_ptr: clamped to +-448 and rounded to nearest for an e4m3 pool, as
+        `PagedKVCache.write`; unchanged for a pool of x's dtype."""
+        if dst_ptr.dtype.element_ty == tl.float8e4nv:
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -_FP8_MAX), _FP8_MAX)
+            x = x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        return x.to(dst_ptr.dtype.element_ty)
+
+    @triton.jit
     def _store_halves(dst_ptr, offs_h, h_mask, offs_d, o1, o2, HALF: tl.constexpr):
         dst = dst_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-        tl.store(dst, o1, mask=h_mask[:, None])
-        tl.store(dst + HALF, o2, mask=h_mask[:, None])
+        tl.store(dst, _as_stored(o1, dst_ptr), mask=h_mask[:, None])
+        tl.store(dst + HALF, _as_stored(o2, dst_ptr), mask=h_mask[:, None])
 
     @triton.jit
     def _rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, k_pool_ptr, v_pool_ptr,
@@ -80,13 +95,14 @@ if triton is not None:
             _store_halves(k_ptr + t * stride_k, offs_kv, kv_mask, offs_d, k1, k2, HALF)
         offs_v = offs_kv[:, None] * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
         v = tl.load(row + (N_HEADS + N_KV) * 2 * HALF + offs_v, mask=kv_mask[:, None], other=0.0)
-        tl.store(v_pool_ptr + slot * stride_slot + offs_v, v, mask=kv_mask[:, None])
+        tl.store(v_pool_ptr + slot * stride_slot + offs_v, _as_stored(v, v_pool_ptr), mask=kv_mask[:, None])
 
 
 def fits(qkv: torch.Tensor, k_pool: torch.Tensor, head_dim: int) -> bool:
     """Whether the kernel takes this step: Triton importable, CUDA half-precision rows, contiguous pools of
-    the same dtype, an even power-of-two head_dim of at least 16."""
-    return (triton is not None and qkv.is_cuda and qkv.dtype in DTYPES and k_pool.dtype == qkv.dtype
+    the same dtype (or e4m3, stored with scale 1.0), an even power-of-two head_dim of at least 16."""
+    pool_ok = k_pool.dtype == qkv.dtype or (k_pool.dtype == KV_FP8_DTYPE and KV_FP8_SCALE == 1.0)
+    return (triton is not None and qkv.is_cuda and qkv.dtype in DTYPES and pool_ok
             and qkv.stride(-1) == 1 and k_pool.is_contiguous() and head_dim >= 16 and not head_dim & (head_dim - 1))
 
 

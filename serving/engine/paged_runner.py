@@ -13,6 +13,10 @@ static runner:
 - `prefill_logits(prompt)`: teacher-forced logits of every position, through borrowed blocks;
 - `forward(chunks, sample)`: one mixed step (`paged_model.paged_forward`), for the scheduler.
 
+With `config.kv_cache_dtype` "fp8" the pools hold float8_e4m3fn (`paged_cache`'s module doc): a block takes
+half the bytes of a bf16 one, so `free_mem_fraction` sizes twice the blocks; a GPU below compute capability
+8.9 is refused at load (`paged_cache.check_kv_cache_device`).
+
 A step of decodes only (every live request past its prompt) runs through `paged_decode.PagedDecodeGraphs`:
 block tables kept on the device, the static step's GEMMs (`decode_gemm`), on CUDA one graph per batch
 bucket. A step with a prefill chunk in it runs `paged_model.paged_forward` eagerly.
@@ -36,8 +40,11 @@ from serving.engine.paged_cache import (
     PagedKVCache,
     PagedKVConfig,
     blocks_for,
+    check_kv_cache_device,
+    check_kv_cache_dtype,
     check_paged_config,
     kv_block_bytes,
+    kv_element_bytes,
     resolve_num_blocks,
 )
 from serving.engine.paged_decode import PagedDecodeGraphs, is_decode_only
@@ -56,14 +63,18 @@ class PagedRunner:
         weight = model.tok_embeddings.weight
         self.info, self.model, self.device, self.config = info, model, device, config
         self.max_live = lim.max_batch_size
+        check_kv_cache_dtype(config.kv_cache_dtype)
+        check_kv_cache_device(config.kv_cache_dtype, device, where=f"paged engine {str(info.path)!r}")
         self.block_bytes = kv_block_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
-                                          block_size=config.block_size, element_bytes=weight.element_size())
+                                          block_size=config.block_size,
+                                          element_bytes=kv_element_bytes(config.kv_cache_dtype, weight.element_size()))
         self.num_blocks = resolve_num_blocks(config, device, self.block_bytes)
         check_paged_config(config, num_blocks=self.num_blocks, max_seq_len=lim.max_seq_len,
                            max_batch_size=self.max_live, block_bytes=self.block_bytes)
         # one block more than the allocator hands out: the decode graphs' padding rows write there
         self.cache = PagedKVCache(n_layers=a.n_layers, num_blocks=self.num_blocks + 1, block_size=config.block_size,
-                                  n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=weight.dtype, device=device)
+                                  n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=weight.dtype, device=device,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         self.allocator = BlockAllocator(self.num_blocks)
         cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
         self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
