@@ -276,6 +276,28 @@ def test_throughput_bench_runs_both_sides_on_quantized_weights(method):
     assert report.config["quantization"] == method
 
 
+def test_throughput_bench_paged_side_on_an_fp8_kv_cache():
+    """`bench throughput --kv-cache-dtype fp8`: the paged side's pool is e4m3 and serves every token."""
+    from unittest import mock
+
+    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+    from serving.engine.paged_cache import KV_FP8_DTYPE, PagedKVCache
+
+    pools: list = []
+    made = PagedKVCache.__init__
+
+    def spy(self, **kw):
+        made(self, **kw)
+        pools.append(self.k[0].dtype)
+
+    cfg = ThroughputConfig(shape="tiny", requests=4, input_len=6, output_len=3, sides=("paged",), paged_live=4,
+                           block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0, kv_cache_dtype="fp8")
+    with mock.patch.object(PagedKVCache, "__init__", spy):
+        report = bench_throughput(cfg, device="cpu", progress=lambda line: None)
+    assert pools == [KV_FP8_DTYPE]
+    assert report.sides[0].output_tokens == sum(n for _, n in workload(cfg, 512))
+
+
 def test_throughput_bench_at_a_poisson_rate_reports_goodput_against_slos():
     """`--request-rate`: requests arrive over time in a seeded Poisson process (the run lasts at least until the
     last arrival, TTFT counts from each request's own submit), both sides serve them all on their own thread;

@@ -7,7 +7,7 @@
 #    memory (1,024 requests of 128/128 need 9,216 blocks of 32, the pool has about 14,000), each side warmed
 #    on 128 requests (one full prompt step); then 64 requests (64 rows / 64 live) and 1 request, each pair
 #    side by side in one process.
-# Env: QUANT (engine.quantization of the weights, default none), SIDES (the 1,024-request sides), WORKLOAD
+# Env: QUANT (engine.quantization of the weights, default none), KV (the paged pool's kv_cache_dtype), SIDES (the 1,024-request sides), WORKLOAD
 #      (default 128/128), REQUESTS (default 1024), SMALL= (skip the 64- and 1-request pairs).
 # Results under $OUT: steps.log, gpu-tests.log, t<N>.json/.log.
 set -u
@@ -27,7 +27,7 @@ bench() {  # name, timeout, args...
   local name=$1 limit=$2
   shift 2
   timeout "$limit" python3 -m serving.bench throughput --shape "${SHAPE:-llama-3.1-8b}" --workload "${WORKLOAD:-128/128}" \
-    --quantization "${QUANT:-none}" "$@" \
+    --quantization "${QUANT:-none}" --kv-cache-dtype "${KV:-auto}" "$@" \
     --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1
   log "$name rc=$?:"
   grep -E "^ *(static|paged[a-z-]*):|model " "$OUT/$name.log" | cut -c1-400 | tee -a "$OUT/steps.log"

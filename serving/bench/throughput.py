@@ -33,7 +33,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -65,6 +65,7 @@ class ThroughputConfig:
     profile_prefill: bool = False  # after the run, the kernels and wall time of one paged step of prompts only
     request_rate: float = 0.0  # requests a second, Poisson; 0: all at once
     quantization: str = "none"  # engine.quantization of the weights both sides share
+    kv_cache_dtype: str = "auto"  # the paged pool's paged.kv_cache_dtype ("fp8": e4m3 K/V)
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
 
@@ -273,12 +274,11 @@ def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any
     static = paged = None
     if {"paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE} & set(cfg.sides):  # sized first: from the memory free before the static cache takes its share
         config = PagedKVConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_tokens=cfg.max_num_tokens,
-                               free_mem_fraction=cfg.free_mem_fraction)
+                               free_mem_fraction=cfg.free_mem_fraction, kv_cache_dtype=cfg.kv_cache_dtype)
         if "static" in cfg.sides and cfg.num_blocks is None and device.type == "cuda":
             free = torch.cuda.mem_get_info(device)[0]
             static_bytes = 2 * args.n_layers * args.kv_size * cfg.static_batch * max_seq_len * 2
-            config = PagedKVConfig(block_size=cfg.block_size, max_num_tokens=cfg.max_num_tokens,
-                                   free_mem_fraction=cfg.free_mem_fraction * (free - static_bytes) / free)
+            config = replace(config, free_mem_fraction=cfg.free_mem_fraction * (free - static_bytes) / free)
         paged = PagedRunner(info(cfg.paged_live), model, device, config,
                             decode_gemm=pick_decode_gemm("auto", device, dtype))
     if "static" in cfg.sides:
