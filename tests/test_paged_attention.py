@@ -76,6 +76,44 @@ def test_kernel_under_the_interpreter_equals_the_reference(group):
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.parametrize("splits", [2, 3, 16])
+def test_positions_split_over_programs_give_the_one_program_result(splits):
+    """Split over positions (more splits than some rows have blocks: empty splits weigh nothing), combined:
+    the reference's result, for rows of 1 position up to several blocks."""
+    q, k, v, tables, lengths = _case(group=4, fill=float("nan"))
+    scale = 1 / math.sqrt(q.shape[-1])
+    got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
+    want = _naive(q, k, v, tables, lengths, scale)
+    assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_positions_are_split_only_when_the_batch_leaves_sms_idle():
+    from unittest import mock
+
+    from serving.engine.paged_attention import MAX_SPLITS, position_splits
+
+    assert position_splits(1, 8, torch.device("cpu")) == 1
+    props = mock.Mock(multi_processor_count=132)
+    with mock.patch.object(torch.cuda, "get_device_properties", return_value=props):
+        cuda = torch.device("cuda", 0)
+        assert position_splits(1, 8, cuda) == MAX_SPLITS  # 8 programs: 16 each would make 128 < 264
+        assert position_splits(8, 8, cuda) == 5  # 64 programs x 5 >= 264
+        assert position_splits(33, 8, cuda) == 1 and position_splits(1024, 8, cuda) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
+def test_kernel_split_over_positions_on_cuda_equals_the_reference():
+    q, k, v, tables, lengths = _case(bsz=2, n_kv=8, group=4, hd=128, block=32, lengths=(1, 1000),
+                                     dtype=torch.bfloat16, device="cuda")
+    scale = 1 / math.sqrt(q.shape[-1])
+    want = paged_decode_reference(q, k, v, tables, lengths, scale).float()
+    for splits in (1, 7, 16):
+        got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits).float()
+        assert (got - want).abs().max() < 2e-2, splits
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
 def test_kernel_on_cuda_bf16_equals_the_reference():

@@ -17,9 +17,11 @@ heads once (padded to 16 rows for `tl.dot`) and walks the sequence's blocks thro
 of positions per iteration, with an online softmax in float32 (base 2); K/V are read where they lie, never
 copied. fp8 pools are converted to q's dtype in registers after the load (the pointer's element type says
 which; bf16 pools load as before), so `tl.dot` multiplies q's dtype on both sides: the win of an fp8 cache
-here is the bytes read, half of bf16's. There is no split over positions: at the batch sizes where paging
-matters (hundreds of sequences x 8 KV heads) the grid already fills the GPU; a long context at a small batch
-runs on few programs (split-K, as `decode_attention.py` does for the static cache, is later work). The kernel
+here is the bytes read, half of bf16's. When the batch leaves the GPU short of programs (fewer than about two
+per SM: batch 1 x 8 KV heads runs 8), each (sequence, kv head)'s blocks are split over `position_splits`
+programs (flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted
+values and log-sum-exp in float32, and a second kernel combines them. The split is by each row's own length,
+read on the device, so a CUDA graph captured at one batch size serves every context length. The kernel
 needs a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
 runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` (cast to q's dtype) and the masked matmul
 of `model.decode_step`.
@@ -40,6 +42,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 MIN_ROWS = 16  # tl.dot needs M, K >= 16: query heads are padded to this many rows, blocks must be this long
+MAX_SPLITS = 16  # programs over one (sequence, kv head)'s positions at most
 
 
 def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -69,16 +72,21 @@ def kernel_fits(block_size: int, head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, part_ptr, lse_ptr,
                              stride_qb, stride_qh, stride_qg, stride_kblk, stride_kpos, stride_kh,
                              stride_vblk, stride_vpos, stride_vh, stride_tb, qk_scale,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr, IEEE_DOT: tl.constexpr):
+                             BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
         n_heads = tl.num_programs(1)
         qk_scale = tl.cast(qk_scale, tl.float32)
         length = tl.load(len_ptr + b).to(tl.int32)
+        n_blocks = tl.cdiv(length, BLOCK_SIZE)
+        per_split = tl.cdiv(n_blocks, SPLITS)
+        first = split * per_split
+        last = tl.minimum(first + per_split, n_blocks)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_SIZE)
@@ -88,7 +96,7 @@ if triton is not None:
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for i in range(tl.cdiv(length, BLOCK_SIZE)):
+        for i in range(first, last):
             block = tl.load(table_ptr + b * stride_tb + i).to(tl.int64)
             pos = i * BLOCK_SIZE + offs_n
             n_mask = pos < length
@@ -111,14 +119,55 @@ if triton is not None:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        out = acc / l_i[:, None]
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            dst = o_ptr + ((b * n_heads + h) * GROUP + offs_g[:, None]) * HEAD_DIM + offs_d[None, :]
+            tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
+        else:  # this split's softmax-weighted values and log2-sum-exp; an empty split: zeros and -inf
+            row = (b * n_heads + h) * SPLITS + split
+            seen = l_i > 0
+            part = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+            tl.store(part_ptr + (row * GROUP_PAD + offs_g[:, None]) * HEAD_DIM + offs_d[None, :], part)
+            tl.store(lse_ptr + row * GROUP_PAD + offs_g, tl.where(seen, m_i + tl.log2(l_i), float("-inf")))
+
+    @triton.jit
+    def _combine_splits_kernel(part_ptr, lse_ptr, o_ptr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        n_heads = tl.num_programs(1)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        first_row = (b * n_heads + h) * SPLITS
+        top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        for s in range(SPLITS):
+            top = tl.maximum(top, tl.load(lse_ptr + (first_row + s) * GROUP_PAD + offs_g))
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        for s in range(SPLITS):
+            row = first_row + s
+            w = tl.exp2(tl.load(lse_ptr + row * GROUP_PAD + offs_g) - top)  # 0 for an empty split
+            acc += w[:, None] * tl.load(part_ptr + (row * GROUP_PAD + offs_g[:, None]) * HEAD_DIM + offs_d[None, :])
+            total += w
+        out = acc / total[:, None]
         dst = o_ptr + ((b * n_heads + h) * GROUP + offs_g[:, None]) * HEAD_DIM + offs_d[None, :]
-        tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None])
+
+
+def position_splits(bsz: int, n_kv_heads: int, device: torch.device) -> int:
+    """How many programs share each (sequence, kv head)'s positions: enough for about two per SM when the
+    batch alone leaves the GPU short of programs (1 when it does not; MAX_SPLITS at most)."""
+    programs = bsz * n_kv_heads
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 1 if programs >= target else min(MAX_SPLITS, -(-target // programs))
 
 
 def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                        lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """The Triton kernel on any device Triton runs on (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
+                        lengths: torch.Tensor, scale: float, *, splits: int | None = None) -> torch.Tensor:
+    """The Triton kernel on any device Triton runs on (CUDA; CPU tensors under TRITON_INTERPRET=1), its
+    positions split `splits` ways (default `position_splits`)."""
     if triton is None:
         raise RuntimeError("Triton is needed for the paged decode attention kernel")
     bsz, n_kv_heads, group, head_dim = q.shape
@@ -128,13 +177,22 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                          f"got block_size={block_size}, head_dim={head_dim}")
     q = q.contiguous()
     out = torch.empty_like(q)
+    splits = position_splits(bsz, n_kv_heads, q.device) if splits is None else splits
+    group_pad = max(MIN_ROWS, triton.next_power_of_2(group))
+    part = lse = out  # unused with one split
+    if splits > 1:
+        part = torch.empty(bsz * n_kv_heads * splits, group_pad, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(bsz * n_kv_heads * splits, group_pad, dtype=torch.float32, device=q.device)
     log2e = 1.4426950408889634
-    _paged_decode_kernel[(bsz, n_kv_heads)](
-        q, k_pool, v_pool, tables, lengths, out,
+    _paged_decode_kernel[(bsz, n_kv_heads, splits)](
+        q, k_pool, v_pool, tables, lengths, out, part, lse,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
-        GROUP=group, GROUP_PAD=max(MIN_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, IEEE_DOT=q.dtype == torch.float32, num_warps=4)
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLITS=splits,
+        IEEE_DOT=q.dtype == torch.float32, num_warps=4)
+    if splits > 1:
+        _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
+                                                  HEAD_DIM=head_dim, SPLITS=splits, num_warps=4)
     return out
 
 
