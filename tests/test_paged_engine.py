@@ -451,3 +451,38 @@ def test_an_fp8_engine_built_paged_gives_the_static_fp8_engines_tokens(engines, 
     assert isinstance(paged, PagedRunner) and paged.info.quantization.method == "fp8"
     got, want = paged.generate(prompts, max_new_tokens=16), static.generate(prompts, max_new_tokens=16)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+def test_prompt_groups_in_a_row_are_read_as_views_and_give_the_gathered_result(engines):
+    """A group of equal-length prompts whose tokens lie in a row is attended over views of q/k/v (and, when it
+    is the whole step, its output is the layer's attention output), not gathered and scattered: the same
+    logits as the gathering path, for a step that is one group, a group followed by a decode, and a group
+    split by a decode (not in a row: gathered)."""
+    import torch
+
+    from serving.engine.paged_model import build_step, paged_forward
+
+    *_, paged = engines
+    blocks = paged.allocator.take(6)
+    try:
+        tables = [blocks[0:2], blocks[2:4], blocks[4:6]]
+        rnd = random.Random(3)
+        toks = [[rnd.randrange(1, 512) for _ in range(5)] for _ in range(2)]
+        whole = [(toks[0], 0, tables[0]), (toks[1], 0, tables[1])]
+        prefix = ([7, 8, 9], 0, tables[2])
+        paged_forward_args = (paged.model, paged.cache, paged.rope_cos, paged.rope_sin)
+        paged.forward(list(whole) + [prefix], [0, 1, 2])  # the third sequence's first 3 positions, for a decode
+        decode = ([11], 3, tables[2])
+        cases = {"whole": (whole, [0, 1]), "group then decode": (whole + [decode], [0, 1, 2]),
+                 "split by a decode": ([whole[0], decode, whole[1]], [0, 1, 2])}
+        for name, (chunks, sample) in cases.items():
+            step = build_step(chunks, sample, paged.config.block_size, paged.device)
+            assert (step.fresh_firsts == (None,)) == (name == "split by a decode"), name
+            gathered = dataclasses.replace(step, fresh_firsts=(None,) * len(step.fresh_groups))
+            model, cache, cos, sin = paged_forward_args
+            with torch.no_grad():
+                got = paged_forward(model, step, cache, cos, sin)
+                want = paged_forward(model, gathered, cache, cos, sin)
+            assert torch.allclose(got, want, atol=1e-5, rtol=0), (name, (got - want).abs().max())
+    finally:
+        paged.allocator.give_back(blocks)

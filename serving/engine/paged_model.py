@@ -10,6 +10,10 @@ block table, causal inside the chunk:
   Triton kernel reading the pools through the tables in place; elsewhere the tables gathered and masked);
 - the longer chunks that start at position 0 (whole prompts, or their first chunks), grouped by length: one
   causal SDPA per length over the step's own K/V (nothing read back from the cache), as the static prefill;
+  a group whose tokens lie in a row (the usual case: prompts are planned one after another) is read as views
+  of q/k/v and written back as a slice, and a step that is one such group and nothing else hands its
+  attention output straight to the output projection (the gathers and the index_put they replace took
+  ~14 ms of a 16,384-token FP8 step's 222 ms of kernels on the H200);
 - each other chunk (a later chunk of a prompt) on its own: its context gathered, then SDPA under a mask.
 
 With an fp8 KV cache the pools hold e4m3 and everything read back from them is dequantized (`gather`, the
@@ -55,6 +59,7 @@ class PagedStep:
     fresh_groups: tuple[torch.Tensor, ...]  # [m, n] long: the tokens of m chunks of n > 1 tokens from position 0
     long_chunks: tuple[tuple[int, int, int, torch.Tensor], ...]  # (offset in T, n, start > 0, table [nblocks])
     sample_index: torch.Tensor  # [N] long: the tokens whose logits the step returns
+    fresh_firsts: tuple[int | None, ...]  # per fresh group: its first token when its m * n tokens lie in a row
 
     @property
     def num_tokens(self) -> int:
@@ -119,9 +124,11 @@ def build_step(chunks: Sequence[ChunkPlan], sample: Sequence[int], block_size: i
         views.append(flat[at:at + len(values)].view(shape))
         at += len(values)
     n_fresh = len(fresh)
+    firsts = tuple(rows[0][0] if all(r[0] == rows[0][0] + k * len(r) for k, r in enumerate(rows)) else None
+                   for rows in fresh.values())
     return PagedStep(
         tokens=views[0], positions=views[1], slots=views[2], single_rows=views[3], single_tables=views[4],
-        single_lengths=views[5], sample_index=views[6], fresh_groups=tuple(views[7:7 + n_fresh]),
+        single_lengths=views[5], sample_index=views[6], fresh_groups=tuple(views[7:7 + n_fresh]), fresh_firsts=firsts,
         long_chunks=tuple((o, n, st, views[7 + n_fresh + k]) for k, (o, n, st, _) in enumerate(longs)),
     )
 
@@ -143,13 +150,22 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
         v = qkv[:, a.q_size + a.kv_size:].view(total, a.n_kv_heads, a.head_dim)
         q, k = paged_rope.rotate_and_write(qkv, step.positions, step.slots, rope_cos, rope_sin, cache, i,
                                            a.n_heads, a.n_kv_heads, keys=True)
+        whole = _whole_step_group(step, total)
+        if whole:  # one group of prompts is the whole step (the usual prefill step): its output is y
+            x = x + attn.wo(_fresh_attention(q, k, v, step.fresh_groups[0], group, 0))
+            x = x + layer.feed_forward(layer.ffn_norm(x))
+            continue
         y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
         if single:
             qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]
             y[step.single_rows] = paged_decode_attention(qg, cache.k[i], cache.v[i], step.single_tables,
                                                          step.single_lengths, scale).reshape(single, a.q_size)
-        for rows in step.fresh_groups:
-            y[rows.flatten()] = _fresh_attention(q, k, v, rows, group)
+        for rows, first in zip(step.fresh_groups, step.fresh_firsts):
+            out = _fresh_attention(q, k, v, rows, group, first)
+            if first is None:
+                y[rows.flatten()] = out
+            else:
+                y[first:first + out.shape[0]] = out
         for offset, n, start, table in step.long_chunks:
             y[offset:offset + n] = _chunk_attention(cache, i, q[offset:offset + n], table, start, group)
         x = x + attn.wo(y)
@@ -158,12 +174,23 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
     return model.logits(h)
 
 
-def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, group: int
-                     ) -> torch.Tensor:
-    """m chunks of n tokens from position 0 (their token indices `rows` [m, n]), causal over their own
-    keys/values (q [T, H, hd], k, v [T, Hkv, hd]) -> [m * n, H * hd]."""
+def _whole_step_group(step: PagedStep, total: int) -> bool:
+    """Whether the step is one group of prompts from position 0 lying in a row from token 0, and nothing else."""
+    return (len(step.fresh_groups) == 1 and not step.long_chunks and step.single_rows.shape[0] == 0
+            and step.fresh_firsts[0] == 0 and step.fresh_groups[0].numel() == total)
+
+
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, group: int,
+                     first: int | None = None) -> torch.Tensor:
+    """m chunks of n tokens from position 0 (their token indices `rows` [m, n]; `first`: the first of them
+    when they lie in a row, read as views instead of gathered), causal over their own keys/values
+    (q [T, H, hd], k, v [T, Hkv, hd]) -> [m * n, H * hd]."""
     m, n = rows.shape
-    qc, kc, vc = q[rows], k[rows], v[rows]  # [m, n, heads, hd]
+    if first is None:
+        qc, kc, vc = q[rows], k[rows], v[rows]  # [m, n, heads, hd]
+    else:
+        span = slice(first, first + m * n)
+        qc, kc, vc = (t[span].view(m, n, *t.shape[1:]) for t in (q, k, v))
     if group > 1:
         kc, vc = kc.repeat_interleave(group, dim=2), vc.repeat_interleave(group, dim=2)
     out = sdpa(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), is_causal=True)
