@@ -730,6 +730,12 @@ def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch, tmp
         router_model(monkeypatch, tmp_path, None, '{"1": 0}')
 
 
+def test_idle_senders_default_to_one_per_four_cpus_from_one_to_four() -> None:
+    assert [params_mod.default_idle_senders(n) for n in (1, 2, 7, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
+    assert params_mod.count({}, "idle_senders") == params_mod.default_idle_senders()
+    assert params_mod.count({"idle_senders": "3"}, "idle_senders") == 3
+
+
 @pytest.mark.parametrize("name, value", [("stream_interval_ms", "-5"), ("stream_interval_ms", "soon"),
                                          ("gil_switch_interval_ms", "0"), ("gil_switch_interval_ms", "inf"),
                                          ("idle_senders", "0"), ("idle_senders", "2.5"), ("idle_senders", "65"),

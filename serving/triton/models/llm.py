@@ -38,8 +38,8 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
   engine thread waits for it),
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
-  first and the final response are never held back; see ``outbox``), ``idle_senders`` (default 1:
-  how many threads send at once while the engine is idle, such as the final responses of requests
+  first and the final response are never held back; see ``outbox``), ``idle_senders`` (default one per
+  four CPUs, 1 to 4: how many threads send at once while the engine is idle, such as the final responses of requests
   that ended together; see ``outbox``), ``admit_gap_ms`` (default 3: an idle engine admits a burst of
   arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
   at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,

@@ -6,6 +6,16 @@ Imports: stdlib only.
 
 from __future__ import annotations
 
+import os
+
+
+def default_idle_senders(cpus: int | None = None) -> int:
+    """Threads that send at once while the engine is idle, when unset: one per four CPUs, 1 to 4. On the
+    16-core H200 host, 4 served 1,024 streams at 97.2% of the offline figure against 89.8% with 1
+    (docs/throughput.md); a 2-core machine gets 1, where sending threads do not overlap."""
+    return max(1, min(4, (cpus if cpus is not None else os.cpu_count() or 1) // 4))
+
+
 # name -> (default in ms, whether 0 is allowed)
 MILLISECOND_PARAMETERS: dict[str, tuple[float, bool]] = {
     "gil_switch_interval_ms": (0.5, False),
@@ -14,7 +24,7 @@ MILLISECOND_PARAMETERS: dict[str, tuple[float, bool]] = {
 }
 # name -> (default, least, most)
 COUNT_PARAMETERS: dict[str, tuple[int, int, int]] = {
-    "idle_senders": (1, 1, 64),
+    "idle_senders": (default_idle_senders(), 1, 64),
     "admit_every_steps": (8, 1, 64),
 }
 
