@@ -82,3 +82,29 @@ def test_a_quantized_engine_is_judged_against_a_quantized_peer(smol, method):
     misscaled = validate_engine(engine, smol.hf, SPEC, reference=reference, runner=edited_runner(engine, misscale(1.1)))
     assert not misscaled.passed and any(f.startswith("mean per-token KL(reference || engine) ")
                                         for f in misscaled.failures), misscaled.failures
+
+
+def test_a_paged_engine_with_an_fp8_kv_cache_passes_its_budget_and_kv_stored_too_large_is_refused(smol):
+    """The paged engine with e4m3 K/V (float32 base) judged as `float32+fp8-kv` against a peer over rounded
+    K/V: it passes; the same engine whose K/V are written 25% too large (a wrong scale on write) is refused
+    by the per-token KL, which reads the pool past each prompt's first block."""
+    from unittest import mock
+
+    from serving.engine import paged_cache
+    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.paged_runner import load_paged_engine
+
+    checkpoint = convert_checkpoint(smol.hf, smol.work / "ckpt-kv", dtype="float32")
+    config = PagedKVConfig(block_size=16, num_blocks=24, max_num_tokens=256, kv_cache_dtype="fp8")
+    engine = Path(build_engine(checkpoint, smol.work / "engine-fp8-kv", limits=LIMITS, paged=config).path)
+    shutil.rmtree(checkpoint)
+    reference = reference_run(smol.hf, SPEC, "float32+fp8-kv", max_seq_len=LIMITS.max_seq_len, base=smol.reference)
+    clean = validate_engine(engine, smol.hf, SPEC, reference=reference)
+    print(f"fp8 KV on SmolLM2: KL {clean.engine.mean_kl:.4f}, peer {clean.peer.mean_kl:.4f}, limits {clean.thresholds}")
+    assert clean.passed and clean.precision == "float32+fp8-kv", clean.failures
+    store = paged_cache.to_kv_fp8
+    with mock.patch.object(paged_cache, "to_kv_fp8", lambda x: store(x * 1.25)):
+        wrong = validate_engine(engine, smol.hf, SPEC, reference=reference, runner=load_paged_engine(engine))
+    print(f"K/V written 25% too large: KL {wrong.engine.mean_kl:.4f}")
+    assert not wrong.passed
+    assert any(f.startswith("mean per-token KL(reference || engine) ") for f in wrong.failures), wrong.failures

@@ -329,3 +329,18 @@ def test_the_validation_gate_judges_an_fp8_kv_engine_by_its_precision_and_names_
     with pytest.raises(ValueError, match="the reference was run for precision 'float32', the engine is "
                        "'float32\\+fp8-kv'"):
         validate_engine(built["fp8"], hf, spec, reference=reference_run(hf, spec, "float32", max_seq_len=80))
+
+
+def test_prefill_logits_of_an_fp8_kv_engine_read_the_pool_past_the_first_block(built):
+    """The gate scores teacher-forced logits through `prefill_logits`: for an fp8 KV engine the first block's
+    positions attend over fresh K/V (the model dtype engine's logits exactly), every later one over K/V read
+    back from the e4m3 pool, so the rounding shows there as it does in served decodes."""
+    auto, fp8 = load_paged_engine(built["auto"], device="cpu"), load_paged_engine(built["fp8"], device="cpu")
+    bs = fp8.config.block_size
+    prompt = _prompts(1, seed=5)[0]
+    prompt = (prompt * 3)[:3 * bs]
+    got, want = fp8.prefill_logits(prompt), auto.prefill_logits(prompt)
+    assert got.shape == want.shape == (len(prompt), want.shape[-1])
+    assert float((got[:bs] - want[:bs]).abs().max()) < 1e-4  # float summation order only (1.4e-5 measured)
+    assert float((got[bs:] - want[bs:]).abs().max()) > 1e-2
+    assert fp8.allocator.free == FP8.num_blocks

@@ -107,7 +107,10 @@ class PagedRunner:
     @torch.no_grad()
     def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
         """Teacher-forced float32 logits of every position of `prompt`: [S, V] on the CPU (up to
-        limits.max_seq_len tokens, in one chunk, through blocks borrowed for the call)."""
+        limits.max_seq_len tokens, through blocks borrowed for the call). One chunk; with an fp8 KV cache two:
+        its first block, then the rest attending over K/V read back from the pool, so that every position
+        past the first block sees the e4m3 rounding that served decodes and later chunks see (the quality gate
+        scores the engine through this; one chunk would attend over the fresh, unrounded K/V alone)."""
         lim, vocab = self.info.limits, self.info.model.vocab_size
         if not 1 <= len(prompt) <= lim.max_seq_len:
             raise EngineLimitError(f"prefill_logits: {len(prompt)} tokens, need 1..limits.max_seq_len="
@@ -121,8 +124,14 @@ class PagedRunner:
             raise EngineLimitError(f"prefill_logits: {len(prompt)} tokens need {need} KV blocks, "
                                    f"{self.allocator.free} are free (live requests hold the rest)")
         try:
-            step = build_step([(list(prompt), 0, blocks)], [0], self.config.block_size, self.device)
-            return paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin, all_logits=True).cpu()
+            first = self.config.block_size if self.cache.fp8 and len(prompt) > self.config.block_size else len(prompt)
+            chunks = [(list(prompt[:first]), 0), (list(prompt[first:]), first)][:1 + (first < len(prompt))]
+            logits = []
+            for tokens, start in chunks:
+                step = build_step([(tokens, start, blocks)], [0], self.config.block_size, self.device)
+                logits.append(paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin,
+                                            all_logits=True).cpu())
+            return torch.cat(logits)
         finally:
             self.allocator.give_back(blocks)
 
