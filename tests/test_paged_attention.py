@@ -88,6 +88,24 @@ def test_positions_split_over_programs_give_the_one_program_result(splits):
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.parametrize("tile, splits", [(32, 1), (64, 1), (32, 2), (64, 16)])
+def test_tiles_of_several_blocks_give_the_one_block_result(tile, splits):
+    """Iterations over tiles of 2-4 blocks (each position through its own table entry; rows shorter than a
+    tile, a tile cut by the length, splits of tiles, empty ones): the reference's result."""
+    q, k, v, tables, lengths = _case(group=4, lengths=(1, 17, 40, 64, 65), bsz=5, fill=float("nan"))
+    scale = 1 / math.sqrt(q.shape[-1])
+    got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits, tile=tile)
+    want = _naive(q, k, v, tables, lengths, scale)
+    assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_a_tile_that_is_not_a_power_of_two_is_refused():
+    q, k, v, tables, lengths = _case()
+    with pytest.raises(ValueError, match="tile=24 positions"):
+        paged_decode_triton(q, k, v, tables, lengths, 0.25, tile=24)
+
+
 def test_positions_are_split_only_when_the_batch_leaves_sms_idle():
     from unittest import mock
 
@@ -104,14 +122,14 @@ def test_positions_are_split_only_when_the_batch_leaves_sms_idle():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
-def test_kernel_split_over_positions_on_cuda_equals_the_reference():
+def test_kernel_split_over_positions_and_in_tiles_on_cuda_equals_the_reference():
     q, k, v, tables, lengths = _case(bsz=2, n_kv=8, group=4, hd=128, block=32, lengths=(1, 1000),
                                      dtype=torch.bfloat16, device="cuda")
     scale = 1 / math.sqrt(q.shape[-1])
     want = paged_decode_reference(q, k, v, tables, lengths, scale).float()
-    for splits in (1, 7, 16):
-        got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits).float()
-        assert (got - want).abs().max() < 2e-2, splits
+    for splits, tile in ((1, None), (7, None), (16, None), (1, 64), (1, 128), (5, 128)):
+        got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits, tile=tile).float()
+        assert (got - want).abs().max() < 2e-2, (splits, tile)
 
 
 @pytest.mark.gpu

@@ -486,3 +486,27 @@ def test_prompt_groups_in_a_row_are_read_as_views_and_give_the_gathered_result(e
             assert torch.allclose(got, want, atol=1e-5, rtol=0), (name, (got - want).abs().max())
     finally:
         paged.allocator.give_back(blocks)
+
+
+def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run():
+    from serving.bench.throughput import (
+        ThroughputConfig,
+        bench_throughput,
+        check_sides,
+        side_context,
+        workload,
+    )
+    from serving.engine import paged_attention
+
+    with side_context("paged-tile128"):
+        assert paged_attention.TILE_POSITIONS == 128
+    assert paged_attention.TILE_POSITIONS is None
+    check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-tile64"))
+    for bad in ("paged-tile", "paged-tilex", "fast"):
+        with pytest.raises(ValueError, match=f"unknown side {bad!r}"):
+            check_sides(("paged", bad))
+    cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, sides=("paged-tile32",),
+                           paged_live=4, block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0)
+    report = bench_throughput(cfg, device="cpu", progress=lambda line: None)
+    assert report.sides[0].side == "paged-tile32"
+    assert report.sides[0].output_tokens == sum(n for _, n in workload(cfg, 512))

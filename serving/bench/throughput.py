@@ -226,6 +226,28 @@ def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = Non
 
 SYNC_SIDE = "paged-sync"  # the paged engine waiting for every step's tokens (no step ahead)
 TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations, K/V writes, SiLU * up as torch ops
+TILE_SIDE = "paged-tile"  # + N: the paged engine whose decode attention walks N positions an iteration
+
+
+def side_context(side: str) -> contextlib.AbstractContextManager:
+    """What a paged side changes while it runs (its decode graphs are captured inside it)."""
+    if side == TORCH_ROW_OPS_SIDE:
+        return torch_row_ops()
+    if side.startswith(TILE_SIDE):
+        from serving.engine import paged_attention
+
+        return mock.patch.object(paged_attention, "TILE_POSITIONS", int(side.removeprefix(TILE_SIDE)))
+    return contextlib.nullcontext()
+
+
+def check_sides(sides: tuple[str, ...]) -> None:
+    """Refuse, naming it, a side that is none of static, paged, paged-sync, paged-torch-ops, paged-tile<N>."""
+    for side in sides:
+        tile = side.removeprefix(TILE_SIDE)
+        if side in ("static", "paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE) or (side != tile and tile.isdigit()):
+            continue
+        raise ValueError(f"bench throughput: unknown side {side!r} (static, paged, {SYNC_SIDE}, "
+                         f"{TORCH_ROW_OPS_SIDE}, {TILE_SIDE}<N>)")
 
 
 @contextlib.contextmanager
@@ -272,7 +294,7 @@ def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any
                           quantization=QuantInfo(cfg.quantization))
 
     static = paged = None
-    if {"paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE} & set(cfg.sides):  # sized first: from the memory free before the static cache takes its share
+    if any(side != "static" for side in cfg.sides):  # sized first: from the memory free before the static cache takes its share
         config = PagedKVConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_tokens=cfg.max_num_tokens,
                                free_mem_fraction=cfg.free_mem_fraction, kv_cache_dtype=cfg.kv_cache_dtype)
         if "static" in cfg.sides and cfg.num_blocks is None and device.type == "cuda":
@@ -297,6 +319,7 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
     from serving.engine.scheduler import Scheduler
 
     dev = resolve_device(device)
+    check_sides(cfg.sides)
     started = time.perf_counter()
     model, static, paged = _runners(cfg, dev)
     progress(f"model {cfg.shape} on {dev} in {time.perf_counter() - started:.0f} s"
@@ -310,7 +333,7 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
         make = (lambda r=runner: Scheduler(r)) if side == "static" else \
             (lambda r=runner, a=ahead: PagedScheduler(r, step_ahead=a))
         t0 = time.perf_counter()
-        with torch_row_ops() if side == TORCH_ROW_OPS_SIDE else contextlib.nullcontext():
+        with side_context(side):
             if side == "static" and runner.graphs is not None:
                 runner.graphs.warm_up()
             if side != "static":

@@ -21,7 +21,11 @@ here is the bytes read, half of bf16's. When the batch leaves the GPU short of p
 per SM: batch 1 x 8 KV heads runs 8), each (sequence, kv head)'s blocks are split over `position_splits`
 programs (flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted
 values and log-sum-exp in float32, and a second kernel combines them. The split is by each row's own length,
-read on the device, so a CUDA graph captured at one batch size serves every context length. The kernel
+read on the device, so a CUDA graph captured at one batch size serves every context length. An iteration
+walks one block (`TILE_POSITIONS` None, what the figures in docs/throughput.md ran) or a tile of several,
+each position through its own table entry: at 2048/2048 a 400-row FP8 step took 49 ms where its K/V reads
+need 19 ms, the kernel walking ~96 blocks one dependent load after another; wider tiles are written and
+checked under the interpreter, not yet timed (`bench throughput --sides paged,paged-tile128`). The kernel
 needs a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
 runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` (cast to q's dtype) and the masked matmul
 of `model.decode_step`.
@@ -43,6 +47,9 @@ except ImportError:  # CPU-only installs
 
 MIN_ROWS = 16  # tl.dot needs M, K >= 16: query heads are padded to this many rows, blocks must be this long
 MAX_SPLITS = 16  # programs over one (sequence, kv head)'s positions at most
+# positions an iteration of the kernel walks (a power of two; each position read through its own block's table
+# entry), or None: one block. Larger tiles issue more loads at once over long contexts; untimed (module doc)
+TILE_POSITIONS: int | None = None
 
 
 def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -76,20 +83,21 @@ if triton is not None:
                              stride_qb, stride_qh, stride_qg, stride_kblk, stride_kpos, stride_kh,
                              stride_vblk, stride_vpos, stride_vh, stride_tb, qk_scale,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr):
+                             BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
+                             IEEE_DOT: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
         n_heads = tl.num_programs(1)
         qk_scale = tl.cast(qk_scale, tl.float32)
         length = tl.load(len_ptr + b).to(tl.int32)
-        n_blocks = tl.cdiv(length, BLOCK_SIZE)
-        per_split = tl.cdiv(n_blocks, SPLITS)
+        n_tiles = tl.cdiv(length, TILE)
+        per_split = tl.cdiv(n_tiles, SPLITS)
         first = split * per_split
-        last = tl.minimum(first + per_split, n_blocks)
+        last = tl.minimum(first + per_split, n_tiles)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_n = tl.arange(0, BLOCK_SIZE)
+        offs_n = tl.arange(0, TILE)
         g_mask = offs_g < GROUP
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
                     mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
@@ -97,22 +105,29 @@ if triton is not None:
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for i in range(first, last):
-            block = tl.load(table_ptr + b * stride_tb + i).to(tl.int64)
-            pos = i * BLOCK_SIZE + offs_n
+            pos = i * TILE + offs_n
             n_mask = pos < length
-            k = tl.load(k_ptr + block * stride_kblk + offs_n[None, :] * stride_kpos + h * stride_kh + offs_d[:, None],
-                        mask=n_mask[None, :], other=0.0).to(q.dtype)  # [HEAD_DIM, BLOCK_SIZE]; fp8 pools converted
+            if TILE == BLOCK_SIZE:  # one block: one table entry
+                block = tl.load(table_ptr + b * stride_tb + i).to(tl.int64)
+                k_rows = block * stride_kblk + offs_n * stride_kpos
+                v_rows = block * stride_vblk + offs_n * stride_vpos
+            else:  # each position's own block
+                blocks = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+                k_rows = blocks * stride_kblk + (pos % BLOCK_SIZE) * stride_kpos
+                v_rows = blocks * stride_vblk + (pos % BLOCK_SIZE) * stride_vpos
+            k = tl.load(k_ptr + k_rows[None, :] + h * stride_kh + offs_d[:, None],
+                        mask=n_mask[None, :], other=0.0).to(q.dtype)  # [HEAD_DIM, TILE]; fp8 pools converted
             if IEEE_DOT:
                 qk = tl.dot(q, k, input_precision="ieee")
             else:
                 qk = tl.dot(q, k)
-            qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))  # [GROUP_PAD, BLOCK_SIZE]
+            qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))  # [GROUP_PAD, TILE]
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + block * stride_vblk + offs_n[:, None] * stride_vpos + h * stride_vh + offs_d[None, :],
-                        mask=n_mask[:, None], other=0.0).to(q.dtype)  # [BLOCK_SIZE, HEAD_DIM]
+            v = tl.load(v_ptr + v_rows[:, None] + h * stride_vh + offs_d[None, :],
+                        mask=n_mask[:, None], other=0.0).to(q.dtype)  # [TILE, HEAD_DIM]
             if IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -165,13 +180,18 @@ def position_splits(bsz: int, n_kv_heads: int, device: torch.device) -> int:
 
 
 def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                        lengths: torch.Tensor, scale: float, *, splits: int | None = None) -> torch.Tensor:
+                        lengths: torch.Tensor, scale: float, *, splits: int | None = None,
+                        tile: int | None = None) -> torch.Tensor:
     """The Triton kernel on any device Triton runs on (CUDA; CPU tensors under TRITON_INTERPRET=1), its
-    positions split `splits` ways (default `position_splits`)."""
-    if triton is None:
-        raise RuntimeError("Triton is needed for the paged decode attention kernel")
+    positions split `splits` ways (default `position_splits`), `tile` positions an iteration (default
+    `TILE_POSITIONS`, else one block)."""
     bsz, n_kv_heads, group, head_dim = q.shape
     block_size = int(k_pool.shape[1])
+    tile = tile or TILE_POSITIONS or block_size
+    if tile < MIN_ROWS or tile & (tile - 1):
+        raise ValueError(f"paged decode kernel: tile={tile} positions an iteration must be a power of two >= {MIN_ROWS}")
+    if triton is None:
+        raise RuntimeError("Triton is needed for the paged decode attention kernel")
     if not kernel_fits(block_size, head_dim):
         raise ValueError(f"paged decode kernel needs power-of-two block_size and head_dim >= {MIN_ROWS}, "
                          f"got block_size={block_size}, head_dim={head_dim}")
@@ -188,7 +208,7 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         q, k_pool, v_pool, tables, lengths, out, part, lse,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLITS=splits,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
         IEEE_DOT=q.dtype == torch.float32, num_warps=4)
     if splits > 1:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
