@@ -19,7 +19,7 @@ def test_two_variants_measured_in_turn_with_their_counters(tmp_path: Path) -> No
     clients, per_client, gen_len = 3, 2, 24
     report = run_served(shape="tiny", clients=clients, requests_per_client=per_client, prompt_len=8, gen_len=gen_len,
                         max_batch_size=4, work=tmp_path, out_json=tmp_path / "served.json", compile_decode=False,
-                        variants=(parse_variant("plain"), parse_variant("paced:stream_interval_ms=40,idle_senders=3")),
+                        variants=(parse_variant("plain"), parse_variant("paced:stream_interval_ms=40,idle_senders=3,busy_senders=2")),
                         via_stream_router=True)
     assert json.loads((tmp_path / "served.json").read_text())["variants"].keys() == {"plain", "paced"}
     expected = clients * per_client * gen_len
@@ -47,6 +47,7 @@ def test_two_variants_measured_in_turn_with_their_counters(tmp_path: Path) -> No
         assert figures["ttft_ms_p50"] > 0 and figures["tpot_ms_p50"] > 0
     assert report["variants"]["paced"]["parameters"]["stream_interval_ms"] == "40"
     assert report["variants"]["paced"]["parameters"]["idle_senders"] == "3"
+    assert report["variants"]["paced"]["parameters"]["busy_senders"] == "2"
     # pacing: fewer, fuller responses, every stream's first and final one still sent
     assert report["variants"]["paced"]["responses"] < report["variants"]["plain"]["responses"]
     assert report["variants"]["paced"]["responses"] >= 2 * clients * per_client

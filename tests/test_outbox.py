@@ -249,3 +249,42 @@ def test_a_stream_is_never_in_two_sends_at_once_so_its_responses_stay_in_order()
 def test_idle_senders_must_be_at_least_one() -> None:
     with pytest.raises(ValueError, match="idle_senders=0"):
         Outbox("t", print, idle_senders=0)
+
+
+def test_busy_senders_send_at_once_while_busy_and_stop_when_the_step_is_done() -> None:
+    """`send_while(busy)` on 3 threads: sends overlap (a barrier of 3 would break otherwise); once `busy()`
+    turns false the helpers stop and what is still due waits for the next call; with nothing busy this
+    thread still sends one."""
+    senders = 3
+    together = threading.Barrier(senders, timeout=10)
+    threads: set[str] = set()
+    rec, box = Recorder(), Outbox("t", print, busy_senders=senders)
+    streams = open_streams(box, rec, *"abcdefghij")
+    calls = {"sent": 0}
+    lock = threading.Lock()
+    for stream in streams:
+        send = stream.send_tokens
+
+        def overlapping(ids: list[int], reason: str | None, text: str = "", send=send) -> None:
+            threads.add(threading.current_thread().name)
+            with lock:
+                calls["sent"] += 1
+                first_round = calls["sent"] <= senders
+            if first_round:
+                together.wait()
+            send(ids, reason)
+
+        stream.send_tokens = overlapping
+        box.emit(stream, [1], None)
+    box.send_while(lambda: calls["sent"] < 6)  # busy for about 6 sends
+    assert len(threads) == senders and box.stats.failed_sends == 0
+    assert 6 <= len(rec.sent) <= 6 + senders - 1 and box.pending() == 10 - len(rec.sent)
+    before = len(rec.sent)
+    box.send_while(lambda: False)  # not busy: one send on this thread, none on the helpers
+    box.close()
+    assert len(rec.sent) == before + 1 and threads >= {threading.current_thread().name}
+
+
+def test_busy_senders_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError, match="busy_senders=0"):
+        Outbox("t", print, busy_senders=0)

@@ -387,3 +387,27 @@ def test_work_until_fills_the_devices_time_with_other_work_but_never_all_of_it(r
 
         Scheduler(runner, while_waiting=work)._work_until(Event(busy_polls))
         assert pending - left[0] == want, (busy_polls, pending)
+
+
+def test_work_until_hands_the_wait_to_work_while_when_set(runner):
+    """With `work_while` set (Triton's llm model with several busy senders), `_work_until` hands it a busy
+    predicate that is true until the event is done, and runs no `while_waiting` item itself."""
+
+    class Event:
+        polls = 2
+
+        def query(self) -> bool:
+            self.polls -= 1
+            return self.polls < 0
+
+    seen: list[bool] = []
+    sched = Scheduler(runner, while_waiting=lambda: seen.append(None) or True)
+
+    def work_while(busy) -> None:
+        while busy():
+            seen.append(True)
+        seen.append(False)
+
+    sched.work_while = work_while
+    sched._work_until(Event())
+    assert seen == [True, True, False]

@@ -739,6 +739,7 @@ def test_idle_senders_default_to_one_per_four_cpus_from_one_to_four() -> None:
 @pytest.mark.parametrize("name, value", [("stream_interval_ms", "-5"), ("stream_interval_ms", "soon"),
                                          ("gil_switch_interval_ms", "0"), ("gil_switch_interval_ms", "inf"),
                                          ("idle_senders", "0"), ("idle_senders", "2.5"), ("idle_senders", "65"),
+                                         ("busy_senders", "0"),
                                          ("admit_gap_ms", "-1"), ("decode_gemm", "cublas"),
                                          ("decode_attention", "flash"), ("compile_decode", "ture"),
                                          ("warmup", "maybe"), ("decode_pdl", "2"), ("decoupled", "yes please")])

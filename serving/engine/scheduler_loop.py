@@ -95,6 +95,9 @@ class SchedulerLoop:
         self.admit_gap_s = admit_gap_s
         self.max_waiting = max_waiting
         self.while_waiting = while_waiting or (lambda: False)
+        # optional: `work_while(busy)` does the other work itself while `busy()` (a step computes), on as many
+        # threads as it likes; set by Triton's llm model for several senders (Outbox.send_while)
+        self.work_while: Callable[[Callable[[], bool]], None] | None = None
         self.drain = drain
         limits = runner.info.limits
         self.max_input_len = int(limits.max_input_len)
@@ -231,7 +234,11 @@ class SchedulerLoop:
 
     def _work_until(self, ready: Any) -> None:
         """Run `while_waiting` items until the device work behind `ready` (a CUDA event) is done, at least one
-        item: the host's other work fills the time the GPU computes, and a step never waits on all of it."""
+        item: the host's other work fills the time the GPU computes, and a step never waits on all of it.
+        With `work_while` set, that does the work instead."""
+        if self.work_while is not None:
+            self.work_while(lambda: not ready.query())
+            return
         if not self.while_waiting():
             return
         while not ready.query() and self.while_waiting():

@@ -40,7 +40,8 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
   first and the final response are never held back; see ``outbox``), ``idle_senders`` (default one per
   four CPUs, 1 to 4: how many threads send at once while the engine is idle, such as the final responses of requests
-  that ended together; see ``outbox``), ``admit_gap_ms`` (default 3: an idle engine admits a burst of
+  that ended together; see ``outbox``), ``busy_senders`` (default 1: how many threads send while a step
+  computes on the GPU; more for engines whose streams outpace one sender, see ``outbox``), ``admit_gap_ms`` (default 3: an idle engine admits a burst of
   arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
   at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,
   waiting ones are admitted, in one prefill, at most once every this many decode steps, unless they
@@ -249,7 +250,8 @@ class EngineThread:
 
     def __init__(self, runner: Any, log: Log, *, device_id: int | None, compile_decode: bool,
                  warmup: bool, while_waiting: Callable[[], bool] | None = None,
-                 drain: Callable[[], None] | None = None, admit_gap_s: float = 0.0,
+                 drain: Callable[[], None] | None = None,
+                 work_while: Callable[[Callable[[], bool]], None] | None = None, admit_gap_s: float = 0.0,
                  decode_pdl: bool = True, compile_cache_root: Path | None = None,
                  compile_cache_pruning: Any = None, admit_every_steps: int = 1) -> None:
         self.runner = runner
@@ -260,6 +262,7 @@ class EngineThread:
         self.admit_gap_s = admit_gap_s
         self.while_waiting = while_waiting
         self.drain = drain
+        self.work_while = work_while
         self.log = log
         self.device_id = device_id
         self.compile_decode = compile_decode
@@ -296,6 +299,7 @@ class EngineThread:
                     else partial(Scheduler, self.runner, admit_every_steps=self.admit_every_steps))
             self.scheduler = make(on_error=self.log.error, while_waiting=self.while_waiting, drain=self.drain,
                                   admit_gap_s=self.admit_gap_s)
+            self.scheduler.work_while = self.work_while
             self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
                           f"{self.compile_decode}, decode_pdl={self.decode_pdl}, admit_every_steps={self.admit_every_steps}, "
                           f"graphs={'yes' if graphs is not None else 'no'})")
@@ -394,7 +398,8 @@ class TritonPythonModel:
             sys.setswitchinterval(milliseconds(params, "gil_switch_interval_ms") / 1e3)
             self.outbox = Outbox(f"{self.model_name}-v{self.version}", self.log.error,
                                  stream_interval_s=milliseconds(params, "stream_interval_ms") / 1e3,
-                                 idle_senders=count(params, "idle_senders"))
+                                 idle_senders=count(params, "idle_senders"),
+                                 busy_senders=count(params, "busy_senders"))
             device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             from serving.engine.compile_cache import cache_root  # lazy: imports torch
             from serving.engine.compile_cache_prune import pruning_for
@@ -402,6 +407,8 @@ class TritonPythonModel:
                                               compile_decode=flag(params, "compile_decode"),
                                               warmup=flag(params, "warmup"),
                                               while_waiting=self.outbox.send_next, drain=self.outbox.drain,
+                                              work_while=(self.outbox.send_while
+                                                          if self.outbox.busy_senders > 1 else None),
                                               admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3,
                                               admit_every_steps=count(params, "admit_every_steps"),
                                               decode_pdl=flag(params, "decode_pdl"),

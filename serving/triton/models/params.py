@@ -25,6 +25,7 @@ MILLISECOND_PARAMETERS: dict[str, tuple[float, bool]] = {
 # name -> (default, least, most)
 COUNT_PARAMETERS: dict[str, tuple[int, int, int]] = {
     "idle_senders": (default_idle_senders(), 1, 64),
+    "busy_senders": (1, 1, 64),
     "admit_every_steps": (8, 1, 64),
 }
 
