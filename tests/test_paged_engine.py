@@ -510,3 +510,28 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
     report = bench_throughput(cfg, device="cpu", progress=lambda line: None)
     assert report.sides[0].side == "paged-tile32"
     assert report.sides[0].output_tokens == sum(n for _, n in workload(cfg, 512))
+
+
+def test_throughput_bench_at_a_users_max_seq_len_sizes_the_static_cache_by_it():
+    """`--max-seq-len`: the engines' limit as a user sets it; the static cache holds static_batch rows of it
+    (the paged pool does not care), and a limit shorter than the requests is refused with the numbers."""
+    from unittest import mock
+
+    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+    from serving.engine.model import Transformer
+
+    sizes: list[tuple[int, int]] = []
+    setup = Transformer.setup_caches
+
+    def spy(self, max_batch_size, max_seq_len, *args, **kwargs):
+        sizes.append((max_batch_size, max_seq_len))
+        return setup(self, max_batch_size, max_seq_len, *args, **kwargs)
+
+    cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, static_batch=2, paged_live=4,
+                           block_size=4, max_num_tokens=16, num_blocks=40, warmup_requests=0, max_seq_len=128)
+    with mock.patch.object(Transformer, "setup_caches", spy):
+        report = bench_throughput(cfg, device="cpu", progress=lambda line: None)
+    assert sizes == [(2, 128)]
+    assert [s.output_tokens for s in report.sides] == [sum(n for _, n in workload(cfg, 512))] * 2
+    with pytest.raises(ValueError, match="max_seq_len=8 is shorter than the longest request"):
+        bench_throughput(dataclasses.replace(cfg, max_seq_len=8), device="cpu", progress=lambda line: None)

@@ -176,6 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "of one paged decode step at each (CUDA)")
     thr.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
                      help="engine.quantization of the random weights both sides share")
+    thr.add_argument("--max-seq-len", type=int, help="the engines' limits.max_seq_len, as a user would set it "
+                     "(e.g. 8192: the static cache then holds --static-batch rows of it; default: the longest request)")
     thr.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                      help="the paged pool's paged.kv_cache_dtype (fp8: e4m3 K/V, half the bytes)")
     thr.add_argument("--device", default="auto")
@@ -319,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
             sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests,
             profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else (),
             profile_prefill=args.profile_prefill, request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"),
-            slo_tpot_ms=slos.get("tpot"), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype),
+            slo_tpot_ms=slos.get("tpot"), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+            max_seq_len=args.max_seq_len),
             device=args.device,
             out_json=args.out)
         return 0

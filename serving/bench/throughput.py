@@ -66,6 +66,7 @@ class ThroughputConfig:
     request_rate: float = 0.0  # requests a second, Poisson; 0: all at once
     quantization: str = "none"  # engine.quantization of the weights both sides share
     kv_cache_dtype: str = "auto"  # the paged pool's paged.kv_cache_dtype ("fp8": e4m3 K/V)
+    max_seq_len: int | None = None  # the engines' limits.max_seq_len (None: the longest request + 1)
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
 
@@ -274,7 +275,11 @@ def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any
 
     args = model_args(cfg.shape)
     seq = cfg.input_len + cfg.output_len
-    max_seq_len = max(round(cfg.input_len * (1 + cfg.spread)) + round(cfg.output_len * (1 + cfg.spread)), seq) + 1
+    longest = max(round(cfg.input_len * (1 + cfg.spread)) + round(cfg.output_len * (1 + cfg.spread)), seq) + 1
+    if cfg.max_seq_len is not None and cfg.max_seq_len < longest:
+        raise ValueError(f"bench throughput: max_seq_len={cfg.max_seq_len} is shorter than the longest request "
+                         f"({longest} positions with its first generated token)")
+    max_seq_len = cfg.max_seq_len or longest
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(cfg.seed)
     with torch.device(device):
