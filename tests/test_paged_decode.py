@@ -60,16 +60,12 @@ def test_decode_steps_send_only_changed_table_entries_and_match_the_mixed_step()
     assert decode_buckets(6) == [1, 2, 4, 6] and decode_buckets(1024)[-1] == 1024 and graphs.bucket(3) == 4
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the decode graphs are captured there")
-def test_captured_decode_graphs_give_the_eager_steps_tokens_on_cuda():
-    """bf16 tiny shape: 10 requests of 5-30 prompt tokens, 30 new each, 6 live at most on a pool of 24 blocks
-    of 16 (preemption and reuse of first blocks): graphs and the eager decode step deliver the same tokens."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, 512) for _ in range(rng.randrange(5, 31))] for _ in range(10)]
+def _graphs_against_eager(prompts: list[list[int]], **paged: object) -> list:
+    """The same requests through captured decode graphs and through the eager decode step (each on a fresh
+    runner): both deliver the same tokens, every bucket was captured, nothing preempted; -> the tokens."""
     outs, steps = [], []
     for graphs in (True, False):
-        runner = _paged("cuda", graphs=graphs)
+        runner = _paged("cuda", graphs=graphs, **paged)
         runner.warm_up_decode()
         sched = PagedScheduler(runner)
         outs.append(collect(sched, prompts, max_tokens=30))
@@ -77,6 +73,20 @@ def test_captured_decode_graphs_give_the_eager_steps_tokens_on_cuda():
         assert runner.allocator.free == runner.num_blocks
     assert outs[0] == outs[1], steps
     assert steps[0][0] > 30 and steps[0][1] == len(decode_buckets(6)) and steps[1][1] == 0, steps
+    return outs[0]
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(1, 512) for _ in range(rng.randrange(5, 31))] for _ in range(10)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the decode graphs are captured there")
+def test_captured_decode_graphs_give_the_eager_steps_tokens_on_cuda():
+    """bf16 tiny shape: 10 requests of 5-30 prompt tokens, 30 new each, 6 live at most on a pool of 24 blocks
+    of 16 (preemption and reuse of first blocks): graphs and the eager decode step deliver the same tokens."""
+    _graphs_against_eager(_prompts())
 
 
 @pytest.mark.gpu
@@ -86,21 +96,11 @@ def test_captured_decode_graphs_over_an_fp8_kv_cache_give_the_eager_steps_tokens
     attention kernel converts it back): graphs and the eager decode step deliver the same tokens, and they
     mostly agree with the bf16 pool's (teacher-forced agreement is checked on the CPU,
     tests/test_paged_kv_fp8.py; here a floor of half the tokens guards against a garbled pool)."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, 512) for _ in range(rng.randrange(5, 31))] for _ in range(10)]
-    outs, steps = [], []
-    for graphs in (True, False):
-        runner = _paged("cuda", graphs=graphs, kv_cache_dtype="fp8")
-        assert runner.cache.k[0].dtype == KV_FP8_DTYPE
-        runner.warm_up_decode()
-        sched = PagedScheduler(runner)
-        outs.append(collect(sched, prompts, max_tokens=30))
-        steps.append((runner.decode.steps, len(runner.decode.graphs), sched.stats.preempted))
-        assert runner.allocator.free == runner.num_blocks
-    assert outs[0] == outs[1], steps
-    assert steps[0][0] > 30 and steps[0][1] == len(decode_buckets(6)) and steps[1][1] == 0, steps
+    assert _paged("cuda", kv_cache_dtype="fp8").cache.k[0].dtype == KV_FP8_DTYPE
+    prompts = _prompts()
+    fp8 = _graphs_against_eager(prompts, kv_cache_dtype="fp8")
     bf16 = collect(PagedScheduler(_paged("cuda")), prompts, max_tokens=30)
-    same = sum(a == b for (x, _), (y, _) in zip(outs[0], bf16) for a, b in zip(x, y))
+    same = sum(a == b for (x, _), (y, _) in zip(fp8, bf16) for a, b in zip(x, y))
     assert same >= 150, f"{same} of 300 tokens as with the bf16 pool"
 
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from serving.engine.errors import EngineLimitError, EngineQuantizationError
-from serving.engine.quantize import FP8_MIN_CAPABILITY
+from serving.engine.errors import EngineLimitError
+from serving.engine.quantize import require_e4m3
 
 DEFAULT_BLOCK_SIZE = 32
 AUTO, FP8 = "auto", "fp8"
@@ -107,16 +107,8 @@ def kv_element_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
 def check_kv_cache_device(kv_cache_dtype: str, device: torch.device | str, *, where: str) -> None:
     """Refuse, naming the setting and the device, an fp8 KV cache on a CUDA GPU below compute capability 8.9
     (no e4m3 conversions: the kernels could not read or write the pools). The CPU casts through torch."""
-    dev = torch.device(device)
-    if kv_cache_dtype != FP8 or dev.type != "cuda":
-        return
-    capability = torch.cuda.get_device_capability(dev)
-    if capability < FP8_MIN_CAPABILITY:
-        raise EngineQuantizationError(
-            f"{where}: paged.kv_cache_dtype='fp8' needs a GPU of compute capability "
-            f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or later (Ada, Hopper); device {dev} "
-            f"({torch.cuda.get_device_name(dev)}) has {'.'.join(map(str, capability))}. Use "
-            "paged.kv_cache_dtype='auto' there")
+    if kv_cache_dtype == FP8:
+        require_e4m3(device, where=where, setting="paged.kv_cache_dtype", instead="paged.kv_cache_dtype='auto'")
 
 
 def to_kv_fp8(x: torch.Tensor) -> torch.Tensor:

@@ -334,15 +334,22 @@ def check_device(method: str, device: torch.device | str, *, where: str) -> None
     """Refuse, naming the setting and the device, a quantization the device cannot run: fp8 on a CUDA GPU
     below compute capability 8.9 (no e4m3 conversions or FP8 tensor cores). The CPU runs every method
     through the dequantizing reference path."""
+    if method == FP8:
+        require_e4m3(device, where=where, setting=SETTING, instead=f"{SETTING}='int8-weight-only'")
+
+
+def require_e4m3(device: torch.device | str, *, where: str, setting: str, instead: str) -> None:
+    """Refuse `setting`='fp8' on a CUDA GPU below compute capability 8.9 (no e4m3 conversions), naming the
+    setting, the device and what to use `instead`; other devices pass."""
     dev = torch.device(device)
-    if method == FP8 and dev.type == "cuda":
-        capability = torch.cuda.get_device_capability(dev)
-        if capability < FP8_MIN_CAPABILITY:
-            raise EngineQuantizationError(
-                f"{where}: {SETTING}='fp8' needs a GPU of compute capability "
-                f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or later (Ada, Hopper); device {dev} "
-                f"({torch.cuda.get_device_name(dev)}) has {'.'.join(map(str, capability))}. Use "
-                f"{SETTING}='int8-weight-only' there")
+    if dev.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(dev)
+    if capability < FP8_MIN_CAPABILITY:
+        raise EngineQuantizationError(
+            f"{where}: {setting}='fp8' needs a GPU of compute capability "
+            f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or later (Ada, Hopper); device {dev} "
+            f"({torch.cuda.get_device_name(dev)}) has {'.'.join(map(str, capability))}. Use {instead} there")
 
 
 def check_capability_text(method: str, capability: str, *, where: str) -> None:
