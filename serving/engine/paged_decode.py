@@ -61,7 +61,9 @@ def is_decode_only(chunks: Sequence[tuple[list[int], int, list[int]]], sample: S
 def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                         tables: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache, rope_cos: torch.Tensor,
                         rope_sin: torch.Tensor, gemm: str) -> torch.Tensor:
-    """One token per row (tokens, positions, slots, lengths [B]; tables [B, W]) -> float32 logits [B, V].
+    """One token per row (tokens, positions, slots, lengths [B]; tables [B, W]) -> logits [B, V] in the
+    model's dtype (the caller's copy into its float32 buffer converts them: one pass over [B, V], where
+    `model.logits`'s float32 result and then the copy were two, 0.63 ms of a 20.75 ms FP8 step at 1,024 rows).
     No host sync and shapes fixed by B: capturable."""
     a = model.args
     bsz = tokens.shape[0]
@@ -79,7 +81,7 @@ def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: tor
                                    lengths, scale)
         x = x + linear(attn.wo, y.reshape(bsz, a.q_size))
         x = x + layer.feed_forward(layer.ffn_norm(x), linear, gate_up)
-    return model.logits(model.norm(x), linear)
+    return linear(model.head(), model.norm(x))
 
 
 class PagedDecodeGraphs:
