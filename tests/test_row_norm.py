@@ -72,3 +72,44 @@ def test_module_on_the_gpu_runs_the_kernel_with_its_own_numerics(shape: tuple[in
         out = norm(x)
     assert kernel.called, "the eager GPU call went through the kernel"
     check_close(out, torch_ops(norm, x))
+
+
+def _add_case(shape: tuple[int, ...], device: str, dtype: torch.dtype) -> tuple[RMSNorm, torch.Tensor, torch.Tensor]:
+    norm, x = make(shape, device, dtype)
+    delta = (2 * torch.randn(*shape, device=device)).to(dtype)
+    return norm, x, delta
+
+
+def test_add_on_the_cpu_is_the_add_then_the_norm() -> None:
+    norm, x, delta = _add_case((3, 64), "cpu", torch.float32)
+    total, out = norm.add(x, delta)
+    assert torch.equal(total, x + delta) and torch.equal(out, norm(x + delta))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_add_kernel_rounds_the_sum_as_torch_and_norms_it_interpreted(shape: tuple[int, ...]) -> None:
+    norm, x, delta = _add_case(shape, "cpu", torch.float16)
+    total, out = row_norm.add_rms_norm(x, delta, norm.weight, norm.eps)
+    assert torch.equal(total, x + delta), "the residual sum, rounded once as torch's add"
+    check_close(out, torch_ops(norm, x + delta))
+
+
+def test_add_fits_only_two_rows_of_one_shape() -> None:
+    w = torch.ones(64, dtype=torch.bfloat16)
+    x = torch.ones(2, 64, dtype=torch.bfloat16)
+    assert row_norm.add_fits(x, x, w) is (row_norm.triton is not None)
+    assert not row_norm.add_fits(x, torch.ones(1, 64, dtype=torch.bfloat16), w)
+    assert not row_norm.add_fits(x, x.float(), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.parametrize("shape", (*SHAPES, (8192, 4096)))
+def test_module_add_on_the_gpu_runs_the_fused_kernel(shape: tuple[int, ...]) -> None:
+    norm, x, delta = _add_case(shape, "cuda", torch.bfloat16)
+    with mock.patch.object(row_norm, "add_rms_norm", wraps=row_norm.add_rms_norm) as kernel:
+        total, out = norm.add(x, delta)
+    assert kernel.called, "the eager GPU call went through the fused kernel"
+    assert torch.equal(total, x + delta)
+    check_close(out, torch_ops(norm, x + delta))

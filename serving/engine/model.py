@@ -271,6 +271,13 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it): a residual add and the norm after it, in one kernel on eager GPU work."""
+        if x.is_cuda and not torch.compiler.is_compiling() and row_norm.add_fits(x, delta, self.weight):
+            return row_norm.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
+
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:

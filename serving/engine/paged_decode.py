@@ -72,16 +72,18 @@ def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: tor
     linear = _linear_fn(gemm)
     gate_up = _gate_up_fn(gemm) if getattr(model, "decode_gate_up", True) else None
     x = model.tok_embeddings(tokens)  # [B, D]
-    for i, layer in enumerate(model.layers):
+    layers = model.layers
+    h = layers[0].attention_norm(x)
+    for i, layer in enumerate(layers):
         attn = layer.attention
-        h = layer.attention_norm(x)
         q, _ = paged_rope.rotate_and_write(linear(attn.wqkv, h), positions, slots, rope_cos, rope_sin, cache, i,
                                            a.n_heads, a.n_kv_heads, keys=False)
         y = paged_decode_attention(q.view(bsz, a.n_kv_heads, group, a.head_dim), cache.k[i], cache.v[i], tables,
                                    lengths, scale)
-        x = x + linear(attn.wo, y.reshape(bsz, a.q_size))
-        x = x + layer.feed_forward(layer.ffn_norm(x), linear, gate_up)
-    return linear(model.head(), model.norm(x))
+        x, h = layer.ffn_norm.add(x, linear(attn.wo, y.reshape(bsz, a.q_size)))  # residual add + norm, one pass
+        next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else model.norm
+        x, h = next_norm.add(x, layer.feed_forward(h, linear, gate_up))
+    return linear(model.head(), h)
 
 
 class PagedDecodeGraphs:

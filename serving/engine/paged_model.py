@@ -143,33 +143,37 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
     scale = 1.0 / math.sqrt(a.head_dim)
     x = model.tok_embeddings(step.tokens)  # [T, D]
     single = step.single_rows.shape[0]
-    for i, layer in enumerate(model.layers):
+    whole = _whole_step_group(step, total)
+    layers = model.layers
+    h = layers[0].attention_norm(x)
+    for i, layer in enumerate(layers):
         attn = layer.attention
-        h = layer.attention_norm(x)
         qkv = attn.wqkv(h)
         v = qkv[:, a.q_size + a.kv_size:].view(total, a.n_kv_heads, a.head_dim)
         q, k = paged_rope.rotate_and_write(qkv, step.positions, step.slots, rope_cos, rope_sin, cache, i,
                                            a.n_heads, a.n_kv_heads, keys=True)
-        whole = _whole_step_group(step, total)
         if whole:  # one group of prompts is the whole step (the usual prefill step): its output is y
-            x = x + attn.wo(_fresh_attention(q, k, v, step.fresh_groups[0], group, 0))
-            x = x + layer.feed_forward(layer.ffn_norm(x))
-            continue
-        y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
-        if single:
-            qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]
-            y[step.single_rows] = paged_decode_attention(qg, cache.k[i], cache.v[i], step.single_tables,
-                                                         step.single_lengths, scale).reshape(single, a.q_size)
-        for rows, first in zip(step.fresh_groups, step.fresh_firsts):
-            out = _fresh_attention(q, k, v, rows, group, first)
-            if first is None:
-                y[rows.flatten()] = out
-            else:
-                y[first:first + out.shape[0]] = out
-        for offset, n, start, table in step.long_chunks:
-            y[offset:offset + n] = _chunk_attention(cache, i, q[offset:offset + n], table, start, group)
-        x = x + attn.wo(y)
-        x = x + layer.feed_forward(layer.ffn_norm(x))
+            y = _fresh_attention(q, k, v, step.fresh_groups[0], group, 0)
+        else:
+            y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
+            if single:
+                qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]
+                y[step.single_rows] = paged_decode_attention(qg, cache.k[i], cache.v[i], step.single_tables,
+                                                             step.single_lengths, scale).reshape(single, a.q_size)
+            for rows, first in zip(step.fresh_groups, step.fresh_firsts):
+                out = _fresh_attention(q, k, v, rows, group, first)
+                if first is None:
+                    y[rows.flatten()] = out
+                else:
+                    y[first:first + out.shape[0]] = out
+            for offset, n, start, table in step.long_chunks:
+                y[offset:offset + n] = _chunk_attention(cache, i, q[offset:offset + n], table, start, group)
+        x, h = layer.ffn_norm.add(x, attn.wo(y))  # the residual add and the next norm in one pass
+        ff = layer.feed_forward(h)
+        if i + 1 < len(layers):
+            x, h = layers[i + 1].attention_norm.add(x, ff)
+        else:
+            x = x + ff
     h = model.norm(x if all_logits else x[step.sample_index])
     return model.logits(h)
 
