@@ -535,3 +535,25 @@ def test_throughput_bench_at_a_users_max_seq_len_sizes_the_static_cache_by_it():
     assert [s.output_tokens for s in report.sides] == [sum(n for _, n in workload(cfg, 512))] * 2
     with pytest.raises(ValueError, match="max_seq_len=8 is shorter than the longest request"):
         bench_throughput(dataclasses.replace(cfg, max_seq_len=8), device="cpu", progress=lambda line: None)
+
+
+def test_warm_up_runs_a_mixed_step_and_gives_its_blocks_back(engines):
+    """`warm_up_prefill` also runs one step of a decode, a new prompt and a prompt's second chunk (whose
+    kernels would otherwise first compile under load), and lends its blocks only for the call."""
+    from unittest import mock
+
+    from serving.engine import paged_runner
+
+    *_, paged = engines
+    steps = []
+    build = paged_runner.build_step
+
+    def spy(chunks, sample, block_size, device):
+        step = build(chunks, sample, block_size, device)
+        steps.append((step.single_rows.shape[0], len(step.fresh_groups), len(step.long_chunks)))
+        return step
+
+    with mock.patch.object(paged_runner, "build_step", spy):
+        paged.warm_up_prefill(typical_len=16)
+    assert (1, 1, 1) in steps, steps
+    assert paged.allocator.free == paged.num_blocks

@@ -343,7 +343,7 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
                 runner.graphs.warm_up()
             if side != "static":
                 runner.decode.drop_graphs()  # captured again, with or without the row kernels
-                runner.warm_up_decode()
+                runner.warm_up_prefill(cfg.input_len)  # as the served model loads it: prompt steps, a mixed step, graphs
             if cfg.warmup_requests:
                 run_side(make(), warm, side)
             setup = time.perf_counter() - t0

@@ -149,16 +149,33 @@ class PagedRunner:
     @torch.no_grad()
     def warm_up_prefill(self, typical_len: int = 128) -> list[tuple[int, int]]:
         """Before serving: one step of a batch of `typical_len`-token prompts (capped by the token budget
-        and the live cap) and one of two unequal prompts, each to its first token; blocks given back. Then
-        the decode graphs of every batch bucket (`warm_up_decode`). Returns the (prompts, tokens) of each."""
+        and the live cap) and one of two unequal prompts, each to its first token; then a mixed step (a
+        decode, a new prompt and a prompt's second chunk: what serving runs once requests overlap, whose
+        kernels would otherwise compile in the first such step); blocks given back. Then the decode graphs
+        of every batch bucket (`warm_up_decode`). Returns the (prompts, tokens) of each prompt step."""
         lim = self.info.limits
         short = max(1, min(typical_len, lim.max_input_len))
         batch = max(1, min(self.max_live, self.config.max_num_tokens // short, self.num_blocks // 2))
         shapes = [[short] * batch, [max(1, short // 2), short]]
         for lengths in shapes:
             self.generate([[1] * n for n in lengths], max_new_tokens=1, logprobs=False)
+        self._warm_up_mixed_step(max(2, min(short, (lim.max_seq_len - 1) // 2, self.config.max_num_tokens // 3)))
         self.warm_up_decode()
         return [(len(lengths), sum(lengths)) for lengths in shapes]
+
+    def _warm_up_mixed_step(self, n: int) -> None:
+        """Prompts of `n` tokens for sequences a and c, then one step of a's decode, b's prompt and c's second
+        chunk of `n` (skipped when the pool cannot lend the blocks)."""
+        per = blocks_for(2 * n + 1, self.config.block_size)
+        blocks = self.allocator.take(3 * per)
+        if blocks is None:
+            return
+        a, b, c = blocks[:per], blocks[per:2 * per], blocks[2 * per:]
+        try:
+            self.forward([([1] * n, 0, a), ([1] * n, 0, c)], [0, 1])
+            self.forward([([1], n, a), ([1] * n, 0, b), ([1] * n, n, c)], [0, 1, 2])
+        finally:
+            self.allocator.give_back(blocks)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
