@@ -124,11 +124,13 @@ class PagedRunner:
             raise EngineLimitError(f"prefill_logits: {len(prompt)} tokens need {need} KV blocks, "
                                    f"{self.allocator.free} are free (live requests hold the rest)")
         try:
-            first = self.config.block_size if self.cache.fp8 and len(prompt) > self.config.block_size else len(prompt)
-            chunks = [(list(prompt[:first]), 0), (list(prompt[first:]), first)][:1 + (first < len(prompt))]
+            starts = [0, self.config.block_size] if self.cache.fp8 else [0]
+            ends = [*starts[1:], len(prompt)]
             logits = []
-            for tokens, start in chunks:
-                step = build_step([(tokens, start, blocks)], [0], self.config.block_size, self.device)
+            for start, end in zip(starts, ends):
+                if start >= end:
+                    break
+                step = build_step([(list(prompt[start:end]), start, blocks)], [0], self.config.block_size, self.device)
                 logits.append(paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin,
                                             all_logits=True).cpu())
             return torch.cat(logits)
