@@ -60,7 +60,7 @@ def compiled_kernels(rows: int, columns: int, enabled: bool) -> tuple[str, tuple
     weight = torch.randn(columns, device="cuda", generator=gen, dtype=torch.bfloat16)
     torch._dynamo.reset()
     with whole_row_reductions(enabled):
-        fn = torch.compile(residual_norm, fullgraph=True, options=compile_options(True))
+        fn = torch.compile(residual_norm, fullgraph=True, options=compile_options(enabled))
         out, code = run_and_get_code(fn, x, residual, weight)
     return "\n".join(code), out
 

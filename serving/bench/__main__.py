@@ -172,6 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "requests a second that met every one")
     thr.add_argument("--profile-prefill", action="store_true", help="after the paged side, the wall time and kernels "
                      "of one step of prompts only (CUDA)")
+    thr.add_argument("--profile-run", action="store_true", help="after each side, its run once more under the "
+                     "profiler: the GPU's busy share of the wall time and the run's kernels (CUDA)")
     thr.add_argument("--profile-decode", default="", help="comma list of rows: after the paged side, the kernels "
                      "of one paged decode step at each (CUDA)")
     thr.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
@@ -320,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction,
             sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests,
             profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else (),
-            profile_prefill=args.profile_prefill, request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"),
+            profile_prefill=args.profile_prefill, profile_run=args.profile_run, request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"),
             slo_tpot_ms=slos.get("tpot"), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             max_seq_len=args.max_seq_len),
             device=args.device,

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -41,6 +42,7 @@ from unittest import mock
 import torch
 
 from serving.bench.offline import percentile
+from serving.engine.heap import frozen_heap
 
 Work = list[tuple[list[int], int]]  # (prompt ids, max_tokens) per request
 
@@ -63,6 +65,7 @@ class ThroughputConfig:
     seed: int = 0
     profile_decode: tuple[int, ...] = ()  # rows of the paged decode steps to profile after the run (CUDA)
     profile_prefill: bool = False  # after the run, the kernels and wall time of one paged step of prompts only
+    profile_run: bool = False  # after the run, the run again under the profiler: GPU busy share and kernels (CUDA)
     request_rate: float = 0.0  # requests a second, Poisson; 0: all at once
     quantization: str = "none"  # engine.quantization of the weights both sides share
     kv_cache_dtype: str = "auto"  # the paged pool's paged.kv_cache_dtype ("fp8": e4m3 K/V)
@@ -347,10 +350,17 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
             if cfg.warmup_requests:
                 run_side(make(), warm, side)
             setup = time.perf_counter() - t0
-            result = run_side(make(), work, side, arrivals(cfg, len(work)), (cfg.slo_ttft_ms, cfg.slo_tpot_ms))
+            with frozen_heap():  # as the served engine runs (serving.engine.heap)
+                result = run_side(make(), work, side, arrivals(cfg, len(work)), (cfg.slo_ttft_ms, cfg.slo_tpot_ms))
+            profiled = None
+            if cfg.profile_run and dev.type == "cuda":
+                with frozen_heap():
+                    profiled = profile_run(partial(run_side, make(), work, side), side)
         result.setup_s = setup
         report.sides.append(result)
         progress(result.row())
+        if profiled:
+            progress(profiled)
         if side != "static" and dev.type == "cuda":
             for rows in cfg.profile_decode:
                 progress(profile_paged_decode(runner, rows, cfg.input_len + cfg.output_len // 2))
@@ -359,6 +369,13 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
         if out_json is not None:
             out_json.write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
+
+
+def profile_run(run: Callable[[], object], side: str) -> str:
+    """The side's run once more under the profiler: the GPU's busy share of its wall time, and its kernels."""
+    from serving.bench.kernel_table import kernel_table
+
+    return kernel_table(run, f"{side}, the run again under the profiler", rows=30, busy=True)
 
 
 def profile_paged_decode(runner: Any, rows: int, position: int) -> str:

@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from serving.engine.heap import freeze_heap
 from serving.triton.models.outbox import Outbox
 from serving.triton.models.params import check_parameters, choice, count, flag, milliseconds
 from serving.triton.models.requests import (
@@ -307,6 +308,7 @@ class EngineThread:
             self.error = exc
             self.ready.set()
             return
+        freeze_heap()  # the loaded model out of the full collections' walk (serving.engine.heap)
         self.ready.set()
         self.scheduler.run_forever()
 
