@@ -496,12 +496,15 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
         side_context,
         workload,
     )
-    from serving.engine import paged_attention
+    from serving.engine import paged_attention, paged_model
 
     with side_context("paged-tile128"):
         assert paged_attention.TILE_POSITIONS == 128
     assert paged_attention.TILE_POSITIONS is None
-    check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-tile64"))
+    with side_context("paged-repeat-kv"):
+        assert paged_model.GQA_IN_SDPA is False
+    assert paged_model.GQA_IN_SDPA is True
+    check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-tile64"))
     for bad in ("paged-tile", "paged-tilex", "fast"):
         with pytest.raises(ValueError, match=f"unknown side {bad!r}"):
             check_sides(("paged", bad))
