@@ -78,12 +78,14 @@ def test_kernel_under_the_interpreter_equals_the_reference(group):
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
 @pytest.mark.parametrize("splits", [2, 3, 16])
-def test_positions_split_over_programs_give_the_one_program_result(splits):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_positions_split_over_programs_give_the_one_program_result(splits, pdl):
     """Split over positions (more splits than some rows have blocks: empty splits weigh nothing), combined:
-    the reference's result, for rows of 1 position up to several blocks."""
+    the reference's result, for rows of 1 position up to several blocks; both kernels launched with
+    programmatic dependent launch or without."""
     q, k, v, tables, lengths = _case(group=4, fill=float("nan"))
     scale = 1 / math.sqrt(q.shape[-1])
-    got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
+    got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits, pdl=pdl)
     want = _naive(q, k, v, tables, lengths, scale)
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 

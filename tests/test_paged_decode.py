@@ -105,6 +105,27 @@ def test_captured_decode_graphs_over_an_fp8_kv_cache_give_the_eager_steps_tokens
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the decode graphs are captured there")
+def test_decode_graphs_launched_with_pdl_give_the_same_tokens_and_logprobs_on_cuda():
+    """`paged_decode.PDL`: the same kernels, each allowed to start while the one before it drains (each waits
+    for it before touching memory), so the same values to the bit: tokens and log-probs equal."""
+    from unittest import mock
+
+    from serving.engine import paged_decode
+    from serving.engine.pdl import supported
+
+    outs = []
+    for pdl in (False, True):
+        with mock.patch.object(paged_decode, "PDL", pdl):
+            runner = _paged("cuda")
+        assert runner.decode.pdl == (pdl and supported(runner.device))
+        runner.warm_up_decode()
+        outs.append(runner.generate(_prompts(), max_new_tokens=30, top_logprobs=1))
+    assert [g.token_ids for g in outs[1]] == [g.token_ids for g in outs[0]]
+    assert [g.logprobs for g in outs[1]] == [g.logprobs for g in outs[0]]
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the row kernels run there")
 def test_row_kernels_keep_the_paged_steps_logits_on_cuda():
     """bf16 tiny shape: a mixed step's logits of every position (`prefill_logits`) and 8 decode steps' logits

@@ -496,7 +496,7 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
         side_context,
         workload,
     )
-    from serving.engine import paged_attention, paged_model
+    from serving.engine import paged_attention, paged_decode, paged_model
 
     with side_context("paged-tile128"):
         assert paged_attention.TILE_POSITIONS == 128
@@ -504,7 +504,10 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
     with side_context("paged-repeat-kv"):
         assert paged_model.GQA_IN_SDPA is False
     assert paged_model.GQA_IN_SDPA is True
-    check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-tile64"))
+    with side_context("paged-pdl"):
+        assert paged_decode.PDL is True
+    assert paged_decode.PDL is False
+    check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl", "paged-tile64"))
     for bad in ("paged-tile", "paged-tilex", "fast"):
         with pytest.raises(ValueError, match=f"unknown side {bad!r}"):
             check_sides(("paged", bad))

@@ -102,6 +102,16 @@ def test_kernel_equals_the_torch_ops_interpreted(shape: tuple[int, int, int, int
     check(shape, "cpu", torch.float16, exact=True)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+def test_kernel_launched_with_pdl_writes_what_it_writes_without_interpreted() -> None:
+    c, again = case(SHAPES[0], "cpu", torch.float16), case(SHAPES[0], "cpu", torch.float16)
+    q, keys = paged_rope._launch(**c, keys_out=True)
+    q_pdl, keys_pdl = paged_rope._launch(**again, keys_out=True, pdl=True)
+    assert torch.equal(q_pdl, q) and torch.equal(keys_pdl, keys)
+    for pool in ("k_pool", "v_pool"):
+        assert torch.equal(again[pool].nan_to_num(), c[pool].nan_to_num())
+
+
 def test_fits_only_cuda_half_precision_steps() -> None:
     qkv = torch.ones(2, 96, dtype=torch.bfloat16)
     pool = torch.ones(4, 4, 2, 16, dtype=torch.bfloat16)

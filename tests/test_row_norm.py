@@ -47,9 +47,10 @@ def make(shape: tuple[int, ...], device: str, dtype: torch.dtype = torch.bfloat1
 
 @pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_the_modules_torch_ops_interpreted(shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("pdl", (False, True))
+def test_kernel_matches_the_modules_torch_ops_interpreted(shape: tuple[int, ...], pdl: bool) -> None:
     norm, x = make(shape, "cpu", torch.float16)
-    check_close(row_norm.rms_norm(x, norm.weight, norm.eps), torch_ops(norm, x))
+    check_close(row_norm.rms_norm(x, norm.weight, norm.eps, pdl=pdl), torch_ops(norm, x))
 
 
 def test_fits_only_half_precision_rows_of_the_weights_dtype() -> None:
@@ -88,9 +89,10 @@ def test_add_on_the_cpu_is_the_add_then_the_norm() -> None:
 
 @pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
 @pytest.mark.parametrize("shape", SHAPES)
-def test_add_kernel_rounds_the_sum_as_torch_and_norms_it_interpreted(shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("pdl", (False, True))
+def test_add_kernel_rounds_the_sum_as_torch_and_norms_it_interpreted(shape: tuple[int, ...], pdl: bool) -> None:
     norm, x, delta = _add_case(shape, "cpu", torch.float16)
-    total, out = row_norm.add_rms_norm(x, delta, norm.weight, norm.eps)
+    total, out = row_norm.add_rms_norm(x, delta, norm.weight, norm.eps, pdl=pdl)
     assert torch.equal(total, x + delta), "the residual sum, rounded once as torch's add"
     check_close(out, torch_ops(norm, x + delta))
 

@@ -39,9 +39,13 @@ from __future__ import annotations
 
 import torch
 
+from serving.engine.pdl import gdc, launch_options
+
 try:
     import triton
     import triton.language as tl
+
+    from serving.engine.pdl import gdc_enter
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -84,7 +88,9 @@ if triton is not None:
                              stride_vblk, stride_vpos, stride_vh, stride_tb, qk_scale,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
-                             IEEE_DOT: tl.constexpr):
+                             IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False):
+        if GDC:
+            gdc_enter()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
@@ -147,7 +153,9 @@ if triton is not None:
 
     @triton.jit
     def _combine_splits_kernel(part_ptr, lse_ptr, o_ptr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                               HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+                               HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, GDC: tl.constexpr = False):
+        if GDC:
+            gdc_enter()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         n_heads = tl.num_programs(1)
@@ -181,10 +189,10 @@ def position_splits(bsz: int, n_kv_heads: int, device: torch.device) -> int:
 
 def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                         lengths: torch.Tensor, scale: float, *, splits: int | None = None,
-                        tile: int | None = None) -> torch.Tensor:
+                        tile: int | None = None, pdl: bool = False) -> torch.Tensor:
     """The Triton kernel on any device Triton runs on (CUDA; CPU tensors under TRITON_INTERPRET=1), its
     positions split `splits` ways (default `position_splits`), `tile` positions an iteration (default
-    `TILE_POSITIONS`, else one block)."""
+    `TILE_POSITIONS`, else one block); `pdl`: its kernels launched with programmatic dependent launch."""
     bsz, n_kv_heads, group, head_dim = q.shape
     block_size = int(k_pool.shape[1])
     tile = tile or TILE_POSITIONS or block_size
@@ -209,16 +217,18 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
-        IEEE_DOT=q.dtype == torch.float32, num_warps=4)
+        IEEE_DOT=q.dtype == torch.float32, GDC=gdc(pdl), num_warps=4, **launch_options(pdl))
     if splits > 1:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
-                                                  HEAD_DIM=head_dim, SPLITS=splits, num_warps=4)
+                                                  HEAD_DIM=head_dim, SPLITS=splits, GDC=gdc(pdl), num_warps=4,
+                                                  **launch_options(pdl))
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """See the module doc: the Triton kernel on CUDA where it fits, the torch reference elsewhere."""
+                           lengths: torch.Tensor, scale: float, *, pdl: bool = False) -> torch.Tensor:
+    """See the module doc: the Triton kernel on CUDA where it fits (`pdl`: launched with programmatic
+    dependent launch), the torch reference elsewhere."""
     if q.device.type == "cuda" and kernel_fits(int(k_pool.shape[1]), int(q.shape[-1])):
-        return paged_decode_triton(q, k_pool, v_pool, tables, lengths, scale)
+        return paged_decode_triton(q, k_pool, v_pool, tables, lengths, scale, pdl=pdl)
     return paged_decode_reference(q, k_pool, v_pool, tables, lengths, scale)

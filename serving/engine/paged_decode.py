@@ -43,6 +43,11 @@ from serving.engine import paged_rope
 from serving.engine.model import Transformer, _gate_up_fn, _linear_fn
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache, blocks_for
+from serving.engine.pdl import supported as pdl_supported
+
+# The decode graphs' kernels launched with programmatic dependent launch where the GPU has it (Hopper and
+# later), as the static compiled step's are. Off until timed on the GPU (bench throughput side `paged-pdl`).
+PDL = False
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
@@ -60,29 +65,31 @@ def is_decode_only(chunks: Sequence[tuple[list[int], int, list[int]]], sample: S
 
 def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                         tables: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache, rope_cos: torch.Tensor,
-                        rope_sin: torch.Tensor, gemm: str) -> torch.Tensor:
+                        rope_sin: torch.Tensor, gemm: str, pdl: bool = False) -> torch.Tensor:
     """One token per row (tokens, positions, slots, lengths [B]; tables [B, W]) -> logits [B, V] in the
     model's dtype (the caller's copy into its float32 buffer converts them: one pass over [B, V], where
     `model.logits`'s float32 result and then the copy were two, 0.63 ms of a 20.75 ms FP8 step at 1,024 rows).
-    No host sync and shapes fixed by B: capturable."""
+    No host sync and shapes fixed by B: capturable. `pdl`: the engine's own kernels launched with programmatic
+    dependent launch (each may start while the one before it drains; `serving.engine.pdl`), as the static
+    compiled step's are."""
     a = model.args
     bsz = tokens.shape[0]
     group = a.n_heads // a.n_kv_heads
     scale = 1.0 / math.sqrt(a.head_dim)
-    linear = _linear_fn(gemm)
-    gate_up = _gate_up_fn(gemm) if getattr(model, "decode_gate_up", True) else None
+    linear = _linear_fn(gemm, pdl=pdl)
+    gate_up = _gate_up_fn(gemm, pdl=pdl) if getattr(model, "decode_gate_up", True) else None
     x = model.tok_embeddings(tokens)  # [B, D]
     layers = model.layers
-    h = layers[0].attention_norm(x)
+    h = layers[0].attention_norm(x, pdl=pdl)
     for i, layer in enumerate(layers):
         attn = layer.attention
         q, _ = paged_rope.rotate_and_write(linear(attn.wqkv, h), positions, slots, rope_cos, rope_sin, cache, i,
-                                           a.n_heads, a.n_kv_heads, keys=False)
+                                           a.n_heads, a.n_kv_heads, keys=False, pdl=pdl)
         y = paged_decode_attention(q.view(bsz, a.n_kv_heads, group, a.head_dim), cache.k[i], cache.v[i], tables,
-                                   lengths, scale)
-        x, h = layer.ffn_norm.add(x, linear(attn.wo, y.reshape(bsz, a.q_size)))  # residual add + norm, one pass
+                                   lengths, scale, pdl=pdl)
+        x, h = layer.ffn_norm.add(x, linear(attn.wo, y.reshape(bsz, a.q_size)), pdl=pdl)  # add + norm, one pass
         next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else model.norm
-        x, h = next_norm.add(x, layer.feed_forward(h, linear, gate_up))
+        x, h = next_norm.add(x, layer.feed_forward(h, linear, gate_up), pdl=pdl)
     return linear(model.head(), h)
 
 
@@ -94,6 +101,7 @@ class PagedDecodeGraphs:
                  log: Callable[[str], None] = lambda line: None) -> None:
         self.model, self.cache, self.rope_cos, self.rope_sin = model, cache, rope_cos, rope_sin
         self.gemm, self.use_graphs, self.log = gemm, graphs, log
+        self.pdl = PDL and pdl_supported(rope_cos.device)
         self.block_size = cache.block_size
         self.trash = cache.num_blocks - 1  # the pool's last block: padding rows write and read only it
         self.width = blocks_for(max_seq_len, self.block_size)
@@ -175,7 +183,7 @@ class PagedDecodeGraphs:
         bs = self.block_size
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         logits = paged_decode_logits(self.model, tokens, positions, slots, tables, positions + 1, self.cache,
-                                     self.rope_cos, self.rope_sin, self.gemm)
+                                     self.rope_cos, self.rope_sin, self.gemm, pdl=self.pdl)
         self.logits[:bsz].copy_(logits)
 
     # -- graphs -----------------------------------------------------------------------------------
@@ -201,8 +209,9 @@ class PagedDecodeGraphs:
 
     def drop_graphs(self) -> None:
         """Forget every captured graph and their memory pool: the next steps capture afresh (a new pool: one
-        whose graphs are all gone cannot be captured into again)."""
+        whose graphs are all gone cannot be captured into again), with `PDL` as it is then."""
         self.graphs.clear()
+        self.pdl = PDL and pdl_supported(self.device)
         if self.use_graphs:
             torch.cuda.synchronize()
             self.pool = torch.cuda.graph_pool_handle()

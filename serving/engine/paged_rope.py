@@ -28,10 +28,13 @@ import torch
 
 from serving.engine.model import _rope_1
 from serving.engine.paged_cache import KV_FP8_DTYPE, KV_FP8_MAX, KV_FP8_SCALE, PagedKVCache
+from serving.engine.pdl import gdc, launch_options
 
 try:
     import triton
     import triton.language as tl
+
+    from serving.engine.pdl import gdc_enter
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -72,7 +75,9 @@ if triton is not None:
     def _rope_write_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, k_pool_ptr, v_pool_ptr,
                            stride_qkv, stride_table, stride_q, stride_k, stride_slot,
                            N_HEADS: tl.constexpr, N_KV: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-                           HALF: tl.constexpr, KEYS_OUT: tl.constexpr):
+                           HALF: tl.constexpr, KEYS_OUT: tl.constexpr, GDC: tl.constexpr = False):
+        if GDC:
+            gdc_enter()
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -124,7 +129,7 @@ def rope_write_keys(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Ten
 
 def _launch(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             k_pool: torch.Tensor, v_pool: torch.Tensor, n_heads: int, n_kv_heads: int, *,
-            keys_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            keys_out: bool, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     bsz = qkv.shape[0]
     head_dim = k_pool.shape[-1]
     q = qkv.new_empty(bsz, n_heads, head_dim)
@@ -132,20 +137,21 @@ def _launch(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos
     _rope_write_kernel[(bsz,)](
         qkv, positions, slots, cos, sin, q, k, k_pool, v_pool, qkv.stride(0), cos.stride(0), q.stride(0),
         k.stride(0), n_kv_heads * head_dim, N_HEADS=n_heads, N_KV=n_kv_heads, H_PAD=triton.next_power_of_2(n_heads),
-        KV_PAD=triton.next_power_of_2(n_kv_heads), HALF=head_dim // 2, KEYS_OUT=keys_out, num_warps=4)
+        KV_PAD=triton.next_power_of_2(n_kv_heads), HALF=head_dim // 2, KEYS_OUT=keys_out, GDC=gdc(pdl), num_warps=4,
+        **launch_options(pdl))
     return q, k
 
 
 def rotate_and_write(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, cache: PagedKVCache, layer: int, n_heads: int, n_kv_heads: int, *,
-                     keys: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A paged step's rotations and K/V write for `layer`: the kernel where it `fits`, else the torch ops
-    (`model._rope_1`, `PagedKVCache.write`) -> (q [T, n_heads, hd], the rotated keys [T, n_kv_heads, hd] when
-    `keys`, else None)."""
+                     keys: bool, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A paged step's rotations and K/V write for `layer`: the kernel where it `fits` (launched with
+    programmatic dependent launch when `pdl`), else the torch ops (`model._rope_1`, `PagedKVCache.write`) ->
+    (q [T, n_heads, hd], the rotated keys [T, n_kv_heads, hd] when `keys`, else None)."""
     head_dim = cache.k[layer].shape[-1]
     if fits(qkv, cache.k[layer], head_dim):
         q, k = _launch(qkv, positions, slots, cos, sin, cache.k[layer], cache.v[layer], n_heads, n_kv_heads,
-                       keys_out=keys)
+                       keys_out=keys, pdl=pdl)
         return q, k if keys else None
     total, q_size, kv_size = qkv.shape[0], n_heads * head_dim, n_kv_heads * head_dim
     c, s = cos[positions], sin[positions]  # [T, hd]

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import torch
 
+from serving.engine.pdl import gdc, launch_options
+
 try:
     import triton
     import triton.language as tl
+
+    from serving.engine.pdl import gdc_enter
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -34,7 +38,10 @@ DTYPES = (torch.bfloat16, torch.float16)
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr,
+                         GDC: tl.constexpr = False):
+        if GDC:
+            gdc_enter()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
@@ -47,7 +54,9 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, D, stride_x, stride_d, stride_s, stride_o,
-                             eps, BLOCK_D: tl.constexpr):
+                             eps, BLOCK_D: tl.constexpr, GDC: tl.constexpr = False):
+        if GDC:
+            gdc_enter()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
@@ -69,14 +78,15 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and weight.is_contiguous())
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`model.RMSNorm`'s result for x [..., D] in one kernel (a program per row); see the module doc."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False) -> torch.Tensor:
+    """`model.RMSNorm`'s result for x [..., D] in one kernel (a program per row); see the module doc. `pdl`:
+    launched with programmatic dependent launch (`serving.engine.pdl`)."""
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     out = torch.empty_like(x2)
     block = triton.next_power_of_2(d)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=block,
-                                     num_warps=max(1, min(16, block // 512)))
+                                     GDC=gdc(pdl), num_warps=max(1, min(16, block // 512)), **launch_options(pdl))
     return out.view(x.shape)
 
 
@@ -85,13 +95,14 @@ def add_fits(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool
     return fits(x, weight) and fits(delta, weight) and delta.shape == x.shape
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, `model.RMSNorm`'s result for it) in one kernel; see the module doc."""
+    """(x + delta, `model.RMSNorm`'s result for it) in one kernel; see the module doc. `pdl` as `rms_norm`'s."""
     d = x.shape[-1]
     x2, d2 = x.reshape(-1, d), delta.reshape(-1, d)
     total, out = torch.empty_like(x2), torch.empty_like(x2)
     block = triton.next_power_of_2(d)
     _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, total, out, d, x2.stride(0), d2.stride(0), total.stride(0),
-                                         out.stride(0), eps, BLOCK_D=block, num_warps=max(1, min(16, block // 512)))
+                                         out.stride(0), eps, BLOCK_D=block, GDC=gdc(pdl),
+                                         num_warps=max(1, min(16, block // 512)), **launch_options(pdl))
     return total.view(x.shape), out.view(x.shape)
