@@ -496,7 +496,7 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
         side_context,
         workload,
     )
-    from serving.engine import paged_attention, paged_decode, paged_model
+    from serving.engine import paged_attention, paged_decode, paged_model, quantize
 
     with side_context("paged-tile128"):
         assert paged_attention.TILE_POSITIONS == 128
@@ -507,7 +507,11 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
     with side_context("paged-pdl"):
         assert paged_decode.PDL is True
     assert paged_decode.PDL is False
-    check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl", "paged-tile64"))
+    with side_context("paged-norm-e4m3"):
+        assert quantize.NORMS_SCALE_ROWS is True
+    assert quantize.NORMS_SCALE_ROWS is False
+    check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl", "paged-norm-e4m3",
+                 "paged-tile64"))
     for bad in ("paged-tile", "paged-tilex", "fast"):
         with pytest.raises(ValueError, match=f"unknown side {bad!r}"):
             check_sides(("paged", bad))

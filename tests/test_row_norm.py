@@ -115,3 +115,24 @@ def test_module_add_on_the_gpu_runs_the_fused_kernel(shape: tuple[int, ...]) -> 
     assert kernel.called, "the eager GPU call went through the fused kernel"
     assert torch.equal(total, x + delta)
     check_close(out, torch_ops(norm, x + delta))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("add", (False, True))
+def test_rows_scaled_to_e4m3_in_the_norm_equal_the_token_scaling_kernels_interpreted(add: bool) -> None:
+    """`e4m3=True`: the output carries its rows scaled to e4m3 and their scales, equal to what the FP8 GEMM's
+    own scaling kernel (`fp8_tokens.tokens_e4m3`) makes of the output; the output itself unchanged."""
+    from serving.engine import fp8_tokens
+    from serving.engine.prescaled import E4M3_MAX, prescaled_rows
+
+    norm, x, delta = _add_case((6, 96), "cpu", torch.float16)
+    if add:
+        plain = row_norm.add_rms_norm(x, delta, norm.weight, norm.eps)[1]
+        out = row_norm.add_rms_norm(x, delta, norm.weight, norm.eps, e4m3=True)[1]
+    else:
+        plain, out = (row_norm.rms_norm(x, norm.weight, norm.eps, e4m3=e4m3) for e4m3 in (False, True))
+    assert torch.equal(out, plain) and prescaled_rows(plain, 6) is None
+    q, scale = prescaled_rows(out, 6)
+    want_q, want_scale = fp8_tokens.tokens_e4m3(out, E4M3_MAX)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))

@@ -263,19 +263,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pdl: bool = False, e4m3: bool = False) -> torch.Tensor:
         # x: [B, S, D]; normalise in float32 like HF, cast back before the weight. `pdl`: the kernel launched
-        # with programmatic dependent launch (serving.engine.pdl)
+        # with programmatic dependent launch (serving.engine.pdl); `e4m3`: the kernel's result also carries its
+        # rows scaled for an FP8 GEMM (serving.engine.prescaled)
         if x.is_cuda and not torch.compiler.is_compiling() and row_norm.fits(x, self.weight):
-            return row_norm.rms_norm(x, self.weight, self.eps, pdl=pdl)  # eager GPU work: one kernel, not seven
+            return row_norm.rms_norm(x, self.weight, self.eps, pdl=pdl, e4m3=e4m3)  # one kernel, not seven
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
-    def add(self, x: torch.Tensor, delta: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, this norm of it): a residual add and the norm after it, in one kernel on eager GPU work."""
+    def add(self, x: torch.Tensor, delta: torch.Tensor, pdl: bool = False, e4m3: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it): a residual add and the norm after it, in one kernel on eager GPU work
+        (`pdl`, `e4m3` as `forward`'s)."""
         if x.is_cuda and not torch.compiler.is_compiling() and row_norm.add_fits(x, delta, self.weight):
-            return row_norm.add_rms_norm(x, delta, self.weight, self.eps, pdl=pdl)
+            return row_norm.add_rms_norm(x, delta, self.weight, self.eps, pdl=pdl, e4m3=e4m3)
         x = x + delta
         return x, self(x)
 

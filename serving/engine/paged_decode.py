@@ -44,6 +44,7 @@ from serving.engine.model import Transformer, _gate_up_fn, _linear_fn
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache, blocks_for
 from serving.engine.pdl import supported as pdl_supported
+from serving.engine.quantize import norm_scales_rows
 
 # The decode graphs' kernels launched with programmatic dependent launch where the GPU has it (Hopper and
 # later), as the static compiled step's are. Off until timed on the GPU (bench throughput side `paged-pdl`).
@@ -80,16 +81,19 @@ def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: tor
     gate_up = _gate_up_fn(gemm, pdl=pdl) if getattr(model, "decode_gate_up", True) else None
     x = model.tok_embeddings(tokens)  # [B, D]
     layers = model.layers
-    h = layers[0].attention_norm(x, pdl=pdl)
+    qkv_e4m3, w13_e4m3 = (norm_scales_rows(m, bsz, x.device)
+                          for m in (layers[0].attention.wqkv, layers[0].feed_forward.w13))
+    h = layers[0].attention_norm(x, pdl=pdl, e4m3=qkv_e4m3)
     for i, layer in enumerate(layers):
         attn = layer.attention
         q, _ = paged_rope.rotate_and_write(linear(attn.wqkv, h), positions, slots, rope_cos, rope_sin, cache, i,
                                            a.n_heads, a.n_kv_heads, keys=False, pdl=pdl)
         y = paged_decode_attention(q.view(bsz, a.n_kv_heads, group, a.head_dim), cache.k[i], cache.v[i], tables,
                                    lengths, scale, pdl=pdl)
-        x, h = layer.ffn_norm.add(x, linear(attn.wo, y.reshape(bsz, a.q_size)), pdl=pdl)  # add + norm, one pass
-        next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else model.norm
-        x, h = next_norm.add(x, layer.feed_forward(h, linear, gate_up), pdl=pdl)
+        x, h = layer.ffn_norm.add(x, linear(attn.wo, y.reshape(bsz, a.q_size)), pdl=pdl, e4m3=w13_e4m3)
+        last = i + 1 == len(layers)
+        next_norm = model.norm if last else layers[i + 1].attention_norm
+        x, h = next_norm.add(x, layer.feed_forward(h, linear, gate_up), pdl=pdl, e4m3=qkv_e4m3 and not last)
     return linear(model.head(), h)
 
 

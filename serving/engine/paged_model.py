@@ -39,6 +39,7 @@ from serving.engine.model import Transformer
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache
 from serving.engine.prefill_attention import sdpa
+from serving.engine.quantize import norm_scales_rows
 
 # CUDA: prompt attention takes SDPA's grouped heads (`enable_gqa`, FlashAttention reads each K/V head for its
 # query heads) instead of copying K and V out to every query head first: two copies of a step's K/V size a
@@ -151,7 +152,9 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
     single = step.single_rows.shape[0]
     whole = _whole_step_group(step, total)
     layers = model.layers
-    h = layers[0].attention_norm(x)
+    qkv_e4m3, w13_e4m3 = (norm_scales_rows(m, total, x.device)
+                          for m in (layers[0].attention.wqkv, layers[0].feed_forward.w13))
+    h = layers[0].attention_norm(x, e4m3=qkv_e4m3)
     for i, layer in enumerate(layers):
         attn = layer.attention
         qkv = attn.wqkv(h)
@@ -174,10 +177,10 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
                     y[first:first + out.shape[0]] = out
             for offset, n, start, table in step.long_chunks:
                 y[offset:offset + n] = _chunk_attention(cache, i, q[offset:offset + n], table, start, group)
-        x, h = layer.ffn_norm.add(x, attn.wo(y))  # the residual add and the next norm in one pass
+        x, h = layer.ffn_norm.add(x, attn.wo(y), e4m3=w13_e4m3)  # the residual add and the next norm in one pass
         ff = layer.feed_forward(h)
         if i + 1 < len(layers):
-            x, h = layers[i + 1].attention_norm.add(x, ff)
+            x, h = layers[i + 1].attention_norm.add(x, ff, e4m3=qkv_e4m3)
         else:
             x = x + ff
     h = model.norm(x if all_logits else x[step.sample_index])

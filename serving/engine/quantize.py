@@ -44,15 +44,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.engine.errors import EngineLimitError, EngineQuantizationError
+from serving.engine.prescaled import E4M3_MAX, prescaled_rows
 
 NONE, FP8, INT8_WEIGHT_ONLY = "none", "fp8", "int8-weight-only"
 QUANTIZATIONS = (NONE, FP8, INT8_WEIGHT_ONLY)
 SCALE_SUFFIX = "_scale"
 STORED_DTYPES: dict[str, torch.dtype] = {FP8: torch.float8_e4m3fn, INT8_WEIGHT_ONLY: torch.int8}
-QMAX: dict[str, float] = {FP8: 448.0, INT8_WEIGHT_ONLY: 127.0}
+QMAX: dict[str, float] = {FP8: E4M3_MAX, INT8_WEIGHT_ONLY: 127.0}
 FP8_TENSOR_CORE_MIN_ROWS = 16  # fp8 GEMMs of this many rows and more may run on FP8 tensor cores (tokens to e4m3)
 FP8_DECODE_MAX_ROWS = 64  # skinny_gemm.MAX_ROWS: up to this many rows, the decode kernels are the alternative
 FP8_TENSOR_CORE_MIN_N = 16384  # decode rows: only outputs this wide (w13, LM heads) take the tensor cores
+# norms writing an fp8 GEMM's input also write its rows scaled to e4m3 (serving.engine.prescaled); in the H200
+# profile of a 1,024-request FP8 run the separate scaling was 282 ms of 5,119 ms of kernels, half of it on norm
+# outputs (wqkv's and w13's inputs). Off until timed (bench throughput side `paged-norm-e4m3`)
+NORMS_SCALE_ROWS = False
 FP8_FAST_ACCUM = False  # _scaled_mm's use_fast_accum (Hopper: no periodic promotion of the fp32 accumulator)
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores and e4m3 conversions: Ada, Hopper and later
 LAYER_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
@@ -272,6 +277,13 @@ def tokens_to_e4m3(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_tokens_fp8(x2)
 
 
+def norm_scales_rows(linear: nn.Module, rows: int, device: torch.device) -> bool:
+    """Whether the norm writing `linear`'s input of `rows` rows should scale them to e4m3 too: `linear` an fp8
+    layer whose GEMM would scale them in a Triton kernel (CUDA, past the decode rows), `NORMS_SCALE_ROWS` on."""
+    return (NORMS_SCALE_ROWS and device.type == "cuda" and rows > FP8_DECODE_MAX_ROWS
+            and isinstance(linear, QuantLinear) and linear.method == FP8)
+
+
 def fp8_scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] (bf16) times the e4m3 weight [N, K] with per-row scales [N]: each token (row of x) scaled to
@@ -279,7 +291,7 @@ def fp8_scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     The weight's transpose is the column-major second operand `_scaled_mm` wants (no copy)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    xq, x_scale = tokens_to_e4m3(x2)
+    xq, x_scale = prescaled_rows(x, x2.shape[0]) or tokens_to_e4m3(x2)  # the norm kernel may have scaled them
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype,
                          use_fast_accum=FP8_FAST_ACCUM)
     if bias is not None:

@@ -13,6 +13,10 @@ order and the rsqrt differ, so a value can land one step of the dtype away (test
 sum's `rms_norm`, where the separate add was a launch and one more pass over the rows (64 of them, 5.8 ms, in a
 16,384-token FP8 prompt step on the H200).
 
+With `e4m3=True` either kernel also writes its result's rows scaled to e4m3 and their scales, as an FP8
+GEMM's own scaling kernel would from the written row (`fp8_tokens`), and hands them over on the result
+(`serving.engine.prescaled`).
+
 Compiled code (the static decode step) keeps the torch ops, which inductor fuses itself.
 
 Imports: torch; Triton only if importable (this module runs inside Triton's python backend).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from serving.engine.pdl import gdc, launch_options
+from serving.engine.prescaled import E4M3_MAX, with_prescaled_rows
 
 try:
     import triton
@@ -38,8 +43,9 @@ DTYPES = (torch.bfloat16, torch.float16)
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr,
-                         GDC: tl.constexpr = False):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, scale_ptr, D, stride_x, stride_o, eps,
+                         BLOCK_D: tl.constexpr, GDC: tl.constexpr = False, E4M3: tl.constexpr = False,
+                         QMAX: tl.constexpr = 448.0):
         if GDC:
             gdc_enter()
         row = tl.program_id(0).to(tl.int64)
@@ -49,12 +55,26 @@ if triton is not None:
         inv = tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)
         h = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (w * h).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+        if E4M3:
+            _store_e4m3(y, row, offs, mask, q_ptr, scale_ptr, D, QMAX)
+
+    @triton.jit
+    def _store_e4m3(y, row, offs, mask, q_ptr, scale_ptr, D, QMAX: tl.constexpr):
+        """The row y (in the output dtype) scaled to e4m3 by its largest magnitude, as fp8_tokens does."""
+        yf = tl.where(mask, y.to(tl.float32), 0.0)
+        amax = tl.max(tl.abs(yf), 0)
+        scale = tl.where(amax > 0, amax / QMAX, 1.0)
+        q = tl.minimum(tl.maximum(yf / scale, -QMAX), QMAX)
+        tl.store(q_ptr + row * D + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
 
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, D, stride_x, stride_d, stride_s, stride_o,
-                             eps, BLOCK_D: tl.constexpr, GDC: tl.constexpr = False):
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, scale_ptr, D, stride_x, stride_d,
+                             stride_s, stride_o, eps, BLOCK_D: tl.constexpr, GDC: tl.constexpr = False,
+                             E4M3: tl.constexpr = False, QMAX: tl.constexpr = 448.0):
         if GDC:
             gdc_enter()
         row = tl.program_id(0).to(tl.int64)
@@ -68,7 +88,10 @@ if triton is not None:
         inv = tl.math.rsqrt(tl.sum(total * total, 0) / D + eps)
         h = (total * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (w * h).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+        if E4M3:
+            _store_e4m3(y, row, offs, mask, q_ptr, scale_ptr, D, QMAX)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -78,16 +101,20 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and weight.is_contiguous())
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False, e4m3: bool = False
+             ) -> torch.Tensor:
     """`model.RMSNorm`'s result for x [..., D] in one kernel (a program per row); see the module doc. `pdl`:
-    launched with programmatic dependent launch (`serving.engine.pdl`)."""
+    launched with programmatic dependent launch (`serving.engine.pdl`); `e4m3`: the result carries its rows
+    scaled to e4m3 for an FP8 GEMM (`serving.engine.prescaled`)."""
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     out = torch.empty_like(x2)
+    q, scale = _e4m3_outputs(x2, e4m3)
     block = triton.next_power_of_2(d)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=block,
-                                     GDC=gdc(pdl), num_warps=max(1, min(16, block // 512)), **launch_options(pdl))
-    return out.view(x.shape)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, q, scale, d, x2.stride(0), out.stride(0), eps, BLOCK_D=block,
+                                     GDC=gdc(pdl), E4M3=e4m3, QMAX=E4M3_MAX,
+                                     num_warps=max(1, min(16, block // 512)), **launch_options(pdl))
+    return _carrying(out.view(x.shape), q, scale, e4m3)
 
 
 def add_fits(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -95,14 +122,29 @@ def add_fits(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool
     return fits(x, weight) and fits(delta, weight) and delta.shape == x.shape
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, `model.RMSNorm`'s result for it) in one kernel; see the module doc. `pdl` as `rms_norm`'s."""
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False,
+                 e4m3: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, `model.RMSNorm`'s result for it) in one kernel; see the module doc. `pdl` and `e4m3` as
+    `rms_norm`'s."""
     d = x.shape[-1]
     x2, d2 = x.reshape(-1, d), delta.reshape(-1, d)
     total, out = torch.empty_like(x2), torch.empty_like(x2)
+    q, scale = _e4m3_outputs(x2, e4m3)
     block = triton.next_power_of_2(d)
-    _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, total, out, d, x2.stride(0), d2.stride(0), total.stride(0),
-                                         out.stride(0), eps, BLOCK_D=block, GDC=gdc(pdl),
-                                         num_warps=max(1, min(16, block // 512)), **launch_options(pdl))
-    return total.view(x.shape), out.view(x.shape)
+    _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, total, out, q, scale, d, x2.stride(0), d2.stride(0),
+                                         total.stride(0), out.stride(0), eps, BLOCK_D=block, GDC=gdc(pdl), E4M3=e4m3,
+                                         QMAX=E4M3_MAX, num_warps=max(1, min(16, block // 512)), **launch_options(pdl))
+    return total.view(x.shape), _carrying(out.view(x.shape), q, scale, e4m3)
+
+
+def _e4m3_outputs(x2: torch.Tensor, e4m3: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the kernel writes the rows scaled to e4m3 and their scales (with `e4m3`; else placeholders it
+    never touches)."""
+    if not e4m3:
+        return x2, x2
+    return (torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x2.device),
+            torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x2.device))
+
+
+def _carrying(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, e4m3: bool) -> torch.Tensor:
+    return with_prescaled_rows(out, q, scale) if e4m3 else out

@@ -1,0 +1,37 @@
+"""Rows handed to an FP8 GEMM already scaled by the norm that wrote them (serving/engine/prescaled.py,
+quantize.norm_scales_rows): only on the tensor object that carries them, for as many rows, and only where
+the GEMM would scale them in its Triton kernel. The kernels' values: tests/test_row_norm.py (interpreter)
+and tests/test_paged_decode.py (the engine on CUDA, both ways to the bit)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+
+from serving.engine import quantize
+from serving.engine.prescaled import prescaled_rows, with_prescaled_rows
+from serving.engine.quantize import QuantLinear, norm_scales_rows
+
+
+def test_carried_rows_belong_to_the_tensor_object_and_its_row_count():
+    x = torch.zeros(5, 8)
+    q, scale = torch.zeros(5, 8, dtype=torch.float8_e4m3fn), torch.ones(5, 1)
+    assert with_prescaled_rows(x, q, scale) is x
+    assert prescaled_rows(x, 5) == (q, scale)
+    assert prescaled_rows(x, 4) is None  # another row count: not these rows
+    assert prescaled_rows(x.view(5, 8), 5) is None  # a view is another tensor object
+    assert prescaled_rows(torch.zeros(5, 8), 5) is None
+
+
+def test_norms_scale_rows_only_for_fp8_layers_past_the_decode_rows_on_cuda_when_on():
+    fp8 = QuantLinear(16, 32, method="fp8", bias=False, dtype=torch.bfloat16)
+    int8 = QuantLinear(16, 32, method="int8-weight-only", bias=False, dtype=torch.bfloat16)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not norm_scales_rows(fp8, 65, cuda)  # off by default
+    with mock.patch.object(quantize, "NORMS_SCALE_ROWS", True):
+        assert norm_scales_rows(fp8, 65, cuda)
+        assert not norm_scales_rows(fp8, 64, cuda)  # the decode rows scale with torch ops
+        assert not norm_scales_rows(fp8, 65, cpu)
+        assert not norm_scales_rows(int8, 65, cuda)
+        assert not norm_scales_rows(torch.nn.Linear(16, 32), 65, cuda)
