@@ -129,10 +129,11 @@ def test_decode_graphs_launched_with_pdl_give_the_same_tokens_and_logprobs_on_cu
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the FP8 tensor cores and row kernels")
-def test_norms_scaling_rows_for_fp8_gemms_give_the_same_tokens_and_logprobs_on_cuda():
-    """`quantize.NORMS_SCALE_ROWS`: the norms hand the FP8 GEMMs of wqkv and w13 their rows already scaled to
-    e4m3, the values the GEMMs' own scaling kernel computes, so the same results to the bit: the logits of a
-    100-token prompt step and 30 tokens of 80 requests decoded together (96-row graphs, past the decode rows)."""
+def test_rows_scaled_before_the_fp8_gemms_give_the_same_tokens_and_logprobs_on_cuda():
+    """`quantize.PRESCALE_ROWS`: the norms and SiLU * up hand the FP8 GEMMs of wqkv, w13 and w2 their rows
+    already scaled to e4m3, the values the GEMMs' own scaling kernel computes, so the same results to the bit:
+    the logits of a 100-token prompt step and 30 tokens of 80 requests decoded together (96-row graphs, past
+    the decode rows)."""
     from unittest import mock
 
     from serving.engine import quantize
@@ -142,7 +143,7 @@ def test_norms_scaling_rows_for_fp8_gemms_give_the_same_tokens_and_logprobs_on_c
     prompts = [[rng.randrange(1, 512) for _ in range(rng.randrange(5, 31))] for _ in range(80)]
     results = []
     for scaled in (False, True):
-        with mock.patch.object(quantize, "NORMS_SCALE_ROWS", scaled):
+        with mock.patch.object(quantize, "PRESCALE_ROWS", scaled):
             runner = _paged("cuda", quantization="fp8", num_blocks=400, live=96, max_num_tokens=256)
             runner.warm_up_decode()
             results.append((runner.prefill_logits(prompt), runner.generate(prompts, max_new_tokens=30, top_logprobs=1)))

@@ -1,5 +1,5 @@
 """Rows handed to an FP8 GEMM already scaled by the norm that wrote them (serving/engine/prescaled.py,
-quantize.norm_scales_rows): only on the tensor object that carries them, for as many rows, and only where
+quantize.prescale_rows_for): only on the tensor object that carries them, for as many rows, and only where
 the GEMM would scale them in its Triton kernel. The kernels' values: tests/test_row_norm.py (interpreter)
 and tests/test_paged_decode.py (the engine on CUDA, both ways to the bit)."""
 
@@ -11,7 +11,7 @@ import torch
 
 from serving.engine import quantize
 from serving.engine.prescaled import prescaled_rows, with_prescaled_rows
-from serving.engine.quantize import QuantLinear, norm_scales_rows
+from serving.engine.quantize import QuantLinear, prescale_rows_for
 
 
 def test_carried_rows_belong_to_the_tensor_object_and_its_row_count():
@@ -28,10 +28,10 @@ def test_norms_scale_rows_only_for_fp8_layers_past_the_decode_rows_on_cuda_when_
     fp8 = QuantLinear(16, 32, method="fp8", bias=False, dtype=torch.bfloat16)
     int8 = QuantLinear(16, 32, method="int8-weight-only", bias=False, dtype=torch.bfloat16)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert not norm_scales_rows(fp8, 65, cuda)  # off by default
-    with mock.patch.object(quantize, "NORMS_SCALE_ROWS", True):
-        assert norm_scales_rows(fp8, 65, cuda)
-        assert not norm_scales_rows(fp8, 64, cuda)  # the decode rows scale with torch ops
-        assert not norm_scales_rows(fp8, 65, cpu)
-        assert not norm_scales_rows(int8, 65, cuda)
-        assert not norm_scales_rows(torch.nn.Linear(16, 32), 65, cuda)
+    assert not prescale_rows_for(fp8, 65, cuda)  # off by default
+    with mock.patch.object(quantize, "PRESCALE_ROWS", True):
+        assert prescale_rows_for(fp8, 65, cuda)
+        assert not prescale_rows_for(fp8, 64, cuda)  # the decode rows scale with torch ops
+        assert not prescale_rows_for(fp8, 65, cpu)
+        assert not prescale_rows_for(int8, 65, cuda)
+        assert not prescale_rows_for(torch.nn.Linear(16, 32), 65, cuda)

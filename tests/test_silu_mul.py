@@ -49,6 +49,23 @@ def test_kernel_matches_the_torch_ops_interpreted(shape: tuple[int, ...]) -> Non
     check_close(silu_mul.silu_mul(x, shape[-1] // 2), torch_ops(x))
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("inter", (1500, 2048, 2600))  # a masked tail; two BLOCKs; three with a tail
+def test_rows_scaled_to_e4m3_equal_the_token_scaling_kernels_interpreted(inter: int) -> None:
+    """`silu_mul_e4m3`: `silu_mul`'s values, carrying its rows scaled to e4m3 as the FP8 GEMM's own scaling
+    kernel (`fp8_tokens.tokens_e4m3`) scales them."""
+    from serving.engine import fp8_tokens
+    from serving.engine.prescaled import E4M3_MAX, prescaled_rows
+
+    x = make((5, 2 * inter), "cpu", torch.float16)
+    out = silu_mul.silu_mul_e4m3(x, inter)
+    assert torch.equal(out, silu_mul.silu_mul(x, inter))
+    q, scale = prescaled_rows(out, 5)
+    want_q, want_scale = fp8_tokens.tokens_e4m3(out, E4M3_MAX)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def test_fits_only_cuda_half_precision() -> None:
     assert not silu_mul.fits(torch.ones(2, 8, dtype=torch.bfloat16)), "CPU tensors take the torch ops"
 

@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     thr.add_argument("--sides", default="static,paged", help="comma list of static, paged, paged-sync (the paged engine "
                      "without running a step ahead), paged-torch-ops (its norms, rotations, K/V writes and SiLU * up "
                      "as torch ops), paged-repeat-kv (its prompt attention copying K/V to every query head), paged-pdl "
-                     "(its decode graphs with programmatic dependent launch), paged-norm-e4m3 (its norms scaling the FP8 "
+                     "(its decode graphs with programmatic dependent launch), paged-prescaled (its norms and SiLU * up scaling the FP8 "
                      "GEMMs' rows), "
                      "paged-tile<N> (its decode attention over N positions an iteration)")
     thr.add_argument("--static-batch", type=int, default=256, help="the static engine's max_batch_size (cache rows)")

@@ -35,7 +35,7 @@ from serving.engine import row_norm, silu_mul
 from serving.engine.errors import UnsupportedArchitectureError
 from serving.engine.partials import sum_partials
 from serving.engine.prefill_attention import sdpa
-from serving.engine.quantize import QuantLinear
+from serving.engine.quantize import QuantLinear, prescale_rows_for
 
 # architectures[0] of config.json -> (model_type, whether q/k/v carry a bias by default)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -321,7 +321,11 @@ class FeedForward(nn.Module):
 
     def gated(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
               ) -> torch.Tensor:
-        """silu(gate) * up, the input of w2."""
+        """silu(gate) * up, the input of w2; its rows scaled to e4m3 as well where w2's FP8 GEMM would scale
+        them in a kernel of its own (`prescale_rows_for`: past the decode rows, where `gate_up` would run w13's
+        GEMM and then SiLU * up too)."""
+        if prescale_rows_for(self.w2, x.numel() // x.shape[-1], x.device):
+            return silu_mul.gated(linear(self.w13, x), self.intermediate_size, e4m3=True)
         if gate_up is not None:
             return gate_up(self.w13, x)
         return silu_mul.gated(linear(self.w13, x), self.intermediate_size)

@@ -44,7 +44,7 @@ from serving.engine.model import Transformer, _gate_up_fn, _linear_fn
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache, blocks_for
 from serving.engine.pdl import supported as pdl_supported
-from serving.engine.quantize import norm_scales_rows
+from serving.engine.quantize import prescale_rows_for
 
 # The decode graphs' kernels launched with programmatic dependent launch where the GPU has it (Hopper and
 # later), as the static compiled step's are. Off until timed on the GPU (bench throughput side `paged-pdl`).
@@ -81,7 +81,7 @@ def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: tor
     gate_up = _gate_up_fn(gemm, pdl=pdl) if getattr(model, "decode_gate_up", True) else None
     x = model.tok_embeddings(tokens)  # [B, D]
     layers = model.layers
-    qkv_e4m3, w13_e4m3 = (norm_scales_rows(m, bsz, x.device)
+    qkv_e4m3, w13_e4m3 = (prescale_rows_for(m, bsz, x.device)
                           for m in (layers[0].attention.wqkv, layers[0].feed_forward.w13))
     h = layers[0].attention_norm(x, pdl=pdl, e4m3=qkv_e4m3)
     for i, layer in enumerate(layers):

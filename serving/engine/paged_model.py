@@ -39,7 +39,7 @@ from serving.engine.model import Transformer
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache
 from serving.engine.prefill_attention import sdpa
-from serving.engine.quantize import norm_scales_rows
+from serving.engine.quantize import prescale_rows_for
 
 # CUDA: prompt attention takes SDPA's grouped heads (`enable_gqa`, FlashAttention reads each K/V head for its
 # query heads) instead of copying K and V out to every query head first: two copies of a step's K/V size a
@@ -152,7 +152,7 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
     single = step.single_rows.shape[0]
     whole = _whole_step_group(step, total)
     layers = model.layers
-    qkv_e4m3, w13_e4m3 = (norm_scales_rows(m, total, x.device)
+    qkv_e4m3, w13_e4m3 = (prescale_rows_for(m, total, x.device)
                           for m in (layers[0].attention.wqkv, layers[0].feed_forward.w13))
     h = layers[0].attention_norm(x, e4m3=qkv_e4m3)
     for i, layer in enumerate(layers):

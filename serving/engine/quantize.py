@@ -54,10 +54,10 @@ QMAX: dict[str, float] = {FP8: E4M3_MAX, INT8_WEIGHT_ONLY: 127.0}
 FP8_TENSOR_CORE_MIN_ROWS = 16  # fp8 GEMMs of this many rows and more may run on FP8 tensor cores (tokens to e4m3)
 FP8_DECODE_MAX_ROWS = 64  # skinny_gemm.MAX_ROWS: up to this many rows, the decode kernels are the alternative
 FP8_TENSOR_CORE_MIN_N = 16384  # decode rows: only outputs this wide (w13, LM heads) take the tensor cores
-# norms writing an fp8 GEMM's input also write its rows scaled to e4m3 (serving.engine.prescaled); in the H200
-# profile of a 1,024-request FP8 run the separate scaling was 282 ms of 5,119 ms of kernels, half of it on norm
-# outputs (wqkv's and w13's inputs). Off until timed (bench throughput side `paged-norm-e4m3`)
-NORMS_SCALE_ROWS = False
+# the norms and SiLU * up writing an fp8 GEMM's input also write its rows scaled to e4m3 (serving.engine.prescaled):
+# in the H200 profile of a 1,024-request FP8 run the separate scaling was 282 ms of 5,119 ms of kernels, all of it
+# but wo's input. Off until timed (bench throughput side `paged-prescaled`)
+PRESCALE_ROWS = False
 FP8_FAST_ACCUM = False  # _scaled_mm's use_fast_accum (Hopper: no periodic promotion of the fp32 accumulator)
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores and e4m3 conversions: Ada, Hopper and later
 LAYER_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
@@ -277,10 +277,10 @@ def tokens_to_e4m3(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_tokens_fp8(x2)
 
 
-def norm_scales_rows(linear: nn.Module, rows: int, device: torch.device) -> bool:
+def prescale_rows_for(linear: nn.Module, rows: int, device: torch.device) -> bool:
     """Whether the norm writing `linear`'s input of `rows` rows should scale them to e4m3 too: `linear` an fp8
-    layer whose GEMM would scale them in a Triton kernel (CUDA, past the decode rows), `NORMS_SCALE_ROWS` on."""
-    return (NORMS_SCALE_ROWS and device.type == "cuda" and rows > FP8_DECODE_MAX_ROWS
+    layer whose GEMM would scale them in a Triton kernel (CUDA, past the decode rows), `PRESCALE_ROWS` on."""
+    return (PRESCALE_ROWS and device.type == "cuda" and rows > FP8_DECODE_MAX_ROWS
             and isinstance(linear, QuantLinear) and linear.method == FP8)
 
 

@@ -5,6 +5,7 @@
 Here one pass reads both halves and writes the product, rounding as torch does (SiLU to the dtype, then the
 product). The exponential may differ from torch's in the last float32 bit, so a value can land one step of
 the dtype away (tests/test_silu_mul.py). Compiled code keeps the torch ops, which inductor fuses itself.
+`silu_mul_e4m3` also scales each row it wrote to e4m3 for the FP8 GEMM of w2 (`serving.engine.prescaled`).
 
 Imports: torch; Triton only if importable (this module runs inside Triton's python backend).
 """
@@ -12,6 +13,8 @@ Imports: torch; Triton only if importable (this module runs inside Triton's pyth
 from __future__ import annotations
 
 import torch
+
+from serving.engine.prescaled import E4M3_MAX, with_prescaled_rows
 
 try:
     import triton
@@ -36,6 +39,36 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
+    @triton.jit
+    def _silu_mul_e4m3_kernel(x_ptr, out_ptr, q_ptr, scale_ptr, inter, stride_x, stride_o, QMAX: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """One row: SiLU(gate) * up as `_silu_mul_kernel` writes it, then that row scaled to e4m3 by its largest
+        magnitude, as fp8_tokens scales a row (read back from what this program wrote)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        peak = tl.zeros((BLOCK,), tl.float32)
+        for c0 in range(0, inter, BLOCK):
+            cols = c0 + offs
+            mask = cols < inter
+            gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+            up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
+            g = gate.to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+            y = (silu * up.to(tl.float32)).to(gate.dtype)
+            tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+            peak = tl.maximum(peak, tl.abs(y.to(tl.float32)))
+        amax = tl.max(peak, 0)
+        scale = tl.where(amax > 0, amax / QMAX, 1.0)
+        tl.debug_barrier()  # the row's values, as written, visible to every thread of the program
+        for c0 in range(0, inter, BLOCK):
+            cols = c0 + offs
+            mask = cols < inter
+            y = tl.load(out_ptr + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(y / scale, -QMAX), QMAX)
+            tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+
 def fits(gate_up: torch.Tensor) -> bool:
     """Whether `silu_mul` takes this projection: Triton importable, CUDA half precision, contiguous columns."""
     return triton is not None and gate_up.is_cuda and gate_up.dtype in DTYPES and gate_up.stride(-1) == 1
@@ -50,10 +83,24 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], inter)
 
 
-def gated(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+def silu_mul_e4m3(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """`silu_mul`'s result [T, inter] for gate_up [T, 2 * inter], carrying its rows scaled to e4m3 for an FP8
+    GEMM (`serving.engine.prescaled`): one program a row, which scales what it wrote."""
+    out = gate_up.new_empty(gate_up.shape[0], inter)
+    q = torch.empty(out.shape, dtype=torch.float8_e4m3fn, device=out.device)
+    scale = torch.empty(out.shape[0], 1, dtype=torch.float32, device=out.device)
+    _silu_mul_e4m3_kernel[(out.shape[0],)](gate_up, out, q, scale, inter, gate_up.stride(0), out.stride(0),
+                                          QMAX=E4M3_MAX, BLOCK=BLOCK, num_warps=4)
+    return with_prescaled_rows(out, q, scale)
+
+
+def gated(gate_up: torch.Tensor, inter: int, *, e4m3: bool = False) -> torch.Tensor:
     """SiLU(gate) * up of gate_up [..., 2 * inter]: the kernel for eager GPU work, the torch ops elsewhere (the CPU,
-    and code being compiled, which inductor fuses)."""
+    and code being compiled, which inductor fuses). `e4m3`: with the kernel, rows [T, 2 * inter] in, the result
+    carries its rows scaled to e4m3 (`silu_mul_e4m3`)."""
     if not torch.compiler.is_compiling() and fits(gate_up):
+        if e4m3 and gate_up.dim() == 2:
+            return silu_mul_e4m3(gate_up, inter)
         return silu_mul(gate_up, inter)
     gate, up = gate_up.split([inter, inter], dim=-1)
     return torch.nn.functional.silu(gate) * up
