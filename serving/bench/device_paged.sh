@@ -9,7 +9,8 @@
 #    side by side in one process.
 # Env: QUANT (engine.quantization of the weights, default none), KV (the paged pool's kv_cache_dtype), SIDES (the 1,024-request sides), WORKLOAD
 #      (default 128/128), REQUESTS (default 1024), SMALL= (skip the 64- and 1-request pairs), T1024= (skip the
-#      1,024-request run), EXTRA (more `bench throughput` arguments for it, e.g. --profile-decode 1024).
+#      1,024-request run), EXTRA (more `bench throughput` arguments for it, e.g. --profile-decode 1024), SMALL_SIDES
+#      (the 64- and 1-request runs' sides, default static,paged; e.g. static,paged,paged-pdl).
 # Results under $OUT: steps.log, gpu-tests.log, t<N>.json/.log.
 set -u
 OUT=${OUT:-/tmp/paged-out}
@@ -37,7 +38,7 @@ bench() {  # name, timeout, args...
   --free-mem-fraction "${FRACTION:-0.6}" --warmup-requests 128 --sides "${SIDES:-static,paged,paged-sync,paged-torch-ops}" \
   ${EXTRA:-}
 [ -n "${SMALL-1}" ] || exit 0
-bench t64 "${T64_S:-120}" --requests 64 --static-batch 64 --paged-live 64 --warmup-requests 16
+bench t64 "${T64_S:-120}" --requests 64 --static-batch 64 --paged-live 64 --warmup-requests 16 --sides "${SMALL_SIDES:-static,paged}"
 [ $(($(date +%s) - T0)) -lt "${T1_UNTIL_S:-420}" ] && \
-  bench t1 "${T1_S:-60}" --requests 1 --static-batch 1 --paged-live 1 --warmup-requests 1
+  bench t1 "${T1_S:-60}" --requests 1 --static-batch 1 --paged-live 1 --warmup-requests 1 --sides "${SMALL_SIDES:-static,paged}"
 log "done"
