@@ -243,6 +243,7 @@ def test_the_router_answers_through_a_decoupled_engine_over_http(world) -> None:
             break
     stream_client.stop_stream()
     stream_client.close()
+    client.close()  # an open HTTP connection would hold the server's shutdown for its exit timeout (5 s)
     assert routed and set(routed) == {1}  # on every response that carries tokens
     stats = router_stats(world["proc"].model_repository, "tiny")
     counted = stats["detail"]["1"]  # the router's and the streaming router's counters, one load
