@@ -24,26 +24,49 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from services import PREFECT_SHARED_ENV, shares_prefect_server, start_prefect_server, stop_prefect_server
+from services import (
+    MLFLOW_SHARED_ENV,
+    PREFECT_SHARED_ENV,
+    launch_mlflow_server,
+    mlflow_server_to_env,
+    shares_prefect_server,
+    start_prefect_server,
+    stop_mlflow_server,
+    stop_prefect_server,
+)
 
 PREFECT_SERVER_KEY = pytest.StashKey[object]()
+MLFLOW_SERVER_KEY = pytest.StashKey[object]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """The controller of an xdist run starts one Prefect server for the whole run before its workers start
     (they inherit ``PREFECT_API_URL``): every worker's ``prefect_harness`` and every flow run in a test or a
-    CLI process it starts then use it, instead of a temporary server each (15-20 s of CPU apiece)."""
+    CLI process it starts then use it, instead of a temporary server each (15-20 s of CPU apiece). It starts
+    the session's ``mlflow server`` (``mlflow_server``) the same way, for the same reason: the four files that
+    use it ran on three workers, each starting one (8-15 s of CPU a start)."""
     if not shares_prefect_server(config):
         return
     server = start_prefect_server(Path(tempfile.mkdtemp(prefix="enginewright-prefect-")))
     config.stash[PREFECT_SERVER_KEY] = server
     os.environ["PREFECT_API_URL"] = os.environ[PREFECT_SHARED_ENV] = server.api_url
+    mlflow, mlflow_proc = launch_mlflow_server(Path(tempfile.mkdtemp(prefix="enginewright-mlflow-")))
+    config.stash[MLFLOW_SERVER_KEY] = (mlflow, mlflow_proc)
+    os.environ[MLFLOW_SHARED_ENV] = mlflow_server_to_env(mlflow)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     server = config.stash.get(PREFECT_SERVER_KEY, None)
     if server is not None:
         stop_prefect_server(server)
+    mlflow = config.stash.get(MLFLOW_SERVER_KEY, None)
+    if mlflow is not None:
+        import shutil
+
+        server, proc = mlflow
+        stop_mlflow_server(server)
+        proc.wait(timeout=10)
+        shutil.rmtree(server.log_path.parent, ignore_errors=True)
 
 
 pytest_plugins = ["services", "triton_crash_rerun", "cpu_profile", "pytester"]

@@ -32,7 +32,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -43,6 +43,9 @@ from registry.embedded import EmbeddedLocations, embedded_locations
 T = TypeVar("T")
 
 MLFLOW_START_TIMEOUT_S = 120.0
+# The xdist controller's ``mlflow server`` (``mlflow_server``), as JSON: one for every worker instead of one
+# per worker that runs a file using it (8-15 s of CPU a start; each file names its models uniquely).
+MLFLOW_SHARED_ENV = "ENGINEWRIGHT_TEST_MLFLOW"
 TEST_ACCESS_KEY_ID = "testing"
 TEST_SECRET_ACCESS_KEY = "testing"  # moto accepts any credentials
 TEST_REGION = "us-east-1"
@@ -103,6 +106,19 @@ def start_mlflow_server(
     extra_args: list[str] | None = None,
 ) -> MlflowServer:
     """Start ``mlflow server`` (sqlite, proxied artifacts under ``workdir``) and wait for ``/health``."""
+    server, proc = launch_mlflow_server(workdir, env=env, artifacts_destination=artifacts_destination,
+                                        extra_args=extra_args)
+    return wait_mlflow_server(server, proc)
+
+
+def launch_mlflow_server(
+    workdir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    artifacts_destination: str | None = None,
+    extra_args: list[str] | None = None,
+) -> tuple[MlflowServer, subprocess.Popen]:
+    """Start ``mlflow server`` and return at once (``wait_mlflow_server`` waits for ``/health``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     backend = f"sqlite:///{workdir / 'mlflow.db'}"
@@ -134,29 +150,45 @@ def start_mlflow_server(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=workdir, start_new_session=True
         )
     url = f"http://127.0.0.1:{port}"
+    server = MlflowServer(tracking_uri=url, ui_base=url, pid=proc.pid, port=port, backend_store_uri=backend,
+                          artifacts_destination=artifacts, log_path=log_path, startup_s=t0)
+    return server, proc
+
+
+def wait_mlflow_server(server: MlflowServer, proc: subprocess.Popen | None = None) -> MlflowServer:
+    """Wait until ``server`` answers ``/health``; ``proc``: its process, when this process started it (then an
+    early exit is reported, and a server that never comes up is stopped). Returns it with ``startup_s`` set
+    (``launch_mlflow_server`` left its start time there)."""
+    t0 = server.startup_s
     while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mlflow server exited with {proc.returncode}:\n{_tail(log_path)}")
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with {proc.returncode}:\n{_tail(server.log_path)}")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            with urllib.request.urlopen(f"{server.tracking_uri}/health", timeout=2) as resp:
                 if resp.status == 200:
                     break
         except OSError:
             pass
         if time.monotonic() - t0 > MLFLOW_START_TIMEOUT_S:
-            _kill_group(proc.pid)
-            raise RuntimeError(f"mlflow server not healthy after {MLFLOW_START_TIMEOUT_S} s:\n{_tail(log_path)}")
+            if proc is not None:
+                _kill_group(proc.pid)
+            raise RuntimeError(f"mlflow server not healthy after {MLFLOW_START_TIMEOUT_S} s:\n{_tail(server.log_path)}")
         time.sleep(0.3)
-    return MlflowServer(
-        tracking_uri=url,
-        ui_base=url,
-        pid=proc.pid,
-        port=port,
-        backend_store_uri=backend,
-        artifacts_destination=artifacts,
-        log_path=log_path,
-        startup_s=time.monotonic() - t0,
-    )
+    return replace(server, startup_s=time.monotonic() - t0)
+
+
+def mlflow_server_to_env(server: MlflowServer) -> str:
+    """``server`` as the value of ``MLFLOW_SHARED_ENV`` (what a worker reads back with ``mlflow_server_from_env``)."""
+    import json
+
+    return json.dumps({**asdict(server), "log_path": str(server.log_path)})
+
+
+def mlflow_server_from_env(value: str) -> MlflowServer:
+    import json
+
+    fields = json.loads(value)
+    return MlflowServer(**{**fields, "log_path": Path(fields["log_path"])})
 
 
 def stop_mlflow_server(server: MlflowServer) -> None:
@@ -440,7 +472,11 @@ def prefect_harness():
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    """A real ``mlflow server`` on loopback for the whole session (stopped by PID)."""
+    """A real ``mlflow server`` on loopback for the whole session (stopped by PID). In an xdist worker: the
+    controller's (``MLFLOW_SHARED_ENV``, started while the workers collect), which the controller stops."""
+    if shared := os.environ.get(MLFLOW_SHARED_ENV):
+        yield wait_mlflow_server(mlflow_server_from_env(shared))
+        return
     server = _MLFLOW.acquire(tmp_path_factory.mktemp("mlflow-server"))
     try:
         yield server
