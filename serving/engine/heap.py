@@ -3,7 +3,7 @@
 A full (generation 2) collection walks every container object the process holds: the model's modules, the
 compiled kernels' caches, the warm-up's leftovers. On the engine thread that is a pause the GPU waits out:
 on the H200 a 1,024-request run of the paged 8B engine had a 138 ms idle gap, and a CPU run of the same
-scheduler paused 226 ms in one full collection (4 of them, 514 ms in all). `gc.freeze()` moves what is alive
+scheduler paused 118 ms in one full collection inside a step. `gc.freeze()` moves what is alive
 after the warm-up into a generation no collection visits (vLLM does the same after its warm-up), so later full
 passes walk only what serving creates: requests, their token lists.
 
