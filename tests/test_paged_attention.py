@@ -67,6 +67,26 @@ def test_reference_equals_a_naive_softmax_over_each_rows_blocks():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_blocks_prefetched_an_iteration_ahead_give_the_reference_result(splits, fp8):
+    """`PREFETCH_BLOCKS`: the next block's table entry loaded an iteration ahead and V with K; rows of 1
+    position up to several blocks, splits (empty ones too), bf16-sized and fp8 pools: the reference's result."""
+    from unittest import mock
+
+    from serving.engine import paged_attention
+
+    q, k, v, tables, lengths = _case(group=4, fill=float("nan"))
+    if fp8:
+        k, v = to_kv_fp8(k), to_kv_fp8(v)
+    scale = 1 / math.sqrt(q.shape[-1])
+    with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", True):
+        got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
+    want = _naive(q, k.float(), v.float(), tables, lengths, scale)
+    assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
 @pytest.mark.parametrize("group", [1, 4])
 def test_kernel_under_the_interpreter_equals_the_reference(group):
     q, k, v, tables, lengths = _case(group=group, fill=float("nan"))
@@ -143,6 +163,25 @@ def test_kernel_on_cuda_bf16_equals_the_reference():
     got = paged_decode_triton(q, k, v, tables, lengths, scale).float()
     want = paged_decode_reference(q, k, v, tables, lengths, scale).float()
     assert (got - want).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
+def test_kernel_on_cuda_with_blocks_prefetched_gives_the_same_values():
+    """`PREFETCH_BLOCKS` changes when the loads are issued, not what is computed: the same values to the bit,
+    with and without splits."""
+    from unittest import mock
+
+    from serving.engine import paged_attention
+
+    q, k, v, tables, lengths = _case(bsz=64, n_kv=8, group=4, hd=128, block=32,
+                                     lengths=tuple(range(1, 640, 10)), dtype=torch.bfloat16, device="cuda")
+    scale = 1 / math.sqrt(q.shape[-1])
+    for splits in (1, 4):
+        plain = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
+        with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", True):
+            ahead = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
+        assert torch.equal(ahead, plain), splits
 
 
 def _rounding_bound(q, k, v, k8, v8, tables, lengths, scale):

@@ -160,7 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "without running a step ahead), paged-torch-ops (its norms, rotations, K/V writes and SiLU * up "
                      "as torch ops), paged-repeat-kv (its prompt attention copying K/V to every query head), paged-pdl "
                      "(its decode graphs with programmatic dependent launch), paged-prescaled (its norms and SiLU * up scaling the FP8 "
-                     "GEMMs' rows), "
+                     "GEMMs' rows), paged-prefetch (its decode attention loading each next block's table entry ahead), "
                      "paged-tile<N> (its decode attention over N positions an iteration)")
     thr.add_argument("--static-batch", type=int, default=256, help="the static engine's max_batch_size (cache rows)")
     thr.add_argument("--paged-live", type=int, default=1024, help="the paged engine's live requests at most")

@@ -25,7 +25,8 @@ read on the device, so a CUDA graph captured at one batch size serves every cont
 walks one block (`TILE_POSITIONS` None, what the figures in docs/throughput.md ran) or a tile of several,
 each position through its own table entry: at 2048/2048 a 400-row FP8 step took 49 ms where its K/V reads
 need 19 ms, the kernel walking ~96 blocks one dependent load after another; wider tiles are written and
-checked under the interpreter, not yet timed (`bench throughput --sides paged,paged-tile128`). The kernel
+checked under the interpreter, not yet timed (`bench throughput --sides paged,paged-tile128`); so is
+`PREFETCH_BLOCKS` (each next block's table entry loaded an iteration ahead, V with K). The kernel
 needs a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
 runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` (cast to q's dtype) and the masked matmul
 of `model.decode_step`.
@@ -54,6 +55,10 @@ MAX_SPLITS = 16  # programs over one (sequence, kv head)'s positions at most
 # positions an iteration of the kernel walks (a power of two; each position read through its own block's table
 # entry), or None: one block. Larger tiles issue more loads at once over long contexts; untimed (module doc)
 TILE_POSITIONS: int | None = None
+# one block an iteration: the next block's table entry loaded an iteration ahead, and V loaded with K rather
+# than after the scores, so an iteration waits for one memory round trip instead of three in a row (table,
+# K, V); untimed, off (bench throughput side `paged-prefetch`)
+PREFETCH_BLOCKS = False
 
 
 def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -88,7 +93,7 @@ if triton is not None:
                              stride_vblk, stride_vpos, stride_vh, stride_tb, qk_scale,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
-                             IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False):
+                             IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         if GDC:
             gdc_enter()
         b = tl.program_id(0).to(tl.int64)
@@ -110,11 +115,17 @@ if triton is not None:
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        if PREFETCH:  # the first block's table entry; each iteration loads the next one's
+            ahead = tl.load(table_ptr + b * stride_tb + first, mask=first < last, other=0).to(tl.int64)
         for i in range(first, last):
             pos = i * TILE + offs_n
             n_mask = pos < length
             if TILE == BLOCK_SIZE:  # one block: one table entry
-                block = tl.load(table_ptr + b * stride_tb + i).to(tl.int64)
+                if PREFETCH:
+                    block = ahead
+                    ahead = tl.load(table_ptr + b * stride_tb + i + 1, mask=i + 1 < last, other=0).to(tl.int64)
+                else:
+                    block = tl.load(table_ptr + b * stride_tb + i).to(tl.int64)
                 k_rows = block * stride_kblk + offs_n * stride_kpos
                 v_rows = block * stride_vblk + offs_n * stride_vpos
             else:  # each position's own block
@@ -123,6 +134,8 @@ if triton is not None:
                 v_rows = blocks * stride_vblk + (pos % BLOCK_SIZE) * stride_vpos
             k = tl.load(k_ptr + k_rows[None, :] + h * stride_kh + offs_d[:, None],
                         mask=n_mask[None, :], other=0.0).to(q.dtype)  # [HEAD_DIM, TILE]; fp8 pools converted
+            if PREFETCH:  # V issued with K
+                v = tl.load(v_ptr + v_rows[:, None] + h * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
             if IEEE_DOT:
                 qk = tl.dot(q, k, input_precision="ieee")
             else:
@@ -132,8 +145,9 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + v_rows[:, None] + h * stride_vh + offs_d[None, :],
-                        mask=n_mask[:, None], other=0.0).to(q.dtype)  # [TILE, HEAD_DIM]
+            if not PREFETCH:
+                v = tl.load(v_ptr + v_rows[:, None] + h * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            v = v.to(q.dtype)  # [TILE, HEAD_DIM]
             if IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -217,7 +231,8 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
-        IEEE_DOT=q.dtype == torch.float32, GDC=gdc(pdl), num_warps=4, **launch_options(pdl))
+        IEEE_DOT=q.dtype == torch.float32, GDC=gdc(pdl), PREFETCH=PREFETCH_BLOCKS and tile == block_size, num_warps=4,
+        **launch_options(pdl))
     if splits > 1:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
                                                   HEAD_DIM=head_dim, SPLITS=splits, GDC=gdc(pdl), num_warps=4,
