@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     f8.add_argument("--workers", type=int, default=12, help="processes compiling the Triton configs")
     f8.add_argument("--gemms", default="wqkv,wo,w13,w2", help="comma list of the projections to time")
     f8.add_argument("--out", type=Path, default=Path("bench-fp8-gemms.json"))
+    pat = sub.add_parser("paged-attention", help="the paged decode attention kernel alone at a step's shape, "
+                         "variant by variant, against the copy bandwidth (CUDA)")
+    pat.add_argument("--rows", type=int, default=400)
+    pat.add_argument("--context", type=int, default=3072, help="positions each row attends over")
+    pat.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
+    pat.add_argument("--variants", default="plain,prefetch,tile64,tile128,split2,prefetch+split2",
+                     help="comma list of plain, prefetch, tile<N>, split<N>, joined by '+'")
+    pat.add_argument("--out", type=Path, default=Path("bench-paged-attention.json"))
     f8p = sub.add_parser("fp8-prefill", help="the fp8 prefill GEMMs (device, eager and host time) and whole "
                          "eager prefills beside bf16 (CUDA)")
     f8p.add_argument("--shape", default="llama-3.1-8b")
@@ -297,6 +306,14 @@ def run(args: argparse.Namespace) -> int:
 
         run_fp8_sweep(args.shapes.split(","), list(_ints(args.rows)), out=args.out, workers=args.workers,
                       gemms=tuple(args.gemms.split(",")))
+        return 0
+    if args.bench_mode == "paged-attention":
+        from serving.bench.paged_attention_bench import AttentionBenchConfig, bench_paged_attention
+
+        report = bench_paged_attention(AttentionBenchConfig(rows=args.rows, context=args.context,
+                                                            kv_dtype=args.kv_dtype,
+                                                            variants=tuple(args.variants.split(","))))
+        args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
         return 0
     if args.bench_mode == "fp8-prefill":
         from serving.bench.fp8_prefill import run_fp8_prefill
