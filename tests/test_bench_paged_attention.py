@@ -20,7 +20,8 @@ from serving.bench.paged_attention_bench import (
 def test_variants_join_settings_with_plus_and_an_unknown_one_is_refused_by_name():
     assert parse_variant("plain") == Variant("plain")
     assert parse_variant("prefetch+tile64+split2") == Variant("prefetch+tile64+split2", True, 64, 2)
-    for bad in ("fast", "tile", "split0", "prefetch+x"):
+    assert parse_variant("warps8+stages3") == Variant("warps8+stages3", warps=8, stages=3)
+    for bad in ("fast", "tile", "split0", "prefetch+x", "warpsx"):
         with pytest.raises(ValueError, match="unknown variant setting"):
             parse_variant(bad)
 
@@ -45,3 +46,12 @@ def test_it_runs_on_cuda_only_and_refuses_an_unknown_kv_dtype():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="kv_dtype='int4'"):
             bench_paged_attention(AttentionBenchConfig(kv_dtype="int4"))
+
+
+def test_variant_settings_move_the_kernels_launch_and_put_it_back():
+    from serving.bench.paged_attention_bench import variant_settings
+    from serving.engine import paged_attention
+
+    with variant_settings(parse_variant("prefetch+warps8+stages2")):
+        assert (paged_attention.PREFETCH_BLOCKS, paged_attention.NUM_WARPS, paged_attention.NUM_STAGES) == (True, 8, 2)
+    assert (paged_attention.PREFETCH_BLOCKS, paged_attention.NUM_WARPS, paged_attention.NUM_STAGES) == (False, 4, None)

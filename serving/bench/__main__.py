@@ -139,8 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pat.add_argument("--rows", type=int, default=400)
     pat.add_argument("--context", type=int, default=3072, help="positions each row attends over")
     pat.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
-    pat.add_argument("--variants", default="plain,prefetch,tile64,tile128,split2,prefetch+split2",
-                     help="comma list of plain, prefetch, tile<N>, split<N>, joined by '+'")
+    pat.add_argument("--variants", default="plain,prefetch,tile64,tile128,split2,prefetch+split2,prefetch+warps8",
+                     help="comma list of plain, prefetch, tile<N>, split<N>, warps<N>, stages<N>, joined by '+'")
     pat.add_argument("--out", type=Path, default=Path("bench-paged-attention.json"))
     f8p = sub.add_parser("fp8-prefill", help="the fp8 prefill GEMMs (device, eager and host time) and whole "
                          "eager prefills beside bf16 (CUDA)")

@@ -10,7 +10,8 @@ attention was ~45 of the step's 49 ms where the bytes need ~19 (docs/throughput.
 
 Variants (comma list; `+` joins settings): `plain` (the kernel as the engine runs it), `prefetch`
 (`PREFETCH_BLOCKS`), `tile<N>` (N positions an iteration), `split<N>` (positions split N ways; the engine
-splits only when the batch leaves SMs idle), e.g. `plain,prefetch,tile128,prefetch+split2`.
+splits only when the batch leaves SMs idle), `warps<N>` and `stages<N>` (the launch's warps a program and
+pipelining stages), e.g. `plain,prefetch,tile128,prefetch+split2,prefetch+warps8`.
 
 Imports: stdlib and torch; the engine's kernel module.
 """
@@ -18,7 +19,7 @@ Imports: stdlib and torch; the engine's kernel module.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from unittest import mock
@@ -34,6 +35,8 @@ class Variant:
     prefetch: bool = False
     tile: int | None = None
     splits: int | None = None
+    warps: int | None = None
+    stages: int | None = None
 
 
 @dataclass(frozen=True)
@@ -59,20 +62,21 @@ class AttentionBenchReport:
 
 def parse_variant(text: str) -> Variant:
     """`prefetch+tile64+split2` -> Variant; an unknown setting is refused, naming it."""
-    prefetch, tile, splits = False, None, None
+    numbers: dict[str, int] = {}
+    prefetch = False
     for part in text.split("+"):
         if part == "plain":
             continue
         if part == "prefetch":
             prefetch = True
-        elif part.startswith("tile") and part[4:].isdigit():
-            tile = int(part[4:])
-        elif part.startswith("split") and part[5:].isdigit() and int(part[5:]) >= 1:
-            splits = int(part[5:])
-        else:
+            continue
+        key = next((k for k in ("tile", "split", "warps", "stages") if part.startswith(k)), None)
+        if key is None or not part[len(key):].isdigit() or int(part[len(key):]) < 1:
             raise ValueError(f"bench paged-attention: unknown variant setting {part!r} in {text!r} "
-                             "(plain, prefetch, tile<N>, split<N>, joined by '+')")
-    return Variant(text, prefetch, tile, splits)
+                             "(plain, prefetch, tile<N>, split<N>, warps<N>, stages<N>, joined by '+')")
+        numbers[key] = int(part[len(key):])
+    return Variant(text, prefetch, numbers.get("tile"), numbers.get("split"), numbers.get("warps"),
+                   numbers.get("stages"))
 
 
 def kv_bytes(cfg: AttentionBenchConfig) -> int:
@@ -101,10 +105,17 @@ def variant_call(variant: Variant, case: tuple[torch.Tensor, ...], scale: float)
     return lambda: paged_decode_triton(*case, scale, splits=variant.splits, tile=variant.tile)
 
 
-def variant_settings(variant: Variant) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def variant_settings(variant: Variant) -> Iterator[None]:
     from serving.engine import paged_attention
 
-    return mock.patch.object(paged_attention, "PREFETCH_BLOCKS", variant.prefetch)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(paged_attention, "PREFETCH_BLOCKS", variant.prefetch))
+        if variant.warps is not None:
+            stack.enter_context(mock.patch.object(paged_attention, "NUM_WARPS", variant.warps))
+        if variant.stages is not None:
+            stack.enter_context(mock.patch.object(paged_attention, "NUM_STAGES", variant.stages))
+        yield
 
 
 def bench_paged_attention(cfg: AttentionBenchConfig, *, device: str = "cuda",

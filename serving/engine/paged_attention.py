@@ -59,6 +59,10 @@ TILE_POSITIONS: int | None = None
 # than after the scores, so an iteration waits for one memory round trip instead of three in a row (table,
 # K, V); untimed, off (bench throughput side `paged-prefetch`)
 PREFETCH_BLOCKS = False
+# the kernel's launch: warps a program, and software-pipelining stages (None: Triton's default); what the
+# figures ran, for `bench paged-attention` variants to move
+NUM_WARPS = 4
+NUM_STAGES: int | None = None
 
 
 def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -231,8 +235,8 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
-        IEEE_DOT=q.dtype == torch.float32, GDC=gdc(pdl), PREFETCH=PREFETCH_BLOCKS and tile == block_size, num_warps=4,
-        **launch_options(pdl))
+        IEEE_DOT=q.dtype == torch.float32, GDC=gdc(pdl), PREFETCH=PREFETCH_BLOCKS and tile == block_size,
+        num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
     if splits > 1:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
                                                   HEAD_DIM=head_dim, SPLITS=splits, GDC=gdc(pdl), num_warps=4,
