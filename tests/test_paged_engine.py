@@ -570,3 +570,16 @@ def test_warm_up_runs_a_mixed_step_and_gives_its_blocks_back(engines):
         paged.warm_up_prefill(typical_len=16)
     assert (1, 1, 1) in steps, steps
     assert paged.allocator.free == paged.num_blocks
+
+
+def test_throughput_bench_repeats_each_sides_run_and_lists_every_runs_rate():
+    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+
+    cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, sides=("paged",), paged_live=4,
+                           block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0, runs=2)
+    side = bench_throughput(cfg, device="cpu", progress=lambda line: None).sides[0]
+    assert len(side.run_tok_s) == 2 and side.run_tok_s[-1] == side.output_tok_s
+    assert side.output_tokens == sum(n for _, n in workload(cfg, 512))
+    assert "runs " in side.row()
+    with pytest.raises(ValueError, match="runs=0"):
+        bench_throughput(dataclasses.replace(cfg, runs=0), device="cpu", progress=lambda line: None)

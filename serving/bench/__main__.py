@@ -178,6 +178,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     thr.add_argument("--num-blocks", type=int, help="paged pool size (default: a share of the free GPU memory)")
     thr.add_argument("--free-mem-fraction", type=float, default=0.9)
     thr.add_argument("--warmup-requests", type=int, default=64)
+    thr.add_argument("--runs", type=int, default=1, help="measured runs of each side, back to back (the report keeps "
+                     "the last one's figures and lists each run's output tok/s)")
     thr.add_argument("--request-rate", type=float, default=0.0,
                      help="requests a second, arriving in a seeded Poisson process (default 0: all at once)")
     thr.add_argument("--goodput", type=_slos, default={}, help="SLOs for goodput, e.g. ttft:500,tpot:50 (milliseconds): the "
@@ -340,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
             shape=args.shape, requests=args.requests, input_len=input_len, output_len=output_len, spread=args.spread,
             static_batch=args.static_batch, paged_live=args.paged_live, block_size=args.block_size,
             max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction,
-            sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests,
+            sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests, runs=args.runs,
             profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else (),
             profile_prefill=args.profile_prefill, profile_run=args.profile_run, request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"),
             slo_tpot_ms=slos.get("tpot"), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,

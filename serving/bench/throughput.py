@@ -62,6 +62,9 @@ class ThroughputConfig:
     free_mem_fraction: float = 0.9
     sides: tuple[str, ...] = ("static", "paged")
     warmup_requests: int = 64
+    # measured runs of each side, back to back; the report keeps the last one's figures and lists every run's
+    # output tok/s (on the H200 the first run after a process's warm-up was ~10% slower than the ones after it)
+    runs: int = 1
     seed: int = 0
     profile_decode: tuple[int, ...] = ()  # rows of the paged decode steps to profile after the run (CUDA)
     profile_prefill: bool = False  # after the run, the kernels and wall time of one paged step of prompts only
@@ -92,6 +95,7 @@ class SideResult:
     note: str = ""
     goodput_per_s: float | None = None  # requests a second that met every SLO set (None: no SLO set)
     met_slo: int | None = None
+    run_tok_s: list[float] = field(default_factory=list)  # output tok/s of each measured run, in order
 
     def row(self) -> str:
         def pct(d: dict[str, float]) -> str:
@@ -102,7 +106,8 @@ class SideResult:
                 f"ITL {pct(self.itl_ms)} ms  live<= {self.largest_batch}  preempted {self.preempted}  "
                 + (f"goodput {self.goodput_per_s:.1f} req/s ({self.met_slo} met the SLOs)  "
                    if self.goodput_per_s is not None else "")
-                + f"setup {self.setup_s:.0f} s {self.note}")
+                + f"setup {self.setup_s:.0f} s {self.note}"
+                + (f"  runs {' / '.join(f'{r:.0f}' for r in self.run_tok_s)} tok/s" if len(self.run_tok_s) > 1 else ""))
 
 
 @dataclass
@@ -351,6 +356,8 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
 
     dev = resolve_device(device)
     check_sides(cfg.sides)
+    if cfg.runs < 1:
+        raise ValueError(f"bench throughput: runs={cfg.runs} must be at least 1")
     started = time.perf_counter()
     model, static, paged = _runners(cfg, dev)
     progress(f"model {cfg.shape} on {dev} in {time.perf_counter() - started:.0f} s"
@@ -374,7 +381,10 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
                 run_side(make(), warm, side)
             setup = time.perf_counter() - t0
             with frozen_heap():  # as the served engine runs (serving.engine.heap)
-                result = run_side(make(), work, side, arrivals(cfg, len(work)), (cfg.slo_ttft_ms, cfg.slo_tpot_ms))
+                runs = [run_side(make(), work, side, arrivals(cfg, len(work)), (cfg.slo_ttft_ms, cfg.slo_tpot_ms))
+                        for _ in range(cfg.runs)]
+            result = runs[-1]
+            result.run_tok_s = [r.output_tok_s for r in runs]
             profiled = None
             if cfg.profile_run and dev.type == "cuda":
                 with frozen_heap():
