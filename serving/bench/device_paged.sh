@@ -10,7 +10,8 @@
 # Env: QUANT (engine.quantization of the weights, default none), KV (the paged pool's kv_cache_dtype), SIDES (the 1,024-request sides), WORKLOAD
 #      (default 128/128), REQUESTS (default 1024), SMALL= (skip the 64- and 1-request pairs), T1024= (skip the
 #      1,024-request run), EXTRA (more `bench throughput` arguments for it, e.g. --profile-decode 1024), SMALL_SIDES
-#      (the 64- and 1-request runs' sides, default static,paged; e.g. static,paged,paged-pdl).
+#      (the 64- and 1-request runs' sides, default static,paged; e.g. static,paged,paged-pdl), RUNS (measured runs
+#      of each 1,024-request side, default 1; 2 for an A/B: the first run of a process is slower).
 # Results under $OUT: steps.log, gpu-tests.log, t<N>.json/.log.
 set -u
 OUT=${OUT:-/tmp/paged-out}
@@ -36,6 +37,7 @@ bench() {  # name, timeout, args...
 }
 [ -z "${T1024-1}" ] || bench t1024 "${T1024_S:-330}" --requests "${REQUESTS:-1024}" --static-batch 512 --paged-live 1024 --max-num-tokens 16384 \
   --free-mem-fraction "${FRACTION:-0.6}" --warmup-requests 128 --sides "${SIDES:-static,paged,paged-sync,paged-torch-ops}" \
+  --runs "${RUNS:-1}" \
   ${EXTRA:-}
 [ -n "${SMALL-1}" ] || exit 0
 bench t64 "${T64_S:-120}" --requests 64 --static-batch 64 --paged-live 64 --warmup-requests 16 --sides "${SMALL_SIDES:-static,paged}"
