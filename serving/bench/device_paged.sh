@@ -33,7 +33,7 @@ bench() {  # name, timeout, args...
     --quantization "${QUANT:-none}" --kv-cache-dtype "${KV:-auto}" "$@" \
     --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1
   log "$name rc=$?:"
-  grep -E "^ *(static|paged[a-z0-9-]*):|model " "$OUT/$name.log" | cut -c1-400 | tee -a "$OUT/steps.log"
+  grep -E "^ *(static|paged[a-z0-9-]*):|model " "$OUT/$name.log" | cut -c1-520 | tee -a "$OUT/steps.log"
 }
 [ -z "${T1024-1}" ] || bench t1024 "${T1024_S:-330}" --requests "${REQUESTS:-1024}" --static-batch 512 --paged-live 1024 --max-num-tokens 16384 \
   --free-mem-fraction "${FRACTION:-0.6}" --warmup-requests 128 --sides "${SIDES:-static,paged,paged-sync,paged-torch-ops}" \
