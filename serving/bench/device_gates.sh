@@ -8,6 +8,7 @@
 #           pydantic-core, annotated-types, typing-inspection; CPython 3.12) into .dev/gates_whl/
 #   call 1: STAGE=1 bash serving/bench/device_gates.sh   (carry .dev/gates_g1, .dev/gates_whl, the code)
 #   call 2: bash serving/bench/device_gates.sh           (carry .dev/gates_g2 and the code)
+# FAST_ACCUM=1: the fp8 prompt GEMMs with _scaled_mm's fast accumulation (quantize.FP8_FAST_ACCUM), to judge it.
 # Results: $OUT/gates.json (every case and the summary) and $OUT/gates.log.
 set -uo pipefail
 ROOT=${ROOT:-../..}  # where .dev/ is: this script runs from a copy of the branch in .dev/<name>
@@ -34,4 +35,5 @@ echo "$GGUF_SHA256  $GGUF" | sha256sum -c - || exit 1
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 timeout "${TOTAL_S:-400}" python3 tests/gate_sweep.py --device cuda --gguf "$GGUF" --tiny-seeds "${TINY_SEEDS:-}" \
   --dtypes float32,bfloat16 --quantizations "${QUANTIZATIONS:-fp8}" --rebuilds "${REBUILDS:-1}" \
-  --faults "${FAULTS:-int8_round,drop_layer,swap_heads}" --work /tmp/gates-work --out "$OUT/gates.json" 2>&1 | tee "$OUT/gates.log"
+  --faults "${FAULTS:-int8_round,drop_layer,swap_heads}" ${FAST_ACCUM:+--fp8-fast-accum} --work /tmp/gates-work \
+  --out "$OUT/gates.json" 2>&1 | tee "$OUT/gates.log"
