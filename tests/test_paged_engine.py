@@ -507,6 +507,9 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
     with side_context("paged-pdl"):
         assert paged_decode.PDL is True
     assert paged_decode.PDL is False
+    with side_context("paged-fast-accum"):
+        assert quantize.FP8_FAST_ACCUM is True
+    assert quantize.FP8_FAST_ACCUM is False
     with side_context("paged-prefetch"):
         assert paged_attention.PREFETCH_BLOCKS is True
     assert paged_attention.PREFETCH_BLOCKS is False
@@ -514,7 +517,7 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
         assert quantize.PRESCALE_ROWS is True
     assert quantize.PRESCALE_ROWS is False
     check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl", "paged-prescaled",
-                 "paged-prefetch", "paged-tile64"))
+                 "paged-prefetch", "paged-fast-accum", "paged-tile64"))
     for bad in ("paged-tile", "paged-tilex", "fast"):
         with pytest.raises(ValueError, match=f"unknown side {bad!r}"):
             check_sides(("paged", bad))

@@ -170,6 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "as torch ops), paged-repeat-kv (its prompt attention copying K/V to every query head), paged-pdl "
                      "(its decode graphs with programmatic dependent launch), paged-prescaled (its norms and SiLU * up scaling the FP8 "
                      "GEMMs' rows), paged-prefetch (its decode attention loading each next block's table entry ahead), "
+                     "paged-fast-accum (its fp8 prompt GEMMs with _scaled_mm's fast accumulation), "
                      "paged-tile<N> (its decode attention over N positions an iteration)")
     thr.add_argument("--static-batch", type=int, default=256, help="the static engine's max_batch_size (cache rows)")
     thr.add_argument("--paged-live", type=int, default=1024, help="the paged engine's live requests at most")

@@ -236,6 +236,7 @@ def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = Non
 SYNC_SIDE = "paged-sync"  # the paged engine waiting for every step's tokens (no step ahead)
 TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations, K/V writes, SiLU * up as torch ops
 PRESCALED_SIDE = "paged-prescaled"  # norms and SiLU * up scaling the FP8 GEMMs' rows (quantize.PRESCALE_ROWS)
+FAST_ACCUM_SIDE = "paged-fast-accum"  # fp8 prompt GEMMs with _scaled_mm's fast accumulation (FP8_FAST_ACCUM)
 PREFETCH_SIDE = "paged-prefetch"  # decode attention loading the next block's entry ahead (PREFETCH_BLOCKS)
 PDL_SIDE = "paged-pdl"  # the paged engine's decode graphs with programmatic dependent launch (paged_decode.PDL)
 REPEAT_KV_SIDE = "paged-repeat-kv"  # the paged engine's prompt attention copying K/V per query head (no enable_gqa)
@@ -250,6 +251,10 @@ def side_context(side: str) -> contextlib.AbstractContextManager:
         from serving.engine import quantize
 
         return mock.patch.object(quantize, "PRESCALE_ROWS", True)
+    if side == FAST_ACCUM_SIDE:
+        from serving.engine import quantize
+
+        return mock.patch.object(quantize, "FP8_FAST_ACCUM", True)
     if side == PREFETCH_SIDE:
         from serving.engine import paged_attention
 
@@ -274,12 +279,12 @@ def check_sides(sides: tuple[str, ...]) -> None:
     for side in sides:
         tile = side.removeprefix(TILE_SIDE)
         if side in ("static", "paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE, REPEAT_KV_SIDE, PDL_SIDE, PRESCALED_SIDE,
-                    PREFETCH_SIDE) or \
+                    PREFETCH_SIDE, FAST_ACCUM_SIDE) or \
                 (side != tile and tile.isdigit()):
             continue
         raise ValueError(f"bench throughput: unknown side {side!r} (static, paged, {SYNC_SIDE}, "
                          f"{TORCH_ROW_OPS_SIDE}, {REPEAT_KV_SIDE}, {PDL_SIDE}, {PRESCALED_SIDE}, {PREFETCH_SIDE}, "
-                         f"{TILE_SIDE}<N>)")
+                         f"{FAST_ACCUM_SIDE}, {TILE_SIDE}<N>)")
 
 
 @contextlib.contextmanager
