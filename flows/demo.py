@@ -130,7 +130,7 @@ def run_demo(state_dir: Path, model_key: str = "smollm2") -> int:
     second = release_and_promote(spec, "release 2: same weights, max_batch_size 8, gray release over 1")
     if not (second[1] and second[1].ok):
         return 1
-    print(summary(spec, second[0], second[1]))
+    print(summary(spec, second[0], second[1], chat=model.chat))
     return ask_through_the_front(spec, chat=model.chat)
 
 
@@ -193,17 +193,17 @@ def _healthy(httpx, base: str) -> bool:
         return False
 
 
-def summary(spec: ReleaseSpec, released: Outcome, promoted: Outcome) -> str:
-    """What a person wants to see at the end: the version, its fingerprint, the gates and where it serves."""
+def summary(spec: ReleaseSpec, released: Outcome, promoted: Outcome, *, chat: bool) -> str:
+    """What a person wants to see at the end: the version, its fingerprint, the gates and where it serves, and
+    a request to try (a chat model's through its chat template: as raw text an instruct model may answer with
+    its end-of-turn token at once)."""
     from flows.embedded import recorded_server
 
     rel, prom = released.result, promoted.result
     repository = spec.triton.model_repository.absolute()
     server = recorded_server(repository)
     endpoint = prom.endpoints[0]
-    example = json.dumps({"inputs": [
-        {"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": [QUESTION]},
-        {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [16]}]})
+    example = try_it_request(chat)
     grpc = f"gRPC {server.grpc_url}, metrics {server.metrics_url}" if server else "embedded server not found"
     return "\n".join([
         "",
@@ -220,6 +220,15 @@ def summary(spec: ReleaseSpec, released: Outcome, promoted: Outcome) -> str:
         f"stop it:      .venv/bin/enginewright triton stop --repository {_relative(repository)}",
         f"MLflow UI:    .venv/bin/mlflow ui --backend-store-uri {spec.mlflow.tracking_uri} --host 127.0.0.1 --port 5000",
     ])
+
+
+def try_it_request(chat: bool) -> str:
+    """The demo's question as a KServe v2 request body for the served model: as a chat (`messages`, through the
+    model's chat template) for a chat model, else as raw text."""
+    question = ({"name": "messages", "datatype": "BYTES", "shape": [1, 1],
+                 "data": [json.dumps([{"role": "user", "content": QUESTION}])]} if chat else
+                {"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": [QUESTION]})
+    return json.dumps({"inputs": [question, {"name": "max_tokens", "datatype": "INT32", "shape": [1, 1], "data": [16]}]})
 
 
 def _relative(path: Path) -> str:

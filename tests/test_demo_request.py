@@ -1,0 +1,22 @@
+"""The request the demo prints to try the served model (flows/demo.py): a chat model gets the question as a
+chat, through its chat template (raw text made SmolLM2-Instruct answer with its end-of-turn token at once);
+a model without one gets raw text. Both are KServe v2 bodies the `llm` model and its router take."""
+
+from __future__ import annotations
+
+import json
+
+from flows.demo import QUESTION, try_it_request
+
+
+def test_a_chat_model_is_asked_through_messages_and_a_plain_one_through_text():
+    chat = json.loads(try_it_request(chat=True))["inputs"]
+    assert [i["name"] for i in chat] == ["messages", "max_tokens"]
+    assert json.loads(chat[0]["data"][0]) == [{"role": "user", "content": QUESTION}]
+    plain = json.loads(try_it_request(chat=False))["inputs"]
+    assert [i["name"] for i in plain] == ["text_input", "max_tokens"] and plain[0]["data"] == [QUESTION]
+    assert all(i["shape"] == [1, 1] for i in chat + plain)
+
+
+def test_the_body_survives_the_single_quotes_it_is_printed_in():
+    assert "'" not in try_it_request(chat=True) and "'" not in try_it_request(chat=False)
