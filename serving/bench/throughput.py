@@ -369,7 +369,7 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
              + (f"; paged cache {paged.num_blocks} blocks of {cfg.block_size}" if paged else ""))
     report = ThroughputReport(config=asdict(cfg), device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     work = workload(cfg, model.args.vocab_size)
-    warm = workload(cfg, model.args.vocab_size, requests=cfg.warmup_requests, output_len=8)
+    warm = workload(cfg, model.args.vocab_size, requests=cfg.warmup_requests, output_len=min(8, cfg.output_len))
     for side in cfg.sides:
         runner = static if side == "static" else paged
         ahead = side != SYNC_SIDE
