@@ -20,3 +20,14 @@ def test_a_chat_model_is_asked_through_messages_and_a_plain_one_through_text():
 
 def test_the_body_survives_the_single_quotes_it_is_printed_in():
     assert "'" not in try_it_request(chat=True) and "'" not in try_it_request(chat=False)
+
+
+def test_the_demo_spec_parses_with_a_budget_a_two_core_machine_can_judge(tmp_path):
+    from flows.demo import demo_spec
+    from tasks.promote_spec import Analysis
+
+    spec = demo_spec(tmp_path, max_batch_size=8)
+    analyses = [s.analysis for s in spec.rollout.steps if isinstance(s, Analysis)]
+    assert len(analyses) == 3 and all(a.compare.max_slowdown == 0.5 for a in analyses)
+    assert [a.timeout_s for a in analyses] == [300, 240, 240]
+    assert spec.rollout.hold.on_inconclusive == "abort"
