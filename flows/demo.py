@@ -132,13 +132,15 @@ def run_demo(state_dir: Path, model_key: str = "smollm2") -> int:
     state = state_dir.absolute()
     make_checkpoint(state, model)
 
-    first = release_and_promote(demo_spec(state, max_batch_size=4, model=model),
-                                f"release 1: {model.model_name}, max_batch_size 4")
+    spec = demo_spec(state, max_batch_size=4, model=model)
+    first = release_and_promote(spec, f"release 1: {model.model_name}, max_batch_size 4")
     if not (first[1] and first[1].ok):
+        print(still_serving(spec))
         return 1
     spec = demo_spec(state, max_batch_size=8, model=model)
     second = release_and_promote(spec, "release 2: same weights, max_batch_size 8, gray release over 1")
     if not (second[1] and second[1].ok):
+        print(still_serving(spec))
         return 1
     print(summary(spec, second[0], second[1], chat=model.chat))
     return ask_through_the_front(spec, chat=model.chat)
@@ -230,6 +232,12 @@ def summary(spec: ReleaseSpec, released: Outcome, promoted: Outcome, *, chat: bo
         f"stop it:      .venv/bin/enginewright triton stop --repository {_relative(repository)}",
         f"MLflow UI:    .venv/bin/mlflow ui --backend-store-uri {spec.mlflow.tracking_uri} --host 127.0.0.1 --port 5000",
     ])
+
+
+def still_serving(spec: ReleaseSpec) -> str:
+    """After a failed release: what keeps serving (a rollback leaves the live version up) and how to stop it."""
+    return ("\n=== demo failed: what was live before keeps serving on the embedded Triton, if one was started\n"
+            f"stop it:      .venv/bin/enginewright triton stop --repository {_relative(spec.triton.model_repository.absolute())}")
 
 
 def try_it_request(chat: bool) -> str:

@@ -31,3 +31,10 @@ def test_the_demo_spec_parses_with_a_budget_a_two_core_machine_can_judge(tmp_pat
     assert len(analyses) == 3 and all(a.compare.max_slowdown == 0.5 for a in analyses)
     assert [a.timeout_s for a in analyses] == [300, 240, 240]
     assert spec.rollout.hold.on_inconclusive == "abort"
+
+
+def test_a_failed_demo_says_how_to_stop_the_server_it_leaves_serving(tmp_path):
+    from flows.demo import demo_spec, still_serving
+
+    message = still_serving(demo_spec(tmp_path, max_batch_size=4))
+    assert "enginewright triton stop --repository" in message and "triton-repository" in message
