@@ -867,3 +867,13 @@ def test_kv_cache_and_fit_figures() -> None:
     problems = fit_problems(need, gpus, where="http://t")
     assert len(problems) == 1 and problems[0].startswith("http://t gpu GPU-a: needs 0 MiB, has 0 MiB free")
     assert fit_problems(need + 1, gpus, where="http://t")[1].startswith("http://t gpu GPU-b")
+
+
+def test_free_ports_are_distinct_and_avoid_the_ports_already_chosen():
+    from serving.triton.process import free_ports
+
+    for _ in range(50):  # one at a time, the OS handed the same port twice (Triton then would not start)
+        ports = free_ports("127.0.0.1", 3)
+        assert len(set(ports)) == 3
+    taken = tuple(free_ports("127.0.0.1", 2))
+    assert not set(free_ports("127.0.0.1", 5, taken=taken)) & set(taken)

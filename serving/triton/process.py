@@ -39,9 +39,27 @@ TMP_COPY_GLOB = "folder*"  # python backend copies of models it localises (left 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(host, 1)[0]
+
+
+def free_ports(host: str, count: int, taken: tuple[int, ...] = ()) -> list[int]:
+    """`count` distinct ports free a moment ago and none of `taken`: each socket stays bound while the next
+    is picked (ports picked one at a time can repeat: Triton then refused to start with gRPC and metrics
+    on the same port)."""
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+            if port not in taken:
+                ports.append(port)
+        return ports
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def gpu_available() -> bool:
@@ -295,7 +313,9 @@ def start_triton(
     if not model_repository.is_dir():
         raise TritonStartError(f"model repository {model_repository} (argument model_repository) is not a folder")
     install = install or locate_triton()
-    ports = [p or free_port(host) for p in (http_port, grpc_port, metrics_port)]
+    asked = (http_port, grpc_port, metrics_port)
+    picked = iter(free_ports(host, sum(p is None or p == 0 for p in asked), taken=tuple(p for p in asked if p)))
+    ports = [p or next(picked) for p in asked]
     gpu = gpu_available()
     argv = build_command(install, model_repository, host=host, http_port=ports[0], grpc_port=ports[1],
                          metrics_port=ports[2], gpu=gpu,
