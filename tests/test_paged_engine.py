@@ -490,6 +490,7 @@ def test_prompt_groups_in_a_row_are_read_as_views_and_give_the_gathered_result(e
 
 def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run():
     from serving.bench.throughput import (
+        SWITCH_SIDES,
         ThroughputConfig,
         bench_throughput,
         check_sides,
@@ -501,21 +502,13 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
     with side_context("paged-tile128"):
         assert paged_attention.TILE_POSITIONS == 128
     assert paged_attention.TILE_POSITIONS is None
-    with side_context("paged-repeat-kv"):
-        assert paged_model.GQA_IN_SDPA is False
-    assert paged_model.GQA_IN_SDPA is True
-    with side_context("paged-pdl"):
-        assert paged_decode.PDL is True
-    assert paged_decode.PDL is False
-    with side_context("paged-fast-accum"):
-        assert quantize.FP8_FAST_ACCUM is True
-    assert quantize.FP8_FAST_ACCUM is False
-    with side_context("paged-prefetch"):
-        assert paged_attention.PREFETCH_BLOCKS is True
-    assert paged_attention.PREFETCH_BLOCKS is False
-    with side_context("paged-prescaled"):
-        assert quantize.PRESCALE_ROWS is True
-    assert quantize.PRESCALE_ROWS is False
+    for side, (module, setting, value) in SWITCH_SIDES.items():
+        engine_module = {"paged_attention": paged_attention, "paged_decode": paged_decode, "paged_model": paged_model,
+                         "quantize": quantize}[module]
+        with side_context(side):
+            assert getattr(engine_module, setting) is value, side
+        assert getattr(engine_module, setting) is (not value), side
+    assert set(SWITCH_SIDES) == {"paged-repeat-kv", "paged-pdl", "paged-fast-accum", "paged-prefetch", "paged-prescaled"}
     check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl", "paged-prescaled",
                  "paged-prefetch", "paged-fast-accum", "paged-tile64"))
     for bad in ("paged-tile", "paged-tilex", "fast"):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import itertools
 import json
 import random
@@ -235,38 +236,24 @@ def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = Non
 
 SYNC_SIDE = "paged-sync"  # the paged engine waiting for every step's tokens (no step ahead)
 TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations, K/V writes, SiLU * up as torch ops
-PRESCALED_SIDE = "paged-prescaled"  # norms and SiLU * up scaling the FP8 GEMMs' rows (quantize.PRESCALE_ROWS)
-FAST_ACCUM_SIDE = "paged-fast-accum"  # fp8 prompt GEMMs with _scaled_mm's fast accumulation (FP8_FAST_ACCUM)
-PREFETCH_SIDE = "paged-prefetch"  # decode attention loading the next block's entry ahead (PREFETCH_BLOCKS)
-PDL_SIDE = "paged-pdl"  # the paged engine's decode graphs with programmatic dependent launch (paged_decode.PDL)
-REPEAT_KV_SIDE = "paged-repeat-kv"  # the paged engine's prompt attention copying K/V per query head (no enable_gqa)
 TILE_SIDE = "paged-tile"  # + N: the paged engine whose decode attention walks N positions an iteration
+# sides that set one engine switch while they run: side -> (module under serving.engine, its setting, the value)
+SWITCH_SIDES: dict[str, tuple[str, str, object]] = {
+    "paged-prescaled": ("quantize", "PRESCALE_ROWS", True),  # norms and SiLU * up scaling the FP8 GEMMs' rows
+    "paged-fast-accum": ("quantize", "FP8_FAST_ACCUM", True),  # fp8 prompt GEMMs with _scaled_mm's fast accumulation
+    "paged-prefetch": ("paged_attention", "PREFETCH_BLOCKS", True),  # decode attention loading each next entry ahead
+    "paged-pdl": ("paged_decode", "PDL", True),  # decode graphs with programmatic dependent launch
+    "paged-repeat-kv": ("paged_model", "GQA_IN_SDPA", False),  # prompt attention copying K/V per query head
+}
 
 
 def side_context(side: str) -> contextlib.AbstractContextManager:
     """What a paged side changes while it runs (its decode graphs are captured inside it)."""
     if side == TORCH_ROW_OPS_SIDE:
         return torch_row_ops()
-    if side == PRESCALED_SIDE:
-        from serving.engine import quantize
-
-        return mock.patch.object(quantize, "PRESCALE_ROWS", True)
-    if side == FAST_ACCUM_SIDE:
-        from serving.engine import quantize
-
-        return mock.patch.object(quantize, "FP8_FAST_ACCUM", True)
-    if side == PREFETCH_SIDE:
-        from serving.engine import paged_attention
-
-        return mock.patch.object(paged_attention, "PREFETCH_BLOCKS", True)
-    if side == PDL_SIDE:
-        from serving.engine import paged_decode
-
-        return mock.patch.object(paged_decode, "PDL", True)
-    if side == REPEAT_KV_SIDE:
-        from serving.engine import paged_model
-
-        return mock.patch.object(paged_model, "GQA_IN_SDPA", False)
+    if side in SWITCH_SIDES:
+        module, setting, value = SWITCH_SIDES[side]
+        return mock.patch.object(importlib.import_module(f"serving.engine.{module}"), setting, value)
     if side.startswith(TILE_SIDE):
         from serving.engine import paged_attention
 
@@ -275,16 +262,12 @@ def side_context(side: str) -> contextlib.AbstractContextManager:
 
 
 def check_sides(sides: tuple[str, ...]) -> None:
-    """Refuse, naming it, a side that is none of static, paged, paged-sync, paged-torch-ops, paged-tile<N>."""
+    """Refuse, naming it and the known ones, a side this bench does not run."""
+    known = ("static", "paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE, *SWITCH_SIDES)
     for side in sides:
         tile = side.removeprefix(TILE_SIDE)
-        if side in ("static", "paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE, REPEAT_KV_SIDE, PDL_SIDE, PRESCALED_SIDE,
-                    PREFETCH_SIDE, FAST_ACCUM_SIDE) or \
-                (side != tile and tile.isdigit()):
-            continue
-        raise ValueError(f"bench throughput: unknown side {side!r} (static, paged, {SYNC_SIDE}, "
-                         f"{TORCH_ROW_OPS_SIDE}, {REPEAT_KV_SIDE}, {PDL_SIDE}, {PRESCALED_SIDE}, {PREFETCH_SIDE}, "
-                         f"{FAST_ACCUM_SIDE}, {TILE_SIDE}<N>)")
+        if side not in known and not (side != tile and tile.isdigit()):
+            raise ValueError(f"bench throughput: unknown side {side!r} ({', '.join(known)}, {TILE_SIDE}<N>)")
 
 
 @contextlib.contextmanager

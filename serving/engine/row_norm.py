@@ -52,6 +52,12 @@ if triton is not None:
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        _norm_row(x, w_ptr, out_ptr, q_ptr, scale_ptr, row, offs, mask, D, stride_o, eps, E4M3, QMAX)
+
+    @triton.jit
+    def _norm_row(x, w_ptr, out_ptr, q_ptr, scale_ptr, row, offs, mask, D, stride_o, eps, E4M3: tl.constexpr,
+                  QMAX: tl.constexpr):
+        """Store the row x (float32) normed as `model.RMSNorm` norms it, and with `E4M3` also scaled to e4m3."""
         inv = tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)
         h = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -84,14 +90,8 @@ if triton is not None:
         d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
         total = (x + d).to(sum_ptr.dtype.element_ty)  # rounded once, as torch's add
         tl.store(sum_ptr + row * stride_s + offs, total, mask=mask)
-        total = total.to(tl.float32)
-        inv = tl.math.rsqrt(tl.sum(total * total, 0) / D + eps)
-        h = (total * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (w * h).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
-        if E4M3:
-            _store_e4m3(y, row, offs, mask, q_ptr, scale_ptr, D, QMAX)
+        _norm_row(total.to(tl.float32), w_ptr, out_ptr, q_ptr, scale_ptr, row, offs, mask, D, stride_o, eps, E4M3,
+                  QMAX)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
