@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                         "loaded 2-core machine 1 is many times faster (threads spin waiting for each other).")
     parser.add_argument("--work", type=Path, default=None, help="Scratch folder (default: a temporary one).")
     parser.add_argument("--out", type=Path, help="Write every case and the summary as JSON here.")
-    parser.add_argument("--fp8-fast-accum", action="store_true", help="fp8 prompt GEMMs with _scaled_mm's fast "
-                        "accumulation (quantize.FP8_FAST_ACCUM, off in the engine until its quality is measured: GPU)")
+    parser.add_argument("--fp8-precise-accum", action="store_true", help="fp8 prompt GEMMs without _scaled_mm's fast "
+                        "accumulation (quantize.FP8_FAST_ACCUM off), to set its quality beside the engine's (GPU)")
     args = parser.parse_args(argv)
 
     import tempfile
@@ -237,10 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.manual_seed(0)
-    if args.fp8_fast_accum:
+    if args.fp8_precise_accum:
         from serving.engine import quantize
 
-        quantize.FP8_FAST_ACCUM = True
+        quantize.FP8_FAST_ACCUM = False
     if args.threads:
         torch.set_num_threads(args.threads)
     work = args.work or Path(tempfile.mkdtemp(prefix="gate-sweep-"))

@@ -20,8 +20,8 @@ from serving.engine.scheduler import collect
 
 
 def _paged(device: str, *, graphs: bool = True, num_blocks: int = 24, live: int = 6, kv_cache_dtype: str = "auto",
-           quantization: str = "none", max_num_tokens: int = 64):
-    cfg = ThroughputConfig(shape="tiny", input_len=30, output_len=30, sides=("paged",), paged_live=live, block_size=16,
+           quantization: str = "none", max_num_tokens: int = 64, input_len: int = 30):
+    cfg = ThroughputConfig(shape="tiny", input_len=input_len, output_len=30, sides=("paged",), paged_live=live, block_size=16,
                            max_num_tokens=max_num_tokens, num_blocks=num_blocks, warmup_requests=0,
                            quantization=quantization)
     model, _, runner = _runners(cfg, torch.device(device))
@@ -144,7 +144,7 @@ def test_rows_scaled_before_the_fp8_gemms_give_the_same_tokens_and_logprobs_on_c
     results = []
     for scaled in (False, True):
         with mock.patch.object(quantize, "PRESCALE_ROWS", scaled):
-            runner = _paged("cuda", quantization="fp8", num_blocks=400, live=96, max_num_tokens=256)
+            runner = _paged("cuda", quantization="fp8", num_blocks=400, live=96, max_num_tokens=256, input_len=100)
             runner.warm_up_decode()
             results.append((runner.prefill_logits(prompt), runner.generate(prompts, max_new_tokens=30, top_logprobs=1)))
     (logits, out), (logits_scaled, out_scaled) = results

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import re
 
 import pytest
 
@@ -508,11 +509,16 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
         with side_context(side):
             assert getattr(engine_module, setting) is value, side
         assert getattr(engine_module, setting) is (not value), side
-    assert set(SWITCH_SIDES) == {"paged-repeat-kv", "paged-pdl", "paged-fast-accum", "paged-prefetch", "paged-prescaled"}
-    check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl", "paged-prescaled",
-                 "paged-prefetch", "paged-fast-accum", "paged-tile64"))
-    for bad in ("paged-tile", "paged-tilex", "fast"):
-        with pytest.raises(ValueError, match=f"unknown side {bad!r}"):
+    assert set(SWITCH_SIDES) == {"paged-repeat-kv", "paged-pdl", "paged-precise-accum", "paged-no-prefetch",
+                                 "paged-unscaled"}
+    check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl",
+                 "paged-unscaled", "paged-no-prefetch", "paged-precise-accum", "paged-tile64"))
+    with side_context("paged-no-prefetch+tile64"):
+        assert paged_attention.PREFETCH_BLOCKS is False and paged_attention.TILE_POSITIONS == 64
+    assert paged_attention.PREFETCH_BLOCKS is True and paged_attention.TILE_POSITIONS is None
+    check_sides(("paged-no-prefetch+tile64+pdl",))
+    for bad in ("paged-tile", "paged-tilex", "fast", "paged-no-prefetch+fast"):
+        with pytest.raises(ValueError, match=re.escape(f"unknown side {bad!r}")):
             check_sides(("paged", bad))
     cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, sides=("paged-tile32",),
                            paged_live=4, block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0)

@@ -119,7 +119,8 @@ def test_fp8_tensor_core_numerics_emulated_on_the_cpu():
     print(f"per-token relative error: mean {per_token.mean():.4f}, max {per_token.max():.4f}")
     assert per_token.max() < E4M3_ROUNDING and per_token.mean() > 0.005  # it does change the numerics
     layer = QuantLinear(2048, 512, method=FP8, bias=False, dtype=torch.float32)
-    assert not layer.tensor_core_shape(x.bfloat16())  # the CPU keeps weight-only numerics
+    on_cpu = x.bfloat16()  # the CPU keeps weight-only numerics
+    assert not layer.tensor_core_shape(on_cpu) and not layer.prompt_tensor_cores(on_cpu)
     layer.weight.data, layer.weight_scale.data = q, s
     torch.testing.assert_close(layer(x), F.linear(x, w), rtol=0, atol=1e-5)
 
@@ -197,6 +198,8 @@ def test_fp8_tensor_core_gemm_scales_tokens(rows):
         assert not layer.tensor_core_shape(x[:FP8_TENSOR_CORE_MIN_ROWS - 1])
         out = layer.tensor_core(x)
         torch.testing.assert_close(out, fp8_scaled_linear(x, q, s, None), rtol=0, atol=0)
+        assert layer.prompt_tensor_cores(x)  # a prompt step of any width: no dequantized weight
+        torch.testing.assert_close(layer(x), out, rtol=0, atol=0)
         assert rel_err(out, fp8_emulated_linear(x, q, s, None)) < 5e-3, (rows, n, k)
         ref = F.linear(x.double(), w.double())
         per_token = (out.double() - ref).norm(dim=1) / ref.norm(dim=1)

@@ -167,11 +167,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     thr.add_argument("--spread", type=float, default=0.0, help="lengths uniform in len x [1 - spread, 1 + spread]")
     thr.add_argument("--sides", default="static,paged", help="comma list of static, paged, paged-sync (the paged engine "
                      "without running a step ahead), paged-torch-ops (its norms, rotations, K/V writes and SiLU * up "
-                     "as torch ops), paged-repeat-kv (its prompt attention copying K/V to every query head), paged-pdl "
-                     "(its decode graphs with programmatic dependent launch), paged-prescaled (its norms and SiLU * up scaling the FP8 "
-                     "GEMMs' rows), paged-prefetch (its decode attention loading each next block's table entry ahead), "
-                     "paged-fast-accum (its fp8 prompt GEMMs with _scaled_mm's fast accumulation), "
-                     "paged-tile<N> (its decode attention over N positions an iteration)")
+                     "as torch ops), paged-repeat-kv (its prompt attention copying K/V to every query head), "
+                     "paged-pdl (its decode graphs with programmatic dependent launch), paged-unscaled (its FP8 "
+                     "GEMMs scaling their own rows), paged-no-prefetch (its decode attention loading table entry, K and "
+                     "V one after the other), paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
+                     "paged-tile<N> (its decode attention over N positions an iteration); switch sides join with '+', "
+                     "e.g. paged-pdl+no-prefetch")
     thr.add_argument("--static-batch", type=int, default=256, help="the static engine's max_batch_size (cache rows)")
     thr.add_argument("--paged-live", type=int, default=1024, help="the paged engine's live requests at most")
     thr.add_argument("--block-size", type=int, default=32)

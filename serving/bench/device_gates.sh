@@ -8,7 +8,7 @@
 #           pydantic-core, annotated-types, typing-inspection; CPython 3.12) into .dev/gates_whl/
 #   call 1: STAGE=1 bash serving/bench/device_gates.sh   (carry .dev/gates_g1, .dev/gates_whl, the code)
 #   call 2: bash serving/bench/device_gates.sh           (carry .dev/gates_g2 and the code)
-# FAST_ACCUM=1: the fp8 prompt GEMMs with _scaled_mm's fast accumulation (quantize.FP8_FAST_ACCUM), to judge it.
+# PRECISE_ACCUM=1: the fp8 prompt GEMMs without _scaled_mm's fast accumulation (quantize.FP8_FAST_ACCUM off).
 # Results: $OUT/gates.json (every case and the summary) and $OUT/gates.log.
 set -uo pipefail
 ROOT=${ROOT:-../..}  # where .dev/ is: this script runs from a copy of the branch in .dev/<name>
@@ -23,6 +23,7 @@ if [ ! -d "$SITE/prefect" ]; then
   printf 'def task(*args, **kwargs):\n    if args and callable(args[0]):\n        return args[0]\n    return lambda fn: fn\n' \
     >"$SITE/prefect/__init__.py"
 fi
+printf 'NONE = NO_CACHE = None\n' >"$SITE/prefect/cache_policies.py"  # tasks.* name a cache policy on their @task
 ls -la "$STAGE_DIR"
 if [ "${STAGE:-0}" = 1 ]; then
   PYTHONPATH=$SITE python3 -c 'import gguf, pydantic, transformers, torch; print("staged: torch", torch.__version__, "transformers", transformers.__version__, "gguf", gguf.__version__, torch.cuda.get_device_name())'
@@ -35,5 +36,5 @@ echo "$GGUF_SHA256  $GGUF" | sha256sum -c - || exit 1
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 timeout "${TOTAL_S:-400}" python3 tests/gate_sweep.py --device cuda --gguf "$GGUF" --tiny-seeds "${TINY_SEEDS:-}" \
   --dtypes float32,bfloat16 --quantizations "${QUANTIZATIONS:-fp8}" --rebuilds "${REBUILDS:-1}" \
-  --faults "${FAULTS:-int8_round,drop_layer,swap_heads}" ${FAST_ACCUM:+--fp8-fast-accum} --work /tmp/gates-work \
+  --faults "${FAULTS:-int8_round,drop_layer,swap_heads}" ${PRECISE_ACCUM:+--fp8-precise-accum} --work /tmp/gates-work \
   --out "$OUT/gates.json" 2>&1 | tee "$OUT/gates.log"

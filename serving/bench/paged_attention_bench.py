@@ -8,8 +8,8 @@ rate its bytes make, and that rate's share of the device copy bandwidth measured
 2048/2048 FP8 step (400 rows at ~3,072 positions) is `--rows 400 --context 3072 --kv-dtype fp8`: its
 attention was ~45 of the step's 49 ms where the bytes need ~19 (docs/throughput.md).
 
-Variants (comma list; `+` joins settings): `plain` (the kernel as the engine runs it), `prefetch`
-(`PREFETCH_BLOCKS`), `tile<N>` (N positions an iteration), `split<N>` (positions split N ways; the engine
+Variants (comma list; `+` joins settings): `plain` (one block an iteration, its table entry, K and V loaded one
+after another), `prefetch` (`PREFETCH_BLOCKS`: the engine's default), `tile<N>` (N positions an iteration), `split<N>` (positions split N ways; the engine
 splits only when the batch leaves SMs idle), `warps<N>` and `stages<N>` (the launch's warps a program and
 pipelining stages), e.g. `plain,prefetch,tile128,prefetch+split2,prefetch+warps8`.
 

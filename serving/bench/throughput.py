@@ -239,16 +239,22 @@ TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotat
 TILE_SIDE = "paged-tile"  # + N: the paged engine whose decode attention walks N positions an iteration
 # sides that set one engine switch while they run: side -> (module under serving.engine, its setting, the value)
 SWITCH_SIDES: dict[str, tuple[str, str, object]] = {
-    "paged-prescaled": ("quantize", "PRESCALE_ROWS", True),  # norms and SiLU * up scaling the FP8 GEMMs' rows
-    "paged-fast-accum": ("quantize", "FP8_FAST_ACCUM", True),  # fp8 prompt GEMMs with _scaled_mm's fast accumulation
-    "paged-prefetch": ("paged_attention", "PREFETCH_BLOCKS", True),  # decode attention loading each next entry ahead
+    "paged-unscaled": ("quantize", "PRESCALE_ROWS", False),  # FP8 GEMMs scaling their rows (not the norms, SiLU * up)
+    "paged-precise-accum": ("quantize", "FP8_FAST_ACCUM", False),  # fp8 prompt GEMMs promoting to float32 as they go
+    "paged-no-prefetch": ("paged_attention", "PREFETCH_BLOCKS", False),  # decode attention: table, K, V in a row
     "paged-pdl": ("paged_decode", "PDL", True),  # decode graphs with programmatic dependent launch
     "paged-repeat-kv": ("paged_model", "GQA_IN_SDPA", False),  # prompt attention copying K/V per query head
 }
 
 
 def side_context(side: str) -> contextlib.AbstractContextManager:
-    """What a paged side changes while it runs (its decode graphs are captured inside it)."""
+    """What a paged side changes while it runs (its decode graphs are captured inside it); switch sides join with
+    '+' (`paged-pdl+no-prefetch`: both switches)."""
+    if "+" in side:
+        stack = contextlib.ExitStack()
+        for part in side.removeprefix("paged-").split("+"):
+            stack.enter_context(side_context(f"paged-{part}"))
+        return stack
     if side == TORCH_ROW_OPS_SIDE:
         return torch_row_ops()
     if side in SWITCH_SIDES:
@@ -265,9 +271,12 @@ def check_sides(sides: tuple[str, ...]) -> None:
     """Refuse, naming it and the known ones, a side this bench does not run."""
     known = ("static", "paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE, *SWITCH_SIDES)
     for side in sides:
-        tile = side.removeprefix(TILE_SIDE)
-        if side not in known and not (side != tile and tile.isdigit()):
-            raise ValueError(f"bench throughput: unknown side {side!r} ({', '.join(known)}, {TILE_SIDE}<N>)")
+        parts = [f"paged-{part}" for part in side.removeprefix("paged-").split("+")] if "+" in side else [side]
+        for part in parts:
+            tile = part.removeprefix(TILE_SIDE)
+            if part not in known and not (part != tile and tile.isdigit()):
+                raise ValueError(f"bench throughput: unknown side {side!r} ({', '.join(known)}, {TILE_SIDE}<N>, "
+                                 f"switch sides joined by '+')")
 
 
 @contextlib.contextmanager

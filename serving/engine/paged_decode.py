@@ -47,7 +47,7 @@ from serving.engine.pdl import supported as pdl_supported
 from serving.engine.quantize import prescale_rows_for
 
 # The decode graphs' kernels launched with programmatic dependent launch where the GPU has it (Hopper and
-# later), as the static compiled step's are. Off until timed on the GPU (bench throughput side `paged-pdl`).
+# later), as the static compiled step's are. Off: no steady gain on the H200 (docs/decisions.md).
 PDL = False
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)

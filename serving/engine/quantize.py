@@ -56,9 +56,12 @@ FP8_DECODE_MAX_ROWS = 64  # skinny_gemm.MAX_ROWS: up to this many rows, the deco
 FP8_TENSOR_CORE_MIN_N = 16384  # decode rows: only outputs this wide (w13, LM heads) take the tensor cores
 # the norms and SiLU * up writing an fp8 GEMM's input also write its rows scaled to e4m3 (serving.engine.prescaled):
 # in the H200 profile of a 1,024-request FP8 run the separate scaling was 282 ms of 5,119 ms of kernels, all of it
-# but wo's input. Off until timed (bench throughput side `paged-prescaled`)
-PRESCALE_ROWS = False
-FP8_FAST_ACCUM = False  # _scaled_mm's use_fast_accum (Hopper: no periodic promotion of the fp32 accumulator)
+# but wo's input; bit-equal results, 1,024 x 128/128 FP8 +1.5% (bench throughput side `paged-unscaled` without it)
+PRESCALE_ROWS = True
+# _scaled_mm's use_fast_accum in the fp8 prompt GEMMs (Hopper: the FP8 MMAs accumulate without cuBLAS/CUTLASS's
+# periodic promotion to float32, as vLLM's and TensorRT-LLM's FP8 GEMM kernels do): 1,024 x 128/128 FP8 +7.5%;
+# its quality on the real model in docs/quantization.md (side `paged-precise-accum` without it)
+FP8_FAST_ACCUM = True
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores and e4m3 conversions: Ada, Hopper and later
 LAYER_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
 SETTING = "engine.quantization"
@@ -174,9 +177,9 @@ def quantize_state(state: dict[str, torch.Tensor], info: QuantInfo, *, n_layers:
 class QuantLinear(nn.Module):
     """A linear layer whose weight is stored quantized (`weight` [N, K] int8 / e4m3, `weight_scale` [N]).
 
-    `forward`: for an fp8 layer of a bf16 engine on a GPU with FP8 tensor cores, inputs of at least
-    `tensor_core_min_rows` rows take `tensor_core` (tokens scaled to e4m3, `torch._scaled_mm`); everything
-    else the dequantizing `reference`. The decode step's Triton kernels read `weight` and `weight_scale`
+    `forward` (prompt steps, eager): for an fp8 layer of a bf16 engine on a GPU with FP8 tensor cores, inputs of
+    at least `tensor_core_min_rows` rows take `tensor_core` (tokens scaled to e4m3, `torch._scaled_mm`) at any
+    width; everything else the dequantizing `reference`. The decode step's Triton kernels read `weight` and `weight_scale`
     themselves for fewer rows (`model._linear_fn`).
     """
 
@@ -197,7 +200,7 @@ class QuantLinear(nn.Module):
         return f"{self.in_features}, {self.out_features}, method={self.method}, bias={self.bias is not None}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tensor_core_shape(x) and has_fp8_tensor_cores(x.device.index or 0):
+        if self.prompt_tensor_cores(x) and has_fp8_tensor_cores(x.device.index or 0):
             return self.tensor_core(x)
         return self.reference(x)
 
@@ -207,6 +210,14 @@ class QuantLinear(nn.Module):
         (`fp8_gemm`, shapes in its table): fp8, no bias, and `tensor_core_min_rows` within the decode rows
         (the bench's `fp8-decode-kernels` sets it past them to time the weight-only kernels alone)."""
         return self.method == FP8 and self.bias is None and self.tensor_core_min_rows <= FP8_DECODE_MAX_ROWS
+
+    def prompt_tensor_cores(self, x: torch.Tensor) -> bool:
+        """Whether x [..., K] outside the decode kernels goes to the FP8 tensor cores: fp8, at least
+        `tensor_core_min_rows` rows, a shape `_scaled_mm` takes. At any width: `reference` would dequantize the
+        whole weight first (5 bytes a weight moved against 1), and its numerics (bf16 activations) would leave the
+        quality gate's short prompts judging a path that longer prompts do not take."""
+        rows = x.numel() // x.shape[-1]
+        return self.method == FP8 and rows >= self.tensor_core_min_rows and scaled_mm_fits(x, self.weight)
 
     def tensor_core_shape(self, x: torch.Tensor) -> bool:
         """Whether x [..., K] goes to the FP8 tensor cores, by method, device type, dtype and shape only (no
