@@ -8,6 +8,8 @@
 #           pydantic-core, annotated-types, typing-inspection; CPython 3.12) into .dev/gates_whl/
 #   call 1: STAGE=1 bash serving/bench/device_gates.sh   (carry .dev/gates_g1, .dev/gates_whl, the code)
 #   call 2: bash serving/bench/device_gates.sh           (carry .dev/gates_g2 and the code)
+# From the repository root: ROOT=. and `/.dev/` in .git/info/exclude (else both halves travel every call).
+# DTYPES (default float32,bfloat16), FAULTS, QUANTIZATIONS narrow the sweep: the whole one took 77-120 s.
 # PRECISE_ACCUM=1: the fp8 prompt GEMMs without _scaled_mm's fast accumulation (quantize.FP8_FAST_ACCUM off).
 # Results: $OUT/gates.json (every case and the summary) and $OUT/gates.log.
 set -uo pipefail
@@ -35,6 +37,6 @@ cat "$STAGE_DIR"/part00 "$STAGE_DIR"/part01 >"$GGUF" || exit 1
 echo "$GGUF_SHA256  $GGUF" | sha256sum -c - || exit 1
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 timeout "${TOTAL_S:-400}" python3 tests/gate_sweep.py --device cuda --gguf "$GGUF" --tiny-seeds "${TINY_SEEDS:-}" \
-  --dtypes float32,bfloat16 --quantizations "${QUANTIZATIONS:-fp8}" --rebuilds "${REBUILDS:-1}" \
+  --dtypes "${DTYPES:-float32,bfloat16}" --quantizations "${QUANTIZATIONS:-fp8}" --rebuilds "${REBUILDS:-1}" \
   --faults "${FAULTS:-int8_round,drop_layer,swap_heads}" ${PRECISE_ACCUM:+--fp8-precise-accum} --work /tmp/gates-work \
   --out "$OUT/gates.json" 2>&1 | tee "$OUT/gates.log"
