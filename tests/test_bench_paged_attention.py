@@ -19,7 +19,8 @@ from serving.bench.paged_attention_bench import (
 
 def test_variants_join_settings_with_plus_and_an_unknown_one_is_refused_by_name():
     assert parse_variant("plain") == Variant("plain")
-    assert parse_variant("prefetch+tile64+split2") == Variant("prefetch+tile64+split2", True, 64, 2)
+    assert parse_variant("prefetch+tile64+split2") == Variant("prefetch+tile64+split2", True, tile=64, splits=2)
+    assert parse_variant("prefetchkv+warps8") == Variant("prefetchkv+warps8", prefetch_kv=True, warps=8)
     assert parse_variant("warps8+stages3") == Variant("warps8+stages3", warps=8, stages=3)
     for bad in ("fast", "tile", "split0", "prefetch+x", "warpsx"):
         with pytest.raises(ValueError, match="unknown variant setting"):
@@ -52,6 +53,9 @@ def test_variant_settings_move_the_kernels_launch_and_put_it_back():
     from serving.bench.paged_attention_bench import variant_settings
     from serving.engine import paged_attention
 
-    with variant_settings(parse_variant("prefetch+warps8+stages2")):
-        assert (paged_attention.PREFETCH_BLOCKS, paged_attention.NUM_WARPS, paged_attention.NUM_STAGES) == (True, 8, 2)
-    assert (paged_attention.PREFETCH_BLOCKS, paged_attention.NUM_WARPS, paged_attention.NUM_STAGES) == (False, 4, None)
+    settings = ("PREFETCH_BLOCKS", "PREFETCH_KV", "NUM_WARPS", "NUM_STAGES")
+    with variant_settings(parse_variant("plain+warps8+stages2")):
+        assert [getattr(paged_attention, name) for name in settings] == [False, False, 8, 2]
+    with variant_settings(parse_variant("prefetchkv")):
+        assert [getattr(paged_attention, name) for name in settings] == [False, True, 4, None]
+    assert [getattr(paged_attention, name) for name in settings] == [True, False, 4, None]  # the engine's defaults

@@ -12,6 +12,7 @@ allow); the kernel under the interpreter (it loads float8e4nv and converts exact
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -69,9 +70,11 @@ def test_reference_equals_a_naive_softmax_over_each_rows_blocks():
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_blocks_prefetched_an_iteration_ahead_give_the_reference_result(splits, fp8):
-    """`PREFETCH_BLOCKS`: the next block's table entry loaded an iteration ahead and V with K; rows of 1
-    position up to several blocks, splits (empty ones too), bf16-sized and fp8 pools: the reference's result."""
+@pytest.mark.parametrize("prefetch", [(True, False), (False, True), (False, False)])
+def test_blocks_prefetched_ahead_give_the_reference_result(splits, fp8, prefetch):
+    """`PREFETCH_BLOCKS` (the next block's table entry loaded an iteration ahead, V with K), `PREFETCH_KV` (the
+    next block's K and V too), neither; rows of 1 position up to several blocks, splits (empty ones too),
+    bf16-sized and fp8 pools: the reference's result."""
     from unittest import mock
 
     from serving.engine import paged_attention
@@ -80,7 +83,9 @@ def test_blocks_prefetched_an_iteration_ahead_give_the_reference_result(splits, 
     if fp8:
         k, v = to_kv_fp8(k), to_kv_fp8(v)
     scale = 1 / math.sqrt(q.shape[-1])
-    with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", True):
+    blocks, kv = prefetch
+    with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", blocks), \
+            mock.patch.object(paged_attention, "PREFETCH_KV", kv):
         got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
     want = _naive(q, k.float(), v.float(), tables, lengths, scale)
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
@@ -168,8 +173,8 @@ def test_kernel_on_cuda_bf16_equals_the_reference():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
 def test_kernel_on_cuda_with_blocks_prefetched_gives_the_same_values():
-    """`PREFETCH_BLOCKS` changes when the loads are issued, not what is computed: the same values to the bit,
-    with and without splits."""
+    """`PREFETCH_BLOCKS` and `PREFETCH_KV` change when the loads are issued, not what is computed: the same
+    values to the bit, with and without splits, over bf16 and fp8 pools."""
     from unittest import mock
 
     from serving.engine import paged_attention
@@ -177,11 +182,14 @@ def test_kernel_on_cuda_with_blocks_prefetched_gives_the_same_values():
     q, k, v, tables, lengths = _case(bsz=64, n_kv=8, group=4, hd=128, block=32,
                                      lengths=tuple(range(1, 640, 10)), dtype=torch.bfloat16, device="cuda")
     scale = 1 / math.sqrt(q.shape[-1])
-    for splits in (1, 4):
-        plain = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
-        with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", True):
-            ahead = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
-        assert torch.equal(ahead, plain), splits
+    for pools, splits in itertools.product(((k, v), (to_kv_fp8(k), to_kv_fp8(v))), (1, 4)):
+        with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", False):
+            plain = paged_decode_triton(q, *pools, tables, lengths, scale, splits=splits)
+        for blocks, kv in ((True, False), (True, True)):
+            with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", blocks), \
+                    mock.patch.object(paged_attention, "PREFETCH_KV", kv):
+                ahead = paged_decode_triton(q, *pools, tables, lengths, scale, splits=splits)
+            assert torch.equal(ahead, plain), (pools[0].dtype, splits, blocks, kv)
 
 
 def _rounding_bound(q, k, v, k8, v8, tables, lengths, scale):

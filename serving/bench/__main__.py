@@ -139,8 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pat.add_argument("--rows", type=int, default=400)
     pat.add_argument("--context", type=int, default=3072, help="positions each row attends over")
     pat.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
-    pat.add_argument("--variants", default="plain,prefetch,tile64,tile128,split2,prefetch+split2,prefetch+warps8",
-                     help="comma list of plain, prefetch, tile<N>, split<N>, warps<N>, stages<N>, joined by '+'")
+    pat.add_argument("--variants", default="plain,prefetch,prefetchkv,prefetchkv+warps8,prefetchkv+split2,tile128",
+                     help="comma list of plain, prefetch, prefetchkv, tile<N>, split<N>, warps<N>, stages<N>, "
+                     "joined by '+'")
     pat.add_argument("--out", type=Path, default=Path("bench-paged-attention.json"))
     f8p = sub.add_parser("fp8-prefill", help="the fp8 prefill GEMMs (device, eager and host time) and whole "
                          "eager prefills beside bf16 (CUDA)")
@@ -170,7 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "as torch ops), paged-repeat-kv (its prompt attention copying K/V to every query head), "
                      "paged-pdl (its decode graphs with programmatic dependent launch), paged-unscaled (its FP8 "
                      "GEMMs scaling their own rows), paged-no-prefetch (its decode attention loading table entry, K and "
-                     "V one after the other), paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
+                     "V one after the other), paged-prefetch-kv (its decode attention loading the next block's K and V while "
+                     "this one computes), paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
                      "paged-tile<N> (its decode attention over N positions an iteration); switch sides join with '+', "
                      "e.g. paged-pdl+no-prefetch")
     thr.add_argument("--static-batch", type=int, default=256, help="the static engine's max_batch_size (cache rows)")

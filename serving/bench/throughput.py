@@ -242,6 +242,7 @@ SWITCH_SIDES: dict[str, tuple[str, str, object]] = {
     "paged-unscaled": ("quantize", "PRESCALE_ROWS", False),  # FP8 GEMMs scaling their rows (not the norms, SiLU * up)
     "paged-precise-accum": ("quantize", "FP8_FAST_ACCUM", False),  # fp8 prompt GEMMs promoting to float32 as they go
     "paged-no-prefetch": ("paged_attention", "PREFETCH_BLOCKS", False),  # decode attention: table, K, V in a row
+    "paged-prefetch-kv": ("paged_attention", "PREFETCH_KV", True),  # ... the next block's K and V during this one
     "paged-pdl": ("paged_decode", "PDL", True),  # decode graphs with programmatic dependent launch
     "paged-repeat-kv": ("paged_model", "GQA_IN_SDPA", False),  # prompt attention copying K/V per query head
 }

@@ -22,11 +22,11 @@ per SM: batch 1 x 8 KV heads runs 8), each (sequence, kv head)'s blocks are spli
 programs (flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted
 values and log-sum-exp in float32, and a second kernel combines them. The split is by each row's own length,
 read on the device, so a CUDA graph captured at one batch size serves every context length. An iteration
-walks one block (`TILE_POSITIONS` None, what the figures in docs/throughput.md ran) or a tile of several,
-each position through its own table entry: at 2048/2048 a 400-row FP8 step took 49 ms where its K/V reads
-need 19 ms, the kernel walking ~96 blocks one dependent load after another; wider tiles are written and
-checked under the interpreter, not yet timed (`bench throughput --sides paged,paged-tile128`); so is
-`PREFETCH_BLOCKS` (each next block's table entry loaded an iteration ahead, V with K). The kernel
+walks one block, its table entry loaded an iteration ahead and V issued with K (`PREFETCH_BLOCKS`, the
+default: one memory round trip a block instead of three in a row), or a tile of several blocks
+(`TILE_POSITIONS`), each position through its own table entry (slower on the H200: docs/decisions.md).
+`PREFETCH_KV` also loads the next block's K and V before this block's scores, for the e4m3 pool at long
+contexts (54% of the copy bandwidth at 400 rows of 3,072 positions with `PREFETCH_BLOCKS`); untimed. The kernel
 needs a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
 runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` (cast to q's dtype) and the masked matmul
 of `model.decode_step`.
@@ -60,6 +60,10 @@ TILE_POSITIONS: int | None = None
 # K, V). H200: 1,024 rows of 192 bf16 positions 197.5 against 206.6 us (96% of the copy bandwidth), 400 rows of
 # 3,072 e4m3 positions 1,102 against 1,225 us (`bench paged-attention`); side `paged-no-prefetch` without it
 PREFETCH_BLOCKS = True
+# with it, the next block's K and V loaded too before this block's scores (two blocks' bytes in flight a
+# program): for the e4m3 pool at long contexts, which reads at 54% of the copy bandwidth with PREFETCH_BLOCKS
+# alone. Untimed, off (bench throughput side `paged-prefetch-kv`, bench paged-attention variant `prefetchkv`)
+PREFETCH_KV = False
 # the kernel's launch: warps a program, and software-pipelining stages (None: Triton's default); what the
 # figures ran, for `bench paged-attention` variants to move
 NUM_WARPS = 4
@@ -98,7 +102,8 @@ if triton is not None:
                              stride_vblk, stride_vpos, stride_vh, stride_tb, qk_scale,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
-                             IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                             IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                             PREFETCH_KV: tl.constexpr = False):
         if GDC:
             gdc_enter()
         b = tl.program_id(0).to(tl.int64)
@@ -122,10 +127,21 @@ if triton is not None:
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         if PREFETCH:  # the first block's table entry; each iteration loads the next one's
             ahead = tl.load(table_ptr + b * stride_tb + first, mask=first < last, other=0).to(tl.int64)
+        if PREFETCH_KV:  # the first block's K and V, and the second block's table entry
+            stop = tl.minimum(length, last * TILE)  # this split's positions end here
+            k_next, v_next = _block_kv(k_ptr, v_ptr, ahead, first * TILE + offs_n, stop, h, offs_n, offs_d,
+                                       stride_kblk, stride_kpos, stride_kh, stride_vblk, stride_vpos, stride_vh)
+            ahead = tl.load(table_ptr + b * stride_tb + first + 1, mask=first + 1 < last, other=0).to(tl.int64)
         for i in range(first, last):
             pos = i * TILE + offs_n
             n_mask = pos < length
-            if TILE == BLOCK_SIZE:  # one block: one table entry
+            if PREFETCH_KV:  # this block's K and V came in while the last one computed; the next one's go out now
+                k, v = k_next, v_next
+                k_next, v_next = _block_kv(k_ptr, v_ptr, ahead, pos + TILE, stop, h, offs_n, offs_d,
+                                           stride_kblk, stride_kpos, stride_kh, stride_vblk, stride_vpos, stride_vh)
+                ahead = tl.load(table_ptr + b * stride_tb + i + 2, mask=i + 2 < last, other=0).to(tl.int64)
+                k = k.to(q.dtype)
+            elif TILE == BLOCK_SIZE:  # one block: one table entry
                 if PREFETCH:
                     block = ahead
                     ahead = tl.load(table_ptr + b * stride_tb + i + 1, mask=i + 1 < last, other=0).to(tl.int64)
@@ -137,9 +153,10 @@ if triton is not None:
                 blocks = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
                 k_rows = blocks * stride_kblk + (pos % BLOCK_SIZE) * stride_kpos
                 v_rows = blocks * stride_vblk + (pos % BLOCK_SIZE) * stride_vpos
-            k = tl.load(k_ptr + k_rows[None, :] + h * stride_kh + offs_d[:, None],
-                        mask=n_mask[None, :], other=0.0).to(q.dtype)  # [HEAD_DIM, TILE]; fp8 pools converted
-            if PREFETCH:  # V issued with K
+            if not PREFETCH_KV:
+                k = tl.load(k_ptr + k_rows[None, :] + h * stride_kh + offs_d[:, None],
+                            mask=n_mask[None, :], other=0.0).to(q.dtype)  # [HEAD_DIM, TILE]; fp8 pools converted
+            if PREFETCH and not PREFETCH_KV:  # V issued with K
                 v = tl.load(v_ptr + v_rows[:, None] + h * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
             if IEEE_DOT:
                 qk = tl.dot(q, k, input_precision="ieee")
@@ -150,7 +167,7 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if not PREFETCH:
+            if not PREFETCH and not PREFETCH_KV:
                 v = tl.load(v_ptr + v_rows[:, None] + h * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
             v = v.to(q.dtype)  # [TILE, HEAD_DIM]
             if IEEE_DOT:
@@ -169,6 +186,18 @@ if triton is not None:
             part = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
             tl.store(part_ptr + (row * GROUP_PAD + offs_g[:, None]) * HEAD_DIM + offs_d[None, :], part)
             tl.store(lse_ptr + row * GROUP_PAD + offs_g, tl.where(seen, m_i + tl.log2(l_i), float("-inf")))
+
+    @triton.jit
+    def _block_kv(k_ptr, v_ptr, block, pos, stop, h, offs_n, offs_d, stride_kblk, stride_kpos, stride_kh,
+                  stride_vblk, stride_vpos, stride_vh):
+        """One block's K [HEAD_DIM, TILE] and V [TILE, HEAD_DIM] as the pools store them, positions from `stop`
+        on as zeros (not read)."""
+        n_mask = pos < stop
+        k = tl.load(k_ptr + block * stride_kblk + offs_n[None, :] * stride_kpos + h * stride_kh + offs_d[:, None],
+                    mask=n_mask[None, :], other=0.0)
+        v = tl.load(v_ptr + block * stride_vblk + offs_n[:, None] * stride_vpos + h * stride_vh + offs_d[None, :],
+                    mask=n_mask[:, None], other=0.0)
+        return k, v
 
     @triton.jit
     def _combine_splits_kernel(part_ptr, lse_ptr, o_ptr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -236,7 +265,8 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
-        IEEE_DOT=q.dtype == torch.float32, GDC=gdc(pdl), PREFETCH=PREFETCH_BLOCKS and tile == block_size,
+        IEEE_DOT=q.dtype == torch.float32, GDC=gdc(pdl), PREFETCH=(PREFETCH_BLOCKS or PREFETCH_KV) and tile == block_size,
+        PREFETCH_KV=PREFETCH_KV and tile == block_size,
         num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
     if splits > 1:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
