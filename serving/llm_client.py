@@ -20,6 +20,9 @@ RETRYABLE_GRPC = {"StatusCode.UNAVAILABLE", "StatusCode.RESOURCE_EXHAUSTED"}
 RETRYABLE_HTTP = {429, 502, 503, 504}
 # Through the BLS router a full engine queue arrives as INTERNAL with Triton's own words.
 OVERLOAD_WORDS = ("exceeds maximum queue size", "resource exhausted")
+# Triton's words for a model that is not loaded, not yet (a restarted server loading it) or not any more; through
+# the router these too arrive as INTERNAL. "is not at ready state": a version Triton is still loading.
+NOT_LOADED_WORDS = ("unknown model", "is not found", "not ready", "is not at ready state", "has no available versions")
 
 
 def is_overload(status: str, message: str) -> bool:

@@ -28,10 +28,10 @@ def test_norms_scale_rows_only_for_fp8_layers_past_the_decode_rows_on_cuda_when_
     fp8 = QuantLinear(16, 32, method="fp8", bias=False, dtype=torch.bfloat16)
     int8 = QuantLinear(16, 32, method="int8-weight-only", bias=False, dtype=torch.bfloat16)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert not prescale_rows_for(fp8, 65, cuda)  # off by default
-    with mock.patch.object(quantize, "PRESCALE_ROWS", True):
-        assert prescale_rows_for(fp8, 65, cuda)
-        assert not prescale_rows_for(fp8, 64, cuda)  # the decode rows scale with torch ops
-        assert not prescale_rows_for(fp8, 65, cpu)
-        assert not prescale_rows_for(int8, 65, cuda)
-        assert not prescale_rows_for(torch.nn.Linear(16, 32), 65, cuda)
+    assert prescale_rows_for(fp8, 65, cuda)  # on by default
+    assert not prescale_rows_for(fp8, 64, cuda)  # the decode rows scale with torch ops
+    assert not prescale_rows_for(fp8, 65, cpu)
+    assert not prescale_rows_for(int8, 65, cuda)
+    assert not prescale_rows_for(torch.nn.Linear(16, 32), 65, cuda)
+    with mock.patch.object(quantize, "PRESCALE_ROWS", False):
+        assert not prescale_rows_for(fp8, 65, cuda)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.llm_client import is_overload
+from serving.llm_client import NOT_LOADED_WORDS, is_overload
 from serving.triton.models.requests import INVALID_REQUEST
 from serving.triton.repository import stream_model_name
 
@@ -78,7 +78,6 @@ class UnknownModel(BackendError):
 MAX_RECONNECT_BACKOFF_MS = 1000
 CHANNEL_ARGS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
-NOT_LOADED_WORDS = ("unknown model", "is not found", "not ready", "has no available versions")
 UNAVAILABLE_STATUSES = ("UNAVAILABLE", "UNKNOWN", "CANCELLED")  # with a message that is not an overload
 # gRPC's words for a connection that went away under a call (INTERNAL "Received RST_STREAM with error code 2"
 # when the server dies mid-stream): the server is down, not failing

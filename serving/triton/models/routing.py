@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from serving.llm_client import OVERLOAD_WORDS
+from serving.llm_client import NOT_LOADED_WORDS, OVERLOAD_WORDS
 from serving.triton.models.requests import INVALID_REQUEST
 
 # Upper bounds (seconds) of the latency histogram buckets; the last bucket is +Inf.
@@ -131,11 +131,13 @@ def forwarded_outputs(requested: tuple[str, ...], input_names: set[str], router_
 
 def target_error_code(message: str, error: Any, codes: Any) -> Any:
     """The code of a target's error as the router's client should see it (``codes``: pb_utils.TritonError):
-    INVALID_ARG for the llm's refusal of the request, UNAVAILABLE for a full queue, else the error's own
-    code (None without codes). Triton 2.51's BLS reports every target error as INTERNAL: the words decide."""
+    INVALID_ARG for the llm's refusal of the request, UNAVAILABLE for a full queue or a target that is not
+    loaded (a restarted Triton loading it), else the error's own code (None without codes). Triton 2.51's BLS
+    reports every target error as INTERNAL: the words decide."""
     if INVALID_REQUEST in message and hasattr(codes, "INVALID_ARG"):
         return codes.INVALID_ARG
-    if any(w in message.lower() for w in OVERLOAD_WORDS) and hasattr(codes, "UNAVAILABLE"):
+    words = message.lower()
+    if any(w in words for w in OVERLOAD_WORDS + NOT_LOADED_WORDS) and hasattr(codes, "UNAVAILABLE"):
         return codes.UNAVAILABLE
     code = getattr(error, "code", None)
     return code() if callable(code) else None
