@@ -8,12 +8,12 @@
 #           pydantic-core, annotated-types, typing-inspection; CPython 3.12) into .dev/gates_whl/
 #   call 1: STAGE=1 bash serving/bench/device_gates.sh   (carry .dev/gates_g1, .dev/gates_whl, the code)
 #   call 2: bash serving/bench/device_gates.sh           (carry .dev/gates_g2 and the code)
-# From the repository root: ROOT=. and `/.dev/` in .git/info/exclude (else both halves travel every call).
-# DTYPES (default float32,bfloat16), FAULTS, QUANTIZATIONS narrow the sweep: the whole one took 77-120 s.
+# From the repository root (ROOT is found there), with `/.dev/` in .git/info/exclude (else both halves travel).
+# DTYPES (default float32,bfloat16), FAULTS, QUANTIZATIONS narrow the sweep: the whole one took 77 s once and ran past 120 s once.
 # PRECISE_ACCUM=1: the fp8 prompt GEMMs without _scaled_mm's fast accumulation (quantize.FP8_FAST_ACCUM off).
 # Results: $OUT/gates.json (every case and the summary) and $OUT/gates.log.
 set -uo pipefail
-ROOT=${ROOT:-../..}  # where .dev/ is: this script runs from a copy of the branch in .dev/<name>
+ROOT=${ROOT:-$([ -d .dev ] && echo . || echo ../..)}  # where .dev/ is: the repository root, or ../.. from a copy of the branch in .dev/<name>
 STAGE_DIR=/tmp/gates-stage
 SITE=/tmp/site-gates
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
