@@ -498,19 +498,19 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
         side_context,
         workload,
     )
-    from serving.engine import paged_attention, paged_decode, paged_model, quantize
+    from serving.engine import paged_attention, paged_decode, paged_model, partials, quantize
 
     with side_context("paged-tile128"):
         assert paged_attention.TILE_POSITIONS == 128
     assert paged_attention.TILE_POSITIONS is None
     for side, (module, setting, value) in SWITCH_SIDES.items():
         engine_module = {"paged_attention": paged_attention, "paged_decode": paged_decode, "paged_model": paged_model,
-                         "quantize": quantize}[module]
+                         "quantize": quantize, "partials": partials}[module]
         with side_context(side):
             assert getattr(engine_module, setting) is value, side
         assert getattr(engine_module, setting) is (not value), side
     assert set(SWITCH_SIDES) == {"paged-repeat-kv", "paged-pdl", "paged-precise-accum", "paged-no-prefetch",
-                                 "paged-unscaled", "paged-prefetch-kv"}
+                                 "paged-unscaled", "paged-prefetch-kv", "paged-sum-adds"}
     check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl",
                  "paged-unscaled", "paged-no-prefetch", "paged-precise-accum", "paged-tile64"))
     with side_context("paged-no-prefetch+tile64"):

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.engine.partials import sum_partials
+
 try:
     import triton
     import triton.language as tl
@@ -500,9 +502,5 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     config = kernel_config(x, weight, config)
     if config is None:
         return _fallback_linear(x, weight, bias, scale)
-    parts = skinny_partials(x, weight, config, pdl=pdl, scale=scale)
-    out = parts[0]
-    for i in range(1, config.split):  # adds, not parts.sum(0): inductor fuses pointwise adds into the
-        out = out + parts[i]  # consumer's kernel (a residual add + RMSNorm), a sum over dim 0 it ran alone
-    out = out.to(x.dtype)
+    out = sum_partials(skinny_partials(x, weight, config, pdl=pdl, scale=scale), x.dtype)
     return out if bias is None else out + bias
