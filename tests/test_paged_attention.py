@@ -116,6 +116,27 @@ def test_positions_split_over_programs_give_the_one_program_result(splits, pdl):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_the_last_split_to_finish_combines_them_to_the_two_kernel_result(splits):
+    """`FUSED_COMBINE`: each (sequence, kv head)'s last split program combines its splits; the same values as
+    the combine kernel, to the bit, call after call (the counters are back at zero after each)."""
+    from unittest import mock
+
+    from serving.engine import paged_attention
+
+    q, k, v, tables, lengths = _case(group=4, fill=float("nan"))
+    scale = 1 / math.sqrt(q.shape[-1])
+    two_kernels = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
+    with mock.patch.object(paged_attention, "FUSED_COMBINE", True), mock.patch.dict(paged_attention._COUNTERS):
+        fused = [paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits) for _ in range(2)]
+        counters = paged_attention._COUNTERS.get(q.device)
+        assert (counters is None) == (splits == 1)
+        assert counters is None or int(counters.abs().sum()) == 0
+    assert all(torch.equal(got, two_kernels) for got in fused)
+    assert paged_attention.split_counters(paged_attention.MAX_COUNTED + 1, q.device) is None  # too many pairs
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
 @pytest.mark.parametrize("tile, splits", [(32, 1), (64, 1), (32, 2), (64, 16)])
 def test_tiles_of_several_blocks_give_the_one_block_result(tile, splits):
     """Iterations over tiles of 2-4 blocks (each position through its own table entry; rows shorter than a
@@ -257,3 +278,31 @@ def test_kernel_on_cuda_bf16_q_over_fp8_pools_equals_the_reference():
     exact = _naive(q, k8.float(), v8.float(), tables, lengths, scale)
     assert torch.isfinite(got).all()
     assert (got - want).abs().max() < 2e-2 and (got - exact).abs().max() < 2e-2, (got - exact).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
+def test_fused_combine_on_cuda_equals_the_combine_kernel_launch_after_launch_and_in_a_graph():
+    """`FUSED_COMBINE` on the GPU, where split programs run at once: the last to count combines, reading the
+    others' partials past L1. Bit-equal to the combine kernel over 50 launches and 20 replays of a captured graph
+    (a race would show as a changed value or a counter left non-zero)."""
+    from unittest import mock
+
+    from serving.engine import paged_attention
+
+    q, k, v, tables, lengths = _case(bsz=4, n_kv=8, group=4, hd=128, block=32, lengths=(1, 100, 700, 2000),
+                                     dtype=torch.bfloat16, device="cuda")
+    scale = 1 / math.sqrt(q.shape[-1])
+    want = paged_decode_triton(q, k, v, tables, lengths, scale, splits=16)
+    with mock.patch.object(paged_attention, "FUSED_COMBINE", True):
+        for launch in range(50):
+            assert torch.equal(paged_decode_triton(q, k, v, tables, lengths, scale, splits=16), want), launch
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = paged_decode_triton(q, k, v, tables, lengths, scale, splits=16)
+        for replay in range(20):
+            captured.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, want), replay
+    assert int(paged_attention._COUNTERS[q.device].abs().sum()) == 0

@@ -173,7 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "partial products summed by a kernel an add, not one kernel), paged-unscaled (its FP8 "
                      "GEMMs scaling their own rows), paged-no-prefetch (its decode attention loading table entry, K and "
                      "V one after the other), paged-prefetch-kv (its decode attention loading the next block's K and V while "
-                     "this one computes), paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
+                     "this one computes), paged-fused-combine (its decode attention's last split program combining the splits, "
+                     "no second kernel), paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
                      "paged-tile<N> (its decode attention over N positions an iteration); switch sides join with '+', "
                      "e.g. paged-pdl+no-prefetch")
     thr.add_argument("--static-batch", type=int, default=256, help="the static engine's max_batch_size (cache rows)")

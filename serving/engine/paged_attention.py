@@ -20,7 +20,8 @@ which; bf16 pools load as before), so `tl.dot` multiplies q's dtype on both side
 here is the bytes read, half of bf16's. When the batch leaves the GPU short of programs (fewer than about two
 per SM: batch 1 x 8 KV heads runs 8), each (sequence, kv head)'s blocks are split over `position_splits`
 programs (flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted
-values and log-sum-exp in float32, and a second kernel combines them. The split is by each row's own length,
+values and log-sum-exp in float32, and a second kernel combines them (or, `FUSED_COMBINE`, untimed, the last
+split program of each pair to finish: an atomic count a pair, reset by that program). The split is by each row's own length,
 read on the device, so a CUDA graph captured at one batch size serves every context length. An iteration
 walks one block, its table entry loaded an iteration ahead and V issued with K (`PREFETCH_BLOCKS`, the
 default: one memory round trip a block instead of three in a row), or a tile of several blocks
@@ -64,6 +65,12 @@ PREFETCH_BLOCKS = True
 # program): for the e4m3 pool at long contexts, which reads at 54% of the copy bandwidth with PREFETCH_BLOCKS
 # alone. Untimed, off (bench throughput side `paged-prefetch-kv`, bench paged-attention variant `prefetchkv`)
 PREFETCH_KV = False
+# with splits, the last split program of each (sequence, kv head) to finish combines the splits (an atomic count
+# a pair) instead of a second kernel: one launch fewer a layer where splits run (small batches, batch 1 above
+# all). Untimed, off (bench throughput side `paged-fused-combine`)
+FUSED_COMBINE = False
+MAX_COUNTED = 1024  # (sequence, kv head) pairs one fused combine counts at most: splits run below ~2 programs an SM
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, allocated once (captured graphs keep its address)
 # the kernel's launch: warps a program, and software-pipelining stages (None: Triton's default); what the
 # figures ran, for `bench paged-attention` variants to move
 NUM_WARPS = 4
@@ -97,13 +104,13 @@ def kernel_fits(block_size: int, head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, part_ptr, lse_ptr,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, part_ptr, lse_ptr, count_ptr,
                              stride_qb, stride_qh, stride_qg, stride_kblk, stride_kpos, stride_kh,
                              stride_vblk, stride_vpos, stride_vh, stride_tb, qk_scale,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
                              IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                             PREFETCH_KV: tl.constexpr = False):
+                             PREFETCH_KV: tl.constexpr = False, FUSED_COMBINE: tl.constexpr = False):
         if GDC:
             gdc_enter()
         b = tl.program_id(0).to(tl.int64)
@@ -186,6 +193,13 @@ if triton is not None:
             part = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
             tl.store(part_ptr + (row * GROUP_PAD + offs_g[:, None]) * HEAD_DIM + offs_d[None, :], part)
             tl.store(lse_ptr + row * GROUP_PAD + offs_g, tl.where(seen, m_i + tl.log2(l_i), float("-inf")))
+            if FUSED_COMBINE:  # the last split of (b, h) to finish combines them all: no second kernel
+                tl.debug_barrier()  # every thread's stores above come before the count
+                done = tl.atomic_add(count_ptr + b * n_heads + h, 1, sem="acq_rel")
+                if done == SPLITS - 1:
+                    _combine(part_ptr, lse_ptr, o_ptr, b, h, n_heads, offs_g, offs_d, GROUP, GROUP_PAD, HEAD_DIM,
+                             SPLITS, ".cg")  # .cg: past L1, which may hold another launch's partials
+                    tl.atomic_xchg(count_ptr + b * n_heads + h, 0)  # ready for the next launch (graph replays)
 
     @triton.jit
     def _block_kv(k_ptr, v_ptr, block, pos, stop, h, offs_n, offs_d, stride_kblk, stride_kpos, stride_kh,
@@ -206,23 +220,41 @@ if triton is not None:
             gdc_enter()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
-        n_heads = tl.num_programs(1)
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
+        _combine(part_ptr, lse_ptr, o_ptr, b, h, tl.num_programs(1), tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM),
+                 GROUP, GROUP_PAD, HEAD_DIM, SPLITS, "")
+
+    @triton.jit
+    def _combine(part_ptr, lse_ptr, o_ptr, b, h, n_heads, offs_g, offs_d, GROUP: tl.constexpr,
+                 GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, CACHE: tl.constexpr):
+        """(b, h)'s output from its splits' partials and log2-sum-exps."""
         first_row = (b * n_heads + h) * SPLITS
         top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         for s in range(SPLITS):
-            top = tl.maximum(top, tl.load(lse_ptr + (first_row + s) * GROUP_PAD + offs_g))
+            top = tl.maximum(top, tl.load(lse_ptr + (first_row + s) * GROUP_PAD + offs_g, cache_modifier=CACHE))
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         for s in range(SPLITS):
             row = first_row + s
-            w = tl.exp2(tl.load(lse_ptr + row * GROUP_PAD + offs_g) - top)  # 0 for an empty split
-            acc += w[:, None] * tl.load(part_ptr + (row * GROUP_PAD + offs_g[:, None]) * HEAD_DIM + offs_d[None, :])
+            w = tl.exp2(tl.load(lse_ptr + row * GROUP_PAD + offs_g, cache_modifier=CACHE) - top)  # 0: an empty split
+            acc += w[:, None] * tl.load(part_ptr + (row * GROUP_PAD + offs_g[:, None]) * HEAD_DIM + offs_d[None, :],
+                                        cache_modifier=CACHE)
             total += w
         out = acc / total[:, None]
         dst = o_ptr + ((b * n_heads + h) * GROUP + offs_g[:, None]) * HEAD_DIM + offs_d[None, :]
         tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None])
+
+
+def split_counters(pairs: int, device: torch.device) -> torch.Tensor | None:
+    """`MAX_COUNTED` int32 counters on `device` for a fused combine of `pairs` (sequence, kv head) pairs, all zero
+    between launches (the combining program resets its pair's), or None (the two-kernel combine runs): more pairs
+    than that, or the first call on the device inside a CUDA-graph capture. One set a device: launches on one
+    stream at a time, as an engine's steps are."""
+    counts = _COUNTERS.get(device)
+    if counts is None:
+        if pairs > MAX_COUNTED or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        counts = _COUNTERS[device] = torch.zeros(MAX_COUNTED, dtype=torch.int32, device=device)
+    return counts if pairs <= MAX_COUNTED else None
 
 
 def position_splits(bsz: int, n_kv_heads: int, device: torch.device) -> int:
@@ -256,19 +288,20 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     splits = position_splits(bsz, n_kv_heads, q.device) if splits is None else splits
     group_pad = max(MIN_ROWS, triton.next_power_of_2(group))
     part = lse = out  # unused with one split
+    counts = split_counters(bsz * n_kv_heads, q.device) if FUSED_COMBINE and splits > 1 else None
     if splits > 1:
         part = torch.empty(bsz * n_kv_heads * splits, group_pad, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz * n_kv_heads * splits, group_pad, dtype=torch.float32, device=q.device)
     log2e = 1.4426950408889634
     _paged_decode_kernel[(bsz, n_kv_heads, splits)](
-        q, k_pool, v_pool, tables, lengths, out, part, lse,
+        q, k_pool, v_pool, tables, lengths, out, part, lse, out if counts is None else counts,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
         IEEE_DOT=q.dtype == torch.float32, GDC=gdc(pdl), PREFETCH=(PREFETCH_BLOCKS or PREFETCH_KV) and tile == block_size,
-        PREFETCH_KV=PREFETCH_KV and tile == block_size,
+        PREFETCH_KV=PREFETCH_KV and tile == block_size, FUSED_COMBINE=counts is not None,
         num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
-    if splits > 1:
+    if splits > 1 and counts is None:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
                                                   HEAD_DIM=head_dim, SPLITS=splits, GDC=gdc(pdl), num_warps=4,
                                                   **launch_options(pdl))
