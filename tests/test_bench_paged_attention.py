@@ -21,6 +21,7 @@ def test_variants_join_settings_with_plus_and_an_unknown_one_is_refused_by_name(
     assert parse_variant("plain") == Variant("plain")
     assert parse_variant("prefetch+tile64+split2") == Variant("prefetch+tile64+split2", True, tile=64, splits=2)
     assert parse_variant("prefetchkv+warps8") == Variant("prefetchkv+warps8", prefetch_kv=True, warps=8)
+    assert parse_variant("prefetch+dotf16") == Variant("prefetch+dotf16", prefetch=True, dot_f16=True)
     assert parse_variant("warps8+stages3") == Variant("warps8+stages3", warps=8, stages=3)
     for bad in ("fast", "tile", "split0", "prefetch+x", "warpsx"):
         with pytest.raises(ValueError, match="unknown variant setting"):

@@ -264,6 +264,23 @@ def test_kernel_over_fp8_pools_under_the_interpreter_equals_the_reference(dtype)
     assert (got.float() - want).abs().max() < tol, (got.float() - want).abs().max()
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_dots_in_float16_over_fp8_pools_give_the_reference_to_float16_rounding(splits):
+    """`FP8_KV_DOT_F16`'s kernel (q, K, V and the probabilities in float16, float32 accumulators), forced on a
+    float32 query: the reference over the same pools, to float16 rounding; a query past float16's range is
+    clamped to it, not made infinite."""
+    q, k, v, tables, lengths = _case(group=4, fill=float("nan"))
+    k8, v8 = to_kv_fp8(k), to_kv_fp8(v)
+    scale = 1 / math.sqrt(q.shape[-1])
+    got = paged_decode_triton(q, k8, v8, tables, lengths, scale, splits=splits, dot_f16=True)
+    want = _naive(q, k8.float(), v8.float(), tables, lengths, scale)
+    assert got.dtype == torch.float32 and (got - want).abs().max() < 2e-3, (got - want).abs().max()
+    huge = q.clone()
+    huge[0, 0, 0, 0] = 1e6
+    assert torch.isfinite(paged_decode_triton(huge, k8, v8, tables, lengths, scale, dot_f16=True)).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
 def test_kernel_on_cuda_bf16_q_over_fp8_pools_equals_the_reference():
@@ -273,11 +290,12 @@ def test_kernel_on_cuda_bf16_q_over_fp8_pools_equals_the_reference():
                                      lengths=tuple(range(1, 640, 10)), dtype=torch.bfloat16, device="cuda")
     k8, v8 = to_kv_fp8(k), to_kv_fp8(v)
     scale = 1 / math.sqrt(q.shape[-1])
-    got = paged_decode_triton(q, k8, v8, tables, lengths, scale).float()
     want = paged_decode_reference(q, k8, v8, tables, lengths, scale).float()
     exact = _naive(q, k8.float(), v8.float(), tables, lengths, scale)
-    assert torch.isfinite(got).all()
-    assert (got - want).abs().max() < 2e-2 and (got - exact).abs().max() < 2e-2, (got - exact).abs().max()
+    for dot_f16 in (False, True):  # the bf16 dots, then FP8_KV_DOT_F16's float16 ones
+        got = paged_decode_triton(q, k8, v8, tables, lengths, scale, dot_f16=dot_f16).float()
+        assert torch.isfinite(got).all()
+        assert (got - want).abs().max() < 2e-2 and (got - exact).abs().max() < 2e-2, (dot_f16, (got - exact).abs().max())
 
 
 @pytest.mark.gpu

@@ -10,7 +10,8 @@ attention was ~45 of the step's 49 ms where the bytes need ~19 (docs/throughput.
 
 Variants (comma list; `+` joins settings): `plain` (one block an iteration, its table entry, K and V loaded one
 after another), `prefetch` (`PREFETCH_BLOCKS`: the engine's default), `prefetchkv`
-(`PREFETCH_KV`: the next block's K and V loaded while this one computes), `tile<N>` (N positions an iteration), `split<N>` (positions split N ways; the engine
+(`PREFETCH_KV`: the next block's K and V loaded while this one computes), `dotf16` (`FP8_KV_DOT_F16`: an
+e4m3 pool's dots in float16), `tile<N>` (N positions an iteration), `split<N>` (positions split N ways; the engine
 splits only when the batch leaves SMs idle), `warps<N>` and `stages<N>` (the launch's warps a program and
 pipelining stages), e.g. `plain,prefetch,tile128,prefetch+split2,prefetch+warps8`.
 
@@ -35,6 +36,7 @@ class Variant:
     name: str
     prefetch: bool = False
     prefetch_kv: bool = False
+    dot_f16: bool = False
     tile: int | None = None
     splits: int | None = None
     warps: int | None = None
@@ -65,7 +67,7 @@ class AttentionBenchReport:
 def parse_variant(text: str) -> Variant:
     """`prefetch+tile64+split2` -> Variant; an unknown setting is refused, naming it."""
     numbers: dict[str, int] = {}
-    flags = {"prefetch": False, "prefetchkv": False}
+    flags = {"prefetch": False, "prefetchkv": False, "dotf16": False}
     for part in text.split("+"):
         if part == "plain":
             continue
@@ -75,9 +77,9 @@ def parse_variant(text: str) -> Variant:
         key = next((k for k in ("tile", "split", "warps", "stages") if part.startswith(k)), None)
         if key is None or not part[len(key):].isdigit() or int(part[len(key):]) < 1:
             raise ValueError(f"bench paged-attention: unknown variant setting {part!r} in {text!r} "
-                             "(plain, prefetch, prefetchkv, tile<N>, split<N>, warps<N>, stages<N>, joined by '+')")
+                             "(plain, prefetch, prefetchkv, dotf16, tile<N>, split<N>, warps<N>, stages<N>, joined by '+')")
         numbers[key] = int(part[len(key):])
-    return Variant(text, flags["prefetch"], flags["prefetchkv"], numbers.get("tile"), numbers.get("split"), numbers.get("warps"),
+    return Variant(text, flags["prefetch"], flags["prefetchkv"], flags["dotf16"], numbers.get("tile"), numbers.get("split"), numbers.get("warps"),
                    numbers.get("stages"))
 
 
@@ -114,6 +116,7 @@ def variant_settings(variant: Variant) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(paged_attention, "PREFETCH_BLOCKS", variant.prefetch))
         stack.enter_context(mock.patch.object(paged_attention, "PREFETCH_KV", variant.prefetch_kv))
+        stack.enter_context(mock.patch.object(paged_attention, "FP8_KV_DOT_F16", variant.dot_f16))
         if variant.warps is not None:
             stack.enter_context(mock.patch.object(paged_attention, "NUM_WARPS", variant.warps))
         if variant.stages is not None:

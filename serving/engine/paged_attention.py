@@ -17,7 +17,8 @@ heads once (padded to 16 rows for `tl.dot`) and walks the sequence's blocks thro
 of positions per iteration, with an online softmax in float32 (base 2); K/V are read where they lie, never
 copied. fp8 pools are converted to q's dtype in registers after the load (the pointer's element type says
 which; bf16 pools load as before), so `tl.dot` multiplies q's dtype on both sides: the win of an fp8 cache
-here is the bytes read, half of bf16's. When the batch leaves the GPU short of programs (fewer than about two
+here is the bytes read, half of bf16's (`FP8_KV_DOT_F16`, untimed: bf16 queries made float16 instead, which
+e4m3 widens to in one instruction a pair). When the batch leaves the GPU short of programs (fewer than about two
 per SM: batch 1 x 8 KV heads runs 8), each (sequence, kv head)'s blocks are split over `position_splits`
 programs (flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted
 values and log-sum-exp in float32, and a second kernel combines them (or, `FUSED_COMBINE`, untimed, the last
@@ -48,6 +49,8 @@ try:
     import triton.language as tl
 
     from serving.engine.pdl import gdc_enter
+
+    _F16_MAX = tl.constexpr(65504.0)
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -69,6 +72,11 @@ PREFETCH_KV = False
 # a pair) instead of a second kernel: one launch fewer a layer where splits run (small batches, batch 1 above
 # all). Untimed, off (bench throughput side `paged-fused-combine`)
 FUSED_COMBINE = False
+# over an e4m3 pool with bf16 queries, the dots in float16 (q clamped to its range, K/V and the probabilities in
+# float16, float32 accumulators): e4m3 widens to float16 in one instruction a pair on sm_89+, to bf16 through
+# several, and the e4m3 kernel is bound by its per-block work, not its bytes. Untimed, off (side
+# `paged-kv-dot-f16`, bench paged-attention variant `dotf16`)
+FP8_KV_DOT_F16 = False
 MAX_COUNTED = 1024  # (sequence, kv head) pairs one fused combine counts at most: splits run below ~2 programs an SM
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, allocated once (captured graphs keep its address)
 # the kernel's launch: warps a program, and software-pipelining stages (None: Triton's default); what the
@@ -110,7 +118,8 @@ if triton is not None:
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
                              IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                             PREFETCH_KV: tl.constexpr = False, FUSED_COMBINE: tl.constexpr = False):
+                             PREFETCH_KV: tl.constexpr = False, FUSED_COMBINE: tl.constexpr = False,
+                             DOT_F16: tl.constexpr = False):
         if GDC:
             gdc_enter()
         b = tl.program_id(0).to(tl.int64)
@@ -129,6 +138,8 @@ if triton is not None:
         g_mask = offs_g < GROUP
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
                     mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+        if DOT_F16:  # K, V and the probabilities follow q's dtype below
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -_F16_MAX), _F16_MAX).to(tl.float16)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -269,10 +280,11 @@ def position_splits(bsz: int, n_kv_heads: int, device: torch.device) -> int:
 
 def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                         lengths: torch.Tensor, scale: float, *, splits: int | None = None,
-                        tile: int | None = None, pdl: bool = False) -> torch.Tensor:
+                        tile: int | None = None, pdl: bool = False, dot_f16: bool | None = None) -> torch.Tensor:
     """The Triton kernel on any device Triton runs on (CUDA; CPU tensors under TRITON_INTERPRET=1), its
     positions split `splits` ways (default `position_splits`), `tile` positions an iteration (default
-    `TILE_POSITIONS`, else one block); `pdl`: its kernels launched with programmatic dependent launch."""
+    `TILE_POSITIONS`, else one block); `pdl`: its kernels launched with programmatic dependent launch;
+    `dot_f16`: the dots in float16 (default: `FP8_KV_DOT_F16` for bf16 queries over an e4m3 pool)."""
     bsz, n_kv_heads, group, head_dim = q.shape
     block_size = int(k_pool.shape[1])
     tile = tile or TILE_POSITIONS or block_size
@@ -289,6 +301,8 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     group_pad = max(MIN_ROWS, triton.next_power_of_2(group))
     part = lse = out  # unused with one split
     counts = split_counters(bsz * n_kv_heads, q.device) if FUSED_COMBINE and splits > 1 else None
+    if dot_f16 is None:
+        dot_f16 = FP8_KV_DOT_F16 and q.dtype == torch.bfloat16 and k_pool.dtype == torch.float8_e4m3fn
     if splits > 1:
         part = torch.empty(bsz * n_kv_heads * splits, group_pad, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz * n_kv_heads * splits, group_pad, dtype=torch.float32, device=q.device)
@@ -298,8 +312,8 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
-        IEEE_DOT=q.dtype == torch.float32, GDC=gdc(pdl), PREFETCH=(PREFETCH_BLOCKS or PREFETCH_KV) and tile == block_size,
-        PREFETCH_KV=PREFETCH_KV and tile == block_size, FUSED_COMBINE=counts is not None,
+        IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), PREFETCH=(PREFETCH_BLOCKS or PREFETCH_KV) and tile == block_size,
+        PREFETCH_KV=PREFETCH_KV and tile == block_size, FUSED_COMBINE=counts is not None, DOT_F16=dot_f16,
         num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
     if splits > 1 and counts is None:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
