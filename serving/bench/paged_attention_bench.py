@@ -29,6 +29,8 @@ from unittest import mock
 import torch
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+FLAGS = {"prefetch": "prefetch", "prefetchkv": "prefetch_kv", "dotf16": "dot_f16"}  # variant word -> Variant field
+NUMBERS = {"tile": "tile", "split": "splits", "warps": "warps", "stages": "stages"}  # word<N> -> Variant field
 
 
 @dataclass(frozen=True)
@@ -66,21 +68,19 @@ class AttentionBenchReport:
 
 def parse_variant(text: str) -> Variant:
     """`prefetch+tile64+split2` -> Variant; an unknown setting is refused, naming it."""
-    numbers: dict[str, int] = {}
-    flags = {"prefetch": False, "prefetchkv": False, "dotf16": False}
+    settings: dict[str, Any] = {}
     for part in text.split("+"):
         if part == "plain":
             continue
-        if part in flags:
-            flags[part] = True
+        if part in FLAGS:
+            settings[FLAGS[part]] = True
             continue
-        key = next((k for k in ("tile", "split", "warps", "stages") if part.startswith(k)), None)
+        key = next((k for k in NUMBERS if part.startswith(k)), None)
         if key is None or not part[len(key):].isdigit() or int(part[len(key):]) < 1:
-            raise ValueError(f"bench paged-attention: unknown variant setting {part!r} in {text!r} "
-                             "(plain, prefetch, prefetchkv, dotf16, tile<N>, split<N>, warps<N>, stages<N>, joined by '+')")
-        numbers[key] = int(part[len(key):])
-    return Variant(text, flags["prefetch"], flags["prefetchkv"], flags["dotf16"], numbers.get("tile"), numbers.get("split"), numbers.get("warps"),
-                   numbers.get("stages"))
+            raise ValueError(f"bench paged-attention: unknown variant setting {part!r} in {text!r} (plain, "
+                             + ", ".join([*FLAGS, *(f"{k}<N>" for k in NUMBERS)]) + ", joined by '+')")
+        settings[NUMBERS[key]] = int(part[len(key):])
+    return Variant(text, **settings)
 
 
 def kv_bytes(cfg: AttentionBenchConfig) -> int:

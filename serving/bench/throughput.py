@@ -256,8 +256,8 @@ def side_context(side: str) -> contextlib.AbstractContextManager:
     '+' (`paged-pdl+no-prefetch`: both switches)."""
     if "+" in side:
         stack = contextlib.ExitStack()
-        for part in side.removeprefix("paged-").split("+"):
-            stack.enter_context(side_context(f"paged-{part}"))
+        for part in joined_sides(side):
+            stack.enter_context(side_context(part))
         return stack
     if side == TORCH_ROW_OPS_SIDE:
         return torch_row_ops()
@@ -271,12 +271,16 @@ def side_context(side: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def joined_sides(side: str) -> list[str]:
+    """`paged-pdl+no-prefetch` -> [`paged-pdl`, `paged-no-prefetch`]; a side without '+' -> [side]."""
+    return [f"paged-{part}" for part in side.removeprefix("paged-").split("+")] if "+" in side else [side]
+
+
 def check_sides(sides: tuple[str, ...]) -> None:
     """Refuse, naming it and the known ones, a side this bench does not run."""
     known = ("static", "paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE, *SWITCH_SIDES)
     for side in sides:
-        parts = [f"paged-{part}" for part in side.removeprefix("paged-").split("+")] if "+" in side else [side]
-        for part in parts:
+        for part in joined_sides(side):
             tile = part.removeprefix(TILE_SIDE)
             if part not in known and not (part != tile and tile.isdigit()):
                 raise ValueError(f"bench throughput: unknown side {side!r} ({', '.join(known)}, {TILE_SIDE}<N>, "

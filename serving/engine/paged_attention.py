@@ -22,8 +22,8 @@ e4m3 widens to in one instruction a pair). When the batch leaves the GPU short o
 per SM: batch 1 x 8 KV heads runs 8), each (sequence, kv head)'s blocks are split over `position_splits`
 programs (flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted
 values and log-sum-exp in float32, and a second kernel combines them (or, `FUSED_COMBINE`, untimed, the last
-split program of each pair to finish: an atomic count a pair, reset by that program). The split is by each row's own length,
-read on the device, so a CUDA graph captured at one batch size serves every context length. An iteration
+split program of each pair to finish: an atomic count a pair, reset by that program). The split is by each
+row's own length, read on the device, so a CUDA graph captured at one batch size serves every context length. An iteration
 walks one block, its table entry loaded an iteration ahead and V issued with K (`PREFETCH_BLOCKS`, the
 default: one memory round trip a block instead of three in a row), or a tile of several blocks
 (`TILE_POSITIONS`), each position through its own table entry (slower on the H200: docs/decisions.md).
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from serving.engine.paged_cache import KV_FP8_DTYPE
 from serving.engine.pdl import gdc, launch_options
 
 try:
@@ -260,12 +261,12 @@ def split_counters(pairs: int, device: torch.device) -> torch.Tensor | None:
     between launches (the combining program resets its pair's), or None (the two-kernel combine runs): more pairs
     than that, or the first call on the device inside a CUDA-graph capture. One set a device: launches on one
     stream at a time, as an engine's steps are."""
+    if pairs > MAX_COUNTED:
+        return None
     counts = _COUNTERS.get(device)
-    if counts is None:
-        if pairs > MAX_COUNTED or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return None
+    if counts is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         counts = _COUNTERS[device] = torch.zeros(MAX_COUNTED, dtype=torch.int32, device=device)
-    return counts if pairs <= MAX_COUNTED else None
+    return counts
 
 
 def position_splits(bsz: int, n_kv_heads: int, device: torch.device) -> int:
@@ -302,7 +303,8 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     part = lse = out  # unused with one split
     counts = split_counters(bsz * n_kv_heads, q.device) if FUSED_COMBINE and splits > 1 else None
     if dot_f16 is None:
-        dot_f16 = FP8_KV_DOT_F16 and q.dtype == torch.bfloat16 and k_pool.dtype == torch.float8_e4m3fn
+        dot_f16 = FP8_KV_DOT_F16 and q.dtype == torch.bfloat16 and k_pool.dtype == KV_FP8_DTYPE
+    one_block = tile == block_size
     if splits > 1:
         part = torch.empty(bsz * n_kv_heads * splits, group_pad, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz * n_kv_heads * splits, group_pad, dtype=torch.float32, device=q.device)
@@ -312,8 +314,9 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
-        IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), PREFETCH=(PREFETCH_BLOCKS or PREFETCH_KV) and tile == block_size,
-        PREFETCH_KV=PREFETCH_KV and tile == block_size, FUSED_COMBINE=counts is not None, DOT_F16=dot_f16,
+        IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl),
+        PREFETCH=(PREFETCH_BLOCKS or PREFETCH_KV) and one_block, PREFETCH_KV=PREFETCH_KV and one_block,
+        FUSED_COMBINE=counts is not None, DOT_F16=dot_f16,
         num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
     if splits > 1 and counts is None:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,

@@ -36,4 +36,3 @@ def prescaled_rows(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tens
     """The (e4m3 rows, scales) x carries for `rows` rows, or None."""
     carried: Any = getattr(x, _ATTRIBUTE, None)
     return carried if carried is not None and carried[0].shape[0] == rows else None
-
