@@ -54,9 +54,9 @@ def test_variant_settings_move_the_kernels_launch_and_put_it_back():
     from serving.bench.paged_attention_bench import variant_settings
     from serving.engine import paged_attention
 
-    settings = ("PREFETCH_BLOCKS", "PREFETCH_KV", "NUM_WARPS", "NUM_STAGES")
+    settings = ("PREFETCH_BLOCKS", "PREFETCH_KV", "HEADS_FIRST", "NUM_WARPS", "NUM_STAGES")
     with variant_settings(parse_variant("plain+warps8+stages2")):
-        assert [getattr(paged_attention, name) for name in settings] == [False, False, 8, 2]
-    with variant_settings(parse_variant("prefetchkv")):
-        assert [getattr(paged_attention, name) for name in settings] == [False, True, 4, None]
-    assert [getattr(paged_attention, name) for name in settings] == [True, False, 4, None]  # the engine's defaults
+        assert [getattr(paged_attention, name) for name in settings] == [False, False, False, 8, 2]
+    with variant_settings(parse_variant("prefetchkv+headsfirst")):
+        assert [getattr(paged_attention, name) for name in settings] == [False, True, True, 4, None]
+    assert [getattr(paged_attention, name) for name in settings] == [True, False, False, 4, None]  # the defaults

@@ -92,6 +92,24 @@ def test_blocks_prefetched_ahead_give_the_reference_result(splits, fp8, prefetch
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_heads_first_grid_gives_the_reference_result(splits):
+    """`HEADS_FIRST` (the grid's first axis over KV heads) changes which program is which, not what each
+    computes: the reference's result, with and without splits, over an fp8 pool."""
+    from unittest import mock
+
+    from serving.engine import paged_attention
+
+    q, k, v, tables, lengths = _case(group=4, fill=float("nan"))
+    k, v = to_kv_fp8(k), to_kv_fp8(v)
+    scale = 1 / math.sqrt(q.shape[-1])
+    with mock.patch.object(paged_attention, "HEADS_FIRST", True):
+        got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
+    want = _naive(q, k.float(), v.float(), tables, lengths, scale)
+    assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
 @pytest.mark.parametrize("group", [1, 4])
 def test_kernel_under_the_interpreter_equals_the_reference(group):
     q, k, v, tables, lengths = _case(group=group, fill=float("nan"))
@@ -194,8 +212,8 @@ def test_kernel_on_cuda_bf16_equals_the_reference():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
 def test_kernel_on_cuda_with_blocks_prefetched_gives_the_same_values():
-    """`PREFETCH_BLOCKS` and `PREFETCH_KV` change when the loads are issued, not what is computed: the same
-    values to the bit, with and without splits, over bf16 and fp8 pools."""
+    """`PREFETCH_BLOCKS` and `PREFETCH_KV` change when the loads are issued, `HEADS_FIRST` which program is which,
+    not what is computed: the same values to the bit, with and without splits, over bf16 and fp8 pools."""
     from unittest import mock
 
     from serving.engine import paged_attention
@@ -206,11 +224,12 @@ def test_kernel_on_cuda_with_blocks_prefetched_gives_the_same_values():
     for pools, splits in itertools.product(((k, v), (to_kv_fp8(k), to_kv_fp8(v))), (1, 4)):
         with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", False):
             plain = paged_decode_triton(q, *pools, tables, lengths, scale, splits=splits)
-        for blocks, kv in ((True, False), (True, True)):
+        for blocks, kv, heads_first in ((True, False, False), (True, True, False), (True, False, True)):
             with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", blocks), \
-                    mock.patch.object(paged_attention, "PREFETCH_KV", kv):
+                    mock.patch.object(paged_attention, "PREFETCH_KV", kv), \
+                    mock.patch.object(paged_attention, "HEADS_FIRST", heads_first):
                 ahead = paged_decode_triton(q, *pools, tables, lengths, scale, splits=splits)
-            assert torch.equal(ahead, plain), (pools[0].dtype, splits, blocks, kv)
+            assert torch.equal(ahead, plain), (pools[0].dtype, splits, blocks, kv, heads_first)
 
 
 def _rounding_bound(q, k, v, k8, v8, tables, lengths, scale):

@@ -140,7 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pat.add_argument("--context", type=int, default=3072, help="positions each row attends over")
     pat.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
     pat.add_argument("--variants", default="plain,prefetch,prefetchkv,prefetch+dotf16,prefetchkv+dotf16,"
-                     "prefetchkv+warps8", help="comma list of plain, prefetch, prefetchkv, dotf16, tile<N>, split<N>, "
+                     "prefetch+headsfirst,prefetchkv+dotf16+headsfirst", help="comma list of plain, prefetch, "
+                     "prefetchkv, dotf16, headsfirst, tile<N>, split<N>, "
                      "warps<N>, stages<N>, joined by '+'")
     pat.add_argument("--out", type=Path, default=Path("bench-paged-attention.json"))
     f8p = sub.add_parser("fp8-prefill", help="the fp8 prefill GEMMs (device, eager and host time) and whole "
@@ -175,6 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "V one after the other), paged-prefetch-kv (its decode attention loading the next block's K and V while "
                      "this one computes), paged-fused-combine (its decode attention's last split program combining the splits, "
                      "no second kernel), paged-kv-dot-f16 (its decode attention over an e4m3 pool with float16 dots), "
+                     "paged-heads-first (its decode attention's programs of one sequence's KV heads side by side), "
                      "paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
                      "paged-tile<N> (its decode attention over N positions an iteration); switch sides join with '+', "
                      "e.g. paged-pdl+no-prefetch")

@@ -245,6 +245,7 @@ SWITCH_SIDES: dict[str, tuple[str, str, object]] = {
     "paged-prefetch-kv": ("paged_attention", "PREFETCH_KV", True),  # ... the next block's K and V during this one
     "paged-fused-combine": ("paged_attention", "FUSED_COMBINE", True),  # ... its last split combining, no 2nd kernel
     "paged-kv-dot-f16": ("paged_attention", "FP8_KV_DOT_F16", True),  # ... over an e4m3 pool: float16 dots
+    "paged-heads-first": ("paged_attention", "HEADS_FIRST", True),  # ... a sequence's KV heads as neighbour programs
     "paged-pdl": ("paged_decode", "PDL", True),  # decode graphs with programmatic dependent launch
     "paged-sum-adds": ("partials", "ONE_KERNEL", False),  # eager split-K sums as a kernel an add
     "paged-repeat-kv": ("paged_model", "GQA_IN_SDPA", False),  # prompt attention copying K/V per query head

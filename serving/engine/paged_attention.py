@@ -78,6 +78,11 @@ FUSED_COMBINE = False
 # several, and the e4m3 kernel is bound by its per-block work, not its bytes. Untimed, off (side
 # `paged-kv-dot-f16`, bench paged-attention variant `dotf16`)
 FP8_KV_DOT_F16 = False
+# the grid's first axis over KV heads, so the programs of one sequence's heads run side by side: a pool block
+# holds a position's heads next to each other (`[block_size, Hkv, hd]`), and walked head-major a program reads
+# 128 bytes of every 1,024 (e4m3, 8 KV heads) while its neighbours read another sequence's block. Untimed, off
+# (side `paged-heads-first`, bench paged-attention variant `headsfirst`)
+HEADS_FIRST = False
 MAX_COUNTED = 1024  # (sequence, kv head) pairs one fused combine counts at most: splits run below ~2 programs an SM
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, allocated once (captured graphs keep its address)
 # the kernel's launch: warps a program, and software-pipelining stages (None: Triton's default); what the
@@ -120,13 +125,18 @@ if triton is not None:
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
                              IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                              PREFETCH_KV: tl.constexpr = False, FUSED_COMBINE: tl.constexpr = False,
-                             DOT_F16: tl.constexpr = False):
+                             DOT_F16: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False):
         if GDC:
             gdc_enter()
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
+        if HEADS_FIRST:
+            b = tl.program_id(1).to(tl.int64)
+            h = tl.program_id(0).to(tl.int64)
+            n_heads = tl.num_programs(0)
+        else:
+            b = tl.program_id(0).to(tl.int64)
+            h = tl.program_id(1).to(tl.int64)
+            n_heads = tl.num_programs(1)
         split = tl.program_id(2)
-        n_heads = tl.num_programs(1)
         qk_scale = tl.cast(qk_scale, tl.float32)
         length = tl.load(len_ptr + b).to(tl.int32)
         n_tiles = tl.cdiv(length, TILE)
@@ -309,14 +319,15 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         part = torch.empty(bsz * n_kv_heads * splits, group_pad, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz * n_kv_heads * splits, group_pad, dtype=torch.float32, device=q.device)
     log2e = 1.4426950408889634
-    _paged_decode_kernel[(bsz, n_kv_heads, splits)](
+    grid = (n_kv_heads, bsz, splits) if HEADS_FIRST else (bsz, n_kv_heads, splits)
+    _paged_decode_kernel[grid](
         q, k_pool, v_pool, tables, lengths, out, part, lse, out if counts is None else counts,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
         IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl),
         PREFETCH=(PREFETCH_BLOCKS or PREFETCH_KV) and one_block, PREFETCH_KV=PREFETCH_KV and one_block,
-        FUSED_COMBINE=counts is not None, DOT_F16=dot_f16,
+        FUSED_COMBINE=counts is not None, DOT_F16=dot_f16, HEADS_FIRST=HEADS_FIRST,
         num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
     if splits > 1 and counts is None:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
