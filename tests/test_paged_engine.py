@@ -510,8 +510,7 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
             assert getattr(engine_module, setting) is value, side
         assert getattr(engine_module, setting) is (not value), side
     assert set(SWITCH_SIDES) == {"paged-repeat-kv", "paged-pdl", "paged-precise-accum", "paged-no-prefetch",
-                                 "paged-unscaled", "paged-prefetch-kv", "paged-sum-adds",
-                                 "paged-fused-combine", "paged-kv-dot-f16", "paged-heads-first"}
+                                 "paged-unscaled", "paged-sum-adds", "paged-kv-dot-bf16", "paged-cuda-cores"}
     check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl",
                  "paged-unscaled", "paged-no-prefetch", "paged-precise-accum", "paged-tile64"))
     with side_context("paged-no-prefetch+tile64"):

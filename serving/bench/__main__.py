@@ -139,9 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pat.add_argument("--rows", type=int, default=400)
     pat.add_argument("--context", type=int, default=3072, help="positions each row attends over")
     pat.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
-    pat.add_argument("--variants", default="plain,prefetch,prefetchkv,prefetch+dotf16,prefetchkv+dotf16,"
-                     "prefetch+headsfirst,prefetchkv+dotf16+headsfirst", help="comma list of plain, prefetch, "
-                     "prefetchkv, dotf16, headsfirst, tile<N>, split<N>, "
+    pat.add_argument("--variants", default="prefetch,prefetch+dotf16,prefetch+cudacores,prefetch+dotf16+warps2,"
+                     "dotf16+tile64", help="comma list of plain, prefetch, dotf16, cudacores, tile<N>, split<N>, "
                      "warps<N>, stages<N>, joined by '+'")
     pat.add_argument("--out", type=Path, default=Path("bench-paged-attention.json"))
     f8p = sub.add_parser("fp8-prefill", help="the fp8 prefill GEMMs (device, eager and host time) and whole "
@@ -173,10 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "paged-pdl (its decode graphs with programmatic dependent launch), paged-sum-adds (its split-K "
                      "partial products summed by a kernel an add, not one kernel), paged-unscaled (its FP8 "
                      "GEMMs scaling their own rows), paged-no-prefetch (its decode attention loading table entry, K and "
-                     "V one after the other), paged-prefetch-kv (its decode attention loading the next block's K and V while "
-                     "this one computes), paged-fused-combine (its decode attention's last split program combining the splits, "
-                     "no second kernel), paged-kv-dot-f16 (its decode attention over an e4m3 pool with float16 dots), "
-                     "paged-heads-first (its decode attention's programs of one sequence's KV heads side by side), "
+                     "V one after the other), paged-kv-dot-bf16 (its decode attention over an e4m3 pool with bf16 dots), "
+                     "paged-cuda-cores (its decode attention's products on the CUDA cores), "
                      "paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
                      "paged-tile<N> (its decode attention over N positions an iteration); switch sides join with '+', "
                      "e.g. paged-pdl+no-prefetch")

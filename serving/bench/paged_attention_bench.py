@@ -9,10 +9,9 @@ rate its bytes make, and that rate's share of the device copy bandwidth measured
 attention was ~45 of the step's 49 ms where the bytes need ~19 (docs/throughput.md).
 
 Variants (comma list; `+` joins settings): `plain` (one block an iteration, its table entry, K and V loaded one
-after another), `prefetch` (`PREFETCH_BLOCKS`: the engine's default), `prefetchkv`
-(`PREFETCH_KV`: the next block's K and V loaded while this one computes), `dotf16` (`FP8_KV_DOT_F16`: an
-e4m3 pool's dots in float16), `headsfirst` (`HEADS_FIRST`: a sequence's KV heads as neighbouring programs),
-`tile<N>` (N positions an iteration), `split<N>` (positions split N ways; the engine
+after another), `prefetch` (`PREFETCH_BLOCKS`: the engine's default), `dotf16` (`FP8_KV_DOT_F16`, the
+engine's default: an e4m3 pool's dots in float16; without it, bf16), `cudacores` (`CUDA_CORES`: the products
+on the CUDA cores), `tile<N>` (N positions an iteration), `split<N>` (positions split N ways; the engine
 splits only when the batch leaves SMs idle), `warps<N>` and `stages<N>` (the launch's warps a program and
 pipelining stages), e.g. `plain,prefetch,tile128,prefetch+split2,prefetch+warps8`.
 
@@ -30,7 +29,7 @@ from unittest import mock
 import torch
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-FLAGS = {"prefetch": "prefetch", "prefetchkv": "prefetch_kv", "dotf16": "dot_f16", "headsfirst": "heads_first"}  # variant word -> Variant field
+FLAGS = {"prefetch": "prefetch", "dotf16": "dot_f16", "cudacores": "cuda_cores"}  # variant word -> Variant field
 NUMBERS = {"tile": "tile", "split": "splits", "warps": "warps", "stages": "stages"}  # word<N> -> Variant field
 
 
@@ -38,9 +37,8 @@ NUMBERS = {"tile": "tile", "split": "splits", "warps": "warps", "stages": "stage
 class Variant:
     name: str
     prefetch: bool = False
-    prefetch_kv: bool = False
     dot_f16: bool = False
-    heads_first: bool = False
+    cuda_cores: bool = False
     tile: int | None = None
     splits: int | None = None
     warps: int | None = None
@@ -117,9 +115,8 @@ def variant_settings(variant: Variant) -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(paged_attention, "PREFETCH_BLOCKS", variant.prefetch))
-        stack.enter_context(mock.patch.object(paged_attention, "PREFETCH_KV", variant.prefetch_kv))
         stack.enter_context(mock.patch.object(paged_attention, "FP8_KV_DOT_F16", variant.dot_f16))
-        stack.enter_context(mock.patch.object(paged_attention, "HEADS_FIRST", variant.heads_first))
+        stack.enter_context(mock.patch.object(paged_attention, "CUDA_CORES", variant.cuda_cores))
         if variant.warps is not None:
             stack.enter_context(mock.patch.object(paged_attention, "NUM_WARPS", variant.warps))
         if variant.stages is not None:

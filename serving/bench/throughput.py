@@ -242,10 +242,8 @@ SWITCH_SIDES: dict[str, tuple[str, str, object]] = {
     "paged-unscaled": ("quantize", "PRESCALE_ROWS", False),  # FP8 GEMMs scaling their rows (not the norms, SiLU * up)
     "paged-precise-accum": ("quantize", "FP8_FAST_ACCUM", False),  # fp8 prompt GEMMs promoting to float32 as they go
     "paged-no-prefetch": ("paged_attention", "PREFETCH_BLOCKS", False),  # decode attention: table, K, V in a row
-    "paged-prefetch-kv": ("paged_attention", "PREFETCH_KV", True),  # ... the next block's K and V during this one
-    "paged-fused-combine": ("paged_attention", "FUSED_COMBINE", True),  # ... its last split combining, no 2nd kernel
-    "paged-kv-dot-f16": ("paged_attention", "FP8_KV_DOT_F16", True),  # ... over an e4m3 pool: float16 dots
-    "paged-heads-first": ("paged_attention", "HEADS_FIRST", True),  # ... a sequence's KV heads as neighbour programs
+    "paged-kv-dot-bf16": ("paged_attention", "FP8_KV_DOT_F16", False),  # ... over an e4m3 pool: bf16 dots
+    "paged-cuda-cores": ("paged_attention", "CUDA_CORES", True),  # ... its products on the CUDA cores, no tl.dot
     "paged-pdl": ("paged_decode", "PDL", True),  # decode graphs with programmatic dependent launch
     "paged-sum-adds": ("partials", "ONE_KERNEL", False),  # eager split-K sums as a kernel an add
     "paged-repeat-kv": ("paged_model", "GQA_IN_SDPA", False),  # prompt attention copying K/V per query head

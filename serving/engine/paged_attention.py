@@ -15,20 +15,19 @@ Layout:
 On CUDA (Triton importable) one kernel runs with one program per (sequence, kv head): it loads the G query
 heads once (padded to 16 rows for `tl.dot`) and walks the sequence's blocks through its table row, one block
 of positions per iteration, with an online softmax in float32 (base 2); K/V are read where they lie, never
-copied. fp8 pools are converted to q's dtype in registers after the load (the pointer's element type says
-which; bf16 pools load as before), so `tl.dot` multiplies q's dtype on both sides: the win of an fp8 cache
-here is the bytes read, half of bf16's (`FP8_KV_DOT_F16`, untimed: bf16 queries made float16 instead, which
-e4m3 widens to in one instruction a pair). When the batch leaves the GPU short of programs (fewer than about two
+copied. fp8 pools are converted in registers after the load (the pointer's element type says which; bf16 pools
+load as before): with bf16 queries to float16, q clamped to float16's range (`FP8_KV_DOT_F16`, the default: e4m3
+widens to float16 in one instruction a pair, to bf16 through several; 400 rows of 3,072 e4m3 positions 921
+against 1,104 us on the H200), else to q's dtype, so `tl.dot` multiplies one dtype on both sides, accumulating in
+float32. When the batch leaves the GPU short of programs (fewer than about two
 per SM: batch 1 x 8 KV heads runs 8), each (sequence, kv head)'s blocks are split over `position_splits`
 programs (flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted
-values and log-sum-exp in float32, and a second kernel combines them (or, `FUSED_COMBINE`, untimed, the last
-split program of each pair to finish: an atomic count a pair, reset by that program). The split is by each
+values and log-sum-exp in float32, and a second kernel combines them. The split is by each
 row's own length, read on the device, so a CUDA graph captured at one batch size serves every context length. An iteration
 walks one block, its table entry loaded an iteration ahead and V issued with K (`PREFETCH_BLOCKS`, the
 default: one memory round trip a block instead of three in a row), or a tile of several blocks
 (`TILE_POSITIONS`), each position through its own table entry (slower on the H200: docs/decisions.md).
-`PREFETCH_KV` also loads the next block's K and V before this block's scores, for the e4m3 pool at long
-contexts (54% of the copy bandwidth at 400 rows of 3,072 positions with `PREFETCH_BLOCKS`); untimed. The kernel
+`CUDA_CORES` (untimed, off) forms the products on the CUDA cores in float32 instead of `tl.dot`. The kernel
 needs a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
 runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` (cast to q's dtype) and the masked matmul
 of `model.decode_step`.
@@ -65,26 +64,15 @@ TILE_POSITIONS: int | None = None
 # K, V). H200: 1,024 rows of 192 bf16 positions 197.5 against 206.6 us (96% of the copy bandwidth), 400 rows of
 # 3,072 e4m3 positions 1,102 against 1,225 us (`bench paged-attention`); side `paged-no-prefetch` without it
 PREFETCH_BLOCKS = True
-# with it, the next block's K and V loaded too before this block's scores (two blocks' bytes in flight a
-# program): for the e4m3 pool at long contexts, which reads at 54% of the copy bandwidth with PREFETCH_BLOCKS
-# alone. Untimed, off (bench throughput side `paged-prefetch-kv`, bench paged-attention variant `prefetchkv`)
-PREFETCH_KV = False
-# with splits, the last split program of each (sequence, kv head) to finish combines the splits (an atomic count
-# a pair) instead of a second kernel: one launch fewer a layer where splits run (small batches, batch 1 above
-# all). Untimed, off (bench throughput side `paged-fused-combine`)
-FUSED_COMBINE = False
 # over an e4m3 pool with bf16 queries, the dots in float16 (q clamped to its range, K/V and the probabilities in
 # float16, float32 accumulators): e4m3 widens to float16 in one instruction a pair on sm_89+, to bf16 through
-# several, and the e4m3 kernel is bound by its per-block work, not its bytes. Untimed, off (side
-# `paged-kv-dot-f16`, bench paged-attention variant `dotf16`)
-FP8_KV_DOT_F16 = False
-# the grid's first axis over KV heads, so the programs of one sequence's heads run side by side: a pool block
-# holds a position's heads next to each other (`[block_size, Hkv, hd]`), and walked head-major a program reads
-# 128 bytes of every 1,024 (e4m3, 8 KV heads) while its neighbours read another sequence's block. Untimed, off
-# (side `paged-heads-first`, bench paged-attention variant `headsfirst`)
-HEADS_FIRST = False
-MAX_COUNTED = 1024  # (sequence, kv head) pairs one fused combine counts at most: splits run below ~2 programs an SM
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device, allocated once (captured graphs keep its address)
+# several. H200: 400 rows of 3,072 e4m3 positions 921 against 1,104 us (64% of the copy bandwidth against 54%),
+# 2048/2048 FP8 9,189 against 8,164 output tok/s (same process); side `paged-kv-dot-bf16` without it
+FP8_KV_DOT_F16 = True
+# the scores and the weighted values as float32 products summed on the CUDA cores, without `tl.dot` (whose 16-row
+# minimum pads a 4-head group 4x and moves K, V and the probabilities through shared memory each block).
+# Untimed, off (side `paged-cuda-cores`, bench paged-attention variant `cudacores`)
+CUDA_CORES = False
 # the kernel's launch: warps a program, and software-pipelining stages (None: Triton's default); what the
 # figures ran, for `bench paged-attention` variants to move
 NUM_WARPS = 4
@@ -118,25 +106,19 @@ def kernel_fits(block_size: int, head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, part_ptr, lse_ptr, count_ptr,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, part_ptr, lse_ptr,
                              stride_qb, stride_qh, stride_qg, stride_kblk, stride_kpos, stride_kh,
                              stride_vblk, stride_vpos, stride_vh, stride_tb, qk_scale,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
                              IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                             PREFETCH_KV: tl.constexpr = False, FUSED_COMBINE: tl.constexpr = False,
-                             DOT_F16: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False):
+                             DOT_F16: tl.constexpr = False, CUDA_CORES: tl.constexpr = False):
         if GDC:
             gdc_enter()
-        if HEADS_FIRST:
-            b = tl.program_id(1).to(tl.int64)
-            h = tl.program_id(0).to(tl.int64)
-            n_heads = tl.num_programs(0)
-        else:
-            b = tl.program_id(0).to(tl.int64)
-            h = tl.program_id(1).to(tl.int64)
-            n_heads = tl.num_programs(1)
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
+        n_heads = tl.num_programs(1)
         qk_scale = tl.cast(qk_scale, tl.float32)
         length = tl.load(len_ptr + b).to(tl.int32)
         n_tiles = tl.cdiv(length, TILE)
@@ -149,28 +131,19 @@ if triton is not None:
         g_mask = offs_g < GROUP
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
                     mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
-        if DOT_F16:  # K, V and the probabilities follow q's dtype below
+        if CUDA_CORES:  # products in float32, no tensor cores
+            q = q.to(tl.float32)
+        elif DOT_F16:  # K, V and the probabilities follow q's dtype below
             q = tl.minimum(tl.maximum(q.to(tl.float32), -_F16_MAX), _F16_MAX).to(tl.float16)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         if PREFETCH:  # the first block's table entry; each iteration loads the next one's
             ahead = tl.load(table_ptr + b * stride_tb + first, mask=first < last, other=0).to(tl.int64)
-        if PREFETCH_KV:  # the first block's K and V, and the second block's table entry
-            stop = tl.minimum(length, last * TILE)  # this split's positions end here
-            k_next, v_next = _block_kv(k_ptr, v_ptr, ahead, first * TILE + offs_n, stop, h, offs_n, offs_d,
-                                       stride_kblk, stride_kpos, stride_kh, stride_vblk, stride_vpos, stride_vh)
-            ahead = tl.load(table_ptr + b * stride_tb + first + 1, mask=first + 1 < last, other=0).to(tl.int64)
         for i in range(first, last):
             pos = i * TILE + offs_n
             n_mask = pos < length
-            if PREFETCH_KV:  # this block's K and V came in while the last one computed; the next one's go out now
-                k, v = k_next, v_next
-                k_next, v_next = _block_kv(k_ptr, v_ptr, ahead, pos + TILE, stop, h, offs_n, offs_d,
-                                           stride_kblk, stride_kpos, stride_kh, stride_vblk, stride_vpos, stride_vh)
-                ahead = tl.load(table_ptr + b * stride_tb + i + 2, mask=i + 2 < last, other=0).to(tl.int64)
-                k = k.to(q.dtype)
-            elif TILE == BLOCK_SIZE:  # one block: one table entry
+            if TILE == BLOCK_SIZE:  # one block: one table entry
                 if PREFETCH:
                     block = ahead
                     ahead = tl.load(table_ptr + b * stride_tb + i + 1, mask=i + 1 < last, other=0).to(tl.int64)
@@ -182,12 +155,13 @@ if triton is not None:
                 blocks = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
                 k_rows = blocks * stride_kblk + (pos % BLOCK_SIZE) * stride_kpos
                 v_rows = blocks * stride_vblk + (pos % BLOCK_SIZE) * stride_vpos
-            if not PREFETCH_KV:
-                k = tl.load(k_ptr + k_rows[None, :] + h * stride_kh + offs_d[:, None],
-                            mask=n_mask[None, :], other=0.0).to(q.dtype)  # [HEAD_DIM, TILE]; fp8 pools converted
-            if PREFETCH and not PREFETCH_KV:  # V issued with K
+            k = tl.load(k_ptr + k_rows[None, :] + h * stride_kh + offs_d[:, None],
+                        mask=n_mask[None, :], other=0.0).to(q.dtype)  # [HEAD_DIM, TILE]; fp8 pools converted
+            if PREFETCH:  # V issued with K
                 v = tl.load(v_ptr + v_rows[:, None] + h * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-            if IEEE_DOT:
+            if CUDA_CORES:
+                qk = tl.sum(q[:, :, None] * k[None, :, :], axis=1)
+            elif IEEE_DOT:
                 qk = tl.dot(q, k, input_precision="ieee")
             else:
                 qk = tl.dot(q, k)
@@ -196,10 +170,12 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if not PREFETCH and not PREFETCH_KV:
+            if not PREFETCH:
                 v = tl.load(v_ptr + v_rows[:, None] + h * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
             v = v.to(q.dtype)  # [TILE, HEAD_DIM]
-            if IEEE_DOT:
+            if CUDA_CORES:
+                pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            elif IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
@@ -215,25 +191,6 @@ if triton is not None:
             part = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
             tl.store(part_ptr + (row * GROUP_PAD + offs_g[:, None]) * HEAD_DIM + offs_d[None, :], part)
             tl.store(lse_ptr + row * GROUP_PAD + offs_g, tl.where(seen, m_i + tl.log2(l_i), float("-inf")))
-            if FUSED_COMBINE:  # the last split of (b, h) to finish combines them all: no second kernel
-                tl.debug_barrier()  # every thread's stores above come before the count
-                done = tl.atomic_add(count_ptr + b * n_heads + h, 1, sem="acq_rel")
-                if done == SPLITS - 1:
-                    _combine(part_ptr, lse_ptr, o_ptr, b, h, n_heads, offs_g, offs_d, GROUP, GROUP_PAD, HEAD_DIM,
-                             SPLITS, ".cg")  # .cg: past L1, which may hold another launch's partials
-                    tl.atomic_xchg(count_ptr + b * n_heads + h, 0)  # ready for the next launch (graph replays)
-
-    @triton.jit
-    def _block_kv(k_ptr, v_ptr, block, pos, stop, h, offs_n, offs_d, stride_kblk, stride_kpos, stride_kh,
-                  stride_vblk, stride_vpos, stride_vh):
-        """One block's K [HEAD_DIM, TILE] and V [TILE, HEAD_DIM] as the pools store them, positions from `stop`
-        on as zeros (not read)."""
-        n_mask = pos < stop
-        k = tl.load(k_ptr + block * stride_kblk + offs_n[None, :] * stride_kpos + h * stride_kh + offs_d[:, None],
-                    mask=n_mask[None, :], other=0.0)
-        v = tl.load(v_ptr + block * stride_vblk + offs_n[:, None] * stride_vpos + h * stride_vh + offs_d[None, :],
-                    mask=n_mask[:, None], other=0.0)
-        return k, v
 
     @triton.jit
     def _combine_splits_kernel(part_ptr, lse_ptr, o_ptr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -243,40 +200,26 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         _combine(part_ptr, lse_ptr, o_ptr, b, h, tl.num_programs(1), tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM),
-                 GROUP, GROUP_PAD, HEAD_DIM, SPLITS, "")
+                 GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
 
     @triton.jit
     def _combine(part_ptr, lse_ptr, o_ptr, b, h, n_heads, offs_g, offs_d, GROUP: tl.constexpr,
-                 GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, CACHE: tl.constexpr):
+                 GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
         """(b, h)'s output from its splits' partials and log2-sum-exps."""
         first_row = (b * n_heads + h) * SPLITS
         top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         for s in range(SPLITS):
-            top = tl.maximum(top, tl.load(lse_ptr + (first_row + s) * GROUP_PAD + offs_g, cache_modifier=CACHE))
+            top = tl.maximum(top, tl.load(lse_ptr + (first_row + s) * GROUP_PAD + offs_g))
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         for s in range(SPLITS):
             row = first_row + s
-            w = tl.exp2(tl.load(lse_ptr + row * GROUP_PAD + offs_g, cache_modifier=CACHE) - top)  # 0: an empty split
-            acc += w[:, None] * tl.load(part_ptr + (row * GROUP_PAD + offs_g[:, None]) * HEAD_DIM + offs_d[None, :],
-                                        cache_modifier=CACHE)
+            w = tl.exp2(tl.load(lse_ptr + row * GROUP_PAD + offs_g) - top)  # 0: an empty split
+            acc += w[:, None] * tl.load(part_ptr + (row * GROUP_PAD + offs_g[:, None]) * HEAD_DIM + offs_d[None, :])
             total += w
         out = acc / total[:, None]
         dst = o_ptr + ((b * n_heads + h) * GROUP + offs_g[:, None]) * HEAD_DIM + offs_d[None, :]
         tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None])
-
-
-def split_counters(pairs: int, device: torch.device) -> torch.Tensor | None:
-    """`MAX_COUNTED` int32 counters on `device` for a fused combine of `pairs` (sequence, kv head) pairs, all zero
-    between launches (the combining program resets its pair's), or None (the two-kernel combine runs): more pairs
-    than that, or the first call on the device inside a CUDA-graph capture. One set a device: launches on one
-    stream at a time, as an engine's steps are."""
-    if pairs > MAX_COUNTED:
-        return None
-    counts = _COUNTERS.get(device)
-    if counts is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        counts = _COUNTERS[device] = torch.zeros(MAX_COUNTED, dtype=torch.int32, device=device)
-    return counts
 
 
 def position_splits(bsz: int, n_kv_heads: int, device: torch.device) -> int:
@@ -309,9 +252,8 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     q = q.contiguous()
     out = torch.empty_like(q)
     splits = position_splits(bsz, n_kv_heads, q.device) if splits is None else splits
-    group_pad = max(MIN_ROWS, triton.next_power_of_2(group))
+    group_pad = triton.next_power_of_2(group) if CUDA_CORES else max(MIN_ROWS, triton.next_power_of_2(group))
     part = lse = out  # unused with one split
-    counts = split_counters(bsz * n_kv_heads, q.device) if FUSED_COMBINE and splits > 1 else None
     if dot_f16 is None:
         dot_f16 = FP8_KV_DOT_F16 and q.dtype == torch.bfloat16 and k_pool.dtype == KV_FP8_DTYPE
     one_block = tile == block_size
@@ -319,17 +261,15 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         part = torch.empty(bsz * n_kv_heads * splits, group_pad, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz * n_kv_heads * splits, group_pad, dtype=torch.float32, device=q.device)
     log2e = 1.4426950408889634
-    grid = (n_kv_heads, bsz, splits) if HEADS_FIRST else (bsz, n_kv_heads, splits)
-    _paged_decode_kernel[grid](
-        q, k_pool, v_pool, tables, lengths, out, part, lse, out if counts is None else counts,
+    _paged_decode_kernel[(bsz, n_kv_heads, splits)](
+        q, k_pool, v_pool, tables, lengths, out, part, lse,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
-        IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl),
-        PREFETCH=(PREFETCH_BLOCKS or PREFETCH_KV) and one_block, PREFETCH_KV=PREFETCH_KV and one_block,
-        FUSED_COMBINE=counts is not None, DOT_F16=dot_f16, HEADS_FIRST=HEADS_FIRST,
+        IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), PREFETCH=PREFETCH_BLOCKS and one_block,
+        DOT_F16=dot_f16 and not CUDA_CORES, CUDA_CORES=CUDA_CORES,
         num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
-    if splits > 1 and counts is None:
+    if splits > 1:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
                                                   HEAD_DIM=head_dim, SPLITS=splits, GDC=gdc(pdl), num_warps=4,
                                                   **launch_options(pdl))
