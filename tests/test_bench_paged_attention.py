@@ -54,9 +54,9 @@ def test_variant_settings_move_the_kernels_launch_and_put_it_back():
     from serving.bench.paged_attention_bench import variant_settings
     from serving.engine import paged_attention
 
-    settings = ("PREFETCH_BLOCKS", "FP8_KV_DOT_F16", "CUDA_CORES", "NUM_WARPS", "NUM_STAGES")
+    settings = ("PREFETCH_BLOCKS", "FP8_KV_DOT_F16", "CUDA_CORES", "NUM_WARPS", "FP8_NUM_WARPS", "NUM_STAGES")
     with variant_settings(parse_variant("plain+warps8+stages2")):
-        assert [getattr(paged_attention, name) for name in settings] == [False, False, False, 8, 2]
+        assert [getattr(paged_attention, name) for name in settings] == [False, False, False, 8, 8, 2]
     with variant_settings(parse_variant("prefetch+dotf16+cudacores")):
-        assert [getattr(paged_attention, name) for name in settings] == [True, True, True, 4, None]
-    assert [getattr(paged_attention, name) for name in settings] == [True, True, False, 4, None]  # the defaults
+        assert [getattr(paged_attention, name) for name in settings] == [True, True, True, 4, 2, None]
+    assert [getattr(paged_attention, name) for name in settings] == [True, True, False, 4, 2, None]  # defaults

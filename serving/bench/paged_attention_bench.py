@@ -119,6 +119,7 @@ def variant_settings(variant: Variant) -> Iterator[None]:
         stack.enter_context(mock.patch.object(paged_attention, "CUDA_CORES", variant.cuda_cores))
         if variant.warps is not None:
             stack.enter_context(mock.patch.object(paged_attention, "NUM_WARPS", variant.warps))
+            stack.enter_context(mock.patch.object(paged_attention, "FP8_NUM_WARPS", variant.warps))
         if variant.stages is not None:
             stack.enter_context(mock.patch.object(paged_attention, "NUM_STAGES", variant.stages))
         yield
