@@ -20,7 +20,7 @@ from serving.bench.paged_attention_bench import (
 def test_variants_join_settings_with_plus_and_an_unknown_one_is_refused_by_name():
     assert parse_variant("plain") == Variant("plain")
     assert parse_variant("prefetch+tile64+split2") == Variant("prefetch+tile64+split2", True, tile=64, splits=2)
-    assert parse_variant("cudacores+warps8") == Variant("cudacores+warps8", cuda_cores=True, warps=8)
+    assert parse_variant("dotf16+warps8") == Variant("dotf16+warps8", dot_f16=True, warps=8)
     assert parse_variant("prefetch+dotf16") == Variant("prefetch+dotf16", prefetch=True, dot_f16=True)
     assert parse_variant("warps8+stages3") == Variant("warps8+stages3", warps=8, stages=3)
     for bad in ("fast", "tile", "split0", "prefetch+x", "warpsx"):
@@ -54,9 +54,9 @@ def test_variant_settings_move_the_kernels_launch_and_put_it_back():
     from serving.bench.paged_attention_bench import variant_settings
     from serving.engine import paged_attention
 
-    settings = ("PREFETCH_BLOCKS", "FP8_KV_DOT_F16", "CUDA_CORES", "NUM_WARPS", "FP8_NUM_WARPS", "NUM_STAGES")
+    settings = ("PREFETCH_BLOCKS", "FP8_KV_DOT_F16", "NUM_WARPS", "FP8_NUM_WARPS", "NUM_STAGES")
     with variant_settings(parse_variant("plain+warps8+stages2")):
-        assert [getattr(paged_attention, name) for name in settings] == [False, False, False, 8, 8, 2]
-    with variant_settings(parse_variant("prefetch+dotf16+cudacores")):
-        assert [getattr(paged_attention, name) for name in settings] == [True, True, True, 4, 2, None]
-    assert [getattr(paged_attention, name) for name in settings] == [True, True, False, 4, 2, None]  # defaults
+        assert [getattr(paged_attention, name) for name in settings] == [False, False, 8, 8, 2]
+    with variant_settings(parse_variant("prefetch+dotf16")):
+        assert [getattr(paged_attention, name) for name in settings] == [True, True, 4, 1, None]
+    assert [getattr(paged_attention, name) for name in settings] == [True, True, 4, 1, None]  # the defaults

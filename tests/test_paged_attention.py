@@ -89,27 +89,6 @@ def test_blocks_prefetched_ahead_give_the_reference_result(splits, fp8, prefetch
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_products_on_the_cuda_cores_give_the_reference_result(splits, group, fp8):
-    """`CUDA_CORES` (float32 products summed, no tl.dot, the group unpadded): the reference's result, with and
-    without splits, one or four query heads a KV head, over float32-sized and fp8 pools."""
-    from unittest import mock
-
-    from serving.engine import paged_attention
-
-    q, k, v, tables, lengths = _case(group=group, fill=float("nan"))
-    if fp8:
-        k, v = to_kv_fp8(k), to_kv_fp8(v)
-    scale = 1 / math.sqrt(q.shape[-1])
-    with mock.patch.object(paged_attention, "CUDA_CORES", True):
-        got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
-    want = _naive(q, k.float(), v.float(), tables, lengths, scale)
-    assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
-
-
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
 @pytest.mark.parametrize("group", [1, 4])
 def test_kernel_under_the_interpreter_equals_the_reference(group):
     q, k, v, tables, lengths = _case(group=group, fill=float("nan"))
@@ -290,22 +269,3 @@ def test_kernel_on_cuda_bf16_q_over_fp8_pools_equals_the_reference():
         got = paged_decode_triton(q, k8, v8, tables, lengths, scale, dot_f16=dot_f16).float()
         assert torch.isfinite(got).all()
         assert (got - want).abs().max() < 2e-2 and (got - exact).abs().max() < 2e-2, (dot_f16, (got - exact).abs().max())
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
-def test_products_on_the_cuda_cores_on_cuda_equal_the_reference():
-    """`CUDA_CORES` on the GPU at Llama-8B's head shapes, bf16 queries over bf16 and e4m3 pools, with and without
-    splits: the exact attention over the same pools within bf16 noise."""
-    from unittest import mock
-
-    from serving.engine import paged_attention
-
-    q, k, v, tables, lengths = _case(bsz=64, n_kv=8, group=4, hd=128, block=32,
-                                     lengths=tuple(range(1, 640, 10)), dtype=torch.bfloat16, device="cuda")
-    scale = 1 / math.sqrt(q.shape[-1])
-    for pools, splits in itertools.product(((k, v), (to_kv_fp8(k), to_kv_fp8(v))), (1, 4)):
-        exact = _naive(q, pools[0].float(), pools[1].float(), tables, lengths, scale)
-        with mock.patch.object(paged_attention, "CUDA_CORES", True):
-            got = paged_decode_triton(q, *pools, tables, lengths, scale, splits=splits).float()
-        assert torch.isfinite(got).all() and (got - exact).abs().max() < 2e-2, (pools[0].dtype, splits)

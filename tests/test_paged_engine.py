@@ -511,8 +511,7 @@ def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run(
             assert getattr(engine_module, setting) == value != before, side
         assert getattr(engine_module, setting) == before, side
     assert set(SWITCH_SIDES) == {"paged-repeat-kv", "paged-pdl", "paged-precise-accum", "paged-no-prefetch",
-                                 "paged-unscaled", "paged-sum-adds", "paged-kv-dot-bf16", "paged-cuda-cores",
-                                 "paged-fp8-warps4"}
+                                 "paged-unscaled", "paged-sum-adds", "paged-kv-dot-bf16", "paged-fp8-warps4"}
     check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl",
                  "paged-unscaled", "paged-no-prefetch", "paged-precise-accum", "paged-tile64"))
     with side_context("paged-no-prefetch+tile64"):

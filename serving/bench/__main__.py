@@ -139,8 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pat.add_argument("--rows", type=int, default=400)
     pat.add_argument("--context", type=int, default=3072, help="positions each row attends over")
     pat.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
-    pat.add_argument("--variants", default="prefetch,prefetch+dotf16,prefetch+cudacores,prefetch+dotf16+warps2,"
-                     "dotf16+tile64", help="comma list of plain, prefetch, dotf16, cudacores, tile<N>, split<N>, "
+    pat.add_argument("--variants", default="prefetch,prefetch+dotf16,prefetch+dotf16+warps2,prefetch+dotf16+warps4,"
+                     "dotf16+tile128", help="comma list of plain, prefetch, dotf16, tile<N>, split<N>, "
                      "warps<N>, stages<N>, joined by '+'")
     pat.add_argument("--out", type=Path, default=Path("bench-paged-attention.json"))
     f8p = sub.add_parser("fp8-prefill", help="the fp8 prefill GEMMs (device, eager and host time) and whole "
@@ -173,7 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "partial products summed by a kernel an add, not one kernel), paged-unscaled (its FP8 "
                      "GEMMs scaling their own rows), paged-no-prefetch (its decode attention loading table entry, K and "
                      "V one after the other), paged-kv-dot-bf16 (its decode attention over an e4m3 pool with bf16 dots), "
-                     "paged-cuda-cores (its decode attention's products on the CUDA cores), paged-fp8-warps4 (its "
+                     "paged-fp8-warps4 (its "
                      "decode attention over an e4m3 pool with 4 warps a program), "
                      "paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
                      "paged-tile<N> (its decode attention over N positions an iteration); switch sides join with '+', "

@@ -10,8 +10,7 @@ attention was ~45 of the step's 49 ms where the bytes need ~19 (docs/throughput.
 
 Variants (comma list; `+` joins settings): `plain` (one block an iteration, its table entry, K and V loaded one
 after another), `prefetch` (`PREFETCH_BLOCKS`: the engine's default), `dotf16` (`FP8_KV_DOT_F16`, the
-engine's default: an e4m3 pool's dots in float16; without it, bf16), `cudacores` (`CUDA_CORES`: the products
-on the CUDA cores), `tile<N>` (N positions an iteration), `split<N>` (positions split N ways; the engine
+engine's default: an e4m3 pool's dots in float16; without it, bf16), `tile<N>` (N positions an iteration), `split<N>` (positions split N ways; the engine
 splits only when the batch leaves SMs idle), `warps<N>` and `stages<N>` (the launch's warps a program and
 pipelining stages), e.g. `plain,prefetch,tile128,prefetch+split2,prefetch+warps8`.
 
@@ -29,7 +28,7 @@ from unittest import mock
 import torch
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-FLAGS = {"prefetch": "prefetch", "dotf16": "dot_f16", "cudacores": "cuda_cores"}  # variant word -> Variant field
+FLAGS = {"prefetch": "prefetch", "dotf16": "dot_f16"}  # variant word -> Variant field
 NUMBERS = {"tile": "tile", "split": "splits", "warps": "warps", "stages": "stages"}  # word<N> -> Variant field
 
 
@@ -38,7 +37,6 @@ class Variant:
     name: str
     prefetch: bool = False
     dot_f16: bool = False
-    cuda_cores: bool = False
     tile: int | None = None
     splits: int | None = None
     warps: int | None = None
@@ -116,7 +114,6 @@ def variant_settings(variant: Variant) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(paged_attention, "PREFETCH_BLOCKS", variant.prefetch))
         stack.enter_context(mock.patch.object(paged_attention, "FP8_KV_DOT_F16", variant.dot_f16))
-        stack.enter_context(mock.patch.object(paged_attention, "CUDA_CORES", variant.cuda_cores))
         if variant.warps is not None:
             stack.enter_context(mock.patch.object(paged_attention, "NUM_WARPS", variant.warps))
             stack.enter_context(mock.patch.object(paged_attention, "FP8_NUM_WARPS", variant.warps))

@@ -243,7 +243,6 @@ SWITCH_SIDES: dict[str, tuple[str, str, object]] = {
     "paged-precise-accum": ("quantize", "FP8_FAST_ACCUM", False),  # fp8 prompt GEMMs promoting to float32 as they go
     "paged-no-prefetch": ("paged_attention", "PREFETCH_BLOCKS", False),  # decode attention: table, K, V in a row
     "paged-kv-dot-bf16": ("paged_attention", "FP8_KV_DOT_F16", False),  # ... over an e4m3 pool: bf16 dots
-    "paged-cuda-cores": ("paged_attention", "CUDA_CORES", True),  # ... its products on the CUDA cores, no tl.dot
     "paged-fp8-warps4": ("paged_attention", "FP8_NUM_WARPS", 4),  # ... over an e4m3 pool: 4 warps a program
     "paged-pdl": ("paged_decode", "PDL", True),  # decode graphs with programmatic dependent launch
     "paged-sum-adds": ("partials", "ONE_KERNEL", False),  # eager split-K sums as a kernel an add

@@ -27,7 +27,7 @@ row's own length, read on the device, so a CUDA graph captured at one batch size
 walks one block, its table entry loaded an iteration ahead and V issued with K (`PREFETCH_BLOCKS`, the
 default: one memory round trip a block instead of three in a row), or a tile of several blocks
 (`TILE_POSITIONS`), each position through its own table entry (slower on the H200: docs/decisions.md).
-`CUDA_CORES` (untimed, off) forms the products on the CUDA cores in float32 instead of `tl.dot`. The kernel
+The kernel
 needs a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
 runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` (cast to q's dtype) and the masked matmul
 of `model.decode_step`.
@@ -69,15 +69,13 @@ PREFETCH_BLOCKS = True
 # several. H200: 400 rows of 3,072 e4m3 positions 921 against 1,104 us (64% of the copy bandwidth against 54%),
 # 2048/2048 FP8 9,189 against 8,164 output tok/s (same process); side `paged-kv-dot-bf16` without it
 FP8_KV_DOT_F16 = True
-# the scores and the weighted values as float32 products summed on the CUDA cores, without `tl.dot` (whose 16-row
-# minimum pads a 4-head group 4x and moves K, V and the probabilities through shared memory each block).
-# Untimed, off (side `paged-cuda-cores`, bench paged-attention variant `cudacores`)
-CUDA_CORES = False
 # the kernel's launch: warps a program over a bf16 (or float32) pool and over an e4m3 one, and software-pipelining
 # stages (None: Triton's default); what the figures ran, for `bench paged-attention` variants to move. e4m3 with
-# float16 dots on the H200, 400 rows of 3,072 positions: 797 us with 2 warps, 916 with 4, 1,535 with 8
+# float16 dots on the H200, 400 rows of 3,072 positions: 673 us with 1 warp (88% of the copy bandwidth), 797-804
+# with 2, 916-922 with 4, 1,535 with 8; 2048/2048 FP8 10,698 output tok/s with 1, 9,762 with 2, 9,051 with 4.
+# bf16 1,024 x 192: 197 us with 4 warps, 199 with 2
 NUM_WARPS = 4
-FP8_NUM_WARPS = 2
+FP8_NUM_WARPS = 1
 NUM_STAGES: int | None = None
 
 
@@ -114,7 +112,7 @@ if triton is not None:
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
                              IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                             DOT_F16: tl.constexpr = False, CUDA_CORES: tl.constexpr = False):
+                             DOT_F16: tl.constexpr = False):
         if GDC:
             gdc_enter()
         b = tl.program_id(0).to(tl.int64)
@@ -133,9 +131,7 @@ if triton is not None:
         g_mask = offs_g < GROUP
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
                     mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
-        if CUDA_CORES:  # products in float32, no tensor cores
-            q = q.to(tl.float32)
-        elif DOT_F16:  # K, V and the probabilities follow q's dtype below
+        if DOT_F16:  # K, V and the probabilities follow q's dtype below
             q = tl.minimum(tl.maximum(q.to(tl.float32), -_F16_MAX), _F16_MAX).to(tl.float16)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -161,9 +157,7 @@ if triton is not None:
                         mask=n_mask[None, :], other=0.0).to(q.dtype)  # [HEAD_DIM, TILE]; fp8 pools converted
             if PREFETCH:  # V issued with K
                 v = tl.load(v_ptr + v_rows[:, None] + h * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-            if CUDA_CORES:
-                qk = tl.sum(q[:, :, None] * k[None, :, :], axis=1)
-            elif IEEE_DOT:
+            if IEEE_DOT:
                 qk = tl.dot(q, k, input_precision="ieee")
             else:
                 qk = tl.dot(q, k)
@@ -175,9 +169,7 @@ if triton is not None:
             if not PREFETCH:
                 v = tl.load(v_ptr + v_rows[:, None] + h * stride_vh + offs_d[None, :], mask=n_mask[:, None], other=0.0)
             v = v.to(q.dtype)  # [TILE, HEAD_DIM]
-            if CUDA_CORES:
-                pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            elif IEEE_DOT:
+            if IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
@@ -254,7 +246,7 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     q = q.contiguous()
     out = torch.empty_like(q)
     splits = position_splits(bsz, n_kv_heads, q.device) if splits is None else splits
-    group_pad = triton.next_power_of_2(group) if CUDA_CORES else max(MIN_ROWS, triton.next_power_of_2(group))
+    group_pad = max(MIN_ROWS, triton.next_power_of_2(group))
     part = lse = out  # unused with one split
     if dot_f16 is None:
         dot_f16 = FP8_KV_DOT_F16 and q.dtype == torch.bfloat16 and k_pool.dtype == KV_FP8_DTYPE
@@ -269,7 +261,7 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
         IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), PREFETCH=PREFETCH_BLOCKS and one_block,
-        DOT_F16=dot_f16 and not CUDA_CORES, CUDA_CORES=CUDA_CORES,
+        DOT_F16=dot_f16,
         num_warps=FP8_NUM_WARPS if k_pool.dtype == KV_FP8_DTYPE else NUM_WARPS,
         **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
     if splits > 1:
