@@ -730,9 +730,10 @@ def test_router_bad_weights_fail_initialize(monkeypatch: pytest.MonkeyPatch, tmp
         router_model(monkeypatch, tmp_path, None, '{"1": 0}')
 
 
-def test_idle_senders_default_to_one_per_four_cpus_from_one_to_four() -> None:
-    assert [params_mod.default_idle_senders(n) for n in (1, 2, 7, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
-    assert params_mod.count({}, "idle_senders") == params_mod.default_idle_senders()
+def test_senders_default_to_one_per_four_cpus_from_one_to_four() -> None:
+    assert [params_mod.default_senders(n) for n in (1, 2, 7, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
+    assert params_mod.count({}, "idle_senders") == params_mod.default_senders()
+    assert params_mod.count({}, "busy_senders") == params_mod.default_senders()
     assert params_mod.count({"idle_senders": "3"}, "idle_senders") == 3
 
 

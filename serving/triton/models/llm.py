@@ -40,8 +40,8 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
   first and the final response are never held back; see ``outbox``), ``idle_senders`` (default one per
   four CPUs, 1 to 4: how many threads send at once while the engine is idle, such as the final responses of requests
-  that ended together; see ``outbox``), ``busy_senders`` (default 1: how many threads send while a step
-  computes on the GPU; more for engines whose streams outpace one sender, see ``outbox``), ``admit_gap_ms`` (default 3: an idle engine admits a burst of
+  that ended together; see ``outbox``), ``busy_senders`` (default as ``idle_senders``: how many threads send
+  while a step computes on the GPU, for engines whose streams outpace one sender; see ``outbox``), ``admit_gap_ms`` (default 3: an idle engine admits a burst of
   arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
   at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,
   waiting ones are admitted, in one prefill, at most once every this many decode steps, unless they
