@@ -65,7 +65,7 @@ def make_spec(tmp: Path, name: str, servers: list, *, steps: list[dict], engine_
                                   "metrics_url": s.metrics_url, "grpc_url": s.grpc_url} for s in servers],
                    "device": "cpu", "load_timeout_s": 90, "request_timeout_s": 30, "warmup_requests": warmup_requests,
                    "engine_parameters": engine_parameters or {"engine_loader": "tasks.fault_injection:load_engine"}},
-        "rollout": {"steps": steps, "concurrency": 2, "hold": {"timeout_s": 20, "poll_s": 0.5}, **rollout},
+        "rollout": {"steps": steps, "concurrency": 1, "hold": {"timeout_s": 20, "poll_s": 0.5}, **rollout},
         "work_dir": str(tmp / "work"),
     })
 
