@@ -173,8 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "partial products summed by a kernel an add, not one kernel), paged-unscaled (its FP8 "
                      "GEMMs scaling their own rows), paged-no-prefetch (its decode attention loading table entry, K and "
                      "V one after the other), paged-kv-dot-bf16 (its decode attention over an e4m3 pool with bf16 dots), "
-                     "paged-fp8-warps4 (its "
-                     "decode attention over an e4m3 pool with 4 warps a program), "
+                     "paged-fp8-warps4 (its decode attention over an e4m3 pool with 4 warps a program), "
                      "paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
                      "paged-tile<N> (its decode attention over N positions an iteration); switch sides join with '+', "
                      "e.g. paged-pdl+no-prefetch")
