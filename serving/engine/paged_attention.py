@@ -19,9 +19,9 @@ copied. fp8 pools are converted in registers after the load (the pointer's eleme
 load as before): with bf16 queries to float16, q clamped to float16's range (`FP8_KV_DOT_F16`, the default:
 e4m3 widens to float16 in one instruction a pair, to bf16 through several), else to q's dtype, so `tl.dot`
 multiplies one dtype on both sides, accumulating in float32. A program over an e4m3 pool runs on one warp
-(`FP8_NUM_WARPS`: its scores and softmax never cross warps), over a bf16 pool on four. On the H200, 400 rows of
-3,072 e4m3 positions take 673 us, 88% of the copy bandwidth (1,104 us with bf16 dots on four warps). When the
-batch leaves the GPU short of programs (fewer than about two per SM: batch 1 x 8 KV heads runs 8), each
+(`FP8_NUM_WARPS`: its scores and softmax never cross warps) where the batch fills the GPU, else on four, as over
+a bf16 pool. On the H200, 400 rows of 3,072 e4m3 positions take 673 us, 88% of the copy bandwidth (1,104 us
+with bf16 dots on four warps). When the batch leaves the GPU short of programs (fewer than about two per SM: batch 1 x 8 KV heads runs 8), each
 (sequence, kv head)'s blocks are split over `position_splits` programs (flash-decoding, as
 `decode_attention.py` does for the static cache): each writes its softmax-weighted values and log-sum-exp in
 float32, and a second kernel combines them. The split is by each row's own length, read on the device, so a
@@ -74,6 +74,8 @@ FP8_KV_DOT_F16 = True
 # stages (None: Triton's default); what the figures ran, for `bench paged-attention` variants to move. e4m3 with
 # float16 dots on the H200, 400 rows of 3,072 positions: 673 us with 1 warp (88% of the copy bandwidth), 797-804
 # with 2, 916-922 with 4, 1,535 with 8; 2048/2048 FP8 10,698 output tok/s with 1, 9,762 with 2, 9,051 with 4.
+# Where positions are split (a batch too small to fill the SMs) the programs are few, one warp each would leave
+# the SMs nearly idle, and only 4 warps were ever timed: there e4m3 pools keep NUM_WARPS.
 # bf16 1,024 x 192: 197 us with 4 warps, 199 with 2
 NUM_WARPS = 4
 FP8_NUM_WARPS = 1
@@ -263,7 +265,7 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
         IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), PREFETCH=PREFETCH_BLOCKS and one_block,
         DOT_F16=dot_f16,
-        num_warps=FP8_NUM_WARPS if k_pool.dtype == KV_FP8_DTYPE else NUM_WARPS,
+        num_warps=FP8_NUM_WARPS if k_pool.dtype == KV_FP8_DTYPE and splits == 1 else NUM_WARPS,
         **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
     if splits > 1:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
