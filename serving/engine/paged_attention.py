@@ -21,9 +21,9 @@ e4m3 widens to float16 in one instruction a pair, to bf16 through several), else
 multiplies one dtype on both sides, accumulating in float32. A program over an e4m3 pool runs on one warp
 (`FP8_NUM_WARPS`: its scores and softmax never cross warps) where the batch fills the GPU, else on four, as over
 a bf16 pool. On the H200, 400 rows of 3,072 e4m3 positions take 673 us, 88% of the copy bandwidth (1,104 us
-with bf16 dots on four warps). When the batch leaves the GPU short of programs (fewer than about two per SM: batch 1 x 8 KV heads runs 8), each
-(sequence, kv head)'s blocks are split over `position_splits` programs (flash-decoding, as
-`decode_attention.py` does for the static cache): each writes its softmax-weighted values and log-sum-exp in
+with bf16 dots on four warps). When the batch leaves the GPU short of programs (fewer than about two per SM:
+batch 1 x 8 KV heads runs 8), each (sequence, kv head)'s blocks are split over `position_splits` programs
+(flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted values and log-sum-exp in
 float32, and a second kernel combines them. The split is by each row's own length, read on the device, so a
 CUDA graph captured at one batch size serves every context length. An iteration walks one block, its table
 entry loaded an iteration ahead and V issued with K (`PREFETCH_BLOCKS`, the default: one memory round trip a
@@ -73,10 +73,10 @@ FP8_KV_DOT_F16 = True
 # the kernel's launch: warps a program over a bf16 (or float32) pool and over an e4m3 one, and software-pipelining
 # stages (None: Triton's default); what the figures ran, for `bench paged-attention` variants to move. e4m3 with
 # float16 dots on the H200, 400 rows of 3,072 positions: 673 us with 1 warp (88% of the copy bandwidth), 797-804
-# with 2, 916-922 with 4, 1,535 with 8; 2048/2048 FP8 10,698 output tok/s with 1, 9,762 with 2, 9,051 with 4.
-# Where positions are split (a batch too small to fill the SMs) the programs are few, one warp each would leave
-# the SMs nearly idle, and only 4 warps were ever timed: there e4m3 pools keep NUM_WARPS.
-# bf16 1,024 x 192: 197 us with 4 warps, 199 with 2
+# with 2, 916-922 with 4, 1,535 with 8; 2048/2048 FP8 10,698 output tok/s with 1, 9,762 with 2, 9,051 with 4;
+# bf16 1,024 x 192: 197 us with 4 warps, 199 with 2. Where positions are split (a batch too small to fill the
+# SMs) the programs are few, one warp each would leave the SMs nearly idle, and only 4 warps were ever timed:
+# there e4m3 pools keep NUM_WARPS.
 NUM_WARPS = 4
 FP8_NUM_WARPS = 1
 NUM_STAGES: int | None = None
@@ -196,13 +196,9 @@ if triton is not None:
             gdc_enter()
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
-        _combine(part_ptr, lse_ptr, o_ptr, b, h, tl.num_programs(1), tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM),
-                 GROUP, GROUP_PAD, HEAD_DIM, SPLITS)
-
-    @triton.jit
-    def _combine(part_ptr, lse_ptr, o_ptr, b, h, n_heads, offs_g, offs_d, GROUP: tl.constexpr,
-                 GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
-        """(b, h)'s output from its splits' partials and log2-sum-exps."""
+        n_heads = tl.num_programs(1)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
         first_row = (b * n_heads + h) * SPLITS
         top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         for s in range(SPLITS):
@@ -211,7 +207,7 @@ if triton is not None:
         total = tl.zeros([GROUP_PAD], tl.float32)
         for s in range(SPLITS):
             row = first_row + s
-            w = tl.exp2(tl.load(lse_ptr + row * GROUP_PAD + offs_g) - top)  # 0: an empty split
+            w = tl.exp2(tl.load(lse_ptr + row * GROUP_PAD + offs_g) - top)  # 0 for an empty split
             acc += w[:, None] * tl.load(part_ptr + (row * GROUP_PAD + offs_g[:, None]) * HEAD_DIM + offs_d[None, :])
             total += w
         out = acc / total[:, None]
@@ -253,7 +249,6 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     part = lse = out  # unused with one split
     if dot_f16 is None:
         dot_f16 = FP8_KV_DOT_F16 and q.dtype == torch.bfloat16 and k_pool.dtype == KV_FP8_DTYPE
-    one_block = tile == block_size
     if splits > 1:
         part = torch.empty(bsz * n_kv_heads * splits, group_pad, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz * n_kv_heads * splits, group_pad, dtype=torch.float32, device=q.device)
@@ -263,7 +258,7 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
-        IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), PREFETCH=PREFETCH_BLOCKS and one_block,
+        IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), PREFETCH=PREFETCH_BLOCKS and tile == block_size,
         DOT_F16=dot_f16,
         num_warps=FP8_NUM_WARPS if k_pool.dtype == KV_FP8_DTYPE and splits == 1 else NUM_WARPS,
         **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
