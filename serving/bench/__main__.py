@@ -100,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prof.add_argument("--kv-block", type=int, default=256)
     prof.add_argument("--replays", type=int, default=300,
                       help="timed graph replays per variant")
+    prof.add_argument("--quantization", default="none",
+                      help="the engine's weights quantized as conversion does (none, fp8, int8-weight-only); the floor "
+                      "counts them at their stored precision")
     prof.add_argument("--out", type=Path, default=Path("bench-profile.json"))
     plot = sub.add_parser("plot", help="latency distributions of a served report (PNG)")
     plot.add_argument("--served", type=Path, required=True, help="a `served` report (JSON)")
@@ -282,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         from serving.bench.profile_decode import run_profile
 
         run_profile(args.shape, list(_ints(args.batch)), args.variants.split(","), context=args.context,
-                    kv_block=args.kv_block, replays=args.replays, out_json=args.out)
+                    kv_block=args.kv_block, replays=args.replays, quantization=args.quantization, out_json=args.out)
         return 0
     if args.bench_mode == "sends":
         from serving.bench.send_bench import run_send_bench

@@ -2,7 +2,7 @@
 graph, timed by CUDA events and profiled kernel by kernel (torch.profiler over graph replays).
 
 `python3 -m serving.bench profile --shape llama-3.2-1b --batch 1,64 --compile dynamic,static`
-prints, per variant, the step time against the step's byte floor (weights + filled KV at the copy
+(`--quantization fp8`: the weights quantized in memory as conversion does) prints, per variant, the step time against the step's byte floor (weights + filled KV at the copy
 bandwidth measured in the same run), the GPU time summed over kernels (the rest is launch gaps),
 and the kernels by total time grouped as GEMM / attention / fused (inductor) / other.
 A variant is `<compile>[+<attention>][+skinny][+extra][+unfused][+pdl]`: compile in {eager, dynamic, static},
@@ -157,25 +157,38 @@ def first_step_kernels(kernels: list[Any], per_step: int) -> list[tuple[str, flo
     return [(ev.name[:60], round(ev.device_time_total, 1)) for ev in ordered]
 
 
+def quantized(model: Any, method: str, *, batch: int, max_seq: int) -> tuple[Any, int]:
+    """`model` with its weights quantized by `method` as conversion does, with caches, and the bytes of the
+    weights its decode step reads at their stored precision (the untied embedding table left out)."""
+    from serving.bench.quantized import decode_weight_bytes, quantized_model
+
+    model = quantized_model(model, method)
+    model.setup_caches(batch, max_seq)
+    return model, decode_weight_bytes(model)
+
+
 def run_profile(shape: str, batches: list[int], variants: list[str], *, context: int = 192, kv_block: int = 256,
-                replays: int = 300, out_json: Path | None = None) -> list[dict[str, Any]]:
+                replays: int = 300, quantization: str = "none", out_json: Path | None = None) -> list[dict[str, Any]]:
     from serving.bench.models import kv_bytes_per_token, model_args, weight_bytes
     from serving.bench.offline import copy_bandwidth_gb_s
 
     bw = copy_bandwidth_gb_s()
     args = model_args(shape)
-    model = random_model(shape, batch=max(batches), max_seq=max(kv_block, context + 64))
+    max_seq = max(kv_block, context + 64)
+    model = random_model(shape, batch=max(batches), max_seq=max_seq)
+    step_weights = weight_bytes(args, torch.bfloat16)
+    if quantization != "none":
+        model, step_weights = quantized(model, quantization, batch=max(batches), max_seq=max_seq)
     results = []
     for batch in batches:
-        floor_ms = (weight_bytes(args, torch.bfloat16) + kv_bytes_per_token(args, torch.bfloat16) * batch * context
-                    ) / (bw * 1e9) * 1e3
+        floor_ms = (step_weights + kv_bytes_per_token(args, torch.bfloat16) * batch * context) / (bw * 1e9) * 1e3
         for variant in variants:
             try:
                 r = profile_variant(model, variant=variant, batch=batch, context=context, kv_block=kv_block,
                                     replays=replays)
             except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
                 r = {"variant": variant, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:400]}
-            r.update({"shape": shape, "floor_ms": floor_ms, "bandwidth_gb_s": bw})
+            r.update({"shape": shape, "quantization": quantization, "floor_ms": floor_ms, "bandwidth_gb_s": bw})
             if "step_ms" in r:
                 r["roofline_frac"] = floor_ms / r["step_ms"]
                 print(f"{shape} b={batch} {variant:<16} step {r['step_ms']:.3f} ms (floor {floor_ms:.3f}, "
