@@ -68,9 +68,10 @@ def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_pa
     report = run_served(shape="tiny", clients=clients, lanes=lanes, requests_per_client=per_lane, prompt_len=8,
                         gen_len=gen_len, max_batch_size=8, work=tmp_path, compile_decode=False,
                         paged=PagedKVConfig(block_size=16, num_blocks=64, max_num_tokens=64),
-                        offline_json=tmp_path / "throughput.json")
+                        offline_json=tmp_path / "throughput.json", warmup_lanes=lanes)
     assert json.loads((tmp_path / "engine-paged" / "engine.json").read_text())["paged"]["num_blocks"] == 64
     assert report["n_errors"] == 0, report["errors"]
+    assert report["warmup"]["requests"] == clients * lanes and report["warmup"]["most_in_flight"] > clients
     assert report["requests"] == clients * lanes * per_lane
     assert report["samples"]["tokens"] == [gen_len] * clients * lanes * per_lane
     assert report["most_in_flight"] > clients

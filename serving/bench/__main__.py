@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--offline-json", type=Path, help="an engine-offline report to compare with")
     srv.add_argument("--lanes-per-client", type=int, default=1,
                      help="requests each client keeps in flight on its one stream (clients x lanes in flight)")
+    srv.add_argument("--warmup-lanes", type=int, default=1,
+                     help="requests each client sends at once in the warm-up round (0: as many as its lanes, the "
+                     "timed round's width, so the timed round meets no batch size or pool size for the first time)")
     srv.add_argument("--paged-live", type=int, default=0, help="serve the engine built with a paged KV cache of "
                      "this many live requests (its max_batch_size; 0: the static cache)")
     srv.add_argument("--max-num-tokens", type=int, default=8192, help="the paged engine's tokens per step")
@@ -417,7 +420,8 @@ def run(args: argparse.Namespace) -> int:
                         work=args.work, out_json=args.out, compile_decode=not args.no_compile,
                         wait_for=tuple(args.wait_for), offline_json=args.offline_json,
                         via_stream_router=args.via_stream_router, quantization=args.quantization,
-                        lanes=args.lanes_per_client, paged=_paged(args))
+                        lanes=args.lanes_per_client, warmup_lanes=args.warmup_lanes or args.lanes_per_client,
+                        paged=_paged(args))
     print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "variants")}, indent=1))
     for label, figures in report["variants"].items():
         print(label, json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=1))

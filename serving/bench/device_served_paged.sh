@@ -6,6 +6,8 @@
 #     (decoupled llm model), CLIENTS (16) streaming gRPC clients x LANES (64) requests in flight each, one
 #     request per lane after a warm-up round, set against step 1's figure; one run per variant in $VARIANTS
 #     (`bench served --variant`, e.g. "interval20:stream_interval_ms=20").
+# Env: WARMUP_LANES (requests each client sends at once in the served warm-up round; 0: all its lanes, default 1),
+#      OFFLINE_RUNS (measured offline runs, the last one kept; default 1: a process's first run is ~10% slower).
 # Results under $OUT: steps.log, offline.json/.log, served.json/.log, triton.log.
 set -u
 OUT=${OUT:-/tmp/served-paged-out}
@@ -20,7 +22,8 @@ VENV_PID=$!
 if [ "${OFFLINE:-1}" = 1 ]; then
   timeout "${OFFLINE_S:-200}" python3 -m serving.bench throughput --shape llama-3.1-8b --quantization "$QUANT" \
     --workload 128/128 --requests "${REQUESTS:-1024}" --sides paged --paged-live 1024 --max-num-tokens 16384 \
-    --free-mem-fraction 0.9 --warmup-requests 128 --out "$OUT/offline.json" >"$OUT/offline.log" 2>&1
+    --free-mem-fraction 0.9 --warmup-requests 128 --runs "${OFFLINE_RUNS:-1}" --out "$OUT/offline.json" \
+    >"$OUT/offline.log" 2>&1
   log "offline rc=$?: $(grep -E '^ *paged' "$OUT/offline.log" | cut -c1-300)"
 fi
 # the engine folder built by the image's python (transformers needs its numpy 2; the venv's 1.26 is for the stub)
@@ -39,7 +42,8 @@ for v in ${VARIANTS:-}; do VARIANT_ARGS+=(--variant "$v"); done
   timeout "${SERVED_S:-360}" /tmp/venv/bin/python -m serving.bench served --shape llama-3.1-8b --quantization "$QUANT" \
     --paged-live 1024 --max-num-tokens 16384 --free-mem-fraction "${FRACTION:-0.85}" \
     --clients "${CLIENTS:-16}" --lanes-per-client "${LANES:-64}" --requests-per-client 1 \
-    --prompt-len 128 --gen-len 128 --work "$W" --offline-json "$OUT/offline.json" --out "$OUT/served.json" \
+    --prompt-len 128 --gen-len 128 --warmup-lanes "${WARMUP_LANES:-1}" --work "$W" --offline-json "$OUT/offline.json" \
+    --out "$OUT/served.json" \
     "${VARIANT_ARGS[@]}" ) >"$OUT/served.log" 2>&1
 log "served rc=$?"
 grep -E '"(output_tok_s|served_over_offline_e2e|n_errors|most_in_flight|ttft_ms_p50|ttft_ms_p99|itl_ms_p50|itl_ms_p99|tpot_ms_p50|tokens_per_response|load_s|build_s)"' \

@@ -131,11 +131,12 @@ def model_counters(triton_log: Path, model: str) -> dict[str, dict[str, float]]:
 
 
 def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: int, requests_per_client: int,
-                prompt_len: int, gen_len: int, vocab: int, get_timeout_s: float, lanes: int = 1) -> None:
+                prompt_len: int, gen_len: int, vocab: int, get_timeout_s: float, lanes: int = 1,
+                warmup_lanes: int = 1) -> None:
     """`clients` streaming client processes started together, each with `lanes` requests in flight on its
     stream (`requests_per_client` one after the other per lane); fills `figures` with the served figures
-    and raw samples of the timed requests, after a warm-up round of one request per client (the offline
-    figures leave their warm-up out too), whose figures go under ``warmup``. Interrupted (SIGTERM from a
+    and raw samples of the timed requests, after a warm-up round of `warmup_lanes` requests at once per
+    client (the offline figures leave their warm-up out too), whose figures go under ``warmup``. Interrupted (SIGTERM from a
     time limit), it fills them from the requests done so far, marked ``partial``, stops the clients and
     re-raises."""
     rng = random.Random(0)
@@ -147,8 +148,9 @@ def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: 
     records: list[dict[str, Any]] = []
     try:
         for _ in range(clients):
-            warmup, *prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)]
-                                for _ in range(requests_per_client * lanes + 1)]
+            every = [[rng.randrange(1, vocab) for _ in range(prompt_len)]
+                     for _ in range(requests_per_client * lanes + warmup_lanes)]
+            warmup, prompts = every[:warmup_lanes], every[warmup_lanes:]
             p = ctx.Process(target=stream_client, args=(grpc_url, prompts, gen_len, out, barrier, model, warmup, lanes))
             p.start()
             procs.append(p)
@@ -211,14 +213,15 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                load_timeout_s: float = 420.0, wait_for: tuple[Path, ...] = (), wait_timeout_s: float = 300.0,
                offline_json: Path | None = None, get_timeout_s: float = 300.0,
                via_stream_router: bool = False, quantization: str = "none", paged: PagedKVConfig | None = None,
-               lanes: int = 1) -> dict[str, Any]:
+               lanes: int = 1, warmup_lanes: int = 1) -> dict[str, Any]:
     """Each variant (label, extra parameters of the llm model) is staged as model ``bench_<label>`` and
     measured in turn on one Triton: load, the clients, unload (its counters are read from the log).
     The report holds every variant under ``variants``, and the first one's figures at the top level.
     `wait_for`: files that must exist before the first clients start (another job on the GPU finishing);
     `offline_json`: a `bench_offline_engine` report whose e2e/decode tok/s the served figures are set against,
     or a `bench throughput` report (its paged side's output tok/s); `paged`: serve an engine built with that
-    paged KV cache; `lanes`: requests each client keeps in flight on its stream;
+    paged KV cache; `lanes`: requests each client keeps in flight on its stream; `warmup_lanes`: requests
+    each client sends at once in the warm-up round before the timed one (`lanes`: as wide as the timed round);
     `via_stream_router`: after each variant's clients, the same clients again through the release's
     streaming router (``bench_<label>_stream``, the gray release's name for streams), figures under
     ``via_stream_router``."""
@@ -274,7 +277,8 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                 report["waited_s"] = time.perf_counter() - waited
             before = triton_counters(proc.metrics_url, model)
             run_clients(proc.grpc_url, model, figures, clients=clients, requests_per_client=requests_per_client,
-                        prompt_len=prompt_len, gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s, lanes=lanes)
+                        prompt_len=prompt_len, gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s, lanes=lanes,
+                        warmup_lanes=warmup_lanes)
             after = triton_counters(proc.metrics_url, model)
             figures["triton"] = {name: after[name] - before[name] for name in TRITON_COUNTERS}  # warm-up included
             if offline is not None:
@@ -285,7 +289,8 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                 routed = figures["via_stream_router"] = {}
                 _run_via_stream_router(proc, root, f"{MODEL}_{label}", routed, clients=clients,
                                        requests_per_client=requests_per_client, prompt_len=prompt_len,
-                                       gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s, lanes=lanes)
+                                       gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s, lanes=lanes,
+                                       warmup_lanes=warmup_lanes)
                 routed["over_direct"] = routed["output_tok_s"] / figures["output_tok_s"]
                 if offline is not None:
                     routed["served_over_offline_e2e"] = routed["output_tok_s"] / offline["e2e_tok_s"]

@@ -4,9 +4,10 @@
 together. With `lanes` > 1 the stream carries that many requests at once: the prompts are dealt round-robin
 to `lanes` threads, each sending its own one after the other, and responses are routed to their lane by
 request id (an error without one reaches every lane), so a few processes hold a thousand streams' worth of
-requests in flight. With `warmup`, every client first sends that one prompt and the clients wait for each other
-again: the round is the served counterpart of the offline benchmark's warm-up `generate`, which its
-timing leaves out too. Then each client sends its prompts one after the other (`stream=True`) and puts
+requests in flight. With `warmup`, every client first sends those prompts, one a lane at once, and the clients
+wait for each other again: the round is the served counterpart of the offline benchmark's warm-up, which its
+timing leaves out too (one prompt a client warms the server up lightly; one a lane, at the timed round's width,
+meets every batch size and pool size the timed round will). Then each client sends its prompts one after the other (`stream=True`) and puts
 each request's record on `out` (as a one-item list) as soon as it is done: send time, the arrival time
 and token count of every response (a response carries one token, or several when the server fell
 behind), an error if any, and `warmup: True` on the warm-up's record. `None` on `out` means the client
@@ -56,7 +57,7 @@ def _request(client: Any, events: queue.Queue, model: str, prompt: list[int], ge
 
 
 def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, barrier: Any = None,
-                  model: str = MODEL + "_v1", warmup: list[int] | None = None, lanes: int = 1) -> None:
+                  model: str = MODEL + "_v1", warmup: list[list[int]] | None = None, lanes: int = 1) -> None:
     import tritonclient.grpc as grpcclient
 
     queues: dict[str, queue.Queue] = {str(lane): queue.Queue() for lane in range(lanes)}
@@ -67,24 +68,29 @@ def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, ba
         for name in [lane] if lane in queues else list(queues):
             queues[name].put((at, result, error))
 
-    def run_lane(lane: int) -> None:
-        for i, prompt in enumerate(prompts[lane::lanes]):
-            out.put([_request(client, queues[str(lane)], model, prompt, gen_len, f"{lane}-{i}")])
+    def run_lane(lane: int, round_prompts: list[list[int]], tag: str) -> None:
+        for i, prompt in enumerate(round_prompts[lane::lanes]):
+            record = _request(client, queues[str(lane)], model, prompt, gen_len, f"{lane}-{tag}{i}")
+            out.put([{**record, "warmup": True} if tag else record])
+
+    def run_round(round_prompts: list[list[int]], tag: str = "") -> None:
+        threads = [threading.Thread(target=_guarded, args=(run_lane, lane, out, round_prompts, tag), daemon=True)
+                   for lane in range(min(lanes, len(round_prompts)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=route)
     try:
         if barrier is not None:  # every client connected and imported before the first request
             barrier.wait(timeout=300)
-        if warmup is not None:
-            out.put([{**_request(client, queues["0"], model, warmup, gen_len, "0-warmup"), "warmup": True}])
+        if warmup:
+            run_round(warmup, "warmup")
             if barrier is not None:  # the timed requests start together, after every warm-up
                 barrier.wait(timeout=600)
-        threads = [threading.Thread(target=_guarded, args=(run_lane, lane, out), daemon=True) for lane in range(lanes)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_round(prompts)
     except Exception as exc:  # noqa: BLE001 - reported, never a hang of the parent
         out.put([_failure(exc)])
     finally:
@@ -93,9 +99,9 @@ def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, ba
         out.put(None)
 
 
-def _guarded(run_lane: Any, lane: int, out: Any) -> None:
+def _guarded(run_lane: Any, lane: int, out: Any, *args: Any) -> None:
     try:
-        run_lane(lane)
+        run_lane(lane, *args)
     except Exception as exc:  # noqa: BLE001 - reported, never a hang of the parent
         out.put([_failure(exc)])
 
