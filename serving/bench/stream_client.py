@@ -4,14 +4,14 @@
 together. With `lanes` > 1 the stream carries that many requests at once: the prompts are dealt round-robin
 to `lanes` threads, each sending its own one after the other, and responses are routed to their lane by
 request id (an error without one reaches every lane), so a few processes hold a thousand streams' worth of
-requests in flight. With `warmup`, every client first sends those prompts, one a lane at once, and the clients
-wait for each other again: the round is the served counterpart of the offline benchmark's warm-up, which its
-timing leaves out too (one prompt a client warms the server up lightly; one a lane, at the timed round's width,
-meets every batch size and pool size the timed round will). Then each client sends its prompts one after the other (`stream=True`) and puts
-each request's record on `out` (as a one-item list) as soon as it is done: send time, the arrival time
-and token count of every response (a response carries one token, or several when the server fell
-behind), an error if any, and `warmup: True` on the warm-up's record. `None` on `out` means the client
-has finished.
+requests in flight. With `warmup`, every client first sends those prompts, one a lane at once, and the
+clients wait for each other again: the round is the served counterpart of the offline benchmark's warm-up,
+which its timing leaves out too (one prompt a client warms the server up lightly; one a lane, at the timed
+round's width, meets every batch size and pool size the timed round will). Then each client sends its
+prompts one after the other (`stream=True`) and puts each request's record on `out` (as a one-item list) as
+soon as it is done: send time, the arrival time and token count of every response (a response carries one
+token, or several when the server fell behind), an error if any, and `warmup: True` on the warm-up's
+records. `None` on `out` means the client has finished.
 """
 
 from __future__ import annotations
