@@ -99,11 +99,11 @@ def stream_client(url: str, prompts: list[list[int]], gen_len: int, out: Any, ba
         out.put(None)
 
 
-def _guarded(run_lane: Any, lane: int, out: Any, *args: Any) -> None:
+def _guarded(run_lane: Any, lane: int, out: Any, round_prompts: list[list[int]], tag: str) -> None:
     try:
-        run_lane(lane, *args)
+        run_lane(lane, round_prompts, tag)
     except Exception as exc:  # noqa: BLE001 - reported, never a hang of the parent
-        out.put([_failure(exc)])
+        out.put([{**_failure(exc), "warmup": True} if tag else _failure(exc)])
 
 
 def _failure(exc: BaseException) -> dict[str, Any]:
