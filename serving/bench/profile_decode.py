@@ -2,9 +2,10 @@
 graph, timed by CUDA events and profiled kernel by kernel (torch.profiler over graph replays).
 
 `python3 -m serving.bench profile --shape llama-3.2-1b --batch 1,64 --compile dynamic,static`
-(`--quantization fp8`: the weights quantized in memory as conversion does) prints, per variant, the step time against the step's byte floor (weights + filled KV at the copy
-bandwidth measured in the same run), the GPU time summed over kernels (the rest is launch gaps),
-and the kernels by total time grouped as GEMM / attention / fused (inductor) / other.
+(`--quantization fp8`: the weights quantized in memory as conversion does) prints, per variant, the step
+time against the step's byte floor (weights at their stored precision + filled KV at the copy bandwidth
+measured in the same run), the GPU time summed over kernels (the rest is launch gaps), and the kernels by
+total time grouped as GEMM / attention / fused (inductor) / other.
 A variant is `<compile>[+<attention>][+skinny][+extra][+unfused][+pdl]`: compile in {eager, dynamic, static},
 attention in {matmul, triton} (`serving.engine.decode_attention`), `skinny` for the tuned Triton GEMMs
 (`serving.engine.skinny_gemm`; cuBLAS without it), `extra` for those kernels also at the shapes of

@@ -136,9 +136,9 @@ def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: 
     """`clients` streaming client processes started together, each with `lanes` requests in flight on its
     stream (`requests_per_client` one after the other per lane); fills `figures` with the served figures
     and raw samples of the timed requests, after a warm-up round of `warmup_lanes` requests at once per
-    client (the offline figures leave their warm-up out too), whose figures go under ``warmup``. Interrupted (SIGTERM from a
-    time limit), it fills them from the requests done so far, marked ``partial``, stops the clients and
-    re-raises."""
+    client (the offline figures leave their warm-up out too), whose figures go under ``warmup``.
+    Interrupted (SIGTERM from a time limit), it fills them from the requests done so far, marked
+    ``partial``, stops the clients and re-raises."""
     rng = random.Random(0)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

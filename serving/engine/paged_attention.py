@@ -23,8 +23,8 @@ multiplies one dtype on both sides, accumulating in float32. A program over an e
 a bf16 pool. On the H200, 400 rows of 3,072 e4m3 positions take 673 us, 88% of the copy bandwidth (1,104 us
 with bf16 dots on four warps). When the batch leaves the GPU short of programs (fewer than about two per SM:
 batch 1 x 8 KV heads runs 8), each (sequence, kv head)'s blocks are split over `position_splits` programs
-(flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted values and log-sum-exp in
-float32, and a second kernel combines them. The split is by each row's own length, read on the device, so a
+(flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted values
+and log-sum-exp in float32, and a second kernel combines them. The split is by each row's own length, read on the device, so a
 CUDA graph captured at one batch size serves every context length. An iteration walks one block, its table
 entry loaded an iteration ahead and V issued with K (`PREFETCH_BLOCKS`, the default: one memory round trip a
 block instead of three in a row), or a tile of several blocks (`TILE_POSITIONS`), each position through its own
@@ -258,8 +258,8 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
-        IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), PREFETCH=PREFETCH_BLOCKS and tile == block_size,
-        DOT_F16=dot_f16,
+        IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), DOT_F16=dot_f16,
+        PREFETCH=PREFETCH_BLOCKS and tile == block_size,
         num_warps=FP8_NUM_WARPS if k_pool.dtype == KV_FP8_DTYPE and splits == 1 else NUM_WARPS,
         **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
     if splits > 1:
