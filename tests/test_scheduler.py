@@ -315,6 +315,35 @@ def test_a_burst_at_a_busy_engine_is_admitted_at_once(runner, monkeypatch):
     sched.run_until_idle()
 
 
+@pytest.mark.parametrize("every, second_prompt, admitted_at", [(4, [0, 100], 5), (1, [0, 100], 2),
+                                                            (50, list(range(15)), 2)],
+                         ids=["trickle-held", "every-step", "fills-the-budget"])
+def test_a_busy_paged_engine_admits_a_trickle_at_most_every_admit_every_steps(runner, every, second_prompt,
+                                                                               admitted_at):
+    """One request live, one arrives: a short prompt waits until `admit_every_steps` steps have passed since the
+    last admission (a step with a prompt chunk is launched op by op; a trickle of them would make every step
+    one), one that fills the step's token budget beside the live decode (16 - 1 tokens) joins at the next
+    step; its tokens are the same either way."""
+    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.paged_runner import load_paged_engine
+    from serving.engine.paged_scheduler import PagedScheduler
+
+    engine = load_paged_engine(runner.info.path, device="cpu", config=PagedKVConfig(8, 32, max_num_tokens=16))
+    sched = PagedScheduler(engine, admit_every_steps=every)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    sched.submit(GenRequest(PROMPTS[0], 12, lambda ids, r: got["a"].extend(ids), print))
+    sched.step()
+    sched.submit(GenRequest(second_prompt, 4, lambda ids, r: got["b"].extend(ids), print))
+    steps = 1
+    while sched.stats.admitted < 2:
+        sched.step()
+        steps += 1
+    assert steps == admitted_at and (sched.stats.held > 0) == (admitted_at > 2)
+    sched.run_until_idle()
+    assert got["a"] == runner.generate([PROMPTS[0]], max_new_tokens=12)[0].token_ids
+    assert got["b"] == runner.generate([second_prompt], max_new_tokens=4)[0].token_ids
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5])
 def test_a_bad_admit_every_steps_is_refused_by_name(runner, bad):
     with pytest.raises(ValueError, match=f"admit_every_steps={bad}"):
@@ -411,3 +440,57 @@ def test_work_until_hands_the_wait_to_work_while_when_set(runner):
     sched.work_while = work_while
     sched._work_until(Event())
     assert seen == [True, True, False]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+def test_an_asynchronous_loop_launches_every_step_holding_the_lock_the_intake_waits_for(runner, paged, monkeypatch):
+    """On CUDA (here: a loop told it is not synchronous) every launch of a step (prefill, decode, a paged
+    mixed step) runs inside `launching()`, and `between_launches()` (Triton's request intake) waits while it
+    is held; a synchronous loop (the CPU's) and `exclusive_launch = False` take no lock at all."""
+    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.paged_runner import load_paged_engine
+    from serving.engine.paged_scheduler import PagedScheduler
+
+    if paged:
+        engine = load_paged_engine(runner.info.path, device="cpu", config=PagedKVConfig(8, 16, max_num_tokens=16))
+        make, launches = PagedScheduler, ("forward", "forward_ahead")
+    else:
+        engine, make, launches = runner, Scheduler, ("prefill", "decode_inplace")
+    monkeypatch.setattr(make, "synchronous", property(lambda self: False))
+    sched = make(engine)
+    held: list[bool] = []
+    for name in launches:
+        launch = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda *a, _launch=launch, **k: held.append(sched._launch_lock.locked())
+                            or _launch(*a, **k))
+    out = collect(sched, PROMPTS[:2], max_tokens=3) if not paged else None
+    if paged:
+        done: list[str] = []
+        for prompt in PROMPTS[:2]:
+            sched.submit(GenRequest(prompt, 3, lambda ids, r: r and done.append(r), lambda e: None))
+        sched.run_until_idle()
+        assert done == ["length", "length"]
+    else:
+        assert [len(ids) for ids, _ in out] == [3, 3]
+    assert len(held) >= 3 and all(held), held
+
+    entered = threading.Event()
+
+    def intake() -> None:
+        with sched.between_launches():
+            entered.set()
+
+    with sched.launching():
+        thread = threading.Thread(target=intake)
+        thread.start()
+        assert not entered.wait(0.2), "the intake ran while a step launched"
+    assert entered.wait(5)
+    thread.join(5)
+    sched.exclusive_launch = False
+    with sched.launching(), sched.between_launches():
+        pass  # no lock: this would deadlock otherwise
+    monkeypatch.undo()
+    cpu = make(engine)
+    assert cpu.synchronous
+    with cpu.launching(), cpu.between_launches():
+        pass

@@ -6,7 +6,11 @@ Each step computes at most `max_num_tokens` tokens for at most `max_live` live r
 1. the live requests, oldest first: a decoding request its one token, a request still prefilling the next
    chunk of its prompt (as much of it as the budget has left);
 2. waiting requests, first come first served, while the budget, the live cap and the free blocks allow:
-   the first chunk of each prompt.
+   the first chunk of each prompt. While requests are live, waiting ones join at most once every
+   `admit_every_steps` steps, unless those the live cap lets in would fill the step's token budget
+   (`_admission_due`): a step with a prompt chunk in it is launched op by op from Python (a decode-only step
+   is one CUDA graph), so closed-loop clients whose requests end a few at a time, each joining at the next
+   step, turn most steps into slow mixed ones.
 
 Blocks are taken as a request's positions grow (`blocks_for(positions, block_size)`) and given back when
 it finishes. A request is admitted only while its first chunk's blocks, plus one block in reserve for
@@ -50,6 +54,7 @@ Imports: stdlib and torch only.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -108,6 +113,7 @@ class PagedStats:
     failed: int = 0
     cancelled: int = 0
     preempted: int = 0
+    held: int = 0  # planned steps at which waiting requests were held back (`admit_every_steps`)
     tokens: int = 0  # delivered
     prefill_tokens: int = 0  # computed in chunks of more than one token, or a prompt's single last token
     decode_tokens: int = 0
@@ -135,9 +141,11 @@ class PagedScheduler(SchedulerLoop):
     def __init__(self, runner: Any, *, idle_wait_s: float = 0.05,
                  on_error: Callable[[str], None] | None = None,
                  while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
-                 admit_gap_s: float = 0.0, max_waiting: int | None = None, step_ahead: bool = True) -> None:
+                 admit_gap_s: float = 0.0, max_waiting: int | None = None, step_ahead: bool = True,
+                 admit_every_steps: int = 1) -> None:
         super().__init__(runner, idle_wait_s=idle_wait_s, on_error=on_error, while_waiting=while_waiting,
-                         drain=drain, admit_gap_s=admit_gap_s, max_waiting=max_waiting)
+                         drain=drain, admit_gap_s=admit_gap_s, max_waiting=max_waiting,
+                         admit_every_steps=admit_every_steps)
         self.step_ahead = step_ahead and hasattr(runner, "forward_ahead")
         self.ahead: _Ahead | None = None
         self.max_live = self.capacity = runner.max_live
@@ -186,6 +194,7 @@ class PagedScheduler(SchedulerLoop):
         """Plan one step under the token budget, run it, deliver the tokens it sampled. One step ahead: while
         only decodes run, launch the next step from the device's samples, then deliver the previous one's."""
         started = time.perf_counter()
+        self.steps_since_admit += 1
         if self.ahead is not None:
             rows = self._next_ahead_rows(self.ahead)
             if rows:
@@ -218,7 +227,10 @@ class PagedScheduler(SchedulerLoop):
                 continue
             plan.append((seq, n))
             budget -= n
-        while budget and not preempted and len(self.running) < self.max_live:
+        with self.cond:
+            admitting = self._admission_due(len(self.running))
+            self.stats.held += bool(self.waiting) and not admitting
+        while admitting and budget and not preempted and len(self.running) < self.max_live:
             with self.cond:
                 if not self.waiting:
                     break
@@ -232,9 +244,22 @@ class PagedScheduler(SchedulerLoop):
             seq.live = True
             self.running.append(seq)
             self.stats.admitted += 1
+            self.steps_since_admit = 0
             plan.append((seq, n))
             budget -= n
         return plan
+
+    def _admission_due(self, live: int) -> bool:
+        """Whether waiting requests may join now (`cond` held): none live, `admit_every_steps` steps since the
+        last admission, or the prompts the live cap lets in fill what the budget leaves beside the decodes."""
+        if live == 0 or self.steps_since_admit >= self.admit_every_steps:
+            return True
+        room, tokens = self.max_num_tokens - live, 0
+        for seq in itertools.islice(self.waiting, self.max_live - live):
+            tokens += seq.remaining
+            if tokens >= room:
+                return True
+        return False
 
     def _grow(self, seq: _Seq, positions: int) -> bool:
         """Give `seq` the blocks for `positions`, preempting the newest live requests while none are free.
@@ -265,11 +290,13 @@ class PagedScheduler(SchedulerLoop):
                 and all(n == 1 for _, n in plan) and self._nothing_needs_the_tokens())
 
     def _nothing_needs_the_tokens(self) -> bool:
-        """No live request wants log-probs (read on the host at once) and nothing waiting could be admitted."""
+        """No live request wants log-probs (read on the host at once) and nothing waiting could be admitted
+        (or may be yet: `admit_every_steps`)."""
         if any(isinstance(seq.req, PagedRequest) and seq.req.on_logprobs is not None for seq in self.running):
             return False
         with self.cond:
-            return not self.waiting or len(self.running) >= self.max_live
+            return (not self.waiting or len(self.running) >= self.max_live
+                    or not self._admission_due(len(self.running)))
 
     def _next_ahead_rows(self, ahead: _Ahead) -> list[_Seq]:
         """The requests the step after `ahead` decodes, launched before its tokens are read: every one still
@@ -313,8 +340,9 @@ class PagedScheduler(SchedulerLoop):
             for seq in rows:
                 self._grow(seq, seq.computed + 1)  # never preempts: `_next_ahead_rows` counted the free blocks
             chunks: list[ChunkPlan] = [([0], seq.computed, seq.blocks) for seq in rows]
-            logits = self.runner.forward_ahead(chunks, prev.tokens, [where[id(seq)] for seq in rows])
-            self.ahead = self._launch_unread(rows, logits)
+            with self.launching():
+                logits = self.runner.forward_ahead(chunks, prev.tokens, [where[id(seq)] for seq in rows])
+                self.ahead = self._launch_unread(rows, logits)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
             self.ahead = None
             self._fail(list(prev.seqs), exc)
@@ -346,7 +374,8 @@ class PagedScheduler(SchedulerLoop):
         if self._may_run_ahead(plan, sampling):
             started = time.perf_counter()
             try:
-                self.ahead = self._launch_unread([seq for seq, _ in plan], self.runner.forward(chunks, sampling))
+                with self.launching():
+                    self.ahead = self._launch_unread([seq for seq, _ in plan], self.runner.forward(chunks, sampling))
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
                 self._fail([seq for seq, _ in plan], exc)
             self.stats.forward_s += time.perf_counter() - started
@@ -355,14 +384,16 @@ class PagedScheduler(SchedulerLoop):
         self.stats.largest_batch = max(self.stats.largest_batch, len(plan))
         started = time.perf_counter()
         try:
-            logits = self.runner.forward(chunks, sampling)  # [N, V]
             lives = [plan[i][0] for i in sampling]
-            tokens = self._sample(logits, lives)
+            with self.launching():
+                logits = self.runner.forward(chunks, sampling)  # [N, V]
+                tokens = self._sample(logits, lives)
+                ready = torch.cuda.Event() if tokens.is_cuda else None
+                if ready is not None:
+                    ready.record()
             extras = self._logprobs(logits, tokens, lives)
             waiting = time.perf_counter()
-            if tokens.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
+            if ready is not None:
                 self._work_until(ready)
             token_list = tokens.tolist()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on

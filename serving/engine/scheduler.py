@@ -85,7 +85,6 @@ from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabu
 )
 
 HOST_BUFFERS = 4
-WAITING_SERVED_RATIO = 1.2  # waiting / live at which a busy engine admits at once (text-generation-inference's)
 
 
 @dataclass(eq=False)
@@ -140,11 +139,8 @@ class Scheduler(SchedulerLoop):
                  while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
                  admit_gap_s: float = 0.0, max_waiting: int | None = None, admit_every_steps: int = 1) -> None:
         super().__init__(runner, idle_wait_s=idle_wait_s, on_error=on_error, while_waiting=while_waiting,
-                         drain=drain, admit_gap_s=admit_gap_s, max_waiting=max_waiting)
-        if not isinstance(admit_every_steps, int) or admit_every_steps < 1:
-            raise ValueError(f"admit_every_steps={admit_every_steps!r} must be an integer >= 1")
-        self.admit_every_steps = admit_every_steps
-        self.steps_since_admit = admit_every_steps  # steps since the last admission
+                         drain=drain, admit_gap_s=admit_gap_s, max_waiting=max_waiting,
+                         admit_every_steps=admit_every_steps)
         self.max_slots = self.capacity = int(runner.info.limits.max_batch_size)
         self.max_prefill_tokens = max(max_prefill_tokens, self.max_input_len)
         self.slots: list[_Live | None] = [None] * self.max_slots
@@ -180,8 +176,9 @@ class Scheduler(SchedulerLoop):
         started = time.perf_counter()
         if self.cancels_pending:
             self._apply_cancels()
-        self._admit()  # the admitted join this very decode step (their first token comes from prefill)
-        launched = self._launch_decode()
+        with self.launching():
+            self._admit()  # the admitted join this very decode step (their first token comes from prefill)
+            launched = self._launch_decode()
         self.steps_since_admit += 1
         queued = time.perf_counter()
         while len(self.inflight) > (1 if launched else 0):
@@ -207,18 +204,12 @@ class Scheduler(SchedulerLoop):
         return (not live.finished and live.launched < live.req.max_tokens
                 and live.next_pos + 1 < self.max_seq_len)
 
-    def _admission_due(self) -> bool:
-        """Whether waiting requests may be admitted now (`cond` held): see `admit_every_steps` above."""
-        live = self.live
-        return (live == 0 or self.steps_since_admit >= self.admit_every_steps
-                or len(self.waiting) >= WAITING_SERVED_RATIO * live)
-
     def _admit(self) -> None:
         free = [i for i, s in enumerate(self.slots) if s is None]
         batch: list[tuple[int, GenRequest]] = []
         budget = self.max_prefill_tokens
         with self.cond:
-            if not self._admission_due():
+            if not self._admission_due(self.live):
                 self.stats.held += bool(self.waiting)
                 return
             while self.waiting and len(batch) < len(free) and len(self.waiting[0].prompt_ids) <= budget:

@@ -17,6 +17,15 @@ launch and deliver; what a caller sees is the same and lives here once:
   nothing left; whenever the loop goes idle, `drain()` (or `while_waiting` until done). An idle loop with
   `admit_gap_s` lets a burst of arrivals finish before stepping (at most GATHER_MAX_GAPS gaps, or until
   the burst fills `capacity`), so the burst is admitted together and decodes in step;
+- `admit_every_steps` (1: every step) is for arrivals at a busy engine: while requests are live, waiting ones
+  are admitted at most once every that many steps, unless they outnumber the live ones by WAITING_SERVED_RATIO
+  (`_admission_due`; the schedulers' docs say why each needs it);
+- `launching()` (the loop's thread, around launching a step) and `between_launches()` (any other thread, around
+  Python work that can wait a few milliseconds, such as Triton's request intake) share one lock on CUDA: a
+  step's eager launches give the interpreter lock up at every torch op, and while another thread runs Python
+  each launch waits up to the switch interval to win it back (hundreds of ops a prompt step), so the GPU
+  waited for the host. Off CUDA (`synchronous`) a step is its own compute and neither takes the lock;
+  `exclusive_launch = False` turns it off;
 - `stop()`: ends the loop, fails what is still waiting or live with `SchedulerStopped`, joins the thread;
   `run_until_idle()`: steps on the caller's thread until nothing waits or lives (tests, offline use).
 
@@ -33,6 +42,7 @@ Imports: stdlib and torch only (through the sampling parameters).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
 import time
@@ -44,6 +54,7 @@ from serving.engine.errors import EngineError, EngineLimitError
 from serving.engine.sampling import SamplingParams
 
 GATHER_MAX_GAPS = 10  # an idle engine waits for a burst of arrivals at most this many `admit_gap_s`
+WAITING_SERVED_RATIO = 1.2  # waiting / live at which a busy engine admits at once (text-generation-inference's)
 Emit = Callable[[list[int], "str | None"], None]
 Fail = Callable[[BaseException], None]
 
@@ -86,9 +97,13 @@ class SchedulerLoop:
 
     def __init__(self, runner: Any, *, idle_wait_s: float, on_error: Callable[[str], None] | None,
                  while_waiting: Callable[[], bool] | None, drain: Callable[[], None] | None,
-                 admit_gap_s: float, max_waiting: int | None) -> None:
+                 admit_gap_s: float, max_waiting: int | None, admit_every_steps: int = 1) -> None:
         if not admit_gap_s >= 0.0:
             raise ValueError(f"admit_gap_s={admit_gap_s!r} must be >= 0")
+        if not isinstance(admit_every_steps, int) or admit_every_steps < 1:
+            raise ValueError(f"admit_every_steps={admit_every_steps!r} must be an integer >= 1")
+        self.admit_every_steps = admit_every_steps
+        self.steps_since_admit = admit_every_steps  # steps since the last admission
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"{self.MAX_WAITING_SETTING}={max_waiting!r} must be >= 1 (or None: no limit)")
         self.runner = runner
@@ -98,6 +113,8 @@ class SchedulerLoop:
         # optional: `work_while(busy)` does the other work itself while `busy()` (a step computes), on as many
         # threads as it likes; set by Triton's llm model for several senders (Outbox.send_while)
         self.work_while: Callable[[Callable[[], bool]], None] | None = None
+        self.exclusive_launch = True  # see `launching`
+        self._launch_lock = threading.Lock()
         self.drain = drain
         limits = runner.info.limits
         self.max_input_len = int(limits.max_input_len)
@@ -140,6 +157,11 @@ class SchedulerLoop:
     def _request_of(self, item: Any) -> GenRequest:
         return item
 
+    def _admission_due(self, live: int) -> bool:
+        """Whether waiting requests may be admitted now, with `live` requests live (`cond` held)."""
+        return (live == 0 or self.steps_since_admit >= self.admit_every_steps
+                or len(self.waiting) >= WAITING_SERVED_RATIO * live)
+
     # -- submission (any thread) --------------------------------------------------------------
     def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
         """Raise EngineLimitError naming the value and the limit when the engine cannot serve it."""
@@ -156,6 +178,15 @@ class SchedulerLoop:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise EngineLimitError(f"token ids {bad[:5]} outside [0, vocab_size={self.vocab_size})")
+
+    def launching(self) -> contextlib.AbstractContextManager[Any]:
+        """Held by the loop's thread while it launches a step on CUDA (see the module doc)."""
+        return self._launch_lock if self.exclusive_launch and not self.synchronous else contextlib.nullcontext()
+
+    def between_launches(self) -> contextlib.AbstractContextManager[Any]:
+        """Held by another thread around Python work that may wait for a launch to finish (never while holding
+        anything the loop's thread takes first: `cond`, a request's callbacks' locks)."""
+        return self.launching()
 
     def submit(self, req: GenRequest) -> None:
         """Queue a request (checked first: a bad one raises here, nothing is queued)."""

@@ -36,7 +36,9 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   programmatic dependent launch on Hopper and later, `serving.engine.cuda_graphs`), ``warmup`` ("false" to skip
   capturing graphs and running the first, cold prefills at load), ``gil_switch_interval_ms`` (default
   0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
-  engine thread waits for it),
+  engine thread waits for it), ``exclusive_launch`` (default "true": on CUDA the request intake waits while
+  the engine thread launches a step, instead of making each of its launches wait for the GIL;
+  ``SchedulerLoop.launching``),
   ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
   first and the final response are never held back; see ``outbox``), ``idle_senders`` (default one per
   four CPUs, 1 to 4: how many threads send at once while the engine is idle, such as the final responses of requests
@@ -45,7 +47,7 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
   at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,
   waiting ones are admitted, in one prefill, at most once every this many decode steps, unless they
-  outnumber the live ones; static KV cache engines; see ``serving.engine.scheduler``).
+  outnumber the live ones; see ``serving.engine.scheduler`` and ``serving.engine.paged_scheduler``).
 """
 
 from __future__ import annotations
@@ -246,6 +248,20 @@ def _getter(request: Any) -> Callable[[str], np.ndarray | None]:
     return get
 
 
+@dataclasses.dataclass
+class IntakeStats:
+    """Decoupled requests parsed and handed to the scheduler on Triton's thread (`execute`)."""
+
+    requests: int = 0
+    seconds: float = 0.0
+    longest_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.requests += 1
+        self.seconds += seconds
+        self.longest_s = max(self.longest_s, seconds)
+
+
 class EngineThread:
     """The engine loop on its own thread: prepare (compile, capture graphs), then the scheduler forever."""
 
@@ -254,8 +270,9 @@ class EngineThread:
                  drain: Callable[[], None] | None = None,
                  work_while: Callable[[Callable[[], bool]], None] | None = None, admit_gap_s: float = 0.0,
                  decode_pdl: bool = True, compile_cache_root: Path | None = None,
-                 compile_cache_pruning: Any = None, admit_every_steps: int = 1) -> None:
+                 compile_cache_pruning: Any = None, admit_every_steps: int = 1, exclusive_launch: bool = True) -> None:
         self.runner = runner
+        self.exclusive_launch = exclusive_launch
         self.admit_every_steps = admit_every_steps
         self.compile_cache_root = compile_cache_root
         self.compile_cache_pruning = compile_cache_pruning  # compile_cache_prune.Pruning: after the compile
@@ -296,11 +313,11 @@ class EngineThread:
                 self.runner.warm_up_prefill()
             graphs = getattr(self.runner, "graphs", None)
             # a paged engine (engine_loader serving.engine.paged_runner:load_paged_engine) brings its own scheduler
-            make = (self.runner.scheduler if isinstance(self.runner, PagedRunner)
-                    else partial(Scheduler, self.runner, admit_every_steps=self.admit_every_steps))
+            make = self.runner.scheduler if isinstance(self.runner, PagedRunner) else partial(Scheduler, self.runner)
             self.scheduler = make(on_error=self.log.error, while_waiting=self.while_waiting, drain=self.drain,
-                                  admit_gap_s=self.admit_gap_s)
+                                  admit_gap_s=self.admit_gap_s, admit_every_steps=self.admit_every_steps)
             self.scheduler.work_while = self.work_while
+            self.scheduler.exclusive_launch = self.exclusive_launch
             self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
                           f"{self.compile_decode}, decode_pdl={self.decode_pdl}, admit_every_steps={self.admit_every_steps}, "
                           f"graphs={'yes' if graphs is not None else 'no'})")
@@ -394,6 +411,7 @@ class TritonPythonModel:
         self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else flag(params, "decoupled")
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
+        self.intake = IntakeStats()
         if self.decoupled:
             # without a short switch interval another thread can hold the GIL for 5 ms (CPython's
             # default) while the engine thread waits to launch the next step
@@ -414,6 +432,7 @@ class TritonPythonModel:
                                               admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3,
                                               admit_every_steps=count(params, "admit_every_steps"),
                                               decode_pdl=flag(params, "decode_pdl"),
+                                              exclusive_launch=flag(params, "exclusive_launch"),
                                               compile_cache_root=cache_root(params.get("compile_cache_dir"),
                                                                             Path(args["model_repository"])),
                                               compile_cache_pruning=pruning_for(params.get("compile_cache_dir"),
@@ -538,8 +557,12 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
         if getattr(self, "decoupled", False):
+            scheduler = self.engine_thread.scheduler
             for i, request in enumerate(requests):
-                self._submit(i, request)
+                with scheduler.between_launches():  # never while the engine thread launches a step
+                    started = time.perf_counter()
+                    self._submit(i, request)
+                    self.intake.add(time.perf_counter() - started)
             return None
         started = time.monotonic()
         responses: list[Any] = [None] * len(requests)
@@ -581,7 +604,7 @@ class TritonPythonModel:
         if outbox is not None:
             outbox.flush()  # the engine thread has stopped: whatever it had not sent yet
             outbox.close()
-            self.log.info(f"responses sent: {outbox.stats}")
+            self.log.info(f"responses sent: {outbox.stats}; intake: {self.intake}")
             self.outbox = None
         host = getattr(self, "host", None)
         if host is not None:

@@ -36,6 +36,7 @@ BOOLEAN_PARAMETERS: dict[str, bool] = {
     "decoupled": False,
     "compile_decode": False,
     "decode_pdl": True,
+    "exclusive_launch": True,
     "warmup": True,
 }
 TRUE_WORDS = ("1", "true", "yes", "on")
