@@ -75,6 +75,10 @@ def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_pa
     assert report["requests"] == clients * lanes * per_lane
     assert report["samples"]["tokens"] == [gen_len] * clients * lanes * per_lane
     assert report["most_in_flight"] > clients
+    # the paged scheduler's and the request intake's counters, read back from Triton's log at the unload
+    served = clients * lanes * (per_lane + 1)  # the warm-up round sends every lane too
+    assert report["counters"]["scheduler"]["tokens"] == served * gen_len
+    assert report["counters"]["intake"]["requests"] == served and report["counters"]["intake"]["seconds"] > 0
     assert report["served_over_offline_e2e"] == pytest.approx(report["output_tok_s"] / 100.0)
     assert most_in_flight([(0, 2), (1, 3), (2.5, 4)]) == 2 and most_in_flight([]) == 0
     with pytest.raises(ValueError, match="no paged side"):

@@ -122,8 +122,9 @@ def model_counters(triton_log: Path, model: str) -> dict[str, dict[str, float]]:
     """The scheduler's and the outbox's counters that model `model` logged when it was unloaded."""
     counters: dict[str, dict[str, float]] = {}
     text = triton_log.read_text(errors="replace") if triton_log.is_file() else ""
-    for kind, pattern in (("scheduler", r"scheduler SchedulerStats\((.*?)\)"),
-                          ("outbox", r"responses sent: OutboxStats\((.*?)\)")):
+    for kind, pattern in (("scheduler", r"scheduler (?:Scheduler|Paged)Stats\((.*?)\)"),
+                          ("outbox", r"responses sent: OutboxStats\((.*?)\)"),
+                          ("intake", r"intake: IntakeStats\((.*?)\)")):
         found = re.findall(rf"\[{re.escape(model)} v\d+\][^\n]*?{pattern}", text)
         if found:
             counters[kind] = {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.e+]+)", found[-1])}

@@ -74,6 +74,7 @@ class ThroughputConfig:
     quantization: str = "none"  # engine.quantization of the weights both sides share
     kv_cache_dtype: str = "auto"  # the paged pool's paged.kv_cache_dtype ("fp8": e4m3 K/V)
     max_seq_len: int | None = None  # the engines' limits.max_seq_len (None: the longest request + 1)
+    admit_every_steps: int = 8  # the schedulers' admission rule, the served llm model's default
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
 
@@ -372,8 +373,8 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
     for side in cfg.sides:
         runner = static if side == "static" else paged
         ahead = side != SYNC_SIDE
-        make = (lambda r=runner: Scheduler(r)) if side == "static" else \
-            (lambda r=runner, a=ahead: PagedScheduler(r, step_ahead=a))
+        make = (lambda r=runner: Scheduler(r, admit_every_steps=cfg.admit_every_steps)) if side == "static" else \
+            (lambda r=runner, a=ahead: PagedScheduler(r, step_ahead=a, admit_every_steps=cfg.admit_every_steps))
         t0 = time.perf_counter()
         with side_context(side):
             if side == "static" and runner.graphs is not None:
