@@ -79,6 +79,10 @@ def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_pa
     served = clients * lanes * (per_lane + 1)  # the warm-up round sends every lane too
     assert report["counters"]["scheduler"]["tokens"] == served * gen_len
     assert report["counters"]["intake"]["requests"] == served and report["counters"]["intake"]["seconds"] > 0
+    first = report["counters"]["first_tokens"]  # every request's first response, its stages in order
+    assert first["requests"] == served
+    assert 0 <= first["wait_ms_p50"] <= first["wait_ms_p99"] and 0 < first["engine_ms_p50"] <= first["engine_ms_p99"]
+    assert 0 <= first["send_ms_p50"] <= first["send_ms_p99"]
     assert report["served_over_offline_e2e"] == pytest.approx(report["output_tok_s"] / 100.0)
     assert most_in_flight([(0, 2), (1, 3), (2.5, 4)]) == 2 and most_in_flight([]) == 0
     with pytest.raises(ValueError, match="no paged side"):

@@ -124,7 +124,8 @@ def model_counters(triton_log: Path, model: str) -> dict[str, dict[str, float]]:
     text = triton_log.read_text(errors="replace") if triton_log.is_file() else ""
     for kind, pattern in (("scheduler", r"scheduler (?:Scheduler|Paged)Stats\((.*?)\)"),
                           ("outbox", r"responses sent: OutboxStats\((.*?)\)"),
-                          ("intake", r"intake: IntakeStats\((.*?)\)")):
+                          ("intake", r"intake: IntakeStats\((.*?)\)"),
+                          ("first_tokens", r"first tokens: FirstTokenStats\((.*?)\)")):
         found = re.findall(rf"\[{re.escape(model)} v\d+\][^\n]*?{pattern}", text)
         if found:
             counters[kind] = {k: float(v) for k, v in re.findall(r"(\w+)=([-\d.e+]+)", found[-1])}

@@ -68,6 +68,7 @@ import numpy as np
 from serving.engine.heap import freeze_heap
 from serving.triton.models.outbox import Outbox
 from serving.triton.models.params import check_parameters, choice, count, flag, milliseconds
+from serving.triton.models.request_timing import FirstTokenTimes, IntakeStats
 from serving.triton.models.requests import (
     INVALID_REQUEST,
     BatchItem,
@@ -248,20 +249,6 @@ def _getter(request: Any) -> Callable[[str], np.ndarray | None]:
     return get
 
 
-@dataclasses.dataclass
-class IntakeStats:
-    """Decoupled requests parsed and handed to the scheduler on Triton's thread (`execute`)."""
-
-    requests: int = 0
-    seconds: float = 0.0
-    longest_s: float = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.requests += 1
-        self.seconds += seconds
-        self.longest_s = max(self.longest_s, seconds)
-
-
 class EngineThread:
     """The engine loop on its own thread: prepare (compile, capture graphs), then the scheduler forever."""
 
@@ -412,6 +399,7 @@ class TritonPythonModel:
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
         self.intake = IntakeStats()
+        self.first_tokens = FirstTokenTimes()
         if self.decoupled:
             # without a short switch interval another thread can hold the GIL for 5 ms (CPython's
             # default) while the engine thread waits to launch the next step
@@ -481,7 +469,7 @@ class TritonPythonModel:
             tensors.append(pb_utils.Tensor("text_output", np.asarray([[text.encode("utf-8")]], dtype=np.object_)))
         return tensors
 
-    def _submit(self, index: int, request: Any) -> None:
+    def _submit(self, index: int, request: Any, received: float) -> None:
         """Decoupled: parse one request and hand it to the scheduler; answer errors on its sender."""
         from serving.engine.scheduler import (  # lazy: imports torch
             GenRequest,
@@ -505,10 +493,17 @@ class TritonPythonModel:
         text_stream = self.host.text_stream(req)
         prompt_tokens = len(item.prompt_ids)
         stopped = False  # by a stop string: the scheduler is told to drop the request, its failure ignored
+        submitted: float | None = None  # monotonic: handed to the scheduler
+        emitted: float | None = None  # its first token delivered by the engine
+        answered = False  # its first response sent (one stream is never in two sends at once)
 
         def send_tokens(ids: list[int], reason: str | None, text: str) -> None:
+            nonlocal answered
             tensors = self._tensors(req, ids, reason or "", text, prompt_tokens)
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if reason else 0)
+            if not answered and submitted is not None and emitted is not None:
+                answered = True
+                self.first_tokens.add(received, submitted, emitted, time.monotonic())
 
         def send_error(message: str, cancelled: bool) -> None:
             sender.send(_error_response(message, cancelled=cancelled), flags=final)
@@ -523,9 +518,11 @@ class TritonPythonModel:
                              is_cancelled=getattr(request, "is_cancelled", None), on_cancel=on_cancel)
 
         def emit(ids: list[int], reason: str | None) -> None:  # on the scheduler thread: detokenize, enqueue
-            nonlocal stopped
+            nonlocal stopped, emitted
             if stopped:
                 return  # a step launched past the stop string
+            if emitted is None:
+                emitted = time.monotonic()
             text = ""
             if text_stream is not None:
                 keep = text_stream.add(ids)
@@ -547,6 +544,7 @@ class TritonPythonModel:
 
         gen = GenRequest(list(item.prompt_ids), req.max_tokens, emit, fail, engine_sampling(req), req.stop_token_ids)
         try:
+            submitted = time.monotonic()
             scheduler.submit(gen)
         except SchedulerFull as exc:  # overloaded: the client may retry (UNAVAILABLE; the OpenAI front's 429)
             outbox.discard(stream)
@@ -558,10 +556,11 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> list[Any] | None:
         if getattr(self, "decoupled", False):
             scheduler = self.engine_thread.scheduler
+            received = time.monotonic()
             for i, request in enumerate(requests):
                 with scheduler.between_launches():  # never while the engine thread launches a step
                     started = time.perf_counter()
-                    self._submit(i, request)
+                    self._submit(i, request, received)
                     self.intake.add(time.perf_counter() - started)
             return None
         started = time.monotonic()
@@ -604,7 +603,7 @@ class TritonPythonModel:
         if outbox is not None:
             outbox.flush()  # the engine thread has stopped: whatever it had not sent yet
             outbox.close()
-            self.log.info(f"responses sent: {outbox.stats}; intake: {self.intake}")
+            self.log.info(f"responses sent: {outbox.stats}; intake: {self.intake}; first tokens: {self.first_tokens.stats()}")
             self.outbox = None
         host = getattr(self, "host", None)
         if host is not None:

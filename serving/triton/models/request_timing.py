@@ -1,0 +1,70 @@
+"""Where a decoupled request's time goes inside the ``llm`` model, logged when the model unloads.
+
+- `IntakeStats`: the requests Triton handed to ``execute`` and the time spent parsing them and handing them
+  to the scheduler (on Triton's thread).
+- `FirstTokenTimes`: for each request, the stages of its time to first token that the model sees: `wait`
+  (from ``execute`` receiving it to the scheduler having it: the intake waits while a step launches),
+  `engine` (from the scheduler having it to the engine delivering its first token: queueing, admission,
+  prompt steps) and `send` (from that token to its first response handed to Triton). A client's TTFT
+  beyond their sum was spent in Triton's process, on the wire or in the client.
+
+Imports: stdlib only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class IntakeStats:
+    """Decoupled requests parsed and handed to the scheduler on Triton's thread (`execute`)."""
+
+    requests: int = 0
+    seconds: float = 0.0
+    longest_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.requests += 1
+        self.seconds += seconds
+        self.longest_s = max(self.longest_s, seconds)
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank; nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+@dataclass
+class FirstTokenStats:
+    """Milliseconds at p50 and p99 of each stage (`FirstTokenTimes`), over `requests` requests."""
+
+    requests: int
+    wait_ms_p50: float
+    wait_ms_p99: float
+    engine_ms_p50: float
+    engine_ms_p99: float
+    send_ms_p50: float
+    send_ms_p99: float
+
+
+@dataclass
+class FirstTokenTimes:
+    """Each request's stages to its first response, in seconds: (wait, engine, send)."""
+
+    stages: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def add(self, received: float, submitted: float, emitted: float, sent: float) -> None:
+        """Monotonic times of one request; called on the thread that sent its first response (a list append
+        is atomic, so sender threads need no lock)."""
+        self.stages.append((submitted - received, emitted - submitted, sent - emitted))
+
+    def stats(self) -> FirstTokenStats:
+        columns = list(zip(*self.stages)) or [(), (), ()]
+        ms = [[v * 1e3 for v in column] for column in columns]
+        return FirstTokenStats(len(self.stages), *(round(nearest_rank(values, q), 2) for values in ms for q in (50, 99)))
