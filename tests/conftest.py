@@ -114,6 +114,8 @@ SHARED_WORKER: dict[str, tuple[str, ...]] = {  # group: the prefixes of its file
     # the gray-release tests judge latency side by side (candidate against live, in one Triton) and count
     # failed requests: one worker runs them in turn, so no two of their load tests compete for the cores.
     # All 20 passed with the machine at load 10-13 from other work (17.6 min wall, 5.2 min of CPU).
+    # test_rollout_triton.py is not in this run: its p99 against steady state (1.5x) needs the cores to
+    # itself, so `make test` runs it after this run, alone (the Makefile's ALONE).
     "rollout": ("test_rollout_",),
     # the files of the session's `mlflow server --app-name basic-auth` (``mlflow_auth_server``): on one worker they
     # start it once, instead of once on each worker that runs one of them (10-15 s of CPU a start)
