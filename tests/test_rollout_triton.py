@@ -1,12 +1,15 @@
 """Acceptance: a gray release under load on a real Triton (bundled 2.51, loopback, real tiny engines).
 
-A bounded load generator (2 clients in a process of their own, at most 20,000 requests / 400 s) calls the
+A bounded load generator (2 clients in a process of their own, at most 50,000 requests / 400 s) calls the
 router the whole time: before, during a full rollout 0 -> 10 -> 50 -> 100, between, during the automatic
 rollback of a deliberately slow candidate (a real engine behind ``tasks.fault_injection``: it sleeps per
 token), and during ``rollback`` to an earlier version. Zero failed requests; p99 through the rollout and
 through the automatic rollback (the live version's answers: the slow candidate's are the fault) within
 ``P99_BOUND`` times the steady phases' p99, measured in the same run. p50/p99 per phase are printed (and
 written to ``$ENGINEWRIGHT_ROLLOUT_REPORT_DIR`` with the timelines when that is set).
+
+The ratios are only a measure of the rollout with the cores to this file: ``make test`` runs it alone, after the
+parallel run (Makefile ``ALONE``).
 """
 
 from __future__ import annotations
@@ -45,16 +48,19 @@ ANALYSIS = {"requests": 16, "max_new_tokens": 8,
                 {"name": "triton-success", "provider": "prometheus", "query": "success_rate", "version": "candidate",
                  "interval": 1.0, "count": 1, "success_condition": "result >= 1", "inconclusive_limit": 1}],
             "compare": {"metrics": ["ttft", "tpot"], "alpha": 0.01, "min_effect": 0.5, "min_samples": 6}}
-# Steady phases: before, between and after; their requests pooled give the steady p99 (the 6th slowest of 600).
-STEADY_REQUESTS = 200
+# Steady phases: before, between and after, about 4 s each, so that a slow second of the machine's own counts in
+# steady state as it does in the rollout (half a minute); their requests pooled give the steady p99 (the 18th
+# slowest of 1,800).
+STEADY_REQUESTS = 600
 STEADY = ("before", "between", "after")
 ROLLOUT, AUTO_ROLLBACK = "rollout 1->2 (10/50/100)", "automatic rollback of slow v3"
-# A bound that holds on CI's two loaded cores (three test workers), NOT the issue's 1.5x: the rollout's own
-# canary traffic and the candidate's load (its stub, torch import, warm-up) share the cores with the live
-# engine. This test alone on the idle 2-core machine, the canary traffic at one client: 1.2-1.5x through the
-# rollout and 1.0-1.3x through the automatic rollback (six runs; 1.3-1.7x at two clients; 4.8-6.4x and
-# 2.6-4.7x when every weight change reloaded the routers).
-P99_BOUND = 4.0
+# NOT yet the issue's 1.5x, which this test alone on two cores meets, but through the automatic rollback without
+# a margin (docs/gray-release.md has the ratios): the candidate's stub starting beside the live engine, and live
+# requests that wait in Triton after a text request until the next request arrives. The rollout's own traffic
+# is paced (`rollout.rate_per_s`: a small part of the load, as on a server without headroom it should be);
+# unpaced, its back-to-back requests were the largest part of the rollout's p99.
+P99_BOUND = 1.75
+CANARY_RATE_PER_S = 10.0
 STEPS = [{"set_weight": 10}, {"analysis": ANALYSIS}, {"set_weight": 50}, {"analysis": ANALYSIS},
          {"set_weight": 100}, {"analysis": ANALYSIS}]
 
@@ -68,7 +74,7 @@ def world(tmp_path_factory: pytest.TempPathFactory):
     servers = TritonServers(tmp)
     try:
         proc = start_server(servers, tmp / "repo")
-        spec = make_spec(tmp, NAME, [proc], steps=STEPS, ttft_probe_every=2)
+        spec = make_spec(tmp, NAME, [proc], steps=STEPS, ttft_probe_every=2, rate_per_s=CANARY_RATE_PER_S)
         yield {"tmp": tmp, "proc": proc, "spec": spec}
     finally:
         servers.stop_all()
@@ -82,7 +88,7 @@ def test_rollout_and_automatic_rollback_under_load_drop_nothing(world) -> None:
     assert_consistent(spec, 1)
     logs = {"first": log.take()}
 
-    with Load([proc.http_url], NAME) as load:
+    with Load([proc.http_url], NAME, max_requests=50_000) as load:
         load.mark("before")
         load.wait_for(STEADY_REQUESTS, timeout_s=120)
         load.mark(ROLLOUT)
