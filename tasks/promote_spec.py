@@ -298,8 +298,9 @@ class RolloutSpec(BaseModel):
 
     steps: list[RolloutStep] = Field(default_factory=_default_steps, description="set_weight / pause / analysis.")
     concurrency: int = Field(2, ge=1, le=64, description="Parallel clients sending the rollout's own traffic. On a "
-                             "server without headroom each one is load beside the users' (2 cores, 2 users' clients: "
-                             "p99 through the rollout 1.2-1.5x of steady with 1, up to 1.7x with 2; docs/gray-release.md).")
+                             "server without headroom each one is load beside the users' (2 cores, 2 users' clients, "
+                             "one client: p99 through the rollout 1.14-1.77x of steady unpaced, 1.18-1.38x at "
+                             "`rate_per_s` 10; docs/gray-release.md).")
     rate_per_s: float | None = Field(
         None, gt=0, description="Requests a second the rollout's test traffic sends in all (paced; `concurrency` "
         "bounds how many are in flight). Unset: each client sends its next request as soon as the last is answered, "
