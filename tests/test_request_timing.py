@@ -32,3 +32,13 @@ def test_intake_stats_add_up() -> None:
     for seconds in (0.002, 0.005, 0.001):
         intake.add(seconds)
     assert (intake.requests, intake.longest_s) == (3, 0.005) and intake.seconds == pytest.approx(0.008)
+
+
+def test_first_token_times_keep_only_the_last_requests(monkeypatch) -> None:
+    from serving.triton.models import request_timing
+
+    monkeypatch.setattr(request_timing, "FIRST_TOKENS_KEPT", 3)
+    times = FirstTokenTimes()
+    for i in range(5):
+        times.add(0.0, 0.0, i / 1e3, i / 1e3)
+    assert times.stats().requests == 3 and times.stats().engine_ms_p50 == pytest.approx(3.0)

@@ -5,8 +5,9 @@
 - `FirstTokenTimes`: for each request, the stages of its time to first token that the model sees: `wait`
   (from ``execute`` receiving it to the scheduler having it: the intake waits while a step launches),
   `engine` (from the scheduler having it to the engine delivering its first token: queueing, admission,
-  prompt steps) and `send` (from that token to its first response handed to Triton). A client's TTFT
-  beyond their sum was spent in Triton's process, on the wire or in the client.
+  prompt steps) and `send` (from that token to its first response handed to Triton), over the last
+  `FIRST_TOKENS_KEPT` requests (a server runs for months). A client's TTFT beyond their sum was spent in
+  Triton's process, on the wire or in the client.
 
 Imports: stdlib only.
 """
@@ -14,8 +15,11 @@ Imports: stdlib only.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+FIRST_TOKENS_KEPT = 100_000  # requests whose stages are kept (about 10 MB)
 
 
 @dataclass
@@ -42,7 +46,7 @@ def nearest_rank(values: Sequence[float], q: float) -> float:
 
 @dataclass
 class FirstTokenStats:
-    """Milliseconds at p50 and p99 of each stage (`FirstTokenTimes`), over `requests` requests."""
+    """Milliseconds at p50 and p99 of each stage (`FirstTokenTimes`), over the last `requests` requests."""
 
     requests: int
     wait_ms_p50: float
@@ -55,12 +59,12 @@ class FirstTokenStats:
 
 @dataclass
 class FirstTokenTimes:
-    """Each request's stages to its first response, in seconds: (wait, engine, send)."""
+    """The last requests' stages to their first response, in seconds: (wait, engine, send)."""
 
-    stages: list[tuple[float, float, float]] = field(default_factory=list)
+    stages: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=FIRST_TOKENS_KEPT))
 
     def add(self, received: float, submitted: float, emitted: float, sent: float) -> None:
-        """Monotonic times of one request; called on the thread that sent its first response (a list append
+        """Monotonic times of one request; called on the thread that sent its first response (a deque append
         is atomic, so sender threads need no lock)."""
         self.stages.append((submitted - received, emitted - submitted, sent - emitted))
 
