@@ -85,8 +85,10 @@ class TritonSpec(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the llm model runs: KIND_GPU when CUDA is present (auto) or forced."
     )
-    max_queue_size: int = Field(64, ge=1, description="Requests queued per model before Triton rejects more.")
-    max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic batching: longest wait to fill a batch.")
+    max_queue_size: int = Field(64, ge=1, description="Requests waiting for the engine per model version before "
+                                "more are refused as an overload (clients retry; the OpenAI front's 429).")
+    max_queue_delay_us: int = Field(2000, ge=0, description="Static path only (`engine_parameters` `in_flight` "
+                                    "\"false\"): Triton's dynamic batcher's longest wait to fill a batch.")
     load_timeout_s: float = Field(
         LOAD_TIMEOUT_S, gt=0, description=f"Longest wait for a model to load. Unset, it is {LOAD_TIMEOUT_S:.0f} s, or "
         f"{COMPILED_LOAD_TIMEOUT_S:.0f} s when `engine_parameters` turn `compile_decode` on (a compiled 1B version "

@@ -392,6 +392,22 @@ def test_both_schedulers_share_the_queue_limit_and_the_lifecycle(runner, paged):
     assert [type(e) for e in failed] == [SchedulerStopped] and idle.idle()
 
 
+def test_the_tighter_of_two_queue_limits_holds_and_names_its_setting(runner):
+    """Triton's llm passes the release's `max_queue_size` on (`limit_waiting`); a looser one changes nothing."""
+    from serving.engine.scheduler import SchedulerFull
+
+    sched = Scheduler(runner, max_waiting=3)
+    sched.limit_waiting(5, "max_queue_size")
+    assert (sched.max_waiting, sched.max_waiting_setting) == (3, "max_waiting")
+    sched.limit_waiting(1, "max_queue_size")
+    sched.submit(GenRequest(PROMPTS[0], 4, lambda ids, r: None, lambda exc: None))
+    with pytest.raises(SchedulerFull, match=r"1 requests already wait for admission \(max_queue_size=1; "):
+        sched.submit(GenRequest(PROMPTS[1], 4, lambda ids, r: None, lambda exc: None))
+    with pytest.raises(ValueError, match="max_queue_size=0 must be >= 1"):
+        sched.limit_waiting(0, "max_queue_size")
+    sched.stop()
+
+
 def test_work_until_fills_the_devices_time_with_other_work_but_never_all_of_it(runner):
     """`_work_until(ready)`: items run while the event is not done, at least one, none past it (a step
     never waits for every pending send: the paged scheduler at 1,024 streams did and ran at the senders'

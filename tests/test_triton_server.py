@@ -31,7 +31,6 @@ from serving.triton import (
     write_router,
 )
 from serving.triton.client import infer
-from serving.triton.metrics import model_counter, scrape
 from serving.triton.process import stub_resources
 
 pytestmark = pytest.mark.slow
@@ -114,19 +113,40 @@ def test_bad_requests_get_errors_and_server_keeps_serving(world) -> None:
 
 
 def test_concurrent_requests_are_batched(world) -> None:
-    url, metrics_url = world["proc"].http_url, world["proc"].metrics_url
-    before = scrape(metrics_url)
+    """In flight: Triton hands the model one request an execution (no dynamic batcher), and the engine runs
+    them in shared steps; the scheduler's counters, logged when the model unloads, show the batch."""
+    url, control = world["proc"].http_url, world["control"]
     prompts = [[i + 3, i + 4, i + 5] for i in range(16)]
     with cf.ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda p: infer_ids(url, NAME, p, max_tokens=MAX_TOKENS, timeout_s=60), prompts))
     assert all(len(r.output_ids) == MAX_TOKENS for r in results)
-    after = scrape(metrics_url)
-    requests = model_counter(after, "nv_inference_count", ENGINE, 1) - model_counter(before, "nv_inference_count",
-                                                                                      ENGINE, 1)
-    executions = model_counter(after, "nv_inference_exec_count", ENGINE, 1) - model_counter(
-        before, "nv_inference_exec_count", ENGINE, 1)
-    print(f"\n{requests:.0f} requests in {executions:.0f} executions")
-    assert requests == 16 and executions < requests  # at least one batch > 1 reached the model
+    control.unload_model(ENGINE, timeout_s=60)
+    try:
+        joined = [line for line in world["proc"].log_path.read_text().splitlines()
+                  if f"[{ENGINE} v1] engine thread joined" in line]
+        largest = int(re.search(r"largest_batch=(\d+)", joined[-1]).group(1))
+        print(f"\nlargest batch in flight: {largest}")
+        assert largest > 1
+    finally:
+        control.load_model(ENGINE, timeout_s=60)
+
+
+def test_a_short_request_overtakes_a_long_one(world) -> None:
+    """The plain llm batches in flight (`in_flight`): a request that arrives while a long one generates joins
+    the engine's next steps and is answered first; the static path would answer it after the long one."""
+    url = world["proc"].http_url
+    finished: list[str] = []
+
+    def run(name: str, max_tokens: int) -> None:
+        infer_ids(url, ENGINE, [5, 6, 7, 8], max_tokens=max_tokens, timeout_s=60)
+        finished.append(name)
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        long = pool.submit(run, "long", 200)  # 200 engine steps; the short one needs 2
+        time.sleep(0.05)
+        short = pool.submit(run, "short", 2)
+        long.result(), short.result()
+    assert finished == ["short", "long"]
 
 
 def test_second_version_split_then_switch(world) -> None:

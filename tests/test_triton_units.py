@@ -159,7 +159,8 @@ def test_llm_config_parses_with_triton_schema() -> None:
                                           max_queue_size=5, max_queue_delay_us=100, parameters={"device": "cpu"})))
     assert cfg.backend == "python" and cfg.max_batch_size == 8
     assert list(cfg.version_policy.specific.versions) == [1, 2]
-    assert cfg.dynamic_batching.default_queue_policy.max_queue_size == 5
+    assert not cfg.HasField("dynamic_batching")  # in flight: the engine queues, up to max_queue_size
+    assert cfg.parameters["max_queue_size"].string_value == "5"
     assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     inputs = {i.name: i for i in cfg.input}
     assert inputs["input_ids"].allow_ragged_batch and inputs["input_ids"].optional
@@ -167,6 +168,21 @@ def test_llm_config_parses_with_triton_schema() -> None:
     assert not inputs["max_tokens"].optional
     assert {o.name for o in cfg.output} == {"output_ids", "text_output", "finish_reason", "prompt_tokens"}
     assert cfg.parameters["device"].string_value == "cpu"
+
+
+def test_static_llm_keeps_the_dynamic_batcher_and_in_flight_has_none() -> None:
+    def config(parameters: dict[str, str]) -> model_config_pb2.ModelConfig:
+        return parse_pbtxt(to_pbtxt(llm_config("m_v1", versions=[1], max_batch_size=8, device_kind="KIND_CPU",
+                                               max_queue_size=7, max_queue_delay_us=300, parameters=parameters)))
+
+    static = config({"in_flight": "false"})
+    assert static.dynamic_batching.max_queue_delay_microseconds == 300
+    assert static.dynamic_batching.default_queue_policy.max_queue_size == 7 and "max_queue_size" not in static.parameters
+    for parameters in ({}, {"decoupled": "true"}, {"decoupled": "true", "in_flight": "false"}):
+        cfg = config(parameters)
+        assert not cfg.HasField("dynamic_batching") and cfg.parameters["max_queue_size"].string_value == "7"
+    with pytest.raises(ConfigError, match="in_flight='maybe'"):
+        config({"in_flight": "maybe"})
 
 
 def test_router_config_parses_and_validates() -> None:
@@ -225,7 +241,8 @@ def test_each_version_keeps_the_settings_it_was_staged_with(tmp_path: Path) -> N
 
     def settings(version: int) -> tuple[dict[str, str], int]:
         cfg = parse_pbtxt((root / f"m_v{version}" / "config.pbtxt").read_text())
-        return {k: v.string_value for k, v in cfg.parameters.items()}, cfg.dynamic_batching.default_queue_policy.max_queue_size
+        params = {k: v.string_value for k, v in cfg.parameters.items()}
+        return params, int(params.pop("max_queue_size"))
 
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"warmup": "true"}, max_queue_size=9)
     repo_mod.stage_engine_version(root, "m", engine, max_batch_size=8, parameters={"decoupled": "true"},

@@ -132,6 +132,8 @@ def test_stage_engine_version_layout(tmp_path: Path) -> None:
     engine_cfg = parse((root / "m_v1" / "config.pbtxt").read_text())
     assert engine_cfg.backend == "python" and engine_cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     assert {i.name for i in engine_cfg.input} >= {"input_ids", "text_input", "max_tokens"}  # router contract
+    # the adapter answers in `execute`: Triton's dynamic batcher still gives it its batches
+    assert engine_cfg.HasField("dynamic_batching") and "max_queue_size" not in engine_cfg.parameters
     vdir = root / "m_v1" / "1"
     assert (vdir / "model.py").read_text() == (MODELS_DIR / "trtllm_adapter.py").read_text()
     info = json.loads((vdir / "version.json").read_text())

@@ -109,6 +109,7 @@ class SchedulerLoop:
         self.runner = runner
         self.admit_gap_s = admit_gap_s
         self.max_waiting = max_waiting
+        self.max_waiting_setting = self.MAX_WAITING_SETTING
         self.while_waiting = while_waiting or (lambda: False)
         # optional: `work_while(busy)` does the other work itself while `busy()` (a step computes), on as many
         # threads as it likes; set by Triton's llm model for several senders (Outbox.send_while)
@@ -188,6 +189,14 @@ class SchedulerLoop:
         anything the loop's thread takes first: `cond`, a request's callbacks' locks)."""
         return self.launching()
 
+    def limit_waiting(self, limit: int, setting: str) -> None:
+        """Refuse requests past ``limit`` waiting ones, where that is tighter than the limit so far; refusals
+        then name ``setting``."""
+        if limit < 1:
+            raise ValueError(f"{setting}={limit!r} must be >= 1")
+        if self.max_waiting is None or limit < self.max_waiting:
+            self.max_waiting, self.max_waiting_setting = limit, setting
+
     def submit(self, req: GenRequest) -> None:
         """Queue a request (checked first: a bad one raises here, nothing is queued)."""
         self.check(req.prompt_ids, req.max_tokens)
@@ -197,7 +206,7 @@ class SchedulerLoop:
                 raise SchedulerStopped("the scheduler is stopping; request not accepted")
             if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
                 raise SchedulerFull(f"resource exhausted: {len(self.waiting)} requests already wait for admission "
-                                    f"({self.MAX_WAITING_SETTING}={self.max_waiting}; {self._load()}): try again later")
+                                    f"({self.max_waiting_setting}={self.max_waiting}; {self._load()}): try again later")
             if req.request_id is None:
                 req.request_id = next(self._ids)
             req.queued_at = time.perf_counter()

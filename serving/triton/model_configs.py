@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from serving.triton.errors import ConfigError
-from serving.triton.models.params import check_parameters, flag
+from serving.triton.models.params import QUEUE_SIZE_PARAMETER, check_parameters, flag
 from serving.triton.models.routing_file import ROUTING_FILE, ROUTING_PARAMETER
 
 # One request per call: the llm reads each input as one value (a batch of 2 is its INVALID_ARG), so a larger
@@ -73,12 +73,20 @@ def llm_config(
     max_queue_delay_us: int = 2000,
     instance_count: int = 1,
     parameters: dict[str, str] | None = None,
+    dynamic_batching: bool | None = None,
 ) -> dict[str, Any]:
     """Complete config of an llm model serving ``versions`` (one engine version's model: ``[1]``).
 
-    ``parameters["decoupled"] == "true"`` makes it a decoupled model (in-flight batching on an engine
-    thread, responses streamed; adds the optional ``stream`` BOOL input). Decoupled models are called
-    over gRPC streaming (``async_stream_infer``); BLS callers need ``exec(decoupled=True)``.
+    ``parameters["decoupled"] == "true"`` makes it a decoupled model (responses streamed; adds the optional
+    ``stream`` BOOL input). Decoupled models are called over gRPC streaming (``async_stream_infer``); BLS
+    callers need ``exec(decoupled=True)``. Both kinds batch in flight on the model's engine thread unless
+    ``parameters["in_flight"]`` is "false", and then have no dynamic batcher: ``max_queue_size`` is written as
+    the parameter of that name, the engine's limit of requests waiting for admission (more are refused as an
+    overload, which clients retry). Triton 2.51's dynamic batcher splits batches where the requests' optional
+    inputs differ and could then leave the requests behind a split queued for 0.5 s; in flight it would only
+    add its ``max_queue_delay_us``. The static path (``in_flight`` "false") keeps it: there it is the batching.
+    ``dynamic_batching`` decides instead of the parameters where the model.py is not this package's llm (the
+    TensorRT-LLM adapters answer in ``execute``: True).
     """
     if device_kind not in ("KIND_CPU", "KIND_GPU"):
         raise ConfigError(f"device_kind={device_kind!r} must be KIND_CPU or KIND_GPU")
@@ -87,25 +95,31 @@ def llm_config(
     if max_batch_size < 1 or max_queue_size < 1:
         raise ConfigError(f"model {model_name!r}: max_batch_size={max_batch_size} and "
                           f"max_queue_size={max_queue_size} must be >= 1")
+    params = dict(parameters or {})
     try:
-        check_parameters(parameters or {})
+        check_parameters(params)
     except ValueError as exc:
         raise ConfigError(f"model {model_name!r}: {exc}") from exc
-    decoupled = flag(parameters or {}, "decoupled")
+    decoupled = flag(params, "decoupled")
+    in_flight = decoupled or flag(params, "in_flight")
+    batcher = not in_flight if dynamic_batching is None else dynamic_batching
+    if not batcher:
+        params[QUEUE_SIZE_PARAMETER] = str(max_queue_size)
     config: dict[str, Any] = {
         "name": model_name,
         "backend": "python",
         "max_batch_size": max_batch_size,
         "input": llm_inputs() + ([_tensor("stream", "TYPE_BOOL", [1], optional=True)] if decoupled else []),
         "output": llm_outputs(),
-        "dynamic_batching": {
-            "max_queue_delay_microseconds": max_queue_delay_us,
-            "default_queue_policy": {"max_queue_size": max_queue_size},
-        },
         "instance_group": [{"kind": device_kind, "count": instance_count}],
         "version_policy": {"specific": {"versions": sorted(versions)}},
-        "parameters": _string_params(parameters or {}),
+        "parameters": _string_params(params),
     }
+    if batcher:
+        config["dynamic_batching"] = {
+            "max_queue_delay_microseconds": max_queue_delay_us,
+            "default_queue_policy": {"max_queue_size": max_queue_size},
+        }
     if decoupled:
         config["model_transaction_policy"] = {"decoupled": True}
     return config

@@ -215,6 +215,7 @@ def version_config(model: str, summary: dict[str, Any]) -> dict[str, Any]:
         max_queue_delay_us=int(settings["max_queue_delay_us"]),
         instance_count=int(settings["instance_count"]),
         parameters=dict(settings.get("parameters") or {}),
+        dynamic_batching=summary.get("dynamic_batching"),
     )
 
 

@@ -490,7 +490,9 @@ def stage_trtllm_version(
         "max_batch_size": int(artifact.limits["max_batch_size"]), "max_input_len": int(artifact.limits["max_input_len"]),
         "max_seq_len": int(artifact.limits["max_seq_len"]), "special_tokens": artifact.special_tokens,
         "uses_fp8": options.uses_fp8, "source": str(Path(artifact_dir).resolve()), "staged_at": time.time(),
-        # the adapter and the LLM-API model place their work on GPUs themselves
+        # the adapter and the LLM-API model place their work on GPUs themselves, and answer in `execute`:
+        # Triton's dynamic batcher gives them their batches
+        "dynamic_batching": True,
         "settings": {**DEFAULT_SETTINGS, "device_kind": "cpu", "max_queue_size": max_queue_size,
                      "max_queue_delay_us": max_queue_delay_us},
     }

@@ -15,10 +15,17 @@ matched on the text with special tokens; the text returned never holds the stopp
 and the ids end with the token that stopped it. Every final response carries ``prompt_tokens``.
 
 Two modes, chosen by the config (``model_transaction_policy { decoupled: true }``, written by
-``llm_config`` when the parameter ``decoupled`` is "true"):
+``llm_config`` when the parameter ``decoupled`` is "true"); both batch in flight unless ``in_flight`` is "false":
 
-- plain: ``execute`` runs planned ``generate`` calls and returns one response per request.
-- decoupled (in-flight batching): an ``EngineThread`` owns the runner and runs
+- plain (HTTP ``/infer`` and plain BLS work): the same engine thread and callbacks as decoupled, one FINAL
+  response a request, sent through its response sender (the python backend allows that for a
+  non-decoupled model when ``execute`` returns None), so ``execute`` returns at once. With ``in_flight``
+  "false" it runs planned ``generate`` calls instead and returns one response per request: a request
+  then waits for the slowest of its dynamic batch and for the batch before it, and Triton's dynamic
+  batcher (2.51), which splits batches where the requests' optional inputs differ (text and ids, with and
+  without a sampling setting), left requests queued behind such a split for up to 0.5 s while the
+  instance was busy.
+- in flight (decoupled, and plain by default): an ``EngineThread`` owns the runner and runs
   ``serving.engine.scheduler.Scheduler``; ``execute`` parses each request and submits it with a
   callback that answers through the request's response sender: with ``stream`` true the new tokens
   (``output_ids`` [1, k]), the last response flagged FINAL and carrying ``finish_reason``; otherwise one
@@ -47,7 +54,9 @@ Two modes, chosen by the config (``model_transaction_policy { decoupled: true }`
   arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
   at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,
   waiting ones are admitted, in one prefill, at most once every this many decode steps, unless they
-  outnumber the live ones; see ``serving.engine.scheduler`` and ``serving.engine.paged_scheduler``).
+  outnumber the live ones; see ``serving.engine.scheduler`` and ``serving.engine.paged_scheduler``), ``max_queue_size``
+(written by ``llm_config`` from the release's ``triton.max_queue_size``: requests waiting for admission at
+most, more are refused as an overload that clients retry; a model in flight has no dynamic batcher).
 """
 
 from __future__ import annotations
@@ -67,7 +76,15 @@ import numpy as np
 
 from serving.engine.heap import freeze_heap
 from serving.triton.models.outbox import Outbox
-from serving.triton.models.params import check_parameters, choice, count, flag, milliseconds
+from serving.triton.models.params import (
+    QUEUE_SIZE_PARAMETER,
+    check_parameters,
+    choice,
+    count,
+    flag,
+    milliseconds,
+    queue_size,
+)
 from serving.triton.models.request_timing import FirstTokenTimes, IntakeStats
 from serving.triton.models.requests import (
     INVALID_REQUEST,
@@ -257,8 +274,10 @@ class EngineThread:
                  drain: Callable[[], None] | None = None,
                  work_while: Callable[[Callable[[], bool]], None] | None = None, admit_gap_s: float = 0.0,
                  decode_pdl: bool = True, compile_cache_root: Path | None = None,
-                 compile_cache_pruning: Any = None, admit_every_steps: int = 1, exclusive_launch: bool = True) -> None:
+                 compile_cache_pruning: Any = None, admit_every_steps: int = 1, exclusive_launch: bool = True,
+                 max_queue_size: int | None = None) -> None:
         self.runner = runner
+        self.max_queue_size = max_queue_size
         self.exclusive_launch = exclusive_launch
         self.admit_every_steps = admit_every_steps
         self.compile_cache_root = compile_cache_root
@@ -305,6 +324,8 @@ class EngineThread:
                                   admit_gap_s=self.admit_gap_s, admit_every_steps=self.admit_every_steps)
             self.scheduler.work_while = self.work_while
             self.scheduler.exclusive_launch = self.exclusive_launch
+            if self.max_queue_size is not None:
+                self.scheduler.limit_waiting(self.max_queue_size, QUEUE_SIZE_PARAMETER)
             self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
                           f"{self.compile_decode}, decode_pdl={self.decode_pdl}, admit_every_steps={self.admit_every_steps}, "
                           f"graphs={'yes' if graphs is not None else 'no'})")
@@ -396,11 +417,12 @@ class TritonPythonModel:
         self.host = EngineHost(runner, engine_dir, self.log, text)
         uses_decoupled = getattr(pb_utils, "using_decoupled_model_transaction_policy", None)
         self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else flag(params, "decoupled")
+        self.in_flight = self.decoupled or flag(params, "in_flight")
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
         self.intake = IntakeStats()
         self.first_tokens = FirstTokenTimes()
-        if self.decoupled:
+        if self.in_flight:
             # without a short switch interval another thread can hold the GIL for 5 ms (CPython's
             # default) while the engine thread waits to launch the next step
             sys.setswitchinterval(milliseconds(params, "gil_switch_interval_ms") / 1e3)
@@ -421,6 +443,7 @@ class TritonPythonModel:
                                               admit_every_steps=count(params, "admit_every_steps"),
                                               decode_pdl=flag(params, "decode_pdl"),
                                               exclusive_launch=flag(params, "exclusive_launch"),
+                                              max_queue_size=queue_size(params),
                                               compile_cache_root=cache_root(params.get("compile_cache_dir"),
                                                                             Path(args["model_repository"])),
                                               compile_cache_pruning=pruning_for(params.get("compile_cache_dir"),
@@ -434,7 +457,7 @@ class TritonPythonModel:
             f"engine {getattr(runner.info, 'fingerprint', '?')} loaded from {engine_dir} on {device} in "
             f"{time.monotonic() - started:.2f} s (max_batch_size={self.host.max_batch_size}, "
             f"max_input_len={self.host.max_input_len}, max_seq_len={self.host.max_seq_len}, "
-            f"decoupled={self.decoupled}, eos_token_ids={list(text.eos_token_ids)}, "
+            f"decoupled={self.decoupled}, in_flight={self.in_flight}, eos_token_ids={list(text.eos_token_ids)}, "
             f"chat_template={text.chat_template_source or 'none'})"
         )
 
@@ -470,7 +493,7 @@ class TritonPythonModel:
         return tensors
 
     def _submit(self, index: int, request: Any, received: float) -> None:
-        """Decoupled: parse one request and hand it to the scheduler; answer errors on its sender."""
+        """In flight: parse one request and hand it to the scheduler; answer errors on its sender."""
         from serving.engine.scheduler import (  # lazy: imports torch
             GenRequest,
             RequestCancelled,
@@ -554,7 +577,7 @@ class TritonPythonModel:
             sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
-        if getattr(self, "decoupled", False):
+        if getattr(self, "in_flight", False):
             scheduler = self.engine_thread.scheduler
             received = time.monotonic()
             for i, request in enumerate(requests):

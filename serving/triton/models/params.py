@@ -31,9 +31,25 @@ COUNT_PARAMETERS: dict[str, tuple[int, int, int]] = {
 }
 
 
+# Written by `model_configs.llm_config` for a model that batches in flight: the engine's limit of requests
+# waiting for admission (Triton's queue limit where its dynamic batcher queues them instead).
+QUEUE_SIZE_PARAMETER = "max_queue_size"
+
+
+def queue_size(params: dict[str, str]) -> int | None:
+    """The `QUEUE_SIZE_PARAMETER` a config carries (None: not set, no limit of the engine's own)."""
+    raw = str(params.get(QUEUE_SIZE_PARAMETER) or "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"parameter {QUEUE_SIZE_PARAMETER}={raw!r} must be a whole number >= 1")
+    return int(raw)
+
+
 # name -> default when unset or empty
 BOOLEAN_PARAMETERS: dict[str, bool] = {
     "decoupled": False,
+    "in_flight": True,
     "compile_decode": False,
     "decode_pdl": True,
     "exclusive_launch": True,
@@ -110,3 +126,4 @@ def check_parameters(params: dict[str, str]) -> None:
         count(params, name)
     for name in CHOICE_PARAMETERS:
         choice(params, name)
+    queue_size(params)
