@@ -250,8 +250,9 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     root = init_repository(work / "repo")
     base = {"decoupled": "true", "compile_decode": "true" if compile_decode else "false"}
     for label, params in variants:
+        # a queue limit no round reaches: the engine queues what it has not admitted (in flight, no batcher)
         stage_engine_version(root, f"{MODEL}_{label}", engine_dir, device_kind="auto",
-                             max_queue_size=max(1024, 4 * clients), max_queue_delay_us=100,
+                             max_queue_size=max(4096, 4 * clients * max(lanes, warmup_lanes)), max_queue_delay_us=100,
                              parameters={**base, **params})
     log_path = work / "triton.log"
     proc = start_triton(root, log_path=log_path, ready_timeout_s=120)
