@@ -4,6 +4,7 @@ version over time, with the analyses marked (green Successful, orange Inconclusi
 from __future__ import annotations
 
 import math
+from typing import Any
 from pathlib import Path
 
 from tasks.analysis import AnalysisResult
@@ -18,6 +19,12 @@ def _bins(end: float) -> tuple[float, int]:
 def _percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _legend(ax: Any, **kwargs: Any) -> None:
+    """A legend where the panel has labelled lines (a panel with no answered request has none)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
 
 
 def analysis_label(analysis: AnalysisResult) -> str:
@@ -86,13 +93,13 @@ def plot_timeline(report: RolloutReport, path: Path) -> Path:
                   va="top", transform=ax_w.get_xaxis_transform(), clip_on=True, in_layout=False)
     ax_w.set_ylabel("router weight %")
     ax_w.set_ylim(-5, 105)
-    ax_w.legend(loc="center right", fontsize=8)
+    _legend(ax_w, loc="center right", fontsize=8)
     ax_rate.set_ylabel("requests/s")
-    ax_rate.legend(loc="upper right", fontsize=8)
+    _legend(ax_rate, loc="upper right", fontsize=8)
     ax_err.set_ylabel("error rate")
     ax_err.set_ylim(-0.05, 1.05)
     ax_lat.set_ylabel("latency ms")
-    ax_lat.legend(loc="upper right", fontsize=7, ncol=2)
+    _legend(ax_lat, loc="upper right", fontsize=7, ncol=2)
     ax_lat.set_xlabel(f"seconds since rollout start ({width:g} s bins; dashed: analyses, green passed, "
                       "orange inconclusive, red failed)")
     failed = sum(not r.ok for r in records)

@@ -344,3 +344,20 @@ def test_the_rollout_bench_sets_each_phase_p99_against_the_steady_phases() -> No
     assert table["steady (before+between+after)"]["requests"] == 300
     assert table["rollout"]["p99_over_steady"] == pytest.approx(0.399 / 0.199, rel=0.01)
     assert table["before"]["p99_over_steady"] == pytest.approx(1.0, rel=0.01)
+
+
+def test_timeline_of_a_rollout_whose_requests_all_failed_draws_without_warnings(tmp_path: Path) -> None:
+    """No answered request leaves the latency panel without lines: it gets no legend, not a warning."""
+    import warnings
+
+    from tasks.gray_release import RolloutReport, WeightChange
+    from tasks.rollout_plot import plot_timeline
+    from tasks.traffic import RequestRecord
+
+    report = RolloutReport("m", candidate=2, live=1, outcome="Failed", reason="every request failed",
+                           weight_changes=[WeightChange(0.5, {1: 90, 2: 10})],
+                           records=[RequestRecord(0.1 * i, 0.01, None, False, "refused") for i in range(20)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = plot_timeline(report, tmp_path / "timeline.png")
+    assert path.stat().st_size > 10_000
