@@ -54,12 +54,12 @@ ANALYSIS = {"requests": 16, "max_new_tokens": 8,
 STEADY_REQUESTS = 600
 STEADY = ("before", "between", "after")
 ROLLOUT, AUTO_ROLLBACK = "rollout 1->2 (10/50/100)", "automatic rollback of slow v3"
-# NOT yet the 1.5x, which this test alone on two cores meets, but through the automatic rollback without
-# a margin (docs/gray-release.md has the ratios): the candidate's stub starting beside the live engine, and live
-# requests that wait in Triton after a text request until the next request arrives. The rollout's own traffic
-# is paced (`rollout.rate_per_s`: a small part of the load, as on a server without headroom it should be);
-# unpaced, its back-to-back requests were the largest part of the rollout's p99.
-P99_BOUND = 1.75
+# The bound. Alone on two cores (docs/gray-release.md has the runs): 1.03-1.23x through the rollout and
+# 1.03-1.40x through the automatic rollback, whose slowest live answers fall in the ~4 s the candidate is staged,
+# loaded (its stub and torch import share the cores) and warmed. The rollout's own traffic is paced
+# (`rollout.rate_per_s`: a small part of the load, as on a server without headroom it should be); unpaced, its
+# back-to-back requests were the largest part of the rollout's p99.
+P99_BOUND = 1.5
 CANARY_RATE_PER_S = 10.0
 STEPS = [{"set_weight": 10}, {"analysis": ANALYSIS}, {"set_weight": 50}, {"analysis": ANALYSIS},
          {"set_weight": 100}, {"analysis": ANALYSIS}]
@@ -119,7 +119,7 @@ def test_rollout_and_automatic_rollback_under_load_drop_nothing(world) -> None:
     ratios = {what: p99_ms(recs) / steady_p99 for what, recs in through.items()}
     latency = (f"steady p99 {steady_p99:.0f} ms ({len(steady)} requests); "
                + "; ".join(f"p99 through the {what} {p99_ms(through[what]):.0f} ms ({len(through[what])} requests)"
-                           f" = {ratio:.1f}x" for what, ratio in ratios.items()))
+                           f" = {ratio:.2f}x" for what, ratio in ratios.items()))
     print("\n" + table + "\n" + latency)
 
     # one Triton model per engine version: a promotion initializes the candidate's engine only, the live
