@@ -57,7 +57,8 @@ def test_load_failure_on_one_endpoint_rolls_back_both(world, caplog: pytest.LogC
     for proc in procs:  # what each Triton has loaded: version 1 with its own parameters
         loaded = httpclient.InferenceServerClient(proc.http_url.removeprefix("http://")).get_model_config(
             f"{NAME}_v1")
-        assert {k: v["string_value"] for k, v in loaded["parameters"].items()} == spec.triton.engine_parameters
+        assert {k: v["string_value"] for k, v in loaded["parameters"].items()} == {
+            **spec.triton.engine_parameters, "max_queue_size": str(spec.triton.max_queue_size)}  # the engine's queue
     tags = mr.get_version_tags(spec.mlflow.tracking_uri, NAME, "2")
     assert tags["rollout"] == "failed" and "injected on server 2 only" in tags["rollout.reason"]
     records = load.records()
