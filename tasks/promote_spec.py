@@ -101,8 +101,9 @@ class TritonSpec(BaseModel):
         default_factory=dict, validate_default=True,
         description="Config parameters of the candidate's Triton model `<model>_v<N>` (each version keeps its own), e.g. `device`, "
         "`decoupled`, `compile_decode`, `stream_interval_ms`, `admit_gap_ms`, `admit_every_steps`, `idle_senders` (docs/triton.md). "
-        "`decoupled` is \"true\" unless given (in-flight batching; streams go token by token through "
-        "`<model>_stream`); \"false\" serves plain requests, one response each. "
+        "`decoupled` is \"true\" unless given (streams go token by token through `<model>_stream`); \"false\" "
+        "serves plain requests, one response each. Both batch in flight unless `in_flight` is \"false\" (the static "
+        "path: one `generate` per Triton dynamic batch). "
         "Tests use `engine_loader: tasks.fault_injection:load_engine` to make a bad engine.")
 
     @field_validator("engine_parameters")
