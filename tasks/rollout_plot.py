@@ -4,8 +4,8 @@ version over time, with the analyses marked (green Successful, orange Inconclusi
 from __future__ import annotations
 
 import math
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from tasks.analysis import AnalysisResult
 from tasks.gray_release import RolloutReport
