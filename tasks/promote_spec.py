@@ -112,6 +112,9 @@ class TritonSpec(BaseModel):
         from serving.triton.models.params import check_parameters
 
         check_parameters(params)  # ValueError naming the parameter and its value
+        if "max_queue_size" in params:
+            raise ValueError(f"engine_parameters.max_queue_size={params['max_queue_size']!r}: the engine's queue limit "
+                             "is the setting triton.max_queue_size (its parameter is written from it); set that instead")
         return {**DEFAULT_ENGINE_PARAMETERS, **params}
 
     @model_validator(mode="after")

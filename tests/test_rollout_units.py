@@ -256,6 +256,8 @@ def test_spec_vocabulary_and_errors() -> None:
 def test_triton_spec_refuses_a_bad_engine_parameter_by_name() -> None:
     with pytest.raises(ValidationError, match="(?s)engine_parameters.*gil_switch_interval_ms='0'"):
         TritonSpec.model_validate({"engine_parameters": {"gil_switch_interval_ms": "0"}})
+    with pytest.raises(ValidationError, match="max_queue_size='8'.*the setting triton.max_queue_size"):
+        TritonSpec.model_validate({"engine_parameters": {"max_queue_size": "8"}})
     assert TritonSpec.model_validate({"engine_parameters": {"stream_interval_ms": "50"}}).engine_parameters == {
         "stream_interval_ms": "50", "decoupled": "true"}
 

@@ -183,6 +183,9 @@ def test_static_llm_keeps_the_dynamic_batcher_and_in_flight_has_none() -> None:
         assert not cfg.HasField("dynamic_batching") and cfg.parameters["max_queue_size"].string_value == "7"
     with pytest.raises(ConfigError, match="in_flight='maybe'"):
         config({"in_flight": "maybe"})
+    assert config({"max_queue_size": "7"}).parameters["max_queue_size"].string_value == "7"  # re-rendered: the same
+    with pytest.raises(ConfigError, match=r"parameter max_queue_size='3' is written from max_queue_size=7"):
+        config({"max_queue_size": "3"})
 
 
 def test_router_config_parses_and_validates() -> None:

@@ -103,6 +103,10 @@ def llm_config(
     decoupled = flag(params, "decoupled")
     in_flight = decoupled or flag(params, "in_flight")
     batcher = not in_flight if dynamic_batching is None else dynamic_batching
+    given = params.get(QUEUE_SIZE_PARAMETER)
+    if given is not None and given != str(max_queue_size):
+        raise ConfigError(f"model {model_name!r}: parameter {QUEUE_SIZE_PARAMETER}={given!r} is written from "
+                          f"max_queue_size={max_queue_size} (a release's triton.max_queue_size): set that instead")
     if not batcher:
         params[QUEUE_SIZE_PARAMETER] = str(max_queue_size)
     config: dict[str, Any] = {
