@@ -2,10 +2,9 @@
 
 Copied into the repository as ``<name>_v<N>/1/model.py`` beside ``1/engine/`` (the engine files): one Triton model per engine version.
 ``initialize`` loads the engine on the instance's device (KIND_GPU -> cuda, else cpu) and raises with
-the model name if it cannot; ``execute`` takes the dynamic batch, parses every request
-(``serving.triton.models.requests``), runs one batched ``runner.generate`` per compatible group
-(greedy requests all share one call) and answers each request, a bad one with an error response,
-never by raising. Text is tokenized/detokenized lazily with ``tokenizers`` from the engine folder.
+the model name if it cannot; ``execute`` parses each request (``serving.triton.models.requests``) and hands
+it to the engine, answering a bad one with an error response, never by raising. Text is
+tokenized/detokenized lazily with ``tokenizers`` from the engine folder.
 
 Stopping and text (``serving.triton.models.text``, read once at load): the engine folder's
 ``generation_config.json`` ``eos_token_id`` ends every request by default (``finish_reason`` "stop"),
@@ -14,47 +13,49 @@ rendered with the folder's chat template (``serving.triton.models.chat``). Stop 
 matched on the text with special tokens; the text returned never holds the stopping token or string,
 and the ids end with the token that stopped it. Every final response carries ``prompt_tokens``.
 
-Two modes, chosen by the config (``model_transaction_policy { decoupled: true }``, written by
-``llm_config`` when the parameter ``decoupled`` is "true"); both batch in flight unless ``in_flight`` is "false":
+Two kinds, chosen by the config (``model_transaction_policy { decoupled: true }``, written by
+``llm_config`` when the parameter ``decoupled`` is "true"), both batching in flight:
 
-- plain (HTTP ``/infer`` and plain BLS work): the same engine thread and callbacks as decoupled, one FINAL
-  response a request, sent through its response sender (the python backend allows that for a
-  non-decoupled model when ``execute`` returns None), so ``execute`` returns at once. With ``in_flight``
-  "false" it runs planned ``generate`` calls instead and returns one response per request: a request
-  then waits for the slowest of its dynamic batch and for the batch before it, and Triton's dynamic
-  batcher (2.51), which splits batches where the requests' optional inputs differ (text and ids, with and
-  without a sampling setting), left requests queued behind such a split for up to 0.5 s while the
-  instance was busy.
-- in flight (decoupled, and plain by default): an ``EngineThread`` owns the runner and runs
-  ``serving.engine.scheduler.Scheduler``; ``execute`` parses each request and submits it with a
-  callback that answers through the request's response sender: with ``stream`` true the new tokens
-  (``output_ids`` [1, k]), the last response flagged FINAL and carrying ``finish_reason``; otherwise one
-  FINAL response with every token. Responses are built and sent (``outbox.Outbox.send_next``) by the
-  engine thread itself, while it waits for the GPU and whenever it is idle, so no sender thread
-  competes with it for the GIL; a stream's tokens that wait meanwhile go out together in its next
-  response (k > 1 under load, 1 otherwise). ``execute`` returns at once. Startup errors of the
-  thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
-  request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
-  get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
-  step, ~30-50 s more at a first load on an H200; its compile artifacts are then kept in
-  ``compile_cache_dir``, default ``.compile-cache`` in the repository's root, "off" for none, and a
-  later load on the same toolchain restores them instead of compiling: `serving.engine.compile_cache`),
-  ``decode_pdl`` (default "true": that step with
-  programmatic dependent launch on Hopper and later, `serving.engine.cuda_graphs`), ``warmup`` ("false" to skip
-  capturing graphs and running the first, cold prefills at load), ``gil_switch_interval_ms`` (default
-  0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
-  engine thread waits for it), ``exclusive_launch`` (default "true": on CUDA the request intake waits while
-  the engine thread launches a step, instead of making each of its launches wait for the GIL;
-  ``SchedulerLoop.launching``),
-  ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
-  first and the final response are never held back; see ``outbox``), ``idle_senders`` (default one per
-  four CPUs, 1 to 4: how many threads send at once while the engine is idle, such as the final responses of requests
-  that ended together; see ``outbox``), ``busy_senders`` (default as ``idle_senders``: how many threads send
-  while a step computes on the GPU, for engines whose streams outpace one sender; see ``outbox``), ``admit_gap_ms`` (default 3: an idle engine admits a burst of
-  arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
-  at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,
-  waiting ones are admitted, in one prefill, at most once every this many decode steps, unless they
-  outnumber the live ones; see ``serving.engine.scheduler`` and ``serving.engine.paged_scheduler``), ``max_queue_size``
+- decoupled: responses go out as the tokens come (``stream`` true) or once; called over gRPC streaming,
+  ``/generate`` or decoupled BLS.
+- plain (HTTP ``/infer`` and plain BLS work): one FINAL response a request, sent through its response
+  sender (the python backend allows that for a non-decoupled model whose ``execute`` returns None).
+  ``in_flight`` "false" is the static path instead: Triton's dynamic batcher hands ``execute`` a batch,
+  which runs one batched ``runner.generate`` per compatible group (greedy requests share one call) and
+  returns one response per request, so a request waits for the slowest of its batch and for the batch
+  before it (and Triton 2.51's batcher, which splits batches where the requests' optional inputs differ,
+  could leave requests queued behind such a split for 0.5 s while the instance was busy).
+
+In flight, an ``EngineThread`` owns the runner and runs
+``serving.engine.scheduler.Scheduler``; ``execute`` parses each request and submits it with a
+callback that answers through the request's response sender: with ``stream`` true the new tokens
+(``output_ids`` [1, k]), the last response flagged FINAL and carrying ``finish_reason``; otherwise one
+FINAL response with every token. Responses are built and sent (``outbox.Outbox.send_next``) by the
+engine thread itself, while it waits for the GPU and whenever it is idle, so no sender thread
+competes with it for the GIL; a stream's tokens that wait meanwhile go out together in its next
+response (k > 1 under load, 1 otherwise). ``execute`` returns at once. Startup errors of the
+thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
+request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
+get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
+step, ~30-50 s more at a first load on an H200; its compile artifacts are then kept in
+``compile_cache_dir``, default ``.compile-cache`` in the repository's root, "off" for none, and a
+later load on the same toolchain restores them instead of compiling: `serving.engine.compile_cache`),
+``decode_pdl`` (default "true": that step with
+programmatic dependent launch on Hopper and later, `serving.engine.cuda_graphs`), ``warmup`` ("false" to skip
+capturing graphs and running the first, cold prefills at load), ``gil_switch_interval_ms`` (default
+0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
+engine thread waits for it), ``exclusive_launch`` (default "true": on CUDA the request intake waits while
+the engine thread launches a step, instead of making each of its launches wait for the GIL;
+``SchedulerLoop.launching``),
+``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
+first and the final response are never held back; see ``outbox``), ``idle_senders`` (default one per
+four CPUs, 1 to 4: how many threads send at once while the engine is idle, such as the final responses of requests
+that ended together; see ``outbox``), ``busy_senders`` (default as ``idle_senders``: how many threads send
+while a step computes on the GPU, for engines whose streams outpace one sender; see ``outbox``), ``admit_gap_ms`` (default 3: an idle engine admits a burst of
+arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
+at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,
+waiting ones are admitted, in one prefill, at most once every this many decode steps, unless they
+outnumber the live ones; see ``serving.engine.scheduler`` and ``serving.engine.paged_scheduler``), ``max_queue_size``
 (written by ``llm_config`` from the release's ``triton.max_queue_size``: requests waiting for admission at
 most, more are refused as an overload that clients retry; a model in flight has no dynamic batcher).
 """
