@@ -109,11 +109,11 @@ class TritonSpec(BaseModel):
     @field_validator("engine_parameters")
     @classmethod
     def _numeric_parameters(cls, params: dict[str, str]) -> dict[str, str]:
-        from serving.triton.models.params import check_parameters
+        from serving.triton.models.params import QUEUE_SIZE_PARAMETER, check_parameters
 
         check_parameters(params)  # ValueError naming the parameter and its value
-        if "max_queue_size" in params:
-            raise ValueError(f"engine_parameters.max_queue_size={params['max_queue_size']!r}: the engine's queue limit "
+        if QUEUE_SIZE_PARAMETER in params:
+            raise ValueError(f"engine_parameters.{QUEUE_SIZE_PARAMETER}={params[QUEUE_SIZE_PARAMETER]!r}: the engine's queue limit "
                              "is the setting triton.max_queue_size (its parameter is written from it); set that instead")
         return {**DEFAULT_ENGINE_PARAMETERS, **params}
 
@@ -305,7 +305,7 @@ class RolloutSpec(BaseModel):
     steps: list[RolloutStep] = Field(default_factory=_default_steps, description="set_weight / pause / analysis.")
     concurrency: int = Field(2, ge=1, le=64, description="Parallel clients sending the rollout's own traffic. On a "
                              "server without headroom each one is load beside the users' (2 cores, 2 users' clients, "
-                             "one client: p99 through the rollout 1.14-1.77x of steady unpaced, 1.18-1.38x at "
+                             "one client: p99 through the rollout 1.14-1.77x of steady unpaced, 1.03-1.23x at "
                              "`rate_per_s` 10; docs/gray-release.md).")
     rate_per_s: float | None = Field(
         None, gt=0, description="Requests a second the rollout's test traffic sends in all (paced; `concurrency` "

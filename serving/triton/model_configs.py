@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from serving.triton.errors import ConfigError
-from serving.triton.models.params import QUEUE_SIZE_PARAMETER, check_parameters, flag
+from serving.triton.models.params import QUEUE_SIZE_PARAMETER, batches_in_flight, check_parameters, flag
 from serving.triton.models.routing_file import ROUTING_FILE, ROUTING_PARAMETER
 
 # One request per call: the llm reads each input as one value (a batch of 2 is its INVALID_ARG), so a larger
@@ -101,8 +101,7 @@ def llm_config(
     except ValueError as exc:
         raise ConfigError(f"model {model_name!r}: {exc}") from exc
     decoupled = flag(params, "decoupled")
-    in_flight = decoupled or flag(params, "in_flight")
-    batcher = not in_flight if dynamic_batching is None else dynamic_batching
+    batcher = not batches_in_flight(params, decoupled=decoupled) if dynamic_batching is None else dynamic_batching
     given = params.get(QUEUE_SIZE_PARAMETER)
     if given is not None and given != str(max_queue_size):
         raise ConfigError(f"model {model_name!r}: parameter {QUEUE_SIZE_PARAMETER}={given!r} is written from "

@@ -79,6 +79,7 @@ from serving.engine.heap import freeze_heap
 from serving.triton.models.outbox import Outbox
 from serving.triton.models.params import (
     QUEUE_SIZE_PARAMETER,
+    batches_in_flight,
     check_parameters,
     choice,
     count,
@@ -418,7 +419,7 @@ class TritonPythonModel:
         self.host = EngineHost(runner, engine_dir, self.log, text)
         uses_decoupled = getattr(pb_utils, "using_decoupled_model_transaction_policy", None)
         self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else flag(params, "decoupled")
-        self.in_flight = self.decoupled or flag(params, "in_flight")
+        self.in_flight = batches_in_flight(params, decoupled=self.decoupled)
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
         self.intake = IntakeStats()

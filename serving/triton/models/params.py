@@ -36,6 +36,11 @@ COUNT_PARAMETERS: dict[str, tuple[int, int, int]] = {
 QUEUE_SIZE_PARAMETER = "max_queue_size"
 
 
+def batches_in_flight(params: dict[str, str], *, decoupled: bool) -> bool:
+    """Whether the llm runs the in-flight engine thread: always when decoupled, else unless `in_flight` is false."""
+    return decoupled or flag(params, "in_flight")
+
+
 def queue_size(params: dict[str, str]) -> int | None:
     """The `QUEUE_SIZE_PARAMETER` a config carries (None: not set, no limit of the engine's own)."""
     raw = str(params.get(QUEUE_SIZE_PARAMETER) or "").strip()

@@ -1,4 +1,4 @@
-"""Where a decoupled request's time goes inside the ``llm`` model, logged when the model unloads.
+"""Where an in-flight request's time goes inside the ``llm`` model, logged when the model unloads.
 
 - `IntakeStats`: the requests Triton handed to ``execute`` and the time spent parsing them and handing them
   to the scheduler (on Triton's thread).
@@ -24,7 +24,7 @@ FIRST_TOKENS_KEPT = 100_000  # requests whose stages are kept (about 10 MB)
 
 @dataclass
 class IntakeStats:
-    """Decoupled requests parsed and handed to the scheduler on Triton's thread (`execute`)."""
+    """In-flight requests parsed and handed to the scheduler on Triton's thread (`execute`)."""
 
     requests: int = 0
     seconds: float = 0.0
