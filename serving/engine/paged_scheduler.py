@@ -129,6 +129,9 @@ class PagedStats:
     ahead_steps: int = 0  # decode steps launched before the previous step's tokens were read
     mixed_steps: int = 0  # steps with a prefill chunk in them (the others are decode-only)
     mixed_s: float = 0.0  # their forward + wait
+    mixed_forward_s: float = 0.0  # their forward alone (the GPU waits when this outgrows their compute)
+    mixed_forward_cpu_s: float = 0.0  # the loop thread's CPU time in it (the rest: waiting for the GIL or a core)
+    launch_wait_s: float = 0.0  # waiting for the launch lock (`launching`) while the intake held it
 
 
 class PagedScheduler(SchedulerLoop):
@@ -340,7 +343,9 @@ class PagedScheduler(SchedulerLoop):
             for seq in rows:
                 self._grow(seq, seq.computed + 1)  # never preempts: `_next_ahead_rows` counted the free blocks
             chunks: list[ChunkPlan] = [([0], seq.computed, seq.blocks) for seq in rows]
+            asked = time.perf_counter()
             with self.launching():
+                self.stats.launch_wait_s += time.perf_counter() - asked
                 logits = self.runner.forward_ahead(chunks, prev.tokens, [where[id(seq)] for seq in rows])
                 self.ahead = self._launch_unread(rows, logits)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
@@ -383,16 +388,18 @@ class PagedScheduler(SchedulerLoop):
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.allocator.used)
         self.stats.largest_batch = max(self.stats.largest_batch, len(plan))
         started = time.perf_counter()
+        started_cpu = time.thread_time()
         try:
             lives = [plan[i][0] for i in sampling]
             with self.launching():
+                self.stats.launch_wait_s += time.perf_counter() - started
                 logits = self.runner.forward(chunks, sampling)  # [N, V]
                 tokens = self._sample(logits, lives)
                 ready = torch.cuda.Event() if tokens.is_cuda else None
                 if ready is not None:
                     ready.record()
             extras = self._logprobs(logits, tokens, lives)
-            waiting = time.perf_counter()
+            waiting, waiting_cpu = time.perf_counter(), time.thread_time()
             if ready is not None:
                 self._work_until(ready)
             token_list = tokens.tolist()
@@ -406,6 +413,8 @@ class PagedScheduler(SchedulerLoop):
         if len(sampling) != len(plan) or any(n != 1 for _, n in plan):
             self.stats.mixed_steps += 1
             self.stats.mixed_s += delivering - started
+            self.stats.mixed_forward_s += waiting - started
+            self.stats.mixed_forward_cpu_s += waiting_cpu - started_cpu
         for seq, n in plan:
             seq.computed += n
             if n == 1 and seq.generated > 0:

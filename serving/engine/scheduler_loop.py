@@ -21,11 +21,11 @@ launch and deliver; what a caller sees is the same and lives here once:
   are admitted at most once every that many steps, unless they outnumber the live ones by WAITING_SERVED_RATIO
   (`_admission_due`; the schedulers' docs say why each needs it);
 - `launching()` (the loop's thread, around launching a step) and `between_launches()` (any other thread, around
-  Python work that can wait a few milliseconds, such as Triton's request intake) share one lock on CUDA: a
-  step's eager launches give the interpreter lock up at every torch op, and while another thread runs Python
-  each launch waits up to the switch interval to win it back (hundreds of ops a prompt step), so the GPU
-  waited for the host. Off CUDA (`synchronous`) a step is its own compute and neither takes the lock;
-  `exclusive_launch = False` turns it off;
+  Python work that can wait a few milliseconds, such as Triton's request intake, which checks `launch_waits()`
+  between its items) share one `launch_lock.LaunchLock` on CUDA, launches first: a step's eager launches give
+  the interpreter lock up at every torch op, and while another thread runs Python each launch waits up to the
+  switch interval to win it back (hundreds of ops a prompt step), so the GPU waited for the host. Off CUDA
+  (`synchronous`) a step is its own compute and neither takes the lock; `exclusive_launch = False` turns it off;
 - `stop()`: ends the loop, fails what is still waiting or live with `SchedulerStopped`, joins the thread;
   `run_until_idle()`: steps on the caller's thread until nothing waits or lives (tests, offline use).
 
@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serving.engine.errors import EngineError, EngineLimitError
+from serving.engine.launch_lock import LaunchLock
 from serving.engine.sampling import SamplingParams
 
 GATHER_MAX_GAPS = 10  # an idle engine waits for a burst of arrivals at most this many `admit_gap_s`
@@ -115,7 +116,7 @@ class SchedulerLoop:
         # threads as it likes; set by Triton's llm model for several senders (Outbox.send_while)
         self.work_while: Callable[[Callable[[], bool]], None] | None = None
         self.exclusive_launch = True  # see `launching`
-        self._launch_lock = threading.Lock()
+        self._launch_lock = LaunchLock()
         self.drain = drain
         limits = runner.info.limits
         self.max_input_len = int(limits.max_input_len)
@@ -180,14 +181,22 @@ class SchedulerLoop:
         if bad:
             raise EngineLimitError(f"token ids {bad[:5]} outside [0, vocab_size={self.vocab_size})")
 
+    def _exclusive(self) -> bool:
+        return self.exclusive_launch and not self.synchronous
+
     def launching(self) -> contextlib.AbstractContextManager[Any]:
         """Held by the loop's thread while it launches a step on CUDA (see the module doc)."""
-        return self._launch_lock if self.exclusive_launch and not self.synchronous else contextlib.nullcontext()
+        return self._launch_lock.launching() if self._exclusive() else contextlib.nullcontext()
 
     def between_launches(self) -> contextlib.AbstractContextManager[Any]:
         """Held by another thread around Python work that may wait for a launch to finish (never while holding
-        anything the loop's thread takes first: `cond`, a request's callbacks' locks)."""
-        return self.launching()
+        anything the loop's thread takes first: `cond`, a request's callbacks' locks). Work of many items
+        checks `launch_waits()` between them and leaves when it is true."""
+        return self._launch_lock.between() if self._exclusive() else contextlib.nullcontext()
+
+    def launch_waits(self) -> bool:
+        """Whether the loop's thread waits to launch a step (work `between_launches` should step aside)."""
+        return self._exclusive() and self._launch_lock.launch_waits()
 
     def limit_waiting(self, limit: int, setting: str) -> None:
         """Refuse requests past ``limit`` waiting ones, where that is tighter than the limit so far; refusals

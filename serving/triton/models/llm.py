@@ -27,7 +27,8 @@ Two kinds, chosen by the config (``model_transaction_policy { decoupled: true }`
   could leave requests queued behind such a split for 0.5 s while the instance was busy).
 
 In flight, an ``EngineThread`` owns the runner and runs
-``serving.engine.scheduler.Scheduler``; ``execute`` parses each request and submits it with a
+``serving.engine.scheduler.Scheduler``; ``execute`` reads each request's inputs and queues it for the intake
+thread (``serving.triton.models.intake``), which hands it to the scheduler between the engine's launches with a
 callback that answers through the request's response sender: with ``stream`` true the new tokens
 (``output_ids`` [1, k]), the last response flagged FINAL and carrying ``finish_reason``; otherwise one
 FINAL response with every token. Responses are built and sent (``outbox.Outbox.send_next``) by the
@@ -35,8 +36,8 @@ engine thread itself, while it waits for the GPU and whenever it is idle, so no 
 competes with it for the GIL; a stream's tokens that wait meanwhile go out together in its next
 response (k > 1 under load, 1 otherwise). ``execute`` returns at once. Startup errors of the
 thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
-request that fails gets a TritonError response; ``finalize`` stops the scheduler (pending requests
-get an error) and joins the thread. Parameters: ``compile_decode`` ("true": torch.compile'd decode
+request that fails gets a TritonError response; ``finalize`` stops the intake and the scheduler (queued and
+pending requests get an error) and joins their threads. Parameters: ``compile_decode`` ("true": torch.compile'd decode
 step, ~30-50 s more at a first load on an H200; its compile artifacts are then kept in
 ``compile_cache_dir``, default ``.compile-cache`` in the repository's root, "off" for none, and a
 later load on the same toolchain restores them instead of compiling: `serving.engine.compile_cache`),
@@ -45,8 +46,8 @@ programmatic dependent launch on Hopper and later, `serving.engine.cuda_graphs`)
 capturing graphs and running the first, cold prefills at load), ``gil_switch_interval_ms`` (default
 0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
 engine thread waits for it), ``exclusive_launch`` (default "true": on CUDA the request intake waits while
-the engine thread launches a step, instead of making each of its launches wait for the GIL;
-``SchedulerLoop.launching``),
+the engine thread launches a step, instead of making each of its launches wait for the GIL, and steps
+aside between two requests when a launch waits; ``SchedulerLoop.launching``),
 ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
 first and the final response are never held back; see ``outbox``), ``idle_senders`` (default one per
 four CPUs, 1 to 4: how many threads send at once while the engine is idle, such as the final responses of requests
@@ -76,6 +77,7 @@ from typing import Any
 import numpy as np
 
 from serving.engine.heap import freeze_heap
+from serving.triton.models.intake import Full, Intake
 from serving.triton.models.outbox import Outbox
 from serving.triton.models.params import (
     QUEUE_SIZE_PARAMETER,
@@ -268,6 +270,27 @@ def _getter(request: Any) -> Callable[[str], np.ndarray | None]:
     return get
 
 
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """A request ``execute`` read and queued for the intake thread: its inputs as Python values (the request's
+    tensors are freed when ``execute`` returns), where its responses go, and when Triton handed it over."""
+
+    request: Any  # the pb_utils request: asked later whether its client cancelled it
+    sender: Any
+    req: LlmRequest
+    received: float  # monotonic
+
+
+def allocator_counters() -> str:
+    """The CUDA caching allocator's counters that reveal synchronizing work: cudaMalloc retries after freeing
+    its cache, and the device allocations and frees it made."""
+    import torch  # lazy: only a CUDA engine asks
+
+    stats = torch.cuda.memory_stats()
+    names = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
+    return ", ".join(f"{name}={stats.get(name, 0)}" for name in names)
+
+
 class EngineThread:
     """The engine loop on its own thread: prepare (compile, capture graphs), then the scheduler forever."""
 
@@ -422,7 +445,8 @@ class TritonPythonModel:
         self.in_flight = batches_in_flight(params, decoupled=self.decoupled)
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
-        self.intake = IntakeStats()
+        self.intake: Intake[Arrival] | None = None
+        self.intake_stats = IntakeStats()
         self.first_tokens = FirstTokenTimes()
         if self.in_flight:
             # without a short switch interval another thread can hold the GIL for 5 ms (CPython's
@@ -455,6 +479,12 @@ class TritonPythonModel:
             except BaseException as exc:
                 raise RuntimeError(f"[{self.model_name} v{self.version}] engine thread failed to start: "
                                    f"{type(exc).__name__}: {exc}") from exc
+            scheduler = self.engine_thread.scheduler
+            self.intake = Intake(self._submit, self._refuse, between_launches=scheduler.between_launches,
+                                 launch_waits=scheduler.launch_waits, on_error=self.log.error,
+                                 name=f"{self.model_name}-v{self.version}", limit=queue_size(params),
+                                 limit_setting=QUEUE_SIZE_PARAMETER)
+            self.intake.start()
         self.log.info(
             f"engine {getattr(runner.info, 'fingerprint', '?')} loaded from {engine_dir} on {device} in "
             f"{time.monotonic() - started:.2f} s (max_batch_size={self.host.max_batch_size}, "
@@ -464,7 +494,10 @@ class TritonPythonModel:
         )
 
     def _parse(self, index: int, request: Any) -> tuple[LlmRequest, BatchItem]:
-        req = parse_request(_getter(request), _requested_outputs(request))
+        return self._prepare(index, parse_request(_getter(request), _requested_outputs(request)))
+
+    def _prepare(self, index: int, req: LlmRequest) -> tuple[LlmRequest, BatchItem]:
+        """A parsed request against this engine: its stop ids, prompt ids (tokenized or rendered) and limits."""
         req = dataclasses.replace(req, stop_token_ids=stop_ids_for(req.stop_token_ids, self.host.text.eos_token_ids,
                                                                    ignore_eos=req.ignore_eos))
         ids = self.host.prompt_ids(req)
@@ -494,24 +527,49 @@ class TritonPythonModel:
             tensors.append(pb_utils.Tensor("text_output", np.asarray([[text.encode("utf-8")]], dtype=np.object_)))
         return tensors
 
-    def _submit(self, index: int, request: Any, received: float) -> None:
-        """In flight: parse one request and hand it to the scheduler; answer errors on its sender."""
+    def _queue(self, request: Any, received: float) -> None:
+        """In flight, on Triton's thread: read one request and queue it for the intake; answer a malformed one."""
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        tag = f"{self.model_name} v{self.version}"
+        try:
+            req = parse_request(_getter(request), _requested_outputs(request))
+        except RequestError as exc:
+            sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
+            return
+        except Exception as exc:  # noqa: BLE001
+            self.log.error(f"request: {type(exc).__name__}: {exc}")
+            sender.send(_error_response(f"{tag}: internal error: {exc}"), flags=final)
+            return
+        try:
+            self.intake.put(Arrival(request, sender, req, received))
+        except (Full, RuntimeError) as exc:  # overloaded or unloading: the client may retry elsewhere or later
+            sender.send(_error_response(f"{tag}: {exc}", unavailable=True), flags=final)
+
+    def _refuse(self, arrival: Arrival, message: str) -> None:
+        """A queued request the intake will not start (unloading) gets its error."""
+        arrival.sender.send(_error_response(f"{self.model_name} v{self.version}: {message}", unavailable=True),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _submit(self, arrival: Arrival) -> None:
+        """In flight, on the intake thread: hand one request to the scheduler; answer errors on its sender."""
         from serving.engine.scheduler import (  # lazy: imports torch
             GenRequest,
             RequestCancelled,
             SchedulerFull,
         )
 
-        sender = request.get_response_sender()
+        started = time.perf_counter()
+        request, sender, received = arrival.request, arrival.sender, arrival.received
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         tag = f"{self.model_name} v{self.version}"
         try:
-            req, item = self._parse(index, request)
+            req, item = self._prepare(0, arrival.req)
         except RequestError as exc:
             sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
             return
         except Exception as exc:  # noqa: BLE001
-            self.log.error(f"request {index}: {type(exc).__name__}: {exc}")
+            self.log.error(f"request: {type(exc).__name__}: {exc}")
             sender.send(_error_response(f"{tag}: internal error: {exc}"), flags=final)
             return
         outbox = self.outbox
@@ -577,16 +635,13 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - limits the parse did not catch, or stopping
             outbox.discard(stream)
             sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
+        self.intake_stats.add(time.perf_counter() - started)
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
         if getattr(self, "in_flight", False):
-            scheduler = self.engine_thread.scheduler
             received = time.monotonic()
-            for i, request in enumerate(requests):
-                with scheduler.between_launches():  # never while the engine thread launches a step
-                    started = time.perf_counter()
-                    self._submit(i, request, received)
-                    self.intake.add(time.perf_counter() - started)
+            for request in requests:
+                self._queue(request, received)
             return None
         started = time.monotonic()
         responses: list[Any] = [None] * len(requests)
@@ -618,17 +673,24 @@ class TritonPythonModel:
         return responses
 
     def finalize(self) -> None:
+        intake = getattr(self, "intake", None)
+        if intake is not None:
+            intake.stop()  # what is still queued gets its error; nothing new is taken
+            self.intake_stats.turns = intake.turns
+            self.intake = None
         engine_thread = getattr(self, "engine_thread", None)
         if engine_thread is not None:
             stats = getattr(engine_thread.scheduler, "stats", None)
             engine_thread.stop()
             self.log.info(f"engine thread joined (alive={engine_thread.thread.is_alive()}); scheduler {stats}")
+            if engine_thread.device_id is not None:
+                self.log.info(f"allocator: {allocator_counters()}")
             self.engine_thread = None
         outbox = getattr(self, "outbox", None)
         if outbox is not None:
             outbox.flush()  # the engine thread has stopped: whatever it had not sent yet
             outbox.close()
-            self.log.info(f"responses sent: {outbox.stats}; intake: {self.intake}; first tokens: {self.first_tokens.stats()}")
+            self.log.info(f"responses sent: {outbox.stats}; intake: {self.intake_stats}; first tokens: {self.first_tokens.stats()}")
             self.outbox = None
         host = getattr(self, "host", None)
         if host is not None:

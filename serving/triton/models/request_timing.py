@@ -1,9 +1,10 @@
 """Where an in-flight request's time goes inside the ``llm`` model, logged when the model unloads.
 
-- `IntakeStats`: the requests Triton handed to ``execute`` and the time spent parsing them and handing them
-  to the scheduler (on Triton's thread).
+- `IntakeStats`: the requests the intake thread (`intake.Intake`) handed to the scheduler, the time that took
+  (prompt ids, limits, the response stream, the scheduler's queue), and the turns it took the launch lock.
 - `FirstTokenTimes`: for each request, the stages of its time to first token that the model sees: `wait`
-  (from ``execute`` receiving it to the scheduler having it: the intake waits while a step launches),
+  (from ``execute`` receiving it to the scheduler having it: queued in the intake, which waits while a step
+  launches),
   `engine` (from the scheduler having it to the engine delivering its first token: queueing, admission,
   prompt steps) and `send` (from that token to its first response handed to Triton), over the last
   `FIRST_TOKENS_KEPT` requests (a server runs for months). A client's TTFT beyond their sum was spent in
@@ -24,11 +25,12 @@ FIRST_TOKENS_KEPT = 100_000  # requests whose stages are kept (about 10 MB)
 
 @dataclass
 class IntakeStats:
-    """In-flight requests parsed and handed to the scheduler on Triton's thread (`execute`)."""
+    """In-flight requests handed to the scheduler by the intake thread, and its turns between launches."""
 
     requests: int = 0
     seconds: float = 0.0
     longest_s: float = 0.0
+    turns: int = 0
 
     def add(self, seconds: float) -> None:
         self.requests += 1

@@ -87,7 +87,7 @@ def _ids(arr: np.ndarray | None, name: str) -> tuple[int, ...] | None:
         raise RequestError(f"input {name!r} must be [1, n] token ids, got shape {list(np.shape(arr))}")
     if a.size and (a.min() < 0):
         raise RequestError(f"input {name!r} holds a negative token id {int(a.min())}")
-    return tuple(int(x) for x in a)
+    return tuple(a.tolist())  # Python ints, copied out of the request's tensor
 
 
 def _text(arr: np.ndarray | None, name: str) -> str | None:
