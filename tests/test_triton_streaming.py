@@ -252,6 +252,39 @@ def test_the_router_answers_through_a_decoupled_engine_over_http(world) -> None:
     world["control"].unload_model("tiny_stream", timeout_s=60)
 
 
+def test_an_unload_under_load_ends_every_request(world) -> None:
+    """Unloaded while a burst is queued in the intake and the scheduler and generating (a model slowed to 10 ms
+    a token, 4 slots, 16 requests of 40 tokens: about 1.6 s): every request ends, with all its tokens (Triton
+    2.51 waits for a decoupled model's open responses before it finalizes it) or with an error saying why;
+    none is left without its final response."""
+    import threading
+
+    from tasks.fault_injection import write_fault
+
+    root, control = world["root"], world["control"]
+    stage_engine_version(root, "doomed", world["engine"], device_kind="cpu",
+                         parameters={"decoupled": "true", "engine_loader": "tasks.fault_injection:load_engine"})
+    write_fault(root, "doomed", 1, {"delay_per_token_s": 0.01})
+    control.load_model("doomed_v1", timeout_s=90)
+    burst = [(PROMPTS[i % 4], 40, i % 2 == 0) for i in range(16)]
+    unloaded: list[float] = []
+    unloader = threading.Timer(0.6, lambda: control.unload_model("doomed_v1", wait=False)
+                               or unloaded.append(time.monotonic()))
+    unloader.start()
+    try:
+        out = run_stream(world["proc"].grpc_url, burst, timeout_s=60, model="doomed_v1")
+        done = time.monotonic()
+    finally:
+        unloader.join()
+    assert unloaded and unloaded[0] < done - 0.3, "the burst ended before the unload began"
+    ended = [i for i in range(len(burst)) if out[str(i)] and out[str(i)][-1][2]]
+    errors = out.get("errors", [])
+    assert len(ended) + len(errors) == len(burst), out
+    assert all("stopped" in e or "unloading" in e for e in errors), errors
+    for i in ended:
+        assert sum(len(ids) for ids, _, _ in out[str(i)]) == 40 and out[str(i)][-1][1] == "length"
+
+
 def test_unload_joins_engine_thread(world) -> None:
     control = world["control"]
     control.unload_model(ENGINE, wait=True)
