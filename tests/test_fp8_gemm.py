@@ -137,6 +137,65 @@ def test_token_scaling_kernel_gives_the_torch_ops_values_interpreted():
 # CUDA
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("config", ["dott:n32:k32:s1:w4:st2", "dott:n16:k64:s4:w4:st2"])
+def test_one_token_scaled_in_the_kernel_equals_the_two_step_path_interpreted(config):
+    """`_fp8_one_row_kernel` (the row's scale found by every program, K past two `ROW_BLOCK`s with a ragged
+    end) gives the partial products of the token scaled by the scaling kernel, then the "dott" kernel, bit for
+    bit (both interpreted: the interpreter's e4m3 rounding is its own, on both sides)."""
+    config = GemmConfig.parse(config)
+    w, s = quantize_weight(torch.randn(40, 4608) * 0.02, FP8)
+    for x in (torch.randn(1, 4608).bfloat16() * 3, torch.zeros(1, 4608, dtype=torch.bfloat16)):
+        xq, xs = fp8_tokens.tokens_e4m3(x, 448.0)
+        want = fp8_gemm.launch_fp8(xq, xs, w, s, config)
+        got = fp8_gemm.launch_fp8_one_row(x, w, s, config)
+        assert got.dtype == want.dtype and got.shape == (config.split, 1, 40)
+        assert torch.equal(got, want), config.key()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+def test_one_token_goes_to_the_scaling_kernel_only_when_switched_on_interpreted(monkeypatch):
+    config = GemmConfig.parse("dott:n32:k64:s2:w4:st2")
+    w, s = quantize_weight(torch.randn(64, 512) * 0.02, FP8)
+    x = torch.randn(3, 512).bfloat16()
+    calls: list[int] = []
+    one_row = fp8_gemm.launch_fp8_one_row
+    monkeypatch.setattr(fp8_gemm, "launch_fp8_one_row", lambda x, *a, **k: calls.append(x.shape[0]) or one_row(x, *a, **k))
+    fp8_gemm.fp8_partials(x[:1], w, s, config)
+    assert calls == []
+    monkeypatch.setattr(fp8_gemm, "ROW_SCALING_IN_KERNEL", True)
+    on = fp8_gemm.fp8_partials(x[:1], w, s, config)
+    fp8_gemm.fp8_partials(x, w, s, config)  # more rows: scaled before, as always
+    assert calls == [1]
+    assert torch.equal(on, fp8_gemm.launch_fp8(*fp8_tokens.tokens_e4m3(x[:1], 448.0), w, s, config))
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_the_in_kernel_scaling_takes_one_bf16_token_and_says_so():
+    w, s = quantize_weight(torch.randn(64, 256), FP8)
+    config = GemmConfig.parse("dott:n64:k128:s1:w4:st3")
+    with pytest.raises(ValueError, match="dott:n64:k128:s1:w4:st3 with the token scaled in the kernel does not fit M=2"):
+        fp8_gemm.launch_fp8_one_row(torch.zeros(2, 256, dtype=torch.bfloat16), w, s, config)
+    with pytest.raises(ValueError, match=r"needs a bf16 token \[1, K\].*got torch.float32"):
+        fp8_gemm.launch_fp8_one_row(torch.zeros(1, 256), w, s, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.parametrize("config", ["dott:n64:k128:s2:w4:st3", "dott:n64:k256:s4:w4:st4"])
+def test_one_token_scaled_in_the_kernel_on_the_gpu_equals_the_two_step_path(config):
+    """At the Llama shapes: the same e4m3 token (correctly rounded division, as torch and inductor divide) and
+    the same MMAs, so the same partial products, with and without PDL."""
+    config = GemmConfig.parse(config)
+    for n, k in LLAMA_SHAPES:
+        w, s = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, FP8)
+        x = (torch.randn(1, k, device="cuda") * 4).bfloat16()
+        xq, xs = quantize_tokens_fp8(x)
+        want = fp8_gemm.launch_fp8(xq, xs, w, s, config)
+        for pdl in (False, True):
+            assert torch.equal(fp8_gemm.launch_fp8_one_row(x, w, s, config, pdl=pdl), want), (n, k, pdl)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
 def test_token_scaling_kernel_on_the_gpu_gives_the_torch_ops_values_but_at_rounding_ties():
@@ -177,12 +236,15 @@ def test_kernel_at_llama_shapes(rows, config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
-def test_compiled_decode_on_the_fp8_kernel_matches_its_reference_path(monkeypatch):
+@pytest.mark.parametrize("row_scaling", [False, True], ids=["scaled-before", "scaled-in-gemm"])
+def test_compiled_decode_on_the_fp8_kernel_matches_its_reference_path(monkeypatch, row_scaling):
     """Every projection of a 2-layer Llama-1B-wide fp8 engine on the kernel (one config for all), compiled in
-    CUDA graphs: greedy tokens as the eager step's, logits within e4m3's rounding of weight-only numerics."""
+    CUDA graphs: greedy tokens as the eager step's, logits within e4m3's rounding of weight-only numerics;
+    also with one token scaled inside its GEMMs (`ROW_SCALING_IN_KERNEL`)."""
     from serving.bench.quantized import random_runner
     from serving.engine.model import REFERENCE_GEMM, decode_step
 
+    monkeypatch.setattr(fp8_gemm, "ROW_SCALING_IN_KERNEL", row_scaling)
     monkeypatch.setattr(fp8_gemm, "TUNED_FP8", {})
     monkeypatch.setattr(fp8_gemm, "TUNED_FP8_CONFIGS", {})
     shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]

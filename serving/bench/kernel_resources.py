@@ -3,7 +3,7 @@ not here: Triton compiles them for the target (Hopper, sm_90, by default) and `c
 reads the cubin. No GPU is needed, only Triton with its bundled NVIDIA tools.
 
 `python3 -m serving.bench kernel-resources` prints, for the attention's split kernel, the skinny GEMM and
-the split-K FP8 GEMM at the shipped configs of the Llama-1B and 8B decode shapes (and some alternatives), the registers
+the split-K FP8 GEMM (and its variant that scales one token itself) at the shipped configs of the Llama-1B and 8B decode shapes (and some alternatives), the registers
 per thread, the bytes spilled to the stack, the shared memory and how many programs fit on one SM by
 registers (65,536 per SM) and shared memory (228 KB). A memory-bound kernel with few programs per SM has few loads in flight.
 """
@@ -128,6 +128,27 @@ def fp8_cases() -> list[Case]:
         constexprs = {"BLOCK_M": block_m(rows), "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
                       "IEEE_DOT": False, "GDC": True, "SCALED": True, "TOKENS_SCALED": True}
         cases.append((f"{rows} rows {n}x{k} ({text})", _dot_t_kernel, types, constexprs, config.warps,
+                      config.stages))
+    return cases + fp8_one_row_cases()
+
+
+def fp8_one_row_cases() -> list[Case]:
+    """The FP8 kernel that scales its one bf16 token itself (`fp8_gemm._fp8_one_row_kernel`) with PDL, at the
+    one-row configs of `fp8_gemm.TUNED_FP8`."""
+    from serving.engine.fp8_gemm import ROW_BLOCK, TUNED_FP8, _fp8_one_row_kernel
+    from serving.engine.prescaled import E4M3_MAX
+    from serving.engine.skinny_gemm import GemmConfig
+
+    cases = []
+    for (rows, n, k), text in TUNED_FP8.items():
+        if rows != 1:
+            continue
+        config = GemmConfig.parse(text)
+        types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+                 "out_ptr": "*fp32" if config.split > 1 else "*bf16"}
+        constexprs = {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "ROW_BLOCK": ROW_BLOCK,
+                      "QMAX": E4M3_MAX, "GDC": True}
+        cases.append((f"1 row {n}x{k} ({text})", _fp8_one_row_kernel, types, constexprs, config.warps,
                       config.stages))
     return cases
 

@@ -16,7 +16,8 @@ float32 logits rather than from the LM head's kernel (`serving.engine.lm_head`),
 (`DecodeGraphs(pdl=True)`: inductor's kernels and the step's own Triton kernels, Hopper and later; each
 kernel may start while its predecessor finishes, and waits for it before reading its output),
 `loopnorm` for inductor's own looped row reductions rather than one pass over each row for the residual
-add + RMSNorm (`serving.engine.whole_row_norms`),
+add + RMSNorm (`serving.engine.whole_row_norms`), `rowscale` for an fp8 engine's one token scaled to e4m3 inside
+its GEMMs (`fp8_gemm.ROW_SCALING_IN_KERNEL`) rather than in kernels before them,
 `kvb<n>`, `kvw<n>`, `kvst<n>`, `kvt<n>` for the Triton attention's block (positions), warps, stages
 and target programs (`decode_attention.STEP_KNOBS`), and `g<N>x<K>=<config>` / `u<I>x<D>=<config>` for a
 skinny GEMM's / the gate/up kernel's config at the batch's rows bucket (an in-step sweep; configs as
@@ -34,13 +35,14 @@ from typing import Any
 
 import torch
 
-KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "_gate_up_kernel", "cutlass", "nvjet", "sm90", "cublas", "splitk")),
+KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "_fp8_one_row", "_gate_up_kernel", "cutlass", "nvjet", "sm90", "cublas", "splitk")),
          ("attention", ("decode_attention", "_split_kernel", "_combine_kernel", "flash", "attn", "bmm")),
          ("fused", ("triton_",)),
          ("copy", ("copy", "memcpy", "memset", "index", "scatter")))
 
 
-VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "nogateup", "nogreedy", "loopnorm", "pdl")
+VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "nogateup", "nogreedy", "loopnorm", "pdl",
+                 "rowscale")
 # candidates for skinny_gemm.TUNED, where cuBLAS runs now (none at present: the last two, Llama-8B's wqkv
 # and wo at 64 rows, went into the table once `+extra` showed the step faster with them)
 ATTENTION_KNOBS = {"kvb": "block", "kvw": "num_warps", "kvst": "num_stages", "kvt": "target_programs"}
@@ -107,9 +109,10 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     t0 = time.perf_counter()
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
-    from serving.engine import decode_attention, gate_up, skinny_gemm
+    from serving.engine import decode_attention, fp8_gemm, gate_up, skinny_gemm
 
     decode_attention.STEP_KNOBS = knobs
+    fp8_gemm.ROW_SCALING_IN_KERNEL = "rowscale" in parts
     skinny_over, gate_up_over = config_overrides(parts, batch)
     skinny_gemm.TUNED_CONFIGS = skinny_gemm.parse_table(
         {**skinny_gemm.TUNED, **(EXTRA_CONFIGS if "extra" in parts else {}), **skinny_over})

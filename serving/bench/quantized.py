@@ -16,7 +16,8 @@ compiles each one's decode step (`EngineRunner.compile_decode`, the served defau
 `--methods` also takes `fp8-decode-kernels`: the fp8 engine with every decode batch on the weight-only
 decode kernels (neither the split-K FP8 kernel nor `_scaled_mm` at decode rows) and the FP8 tensor cores only
 past `skinny_gemm.MAX_ROWS` rows (prefill), as fp8 engines first ran; one run times the fp8 decode paths side
-by side.
+by side. And `fp8-row-scaling-in-gemm`: the fp8 engine with one token's e4m3 scaling inside its GEMMs
+(`fp8_gemm.ROW_SCALING_IN_KERNEL`), checked at one row too.
 
 Before timing, the check compares each quantized engine's decode step (Triton kernels; for fp8 the FP8
 tensor cores where `fp8_gemm.TUNED_FP8` has the shape) against its own dequantizing reference path
@@ -30,9 +31,11 @@ Imports: stdlib and torch at import time.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ from serving.engine.quantize import FP8, NONE, QuantInfo, install_quantized_line
 from serving.engine.runner import EngineRunner, pick_decode_attention, pick_decode_gemm
 
 FP8_DECODE_KERNELS = "fp8-decode-kernels"  # a bench method: fp8, the decode batches on the weight-only kernels
+FP8_ROW_SCALING_IN_GEMM = "fp8-row-scaling-in-gemm"  # a bench method: fp8, one token scaled inside its GEMMs
 
 
 def engine_method(method: str) -> tuple[str, int | None]:
@@ -54,7 +58,22 @@ def engine_method(method: str) -> tuple[str, int | None]:
         from serving.engine.skinny_gemm import MAX_ROWS
 
         return FP8, MAX_ROWS + 1
+    if method == FP8_ROW_SCALING_IN_GEMM:
+        return FP8, None
     return method, None
+
+
+@contextlib.contextmanager
+def method_switches(method: str) -> Iterator[None]:
+    """The engine code's switches a bench method turns while its engine is checked, compiled and timed."""
+    from serving.engine import fp8_gemm
+
+    kept = fp8_gemm.ROW_SCALING_IN_KERNEL
+    fp8_gemm.ROW_SCALING_IN_KERNEL = method == FP8_ROW_SCALING_IN_GEMM or kept
+    try:
+        yield
+    finally:
+        fp8_gemm.ROW_SCALING_IN_KERNEL = kept
 
 
 @dataclass(frozen=True)
@@ -186,31 +205,33 @@ def run_quantized(cfg: QuantBenchConfig, *, out_json: Path | None = None, log=pr
             if time.perf_counter() - started > cfg.deadline_s:
                 report["skipped"].append(what)
                 continue
-            try:
-                runner = runner_for(base, method, max_batch_size=max(cfg.batch_sizes), max_seq_len=max_seq)
-                wbytes = decode_weight_bytes(runner.model)
-                if cfg.check and method != NONE:
-                    report["checks"][what] = check_kernels(runner)
-                    log(f"{what} kernels vs reference path: {report['checks'][what]}")
-                t0 = time.perf_counter()
-                runner.compile_decode()
-                for b in cfg.batch_sizes:
-                    cell = bench_engine(runner, batch=b, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
-                                        repeats=cfg.repeats, shape=shape, impl=f"engine-{method}")
-                    cell.bandwidth_gb_s = bw
-                    cell.roofline_tok_s = roofline(weight_bytes=wbytes, kv_bytes_per_token=kv_token, batch=b,
-                                                   prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, bandwidth_gb_s=bw)
-                    cell.roofline_frac = cell.decode_tok_s / cell.roofline_tok_s
-                    cell.note = f"quantization={method} step_weight_bytes={wbytes} compile+bench {time.perf_counter() - t0:.0f} s"
-                    row = asdict(cell)
-                    row.update(quantization=method, step_weight_bytes=wbytes)
-                    report["cells"].append(row)
-                    log(cell.row())
+            with method_switches(method):
+                try:
+                    runner = runner_for(base, method, max_batch_size=max(cfg.batch_sizes), max_seq_len=max_seq)
+                    wbytes = decode_weight_bytes(runner.model)
+                    if cfg.check and method != NONE:
+                        rows = (1, 8, 64) if method == FP8_ROW_SCALING_IN_GEMM else (8, 64)
+                        report["checks"][what] = check_kernels(runner, batches=rows)
+                        log(f"{what} kernels vs reference path: {report['checks'][what]}")
+                    t0 = time.perf_counter()
+                    runner.compile_decode()
+                    for b in cfg.batch_sizes:
+                        cell = bench_engine(runner, batch=b, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
+                                            repeats=cfg.repeats, shape=shape, impl=f"engine-{method}")
+                        cell.bandwidth_gb_s = bw
+                        cell.roofline_tok_s = roofline(weight_bytes=wbytes, kv_bytes_per_token=kv_token, batch=b,
+                                                       prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, bandwidth_gb_s=bw)
+                        cell.roofline_frac = cell.decode_tok_s / cell.roofline_tok_s
+                        cell.note = f"quantization={method} step_weight_bytes={wbytes} compile+bench {time.perf_counter() - t0:.0f} s"
+                        row = asdict(cell)
+                        row.update(quantization=method, step_weight_bytes=wbytes)
+                        report["cells"].append(row)
+                        log(cell.row())
+                        save()
+                except Exception as exc:  # noqa: BLE001 - one failed engine must not lose the others
+                    report["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
+                    log(f"FAILED {what}: {type(exc).__name__}: {exc}")
                     save()
-            except Exception as exc:  # noqa: BLE001 - one failed engine must not lose the others
-                report["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
-                log(f"FAILED {what}: {type(exc).__name__}: {exc}")
-                save()
             runner = None
             gc.collect()
             torch.cuda.empty_cache()

@@ -14,6 +14,13 @@ its launcher. Each partial sum is multiplied by the weight's per-channel scale a
 token's scale, so `fp8_partials` returns `[split, M, N]` partial products of the real product: float32 when
 K is split (the step sums them, fused by inductor into the next elementwise kernel), else bf16.
 
+One token (M == 1) with `ROW_SCALING_IN_KERNEL`: the kernel takes the bf16 row and scales it itself
+(`_fp8_one_row_kernel`: each program reads the whole row from L2 for its largest magnitude, then converts its K
+slice to e4m3 as it goes), so the decode step at batch 1 has no kernel of its own for that: at one row the
+scaling kernels inductor writes (after the attention, and SiLU * up's row reduction in three kernels) cost more
+in launches than the values they move. The e4m3 values and scales equal `quantize_tokens_fp8`'s (`div_rn`, as
+inductor divides), so the partial products equal the two-step path's bit for bit.
+
 `TUNED_FP8` holds the shapes (rows bucket, N, K) where this kernel was measured faster than the engine's
 other fp8 paths (`python3 -m serving.bench fp8-gemms` on an H200); `fp8_config_for` returns None elsewhere
 and the caller keeps those paths.
@@ -31,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from serving.engine.partials import sum_partials
+from serving.engine.prescaled import E4M3_MAX
 from serving.engine.skinny_gemm import MAX_ROWS, GemmConfig, empty_partials, parse_table, rows_bucket
 
 try:
@@ -42,6 +50,10 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
 FP8_KERNEL = "dott"  # the config texts name the transposed kernel's tiling (`GemmConfig`)
+# one token's e4m3 scaling inside its GEMM (`_fp8_one_row_kernel`) instead of in a kernel before it; off until
+# timed on the device against the two-step path (`bench quantized --methods fp8,fp8-row-scaling-in-gemm`)
+ROW_SCALING_IN_KERNEL = False
+ROW_BLOCK = 2048  # elements of the row a program reads at once for its largest magnitude
 
 # (rows bucket, N, K) -> config, from `python3 -m serving.bench fp8-gemms` (H200, 2026-12-01, cold L2, in CUDA
 # graphs; docs/quantization.md): where the kernel beat the engine's other fp8 path by more than 2% ("vs": the
@@ -104,6 +116,87 @@ def empty_fp8_partials(xq: torch.Tensor, n: int, config: GemmConfig) -> torch.Te
 
 
 if triton is not None:
+    import triton.language as tl
+
+    from serving.engine.pdl import gdc, gdc_enter, kernel_for, launch_options
+
+    @triton.jit
+    def _fp8_one_row_kernel(x_ptr, w_ptr, out_ptr, N, K, k_split, stride_wn, stride_os, w_scale_ptr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                            QMAX: tl.constexpr, GDC: tl.constexpr):
+        """One bf16 token x [K] times the e4m3 weight [N, K]: the token's scale from its largest magnitude over
+        the whole row (`quantize_tokens_fp8`'s), then the "dott" product of this program's K slice with the
+        token converted to e4m3 tile by tile (padded to 16 columns for `tl.dot`), both scales in the epilogue."""
+        if GDC:
+            gdc_enter()
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_row = tl.arange(0, ROW_BLOCK)
+        peak = tl.zeros((ROW_BLOCK,), tl.float32)
+        for r0 in range(0, K, ROW_BLOCK):
+            v = tl.load(x_ptr + r0 + offs_row, mask=r0 + offs_row < K, other=0.0)
+            peak = tl.maximum(peak, tl.abs(v.to(tl.float32)))
+        amax = tl.max(peak, 0)
+        x_scale = tl.where(amax > 0, tl.div_rn(amax, QMAX), 1.0)
+        offs_m = tl.arange(0, 16)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < 1
+        n_mask = offs_n < N
+        k_start = pid_s * k_split
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [N, K]
+        x_ptrs = x_ptr + k_start + offs_k
+        acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        for _ in range(0, k_split, BLOCK_K):
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.div_rn(x, x_scale), -QMAX), QMAX)
+            q = tl.where(m_mask[None, :], q[:, None], 0.0).to(w.dtype)  # [K, 16]: the token in column 0
+            acc += tl.dot(w, q)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = acc * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None] * x_scale
+        out = acc.to(out_ptr.dtype.element_ty)
+        dst = out_ptr + pid_s * stride_os + offs_m[None, :] * 0 + offs_n[:, None]
+        tl.store(dst, out, mask=n_mask[:, None] & m_mask[None, :])
+
+    def launch_fp8_one_row(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, config: GemmConfig, *,
+                           pdl: bool = False) -> torch.Tensor:
+        """[split, 1, N] partial products of one bf16 token x [1, K], scaled to e4m3 in the kernel, and the e4m3
+        weight [N, K] with float32 scales [N]: what `launch_fp8` gives for `quantize_tokens_fp8(x)`."""
+        m, k = x.shape
+        n = weight.shape[0]
+        if m != 1 or not fits(config, m, n, k):
+            raise ValueError(f"fp8 GEMM config {config.key()} with the token scaled in the kernel does not fit "
+                             f"M={m}, N={n}, K={k} (one row; K a multiple of split x block_k, block_k of 32s)")
+        if (x.dtype != torch.bfloat16 or weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k
+                or w_scale.shape != (n,) or w_scale.dtype != torch.float32):
+            raise ValueError(f"fp8 GEMM needs a bf16 token [1, K] and an e4m3 weight [N, K] with float32 scales "
+                             f"[N], got {x.dtype} {tuple(x.shape)}, {weight.dtype} {tuple(weight.shape)}, "
+                             f"{w_scale.dtype} {tuple(w_scale.shape)}")
+        x = x.contiguous()
+        if weight.stride(1) != 1:
+            weight = weight.contiguous()
+        out = empty_fp8_partials(x, n, config)
+        grid = (triton.cdiv(n, config.block_n), config.split)
+        kernel_for(_fp8_one_row_kernel, pdl)[grid](
+            x, weight, out, n, k, k // config.split, weight.stride(0), out.stride(0), w_scale,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROW_BLOCK=ROW_BLOCK, QMAX=E4M3_MAX, GDC=gdc(pdl),
+            num_warps=config.warps, num_stages=config.stages, **launch_options(pdl))
+        return out
+
+    @triton_op("enginewright::fp8_one_row_partials", mutates_args=())
+    def _fp8_one_row_op(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, config: str) -> torch.Tensor:
+        return launch_fp8_one_row(x, weight, w_scale, GemmConfig.parse(config))
+
+    @torch.library.custom_op("enginewright::fp8_one_row_partials_pdl", mutates_args=())
+    def _fp8_one_row_pdl_op(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, config: str
+                            ) -> torch.Tensor:
+        return launch_fp8_one_row(x, weight, w_scale, GemmConfig.parse(config), pdl=True)
+
+    @_fp8_one_row_pdl_op.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, config: str) -> torch.Tensor:
+        return empty_fp8_partials(x, weight.shape[0], GemmConfig.parse(config))
 
     def launch_fp8(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                    config: GemmConfig, *, pdl: bool = False) -> torch.Tensor:
@@ -147,6 +240,9 @@ def fp8_partials(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, c
     the registered op."""
     if triton is None:
         raise RuntimeError("Triton (and torch >= 2.6) is needed for the fp8 GEMM kernel")
+    if ROW_SCALING_IN_KERNEL and x.shape[0] == 1:
+        op = torch.ops.enginewright.fp8_one_row_partials_pdl if pdl else torch.ops.enginewright.fp8_one_row_partials
+        return op(x, weight, w_scale, config.key())
     from serving.engine.quantize import quantize_tokens_fp8
 
     xq, x_scale = quantize_tokens_fp8(x)
