@@ -84,6 +84,11 @@ class PagedKvSpec(BaseModel):
                                          "as float8_e4m3fn (scale 1.0, clamped to +-448): half the bytes of bf16, so "
                                          "twice the blocks and half the KV reads of a decode step; judged by the "
                                          "`+fp8-kv` quality budget. GPUs of compute capability >= 8.9, or the CPU.")
+    prefix_caching: bool = Field(False, description="Share the computed K/V of full blocks between requests whose "
+                                 "tokens start alike (a system prompt, a chat's earlier turns), as vLLM's automatic "
+                                 "prefix caching: a prompt's leading cached blocks are not computed again; released "
+                                 "ones stay cached until their blocks are needed (least recently used first). The TensorRT-LLM kinds' "
+                                 "equivalent is `trtllm.enable_kv_cache_reuse`.")
 
 
 class EngineSpec(BaseModel):

@@ -85,18 +85,22 @@ def _paged(engine: EngineSpec) -> Any:
 
     p = engine.paged
     return PagedKVConfig(block_size=p.block_size, num_blocks=p.num_blocks, free_mem_fraction=p.free_gpu_mem_fraction,
-                         max_num_tokens=p.max_num_tokens, max_waiting=p.max_waiting, kv_cache_dtype=p.kv_cache_dtype)
+                         max_num_tokens=p.max_num_tokens, max_waiting=p.max_waiting, kv_cache_dtype=p.kv_cache_dtype,
+                         prefix_caching=p.prefix_caching)
 
 
 def _unquantized_keys(engine: EngineSpec) -> dict[str, Any]:
     """Fields left out of the build key (a pydantic `exclude`): the TensorRT-LLM options, and the quantization
     and paged fields while they hold their defaults (so that unquantized, static-cache builds, and paged builds
-    with the model's KV dtype, keep the keys they had)."""
+    with the model's KV dtype and no prefix caching, keep the keys they had)."""
     keys: dict[str, Any] = {"trtllm": True}
     if engine.paged is None:
         keys["paged"] = True
-    elif engine.paged.kv_cache_dtype == "auto":
-        keys["paged"] = {"kv_cache_dtype"}
+    else:
+        defaults = {name for name, value in (("kv_cache_dtype", "auto"), ("prefix_caching", False))
+                    if getattr(engine.paged, name) == value}
+        if defaults:
+            keys["paged"] = defaults
     if engine.quantization == "none":
         keys |= {"quantization": True, "quantize_lm_head": True}
     return keys

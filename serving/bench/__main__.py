@@ -208,6 +208,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "(e.g. 8192: the static cache then holds --static-batch rows of it; default: the longest request)")
     thr.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                      help="the paged pool's paged.kv_cache_dtype (fp8: e4m3 K/V, half the bytes)")
+    thr.add_argument("--shared-prefix", type=int, default=0,
+                     help="leading prompt tokens every request shares (a system prompt); side paged-prefix-cache "
+                          "serves them from the prefix cache")
     thr.add_argument("--admit-every-steps", type=int, default=8, help="while requests are live, waiting ones join at "
                      "most every this many steps unless they fill a step (the served llm model's admit_every_steps)")
     thr.add_argument("--device", default="auto")
@@ -360,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
             profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else (),
             profile_prefill=args.profile_prefill, profile_run=args.profile_run, request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"),
             slo_tpot_ms=slos.get("tpot"), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+            shared_prefix=args.shared_prefix,
             max_seq_len=args.max_seq_len, admit_every_steps=args.admit_every_steps),
             device=args.device,
             out_json=args.out)

@@ -73,6 +73,7 @@ class ThroughputConfig:
     request_rate: float = 0.0  # requests a second, Poisson; 0: all at once
     quantization: str = "none"  # engine.quantization of the weights both sides share
     kv_cache_dtype: str = "auto"  # the paged pool's paged.kv_cache_dtype ("fp8": e4m3 K/V)
+    shared_prefix: int = 0  # leading prompt tokens every request shares (a system prompt), within input_len
     max_seq_len: int | None = None  # the engines' limits.max_seq_len (None: the longest request + 1)
     admit_every_steps: int = 8  # the schedulers' admission rule, the served llm model's default
     slo_ttft_ms: float | None = None
@@ -120,16 +121,21 @@ class ThroughputReport:
 
 
 def workload(cfg: ThroughputConfig, vocab: int, *, requests: int | None = None, output_len: int | None = None) -> Work:
-    """The requests of one run: random prompt ids, lengths fixed or spread (seeded)."""
+    """The requests of one run: random prompt ids, lengths fixed or spread (seeded); with `shared_prefix`, every
+    prompt starts with the same that many ids (the rest of its length random)."""
     rng = random.Random(cfg.seed)
     out_len = output_len or cfg.output_len
+    prefix = [rng.randrange(1, vocab) for _ in range(cfg.shared_prefix)]
 
     def length(mean: int) -> int:
         lo, hi = max(1, round(mean * (1 - cfg.spread))), max(1, round(mean * (1 + cfg.spread)))
         return rng.randint(lo, hi)
 
-    return [([rng.randrange(1, vocab) for _ in range(length(cfg.input_len))], length(out_len))
-            for _ in range(requests or cfg.requests)]
+    def prompt(n: int) -> list[int]:
+        head = prefix[:n - 1]  # at least one id of its own
+        return head + [rng.randrange(1, vocab) for _ in range(n - len(head))]
+
+    return [(prompt(length(cfg.input_len)), length(out_len)) for _ in range(requests or cfg.requests)]
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -228,6 +234,8 @@ def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = Non
     note = f"{stats.steps} steps: " + ", ".join(f"{p[:-2]} {getattr(stats, p):.1f} s" for p in parts)
     if hasattr(stats, "mixed_steps"):
         note += f"; {stats.mixed_steps} steps with a prefill chunk: {stats.mixed_s:.1f} s of forward + wait"
+    if getattr(stats, "prefix_hit_tokens", 0):
+        note += f"; {stats.prefix_hit_tokens} prompt tokens from the prefix cache"
     return SideResult(side=side, requests=len(work), input_tokens=sum(len(p) for p, _ in work),
                       output_tokens=generated, wall_s=wall, output_tok_s=generated / wall,
                       request_per_s=len(work) / wall, ttft_ms=_stats(ttft), tpot_ms=_stats(tpot), itl_ms=_stats(itl),
@@ -236,6 +244,7 @@ def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = Non
 
 
 SYNC_SIDE = "paged-sync"  # the paged engine waiting for every step's tokens (no step ahead)
+PREFIX_SIDE = "paged-prefix-cache"  # the paged engine with prefix caching (blocks cached across its runs)
 TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations, K/V writes, SiLU * up as torch ops
 TILE_SIDE = "paged-tile"  # + N: the paged engine whose decode attention walks N positions an iteration
 # sides that set one engine switch while they run: side -> (module under serving.engine, its setting, the value)
@@ -278,13 +287,29 @@ def joined_sides(side: str) -> list[str]:
 
 def check_sides(sides: tuple[str, ...]) -> None:
     """Refuse, naming it and the known ones, a side this bench does not run."""
-    known = ("static", "paged", SYNC_SIDE, TORCH_ROW_OPS_SIDE, *SWITCH_SIDES)
+    known = ("static", "paged", SYNC_SIDE, PREFIX_SIDE, TORCH_ROW_OPS_SIDE, *SWITCH_SIDES)
     for side in sides:
         for part in joined_sides(side):
             tile = part.removeprefix(TILE_SIDE)
             if part not in known and not (part != tile and tile.isdigit()):
                 raise ValueError(f"bench throughput: unknown side {side!r} ({', '.join(known)}, {TILE_SIDE}<N>, "
                                  f"switch sides joined by '+')")
+
+
+@contextlib.contextmanager
+def prefix_caching(runner: Any, *, on: bool) -> Iterator[None]:
+    """The paged runner with a prefix-caching allocator (`serving.engine.prefix_cache`) while a side runs."""
+    if not on or runner is None:
+        yield
+        return
+    from serving.engine.prefix_cache import PrefixCachingAllocator
+
+    plain = runner.allocator
+    runner.allocator = PrefixCachingAllocator(plain.num_blocks)
+    try:
+        yield
+    finally:
+        runner.allocator = plain
 
 
 @contextlib.contextmanager
@@ -376,7 +401,7 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
         make = (lambda r=runner: Scheduler(r, admit_every_steps=cfg.admit_every_steps)) if side == "static" else \
             (lambda r=runner, a=ahead: PagedScheduler(r, step_ahead=a, admit_every_steps=cfg.admit_every_steps))
         t0 = time.perf_counter()
-        with side_context(side):
+        with side_context(side), prefix_caching(paged, on=PREFIX_SIDE in joined_sides(side)):
             if side == "static" and runner.graphs is not None:
                 runner.graphs.warm_up()
             if side != "static":

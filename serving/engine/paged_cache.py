@@ -59,13 +59,16 @@ class PagedKVConfig:
     max_num_tokens: int = 8192  # tokens (prefill chunks + decodes) one step computes at most
     max_waiting: int | None = None  # served requests waiting for admission at most (more: refused); None: no limit
     kv_cache_dtype: str = AUTO  # one of KV_CACHE_DTYPES: "auto" (the model's dtype) or "fp8" (e4m3 storage)
+    prefix_caching: bool = False  # full blocks of computed K/V shared by prompts that start alike (prefix_cache)
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings for engine.json; `kv_cache_dtype` only when it is not "auto", so that the engines
-        built before it existed keep their engine.json and fingerprint."""
+        """The settings for engine.json; `kv_cache_dtype` only when it is not "auto" and `prefix_caching` only
+        when on, so that the engines built before they existed keep their engine.json and fingerprint."""
         d = dataclasses.asdict(self)
         if self.kv_cache_dtype == AUTO:
             del d["kv_cache_dtype"]
+        if not self.prefix_caching:
+            del d["prefix_caching"]
         return d
 
     @classmethod
@@ -77,6 +80,8 @@ class PagedKVConfig:
             raise ValueError(f"unknown paged KV settings {unknown} (known: {sorted(names)})")
         config = cls(**d)
         check_kv_cache_dtype(config.kv_cache_dtype)
+        if not isinstance(config.prefix_caching, bool):
+            raise TypeError(f"paged prefix_caching={config.prefix_caching!r} must be true or false")
         return config
 
     @property

@@ -5,7 +5,8 @@ step runs here instead of through `paged_model.paged_forward` (which stays the p
 prefill chunk in it):
 
 - **Block tables on the device, updated incrementally.** `tables` is one row per possible first block
-  (a sequence's first block is its own while it lives, so it names the sequence): `[num_blocks + 1, W]`,
+  (a sequence's first block is its own while it lives, so it names the sequence; with prefix caching, the
+  first block it took itself, `prefix_cache.BlockTable.row_key`): `[num_blocks + 1, W]`,
   W the blocks of one `max_seq_len` sequence. A step sends only each row's key (its first block), token
   and position, plus the table entries that changed since the sequence's last decode step (a block
   opened every `block_size` tokens; a whole row when a new sequence took that first block). The step
@@ -167,7 +168,8 @@ class PagedDecodeGraphs:
         up_cols: list[int] = []
         up_blocks: list[int] = []
         for tokens, start, table in chunks:
-            key = table[0]
+            key = getattr(table, "row_key", None)  # a table of shared leading blocks (prefix_cache.BlockTable)
+            key = table[0] if key is None else key
             seen = written.get(key)
             done = seen[1] if seen is not None and seen[0] is table else 0
             used = start // bs + 1

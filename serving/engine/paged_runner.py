@@ -50,6 +50,7 @@ from serving.engine.paged_cache import (
 from serving.engine.paged_decode import PagedDecodeGraphs, is_decode_only
 from serving.engine.paged_model import ChunkPlan, build_step, paged_forward
 from serving.engine.paged_scheduler import PagedRequest, PagedScheduler
+from serving.engine.prefix_cache import PrefixCachingAllocator
 from serving.engine.runner import Generation, load_model, pick_decode_gemm
 from serving.engine.sampling import SamplingParams
 
@@ -75,7 +76,8 @@ class PagedRunner:
         self.cache = PagedKVCache(n_layers=a.n_layers, num_blocks=self.num_blocks + 1, block_size=config.block_size,
                                   n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=weight.dtype, device=device,
                                   kv_cache_dtype=config.kv_cache_dtype)
-        self.allocator = BlockAllocator(self.num_blocks)
+        self.allocator = (PrefixCachingAllocator(self.num_blocks) if config.prefix_caching
+                          else BlockAllocator(self.num_blocks))
         cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
         self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
         self.decode = PagedDecodeGraphs(model, self.cache, self.rope_cos, self.rope_sin, max_live=self.max_live,

@@ -65,6 +65,13 @@ import torch
 from serving.engine.errors import EngineLimitError
 from serving.engine.paged_cache import blocks_for
 from serving.engine.paged_model import ChunkPlan
+from serving.engine.prefix_cache import (
+    ROOT,
+    BlockTable,
+    PrefixCachingAllocator,
+    block_digests,
+    reusable_blocks,
+)
 from serving.engine.sampling import chosen_logprobs, sample
 from serving.engine.scheduler_loop import GenRequest, RequestCancelled, SchedulerLoop
 
@@ -89,6 +96,8 @@ class _Seq:
     generator: torch.Generator | None = None
     stop: frozenset[int] = frozenset()
     live: bool = False  # in `running` (a flag: membership tests of a list of 1,024 cost a step milliseconds)
+    digests: list[bytes] = field(default_factory=list)  # prefix caching: its full blocks' digests known so far
+    registered: int = 0  # prefix caching: its leading blocks in the cache (held: `blocks[:registered]`)
 
     @property
     def remaining(self) -> int:
@@ -132,6 +141,7 @@ class PagedStats:
     mixed_forward_s: float = 0.0  # their forward alone (the GPU waits when this outgrows their compute)
     mixed_forward_cpu_s: float = 0.0  # the loop thread's CPU time in it (the rest: waiting for the GIL or a core)
     launch_wait_s: float = 0.0  # waiting for the launch lock (`launching`) while the intake held it
+    prefix_hit_tokens: int = 0  # prompt positions taken from the prefix cache instead of computed
 
 
 class PagedScheduler(SchedulerLoop):
@@ -155,6 +165,7 @@ class PagedScheduler(SchedulerLoop):
         self.max_num_tokens = runner.config.max_num_tokens
         self.block_size = runner.config.block_size
         self.allocator = runner.allocator
+        self.prefix_cache = isinstance(self.allocator, PrefixCachingAllocator)
         self.running: list[_Seq] = []
         self.stats = PagedStats()
 
@@ -238,12 +249,22 @@ class PagedScheduler(SchedulerLoop):
                 if not self.waiting:
                     break
                 seq = self.waiting[0]
-                n = min(seq.remaining, budget)
-                need = blocks_for(n, self.block_size)
-                if self.allocator.free < need + len(self.running):
+                cached = self._cached_prefix(seq)
+                start = len(cached) * self.block_size
+                n = min(len(seq.tokens) - start, budget)
+                need = blocks_for(start + n, self.block_size) - len(cached)
+                held_back = self.allocator.evictable_among(cached) if cached else 0  # cached, free until taken
+                if self.allocator.free - held_back < need + len(self.running):
                     break
                 self.waiting.popleft()
-            seq.blocks = self.allocator.take(need) or []
+            fresh = self.allocator.take(need) or []
+            if cached:
+                self.allocator.acquire(cached)
+                self.stats.prefix_hit_tokens += start
+                seq.blocks = BlockTable(cached + fresh, row_key=fresh[0])
+            else:
+                seq.blocks = fresh
+            seq.computed, seq.registered = start, len(cached)
             seq.live = True
             self.running.append(seq)
             self.stats.admitted += 1
@@ -251,6 +272,32 @@ class PagedScheduler(SchedulerLoop):
             plan.append((seq, n))
             budget -= n
         return plan
+
+    # -- prefix caching -----------------------------------------------------------------------
+    def _cached_prefix(self, seq: _Seq) -> list[int]:
+        """The cached blocks `seq` can start from (its leading full blocks before its last token's), or []."""
+        if not self.prefix_cache:
+            return []
+        reusable = reusable_blocks(len(seq.tokens), self.block_size)
+        self._know_digests(seq, reusable)
+        return self.allocator.lookup(seq.digests[:reusable])
+
+    def _know_digests(self, seq: _Seq, blocks: int) -> None:
+        """Extend `seq.digests` to its first `blocks` full blocks."""
+        known = len(seq.digests)
+        if blocks > known:
+            seq.digests += block_digests(seq.tokens[:blocks * self.block_size], self.block_size, start=known,
+                                         parent=seq.digests[-1] if known else ROOT)
+
+    def _register(self, seq: _Seq) -> None:
+        """Put `seq`'s full blocks whose K/V are computed and whose tokens are known into the prefix cache."""
+        full = min(seq.computed, len(seq.tokens)) // self.block_size
+        if full <= seq.registered:
+            return
+        self._know_digests(seq, full)
+        for i in range(seq.registered, full):
+            self.allocator.register(seq.blocks[i], seq.digests[i])
+        seq.registered = full
 
     def _admission_due(self, live: int) -> bool:
         """Whether waiting requests may join now (`cond` held): none live, `admit_every_steps` steps since the
@@ -281,7 +328,7 @@ class PagedScheduler(SchedulerLoop):
         self.running.remove(seq)
         seq.live = False
         self.allocator.give_back(seq.blocks)
-        seq.blocks, seq.computed = [], 0
+        seq.blocks, seq.computed, seq.registered = [], 0, 0
         self.stats.preempted += 1
         with self.cond:
             self.waiting.appendleft(seq)
@@ -421,6 +468,8 @@ class PagedScheduler(SchedulerLoop):
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += n
+            if self.prefix_cache:
+                self._register(seq)
         for k, seq in enumerate(lives):
             self._deliver(seq, token_list[k], extras[k] if extras else None)
         self._drop_retired()
@@ -458,6 +507,8 @@ class PagedScheduler(SchedulerLoop):
         seq.tokens.append(token)
         seq.generated += 1
         self.stats.tokens += 1
+        if self.prefix_cache and seq.live:
+            self._register(seq)
         reason = None
         if token in seq.stop:
             reason = "stop"
@@ -482,7 +533,7 @@ class PagedScheduler(SchedulerLoop):
         if seq.live:
             seq.live = False
             self.allocator.give_back(seq.blocks)
-            seq.blocks = []
+            seq.blocks, seq.registered = [], 0
 
     def _drop_retired(self) -> None:
         if any(not seq.live for seq in self.running):

@@ -1,0 +1,169 @@
+"""Prefix caching of the paged KV cache (`serving.engine.prefix_cache`): the allocator's bookkeeping, and on the
+CPU (tiny float32 llama) requests whose prompts start alike start from the cached blocks and still produce the
+static engine's greedy tokens, through eviction and preemption; the setting through the release spec."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
+from serving.engine.paged_cache import PagedKVConfig, blocks_for
+from serving.engine.paged_runner import load_paged_engine
+from serving.engine.paged_scheduler import PagedScheduler
+from serving.engine.prefix_cache import PrefixCachingAllocator, block_digests, reusable_blocks
+from serving.engine.scheduler import collect
+from tasks.tiny_model import make_tiny_model
+
+LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=40, max_seq_len=80)
+CONFIG = PagedKVConfig(block_size=8, num_blocks=20, max_num_tokens=24, prefix_caching=True)
+
+
+# -- the allocator ----------------------------------------------------------------------------------
+def test_block_digests_chain_each_block_to_the_ones_before_it():
+    a = block_digests(list(range(20)), 4)
+    assert len(a) == 5 and len(set(a)) == 5
+    assert block_digests(list(range(20)), 4, start=2, parent=a[1]) == a[2:]
+    b = block_digests([99] + list(range(1, 20)), 4)  # the first block differs: so do all after it
+    assert not set(a) & set(b)
+    assert reusable_blocks(16, 4) == 3 and reusable_blocks(17, 4) == 4 and reusable_blocks(1, 4) == 0
+
+
+def test_a_released_cached_block_stays_until_a_block_is_needed_oldest_first():
+    alloc = PrefixCachingAllocator(4)
+    blocks = alloc.take(3)
+    for b, d in zip(blocks, (b"a", b"b", b"c")):
+        alloc.register(b, d)
+    alloc.give_back([blocks[1]])
+    alloc.give_back([blocks[0]])  # released after blocks[1]
+    assert alloc.free == 3 and alloc.used == 1 and alloc.cached == 3
+    assert alloc.lookup([b"a", b"b", b"x"]) == blocks[:2]
+    assert alloc.evictable_among(blocks) == 2
+    fresh = alloc.take(2)  # one free block, then the oldest released cached one: blocks[1]
+    assert blocks[1] in fresh and alloc.evicted == 1
+    assert alloc.lookup([b"a", b"b"]) == [blocks[0]]  # b's digest forgotten with its block
+    alloc.acquire([blocks[0]])
+    assert alloc.free == 0
+    assert alloc.take(1) is None
+    with pytest.raises(ValueError, match="double free"):
+        alloc.give_back(fresh + fresh)
+
+
+def test_a_digest_cached_twice_keeps_its_first_block_and_a_shared_block_outlives_one_holder():
+    alloc = PrefixCachingAllocator(3)
+    first, second = alloc.take(1)[0], alloc.take(1)[0]
+    alloc.register(first, b"d")
+    alloc.register(second, b"d")  # the same tokens computed by another request: it stays private
+    alloc.give_back([second])
+    assert alloc.lookup([b"d"]) == [first] and alloc.cached == 1 and alloc.free == 2
+    alloc.acquire([first])  # a second holder
+    alloc.give_back([first])
+    assert alloc.free == 2  # still held once
+    alloc.give_back([first])
+    assert alloc.free == 3 and alloc.lookup([b"d"]) == [first]
+    with pytest.raises(ValueError, match="not taken"):
+        alloc.register(first, b"e")
+
+
+# -- the scheduler on the CPU -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefix")
+    hf = make_tiny_model(root / "hf")
+    ckpt = convert_checkpoint(hf, root / "ckpt", dtype="float32")
+    engine = build_engine(ckpt, root / "engine", limits=LIMITS).path
+    return engine, load_engine(engine, device="cpu")
+
+
+def shared_prefix_prompts(n: int, prefix_len: int, seed: int = 0) -> list[list[int]]:
+    rnd = random.Random(seed)
+    prefix = [rnd.randrange(1, 512) for _ in range(prefix_len)]
+    return [prefix + [rnd.randrange(1, 512) for _ in range(rnd.randrange(1, 12))] for _ in range(n)]
+
+
+def test_a_request_after_another_with_its_prefix_computes_only_the_rest(engines):
+    engine, static = engines
+    paged = load_paged_engine(engine, config=CONFIG, device="cpu")
+    first, second = shared_prefix_prompts(2, 24)
+    sched = PagedScheduler(paged)
+    got = collect(sched, [first], max_tokens=6) + collect(sched, [second], max_tokens=6)
+    want = static.generate([first, second], max_new_tokens=6)
+    assert [ids for ids, _ in got] == [r.token_ids for r in want]
+    assert sched.stats.prefix_hit_tokens == 24  # three full blocks of 8, shared
+    assert sched.stats.prefill_tokens == len(first) + len(second) - 24
+    assert paged.allocator.free == CONFIG.num_blocks and paged.allocator.cached > 0
+
+
+def test_a_prompt_of_whole_blocks_computes_its_last_block_itself(engines):
+    engine, static = engines
+    paged = load_paged_engine(engine, config=CONFIG, device="cpu")
+    prompt = shared_prefix_prompts(1, 16)[0][:16]  # exactly two blocks
+    sched = PagedScheduler(paged)
+    got = collect(sched, [prompt], max_tokens=4) + collect(sched, [prompt], max_tokens=4)
+    assert got[0] == got[1] and got[0][0] == static.generate([prompt], max_new_tokens=4)[0].token_ids
+    assert sched.stats.prefix_hit_tokens == 8  # the first block; the second holds the last prompt token
+
+
+def test_a_burst_sharing_a_prefix_past_the_kv_budget_gives_the_static_tokens(engines):
+    """12 requests with a 24-token common prefix, 4 live at most, 20 blocks of 8: later requests start from the
+    cached prefix, blocks run out (eviction, preemption), and every request ends with the static engine's
+    tokens; every block is free at the end (cached ones evictable)."""
+    engine, static = engines
+    paged = load_paged_engine(engine, config=CONFIG, device="cpu")
+    prompts = shared_prefix_prompts(12, 24, seed=1)
+    assert sum(blocks_for(len(p) + 30, CONFIG.block_size) for p in prompts) > CONFIG.num_blocks
+    sched = PagedScheduler(paged)
+    got = collect(sched, prompts, max_tokens=30)
+    want = static.generate(prompts, max_new_tokens=30)
+    for i, ((ids, reason), ref) in enumerate(zip(got, want)):
+        assert ids == ref.token_ids and reason == "length", f"request {i} diverged"
+    s = sched.stats
+    assert s.prefix_hit_tokens >= 8 * 24 and s.finished == 12 and s.failed == 0
+    assert paged.allocator.free == CONFIG.num_blocks
+
+
+def test_distinct_prompts_evict_the_oldest_cached_blocks_and_lose_nothing(engines):
+    engine, static = engines
+    paged = load_paged_engine(engine, config=CONFIG, device="cpu")
+    rnd = random.Random(5)
+    prompts = [[rnd.randrange(1, 512) for _ in range(33)] for _ in range(10)]  # 4 full blocks each, all distinct
+    sched = PagedScheduler(paged)
+    got = [collect(sched, [p], max_tokens=8)[0] for p in prompts]  # one after another: each leaves its blocks
+    want = static.generate(prompts, max_new_tokens=8)
+    assert [ids for ids, _ in got] == [r.token_ids for r in want]
+    assert sched.stats.prefix_hit_tokens == 0 and paged.allocator.evicted > 0
+    again = collect(sched, [prompts[-1]], max_tokens=8)[0]  # the newest stayed cached
+    assert again == got[-1] and sched.stats.prefix_hit_tokens == 32
+
+
+def test_the_release_spec_turns_it_on_and_only_then_changes_the_build_key():
+    from tasks.engine_spec import EngineSpec
+    from tasks.kind_torch import _paged, _unquantized_keys
+
+    off = EngineSpec(paged={"num_blocks": 20})
+    on = EngineSpec(paged={"num_blocks": 20, "prefix_caching": True})
+    assert _paged(on).prefix_caching and not _paged(off).prefix_caching
+    assert "prefix_caching" in _unquantized_keys(off)["paged"]
+    assert "prefix_caching" not in _unquantized_keys(on)["paged"]
+    assert PagedKVConfig.from_dict(_paged(on).to_dict()).prefix_caching
+    assert "prefix_caching" not in _paged(off).to_dict()
+    with pytest.raises(TypeError, match="prefix_caching='yes'"):
+        PagedKVConfig.from_dict({**_paged(on).to_dict(), "prefix_caching": "yes"})
+
+
+def test_the_throughput_bench_serves_a_shared_prefix_from_the_cache_on_its_side():
+    """`bench throughput --shared-prefix 12 --sides paged,paged-prefix-cache`: every prompt starts with the same 12
+    ids; the prefix-caching side takes them from the cache after the first requests, both sides make every token."""
+    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+
+    cfg = ThroughputConfig(shape="tiny", requests=6, input_len=16, output_len=4, sides=("paged", "paged-prefix-cache"),
+                           paged_live=2, block_size=4, max_num_tokens=16, num_blocks=24, warmup_requests=0,
+                           shared_prefix=12)
+    work = workload(cfg, 512)
+    assert len({tuple(p[:12]) for p, _ in work}) == 1 and len({tuple(p) for p, _ in work}) == 6
+    report = bench_throughput(cfg, device="cpu", progress=lambda line: None)
+    want = sum(n for _, n in work)
+    plain, cached = report.sides
+    assert plain.output_tokens == cached.output_tokens == want
+    assert "from the prefix cache" in cached.note and "from the prefix cache" not in plain.note
