@@ -196,6 +196,32 @@ def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
     assert "scheduler PagedStats(" in joined and f"finished={6 + len(served)}," in joined, joined
 
 
+def test_a_paged_engine_with_prefix_caching_serves_a_shared_prompt_from_its_cache(world) -> None:
+    """Built with `prefix_caching`: requests whose prompts share 24 tokens (three blocks of 8), sent after one
+    another, stream the static engine's tokens, and the scheduler counted the shared blocks as taken from the
+    cache (its counters in the log at unload)."""
+    from serving.engine import EngineLimits, build_engine
+    from serving.engine.paged_cache import PagedKVConfig
+
+    root, control, work = world["root"], world["control"], Path(world["work"])
+    built = build_engine(work / "ckpt-0", work / "engine-prefix",
+                         paged=PagedKVConfig(8, 40, max_num_tokens=16, prefix_caching=True),
+                         limits=EngineLimits(dtype="float32", max_batch_size=4, max_input_len=128, max_seq_len=256))
+    stage_engine_version(root, "prefix", built.path, device_kind="cpu", parameters={"decoupled": "true"})
+    control.load_model("prefix_v1", timeout_s=90)
+    system = [(7 * i) % 500 + 3 for i in range(24)]
+    prompts = [system + tail for tail in ([11, 12], [40, 41, 42], [99])]
+    try:
+        for i, prompt in enumerate(prompts):
+            out = run_stream(world["proc"].grpc_url, [(prompt, 5, True)], model="prefix_v1")
+            assert [t for ids, _, _ in out["0"] for t in ids] == reference(world["engine"], prompt, 5), f"prompt {i}"
+    finally:
+        control.unload_model("prefix_v1", wait=True)
+    logs = "".join(p.read_text(errors="replace") for p in work.glob("triton-*.log"))
+    joined = next(line for line in logs.splitlines() if "[prefix_v1 v1] engine thread joined" in line)
+    assert "prefix_hit_tokens=48" in joined, joined  # the second and third prompts: 24 each
+
+
 def test_the_router_answers_through_a_decoupled_engine_over_http(world) -> None:
     """The stable name of a gray release in front of the in-flight batching llm: the router calls it with
     decoupled BLS and answers once (HTTP, no streaming), tokens equal to the engine's; its counters count
