@@ -168,3 +168,21 @@ def test_a_run_stopped_by_its_time_limit_keeps_the_requests_done_so_far(tmp_path
     assert figures["partial"] is True and "SystemExit" in figures["interrupted"]
     assert figures["requests"] > 0 and figures["output_tokens"] == 8 * (figures["requests"] - figures["n_errors"])
     assert signal.getsignal(signal.SIGTERM) == handler_before  # run_served put the previous handler back
+
+
+def test_the_counters_a_cuda_model_logs_at_unload_are_read_back_for_its_own_name(tmp_path: Path) -> None:
+    """What an H200 run logs and a CPU run cannot: the allocator line beside the scheduler's, per model."""
+    from serving.bench.served import model_counters
+
+    log = tmp_path / "triton.log"
+    log.write_text(
+        "I1204 [llm_v1 v1] engine thread joined (alive=False); scheduler PagedStats(steps=291, mixed_forward_s=2.5, "
+        "mixed_forward_cpu_s=1.25, launch_wait_s=0.01)\n"
+        "I1204 [llm_v1 v1] allocator: num_alloc_retries=3, num_device_alloc=40, num_device_free=12, "
+        "num_sync_all_streams=3, num_ooms=0\n"
+        "I1204 [other_v1 v1] allocator: num_alloc_retries=9, num_device_alloc=1, num_device_free=0, "
+        "num_sync_all_streams=0, num_ooms=0\n")
+    counters = model_counters(log, "llm_v1")
+    assert counters["allocator"] == {"num_alloc_retries": 3.0, "num_device_alloc": 40.0, "num_device_free": 12.0,
+                                     "num_sync_all_streams": 3.0, "num_ooms": 0.0}
+    assert counters["scheduler"]["mixed_forward_cpu_s"] == 1.25

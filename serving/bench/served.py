@@ -125,6 +125,7 @@ def model_counters(triton_log: Path, model: str) -> dict[str, dict[str, float]]:
     for kind, pattern in (("scheduler", r"scheduler (?:Scheduler|Paged)Stats\((.*?)\)"),
                           ("outbox", r"responses sent: OutboxStats\((.*?)\)"),
                           ("intake", r"intake: IntakeStats\((.*?)\)"),
+                          ("allocator", r"allocator: ([^\n]*)"),
                           ("first_tokens", r"first tokens: FirstTokenStats\((.*?)\)")):
         found = re.findall(rf"\[{re.escape(model)} v\d+\][^\n]*?{pattern}", text)
         if found:
