@@ -527,24 +527,31 @@ class TritonPythonModel:
             tensors.append(pb_utils.Tensor("text_output", np.asarray([[text.encode("utf-8")]], dtype=np.object_)))
         return tensors
 
+    def _or_answered(self, sender: Any, work: Callable[[], Any]) -> Any:
+        """`work()`, or None once its failure is answered on `sender`: a RequestError as an invalid argument
+        (HTTP 400), anything else as an internal error (500); never raised (one request never stops the rest)."""
+        tag = f"{self.model_name} v{self.version}"
+        try:
+            return work()
+        except RequestError as exc:
+            sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:  # noqa: BLE001
+            self.log.error(f"request: {type(exc).__name__}: {exc}")
+            sender.send(_error_response(f"{tag}: internal error: {exc}"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
     def _queue(self, request: Any, received: float) -> None:
         """In flight, on Triton's thread: read one request and queue it for the intake; answer a malformed one."""
         sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        tag = f"{self.model_name} v{self.version}"
-        try:
-            req = parse_request(_getter(request), _requested_outputs(request))
-        except RequestError as exc:
-            sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
-            return
-        except Exception as exc:  # noqa: BLE001
-            self.log.error(f"request: {type(exc).__name__}: {exc}")
-            sender.send(_error_response(f"{tag}: internal error: {exc}"), flags=final)
+        req = self._or_answered(sender, lambda: parse_request(_getter(request), _requested_outputs(request)))
+        if req is None:
             return
         try:
             self.intake.put(Arrival(request, sender, req, received))
         except (Full, RuntimeError) as exc:  # overloaded or unloading: the client may retry elsewhere or later
-            sender.send(_error_response(f"{tag}: {exc}", unavailable=True), flags=final)
+            sender.send(_error_response(f"{self.model_name} v{self.version}: {exc}", unavailable=True),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _refuse(self, arrival: Arrival, message: str) -> None:
         """A queued request the intake will not start (unloading) gets its error."""
@@ -563,15 +570,10 @@ class TritonPythonModel:
         request, sender, received = arrival.request, arrival.sender, arrival.received
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         tag = f"{self.model_name} v{self.version}"
-        try:
-            req, item = self._prepare(0, arrival.req)
-        except RequestError as exc:
-            sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
+        prepared = self._or_answered(sender, lambda: self._prepare(0, arrival.req))
+        if prepared is None:
             return
-        except Exception as exc:  # noqa: BLE001
-            self.log.error(f"request: {type(exc).__name__}: {exc}")
-            sender.send(_error_response(f"{tag}: internal error: {exc}"), flags=final)
-            return
+        req, item = prepared
         outbox = self.outbox
         text_stream = self.host.text_stream(req)
         prompt_tokens = len(item.prompt_ids)
