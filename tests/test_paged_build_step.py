@@ -1,6 +1,6 @@
 """A paged step's device inputs (serving/engine/paged_model.build_step), built in numpy from each chunk's
 length, start and table, held to a per-token reference on random plans of decodes, prompts from position 0
-(equal lengths grouped, in a row or not) and later chunks of long prompts; and the refusal of a table too
+(equal lengths grouped, in a row or not) and later chunks of long prompts (grouped by length, tables padded); and the refusal of a table too
 short for its chunk."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ BS = 4
 def reference(chunks, sample):
     """What build_step must give, token by token."""
     tokens, positions, slots, single_rows, single_tables, single_lengths, last = [], [], [], [], [], [], []
-    fresh, longs = {}, []
+    fresh, later = {}, {}
     for toks, start, table in chunks:
         offset = len(tokens)
         for k, tok in enumerate(toks):
@@ -33,11 +33,16 @@ def reference(chunks, sample):
         elif start == 0:
             fresh.setdefault(len(toks), []).append(list(range(offset, offset + len(toks))))
         else:
-            longs.append((offset, len(toks), start, list(table[:-(-(start + len(toks)) // BS)])))
+            later.setdefault(len(toks), []).append((list(range(offset, offset + len(toks))), start, list(table),
+                                                    -(-(start + len(toks)) // BS)))
         last.append(offset + len(toks) - 1)
     width = max((-(-n // BS) for n in single_lengths), default=0)
     single_tables = [(t + [0] * width)[:width] for t in single_tables]
-    return tokens, positions, slots, single_rows, single_tables, single_lengths, [last[i] for i in sample], fresh, longs
+    groups = []
+    for members in later.values():  # each group's tables cut or padded with block 0 to the most blocks it reaches
+        w = max(used for *_, used in members)
+        groups.append(([r for r, *_ in members], [st for _, st, *_ in members], [(t + [0] * w)[:w] for _, _, t, _ in members]))
+    return tokens, positions, slots, single_rows, single_tables, single_lengths, [last[i] for i in sample], fresh, groups
 
 
 def random_plan(rng: random.Random):
@@ -59,7 +64,7 @@ def random_plan(rng: random.Random):
 def test_the_step_inputs_equal_a_per_token_reference(seed: int):
     chunks, sample = random_plan(random.Random(seed))
     step = build_step(chunks, sample, BS, torch.device("cpu"))
-    tokens, positions, slots, rows, tables, lengths, sampled, fresh, longs = reference(chunks, sample)
+    tokens, positions, slots, rows, tables, lengths, sampled, fresh, later = reference(chunks, sample)
     assert step.tokens.tolist() == tokens and step.positions.tolist() == positions and step.slots.tolist() == slots
     assert step.single_rows.tolist() == rows and step.single_lengths.tolist() == lengths
     assert step.single_tables.tolist() == tables and step.single_tables.shape == (len(rows), len(tables[0]) if tables else 0)
@@ -67,7 +72,7 @@ def test_the_step_inputs_equal_a_per_token_reference(seed: int):
     assert [g.tolist() for g in step.fresh_groups] == list(fresh.values())
     assert step.fresh_firsts == tuple(g[0][0] if all(r[0] == g[0][0] + k * len(r) for k, r in enumerate(g)) else None
                                       for g in fresh.values())
-    assert [(o, n, s, t.tolist()) for o, n, s, t in step.long_chunks] == longs
+    assert [(r.tolist(), st.tolist(), t.tolist()) for r, st, t in step.later_groups] == later
     assert all(t.dtype == torch.long for t in (step.tokens, step.positions, step.slots, step.single_tables))
 
 

@@ -566,7 +566,7 @@ def test_warm_up_runs_a_mixed_step_and_gives_its_blocks_back(engines):
 
     def spy(chunks, sample, block_size, device):
         step = build(chunks, sample, block_size, device)
-        steps.append((step.single_rows.shape[0], len(step.fresh_groups), len(step.long_chunks)))
+        steps.append((step.single_rows.shape[0], len(step.fresh_groups), len(step.later_groups)))
         return step
 
     with mock.patch.object(paged_runner, "build_step", spy):

@@ -130,7 +130,7 @@ def test_fp8_blocks_take_one_byte_an_element_so_a_budget_holds_twice_the_blocks(
 
 def test_write_clamps_and_rounds_to_e4m3_and_gather_dequantizes():
     """A value of 1000 is stored as 448 (-1000 as -448), never NaN; every value is e4m3's nearest (relative
-    error at most 2**-4 in e4m3's normal range); gather returns the compute dtype, those values exactly."""
+    error at most 2**-4 in e4m3's normal range); gather_tables returns the compute dtype, those values exactly."""
     cache = PagedKVCache(n_layers=2, num_blocks=6, block_size=4, n_kv_heads=2, head_dim=16, dtype=torch.float32,
                          device=torch.device("cpu"), kv_cache_dtype="fp8")
     assert cache.k[1].dtype == KV_FP8_DTYPE and cache.dtype == torch.float32
@@ -141,7 +141,8 @@ def test_write_clamps_and_rounds_to_e4m3_and_gather_dequantizes():
     table = torch.tensor([4, 1])  # positions 0-3 in block 4, 4-6 in block 1
     slots = torch.tensor([16, 17, 18, 19, 4, 5, 6])
     cache.write(1, slots, k, v)
-    keys, values = cache.gather(1, table, 7)  # [Hkv, 7, hd]
+    keys, values = cache.gather_tables(1, table[None])  # [1, Hkv, 8, hd]: the table's two blocks
+    keys, values = keys[0, :, :7], values[0, :, :7]
     assert keys.dtype == values.dtype == torch.float32 and keys.shape == (2, 7, 16)
     assert torch.isfinite(keys).all() and torch.isfinite(values).all()
     assert keys[0, 0, :3].tolist() == [448.0, -448.0, 448.0]

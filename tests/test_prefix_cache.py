@@ -167,3 +167,33 @@ def test_the_throughput_bench_serves_a_shared_prefix_from_the_cache_on_its_side(
     plain, cached = report.sides
     assert plain.output_tokens == cached.output_tokens == want
     assert "from the prefix cache" in cached.note and "from the prefix cache" not in plain.note
+
+
+@pytest.mark.parametrize("slice_positions", [1 << 18, 40], ids=["one-batch", "sliced"])
+def test_prompts_behind_one_cached_prefix_attend_as_one_group(engines, monkeypatch, slice_positions):
+    """After a first request caches a 16-token prefix, four prompts with tails of one length start from it in the
+    same step: their chunks are one later-chunk group (one batched gather and SDPA, or slices of it), and each
+    gives the static engine's greedy tokens."""
+    from serving.engine import paged_model
+
+    engine, static = engines
+    monkeypatch.setattr(paged_model, "LATER_CHUNK_POSITIONS", slice_positions)
+    groups: list[tuple[int, int]] = []
+    build = paged_model.build_step
+
+    def spy(chunks, sample, block_size, device):
+        step = build(chunks, sample, block_size, device)
+        groups.extend(tuple(rows.shape) for rows, _, _ in step.later_groups)
+        return step
+
+    import serving.engine.paged_runner as runner_module
+
+    monkeypatch.setattr(runner_module, "build_step", spy)
+    paged = load_paged_engine(engine, config=CONFIG, device="cpu")
+    prefix = shared_prefix_prompts(1, 16, seed=7)[0][:16]
+    prompts = [prefix + [50 + i, 60 + i, 70 + i] for i in range(4)]
+    sched = PagedScheduler(paged)
+    collect(sched, [prefix + [1]], max_tokens=2)
+    got = collect(sched, prompts, max_tokens=6)
+    assert [ids for ids, _ in got] == [r.token_ids for r in static.generate(prompts, max_new_tokens=6)]
+    assert (4, 3) in groups, groups  # four chunks of three tokens after the 16 cached positions

@@ -19,9 +19,9 @@ float8_e4m3fn (TensorRT-LLM's and vLLM's `kv_cache_dtype=fp8`), half the bytes o
 the blocks and a decode step reads half the bytes. Values are divided by one per-tensor scale
 (`KV_FP8_SCALE`, 1.0: vLLM's default for an uncalibrated fp8 KV cache, where K/V of these models lie well
 inside e4m3's range), clamped to +-448 (`KV_FP8_MAX`: e4m3fn has no infinity, and a cast of an
-out-of-range value is not guaranteed to saturate) and rounded to nearest. Readers dequantize: `gather`
+out-of-range value is not guaranteed to saturate) and rounded to nearest. Readers dequantize: `gather_tables`
 returns the model's dtype, the attention and rotation kernels convert in registers. A calibrated scale
-(per layer, from K/V statistics) would replace the constant and be passed to `write`/`gather` and to the
+(per layer, from K/V statistics) would replace the constant and be passed to `write`/`gather_tables` and to the
 kernels (folded into the softmax scale for K and into the output for V); with 1.0 they skip the multiply.
 fp8 storage needs e4m3 conversions on a GPU (compute capability 8.9 or later, `check_kv_cache_device`);
 the CPU casts through torch.
@@ -226,7 +226,7 @@ class PagedKVCache:
     def __init__(self, *, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = AUTO) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.dtype = dtype  # what `gather` returns and the attention computes in
+        self.dtype = dtype  # what `gather_tables` returns and the attention computes in
         self.fp8 = kv_cache_dtype == FP8
         storage = kv_storage_dtype(kv_cache_dtype, dtype)
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
@@ -242,14 +242,13 @@ class PagedKVCache:
         kp.view(-1, *kp.shape[2:])[slots] = k
         vp.view(-1, *vp.shape[2:])[slots] = v
 
-    def gather(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [0, length) of one sequence whose block table is `blocks` ([n] long) -> keys, values
-        [Hkv, length, hd] (a copy, in the compute dtype: fp8 pools dequantized)."""
-        n = blocks_for(length, self.block_size)
+    def gather_tables(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position of the blocks of m block tables ([m, W] long) -> keys, values [m, Hkv, W * block_size,
+        hd] (a copy, in the compute dtype: fp8 pools dequantized)."""
+        m, width = tables.shape
         kp, vp = self.k[layer], self.v[layer]
-        idx = blocks[:n]
-        keys = kp[idx].reshape(n * self.block_size, *kp.shape[2:])[:length].transpose(0, 1)
-        values = vp[idx].reshape(n * self.block_size, *vp.shape[2:])[:length].transpose(0, 1)
+        keys = kp[tables].reshape(m, width * self.block_size, *kp.shape[2:]).transpose(1, 2)
+        values = vp[tables].reshape(m, width * self.block_size, *vp.shape[2:]).transpose(1, 2)
         if self.fp8:
             keys, values = from_kv_fp8(keys, self.dtype), from_kv_fp8(values, self.dtype)
         return keys, values

@@ -14,7 +14,11 @@ block table, causal inside the chunk:
   of q/k/v and written back as a slice, and a step that is one such group and nothing else hands its
   attention output straight to the output projection (the gathers and the index_put they replace took
   ~14 ms of a 16,384-token FP8 step's 222 ms of kernels on the H200);
-- each other chunk (a later chunk of a prompt) on its own: its context gathered, then SDPA under a mask.
+- the other chunks (later chunks of prompts: a prompt split across steps, or one that starts after its
+  cached prefix, `prefix_cache`), grouped by length: their contexts gathered through their tables in one
+  batched read (padded to the group's longest), then one SDPA under each chunk's causal mask, in slices of
+  at most `LATER_CHUNK_POSITIONS` gathered positions (a burst of prompts behind one cached system prompt is
+  one group, not a gather and an SDPA per prompt and layer).
 
 With an fp8 KV cache the pools hold e4m3 and everything read back from them is dequantized (`gather`, the
 decode attention's conversion in registers), while a chunk from position 0 attends over its own fresh K/V
@@ -49,6 +53,11 @@ from serving.engine.quantize import prescale_rows_for
 # match the static engine's prefill, which the CPU tests hold the paged one to token for token).
 GQA_IN_SDPA = True
 
+# The most context positions (chunks x gathered positions) one batched attention over later prompt chunks reads
+# at once: bounds the copies of K and V it makes (per KV head; times the query heads' group where they are
+# repeated)
+LATER_CHUNK_POSITIONS = 1 << 18
+
 # One sequence's part of a step (host values): (the chunk's input tokens, the position of its first token,
 # the sequence's block table covering positions [0, start + len(tokens))). A plain tuple: one is built per
 # live request per step.
@@ -66,7 +75,9 @@ class PagedStep:
     single_tables: torch.Tensor  # [Bd, nmax] long, padded with block 0
     single_lengths: torch.Tensor  # [Bd] long: visible positions (start + 1)
     fresh_groups: tuple[torch.Tensor, ...]  # [m, n] long: the tokens of m chunks of n > 1 tokens from position 0
-    long_chunks: tuple[tuple[int, int, int, torch.Tensor], ...]  # (offset in T, n, start > 0, table [nblocks])
+    # chunks of n > 1 tokens from a position > 0, grouped by n: (tokens [m, n], starts [m], tables [m, W] padded
+    # with block 0, W the group's most blocks)
+    later_groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
     sample_index: torch.Tensor  # [N] long: the tokens whose logits the step returns
     fresh_firsts: tuple[int | None, ...]  # per fresh group: its first token when its m * n tokens lie in a row
 
@@ -103,20 +114,22 @@ def build_step(chunks: Sequence[ChunkPlan], sample: Sequence[int], block_size: i
     single = np.flatnonzero(lengths == 1)
     single_width = int(used[single].max()) if single.size else 0
     fresh: dict[int, list[int]] = {}  # chunk length -> the first token of each such chunk from position 0
-    longs: list[tuple[int, int, int, np.ndarray]] = []
+    later: dict[int, list[int]] = {}  # chunk length -> the chunks of that length from a position > 0
     for i in np.flatnonzero(lengths > 1).tolist():
-        n, offset = int(lengths[i]), int(offsets[i])
+        n = int(lengths[i])
         if starts[i] == 0:
-            fresh.setdefault(n, []).append(offset)
+            fresh.setdefault(n, []).append(int(offsets[i]))
         else:
-            longs.append((offset, n, int(starts[i]), tables[i, :used[i]]))
+            later.setdefault(n, []).append(i)
 
     # every index in one host buffer, one copy to the device (pinned and non-blocking on CUDA: a pageable
     # copy waits for the stream), then views of it
     parts = [tokens, positions, slots, offsets[single], tables[single, :single_width], ends[single],
              (offsets + lengths - 1)[np.asarray(sample, dtype=np.int64)]]
     parts += [np.asarray(firsts, dtype=np.int64)[:, None] + np.arange(n) for n, firsts in fresh.items()]
-    parts += [table for _, _, _, table in longs]
+    for n, members in later.items():
+        idx = np.asarray(members)
+        parts += [offsets[idx][:, None] + np.arange(n), starts[idx], tables[idx, :int(used[idx].max())]]
     flat = torch.from_numpy(np.concatenate([p.ravel() for p in parts]).astype(np.int64, copy=False))
     flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat
     views, at = [], 0
@@ -128,7 +141,7 @@ def build_step(chunks: Sequence[ChunkPlan], sample: Sequence[int], block_size: i
     return PagedStep(
         tokens=views[0], positions=views[1], slots=views[2], single_rows=views[3], single_tables=views[4],
         single_lengths=views[5], sample_index=views[6], fresh_groups=tuple(views[7:7 + n_fresh]), fresh_firsts=firsts,
-        long_chunks=tuple((o, n, st, views[7 + n_fresh + k]) for k, (o, n, st, _) in enumerate(longs)),
+        later_groups=tuple(tuple(views[7 + n_fresh + 3 * k:10 + n_fresh + 3 * k]) for k in range(len(later))),
     )
 
 
@@ -177,8 +190,8 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
                     y[rows.flatten()] = out
                 else:
                     y[first:first + out.shape[0]] = out
-            for offset, n, start, table in step.long_chunks:
-                y[offset:offset + n] = _chunk_attention(cache, i, q[offset:offset + n], table, start, group)
+            for rows, starts, tables in step.later_groups:
+                y[rows.flatten()] = _later_chunk_attention(cache, i, q, rows, starts, tables, group)
         x, h = layer.ffn_norm.add(x, attn.wo(y), e4m3=w13_e4m3)  # the residual add and the next norm in one pass
         ff = layer.feed_forward(h)
         if i + 1 < len(layers):
@@ -191,7 +204,7 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
 
 def _whole_step_group(step: PagedStep, total: int) -> bool:
     """Whether the step is one group of prompts from position 0 lying in a row from token 0, and nothing else."""
-    return (len(step.fresh_groups) == 1 and not step.long_chunks and step.single_rows.shape[0] == 0
+    return (len(step.fresh_groups) == 1 and not step.later_groups and step.single_rows.shape[0] == 0
             and step.fresh_firsts[0] == 0 and step.fresh_groups[0].numel() == total)
 
 
@@ -213,17 +226,22 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
     return out.transpose(1, 2).reshape(m * n, -1)
 
 
-def _chunk_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, table: torch.Tensor, start: int,
-                     group: int) -> torch.Tensor:
-    """Queries q [n, H, hd] at positions [start, start + n) over the sequence's positions [0, start + n),
-    causal -> [n, H * hd]. Every key and value comes from the cache (this chunk's were written first), in the
-    compute dtype (`gather` dequantizes fp8 pools)."""
-    n, heads, hd = q.shape
-    keys, values = cache.gather(layer, table, start + n)  # [Hkv, ctx, hd]
-    if group > 1:  # expand K/V heads as the static prefill does, so SDPA can take its flash kernel
-        keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-    ctx = start + n
-    mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= torch.arange(start, ctx, device=q.device).unsqueeze(1)
-    out = sdpa(qh, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)
-    return out[0].transpose(0, 1).reshape(n, heads * hd)
+def _later_chunk_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                           tables: torch.Tensor, group: int) -> torch.Tensor:
+    """m chunks of n tokens (their token indices `rows` [m, n] into q [T, H, hd]), chunk i at positions
+    [starts[i], starts[i] + n), each over its sequence's positions up to its own, causal -> [m * n, H * hd]. Every
+    key and value comes from the cache (these chunks' were written first), in the compute dtype (`gather_tables`
+    dequantizes fp8 pools); positions past a chunk's own are read (the group's tables are padded) but masked."""
+    m, n = rows.shape
+    width = tables.shape[1] * cache.block_size
+    per = max(1, LATER_CHUNK_POSITIONS // width)
+    if m > per:
+        return torch.cat([_later_chunk_attention(cache, layer, q, rows[a:a + per], starts[a:a + per],
+                                                 tables[a:a + per], group) for a in range(0, m, per)])
+    keys, values = cache.gather_tables(layer, tables)  # [m, Hkv, W * block_size, hd]
+    if group > 1:  # expand K/V heads as the static prefill does
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    positions = starts[:, None] + torch.arange(n, device=q.device)  # [m, n]
+    mask = torch.arange(width, device=q.device) <= positions[:, :, None]  # [m, n, W * block_size]
+    out = sdpa(q[rows].transpose(1, 2), keys, values, attn_mask=mask.unsqueeze(1))  # [m, H, n, hd]
+    return out.transpose(1, 2).reshape(m * n, -1)
