@@ -54,9 +54,9 @@ from serving.engine.quantize import prescale_rows_for
 GQA_IN_SDPA = True
 
 # The most context positions (chunks x gathered positions) one batched attention over later prompt chunks reads
-# at once: bounds the copies of K and V it makes (per KV head; times the query heads' group where they are
-# repeated)
-LATER_CHUNK_POSITIONS = 1 << 18
+# at once: bounds the copies of K and V it makes (Llama-8B, bf16: 4 KiB a position gathered, 16 KiB more with the
+# K/V heads repeated for the query heads, about 1.3 GiB at this many); one chunk is never split
+LATER_CHUNK_POSITIONS = 1 << 16
 
 # One sequence's part of a step (host values): (the chunk's input tokens, the position of its first token,
 # the sequence's block table covering positions [0, start + len(tokens))). A plain tuple: one is built per
