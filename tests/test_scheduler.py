@@ -510,3 +510,46 @@ def test_an_asynchronous_loop_launches_every_step_holding_the_lock_the_intake_wa
     assert cpu.synchronous
     with cpu.launching(), cpu.between_launches():
         pass
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+def test_a_loop_that_fails_answers_every_request_and_refuses_new_ones(runner, paged, monkeypatch):
+    """An error escaping a step (a bug, a failed device) ends the loop, but not silently: the requests it held,
+    waiting and live, fail with EngineLoopFailed naming the error, and later submits are refused naming it too,
+    so no client waits forever on a dead engine thread."""
+    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.paged_runner import load_paged_engine
+    from serving.engine.paged_scheduler import PagedScheduler
+    from serving.engine.scheduler_loop import EngineLoopFailed
+
+    if paged:
+        engine = load_paged_engine(runner.info.path, device="cpu", config=PagedKVConfig(8, 16, max_num_tokens=16))
+        sched = PagedScheduler(engine)
+    else:
+        sched = Scheduler(runner)
+    steps = 0
+    step = type(sched).step
+
+    def breaking(self) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        step(self)
+
+    monkeypatch.setattr(type(sched), "step", breaking)
+    failures: list[BaseException] = []
+    done = threading.Event()
+    for prompt in PROMPTS[:3]:
+        sched.submit(GenRequest(prompt, 20, lambda ids, r: None,
+                                lambda e: failures.append(e) or (len(failures) == 3 and done.set())))
+    errors: list[str] = []
+    sched.log_error = errors.append
+    sched.start()
+    assert done.wait(10), failures
+    sched.thread.join(5)
+    assert not sched.thread.is_alive()
+    assert all(isinstance(e, EngineLoopFailed) and "illegal memory access" in str(e) for e in failures), failures
+    assert errors and "the scheduler loop failed: RuntimeError" in errors[0]
+    with pytest.raises(SchedulerStopped, match="engine loop failed .*illegal memory access.*request not accepted"):
+        sched.submit(GenRequest(PROMPTS[0], 2, lambda ids, r: None, lambda e: None))

@@ -26,7 +26,8 @@ launch and deliver; what a caller sees is the same and lives here once:
   the interpreter lock up at every torch op, and while another thread runs Python each launch waits up to the
   switch interval to win it back (hundreds of ops a prompt step), so the GPU waited for the host. Off CUDA
   (`synchronous`) a step is its own compute and neither takes the lock; `exclusive_launch = False` turns it off;
-- `stop()`: ends the loop, fails what is still waiting or live with `SchedulerStopped`, joins the thread;
+- `stop()`: ends the loop, fails what is still waiting or live with `SchedulerStopped`, joins the thread; a loop
+  that fails (an error escapes a step) fails them with `EngineLoopFailed` and refuses new requests;
   `run_until_idle()`: steps on the caller's thread until nothing waits or lives (tests, offline use).
 
 A subclass provides `step()`, `_busy()` (live or launched work), `_fail_live(exc)`, `capacity` (live
@@ -46,6 +47,7 @@ import contextlib
 import itertools
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +64,10 @@ Fail = Callable[[BaseException], None]
 
 class SchedulerStopped(EngineError):
     """The scheduler stopped before the request finished."""
+
+
+class EngineLoopFailed(SchedulerStopped):
+    """The scheduler's loop failed (an error escaped a step): the requests it held fail with this."""
 
 
 class SchedulerFull(EngineError):
@@ -128,6 +134,7 @@ class SchedulerLoop:
         self.waiting: collections.deque[Any] = collections.deque()
         self.cond = threading.Condition()
         self.stopping = False
+        self.failure: EngineLoopFailed | None = None  # set when the loop failed (`run_forever`)
         self.thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.cancels_pending = 0
@@ -211,6 +218,8 @@ class SchedulerLoop:
         self.check(req.prompt_ids, req.max_tokens)
         item = self._waiting_item(req)
         with self.cond:
+            if self.failure is not None:
+                raise SchedulerStopped(f"{self.failure}; request not accepted")
             if self.stopping:
                 raise SchedulerStopped("the scheduler is stopping; request not accepted")
             if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
@@ -241,6 +250,28 @@ class SchedulerLoop:
         return self.thread
 
     def run_forever(self) -> None:
+        """The loop (see the module doc). An error that escapes a step (a bug, a failed device) does not end it
+        silently: it is logged, every request waiting or live fails with `EngineLoopFailed`, and `submit` refuses
+        new ones naming it, so clients get an answer instead of waiting forever."""
+        try:
+            self._loop()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self._fail_loop(exc)
+
+    def _fail_loop(self, exc: BaseException) -> None:
+        self.log_error(f"the scheduler loop failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        failure = EngineLoopFailed(f"the engine loop failed ({type(exc).__name__}: {exc}); the model must be "
+                                   "reloaded")
+        with self.cond:
+            self.stopping = True
+            self.failure = failure
+        try:
+            self._fail_all(failure)
+        except Exception as cleanup:  # noqa: BLE001 - the live state may be what broke
+            self.log_error(f"failing the live requests after the loop failed: {type(cleanup).__name__}: {cleanup}")
+        self._drain()
+
+    def _loop(self) -> None:
         while True:
             if self.idle():
                 started = time.perf_counter()

@@ -564,6 +564,7 @@ class TritonPythonModel:
             GenRequest,
             RequestCancelled,
             SchedulerFull,
+            SchedulerStopped,
         )
 
         started = time.perf_counter()
@@ -632,6 +633,9 @@ class TritonPythonModel:
             submitted = time.monotonic()
             scheduler.submit(gen)
         except SchedulerFull as exc:  # overloaded: the client may retry (UNAVAILABLE; the OpenAI front's 429)
+            outbox.discard(stream)
+            sender.send(_error_response(f"{tag}: {exc}", unavailable=True), flags=final)
+        except SchedulerStopped as exc:  # unloading, or the engine loop failed: unavailable here (503)
             outbox.discard(stream)
             sender.send(_error_response(f"{tag}: {exc}", unavailable=True), flags=final)
         except Exception as exc:  # noqa: BLE001 - limits the parse did not catch, or stopping
