@@ -763,7 +763,9 @@ def test_senders_default_to_one_per_four_cpus_from_one_to_four() -> None:
                                          ("busy_senders", "0"),
                                          ("admit_gap_ms", "-1"), ("decode_gemm", "cublas"),
                                          ("decode_attention", "flash"), ("compile_decode", "ture"),
-                                         ("warmup", "maybe"), ("decode_pdl", "2"), ("decoupled", "yes please")])
+                                         ("warmup", "maybe"), ("decode_pdl", "2"), ("decoupled", "yes please"),
+                                         ("cuda_alloc_conf", "expandable_segments"),
+                                         ("cuda_alloc_conf", "max_split_size_mb:64,turbo:1")])
 def test_llm_config_refuses_a_bad_numeric_parameter_by_name(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
         llm_config("m_engine", versions=[1], max_batch_size=8, device_kind="KIND_CPU",
@@ -777,6 +779,20 @@ def test_boolean_parameters_read_the_same_words_everywhere(raw: str | None, defa
     name = "warmup" if default else "compile_decode"
     assert params_mod.BOOLEAN_PARAMETERS[name] is default
     assert params_mod.flag({} if raw is None else {name: raw}, name) is value
+
+
+def test_the_cuda_allocator_setting_reaches_the_models_process_before_torch_allocates(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    assert params_mod.cuda_alloc_conf({}) is None
+    assert params_mod.cuda_alloc_conf({"cuda_alloc_conf": "expandable_segments:True,max_split_size_mb:512"}) == \
+        "expandable_segments:True,max_split_size_mb:512"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    model = llm_mod.TritonPythonModel()
+    with pytest.raises(RuntimeError):  # no engine in the folder: the load fails after the setting is applied
+        model.initialize({"model_name": "m_v1", "model_version": "1", "model_repository": str(tmp_path),
+                          "model_instance_kind": "CPU", "model_config": json.dumps(
+                              {"parameters": {"cuda_alloc_conf": {"string_value": "expandable_segments:True"}}})})
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
 def test_llm_config_keeps_good_millisecond_parameters() -> None:

@@ -56,7 +56,8 @@ while a step computes on the GPU, for engines whose streams outpace one sender; 
 arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
 at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,
 waiting ones are admitted, in one prefill, at most once every this many decode steps, unless they
-outnumber the live ones; see ``serving.engine.scheduler`` and ``serving.engine.paged_scheduler``), ``max_queue_size``
+outnumber the live ones; see ``serving.engine.scheduler`` and ``serving.engine.paged_scheduler``), ``cuda_alloc_conf`` (PyTorch's
+``PYTORCH_CUDA_ALLOC_CONF`` for this model's process, e.g. "expandable_segments:True"), ``max_queue_size``
 (written by ``llm_config`` from the release's ``triton.max_queue_size``: requests waiting for admission at
 most, more are refused as an overload that clients retry; a model in flight has no dynamic batcher).
 """
@@ -66,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import sys
 import threading
 import time
@@ -85,6 +87,7 @@ from serving.triton.models.params import (
     check_parameters,
     choice,
     count,
+    cuda_alloc_conf,
     flag,
     milliseconds,
     queue_size,
@@ -420,6 +423,9 @@ class TritonPythonModel:
             raise RuntimeError(f"[{self.model_name} v{self.version}] {exc}") from exc
         engine_dir = Path(args["model_repository"]) / str(self.version) / "engine"
         device = params.get("device") or ("cuda" if args.get("model_instance_kind") == "GPU" else "cpu")
+        alloc_conf = cuda_alloc_conf(params)
+        if alloc_conf is not None:  # read when CUDA first allocates in this (the model's own) process
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
         if device == "cuda":
             import torch  # lazy: only GPU instances pick a device
 

@@ -121,6 +121,27 @@ def choice(params: dict[str, str], name: str) -> str | None:
     return raw or None
 
 
+# the CUDA caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF) that `cuda_alloc_conf` may name
+CUDA_ALLOC_KEYS = ("expandable_segments", "max_split_size_mb", "roundup_power2_divisions",
+                   "garbage_collection_threshold", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
+                   "pinned_num_register_threads")
+
+
+def cuda_alloc_conf(params: dict[str, str]) -> str | None:
+    """The `cuda_alloc_conf` parameter (PyTorch's `PYTORCH_CUDA_ALLOC_CONF` for the model's process, e.g.
+    "expandable_segments:True"), or None when unset; each comma-separated item must be `key:value` with a key of
+    `CUDA_ALLOC_KEYS`."""
+    raw = str(params.get("cuda_alloc_conf") or "").strip()
+    if not raw:
+        return None
+    for item in raw.split(","):
+        key, sep, value = item.strip().partition(":")
+        if not sep or not value or key not in CUDA_ALLOC_KEYS:
+            raise ValueError(f"parameter cuda_alloc_conf={raw!r}: {item.strip()!r} is not key:value with a key of "
+                             f"{', '.join(CUDA_ALLOC_KEYS)}")
+    return raw
+
+
 def check_parameters(params: dict[str, str]) -> None:
     """Raise ValueError naming the first boolean, numeric or choice parameter whose value is not valid."""
     for name in BOOLEAN_PARAMETERS:
@@ -132,3 +153,4 @@ def check_parameters(params: dict[str, str]) -> None:
     for name in CHOICE_PARAMETERS:
         choice(params, name)
     queue_size(params)
+    cuda_alloc_conf(params)
