@@ -197,3 +197,22 @@ def test_prompts_behind_one_cached_prefix_attend_as_one_group(engines, monkeypat
     got = collect(sched, prompts, max_tokens=6)
     assert [ids for ids, _ in got] == [r.token_ids for r in static.generate(prompts, max_new_tokens=6)]
     assert (4, 3) in groups, groups  # four chunks of three tokens after the 16 cached positions
+
+
+def test_a_hit_on_the_oldest_cached_blocks_holds_them_before_taking_fresh_ones(engines):
+    """The pool holds only cached blocks no request holds (all evictable), and the request that hits the oldest
+    of them needs a fresh one too: taking it must not evict the very blocks the request starts from."""
+    engine, static = engines
+    config = PagedKVConfig(block_size=8, num_blocks=10, max_num_tokens=24, prefix_caching=True)
+    paged = load_paged_engine(engine, config=config, device="cpu")
+    rnd = random.Random(11)
+    first = [rnd.randrange(1, 512) for _ in range(25)]
+    other = [rnd.randrange(1, 512) for _ in range(40)]
+    sched = PagedScheduler(paged)
+    collect(sched, [first], max_tokens=8)  # 32 positions computed: 4 blocks cached
+    collect(sched, [other], max_tokens=9)  # 48: the other 6 blocks cached, after the first's
+    assert paged.allocator.free == 10 and paged.allocator.cached == 10
+    again = first + [5]  # its first three blocks hit; its last two tokens need a fresh block
+    got = collect(sched, [again], max_tokens=4)
+    assert got[0][0] == static.generate([again], max_new_tokens=4)[0].token_ids
+    assert sched.stats.prefix_hit_tokens == 24 and paged.allocator.evicted == 1

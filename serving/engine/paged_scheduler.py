@@ -257,13 +257,11 @@ class PagedScheduler(SchedulerLoop):
                 if self.allocator.free - held_back < need + len(self.running):
                     break
                 self.waiting.popleft()
-            fresh = self.allocator.take(need) or []
-            if cached:
+            if cached:  # held first: taking the fresh blocks may evict cached ones no request holds
                 self.allocator.acquire(cached)
                 self.stats.prefix_hit_tokens += start
-                seq.blocks = BlockTable(cached + fresh, row_key=fresh[0])
-            else:
-                seq.blocks = fresh
+            fresh = self.allocator.take(need) or []
+            seq.blocks = BlockTable(cached + fresh, row_key=fresh[0]) if cached else fresh
             seq.computed, seq.registered = start, len(cached)
             seq.live = True
             self.running.append(seq)
