@@ -64,10 +64,6 @@ class Intake(Generic[Item]):
             self.pending.append(item)
             self.cond.notify()
 
-    def waiting(self) -> int:
-        with self.cond:
-            return len(self.pending)
-
     def _run(self) -> None:
         while True:
             with self.cond:
