@@ -89,6 +89,21 @@ def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_pa
         offline_figures({"config": {}, "sides": [{"side": "static", "output_tok_s": 1.0}]})
 
 
+def test_a_shared_prefix_is_served_from_the_cache_by_the_variant_that_turns_it_on(tmp_path: Path) -> None:
+    """`--shared-prefix 16` with two variants of one paged engine built without prefix caching: the one loaded
+    with `prefix_caching=true` takes the shared blocks from its cache, the default computes them."""
+    from serving.engine.paged_cache import PagedKVConfig
+
+    report = run_served(shape="tiny", clients=2, lanes=2, requests_per_client=2, prompt_len=20, gen_len=4,
+                        max_batch_size=8, work=tmp_path, compile_decode=False, shared_prefix=16,
+                        paged=PagedKVConfig(block_size=8, num_blocks=64, max_num_tokens=64),
+                        variants=(("plain", {}), ("cached", {"prefix_caching": "true"})))
+    plain, cached = report["variants"]["plain"], report["variants"]["cached"]
+    assert plain["n_errors"] == cached["n_errors"] == 0 and report["shared_prefix"] == 16
+    assert plain["counters"]["scheduler"]["prefix_hit_tokens"] == 0
+    assert cached["counters"]["scheduler"]["prefix_hit_tokens"] >= 16 * 8  # most of 12 requests, 2 blocks each
+
+
 @pytest.mark.parametrize("text", ["bad label:x=1", "ok:novalue", "ok:=3"])
 def test_a_malformed_variant_is_refused_by_name(text: str) -> None:
     with pytest.raises(ValueError, match="--variant"):

@@ -216,3 +216,24 @@ def test_a_hit_on_the_oldest_cached_blocks_holds_them_before_taking_fresh_ones(e
     got = collect(sched, [again], max_tokens=4)
     assert got[0][0] == static.generate([again], max_new_tokens=4)[0].token_ids
     assert sched.stats.prefix_hit_tokens == 24 and paged.allocator.evicted == 1
+
+
+def test_a_load_turns_prefix_caching_on_or_off_whatever_the_build_says(engines, tmp_path):
+    """The `llm` model's `prefix_caching` parameter reaches the default loader: a paged engine built without it
+    serves with it, one built with it serves without; a static engine refuses it by name."""
+    from serving.engine import build_engine
+    from serving.engine.engine_loader import load_as_built
+    from serving.engine.errors import EngineLimitError
+    from serving.engine.paged_cache import BlockAllocator
+
+    engine, _ = engines
+    ckpt = engine.parent / "ckpt"
+    plain = build_engine(ckpt, tmp_path / "plain", limits=LIMITS,
+                         paged=PagedKVConfig(block_size=8, num_blocks=20, max_num_tokens=24)).path
+    assert type(load_as_built(plain, device="cpu").allocator) is BlockAllocator
+    assert isinstance(load_as_built(plain, device="cpu", prefix_caching=True).allocator, PrefixCachingAllocator)
+    cached = build_engine(ckpt, tmp_path / "cached", limits=LIMITS, paged=CONFIG).path
+    assert type(load_as_built(cached, device="cpu", prefix_caching=False).allocator) is BlockAllocator
+    load_as_built(engine, device="cpu", prefix_caching=False)  # static: nothing to turn off
+    with pytest.raises(EngineLimitError, match="prefix_caching needs an engine built with a paged KV cache"):
+        load_as_built(engine, device="cpu", prefix_caching=True)

@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "this many live requests (its max_batch_size; 0: the static cache)")
     srv.add_argument("--max-num-tokens", type=int, default=8192, help="the paged engine's tokens per step")
     srv.add_argument("--free-mem-fraction", type=float, default=0.9, help="the paged pool's share of the free memory")
+    srv.add_argument("--shared-prefix", type=int, default=0,
+                     help="leading prompt tokens every request shares (a system prompt); a variant with "
+                          "prefix_caching=true serves them from the paged engine's prefix cache")
     srv.add_argument("--via-stream-router", action="store_true",
                      help="after each variant, the same clients through the release's streaming router")
     srv.add_argument("--variant", action="append", default=[], metavar="LABEL[:k=v,...]",
@@ -427,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
                         wait_for=tuple(args.wait_for), offline_json=args.offline_json,
                         via_stream_router=args.via_stream_router, quantization=args.quantization,
                         lanes=args.lanes_per_client, warmup_lanes=args.warmup_lanes or args.lanes_per_client,
-                        paged=_paged(args))
+                        paged=_paged(args), shared_prefix=args.shared_prefix)
     print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "variants")}, indent=1))
     for label, figures in report["variants"].items():
         print(label, json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=1))

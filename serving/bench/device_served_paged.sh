@@ -8,7 +8,9 @@
 #     (`bench served --variant`, e.g. "interval20:stream_interval_ms=20").
 # Env: WARMUP_LANES (requests each client sends at once in the served warm-up round; 0: all its lanes, default 1),
 #      OFFLINE_RUNS (measured offline runs, the last one kept; default 1: a process's first run is ~10% slower),
-#      PER_LANE (timed requests each lane sends one after the other; default 1).
+#      PER_LANE (timed requests each lane sends one after the other; default 1),
+#      SHARED_PREFIX (leading prompt tokens every served request shares; default 0; a variant with
+#      prefix_caching=true serves them from the prefix cache).
 # Results under $OUT: steps.log, offline.json/.log, served.json/.log, triton.log.
 set -u
 OUT=${OUT:-/tmp/served-paged-out}
@@ -43,7 +45,8 @@ for v in ${VARIANTS:-}; do VARIANT_ARGS+=(--variant "$v"); done
   timeout "${SERVED_S:-360}" /tmp/venv/bin/python -m serving.bench served --shape llama-3.1-8b --quantization "$QUANT" \
     --paged-live 1024 --max-num-tokens 16384 --free-mem-fraction "${FRACTION:-0.85}" \
     --clients "${CLIENTS:-16}" --lanes-per-client "${LANES:-64}" --requests-per-client "${PER_LANE:-1}" \
-    --prompt-len 128 --gen-len 128 --warmup-lanes "${WARMUP_LANES:-1}" --work "$W" --offline-json "$OUT/offline.json" \
+    --prompt-len 128 --gen-len 128 --warmup-lanes "${WARMUP_LANES:-1}" --shared-prefix "${SHARED_PREFIX:-0}" \
+    --work "$W" --offline-json "$OUT/offline.json" \
     --out "$OUT/served.json" \
     "${VARIANT_ARGS[@]}" ) >"$OUT/served.log" 2>&1
 log "served rc=$?"

@@ -135,14 +135,16 @@ def model_counters(triton_log: Path, model: str) -> dict[str, dict[str, float]]:
 
 def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: int, requests_per_client: int,
                 prompt_len: int, gen_len: int, vocab: int, get_timeout_s: float, lanes: int = 1,
-                warmup_lanes: int = 1) -> None:
+                warmup_lanes: int = 1, shared_prefix: int = 0) -> None:
     """`clients` streaming client processes started together, each with `lanes` requests in flight on its
     stream (`requests_per_client` one after the other per lane); fills `figures` with the served figures
     and raw samples of the timed requests, after a warm-up round of `warmup_lanes` requests at once per
     client (the offline figures leave their warm-up out too), whose figures go under ``warmup``.
     Interrupted (SIGTERM from a time limit), it fills them from the requests done so far, marked
-    ``partial``, stops the clients and re-raises."""
+    ``partial``, stops the clients and re-raises. `shared_prefix`: every prompt starts with the same that many
+    tokens (a system prompt; its own tokens after them, at least one)."""
     rng = random.Random(0)
+    prefix = [rng.randrange(1, vocab) for _ in range(min(shared_prefix, prompt_len - 1))]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     barrier = ctx.Barrier(clients)
@@ -151,7 +153,7 @@ def run_clients(grpc_url: str, model: str, figures: dict[str, Any], *, clients: 
     records: list[dict[str, Any]] = []
     try:
         for _ in range(clients):
-            every = [[rng.randrange(1, vocab) for _ in range(prompt_len)]
+            every = [prefix + [rng.randrange(1, vocab) for _ in range(prompt_len - len(prefix))]
                      for _ in range(requests_per_client * lanes + warmup_lanes)]
             warmup, prompts = every[:warmup_lanes], every[warmup_lanes:]
             p = ctx.Process(target=stream_client, args=(grpc_url, prompts, gen_len, out, barrier, model, warmup, lanes))
@@ -216,7 +218,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                load_timeout_s: float = 420.0, wait_for: tuple[Path, ...] = (), wait_timeout_s: float = 300.0,
                offline_json: Path | None = None, get_timeout_s: float = 300.0,
                via_stream_router: bool = False, quantization: str = "none", paged: PagedKVConfig | None = None,
-               lanes: int = 1, warmup_lanes: int = 1) -> dict[str, Any]:
+               lanes: int = 1, warmup_lanes: int = 1, shared_prefix: int = 0) -> dict[str, Any]:
     """Each variant (label, extra parameters of the llm model) is staged as model ``bench_<label>`` and
     measured in turn on one Triton: load, the clients, unload (its counters are read from the log).
     The report holds every variant under ``variants``, and the first one's figures at the top level.
@@ -225,6 +227,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     or a `bench throughput` report (its paged side's output tok/s); `paged`: serve an engine built with that
     paged KV cache; `lanes`: requests each client keeps in flight on its stream; `warmup_lanes`: requests
     each client sends at once in the warm-up round before the timed one (`lanes`: as wide as the timed round);
+    `shared_prefix`: leading tokens every prompt shares (`run_clients`);
     `via_stream_router`: after each variant's clients, the same clients again through the release's
     streaming router (``bench_<label>_stream``, the gray release's name for streams), figures under
     ``via_stream_router``."""
@@ -260,6 +263,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     report: dict[str, Any] = {"shape": shape, "quantization": quantization, "clients": clients, "lanes": lanes,
                               "paged": paged.to_dict() if paged is not None else None,
                               "requests_per_client": requests_per_client, "prompt_len": prompt_len, "gen_len": gen_len, "max_batch_size": max_batch_size,
+                              "shared_prefix": shared_prefix,
                               "build_s": build_s, "variants": {}}
     offline = offline_figures(json.loads(offline_json.read_text())) \
         if offline_json is not None and offline_json.is_file() else None
@@ -282,7 +286,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
             before = triton_counters(proc.metrics_url, model)
             run_clients(proc.grpc_url, model, figures, clients=clients, requests_per_client=requests_per_client,
                         prompt_len=prompt_len, gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s, lanes=lanes,
-                        warmup_lanes=warmup_lanes)
+                        warmup_lanes=warmup_lanes, shared_prefix=shared_prefix)
             after = triton_counters(proc.metrics_url, model)
             figures["triton"] = {name: after[name] - before[name] for name in TRITON_COUNTERS}  # warm-up included
             if offline is not None:
@@ -294,7 +298,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                 _run_via_stream_router(proc, root, f"{MODEL}_{label}", routed, clients=clients,
                                        requests_per_client=requests_per_client, prompt_len=prompt_len,
                                        gen_len=gen_len, vocab=vocab, get_timeout_s=get_timeout_s, lanes=lanes,
-                                       warmup_lanes=warmup_lanes)
+                                       warmup_lanes=warmup_lanes, shared_prefix=shared_prefix)
                 routed["over_direct"] = routed["output_tok_s"] / figures["output_tok_s"]
                 if offline is not None:
                     routed["served_over_offline_e2e"] = routed["output_tok_s"] / offline["e2e_tok_s"]

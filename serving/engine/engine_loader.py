@@ -3,7 +3,8 @@
 `load_as_built(engine_dir, device=..., **options)` is what every consumer of a built engine calls (the
 release gates, the Triton `llm` model's default `engine_loader`): a user who sets `engine.paged` in the
 spec gets the paged KV cache everywhere the engine runs, not only where a loader is named by hand.
-`options` are `load_engine`'s (`decode_attention`, `decode_gemm`; `cuda_graphs` for a static engine).
+`options` are `load_engine`'s (`decode_attention`, `decode_gemm`; `cuda_graphs` for a static engine), and
+`prefix_caching` (a paged engine's, overriding its build's setting for this load).
 
 Imports: stdlib and torch only.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.engine.build import read_engine_info
+from serving.engine.errors import EngineLimitError
 from serving.engine.paged_runner import PagedRunner, load_paged_engine
 from serving.engine.runner import EngineRunner, load_engine
 
@@ -23,9 +25,15 @@ def is_paged(engine_dir: Path) -> bool:
     return read_engine_info(Path(engine_dir)).paged is not None
 
 
-def load_as_built(engine_dir: Path, *, device: str = "auto", **options: Any) -> EngineRunner | PagedRunner:
-    """`load_paged_engine` for an engine built with `paged` (its own settings), `load_engine` otherwise."""
+def load_as_built(engine_dir: Path, *, device: str = "auto", prefix_caching: bool | None = None,
+                  **options: Any) -> EngineRunner | PagedRunner:
+    """`load_paged_engine` for an engine built with `paged` (its own settings; `prefix_caching` None keeps its
+    own, True / False overrides it), `load_engine` otherwise (where `prefix_caching` True is refused: a static
+    cache has no blocks to share)."""
     if is_paged(engine_dir):
         options.pop("cuda_graphs", None)  # the paged runner has no static-cache graphs to turn off
-        return load_paged_engine(Path(engine_dir), device=device, **options)
+        return load_paged_engine(Path(engine_dir), device=device, prefix_caching=prefix_caching, **options)
+    if prefix_caching:
+        raise EngineLimitError(f"prefix_caching needs an engine built with a paged KV cache (engine.paged); "
+                               f"{Path(engine_dir)} has a static one")
     return load_engine(Path(engine_dir), device=device, **options)

@@ -26,6 +26,7 @@ Imports: stdlib and torch only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -238,16 +239,19 @@ def _recorded_event() -> torch.cuda.Event:
 
 
 def load_paged_engine(engine_dir: Path, *, config: PagedKVConfig | None = None, device: str = "auto",
-                      decode_attention: str = "auto", decode_gemm: str = "auto") -> PagedRunner:
+                      decode_attention: str = "auto", decode_gemm: str = "auto",
+                      prefix_caching: bool | None = None) -> PagedRunner:
     """Read, check and load an engine folder with a paged KV cache sized by `config` (default: the engine's
     own `paged` settings, from its build; see module doc). Also Triton's `llm` model's `engine_loader`
     (`serving.engine.paged_runner:load_paged_engine`). `decode_gemm` is `load_engine`'s (the decode-only
     steps' GEMMs); `decode_attention` is accepted for its signature and unused (the paged kernel reads the
-    pools)."""
+    pools); `prefix_caching` (None: as configured) turns prefix caching on or off for this load."""
     info, model, dev = load_model(engine_dir, device=device)
     gemm = pick_decode_gemm(decode_gemm, dev, model.tok_embeddings.weight.dtype)
     config = config or info.paged
     if config is None:
         raise EngineLimitError(f"engine {str(info.path)!r} was built without paged KV settings (engine.paged); "
                                "build it with engine.paged set, or pass config=PagedKVConfig(...)")
+    if prefix_caching is not None:
+        config = dataclasses.replace(config, prefix_caching=prefix_caching)
     return PagedRunner(info, model, dev, config, decode_gemm=gemm)

@@ -56,7 +56,8 @@ while a step computes on the GPU, for engines whose streams outpace one sender; 
 arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
 at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,
 waiting ones are admitted, in one prefill, at most once every this many decode steps, unless they
-outnumber the live ones; see ``serving.engine.scheduler`` and ``serving.engine.paged_scheduler``), ``cuda_alloc_conf`` (PyTorch's
+outnumber the live ones; see ``serving.engine.scheduler`` and ``serving.engine.paged_scheduler``), ``prefix_caching`` ("true" / "false": a paged engine's
+prefix caching for this load, whatever its build says; unset or "auto": as built), ``cuda_alloc_conf`` (PyTorch's
 ``PYTORCH_CUDA_ALLOC_CONF`` for this model's process, e.g. "expandable_segments:True"), ``max_queue_size``
 (written by ``llm_config`` from the release's ``triton.max_queue_size``: requests waiting for admission at
 most, more are refused as an overload that clients retry; a model in flight has no dynamic batcher).
@@ -433,7 +434,10 @@ class TritonPythonModel:
         started = time.monotonic()
         try:
             loader = resolve(params.get("engine_loader") or DEFAULT_ENGINE_LOADER)
-            options = {name: value for name in ("decode_gemm", "decode_attention") if (value := choice(params, name))}
+            options: dict[str, Any] = {name: value for name in ("decode_gemm", "decode_attention")
+                                       if (value := choice(params, name))}
+            if choice(params, "prefix_caching") in ("true", "false"):
+                options["prefix_caching"] = choice(params, "prefix_caching") == "true"
             runner = loader(engine_dir, device=device, **options)
         except Exception as exc:
             raise RuntimeError(
