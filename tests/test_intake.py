@@ -150,3 +150,18 @@ def test_an_admission_that_raises_answers_its_request_and_the_intake_goes_on() -
     intake.stop()
     assert admitted == [0, 2]
     assert refused == [(1, "internal error: ValueError: broken")] and "broken" in errors[0]
+
+
+def test_waiting_out_a_launch_takes_no_lock_and_returns_when_it_ends() -> None:
+    """`wait_out_launch` (the llm's `execute_waits_launches`): Triton's thread waits while a launch holds or
+    waits for the lock, and not while the intake holds it between launches."""
+    lock = LaunchLock()
+    returned = threading.Event()
+    with lock.launching():
+        waiter = threading.Thread(target=lambda: (lock.wait_out_launch(), returned.set()))
+        waiter.start()
+        assert not returned.wait(0.1), "returned while a step launched"
+    assert returned.wait(5)
+    waiter.join(5)
+    with lock.between():  # the intake's turn: no launch, nothing to wait out
+        lock.wait_out_launch()

@@ -765,6 +765,7 @@ def test_senders_default_to_one_per_four_cpus_from_one_to_four() -> None:
                                          ("decode_attention", "flash"), ("compile_decode", "ture"),
                                          ("warmup", "maybe"), ("decode_pdl", "2"), ("decoupled", "yes please"),
                                          ("cuda_alloc_conf", "expandable_segments"), ("prefix_caching", "maybe"),
+                                         ("execute_waits_launches", "sometimes"),
                                          ("cuda_alloc_conf", "max_split_size_mb:64,turbo:1")])
 def test_llm_config_refuses_a_bad_numeric_parameter_by_name(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):

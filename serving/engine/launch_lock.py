@@ -27,21 +27,34 @@ class LaunchLock:
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._waiting = 0  # launches waiting for the lock
+        self._launching = False  # a launch holds the lock
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
         with self._cond:
             self._waiting += 1
+        acquired = False
         try:
-            self._lock.acquire()
+            acquired = self._lock.acquire()
         finally:
             with self._cond:
                 self._waiting -= 1
+                self._launching = acquired
                 self._cond.notify_all()
         try:
             yield
         finally:
+            with self._cond:
+                self._launching = False
+                self._cond.notify_all()
             self._lock.release()
+
+    def wait_out_launch(self) -> None:
+        """Return once no launch holds or waits for the lock, without taking it (work too small to need the
+        lock that should still keep off the interpreter lock while a step launches)."""
+        with self._cond:
+            while self._launching or self._waiting:
+                self._cond.wait()
 
     @contextlib.contextmanager
     def between(self) -> Iterator[None]:

@@ -201,6 +201,11 @@ class SchedulerLoop:
         checks `launch_waits()` between them and leaves when it is true."""
         return self._launch_lock.between() if self._exclusive() else contextlib.nullcontext()
 
+    def wait_out_launch(self) -> None:
+        """Another thread: return once the loop's thread neither launches nor waits to (at once off CUDA)."""
+        if self._exclusive():
+            self._launch_lock.wait_out_launch()
+
     def launch_waits(self) -> bool:
         """Whether the loop's thread waits to launch a step (work `between_launches` should step aside)."""
         return self._exclusive() and self._launch_lock.launch_waits()

@@ -47,7 +47,9 @@ capturing graphs and running the first, cold prefills at load), ``gil_switch_int
 0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
 engine thread waits for it), ``exclusive_launch`` (default "true": on CUDA the request intake waits while
 the engine thread launches a step, instead of making each of its launches wait for the GIL, and steps
-aside between two requests when a launch waits; ``SchedulerLoop.launching``),
+aside between two requests when a launch waits; ``SchedulerLoop.launching``), ``execute_waits_launches``
+(default "false": "true" makes ``execute`` itself wait while a step launches before it reads its requests,
+so Triton's thread takes no interpreter time from a launch either, and arrivals queue in Triton meanwhile),
 ``stream_interval_ms`` (default 0: the least time between two middle responses of one stream; the
 first and the final response are never held back; see ``outbox``), ``idle_senders`` (default one per
 four CPUs, 1 to 4: how many threads send at once while the engine is idle, such as the final responses of requests
@@ -453,6 +455,7 @@ class TritonPythonModel:
         uses_decoupled = getattr(pb_utils, "using_decoupled_model_transaction_policy", None)
         self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else flag(params, "decoupled")
         self.in_flight = batches_in_flight(params, decoupled=self.decoupled)
+        self.execute_waits_launches = flag(params, "execute_waits_launches")
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
         self.intake: Intake[Arrival] | None = None
@@ -656,6 +659,8 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> list[Any] | None:
         if getattr(self, "in_flight", False):
             received = time.monotonic()
+            if getattr(self, "execute_waits_launches", False):  # Triton's thread reads no request while a step launches
+                self.engine_thread.scheduler.wait_out_launch()
             for request in requests:
                 self._queue(request, received)
             return None

@@ -58,6 +58,7 @@ BOOLEAN_PARAMETERS: dict[str, bool] = {
     "compile_decode": False,
     "decode_pdl": True,
     "exclusive_launch": True,
+    "execute_waits_launches": False,
     "warmup": True,
 }
 TRUE_WORDS = ("1", "true", "yes", "on")
