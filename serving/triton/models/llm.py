@@ -3,7 +3,8 @@
 Copied into the repository as ``<name>_v<N>/1/model.py`` beside ``1/engine/`` (the engine files): one Triton model per engine version.
 ``initialize`` loads the engine on the instance's device (KIND_GPU -> cuda, else cpu) and raises with
 the model name if it cannot; ``execute`` parses each request (``serving.triton.models.requests``) and hands
-it to the engine, answering a bad one with an error response, never by raising. Text is
+it to the engine (in flight through the intake thread, below), answering a bad one with an error response,
+never by raising. Text is
 tokenized/detokenized lazily with ``tokenizers`` from the engine folder.
 
 Stopping and text (``serving.triton.models.text``, read once at load): the engine folder's
