@@ -35,10 +35,10 @@ import contextlib
 import gc
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -63,17 +63,13 @@ def engine_method(method: str) -> tuple[str, int | None]:
     return method, None
 
 
-@contextlib.contextmanager
-def method_switches(method: str) -> Iterator[None]:
-    """The engine code's switches a bench method turns while its engine is checked, compiled and timed."""
+def method_switches(method: str) -> contextlib.AbstractContextManager:
+    """The engine code's switch a bench method turns while its engine is checked, compiled and timed."""
     from serving.engine import fp8_gemm
 
-    kept = fp8_gemm.ROW_SCALING_IN_KERNEL
-    fp8_gemm.ROW_SCALING_IN_KERNEL = method == FP8_ROW_SCALING_IN_GEMM or kept
-    try:
-        yield
-    finally:
-        fp8_gemm.ROW_SCALING_IN_KERNEL = kept
+    if method == FP8_ROW_SCALING_IN_GEMM:
+        return mock.patch.object(fp8_gemm, "ROW_SCALING_IN_KERNEL", True)
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

@@ -418,7 +418,8 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         self.model_name = args["model_name"]
         self.version = args.get("model_version", "?")
-        self.log = Log(f"{self.model_name} v{self.version}")
+        self.tag = f"{self.model_name} v{self.version}"  # what every error message and log line is prefixed with
+        self.log = Log(self.tag)
         config = json.loads(args["model_config"])
         params = config_parameters(config)
         try:
@@ -439,8 +440,8 @@ class TritonPythonModel:
             loader = resolve(params.get("engine_loader") or DEFAULT_ENGINE_LOADER)
             options: dict[str, Any] = {name: value for name in ("decode_gemm", "decode_attention")
                                        if (value := choice(params, name))}
-            if choice(params, "prefix_caching") in ("true", "false"):
-                options["prefix_caching"] = choice(params, "prefix_caching") == "true"
+            if (prefix_caching := choice(params, "prefix_caching")) in ("true", "false"):
+                options["prefix_caching"] = prefix_caching == "true"
             runner = loader(engine_dir, device=device, **options)
         except Exception as exc:
             raise RuntimeError(
@@ -544,15 +545,15 @@ class TritonPythonModel:
     def _or_answered(self, sender: Any, work: Callable[[], Any]) -> Any:
         """`work()`, or None once its failure is answered on `sender`: a RequestError as an invalid argument
         (HTTP 400), anything else as an internal error (500); never raised (one request never stops the rest)."""
-        tag = f"{self.model_name} v{self.version}"
         try:
             return work()
         except RequestError as exc:
-            sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True),
+            sender.send(_error_response(f"{self.tag}: {exc}", invalid_arg=True),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # noqa: BLE001
             self.log.error(f"request: {type(exc).__name__}: {exc}")
-            sender.send(_error_response(f"{tag}: internal error: {exc}"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.send(_error_response(f"{self.tag}: internal error: {exc}"),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
     def _queue(self, request: Any, received: float) -> None:
@@ -564,12 +565,12 @@ class TritonPythonModel:
         try:
             self.intake.put(Arrival(request, sender, req, received))
         except (Full, RuntimeError) as exc:  # overloaded or unloading: the client may retry elsewhere or later
-            sender.send(_error_response(f"{self.model_name} v{self.version}: {exc}", unavailable=True),
+            sender.send(_error_response(f"{self.tag}: {exc}", unavailable=True),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _refuse(self, arrival: Arrival, message: str) -> None:
         """A queued request the intake will not start (unloading) gets its error."""
-        arrival.sender.send(_error_response(f"{self.model_name} v{self.version}: {message}", unavailable=True),
+        arrival.sender.send(_error_response(f"{self.tag}: {message}", unavailable=True),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _submit(self, arrival: Arrival) -> None:
@@ -584,7 +585,7 @@ class TritonPythonModel:
         started = time.perf_counter()
         request, sender, received = arrival.request, arrival.sender, arrival.received
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        tag = f"{self.model_name} v{self.version}"
+        tag = self.tag
         prepared = self._or_answered(sender, lambda: self._prepare(0, arrival.req))
         if prepared is None:
             return
