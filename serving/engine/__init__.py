@@ -2,60 +2,38 @@
 
 The engine speaks token ids, not text. Imports: stdlib, torch and numpy only at import time
 (this package runs inside Triton's python backend); safetensors is imported lazily by convert.
+
+The names below are imported when first used (PEP 562), so that importing a light module of this package
+(`serving.engine.heap`, `serving.engine.launch_lock`) does not import torch: the `llm` model imports torch
+while it loads the engine, at the load's CPU priority (`serving.triton.models.load_priority`).
 """
 
-from serving.engine.build import (
-    ENGINE_FORMAT_VERSION,
-    EngineInfo,
-    EngineLimits,
-    build_engine,
-    check_toolchain,
-    current_toolchain,
-    read_engine_info,
-    verify_engine,
-)
-from serving.engine.convert import convert_checkpoint
-from serving.engine.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    EngineError,
-    EngineExistsError,
-    EngineFormatError,
-    EngineIntegrityError,
-    EngineLimitError,
-    ToolchainMismatchError,
-    UnsupportedArchitectureError,
-)
-from serving.engine.model import SUPPORTED_ARCHITECTURES, KVCache, ModelArgs, Transformer
-from serving.engine.runner import EngineRunner, Generation, load_engine
-from serving.engine.sampling import SamplingParams, sample
+from __future__ import annotations
 
-__all__ = [
-    "ENGINE_FORMAT_VERSION",
-    "SUPPORTED_ARCHITECTURES",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "EngineError",
-    "EngineExistsError",
-    "EngineFormatError",
-    "EngineInfo",
-    "EngineIntegrityError",
-    "EngineLimitError",
-    "EngineLimits",
-    "EngineRunner",
-    "Generation",
-    "KVCache",
-    "ModelArgs",
-    "SamplingParams",
-    "ToolchainMismatchError",
-    "Transformer",
-    "UnsupportedArchitectureError",
-    "build_engine",
-    "check_toolchain",
-    "convert_checkpoint",
-    "current_toolchain",
-    "load_engine",
-    "read_engine_info",
-    "sample",
-    "verify_engine",
-]
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("ENGINE_FORMAT_VERSION", "EngineInfo", "EngineLimits", "build_engine", "check_toolchain",
+                     "current_toolchain", "read_engine_info", "verify_engine"), "build"),
+    "convert_checkpoint": "convert",
+    **dict.fromkeys(("CheckpointError", "CheckpointNotFoundError", "EngineError", "EngineExistsError",
+                     "EngineFormatError", "EngineIntegrityError", "EngineLimitError", "ToolchainMismatchError",
+                     "UnsupportedArchitectureError"), "errors"),
+    **dict.fromkeys(("SUPPORTED_ARCHITECTURES", "KVCache", "ModelArgs", "Transformer"), "model"),
+    **dict.fromkeys(("EngineRunner", "Generation", "load_engine"), "runner"),
+    **dict.fromkeys(("SamplingParams", "sample"), "sampling"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -42,7 +42,9 @@ pending requests get an error) and joins their threads. Parameters: ``compile_de
 step, ~30-50 s more at a first load on an H200; its compile artifacts are then kept in
 ``compile_cache_dir``, default ``.compile-cache`` in the repository's root, "off" for none, and a
 later load on the same toolchain restores them instead of compiling: `serving.engine.compile_cache`),
-``decode_pdl`` (default "true": that step with
+``load_priority`` (default "idle": the engine's load, torch's import included, runs on a thread of Linux's
+idle CPU policy, so a version loading beside a live one takes only the cores the live one leaves:
+``serving.triton.models.load_priority``), ``decode_pdl`` (default "true": that step with
 programmatic dependent launch on Hopper and later, `serving.engine.cuda_graphs`), ``warmup`` ("false" to skip
 capturing graphs and running the first, cold prefills at load), ``gil_switch_interval_ms`` (default
 0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
@@ -84,6 +86,7 @@ import numpy as np
 
 from serving.engine.heap import freeze_heap
 from serving.triton.models.intake import Full, Intake
+from serving.triton.models.load_priority import load_at_priority
 from serving.triton.models.outbox import Outbox
 from serving.triton.models.params import (
     QUEUE_SIZE_PARAMETER,
@@ -436,13 +439,23 @@ class TritonPythonModel:
 
             torch.cuda.set_device(int(args.get("model_instance_device_id", "0")))
         started = time.monotonic()
+        options: dict[str, Any] = {name: value for name in ("decode_gemm", "decode_attention")
+                                   if (value := choice(params, name))}
+        if (prefix_caching := choice(params, "prefix_caching")) in ("true", "false"):
+            options["prefix_caching"] = prefix_caching == "true"
+        device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
+
+        def load() -> Any:
+            if device_id is not None:  # the current device is the thread's own
+                import torch
+
+                torch.cuda.set_device(device_id)
+            loader = resolve(params.get("engine_loader") or DEFAULT_ENGINE_LOADER)  # imports torch on a CPU
+            return loader(engine_dir, device=device, **options)
+
         try:
-            loader = resolve(params.get("engine_loader") or DEFAULT_ENGINE_LOADER)
-            options: dict[str, Any] = {name: value for name in ("decode_gemm", "decode_attention")
-                                       if (value := choice(params, name))}
-            if (prefix_caching := choice(params, "prefix_caching")) in ("true", "false"):
-                options["prefix_caching"] = prefix_caching == "true"
-            runner = loader(engine_dir, device=device, **options)
+            runner = load_at_priority(load, priority=choice(params, "load_priority") or "idle",
+                                      name=f"{self.tag} load", log=self.log.error)
         except Exception as exc:
             raise RuntimeError(
                 f"[{self.model_name} v{self.version}] cannot load the engine in {engine_dir} on device "
@@ -471,7 +484,6 @@ class TritonPythonModel:
                                  stream_interval_s=milliseconds(params, "stream_interval_ms") / 1e3,
                                  idle_senders=count(params, "idle_senders"),
                                  busy_senders=count(params, "busy_senders"))
-            device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
             from serving.engine.compile_cache import cache_root  # lazy: imports torch
             from serving.engine.compile_cache_prune import pruning_for
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
@@ -502,7 +514,7 @@ class TritonPythonModel:
             self.intake.start()
         self.log.info(
             f"engine {getattr(runner.info, 'fingerprint', '?')} loaded from {engine_dir} on {device} in "
-            f"{time.monotonic() - started:.2f} s (max_batch_size={self.host.max_batch_size}, "
+            f"{time.monotonic() - started:.2f} s (load_priority={choice(params, 'load_priority') or 'idle'}, max_batch_size={self.host.max_batch_size}, "
             f"max_input_len={self.host.max_input_len}, max_seq_len={self.host.max_seq_len}, "
             f"decoupled={self.decoupled}, in_flight={self.in_flight}, eos_token_ids={list(text.eos_token_ids)}, "
             f"chat_template={text.chat_template_source or 'none'})"

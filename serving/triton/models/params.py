@@ -112,6 +112,7 @@ CHOICE_PARAMETERS: dict[str, tuple[str, ...]] = {
     "decode_gemm": ("auto", "triton", "torch"),  # the decode step's GEMMs: Triton kernels or cuBLAS
     "decode_attention": ("auto", "triton", "matmul"),  # the Triton attention (with the rotary fused) or matmuls
     "prefix_caching": ("auto", "true", "false"),  # a paged engine's prefix caching: as built, on or off
+    "load_priority": ("idle", "normal"),  # the engine's load below the serving threads, or beside them
 }
 
 
