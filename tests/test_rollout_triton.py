@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -60,6 +61,7 @@ ROLLOUT, AUTO_ROLLBACK = "rollout 1->2 (10/50/100)", "automatic rollback of slow
 # rollout's own traffic is paced (`rollout.rate_per_s`: a small part of the load, as on a server without headroom
 # it should be); unpaced, its back-to-back requests were the largest part of the rollout's p99.
 P99_BOUND = 1.5
+LOAD_SETTINGS = re.compile(r"engine [0-9a-f]+ loaded from .*?\(load_priority=(\w+), OMP_WAIT_POLICY=(\w+)")
 CANARY_RATE_PER_S = 10.0
 STEPS = [{"set_weight": 10}, {"analysis": ANALYSIS}, {"set_weight": 50}, {"analysis": ANALYSIS},
          {"set_weight": 100}, {"analysis": ANALYSIS}]
@@ -130,6 +132,9 @@ def test_rollout_and_automatic_rollback_under_load_drop_nothing(world) -> None:
     assert loads == inits == {"first": ["gray_v1"], "promote 2": ["gray_v2"], "promote 3": ["gray_v3"],
                               "rollback to 1": ["gray_v1"]}, (loads, inits)
     assert unloads == {"first": [], "promote 2": ["gray_v1"], "promote 3": ["gray_v3"], "rollback to 1": ["gray_v2"]}
+    # each engine loaded at the idle CPU priority, its process's OpenMP workers asleep while they wait
+    settings = {found for text in logs.values() for found in LOAD_SETTINGS.findall(text)}
+    assert settings == {("idle", "PASSIVE")}, settings
 
     assert good.rollout.outcome == "Successful" and good.rollout.metrics["rollout_failed_requests"] == 0
     assert [a.outcome for a in good.rollout.analyses] == ["Successful"] * 3

@@ -434,6 +434,11 @@ class TritonPythonModel:
         alloc_conf = cuda_alloc_conf(params)
         if alloc_conf is not None:  # read when CUDA first allocates in this (the model's own) process
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+        # Read when torch loads OpenMP, below (the model file does not import torch). The engine shares the host's
+        # cores with Triton and the other models: an OpenMP worker that spins while it waits for the next parallel
+        # region takes a core from all of them (docs/triton.md: the demo's candidate at 1.7x the live version's
+        # time per token on two cores).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if device == "cuda":
             import torch  # lazy: only GPU instances pick a device
 
@@ -514,7 +519,7 @@ class TritonPythonModel:
             self.intake.start()
         self.log.info(
             f"engine {getattr(runner.info, 'fingerprint', '?')} loaded from {engine_dir} on {device} in "
-            f"{time.monotonic() - started:.2f} s (load_priority={choice(params, 'load_priority') or 'idle'}, max_batch_size={self.host.max_batch_size}, "
+            f"{time.monotonic() - started:.2f} s (load_priority={choice(params, 'load_priority') or 'idle'}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, max_batch_size={self.host.max_batch_size}, "
             f"max_input_len={self.host.max_input_len}, max_seq_len={self.host.max_seq_len}, "
             f"decoupled={self.decoupled}, in_flight={self.in_flight}, eos_token_ids={list(text.eos_token_ids)}, "
             f"chat_template={text.chat_template_source or 'none'})"
