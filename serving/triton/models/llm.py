@@ -449,6 +449,7 @@ class TritonPythonModel:
         if (prefix_caching := choice(params, "prefix_caching")) in ("true", "false"):
             options["prefix_caching"] = prefix_caching == "true"
         device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
+        load_priority = choice(params, "load_priority") or "idle"
 
         def load() -> Any:
             if device_id is not None:  # the current device is the thread's own
@@ -459,8 +460,7 @@ class TritonPythonModel:
             return loader(engine_dir, device=device, **options)
 
         try:
-            runner = load_at_priority(load, priority=choice(params, "load_priority") or "idle",
-                                      name=f"{self.tag} load", log=self.log.error)
+            runner = load_at_priority(load, priority=load_priority, name=f"{self.tag} load", log=self.log.error)
         except Exception as exc:
             raise RuntimeError(
                 f"[{self.model_name} v{self.version}] cannot load the engine in {engine_dir} on device "
@@ -519,7 +519,8 @@ class TritonPythonModel:
             self.intake.start()
         self.log.info(
             f"engine {getattr(runner.info, 'fingerprint', '?')} loaded from {engine_dir} on {device} in "
-            f"{time.monotonic() - started:.2f} s (load_priority={choice(params, 'load_priority') or 'idle'}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, max_batch_size={self.host.max_batch_size}, "
+            f"{time.monotonic() - started:.2f} s (load_priority={load_priority}, "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, max_batch_size={self.host.max_batch_size}, "
             f"max_input_len={self.host.max_input_len}, max_seq_len={self.host.max_seq_len}, "
             f"decoupled={self.decoupled}, in_flight={self.in_flight}, eos_token_ids={list(text.eos_token_ids)}, "
             f"chat_template={text.chat_template_source or 'none'})"
