@@ -20,7 +20,7 @@ block table, causal inside the chunk:
   at most `LATER_CHUNK_POSITIONS` gathered positions (a burst of prompts behind one cached system prompt is
   one group, not a gather and an SDPA per prompt and layer).
 
-With an fp8 KV cache the pools hold e4m3 and everything read back from them is dequantized (`gather`, the
+With an fp8 KV cache the pools hold e4m3 and everything read back from them is dequantized (`gather_tables`, the
 decode attention's conversion in registers), while a chunk from position 0 attends over its own fresh K/V
 in the model's dtype, never rounded (as vLLM does): only positions of earlier steps carry e4m3's error.
 

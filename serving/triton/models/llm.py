@@ -439,16 +439,16 @@ class TritonPythonModel:
         # region takes a core from all of them (docs/triton.md: the demo's candidate at 1.7x the live version's
         # time per token on two cores).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        if device == "cuda":
+        device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
+        if device_id is not None:
             import torch  # lazy: only GPU instances pick a device
 
-            torch.cuda.set_device(int(args.get("model_instance_device_id", "0")))
+            torch.cuda.set_device(device_id)
         started = time.monotonic()
         options: dict[str, Any] = {name: value for name in ("decode_gemm", "decode_attention")
                                    if (value := choice(params, name))}
         if (prefix_caching := choice(params, "prefix_caching")) in ("true", "false"):
             options["prefix_caching"] = prefix_caching == "true"
-        device_id = int(args.get("model_instance_device_id", "0")) if device == "cuda" else None
         load_priority = choice(params, "load_priority") or "idle"
 
         def load() -> Any:
@@ -665,10 +665,7 @@ class TritonPythonModel:
         try:
             submitted = time.monotonic()
             scheduler.submit(gen)
-        except SchedulerFull as exc:  # overloaded: the client may retry (UNAVAILABLE; the OpenAI front's 429)
-            outbox.discard(stream)
-            sender.send(_error_response(f"{tag}: {exc}", unavailable=True), flags=final)
-        except SchedulerStopped as exc:  # unloading, or the engine loop failed: unavailable here (503)
+        except (SchedulerFull, SchedulerStopped) as exc:  # overloaded (the OpenAI front's 429) or stopped (503)
             outbox.discard(stream)
             sender.send(_error_response(f"{tag}: {exc}", unavailable=True), flags=final)
         except Exception as exc:  # noqa: BLE001 - limits the parse did not catch, or stopping
