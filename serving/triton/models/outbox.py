@@ -14,7 +14,7 @@ up that is one token per response; when it does not (a response costs the python
 and 64 streams produce 64 tokens per ~1.4 ms step), a response carries all that waited, so sending
 never becomes the throughput ceiling and no token is dropped or reordered. A stream's first response
 and its final one go before any middle response (they set TTFT and when a client's next request can
-start); middle responses go oldest first.
+start), in the order they became due; middle responses go oldest first.
 
 ``stream_interval_s`` (the ``llm`` model's ``stream_interval_ms``; 0 by default) paces a stream's
 middle responses: one goes out at least that long after the stream's previous response (like
@@ -119,7 +119,11 @@ class Outbox:
         most = max(idle_senders, busy_senders)
         self.helpers = ThreadPoolExecutor(most - 1, thread_name_prefix=f"send-{name}") if most > 1 else None
         self.lock = threading.Lock()
-        self.ready: dict[int, Stream] = {}  # id(stream) -> stream with something to send, oldest first
+        # id(stream) -> stream with something to send, oldest first: first and final responses apart from the
+        # middle ones, so that picking the next send costs the same at 1,024 streams as at one (a scan of every
+        # ready stream per send, under the lock and the GIL: 36 us a send against 2.9 over 1,024 streams, CI CPU)
+        self.urgent: dict[int, Stream] = {}
+        self.middle: dict[int, Stream] = {}
         self.watched: dict[int, Stream] = {}  # open streams that can be asked whether they were cancelled
         self.stats = OutboxStats()
 
@@ -138,7 +142,8 @@ class Outbox:
         with self.lock:
             stream.closed = True
             self.watched.pop(id(stream), None)
-            self.ready.pop(id(stream), None)
+            self.urgent.pop(id(stream), None)
+            self.middle.pop(id(stream), None)
 
     def emit(self, stream: Stream, ids: list[int], reason: str | None, text: str = "") -> None:
         """New tokens of `stream` and their text (its finish reason with the last ones). Never sends."""
@@ -149,7 +154,7 @@ class Outbox:
             stream.text += text
             stream.reason = reason
             if stream.streaming or reason is not None:
-                self.ready.setdefault(id(stream), stream)
+                self._queue(stream)
 
     def fail(self, stream: Stream, message: str, *, cancelled: bool = False) -> None:
         with self.lock:
@@ -157,10 +162,19 @@ class Outbox:
                 return
             stream.error = message
             stream.cancelled = cancelled
-            self.ready.setdefault(id(stream), stream)
+            self._queue(stream)
+
+    def _queue(self, stream: Stream) -> None:
+        """`stream` has something to send (lock held): among the urgent ones once it is urgent."""
+        key = id(stream)
+        if stream.urgent:
+            self.middle.pop(key, None)
+            self.urgent.setdefault(key, stream)
+        elif key not in self.urgent:
+            self.middle.setdefault(key, stream)
 
     def pending(self) -> int:
-        return len(self.ready)
+        return len(self.urgent) + len(self.middle)
 
     def send_next(self, *, ask: bool = True) -> bool:
         """Send one response: a first or final one if any waits, else the oldest middle one that is due;
@@ -170,7 +184,6 @@ class Outbox:
             now = time.monotonic()
             stream = self._next_due(now)
             if stream is not None:
-                del self.ready[id(stream)]
                 taken = self._take(stream, now)
                 stream.sending = True
             else:
@@ -248,21 +261,22 @@ class Outbox:
     def flush(self) -> None:
         """Send everything that waits, paced or not (unloading)."""
         with self.lock:
-            streams, self.ready = list(self.ready.values()), {}
+            streams = [*self.urgent.values(), *self.middle.values()]
+            self.urgent, self.middle = {}, {}
             taken = [(stream, self._take(stream, time.monotonic())) for stream in streams]
         for stream, (tokens, reason, error, text) in taken:
             self._send(stream, tokens, reason, error, text)
 
     def _next_due(self, now: float) -> Stream | None:
-        oldest = None
-        for stream in self.ready.values():
-            if stream.sending:
-                continue
-            if stream.urgent:
-                return stream
-            if oldest is None and stream.last_sent + self.stream_interval_s <= now:
-                oldest = stream
-        return oldest
+        """The first urgent stream not being sent, else the oldest due middle one; taken out of its queue. Streams
+        being sent (at most one a sender) are skipped; with `stream_interval_s` so are middle ones not yet due."""
+        for queue in (self.urgent, self.middle):
+            for key, stream in queue.items():
+                if not stream.sending and (queue is self.urgent
+                                           or stream.last_sent + self.stream_interval_s <= now):
+                    del queue[key]
+                    return stream
+        return None
 
     def _send(self, stream: Stream, tokens: list[int], reason: str | None, error: str | None, text: str = "") -> None:
         started = time.perf_counter()
