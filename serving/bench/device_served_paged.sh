@@ -10,8 +10,11 @@
 #      OFFLINE_RUNS (measured offline runs, the last one kept; default 1: a process's first run is ~10% slower),
 #      PER_LANE (timed requests each lane sends one after the other; default 1),
 #      SHARED_PREFIX (leading prompt tokens every served request shares; default 0; a variant with
-#      prefix_caching=true serves them from the prefix cache).
-# Results under $OUT: steps.log, offline.json/.log, served.json/.log, triton.log.
+#      prefix_caching=true serves them from the prefix cache),
+#      PYSPY (1: sample the first variant's model stub with py-spy, native frames, every thread, from its start to
+#      its unload, PYSPY_RATE a second (default 100): `.whl/py-spy`, the binary of the py-spy wheel, carried; it
+#      pauses the stub at each sample, so that variant's figures are not comparable).
+# Results under $OUT: steps.log, offline.json/.log, served.json/.log, triton.log, pyspy-llm.txt (collapsed stacks).
 set -u
 OUT=${OUT:-/tmp/served-paged-out}
 W=/tmp/sp
@@ -41,6 +44,12 @@ log "build rc=$?: $(tail -n 1 "$OUT/build.log")"
 wait $VENV_PID; log "venv rc=$?"
 VARIANT_ARGS=()
 for v in ${VARIANTS:-}; do VARIANT_ARGS+=(--variant "$v"); done
+if [ "${PYSPY:-0}" = 1 ] && [ -x .whl/py-spy ]; then
+  ( for _ in $(seq 600); do PID=$(pgrep -f 'python_backend_stub.*/bench_' | head -n 1); [ -n "$PID" ] && break; sleep 0.5; done
+    echo "py-spy on pid ${PID:-none}"
+    [ -n "${PID:-}" ] && .whl/py-spy record --pid "$PID" --rate "${PYSPY_RATE:-100}" --native --threads --idle \
+      --format raw --output "$OUT/pyspy-llm.txt" ) >"$OUT/pyspy.log" 2>&1 &
+fi
 ( export PATH=/tmp/venv/bin:$PATH
   timeout "${SERVED_S:-360}" /tmp/venv/bin/python -m serving.bench served --shape llama-3.1-8b --quantization "$QUANT" \
     --paged-live 1024 --max-num-tokens 16384 --free-mem-fraction "${FRACTION:-0.85}" \
