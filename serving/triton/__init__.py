@@ -2,37 +2,30 @@
 
 Client-side modules here use the standard library only (tritonclient is optional and never imported at
 module level); ``models/`` holds the python-backend model sources copied into the repository.
+
+The names below are imported when first used (PEP 562): a model's stub imports ``serving.triton.models.*``,
+and with it this package, at the model's CPU priority while a live version serves beside it, so it should
+not also import the client, the repository and the process helpers it never calls.
 """
 
-from serving.triton.client import InferResult, infer_ids, infer_text
-from serving.triton.control import ModelState, TritonControl
-from serving.triton.errors import (
-    ConfigError,
-    InferenceError,
-    ModelLoadError,
-    ModelLoadTimeout,
-    RepositoryError,
-    ServingError,
-    TritonNotInstalledError,
-    TritonRequestError,
-    TritonStartError,
-    TritonUnreachableError,
-)
-from serving.triton.install import TritonInstall, locate_triton
-from serving.triton.operations import apply_router_weights, serve_versions
-from serving.triton.process import TritonProcess, start_triton
-from serving.triton.repository import (
-    engine_model_name,
-    init_repository,
-    list_versions,
-    remove_version,
-    router_config,
-    router_stats,
-    served_versions,
-    set_served_versions,
-    stage_engine_version,
-    write_router,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("InferResult", "infer_ids", "infer_text"), "client"),
+    **dict.fromkeys(("ModelState", "TritonControl"), "control"),
+    **dict.fromkeys(("ConfigError", "InferenceError", "ModelLoadError", "ModelLoadTimeout", "RepositoryError",
+                     "ServingError", "TritonNotInstalledError", "TritonRequestError", "TritonStartError",
+                     "TritonUnreachableError"), "errors"),
+    **dict.fromkeys(("TritonInstall", "locate_triton"), "install"),
+    **dict.fromkeys(("apply_router_weights", "serve_versions"), "operations"),
+    **dict.fromkeys(("TritonProcess", "start_triton"), "process"),
+    **dict.fromkeys(("engine_model_name", "init_repository", "list_versions", "remove_version", "router_config",
+                     "router_stats", "served_versions", "set_served_versions", "stage_engine_version",
+                     "write_router"), "repository"),
+}
 
 __all__ = [
     "ConfigError", "InferResult", "InferenceError", "ModelLoadError", "ModelLoadTimeout", "ModelState",
@@ -42,3 +35,16 @@ __all__ = [
     "remove_version", "router_config", "router_stats", "serve_versions", "served_versions",
     "set_served_versions", "stage_engine_version", "start_triton", "write_router",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
