@@ -61,6 +61,12 @@ ROLLOUT, AUTO_ROLLBACK = "rollout 1->2 (10/50/100)", "automatic rollback of slow
 # 1.51x. The rollout's own traffic is paced (`rollout.rate_per_s`: a small part of the load, as on a server
 # without headroom it should be); unpaced, its back-to-back requests were the largest part of the rollout's p99.
 P99_BOUND = 1.5
+# Version 3's fault: about ten times the live version's time per token, far past the comparison's limit (the
+# analysis fails it at the 10% step), yet short enough that the load's two clients, which wait for each answer,
+# go on reaching the live version through that step. At 0.1 s a token they spent most of it waiting on the
+# candidate, so the phase's live answers came mostly from the candidate's start, and a CI run failed on them
+# at 1.56x (2026-12-06).
+SLOW_CANDIDATE = {"delay_per_token_s": 0.03}
 LOAD_SETTINGS = re.compile(r"engine [0-9a-f]+ loaded from .*?\(load_priority=(\w+), OMP_WAIT_POLICY=(\w+)")
 CANARY_RATE_PER_S = 10.0
 STEPS = [{"set_weight": 10}, {"analysis": ANALYSIS}, {"set_weight": 50}, {"analysis": ANALYSIS},
@@ -98,7 +104,7 @@ def test_rollout_and_automatic_rollback_under_load_drop_nothing(world) -> None:
         logs["promote 2"] = log.take()
         load.mark("between")
         load.wait_for(STEADY_REQUESTS, timeout_s=120)
-        write_fault(proc.model_repository, NAME, 3, {"delay_per_token_s": 0.1})
+        write_fault(proc.model_repository, NAME, 3, SLOW_CANDIDATE)
         load.mark(AUTO_ROLLBACK)
         with pytest.raises(RolloutAborted) as aborted:
             promote(spec, "3")
