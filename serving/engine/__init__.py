@@ -10,8 +10,7 @@ while it loads the engine, at the load's CPU priority (`serving.triton.models.lo
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from serving.lazy_exports import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("ENGINE_FORMAT_VERSION", "EngineInfo", "EngineLimits", "build_engine", "check_toolchain",
@@ -26,14 +25,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -10,8 +10,7 @@ not also import the client, the repository and the process helpers it never call
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from serving.lazy_exports import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("InferResult", "infer_ids", "infer_text"), "client"),
@@ -37,14 +36,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
