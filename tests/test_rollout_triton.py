@@ -55,11 +55,11 @@ ANALYSIS = {"requests": 16, "max_new_tokens": 8,
 STEADY_REQUESTS = 600
 STEADY = ("before", "between", "after")
 ROLLOUT, AUTO_ROLLBACK = "rollout 1->2 (10/50/100)", "automatic rollback of slow v3"
-# The issue's bound. Alone on two cores (docs/gray-release.md has the runs), thirteen runs since the candidate
-# loads at the idle CPU priority (`llm` parameter `load_priority`): 1.05-1.41x through the rollout and 1.09-1.29x
-# through the automatic rollback; before, its load shared the cores with the live engine and one CI run reached
-# 1.51x. The rollout's own traffic is paced (`rollout.rate_per_s`: a small part of the load, as on a server
-# without headroom it should be); unpaced, its back-to-back requests were the largest part of the rollout's p99.
+# The issue's bound (docs/gray-release.md has the runs alone on two cores). The candidate loads at the idle CPU
+# priority (`llm` parameter `load_priority`); at the model's priority its load shared the cores with the live
+# engine and a CI run reached 1.51x. The rollout's own traffic is paced (`rollout.rate_per_s`: a small part of the
+# load, as on a server without headroom it should be); unpaced, its back-to-back requests were the largest part
+# of the rollout's p99.
 P99_BOUND = 1.5
 # Version 3's fault: about ten times the live version's time per token, far past the comparison's limit (the
 # analysis fails it at the 10% step), yet short enough that the load's two clients, which wait for each answer,

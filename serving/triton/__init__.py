@@ -26,14 +26,5 @@ _EXPORTS: dict[str, str] = {
                      "write_router"), "repository"),
 }
 
-__all__ = [
-    "ConfigError", "InferResult", "InferenceError", "ModelLoadError", "ModelLoadTimeout", "ModelState",
-    "RepositoryError", "ServingError", "TritonControl", "TritonInstall", "TritonNotInstalledError",
-    "TritonProcess", "TritonRequestError", "TritonStartError", "TritonUnreachableError", "apply_router_weights",
-    "engine_model_name", "infer_ids", "infer_text", "init_repository", "list_versions", "locate_triton",
-    "remove_version", "router_config", "router_stats", "serve_versions", "served_versions",
-    "set_served_versions", "stage_engine_version", "start_triton", "write_router",
-]
-
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
