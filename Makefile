@@ -47,7 +47,7 @@ browser:
 	  echo "make: no chromium/chromedriver and apt-get could not install them: the browser test will skip"
 
 lint: $(STAMP)
-	$(BIN)/ruff check flows tasks serving registry tests
+	$(BIN)/ruff check flows tasks serving registry bench tests
 
 clean:
 	rm -rf .state build

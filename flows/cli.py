@@ -17,7 +17,7 @@ EXIT_BAD_INPUT = 2
 EXIT_NOT_RUNNING = 3  # `triton status`: no server answers
 
 # Each module has `register(subparsers)` adding its subcommand(s) with a `func` default.
-EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_bench", "flows.cli_rollout", "flows.cli_serve", "flows.cli_registry", "flows.cli_deploy")
+EXTRA_COMMANDS: tuple[str, ...] = ("flows.cli_rollout", "flows.cli_serve", "flows.cli_registry", "flows.cli_deploy")
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:

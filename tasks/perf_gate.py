@@ -1,6 +1,6 @@
 """Gate 2: the candidate against the production engine, timed interleaved in one run, plus absolute SLOs.
 
-Each round times the fixed workload (``serving.bench.offline.bench_engine``, the code of ``enginewright bench``)
+Each round times the fixed workload (``serving.engine.timing.time_generate``, the timer of ``bench offline``)
 twice on each engine in the order ABBA (BAAB the next round), so a drift within the round hits both alike; the
 round's ratio is candidate/production of the two iterations' geometric means. The verdict is a sign test on
 those ratios against the budget ``1 - max_slowdown`` (H0: the median round ratio is the budget), which a load
@@ -128,12 +128,12 @@ class _Timer:
             self.once(record=False)
 
     def once(self, *, record: bool = True) -> float | None:
-        from serving.bench.offline import bench_engine
+        from serving.engine.timing import time_generate
 
         s = self.spec
         try:
-            cell = bench_engine(self.runner, batch=s.batch_size, prompt_len=s.input_len, gen_len=s.output_len,
-                                repeats=1, warmup=0, seed=s.seed, impl="perf-gate")
+            cell = time_generate(self.runner, batch=s.batch_size, prompt_len=s.input_len, gen_len=s.output_len,
+                                 repeats=1, warmup=0, seed=s.seed, impl="perf-gate")
         except Exception as exc:  # noqa: BLE001 - an engine that errors is measured as erroring
             if record:
                 self.iterations += 1

@@ -45,7 +45,7 @@ PRECISION_BUDGETS: dict[str, PrecisionBudget] = {
     "float32": PrecisionBudget(peer_dtype=None, max_mean_kl=1e-5, max_nll_delta=1e-3,
                                max_top1_disagreement=0.005, peer_factor=0.0),
     # one greedy prompt more than the peer: a good bf16 build diverged beyond the top-N on one of six prompts in 4
-    # of 80 builds of the sweep (tests/gate_sweep.py), each time where HF bf16 did too; KL refuses the faults
+    # of 80 builds of the sweep (bench/gate_sweep.py), each time where HF bf16 did too; KL refuses the faults
     "bfloat16": PrecisionBudget(peer_dtype="bfloat16", max_mean_kl=5e-4, max_nll_delta=5e-3,
                                 max_top1_disagreement=0.01, peer_factor=2.0, extra_diverged_prompts=1),
     "float16": PrecisionBudget(peer_dtype="float16", max_mean_kl=2e-4, max_nll_delta=2e-3,

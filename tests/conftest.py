@@ -1,7 +1,7 @@
 """Shared fixtures: one Prefect server for an xdist run (``services.prefect_harness``), and a
 fix of Triton's interpreter for bf16 `tl.dot` (the kernel tests under TRITON_INTERPRET=1). The plugins: real
 services (``services``), a rerun of a test that failed while Triton segfaulted (``triton_crash_rerun``) and, opt-in
-(``ENGINEWRIGHT_CPU_PROFILE``), the CPU each test cost with the processes it started (``cpu_profile``)."""
+(``ENGINEWRIGHT_CPU_PROFILE``), the CPU each test cost with the processes it started (``bench/cpu_profile.py``)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(server.log_path.parent, ignore_errors=True)
 
 
-pytest_plugins = ["services", "triton_crash_rerun", "cpu_profile", "pytester"]
+pytest_plugins = ["services", "triton_crash_rerun", "bench.cpu_profile", "pytester"]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""`bench paged-attention` (serving/bench/paged_attention_bench.py) on the CPU: its variants, the bytes a
+"""`bench paged-attention` (bench/paged_attention_bench.py) on the CPU: its variants, the bytes a
 call must read, the case it times (every row's blocks distinct) and its refusals. The timing itself needs
 CUDA (device runs)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.bench.paged_attention_bench import (
+from bench.paged_attention_bench import (
     AttentionBenchConfig,
     Variant,
     bench_paged_attention,
@@ -51,7 +51,7 @@ def test_it_runs_on_cuda_only_and_refuses_an_unknown_kv_dtype():
 
 
 def test_variant_settings_move_the_kernels_launch_and_put_it_back():
-    from serving.bench.paged_attention_bench import variant_settings
+    from bench.paged_attention_bench import variant_settings
     from serving.engine import paged_attention
 
     settings = ("PREFETCH_BLOCKS", "FP8_KV_DOT_F16", "NUM_WARPS", "FP8_NUM_WARPS", "NUM_STAGES")

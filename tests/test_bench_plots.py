@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from serving.bench.plots import plot_served
+from bench.plots import plot_served
 
 
 def test_plot_served_writes_a_png(tmp_path: Path) -> None:

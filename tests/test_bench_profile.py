@@ -1,10 +1,10 @@
-"""`bench profile`'s variant names (serving/bench/profile_decode.py); the profile itself needs CUDA."""
+"""`bench profile`'s variant names (bench/profile_decode.py); the profile itself needs CUDA."""
 
 from __future__ import annotations
 
 import pytest
 
-from serving.bench.profile_decode import attention_knobs, profile_variant
+from bench.profile_decode import attention_knobs, profile_variant
 
 
 def test_attention_knob_parts_become_launch_keywords():
@@ -24,7 +24,7 @@ def test_a_quantized_profile_counts_the_weights_at_their_stored_precision(method
     """`bench profile --quantization`: the step's floor reads each quantized projection at one byte a weight."""
     import torch
 
-    from serving.bench.profile_decode import quantized
+    from bench.profile_decode import quantized
     from serving.engine.model import ModelArgs, Transformer
 
     args = ModelArgs(architecture="LlamaForCausalLM", vocab_size=200, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.bench.send_bench import run_send_bench
+from bench.send_bench import run_send_bench
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("tritonclient.grpc")

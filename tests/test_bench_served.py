@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.bench.served import parse_variant, run_served
+from bench.served import parse_variant, run_served
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("tritonclient.grpc")
@@ -58,7 +58,7 @@ def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_pa
     """`--paged-live` serves an engine built paged; `--lanes-per-client` keeps that many requests in flight on
     each client's one stream, every response routed to its own request (a response given to the wrong one
     would leave a request short or over its tokens), and the report sets it against a throughput report."""
-    from serving.bench.served import most_in_flight, offline_figures
+    from bench.served import most_in_flight, offline_figures
     from serving.engine.paged_cache import PagedKVConfig
 
     clients, lanes, per_lane, gen_len = 2, 3, 2, 12
@@ -111,7 +111,7 @@ def test_a_malformed_variant_is_refused_by_name(text: str) -> None:
 
 
 def test_offline_engine_report_has_the_scheduler_figure_of_the_same_workload(tmp_path: Path) -> None:
-    from serving.bench.served import bench_offline_engine, build_random_engine
+    from bench.served import bench_offline_engine, build_random_engine
 
     engine_dir = build_random_engine("tiny", tmp_path, max_batch_size=4, max_seq_len=256)
     report = bench_offline_engine(engine_dir, batch=4, prompt_len=8, gen_len=10, repeats=1, compile_decode=False,
@@ -126,8 +126,8 @@ def test_offline_engine_report_has_the_scheduler_figure_of_the_same_workload(tmp
 def test_a_quantized_engine_is_built_beside_the_bf16_one_from_the_same_weights(tmp_path: Path) -> None:
     """`--quantization` serves an engine converted that way from the same random checkpoint, in a folder of
     its own (never the bf16 engine reused), and the CLI offers exactly the engine's methods."""
-    from serving.bench.__main__ import QUANTIZATION_CHOICES
-    from serving.bench.served import build_random_engine
+    from bench.__main__ import QUANTIZATION_CHOICES
+    from bench.served import build_random_engine
     from serving.engine import load_engine
     from serving.engine.quantize import QUANTIZATIONS
 
@@ -154,7 +154,7 @@ def test_a_run_stopped_by_its_time_limit_keeps_the_requests_done_so_far(tmp_path
     import threading
     import time
 
-    from serving.bench import served
+    from bench import served
     from serving.triton.metrics import model_counter, scrape
 
     handler_before = signal.getsignal(signal.SIGTERM)
@@ -187,7 +187,7 @@ def test_a_run_stopped_by_its_time_limit_keeps_the_requests_done_so_far(tmp_path
 
 def test_the_counters_a_cuda_model_logs_at_unload_are_read_back_for_its_own_name(tmp_path: Path) -> None:
     """What an H200 run logs and a CPU run cannot: the allocator line beside the scheduler's, per model."""
-    from serving.bench.served import model_counters
+    from bench.served import model_counters
 
     log = tmp_path / "triton.log"
     log.write_text(

@@ -51,7 +51,7 @@ def test_the_warm_up_compiles_everything_serving_can_capture(max_batch_size, kv_
 
 
 def meta_model(shape: str, gemm: str = "triton", gate_up: bool = True):
-    from serving.bench.models import model_args
+    from bench.models import model_args
     from serving.engine.model import Transformer
 
     with torch.device("meta"):

@@ -68,7 +68,7 @@ def test_lookup_needs_the_table_a_cuda_bf16_input_and_an_e4m3_weight(monkeypatch
 def test_a_sweep_replaces_only_the_entries_of_the_shapes_it_timed(monkeypatch, tmp_path):
     import json
 
-    from serving.bench.quant_tables import install_fp8
+    from bench.quant_tables import install_fp8
 
     monkeypatch.setattr(fp8_gemm, "TUNED_FP8", {})
     monkeypatch.setattr(fp8_gemm, "TUNED_FP8_CONFIGS", {})
@@ -241,7 +241,7 @@ def test_compiled_decode_on_the_fp8_kernel_matches_its_reference_path(monkeypatc
     """Every projection of a 2-layer Llama-1B-wide fp8 engine on the kernel (one config for all), compiled in
     CUDA graphs: greedy tokens as the eager step's, logits within e4m3's rounding of weight-only numerics;
     also with one token scaled inside its GEMMs (`ROW_SCALING_IN_KERNEL`)."""
-    from serving.bench.quantized import random_runner
+    from bench.quantized import random_runner
     from serving.engine.model import REFERENCE_GEMM, decode_step
 
     monkeypatch.setattr(fp8_gemm, "ROW_SCALING_IN_KERNEL", row_scaling)

@@ -1,4 +1,4 @@
-"""`bench kernel-resources` (serving/bench/kernel_resources.py): the arithmetic everywhere; compiling for
+"""`bench kernel-resources` (bench/kernel_resources.py): the arithmetic everywhere; compiling for
 sm_90 where Triton and its bundled NVIDIA tools are installed (not in CI: skipped)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from serving.bench.kernel_resources import Resources, attention_cases, compile_offline
+from bench.kernel_resources import Resources, attention_cases, compile_offline
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -27,7 +27,7 @@ def test_the_attention_compiles_for_hopper_and_reports_its_registers():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (with its bundled ptxas and cuobjdump)")
 def test_the_fp8_gemm_compiles_for_hopper_without_spilling():
-    from serving.bench.kernel_resources import fp8_cases
+    from bench.kernel_resources import fp8_cases
 
     cases = fp8_cases()
     name, kernel, types, constexprs, warps, stages = next(c for c in cases if c[0].startswith("64 rows 4096x4096"))

@@ -1,11 +1,11 @@
-"""The bench's profiler summary (serving/bench/kernel_table.py): the GPU's busy time is the union of the
+"""The bench's profiler summary (bench/kernel_table.py): the GPU's busy time is the union of the
 kernels' intervals, so overlapping kernels count once and gaps not at all."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from serving.bench.kernel_table import busy_us
+from bench.kernel_table import busy_us
 
 
 def kernel(start: float, end: float, device: str = "DeviceType.CUDA") -> SimpleNamespace:

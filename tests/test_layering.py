@@ -1,6 +1,7 @@
 """The architecture's rules, checked: dependencies flow flows -> tasks -> (serving, registry), no module
-takes part in an import cycle, and every `serving` module imports inside Triton's python backend with
-only the standard library, torch and numpy."""
+takes part in an import cycle, every `serving` module imports inside Triton's python backend with
+only the standard library, torch and numpy, and the lab (`bench/`) stays out of the product: never imported
+by it, never shipped with it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
+from setuptools import find_namespace_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("flows", "tasks", "serving", "registry")
+LAB = "bench"  # benchmarks, sweeps and device scripts: may import the product, never imported by it
 MAY_IMPORT = {
     "flows": {"flows", "tasks", "serving", "registry"},
     "tasks": {"tasks", "serving", "registry"},
@@ -24,7 +28,7 @@ NOT_IN_TRITON = ("prefect", "mlflow", "boto3", "pydantic", "transformers", "safe
 
 
 def project_imports(path: Path) -> set[str]:
-    """Top-level project packages imported anywhere in the file, lazy imports included."""
+    """Top-level project packages (the lab included) imported anywhere in the file, lazy imports included."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
@@ -32,7 +36,7 @@ def project_imports(path: Path) -> set[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
-        found |= {n.split(".")[0] for n in names if n.split(".")[0] in PACKAGES}
+        found |= {n.split(".")[0] for n in names if n.split(".")[0] in (*PACKAGES, LAB)}
     return found
 
 
@@ -48,6 +52,22 @@ def test_dependencies_flow_one_way(package):
         if project_imports(path) - MAY_IMPORT[package]
     }
     assert not wrong, f"{package} may import only {sorted(MAY_IMPORT[package])}: {wrong}"
+
+
+def test_the_product_importing_the_lab_is_refused(tmp_path):
+    """The rule above sees the lab: a product module that imports `bench`, even lazily, breaks it."""
+    module = tmp_path / "perf.py"
+    module.write_text("import torch\n\ndef once():\n    from bench.offline import run_offline\n    import bench\n")
+    for package in PACKAGES:
+        assert project_imports(module) - MAY_IMPORT[package] == {LAB}
+
+
+def test_the_package_ships_without_the_lab_and_the_tests():
+    """`pip install` gets the product only: `packages.find` of pyproject.toml, as setuptools applies it."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = set(find_namespace_packages(where=str(ROOT), include=find["include"]))
+    assert {"flows", "tasks", "serving", "serving.engine", "registry"} <= shipped
+    assert not {p for p in shipped if p.split(".")[0] not in PACKAGES}, sorted(shipped)
 
 
 def module_name(path: Path) -> str:

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from serving.bench.throughput import ThroughputConfig, _runners
+from bench.throughput import ThroughputConfig, _runners
 from serving.engine.paged_cache import KV_FP8_DTYPE
 from serving.engine.paged_decode import decode_buckets, is_decode_only
 from serving.engine.paged_model import build_step, paged_forward
@@ -159,7 +159,7 @@ def test_row_kernels_keep_the_paged_steps_logits_on_cuda():
     """bf16 tiny shape: a mixed step's logits of every position (`prefill_logits`) and 8 decode steps' logits
     (graphs) with the row kernels (norms, rotations + K/V write, SiLU * up) against the same engine with the
     torch ops they replace: within bf16 noise, the same greedy tokens almost everywhere."""
-    from serving.bench.throughput import torch_row_ops
+    from bench.throughput import torch_row_ops
 
     rng = random.Random(1)
     prompt = [rng.randrange(1, 512) for _ in range(30)]

@@ -238,7 +238,7 @@ def test_throughput_bench_serves_every_request_on_both_sides(tmp_path):
     percentiles; the paged side under a pool smaller than the requests' total."""
     import json
 
-    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+    from bench.throughput import ThroughputConfig, bench_throughput, workload
 
     cfg = ThroughputConfig(shape="tiny", requests=6, input_len=8, output_len=4, spread=0.5, static_batch=2,
                            paged_live=4, block_size=4, max_num_tokens=16, num_blocks=6, warmup_requests=0)
@@ -257,7 +257,7 @@ def test_throughput_bench_runs_both_sides_on_quantized_weights(method):
     and deliver every token."""
     from unittest import mock
 
-    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+    from bench.throughput import ThroughputConfig, bench_throughput, workload
     from serving.engine.quantize import QuantLinear
 
     cfg = ThroughputConfig(shape="tiny", requests=4, input_len=6, output_len=3, static_batch=2, paged_live=4,
@@ -281,7 +281,7 @@ def test_throughput_bench_paged_side_on_an_fp8_kv_cache():
     """`bench throughput --kv-cache-dtype fp8`: the paged side's pool is e4m3 and serves every token."""
     from unittest import mock
 
-    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+    from bench.throughput import ThroughputConfig, bench_throughput, workload
     from serving.engine.paged_cache import KV_FP8_DTYPE, PagedKVCache
 
     pools: list = []
@@ -305,7 +305,7 @@ def test_throughput_bench_at_a_poisson_rate_reports_goodput_against_slos():
     `--goodput`: every request meets SLOs no request can miss, none meets a TTFT SLO none can meet."""
     import statistics
 
-    from serving.bench.throughput import (
+    from bench.throughput import (
         ThroughputConfig,
         arrivals,
         bench_throughput,
@@ -376,11 +376,11 @@ def test_an_engine_built_paged_loads_paged_in_the_gates_and_the_fit_estimate_cou
     """`load_as_built` (the gates' loader and the llm model's default) follows engine.json; the validation gate,
     left to load the engine itself, gets the paged runner and passes; the perf gate's measurement runs on it;
     the fit check's estimate is the pool, not max_batch_size x max_seq_len."""
-    from serving.bench.offline import bench_engine
     from serving.engine import EngineRunner, engine_loader, read_engine_info
     from serving.engine.memory import estimate_engine_memory, kv_cache_bytes, paged_pool_bytes
     from serving.engine.paged_cache import kv_block_bytes
     from serving.engine.paged_runner import PagedRunner
+    from serving.engine.timing import time_generate
     from tasks.validate import ValidationSpec, reference_run, validate_engine
 
     hf, static_dir, _, _ = engines
@@ -398,7 +398,7 @@ def test_an_engine_built_paged_loads_paged_in_the_gates_and_the_fit_estimate_cou
     result = validate_engine(paged_build, hf, spec, reference=reference)
     assert result.passed, result.failures
     assert isinstance(loaded[0], PagedRunner) and loaded[0].config == SERVED and loaded[0].num_blocks == 20
-    cell = bench_engine(loaded[0], batch=3, prompt_len=30, gen_len=4, repeats=1, warmup=0)  # 90 tokens: 4 steps
+    cell = time_generate(loaded[0], batch=3, prompt_len=30, gen_len=4, repeats=1, warmup=0)  # 90 tokens: 4 steps
     assert cell.e2e_tok_s > 0 and cell.ttft_ms_p50 > 0
 
     a = read_engine_info(paged_build).model
@@ -490,7 +490,7 @@ def test_prompt_groups_in_a_row_are_read_as_views_and_give_the_gathered_result(e
 
 
 def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run():
-    from serving.bench.throughput import (
+    from bench.throughput import (
         SWITCH_SIDES,
         ThroughputConfig,
         bench_throughput,
@@ -533,7 +533,7 @@ def test_throughput_bench_at_a_users_max_seq_len_sizes_the_static_cache_by_it():
     (the paged pool does not care), and a limit shorter than the requests is refused with the numbers."""
     from unittest import mock
 
-    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+    from bench.throughput import ThroughputConfig, bench_throughput, workload
     from serving.engine.model import Transformer
 
     sizes: list[tuple[int, int]] = []
@@ -576,7 +576,7 @@ def test_warm_up_runs_a_mixed_step_and_gives_its_blocks_back(engines):
 
 
 def test_throughput_bench_repeats_each_sides_run_and_lists_every_runs_rate():
-    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+    from bench.throughput import ThroughputConfig, bench_throughput, workload
 
     cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, sides=("paged",), paged_live=4,
                            block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0, runs=2)

@@ -247,7 +247,7 @@ def test_greedy_tokens_of_a_model_of_default_init_mostly_agree_with_the_model_dt
     """A random model of the bench's tiny shape at nn.Linear's default init (cached K/V of median magnitude
     0.4, not the tiny HF model's ~3): teacher-forced over 10 prompts x 30 tokens, 299 of 300 top-1
     tokens agree with the float32 cache and the logits move by 0.3%; floors 0.97 and 2%."""
-    from serving.bench.throughput import ThroughputConfig, _runners
+    from bench.throughput import ThroughputConfig, _runners
     from serving.engine.paged_runner import PagedRunner
 
     cfg = ThroughputConfig(shape="tiny", input_len=30, output_len=30, sides=("paged",), paged_live=6,

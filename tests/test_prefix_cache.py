@@ -155,7 +155,7 @@ def test_the_release_spec_turns_it_on_and_only_then_changes_the_build_key():
 def test_the_throughput_bench_serves_a_shared_prefix_from_the_cache_on_its_side():
     """`bench throughput --shared-prefix 12 --sides paged,paged-prefix-cache`: every prompt starts with the same 12
     ids; the prefix-caching side takes them from the cache after the first requests, both sides make every token."""
-    from serving.bench.throughput import ThroughputConfig, bench_throughput, workload
+    from bench.throughput import ThroughputConfig, bench_throughput, workload
 
     cfg = ThroughputConfig(shape="tiny", requests=6, input_len=16, output_len=4, sides=("paged", "paged-prefix-cache"),
                            paged_live=2, block_size=4, max_num_tokens=16, num_blocks=24, warmup_requests=0,

@@ -208,7 +208,7 @@ def test_fp8_tensor_core_gemm_scales_tokens(rows):
 
 def _random_quantized_runner(method: str):
     """A Llama-1B-wide, 2-layer bf16 model with random weights, quantized in memory, loaded as an engine."""
-    from serving.bench.quantized import random_runner
+    from bench.quantized import random_runner
 
     return random_runner("llama-3.2-1b", method, max_batch_size=64, max_seq_len=256, n_layers=2)
 
@@ -239,7 +239,7 @@ def test_compiled_quantized_decode_matches_its_reference_path(method):
 def test_the_bench_checks_an_engine_of_one_row_at_one_row(monkeypatch):
     from types import SimpleNamespace
 
-    from serving.bench import quantized
+    from bench import quantized
 
     checked = []
     monkeypatch.setattr(quantized, "check_step", lambda runner, batch, context: checked.append(batch) or {"err": 0.0})

@@ -335,7 +335,7 @@ def test_an_endpoint_grpc_url_is_host_and_port() -> None:
 
 
 def test_the_rollout_bench_sets_each_phase_p99_against_the_steady_phases() -> None:
-    from serving.bench.rollout import phase_table
+    from bench.rollout import phase_table
 
     marks = [("before", 0.0), ("rollout", 10.0), ("between", 20.0), ("rollback", 30.0), ("after", 40.0)]
     records = [(t + 0.01 * i, (0.1 if int(t) // 10 % 2 == 0 else 0.3) + 0.001 * i, 1, "")

@@ -22,7 +22,7 @@ in launches than the values they move. The e4m3 values and scales equal `quantiz
 inductor divides), so the partial products equal the two-step path's bit for bit.
 
 `TUNED_FP8` holds the shapes (rows bucket, N, K) where this kernel was measured faster than the engine's
-other fp8 paths (`python3 -m serving.bench fp8-gemms` on an H200); `fp8_config_for` returns None elsewhere
+other fp8 paths (`python3 -m bench fp8-gemms` on an H200); `fp8_config_for` returns None elsewhere
 and the caller keeps those paths.
 
 Numerics are `quantize.fp8_scaled_linear`'s (the same e4m3 tokens and scales), accumulated in another order.
@@ -55,7 +55,7 @@ FP8_KERNEL = "dott"  # the config texts name the transposed kernel's tiling (`Ge
 ROW_SCALING_IN_KERNEL = False
 ROW_BLOCK = 2048  # elements of the row a program reads at once for its largest magnitude
 
-# (rows bucket, N, K) -> config, from `python3 -m serving.bench fp8-gemms` (H200, 2026-12-01, cold L2, in CUDA
+# (rows bucket, N, K) -> config, from `python3 -m bench fp8-gemms` (H200, 2026-12-01, cold L2, in CUDA
 # graphs; docs/quantization.md): where the kernel beat the engine's other fp8 path by more than 2% ("vs": the
 # weight-only decode kernel, or `_scaled_mm` on pre-scaled tokens for w13 at 64 rows). Rows bucket: 1 for one
 # row (BLOCK_M 16), else 64 (2..64 rows). Llama-1B wo at one row (3.3 vs 3.3 us) keeps the weight-only gemv.

@@ -12,7 +12,7 @@ Rounding follows the unfused step: gate and up are rounded to the weights' dtype
 F.silu's result is rounded, and so is the product.
 
 `gate_up(x [M, D], w13 [2I, D])` -> [M, I] runs the kernel where `TUNED_GATE_UP` has a config for the
-shape (rows bucket, I, D), measured on an H200 by `python3 -m serving.bench gemms --gate-up`; elsewhere
+shape (rows bucket, I, D), measured on an H200 by `python3 -m bench gemms --gate-up`; elsewhere
 the w13 product (through `skinny_linear`, so a tuned split-K w13 still runs) and SiLU * up.
 
 At one row it runs in the dynamic compile of the batch-1 step (Llama-1B: 0.878 against 0.910 ms per
@@ -53,7 +53,7 @@ try:
 except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
-# (rows bucket, I, D) -> "dot" config with split 1, from `python3 -m serving.bench gemms --gate-up` (H200,
+# (rows bucket, I, D) -> "dot" config with split 1, from `python3 -m bench gemms --gate-up` (H200,
 # 2026-11-30; "unfused" is the w13 GEMM then F.silu(gate) * up, as the step ran them before). In the step
 # with PDL (`bench profile`, +nogateup, same run): 1B batch 64 1.103 against 1.133 ms, twice; 8B 4.960
 # against 4.966 ms. 1B batch 1 (dynamic compile, 300 replays): 0.878-0.882 ms with the three best configs
@@ -64,7 +64,7 @@ TUNED_GATE_UP: dict[tuple[int, int, int], str] = {
     (64, 14336, 4096): 'dot:n64:k64:s1:w4:st4',  # llama-3.1-8b: 59.1 vs unfused 68.0 us
 }
 TUNED_GATE_UP_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_GATE_UP)
-# quantized w13 (one byte per weight), from `python3 -m serving.bench gemms --quantization fp8 [--gate-up]` on an H200
+# quantized w13 (one byte per weight), from `python3 -m bench gemms --quantization fp8 [--gate-up]` on an H200
 # (docs/quantization.md); a shape not here takes the bf16 config above
 TUNED_GATE_UP_QUANTIZED: dict[tuple[int, int, int], str] = {  # 2026-12-01, fp8 w13; "unfused": the fp8 w13 product + SiLU * up
     (64, 8192, 2048): 'dott:n64:k128:s1:w4:st3',  # llama-3.2-1b: 22.7 vs unfused 31.6 us

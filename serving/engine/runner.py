@@ -365,5 +365,5 @@ def pick_decode_gemm(choice: str, device: torch.device, dtype: torch.dtype) -> s
             f"decode_gemm='triton' needs Triton and a GPU of compute capability "
             f"{'.'.join(map(str, TUNED_CAPABILITY))} (the kernels' table was tuned on an H200); here: {where}, "
             f"Triton {'importable' if triton_available() else 'not importable'}. Use decode_gemm='torch', or "
-            f"tune this GPU with `python3 -m serving.bench gemms`")
+            f"tune this GPU with `python3 -m bench gemms`")
     return "torch"

@@ -46,7 +46,7 @@ have passed). A lone request waits one gap; an engine with live requests never w
 drifted out of step (a gray release's weight changes do that) finish one or two at a time, and
 admitting each at the next step runs a prefill per decode step: on an H200 the 1B engine at 64 clients
 then spent 28 of 32 busy seconds launching prefills of about two prompts each and served a quarter of
-the requests it served while the clients were in step (`serving.bench rollout`). While requests are
+the requests it served while the clients were in step (`bench rollout`). While requests are
 live, waiting ones are therefore admitted at most once every `admit_every_steps` decode steps, unless
 they outnumber the live ones by WAITING_SERVED_RATIO (a burst); an idle engine admits at once (after
 `admit_gap_s`). This is text-generation-inference's `max_waiting_tokens` / `waiting_served_ratio`. A

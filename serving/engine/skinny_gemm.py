@@ -18,7 +18,7 @@ Three kernels:
   them at 1.7-1.9 TB/s, against 3.9 for bf16);
 - "gemv" (M == 1): a program per (BLOCK_N columns, K slice) multiplies and sums on the CUDA cores.
 
-`config_for(m, n, k)` looks the shape up in `TUNED` (measured on an H200 by `python3 -m serving.bench
+`config_for(m, n, k)` looks the shape up in `TUNED` (measured on an H200 by `python3 -m bench
 gemms`); shapes not in it return None and the caller keeps F.linear (cuBLAS). The table is only used
 on GPUs of the compute capability it was measured on (`tuned_for`): on others a config may need more
 shared memory than there is, and cuBLAS may well be faster.
@@ -81,7 +81,7 @@ class GemmConfig:
         return cls(kernel, *map(int, numbers))
 
 
-# (rows bucket, N, K) -> config, from `python3 -m serving.bench gemms` on an H200 (2026-11-30, cold L2,
+# (rows bucket, N, K) -> config, from `python3 -m bench gemms` on an H200 (2026-11-30, cold L2,
 # in CUDA graphs; the sweep prints the table it measured, docs/engine.md). Kept where the kernel, plus reading its split-K partials once
 # more, beat cuBLAS by more than 2%. Rows bucket: 1 for M == 1, else 64 (the kernels pad M up to their
 # block, so the M=64 config serves 2..64; the buckets between were not timed). (*): within 2% of cuBLAS on
@@ -113,7 +113,7 @@ TUNED: dict[tuple[int, int, int], str] = {
 
 
 # Quantized weights (int8 / e4m3, one byte per weight): (rows bucket, N, K) -> config, from `python3 -m
-# serving.bench gemms --quantization fp8` on an H200 (docs/quantization.md). A shape not here runs `TUNED`'s bf16 config
+# bench gemms --quantization fp8` on an H200 (docs/quantization.md). A shape not here runs `TUNED`'s bf16 config
 # (half the bytes per tile), else `default_quantized_config`.
 TUNED_QUANTIZED: dict[tuple[int, int, int], str] = {  # 2026-12-01, fp8 weights; "cuBLAS" is bf16 F.linear
     (1, 3072, 2048): 'gemv:n16:k256:s4:w4:st2',  # llama-3.2-1b wqkv: 4.2 vs cuBLAS 6.1 us
@@ -142,7 +142,7 @@ def parse_table(table: dict[tuple[int, int, int], str]) -> dict[tuple[int, int, 
     return {shape: GemmConfig.parse(text) for shape, text in table.items()}
 
 
-# int8 weights where they run another config than e4m3 ones, from `python3 -m serving.bench gemms --quantization
+# int8 weights where they run another config than e4m3 ones, from `python3 -m bench gemms --quantization
 # int8-weight-only` on an H200 (docs/quantization.md); a shape not here takes TUNED_QUANTIZED's. At one row the
 # bf16 tensor cores on int8 tiles (Triton's own int8 -> bf16) beat the gemv kernel even with its float32-bits
 # widening ("vs gemv": the TUNED_QUANTIZED config on int8, same run). At 64 rows the MLP's w13 goes through the

@@ -12,7 +12,7 @@ Each instance forwards one stream at a time, inside ``execute`` (several instanc
 side): in the bundled python backend (r24.10) two decoupled BLS calls of several responses each in one
 stub deadlock when one starts while the other's thread wakes for a response (the GIL, the stub's map of
 calls and the call's own mutex, taken in a cycle; `serving.triton.models.bls`). On threads in one
-instance, a CPU stress run of 16 streams (`python3 -m serving.bench bls-stress --router stream`) hung a
+instance, a CPU stress run of 16 streams (`python3 -m bench bls-stress --router stream`) hung a
 stub within a minute. The router's calls, one response each, cannot close that cycle.
 
 Counters go into the router's counter files (parameter ``counters_model``: the router's folder), so the

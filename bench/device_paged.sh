@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The paged engine on the device (one H200, from the repo root, no wheels needed), in one call:
+#  - the GPU tests of the paged decode graphs, the paged attention kernel and the row kernels,
+#  - `bench throughput`, Llama-3.1-8B shape, random bf16 weights, 128/128: 1,024 requests with the static
+#    engine at 512 cache rows, then the paged one at 1,024 live and 16,384 tokens a step three ways (as
+#    shipped; without running a step ahead; with its row work as torch ops), the pool from 60% of the free
+#    memory (1,024 requests of 128/128 need 9,216 blocks of 32, the pool has about 14,000), each side warmed
+#    on 128 requests (one full prompt step); then 64 requests (64 rows / 64 live) and 1 request, each pair
+#    side by side in one process.
+# Env: QUANT (engine.quantization of the weights, default none), KV (the paged pool's kv_cache_dtype), SIDES (the 1,024-request sides), WORKLOAD
+#      (default 128/128), REQUESTS (default 1024), SMALL= (skip the 64- and 1-request pairs), T1024= (skip the
+#      1,024-request run), EXTRA (more `bench throughput` arguments for it, e.g. --profile-decode 1024), SMALL_SIDES
+#      (the 64- and 1-request runs' sides, default static,paged; e.g. static,paged,paged-pdl), RUNS (measured runs
+#      of each 1,024-request side, default 1; 2 for an A/B: the first run of a process is slower).
+# Results under $OUT: steps.log, gpu-tests.log, t<N>.json/.log.
+set -u
+OUT=${OUT:-/tmp/paged-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LC_ALL=C.UTF-8
+T0=$(date +%s)
+log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv >>"$OUT/steps.log" 2>&1
+if [ -n "${TESTS-tests/test_paged_decode.py tests/test_paged_attention.py tests/test_paged_rope.py tests/test_prefill_attention.py tests/test_row_norm.py tests/test_silu_mul.py}" ]; then
+  # shellcheck disable=SC2086
+  timeout "${TESTS_S:-120}" python3 -m pytest -q -rfEs -p no:cacheprovider ${TESTS-tests/test_paged_decode.py tests/test_paged_attention.py tests/test_paged_rope.py tests/test_prefill_attention.py tests/test_row_norm.py tests/test_silu_mul.py} \
+    >"$OUT/gpu-tests.log" 2>&1
+  log "gpu tests rc=$?: $(tail -n 1 "$OUT/gpu-tests.log")"
+fi
+bench() {  # name, timeout, args...
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m bench throughput --shape "${SHAPE:-llama-3.1-8b}" --workload "${WORKLOAD:-128/128}" \
+    --quantization "${QUANT:-none}" --kv-cache-dtype "${KV:-auto}" "$@" \
+    --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+  log "$name rc=$?:"
+  grep -E "^ *(static|paged[a-z0-9-]*):|model " "$OUT/$name.log" | cut -c1-520 | tee -a "$OUT/steps.log"
+}
+[ -z "${T1024-1}" ] || bench t1024 "${T1024_S:-330}" --requests "${REQUESTS:-1024}" --static-batch 512 --paged-live 1024 --max-num-tokens 16384 \
+  --free-mem-fraction "${FRACTION:-0.6}" --warmup-requests 128 --sides "${SIDES:-static,paged,paged-sync,paged-torch-ops}" \
+  --runs "${RUNS:-1}" \
+  ${EXTRA:-}
+[ -n "${SMALL-1}" ] || exit 0
+bench t64 "${T64_S:-120}" --requests 64 --static-batch 64 --paged-live 64 --warmup-requests 16 --sides "${SMALL_SIDES:-static,paged}"
+[ $(($(date +%s) - T0)) -lt "${T1_UNTIL_S:-420}" ] && \
+  bench t1 "${T1_S:-60}" --requests 1 --static-batch 1 --paged-live 1 --warmup-requests 1 --sides "${SMALL_SIDES:-static,paged}"
+log "done"

@@ -1,0 +1,478 @@
+"""`python3 -m bench throughput`: throughput at saturation, offline, the static engine beside the paged one.
+
+N requests arrive at once (an infinite request rate, as `trtllm-bench throughput` runs by default) or at
+`request_rate` a second in a seeded Poisson process (`vllm bench serve --request-rate`), with
+fixed input/output lengths or lengths spread uniformly around them (`spread`: a fraction, each length drawn
+from [len * (1 - spread), len * (1 + spread)]). Each side's in-flight scheduler serves them (on this thread when
+they arrive at once, else on its own while this one submits them on time): the static engine through `scheduler.Scheduler` (one cache row per live request, CUDA graphs of the
+decode step), the paged one through `paged_scheduler.PagedScheduler` (chunked prefill under
+`max_num_tokens`, admission by free blocks). The two share one model's weights and run one after the other
+in the same process on the same requests.
+
+Reported per side, like `trtllm-bench` and `vllm bench serve`: output tok/s (generated tokens / wall time
+from the first submit to the last token), requests/s, TTFT (the request's submit -> its first token on the
+host), TPOT (a request's (last - first token) / (tokens - 1)) and ITL (every gap between a request's
+consecutive tokens) at p50 / p90 / p99, the most live requests in one step, the paged side's preemptions,
+and with SLOs (`slo_ttft_ms`, `slo_tpot_ms`) goodput: the requests a second that met every SLO set, as
+`vllm bench serve --goodput` counts them.
+
+Weights are random (`quantized.random_model`, or the tiny shape on the CPU), quantized in memory by
+`quantization` as conversion would (`quantized.quantized_model`): the figures are of the
+engine's speed, not of a model's answers, and requests never stop early (no stop tokens).
+
+Imports: stdlib and torch; the engine modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import itertools
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+
+from serving.engine.heap import frozen_heap
+from serving.engine.timing import percentile
+
+Work = list[tuple[list[int], int]]  # (prompt ids, max_tokens) per request
+
+
+@dataclass(frozen=True)
+class ThroughputConfig:
+    shape: str = "llama-3.1-8b"
+    requests: int = 1024
+    input_len: int = 128
+    output_len: int = 128
+    spread: float = 0.0
+    static_batch: int = 256  # the static engine's max_batch_size (cache rows)
+    paged_live: int = 1024  # the paged engine's max_batch_size (live requests)
+    block_size: int = 32
+    max_num_tokens: int = 8192
+    num_blocks: int | None = None  # None: free_mem_fraction of the free CUDA memory
+    free_mem_fraction: float = 0.9
+    sides: tuple[str, ...] = ("static", "paged")
+    warmup_requests: int = 64
+    # measured runs of each side, back to back; the report keeps the last one's figures and lists every run's
+    # output tok/s (on the H200 the first run after a process's warm-up was ~10% slower than the ones after it)
+    runs: int = 1
+    seed: int = 0
+    profile_decode: tuple[int, ...] = ()  # rows of the paged decode steps to profile after the run (CUDA)
+    profile_prefill: bool = False  # after the run, the kernels and wall time of one paged step of prompts only
+    profile_run: bool = False  # after the run, the run again under the profiler: GPU busy share and kernels (CUDA)
+    request_rate: float = 0.0  # requests a second, Poisson; 0: all at once
+    quantization: str = "none"  # engine.quantization of the weights both sides share
+    kv_cache_dtype: str = "auto"  # the paged pool's paged.kv_cache_dtype ("fp8": e4m3 K/V)
+    shared_prefix: int = 0  # leading prompt tokens every request shares (a system prompt), within input_len
+    max_seq_len: int | None = None  # the engines' limits.max_seq_len (None: the longest request + 1)
+    admit_every_steps: int = 8  # the schedulers' admission rule, the served llm model's default
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+
+
+@dataclass
+class SideResult:
+    side: str
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float
+    request_per_s: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    largest_batch: int
+    preempted: int = 0
+    setup_s: float = 0.0
+    note: str = ""
+    goodput_per_s: float | None = None  # requests a second that met every SLO set (None: no SLO set)
+    met_slo: int | None = None
+    run_tok_s: list[float] = field(default_factory=list)  # output tok/s of each measured run, in order
+
+    def row(self) -> str:
+        def pct(d: dict[str, float]) -> str:
+            return "/".join(f"{d[k]:.1f}" for k in ("p50", "p90", "p99"))
+
+        return (f"{self.side:>7}: {self.output_tok_s:>9.0f} output tok/s  {self.request_per_s:7.1f} req/s  wall "
+                f"{self.wall_s:6.1f} s  TTFT p50/p90/p99 {pct(self.ttft_ms)} ms  TPOT {pct(self.tpot_ms)} ms  "
+                f"ITL {pct(self.itl_ms)} ms  live<= {self.largest_batch}  preempted {self.preempted}  "
+                + (f"goodput {self.goodput_per_s:.1f} req/s ({self.met_slo} met the SLOs)  "
+                   if self.goodput_per_s is not None else "")
+                + f"setup {self.setup_s:.0f} s {self.note}"
+                + (f"  runs {' / '.join(f'{r:.0f}' for r in self.run_tok_s)} tok/s" if len(self.run_tok_s) > 1 else ""))
+
+
+@dataclass
+class ThroughputReport:
+    config: dict[str, Any]
+    device: str
+    sides: list[SideResult] = field(default_factory=list)
+
+
+def workload(cfg: ThroughputConfig, vocab: int, *, requests: int | None = None, output_len: int | None = None) -> Work:
+    """The requests of one run: random prompt ids, lengths fixed or spread (seeded); with `shared_prefix`, every
+    prompt starts with the same that many ids (the rest of its length random)."""
+    rng = random.Random(cfg.seed)
+    out_len = output_len or cfg.output_len
+    prefix = [rng.randrange(1, vocab) for _ in range(cfg.shared_prefix)]
+
+    def length(mean: int) -> int:
+        lo, hi = max(1, round(mean * (1 - cfg.spread))), max(1, round(mean * (1 + cfg.spread)))
+        return rng.randint(lo, hi)
+
+    def prompt(n: int) -> list[int]:
+        head = prefix[:n - 1]  # at least one id of its own
+        return head + [rng.randrange(1, vocab) for _ in range(n - len(head))]
+
+    return [(prompt(length(cfg.input_len)), length(out_len)) for _ in range(requests or cfg.requests)]
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+
+
+def arrivals(cfg: ThroughputConfig, n: int) -> list[float]:
+    """Each request's submit time in seconds from the start: all 0 at an infinite rate, else the seeded
+    Poisson process of `request_rate` (exponential gaps)."""
+    if cfg.request_rate <= 0:
+        return [0.0] * n
+    rng = random.Random(cfg.seed + 1)
+    return list(itertools.accumulate(rng.expovariate(cfg.request_rate) for _ in range(n)))
+
+
+def parse_slos(text: str) -> dict[str, float]:
+    """`ttft:500,tpot:50` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds); "" -> {}."""
+    slos: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition(":")
+        if name not in ("ttft", "tpot"):
+            raise ValueError(f"--goodput: unknown SLO {name!r} in {text!r} (ttft or tpot, in milliseconds)")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput: {part!r} needs a number of milliseconds, e.g. {name}:500") from None
+        if not slos[name] > 0:
+            raise ValueError(f"--goodput: {part!r} must be more than 0 ms")
+    return slos
+
+
+def met_slos(ttft_ms: float, tpot_ms: float | None, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """Whether one request met every SLO set (a one-token answer has no TPOT to miss)."""
+    return ((slo_ttft_ms is None or ttft_ms <= slo_ttft_ms)
+            and (slo_tpot_ms is None or tpot_ms is None or tpot_ms <= slo_tpot_ms))
+
+
+def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = None,
+             slos: tuple[float | None, float | None] = (None, None)) -> SideResult:
+    """Submit every request of `work` to `scheduler` (static or paged) at its time in `at` (default: all at
+    once, served on this thread; else the scheduler runs on its own thread while this one submits), and time
+    every token as the host receives it."""
+    from serving.engine.scheduler import GenRequest
+
+    at = at or [0.0] * len(work)
+    times: list[list[float]] = [[] for _ in work]
+    submitted = [0.0] * len(work)
+    failures: list[BaseException] = []
+    finished = threading.Semaphore(0)
+
+    def emitter(i: int) -> Callable[[list[int], str | None], None]:
+        def emit(ids: list[int], reason: str | None) -> None:
+            now = time.perf_counter()
+            times[i].extend([now] * len(ids))
+            if reason is not None:
+                finished.release()
+        return emit
+
+    def failed(exc: BaseException) -> None:
+        failures.append(exc)
+        finished.release()
+
+    paced = any(at)
+    if paced:
+        scheduler.start()
+    started = time.perf_counter()
+    for i, (prompt, max_tokens) in enumerate(work):
+        delay = started + at[i] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        submitted[i] = time.perf_counter()
+        scheduler.submit(GenRequest(prompt, max_tokens, emitter(i), failed))
+    if paced:
+        for _ in work:
+            finished.acquire()
+        scheduler.stop()
+    else:
+        scheduler.run_until_idle()
+    if scheduler.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    if failures:
+        raise RuntimeError(f"{side}: {len(failures)} requests failed, the first: {failures[0]!r}")
+    ttft = [(t[0] - s) * 1e3 for t, s in zip(times, submitted)]  # every request answered (failures raised)
+    tpots = [(t[-1] - t[0]) * 1e3 / (len(t) - 1) if len(t) > 1 else None for t in times]
+    tpot = [x for x in tpots if x is not None]
+    itl = [(b - a) * 1e3 for t in times for a, b in itertools.pairwise(t)]
+    generated = sum(len(t) for t in times)
+    met = None
+    if slos != (None, None):
+        met = sum(met_slos(a, b, *slos) for a, b in zip(ttft, tpots))
+    stats = scheduler.stats
+    parts = ("plan_s", "forward_s", "wait_s", "deliver_s") if hasattr(stats, "plan_s") else ("launch_s", "deliver_s", "wait_s")
+    note = f"{stats.steps} steps: " + ", ".join(f"{p[:-2]} {getattr(stats, p):.1f} s" for p in parts)
+    if hasattr(stats, "mixed_steps"):
+        note += f"; {stats.mixed_steps} steps with a prefill chunk: {stats.mixed_s:.1f} s of forward + wait"
+    if getattr(stats, "prefix_hit_tokens", 0):
+        note += f"; {stats.prefix_hit_tokens} prompt tokens from the prefix cache"
+    return SideResult(side=side, requests=len(work), input_tokens=sum(len(p) for p, _ in work),
+                      output_tokens=generated, wall_s=wall, output_tok_s=generated / wall,
+                      request_per_s=len(work) / wall, ttft_ms=_stats(ttft), tpot_ms=_stats(tpot), itl_ms=_stats(itl),
+                      largest_batch=stats.largest_batch, preempted=getattr(stats, "preempted", 0), note=note,
+                      goodput_per_s=None if met is None else met / wall, met_slo=met)
+
+
+SYNC_SIDE = "paged-sync"  # the paged engine waiting for every step's tokens (no step ahead)
+PREFIX_SIDE = "paged-prefix-cache"  # the paged engine with prefix caching (blocks cached across its runs)
+TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations, K/V writes, SiLU * up as torch ops
+TILE_SIDE = "paged-tile"  # + N: the paged engine whose decode attention walks N positions an iteration
+# sides that set one engine switch while they run: side -> (module under serving.engine, its setting, the value)
+SWITCH_SIDES: dict[str, tuple[str, str, object]] = {
+    "paged-unscaled": ("quantize", "PRESCALE_ROWS", False),  # FP8 GEMMs scaling their rows (not the norms, SiLU * up)
+    "paged-precise-accum": ("quantize", "FP8_FAST_ACCUM", False),  # fp8 prompt GEMMs promoting to float32 as they go
+    "paged-no-prefetch": ("paged_attention", "PREFETCH_BLOCKS", False),  # decode attention: table, K, V in a row
+    "paged-kv-dot-bf16": ("paged_attention", "FP8_KV_DOT_F16", False),  # ... over an e4m3 pool: bf16 dots
+    "paged-fp8-warps4": ("paged_attention", "FP8_NUM_WARPS", 4),  # ... over an e4m3 pool: 4 warps a program
+    "paged-pdl": ("paged_decode", "PDL", True),  # decode graphs with programmatic dependent launch
+    "paged-sum-adds": ("partials", "ONE_KERNEL", False),  # eager split-K sums as a kernel an add
+    "paged-repeat-kv": ("paged_model", "GQA_IN_SDPA", False),  # prompt attention copying K/V per query head
+}
+
+
+def side_context(side: str) -> contextlib.AbstractContextManager:
+    """What a paged side changes while it runs (its decode graphs are captured inside it); switch sides join with
+    '+' (`paged-pdl+no-prefetch`: both switches)."""
+    if "+" in side:
+        stack = contextlib.ExitStack()
+        for part in joined_sides(side):
+            stack.enter_context(side_context(part))
+        return stack
+    if side == TORCH_ROW_OPS_SIDE:
+        return torch_row_ops()
+    if side in SWITCH_SIDES:
+        module, setting, value = SWITCH_SIDES[side]
+        return mock.patch.object(importlib.import_module(f"serving.engine.{module}"), setting, value)
+    if side.startswith(TILE_SIDE):
+        from serving.engine import paged_attention
+
+        return mock.patch.object(paged_attention, "TILE_POSITIONS", int(side.removeprefix(TILE_SIDE)))
+    return contextlib.nullcontext()
+
+
+def joined_sides(side: str) -> list[str]:
+    """`paged-pdl+no-prefetch` -> [`paged-pdl`, `paged-no-prefetch`]; a side without '+' -> [side]."""
+    return [f"paged-{part}" for part in side.removeprefix("paged-").split("+")] if "+" in side else [side]
+
+
+def check_sides(sides: tuple[str, ...]) -> None:
+    """Refuse, naming it and the known ones, a side this bench does not run."""
+    known = ("static", "paged", SYNC_SIDE, PREFIX_SIDE, TORCH_ROW_OPS_SIDE, *SWITCH_SIDES)
+    for side in sides:
+        for part in joined_sides(side):
+            tile = part.removeprefix(TILE_SIDE)
+            if part not in known and not (part != tile and tile.isdigit()):
+                raise ValueError(f"bench throughput: unknown side {side!r} ({', '.join(known)}, {TILE_SIDE}<N>, "
+                                 f"switch sides joined by '+')")
+
+
+@contextlib.contextmanager
+def prefix_caching(runner: Any, *, on: bool) -> Iterator[None]:
+    """The paged runner with a prefix-caching allocator (`serving.engine.prefix_cache`) while a side runs."""
+    if not on or runner is None:
+        yield
+        return
+    from serving.engine.prefix_cache import PrefixCachingAllocator
+
+    plain = runner.allocator
+    runner.allocator = PrefixCachingAllocator(plain.num_blocks)
+    try:
+        yield
+    finally:
+        runner.allocator = plain
+
+
+@contextlib.contextmanager
+def torch_row_ops() -> Iterator[None]:
+    """The eager steps' row kernels (`row_norm`, `paged_rope`, `silu_mul`) turned off: what they replaced, for
+    an A/B."""
+    from serving.engine import paged_rope, row_norm, silu_mul
+
+    off = [mock.patch.object(module, "fits", lambda *a: False) for module in (row_norm, paged_rope, silu_mul)]
+    with off[0], off[1], off[2]:
+        yield
+
+
+def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any]:
+    """(model, static runner or None, paged runner or None) over one random model's weights."""
+    from bench.models import model_args
+    from bench.quantized import quantized_model
+    from serving.engine.build import EngineInfo, EngineLimits
+    from serving.engine.model import Transformer
+    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.paged_runner import PagedRunner
+    from serving.engine.quantize import NONE, QuantInfo, check_device
+    from serving.engine.runner import EngineRunner, pick_decode_attention, pick_decode_gemm
+
+    args = model_args(cfg.shape)
+    seq = cfg.input_len + cfg.output_len
+    longest = max(round(cfg.input_len * (1 + cfg.spread)) + round(cfg.output_len * (1 + cfg.spread)), seq) + 1
+    if cfg.max_seq_len is not None and cfg.max_seq_len < longest:
+        raise ValueError(f"bench throughput: max_seq_len={cfg.max_seq_len} is shorter than the longest request "
+                         f"({longest} positions with its first generated token)")
+    max_seq_len = cfg.max_seq_len or longest
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = Transformer(args)
+    model = model.to(dtype).eval().requires_grad_(False)
+    if cfg.quantization != NONE:
+        check_device(cfg.quantization, device, where="bench throughput --quantization")
+        model = quantized_model(model, cfg.quantization, dtype=dtype)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 weights it replaced, before the paged pool is sized from free memory
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+
+    def info(max_batch_size: int) -> EngineInfo:
+        limits = EngineLimits(name, max_batch_size=max_batch_size, max_input_len=max_seq_len - 1, max_seq_len=max_seq_len)
+        return EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."),
+                          quantization=QuantInfo(cfg.quantization))
+
+    static = paged = None
+    if any(side != "static" for side in cfg.sides):  # sized first: from the memory free before the static cache takes its share
+        config = PagedKVConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_tokens=cfg.max_num_tokens,
+                               free_mem_fraction=cfg.free_mem_fraction, kv_cache_dtype=cfg.kv_cache_dtype)
+        if "static" in cfg.sides and cfg.num_blocks is None and device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+            static_bytes = 2 * args.n_layers * args.kv_size * cfg.static_batch * max_seq_len * 2
+            config = replace(config, free_mem_fraction=cfg.free_mem_fraction * (free - static_bytes) / free)
+        paged = PagedRunner(info(cfg.paged_live), model, device, config,
+                            decode_gemm=pick_decode_gemm("auto", device, dtype))
+    if "static" in cfg.sides:
+        model.setup_caches(cfg.static_batch, max_seq_len)
+        model.decode_attention_impl = pick_decode_attention("auto", device, dtype)
+        model.decode_gemm_impl = pick_decode_gemm("auto", device, dtype)
+        static = EngineRunner(info(cfg.static_batch), model, device)
+    return model, static, paged
+
+
+def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: Path | None = None,
+                     progress: Callable[[str], None] = print) -> ThroughputReport:
+    """Both sides on the same requests, one after the other; each warmed first on `warmup_requests`."""
+    from serving.engine.paged_scheduler import PagedScheduler
+    from serving.engine.runner import resolve_device
+    from serving.engine.scheduler import Scheduler
+
+    dev = resolve_device(device)
+    check_sides(cfg.sides)
+    if cfg.runs < 1:
+        raise ValueError(f"bench throughput: runs={cfg.runs} must be at least 1")
+    started = time.perf_counter()
+    model, static, paged = _runners(cfg, dev)
+    progress(f"model {cfg.shape} on {dev} in {time.perf_counter() - started:.0f} s"
+             + (f"; paged cache {paged.num_blocks} blocks of {cfg.block_size}" if paged else ""))
+    report = ThroughputReport(config=asdict(cfg), device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
+    work = workload(cfg, model.args.vocab_size)
+    warm = workload(cfg, model.args.vocab_size, requests=cfg.warmup_requests, output_len=min(8, cfg.output_len))
+    for side in cfg.sides:
+        runner = static if side == "static" else paged
+        ahead = side != SYNC_SIDE
+        make = (lambda r=runner: Scheduler(r, admit_every_steps=cfg.admit_every_steps)) if side == "static" else \
+            (lambda r=runner, a=ahead: PagedScheduler(r, step_ahead=a, admit_every_steps=cfg.admit_every_steps))
+        t0 = time.perf_counter()
+        with side_context(side), prefix_caching(paged, on=PREFIX_SIDE in joined_sides(side)):
+            if side == "static" and runner.graphs is not None:
+                runner.graphs.warm_up()
+            if side != "static":
+                runner.decode.drop_graphs()  # captured again, with or without the row kernels
+                runner.warm_up_prefill(cfg.input_len)  # as the served model loads it: prompt steps, a mixed step, graphs
+            if cfg.warmup_requests:
+                run_side(make(), warm, side)
+            setup = time.perf_counter() - t0
+            with frozen_heap():  # as the served engine runs (serving.engine.heap)
+                runs = [run_side(make(), work, side, arrivals(cfg, len(work)), (cfg.slo_ttft_ms, cfg.slo_tpot_ms))
+                        for _ in range(cfg.runs)]
+            result = runs[-1]
+            result.run_tok_s = [r.output_tok_s for r in runs]
+            profiled = None
+            if cfg.profile_run and dev.type == "cuda":
+                with frozen_heap():
+                    profiled = profile_run(partial(run_side, make(), work, side), side)
+        result.setup_s = setup
+        report.sides.append(result)
+        progress(result.row())
+        if profiled:
+            progress(profiled)
+        if side != "static" and dev.type == "cuda":
+            for rows in cfg.profile_decode:
+                progress(profile_paged_decode(runner, rows, cfg.input_len + cfg.output_len // 2))
+            if cfg.profile_prefill:
+                progress(profile_paged_prefill(runner, cfg.input_len))
+        if out_json is not None:
+            out_json.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    return report
+
+
+def profile_run(run: Callable[[], object], side: str) -> str:
+    """The side's run once more under the profiler: the GPU's busy share of its wall time, and its kernels."""
+    from bench.kernel_table import kernel_table
+
+    return kernel_table(run, f"{side}, the run again under the profiler", rows=30, busy=True)
+
+
+def profile_paged_decode(runner: Any, rows: int, position: int) -> str:
+    """The kernels of one replay of the paged decode graph of `rows` rows (padding rows at `position`: each
+    writes and reads the spare block, so attention's reads hit the cache more than live rows' would)."""
+    from bench.kernel_table import kernel_table
+
+    decode = runner.decode
+    bsz = decode.bucket(rows)
+    if bsz not in decode.graphs:
+        decode._capture(bsz)
+    decode.inputs[0, :bsz].fill_(decode.trash)
+    decode.inputs[1, :bsz].zero_()
+    decode.inputs[2, :bsz].fill_(position)
+    decode.graphs[bsz].replay()
+    return kernel_table(decode.graphs[bsz].replay, f"paged decode step, {bsz} rows at position {position}")
+
+
+def profile_paged_prefill(runner: Any, prompt_len: int) -> str:
+    """One paged step of prompts only, as many `prompt_len`-token prompts as the step budget and the live cap
+    take, each to its first token: wall time on the host (best of 3), then its kernels by device time."""
+    from bench.kernel_table import kernel_table
+
+    n = max(1, min(runner.config.max_num_tokens // prompt_len, runner.max_live))
+    prompts = [[1 + i % 97] * prompt_len for i in range(n)]
+
+    def step() -> None:
+        runner.generate(prompts, max_new_tokens=1, logprobs=False)
+
+    walls = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    title = f"one paged step of {n} x {prompt_len} prompt tokens ({min(walls[1:]) * 1e3:.1f} ms wall)"
+    return kernel_table(step, title, rows=30)
