@@ -174,7 +174,7 @@ def test_serving_engine_imports_only_torch_numpy_stdlib(tmp_path):
     engine = make_tiny_engine(tmp_path, seed=0)
     code = ("import sys, serving.engine; bad = [m for m in ('safetensors', 'transformers', 'tokenizers', "
             "'prefect', 'mlflow', 'boto3', 'pydantic') if m in sys.modules]; print(bad); "
-            "from serving.engine.engine_loader import load_as_built; load_as_built(sys.argv[1], device='cpu'); "
+            "from serving.engine.runner import load_engine; load_engine(sys.argv[1], device='cpu'); "
             "from serving.engine.quantize import has_fp8_tensor_cores as f; "
             "print('torch._dynamo' in sys.modules, f._dynamo_marked_constant); "
             "sys.exit(1 if bad or 'torch._dynamo' in sys.modules else 0)")

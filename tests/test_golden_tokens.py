@@ -44,9 +44,9 @@ def prompt_sets(vocab: int, long_len: int) -> dict[str, list[list[int]]]:
 
 def load_runner(engine_dir: Path) -> Any:
     """The engine as every consumer loads it."""
-    from serving.engine.engine_loader import load_as_built
+    from serving.engine.runner import load_engine
 
-    return load_as_built(engine_dir, device="cpu")
+    return load_engine(engine_dir, device="cpu")
 
 
 def tiny_engine(root: Path, arch: str) -> Path:

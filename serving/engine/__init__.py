@@ -19,7 +19,8 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("CheckpointError", "CheckpointNotFoundError", "EngineError", "EngineExistsError",
                      "EngineFormatError", "EngineIntegrityError", "EngineLimitError", "ToolchainMismatchError",
                      "UnsupportedArchitectureError"), "errors"),
-    **dict.fromkeys(("SUPPORTED_ARCHITECTURES", "KVCache", "ModelArgs", "Transformer"), "model"),
+    **dict.fromkeys(("SUPPORTED_ARCHITECTURES", "ModelArgs", "Transformer"), "model"),
+    "KVCacheConfig": "kv_cache",
     **dict.fromkeys(("EngineRunner", "Generation", "load_engine"), "runner"),
     **dict.fromkeys(("SamplingParams", "sample"), "sampling"),
 }
