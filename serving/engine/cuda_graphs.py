@@ -43,7 +43,8 @@ import torch
 
 from serving.engine import paged_rope
 from serving.engine.kv_cache import PagedKVCache, blocks_for
-from serving.engine.model import ModelArgs, RMSNorm, StepContext, Transformer, _gate_up_fn, _linear_fn
+from serving.engine.model import ModelArgs, RMSNorm, StepContext, _gate_up_fn, _linear_fn
+from serving.engine.models.llama import Transformer
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.pdl import supported as pdl_supported
 from serving.engine.quantize import prescale_rows_for

@@ -1,15 +1,12 @@
-"""The transformer of the `torch` engine: model args, rotary embeddings, the layers and a reference forward.
+"""What every model family of the `torch` engine shares: model args, rotary embeddings, RMSNorm, how a step
+multiplies by a weight, and the step's context (the attention metadata).
 
-A Llama-family decoder (Llama 2/3, Mistral, Qwen2) in the layout of pytorch-labs/gpt-fast: fused `wqkv` and
-`w13` projections, rotary embeddings in the Hugging Face "rotate half" layout (so HF weights need no
-permutation). The engine speaks token ids, not text: tokenization lives with the caller.
-
-The layer computation is written twice, on purpose: `Transformer.forward(tokens [B, S])` is the reference
-(whole sequences from position 0, causal, no cache: the plain computation the steps are tested against), and
-`Transformer.step(tokens [T], ctx)` / `TransformerBlock.step` is what serves, over the paged KV cache. Every
-serving step runs the same `step`; its `StepContext` (the attention metadata) decides the attention path and
-how the layers multiply: `step.MixedStep` for prompt chunks and decodes packed together (`step.paged_forward`),
-`cuda_graphs.DecodeStep` for one token a row under CUDA graphs (`cuda_graphs.paged_decode_logits`).
+The families themselves live in `serving.engine.models` (one file each, registered by architecture name in
+`models.registry`); `models/llama.py` serves Llama, Mistral and Qwen2. A family's model has a reference
+`forward(tokens [B, S])` (whole sequences, no cache: what the tests compare against) and a serving
+`step(tokens [T], ctx)`, which every serving step runs with its `StepContext`: `step.MixedStep` (prompt chunks and
+decodes packed) or `cuda_graphs.DecodeStep` (one token a row, under CUDA graphs). The engine speaks token ids,
+not text.
 
 Imports: stdlib and torch only (this module runs inside Triton's python backend).
 """
@@ -27,16 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.engine import row_norm, silu_mul
-from serving.engine.errors import UnsupportedArchitectureError
 from serving.engine.partials import sum_partials
-from serving.engine.quantize import QuantLinear, prescale_rows_for
+from serving.engine.quantize import QuantLinear
 
-# architectures[0] of config.json -> (model_type, whether q/k/v carry a bias by default)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "LlamaForCausalLM": ("llama", False),
-    "MistralForCausalLM": ("mistral", False),
-    "Qwen2ForCausalLM": ("qwen2", True),
-}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -44,7 +34,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 class ModelArgs:
     """Shape and numerics of the model; everything `Transformer` needs, nothing else."""
 
-    architecture: str  # "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM"
+    architecture: str  # a key of models.registry.ARCHITECTURES
     vocab_size: int
     dim: int  # hidden_size
     n_layers: int
@@ -88,74 +78,6 @@ class ModelArgs:
         if unknown:
             raise ValueError(f"unknown model args {unknown} (known: {sorted(names)})")
         return cls(**d)
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any], *, source: str = "config.json") -> ModelArgs:
-        """Read a Hugging Face `config.json` dict; unsupported architectures/options raise."""
-        archs = config.get("architectures") or []
-        model_type = config.get("model_type")
-        supported = ", ".join(f"{a} (model_type {t!r})" for a, (t, _) in SUPPORTED_ARCHITECTURES.items())
-        arch = archs[0] if archs else None
-        if arch is None:  # fall back to model_type when `architectures` is absent
-            arch = next((a for a, (t, _) in SUPPORTED_ARCHITECTURES.items() if t == model_type), None)
-        if arch not in SUPPORTED_ARCHITECTURES or len(archs) > 1:
-            raise UnsupportedArchitectureError(
-                f"unsupported architecture architectures={archs!r} model_type={model_type!r} in {source}; "
-                f"supported: {supported}"
-            )
-        expected_type, default_qkv_bias = SUPPORTED_ARCHITECTURES[arch]
-        if model_type is not None and model_type != expected_type:
-            raise UnsupportedArchitectureError(
-                f"architecture {arch!r} with model_type={model_type!r} in {source}: expected model_type "
-                f"{expected_type!r}; supported: {supported}"
-            )
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedArchitectureError(f"hidden_act={act!r} in {source}: only 'silu' is supported")
-        if config.get("mlp_bias"):
-            raise UnsupportedArchitectureError(f"mlp_bias=true in {source} is not supported")
-
-        dim = int(config["hidden_size"])
-        n_heads = int(config["num_attention_heads"])
-        head_dim = config.get("head_dim") or dim // n_heads
-        attention_bias = bool(config.get("attention_bias", False))
-
-        # rope: transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`
-        rope = dict(config.get("rope_parameters") or {})
-        if not rope:
-            rope = dict(config.get("rope_scaling") or {})
-            rope["rope_theta"] = config.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedArchitectureError(
-                f"rope type {rope_type!r} in {source} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
-            )
-
-        sliding_window = config.get("sliding_window")
-        if expected_type == "qwen2" and not config.get("use_sliding_window", False):
-            sliding_window = None
-        return cls(
-            architecture=arch,
-            vocab_size=int(config["vocab_size"]),
-            dim=dim,
-            n_layers=int(config["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(config["intermediate_size"]),
-            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            rope_type=rope_type,
-            rope_factor=float(rope.get("factor", 1.0)),
-            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
-            qkv_bias=default_qkv_bias or attention_bias,
-            o_bias=attention_bias,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            sliding_window=int(sliding_window) if sliding_window else None,
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,50 +171,6 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.wqkv = nn.Linear(args.dim, args.qkv_size, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.q_size, args.dim, bias=args.o_bias)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The reference attention: causal over the whole sequences, no cache. x: [B, S, D]; cos, sin: [B, S, hd]."""
-        a = self.args
-        bsz, seqlen, _ = x.shape
-        q, k, v = self.wqkv(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = apply_rope(q.view(bsz, seqlen, a.n_heads, a.head_dim), cos, sin)  # [B, S, H, hd]
-        k = apply_rope(k.view(bsz, seqlen, a.n_kv_heads, a.head_dim), cos, sin)  # [B, S, Hkv, hd]
-        v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           enable_gqa=a.n_heads != a.n_kv_heads)  # [B, H, S, hd]
-        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.intermediate_size = args.intermediate_size
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
-
-    def forward(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
-                ) -> torch.Tensor:
-        """`gate_up`, when given, computes silu(gate) * up from the w13 module and x itself."""
-        return linear(self.w2, self.gated(x, linear, gate_up))
-
-    def gated(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
-              ) -> torch.Tensor:
-        """silu(gate) * up, the input of w2; its rows scaled to e4m3 as well where w2's FP8 GEMM would scale
-        them in a kernel of its own (`prescale_rows_for`: past the decode rows, where `gate_up` would run w13's
-        GEMM and then SiLU * up too)."""
-        if prescale_rows_for(self.w2, x.numel() // x.shape[-1], x.device):
-            return silu_mul.gated(linear(self.w13, x), self.intermediate_size, e4m3=True)
-        if gate_up is not None:
-            return gate_up(self.w13, x)
-        return silu_mul.gated(linear(self.w13, x), self.intermediate_size)
-
-
 @dataclass
 class StepContext:
     """What the layers of one serving step read besides their weights (the attention metadata): how they
@@ -317,96 +195,6 @@ class StepContext:
         """The last layer's residual stream x and MLP output ff [T, D] -> the final norm of the rows whose
         logits the step returns."""
         raise NotImplementedError
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The reference layer: x [B, S, D], whole sequences, no cache."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def step(self, index: int, x: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer (number `index`) in a serving step: x [T, D] and h = its attention norm of x -> (x plus the
-        attention output, the MLP output). The caller adds the MLP output with the next norm in one pass."""
-        y = ctx.attend(index, ctx.linear(self.attention.wqkv, h))  # [T, H hd]
-        x, h = self.ffn_norm.add(x, ctx.linear(self.attention.wo, y), pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
-        return x, self.feed_forward(h, ctx.linear, ctx.gate_up)
-
-
-def embedding(vocab_size: int, dim: int) -> nn.Embedding:
-    """nn.Embedding, without its random init where the weights are on the meta device (an engine about to load
-    its own): normal_ on meta runs a python decomposition that imports torch._dynamo, 2.5 s of CPU in every
-    process that loads an engine (each Triton `llm` stub), where nothing else would import it."""
-    if torch.get_default_device().type == "meta":
-        return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
-    return nn.Embedding(vocab_size, dim)
-
-
-class Transformer(nn.Module):
-    """Embeddings, `n_layers` blocks, final norm, LM head (the embedding matrix when tied)."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The reference forward (tests, the plain path the steps are checked against): tokens [B, S], each row
-        a whole sequence from position 0, causal, no cache -> final hidden states [B, S, D]."""
-        cos, sin = rope_cos_sin(self.args, tokens.shape[1], tokens.device)
-        w = self.tok_embeddings.weight
-        cos, sin = cos.to(w.dtype).expand(tokens.shape[0], -1, -1), sin.to(w.dtype).expand(tokens.shape[0], -1, -1)
-        x = self.tok_embeddings(tokens)  # [B, S, D]
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
-
-    def step(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Every layer of one serving step over the KV cache: tokens [T] -> the final norm of the rows `ctx`
-        returns [N, D] (`StepContext.last_hidden`). Each layer's residual add and the next layer's norm run in
-        one pass (`RMSNorm.add`)."""
-        x = self.tok_embeddings(tokens)  # [T, D]
-        layers = self.layers
-        h = layers[0].attention_norm(x, pdl=ctx.pdl, e4m3=ctx.qkv_e4m3)
-        for i, layer in enumerate(layers):
-            x, ff = layer.step(i, x, h, ctx)
-            if i + 1 < len(layers):
-                x, h = layers[i + 1].attention_norm.add(x, ff, pdl=ctx.pdl, e4m3=ctx.qkv_e4m3)
-        return ctx.last_hidden(self.norm, x, ff)
-
-    def head(self) -> nn.Module:
-        """The LM head's module: the embedding matrix when tied."""
-        return self.tok_embeddings if self.output is None else self.output
-
-    def logits(self, h: torch.Tensor, linear: LinearFn = torch_linear) -> torch.Tensor:
-        # h: [..., D] -> float32 logits [..., V]
-        return linear(self.head(), h).float()
-
-
-def engine_param_names(args: ModelArgs) -> list[str]:
-    """Every tensor name an engine checkpoint of `args` must hold."""
-    names = ["tok_embeddings.weight", "norm.weight"]
-    if not args.tie_word_embeddings:
-        names.append("output.weight")
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        names += [p + "attention.wqkv.weight", p + "attention.wo.weight", p + "feed_forward.w13.weight",
-                  p + "feed_forward.w2.weight", p + "attention_norm.weight", p + "ffn_norm.weight"]
-        if args.qkv_bias:
-            names.append(p + "attention.wqkv.bias")
-        if args.o_bias:
-            names.append(p + "attention.wo.bias")
-    return names
 
 
 def _rope_1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,9 @@ from serving.engine.kv_cache import (
     kv_element_bytes,
     resolve_num_blocks,
 )
-from serving.engine.model import Transformer, rope_cos_sin
+from serving.engine.model import rope_cos_sin
+from serving.engine.models.llama import Transformer
+from serving.engine.models.registry import registered
 from serving.engine.prefix_cache import PrefixCachingAllocator
 from serving.engine.quantize import check_device as check_quantization_device
 from serving.engine.quantize import install_quantized_linears
@@ -292,7 +294,7 @@ def load_model(engine_dir: Path, *, device: str = "auto") -> tuple[EngineInfo, T
     for name in info.weight_files:
         state.update(torch.load(info.path / name, map_location="cpu", weights_only=True, mmap=True))
     with torch.device("meta"):
-        model = Transformer(info.model)
+        model = registered(info.model.architecture).model_class(info.model)
     install_quantized_linears(model, info.quantization, n_layers=info.model.n_layers,
                               tie_word_embeddings=info.model.tie_word_embeddings, dtype=DTYPES[info.limits.dtype])
     try:

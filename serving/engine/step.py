@@ -42,7 +42,8 @@ import torch
 
 from serving.engine import paged_rope
 from serving.engine.kv_cache import PagedKVCache
-from serving.engine.model import ModelArgs, RMSNorm, StepContext, Transformer, torch_linear
+from serving.engine.model import ModelArgs, RMSNorm, StepContext, torch_linear
+from serving.engine.models.llama import Transformer
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.prefill_attention import sdpa
 from serving.engine.quantize import prescale_rows_for
