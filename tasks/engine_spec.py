@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["none", "fp8", "int8-weight-only"]  # serving.engine.quantize.QUANTIZATIONS
 EngineKind = Literal["torch", "trtllm-engine", "trtllm-llmapi"]
-KvCacheDtype = Literal["auto", "fp8"]  # serving.engine.paged_cache.KV_CACHE_DTYPES
+KvCacheDtype = Literal["auto", "fp8"]  # serving.engine.kv_cache.KV_CACHE_DTYPES
 
 
 class TargetToolchain(BaseModel):
@@ -64,17 +64,19 @@ class TrtllmSpec(BaseModel):
                                               description="Toolchain of the serving fleet, checked at stage time.")
 
 
-class PagedKvSpec(BaseModel):
-    """The paged KV cache of the `torch` kind (serving.engine.paged_cache): blocks shared by every request,
-    admitted by free blocks; prefill in chunks mixed with decodes under a token budget per step."""
+class KvCacheSpec(BaseModel):
+    """The KV cache of the `torch` kind (serving.engine.kv_cache): blocks shared by every request, admitted by
+    free blocks; prefill in chunks mixed with decodes under a token budget per step."""
 
     model_config = ConfigDict(extra="forbid")
 
     block_size: int = Field(32, ge=1, description="Token positions per KV block (TensorRT-LLM's tokens_per_block).")
     num_blocks: int | None = Field(None, ge=1, description="Blocks in the pool; None: sized at load from "
-                                   "free_gpu_mem_fraction (CUDA only; the CPU needs a number).")
-    free_gpu_mem_fraction: float = Field(0.9, gt=0, le=1, description="Share of the GPU memory free after the "
-                                         "weights that the pool takes (kv_cache_free_gpu_mem_fraction).")
+                                   "free_gpu_mem_fraction when set, else room for max_batch_size sequences of "
+                                   "max_seq_len (so admission never waits for blocks).")
+    free_gpu_mem_fraction: float | None = Field(None, gt=0, le=1, description="Share of the GPU memory free after "
+                                                "the weights that the pool takes when num_blocks is None "
+                                                "(kv_cache_free_gpu_mem_fraction; CUDA only). None: see num_blocks.")
     max_num_tokens: int = Field(8192, ge=1, description="Tokens one step computes at most: prefill chunks and "
                                 "one decode token per live request (TensorRT-LLM's max_num_tokens).")
     max_waiting: int | None = Field(None, ge=1, description="Served requests waiting for admission (blocks or "
@@ -108,9 +110,8 @@ class EngineSpec(BaseModel):
     max_batch_size: int = Field(8, ge=1, le=1024, description="Most sequences the engine decodes at once.")
     max_input_len: int = Field(128, ge=1, description="Longest prompt, in tokens.")
     max_seq_len: int = Field(256, ge=2, description="Longest prompt + generated tokens, in tokens.")
-    paged: PagedKvSpec | None = Field(None, description="`torch` kind: a paged KV cache (opt-in; "
-                                      "docs/throughput.md); None: the static cache of max_batch_size x max_seq_len. "
-                                      "max_batch_size is then the most live requests.")
+    kv_cache: KvCacheSpec = Field(default_factory=KvCacheSpec, description="`torch` kind: its paged KV cache "
+                                  "(docs/engine.md); max_batch_size is the most live requests.")
     trtllm: TrtllmSpec = Field(default_factory=TrtllmSpec, description="Options of the TensorRT-LLM kinds.")
 
     @model_validator(mode="after")
@@ -119,22 +120,29 @@ class EngineSpec(BaseModel):
             raise ValueError("quantize_lm_head=true needs quantization 'fp8' or 'int8-weight-only', not 'none'")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _paged_is_kv_cache(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "paged" in data:
+            raise ValueError("`paged` was renamed `kv_cache` (every `torch` engine has a paged KV cache now): move "
+                             "its settings under engine.kv_cache (block_size, num_blocks, free_gpu_mem_fraction, "
+                             "max_num_tokens, max_waiting, kv_cache_dtype, prefix_caching) and delete engine.paged")
+        return data
+
     @model_validator(mode="after")
-    def _paged_limits_fit(self) -> EngineSpec:
-        p = self.paged
-        if p is None:
-            return self
-        if self.kind != "torch":
-            raise ValueError(f"paged is an option of kind 'torch'; kind {self.kind!r} sets its KV cache in trtllm")
+    def _kv_cache_fits_limits(self) -> EngineSpec:
+        p = self.kv_cache
+        if self.kind != "torch" and p != KvCacheSpec():
+            raise ValueError(f"kv_cache is an option of kind 'torch'; kind {self.kind!r} sets its KV cache in trtllm")
         if p.max_num_tokens < p.block_size:
-            raise ValueError(f"paged.max_num_tokens ({p.max_num_tokens}) is smaller than one block "
-                             f"(paged.block_size {p.block_size})")
-        if p.max_num_tokens < self.max_batch_size:
-            raise ValueError(f"paged.max_num_tokens ({p.max_num_tokens}) < max_batch_size ({self.max_batch_size}): "
+            raise ValueError(f"kv_cache.max_num_tokens ({p.max_num_tokens}) is smaller than one block "
+                             f"(kv_cache.block_size {p.block_size})")
+        if self.kind == "torch" and p.max_num_tokens < self.max_batch_size:
+            raise ValueError(f"kv_cache.max_num_tokens ({p.max_num_tokens}) < max_batch_size ({self.max_batch_size}): "
                              "a step could not give every live request its decode token")
         need = -(-self.max_seq_len // p.block_size)
         if p.num_blocks is not None and p.num_blocks < need:
-            raise ValueError(f"paged.num_blocks ({p.num_blocks}) x block_size ({p.block_size}) = "
+            raise ValueError(f"kv_cache.num_blocks ({p.num_blocks}) x block_size ({p.block_size}) = "
                              f"{p.num_blocks * p.block_size} positions cannot hold one sequence of max_seq_len "
                              f"({self.max_seq_len}, {need} blocks)")
         return self

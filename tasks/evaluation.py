@@ -232,7 +232,7 @@ def evaluate_engines(engine_dir: Path, spec: EvaluationSpec, *, production_dir: 
 
     `runner` / `production_runner`: the engines already loaded (the release's gates share them); each engine
     still tokenizes with its own folder's tokenizer."""
-    from serving.engine.engine_loader import load_as_built as load_engine  # paged when engine.json says so
+    from serving.engine.runner import load_engine
     from tasks.text_path import server_encode
 
     data = data or load_evaluation()

@@ -82,9 +82,9 @@ class FaultyRunner:
 
 
 def load_engine(engine_dir: Path, *, device: str = "auto", **options: Any) -> Any:
-    """The llm model's default loader (``serving.engine.engine_loader.load_as_built``, with ``options``, e.g.
+    """The llm model's default loader (``serving.engine.runner.load_engine``, with ``options``, e.g.
     ``decode_gemm``) plus the fault configured for this version, if any."""
-    from serving.engine.engine_loader import load_as_built as real_load
+    from serving.engine.runner import load_engine as real_load
 
     engine_dir = Path(engine_dir)
     model_dir = engine_dir.parent.parent  # <repo>/<release>_v<N>/1/engine

@@ -1,7 +1,6 @@
 """Before staging: does the candidate fit beside the live engine on every device of every endpoint?
 
-The candidate's need is `serving.engine.memory.estimate_engine_memory` (weights + KV cache: the static cache
-at its limits, or a paged engine's block pool)
+The candidate's need is `serving.engine.memory.estimate_engine_memory` (weights + the KV cache's block pool)
 plus a fixed overhead per instance (python stub; on GPU the CUDA context). What a device has free comes
 from the endpoint's own Triton metrics (``nv_gpu_memory_*`` per GPU, ``nv_cpu_memory_*`` for host memory),
 so a remote fleet is measured where it runs and the live engine is already counted as used. An endpoint
@@ -105,6 +104,5 @@ def check_fits(targets: list[Target], engine_dir: Path, *, device: str, engine_k
     if problems:
         raise CandidateDoesNotFit("the candidate does not fit beside the live engine: " + "; ".join(problems)
                                   + ". Free memory on those devices, or build the engine with smaller limits "
-                                    + ("(paged.num_blocks, max_seq_len)." if estimate.paged
-                                       else "(max_batch_size, max_seq_len)."))
+                                    + "(engine.kv_cache.num_blocks, max_batch_size, max_seq_len).")
     return checked

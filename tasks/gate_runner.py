@@ -15,11 +15,11 @@ from prefect.cache_policies import NONE
 
 
 def load_gate_runner(engine_dir: Path) -> Any:
-    """The engine in `engine_dir` loaded for the gates as it was built (paged when engine.json says so), on
+    """The engine in `engine_dir` loaded for the gates as it was built (its KV cache as engine.json records it), on
     its default device."""
-    from serving.engine.engine_loader import load_as_built
+    from serving.engine.runner import load_engine
 
-    return load_as_built(Path(engine_dir))
+    return load_engine(Path(engine_dir))
 
 
 # cache_policy NONE: Prefect would otherwise hash the inputs of this task and of the gates it feeds, and a

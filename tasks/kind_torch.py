@@ -74,33 +74,24 @@ def build(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path):
     if (out / "engine.json").is_file():  # build_engine renames a complete folder into place
         return read_engine_info(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return build_engine(converted.path, out, limits=limits, quantization=quant_info(engine), paged=_paged(engine))
+    return build_engine(converted.path, out, limits=limits, quantization=quant_info(engine),
+                        kv_cache=_kv_cache(engine))
 
 
-def _paged(engine: EngineSpec) -> Any:
-    """The spec's paged KV settings as serving.engine.paged_cache.PagedKVConfig, or None (static cache)."""
-    if engine.paged is None:
-        return None
-    from serving.engine.paged_cache import PagedKVConfig
+def _kv_cache(engine: EngineSpec) -> Any:
+    """The spec's KV-cache settings as serving.engine.kv_cache.KVCacheConfig."""
+    from serving.engine.kv_cache import KVCacheConfig
 
-    p = engine.paged
-    return PagedKVConfig(block_size=p.block_size, num_blocks=p.num_blocks, free_mem_fraction=p.free_gpu_mem_fraction,
+    p = engine.kv_cache
+    return KVCacheConfig(block_size=p.block_size, num_blocks=p.num_blocks, free_mem_fraction=p.free_gpu_mem_fraction,
                          max_num_tokens=p.max_num_tokens, max_waiting=p.max_waiting, kv_cache_dtype=p.kv_cache_dtype,
                          prefix_caching=p.prefix_caching)
 
 
 def _unquantized_keys(engine: EngineSpec) -> dict[str, Any]:
     """Fields left out of the build key (a pydantic `exclude`): the TensorRT-LLM options, and the quantization
-    and paged fields while they hold their defaults (so that unquantized, static-cache builds, and paged builds
-    with the model's KV dtype and no prefix caching, keep the keys they had)."""
+    fields while they hold their defaults (so that unquantized builds keep the keys they had)."""
     keys: dict[str, Any] = {"trtllm": True}
-    if engine.paged is None:
-        keys["paged"] = True
-    else:
-        defaults = {name for name, value in (("kv_cache_dtype", "auto"), ("prefix_caching", False))
-                    if getattr(engine.paged, name) == value}
-        if defaults:
-            keys["paged"] = defaults
     if engine.quantization == "none":
         keys |= {"quantization": True, "quantize_lm_head": True}
     return keys

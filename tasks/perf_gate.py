@@ -320,7 +320,7 @@ def measure_engine(engine_dir: Path, spec: PerfSpec, production_dir: Path | None
                    production_runner=None) -> PerfResult:
     """Run `compare_runners` on the candidate and the production engine (when given), each loaded from its
     folder unless its runner is given (the release's gates share them)."""
-    from serving.engine.engine_loader import load_as_built as load_engine  # paged when engine.json says so
+    from serving.engine.runner import load_engine
 
     candidate = runner or load_engine(engine_dir)
     production = None

@@ -62,7 +62,6 @@ class TritonEndpoint(BaseModel):
 
 
 LOAD_TIMEOUT_S = 120.0
-COMPILED_LOAD_TIMEOUT_S = 600.0
 
 
 # What a release stages unless its spec says otherwise: the decoupled llm (in-flight batching, token streams).
@@ -90,9 +89,7 @@ class TritonSpec(BaseModel):
     max_queue_delay_us: int = Field(2000, ge=0, description="Static path only (`engine_parameters` `in_flight` "
                                     "\"false\"): Triton's dynamic batcher's longest wait to fill a batch.")
     load_timeout_s: float = Field(
-        LOAD_TIMEOUT_S, gt=0, description=f"Longest wait for a model to load. Unset, it is {LOAD_TIMEOUT_S:.0f} s, or "
-        f"{COMPILED_LOAD_TIMEOUT_S:.0f} s when `engine_parameters` turn `compile_decode` on (a compiled 1B version "
-        "loaded in 94-147 s on a fresh H200 machine).")
+        LOAD_TIMEOUT_S, gt=0, description="Longest wait for a model to load.")
     request_timeout_s: float = Field(60, gt=0, description="Client timeout of one inference request.")
     warmup_requests: int = Field(
         3, ge=0, description="Requests sent straight to the candidate version after it loads, before it gets "
@@ -100,7 +97,7 @@ class TritonSpec(BaseModel):
     engine_parameters: dict[str, str] = Field(
         default_factory=dict, validate_default=True,
         description="Config parameters of the candidate's Triton model `<model>_v<N>` (each version keeps its own), e.g. `device`, "
-        "`decoupled`, `compile_decode`, `stream_interval_ms`, `admit_gap_ms`, `admit_every_steps`, `idle_senders` (docs/triton.md). "
+        "`decoupled`, `stream_interval_ms`, `admit_gap_ms`, `admit_every_steps`, `idle_senders` (docs/triton.md). "
         "`decoupled` is \"true\" unless given (streams go token by token through `<model>_stream`); \"false\" "
         "serves plain requests, one response each. Both batch in flight unless `in_flight` is \"false\" (the static "
         "path: one `generate` per Triton dynamic batch). "
@@ -116,14 +113,6 @@ class TritonSpec(BaseModel):
             raise ValueError(f"engine_parameters.{QUEUE_SIZE_PARAMETER}={params[QUEUE_SIZE_PARAMETER]!r}: the engine's queue limit "
                              "is the setting triton.max_queue_size (its parameter is written from it); set that instead")
         return {**DEFAULT_ENGINE_PARAMETERS, **params}
-
-    @model_validator(mode="after")
-    def _compiled_loads_take_longer(self) -> TritonSpec:
-        from serving.triton.models.params import flag
-
-        if "load_timeout_s" not in self.model_fields_set and flag(self.engine_parameters, "compile_decode"):
-            self.load_timeout_s = COMPILED_LOAD_TIMEOUT_S
-        return self
 
 
 class SetWeight(BaseModel):

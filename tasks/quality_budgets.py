@@ -11,7 +11,7 @@ engine's own `quantize_weight`), so the quantization's own cost is in the peer's
 engine adds beyond it counts against the floors. Measured on SmolLM2-135M, fp8's own cost (KL 0.05-0.1
 nats) is the size of a swapped head: no fixed floor tells the two apart, a quantized peer does.
 
-A paged engine with an fp8 KV cache (``paged.kv_cache_dtype: fp8``) adds ``+fp8-kv`` to its precision
+A paged engine with an fp8 KV cache (``engine.kv_cache.kv_cache_dtype: fp8``) adds ``+fp8-kv`` to its precision
 (``bfloat16+fp8-kv``, ``bfloat16+fp8+fp8-kv``), the same way: its budget is the quantized one (the dtype's
 floors, bf16-like for float32; the quantized peer factor and allowance of diverged prompts), and its peer's
 attention reads K/V rounded to e4m3 as the cache stores them (``peer_kv_cache``), so the rounding's cost is
@@ -56,7 +56,7 @@ PRECISION_BUDGETS: dict[str, PrecisionBudget] = {
 QUANTIZED_PEER_FACTOR = 2.0  # as for bfloat16: the engine may add up to twice the quantized peer's own error
 LM_HEAD = "lm_head"
 FP8_KV = "fp8-kv"  # the precision suffix of an engine with an fp8 KV cache
-FP8_KV_CACHE = "fp8"  # paged.kv_cache_dtype of such an engine, and its budget's peer_kv_cache
+FP8_KV_CACHE = "fp8"  # kv_cache.kv_cache_dtype of such an engine, and its budget's peer_kv_cache
 
 
 def quantized_precision(dtype: str, method: str, *, lm_head: bool) -> str:
@@ -65,7 +65,7 @@ def quantized_precision(dtype: str, method: str, *, lm_head: bool) -> str:
 
 
 def with_kv_cache(precision: str, kv_cache_dtype: str) -> str:
-    """`precision` of an engine whose paged KV cache stores `kv_cache_dtype`: ``+fp8-kv`` added for "fp8"."""
+    """`precision` of an engine whose KV cache stores `kv_cache_dtype`: ``+fp8-kv`` added for "fp8"."""
     return f"{precision}+{FP8_KV}" if kv_cache_dtype == FP8_KV_CACHE else precision
 
 

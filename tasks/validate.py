@@ -131,13 +131,13 @@ def compare_greedy(*, reference: _Side, engine: _Side) -> tuple[str, int | None]
 
 def engine_precision(info) -> str:
     """The precision name an engine is judged by: its dtype, for a quantized engine its scheme too, and
-    ``+fp8-kv`` for a paged engine with an fp8 KV cache (``tasks.quality_budgets``)."""
+    ``+fp8-kv`` for a ``torch`` engine with an fp8 KV cache (``tasks.quality_budgets``)."""
     quantization = getattr(info, "quantization", None)
     precision = info.limits.dtype
     if quantization is not None and quantization.enabled:
         precision = quantized_precision(precision, quantization.method, lm_head=quantization.lm_head)
-    paged = getattr(info, "paged", None)
-    return with_kv_cache(precision, paged.kv_cache_dtype) if paged is not None else precision
+    kv_cache = getattr(info, "kv_cache", None)  # a `torch` engine's; the TensorRT-LLM kinds' info has none
+    return with_kv_cache(precision, kv_cache.kv_cache_dtype) if kv_cache is not None else precision
 
 
 def eos_token_ids(checkpoint: Path) -> list[int]:
@@ -253,7 +253,7 @@ def _fp8_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
     """HF's SDPA attention over keys and values rounded to e4m3 as the engine's fp8 KV cache stores them."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from serving.engine.paged_cache import from_kv_fp8, to_kv_fp8
+    from serving.engine.kv_cache import from_kv_fp8, to_kv_fp8
 
     key, value = from_kv_fp8(to_kv_fp8(key), key.dtype), from_kv_fp8(to_kv_fp8(value), value.dtype)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -262,12 +262,12 @@ def _fp8_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
 def round_hf_kv_cache(model, kv_cache_dtype: str) -> None:
     """Make the HF model's attention read its keys and values as a KV cache of `kv_cache_dtype` holds them:
     "fp8" rounds them (rotated; every position, the current ones too) to e4m3 with the engine's clamp and
-    scale (`paged_cache.to_kv_fp8`) before SDPA. Models whose attention goes through transformers'
+    scale (`kv_cache.to_kv_fp8`) before SDPA. Models whose attention goes through transformers'
     AttentionInterface (Llama, Mistral, Qwen2) take it."""
     from transformers import AttentionInterface
 
     if kv_cache_dtype != "fp8":
-        raise ValueError(f"paged.kv_cache_dtype={kv_cache_dtype!r} has no HF peer; only 'fp8' is rounded")
+        raise ValueError(f"kv_cache.kv_cache_dtype={kv_cache_dtype!r} has no HF peer; only 'fp8' is rounded")
     AttentionInterface.register(HF_FP8_KV_ATTENTION, _fp8_kv_sdpa)
     model.set_attn_implementation(HF_FP8_KV_ATTENTION)
 
@@ -302,9 +302,9 @@ def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: Validati
     the precision's budget.
 
     `runner` (a loaded engine, e.g. wrapped by tasks.fault_injection) replaces loading `engine_dir`."""
-    from serving.engine.engine_loader import load_as_built  # paged when engine.json says so
+    from serving.engine.runner import load_engine
 
-    runner = runner or load_as_built(engine_dir)
+    runner = runner or load_engine(engine_dir)
     precision = engine_precision(runner.info)
     if reference is None:
         run = reference_cache.run if reference_cache is not None else reference_run

@@ -25,7 +25,8 @@ def test_a_quantized_profile_counts_the_weights_at_their_stored_precision(method
     import torch
 
     from bench.profile_decode import quantized
-    from serving.engine.model import ModelArgs, Transformer
+    from serving.engine.model import ModelArgs
+    from serving.engine.models.llama import Transformer
 
     args = ModelArgs(architecture="LlamaForCausalLM", vocab_size=200, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                      head_dim=16, intermediate_size=128, norm_eps=1e-5, max_position_embeddings=64,

@@ -59,7 +59,7 @@ def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_pa
     each client's one stream, every response routed to its own request (a response given to the wrong one
     would leave a request short or over its tokens), and the report sets it against a throughput report."""
     from bench.served import most_in_flight, offline_figures
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
 
     clients, lanes, per_lane, gen_len = 2, 3, 2, 12
     offline = {"config": {}, "sides": [{"side": "static", "output_tok_s": 1.0},
@@ -67,9 +67,9 @@ def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_pa
     (tmp_path / "throughput.json").write_text(json.dumps(offline))
     report = run_served(shape="tiny", clients=clients, lanes=lanes, requests_per_client=per_lane, prompt_len=8,
                         gen_len=gen_len, max_batch_size=8, work=tmp_path, compile_decode=False,
-                        paged=PagedKVConfig(block_size=16, num_blocks=64, max_num_tokens=64),
+                        kv_cache=KVCacheConfig(block_size=16, num_blocks=64, max_num_tokens=64),
                         offline_json=tmp_path / "throughput.json", warmup_lanes=lanes)
-    assert json.loads((tmp_path / "engine-paged" / "engine.json").read_text())["paged"]["num_blocks"] == 64
+    assert json.loads((tmp_path / "engine-paged" / "engine.json").read_text())["kv_cache"]["num_blocks"] == 64
     assert report["n_errors"] == 0, report["errors"]
     assert report["warmup"]["requests"] == clients * lanes and report["warmup"]["most_in_flight"] > clients
     assert report["requests"] == clients * lanes * per_lane
@@ -92,11 +92,11 @@ def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_pa
 def test_a_shared_prefix_is_served_from_the_cache_by_the_variant_that_turns_it_on(tmp_path: Path) -> None:
     """`--shared-prefix 16` with two variants of one paged engine built without prefix caching: the one loaded
     with `prefix_caching=true` takes the shared blocks from its cache, the default computes them."""
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
 
     report = run_served(shape="tiny", clients=2, lanes=2, requests_per_client=2, prompt_len=20, gen_len=4,
                         max_batch_size=8, work=tmp_path, compile_decode=False, shared_prefix=16,
-                        paged=PagedKVConfig(block_size=8, num_blocks=64, max_num_tokens=64),
+                        kv_cache=KVCacheConfig(block_size=8, num_blocks=64, max_num_tokens=64),
                         variants=(("plain", {}), ("cached", {"prefix_caching": "true"})))
     plain, cached = report["variants"]["plain"], report["variants"]["cached"]
     assert plain["n_errors"] == cached["n_errors"] == 0 and report["shared_prefix"] == 16
@@ -191,7 +191,7 @@ def test_the_counters_a_cuda_model_logs_at_unload_are_read_back_for_its_own_name
 
     log = tmp_path / "triton.log"
     log.write_text(
-        "I1204 [llm_v1 v1] engine thread joined (alive=False); scheduler PagedStats(steps=291, mixed_forward_s=2.5, "
+        "I1204 [llm_v1 v1] engine thread joined (alive=False); scheduler SchedulerStats(steps=291, mixed_forward_s=2.5, "
         "mixed_forward_cpu_s=1.25, launch_wait_s=0.01)\n"
         "I1204 [llm_v1 v1] allocator: num_alloc_retries=3, num_device_alloc=40, num_device_free=12, "
         "num_sync_all_streams=3, num_ooms=0\n"

@@ -133,12 +133,12 @@ def _engine_key(spec: ReleaseSpec) -> str:
 def test_broken_build_fails_validation_and_publishes_nothing(tmp_path, checkpoint, triton, prefect_harness,
                                                             monkeypatch):
     """A converter bug that swaps gate and up inside the fused w13 weight: the gate must catch it."""
-    from serving.engine import convert
+    from serving.engine.models import llama
 
-    table = dict(convert.HF_TO_ENGINE)
+    table = llama.HF_TO_ENGINE  # the registry's entries share it
     gate, up = "model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"
-    table[gate], table[up] = (table[gate][0], 1, 2), (table[up][0], 0, 2)
-    monkeypatch.setattr(convert, "HF_TO_ENGINE", table)
+    monkeypatch.setitem(table, gate, (table[gate][0], 1, 2))
+    monkeypatch.setitem(table, up, (table[up][0], 0, 2))
 
     spec = make_spec(tmp_path, checkpoint, triton)
     state = release_flow(spec, return_state=True)

@@ -174,7 +174,7 @@ def test_serving_engine_imports_only_torch_numpy_stdlib(tmp_path):
     engine = make_tiny_engine(tmp_path, seed=0)
     code = ("import sys, serving.engine; bad = [m for m in ('safetensors', 'transformers', 'tokenizers', "
             "'prefect', 'mlflow', 'boto3', 'pydantic') if m in sys.modules]; print(bad); "
-            "from serving.engine.engine_loader import load_as_built; load_as_built(sys.argv[1], device='cpu'); "
+            "from serving.engine.runner import load_engine; load_engine(sys.argv[1], device='cpu'); "
             "from serving.engine.quantize import has_fp8_tensor_cores as f; "
             "print('torch._dynamo' in sys.modules, f._dynamo_marked_constant); "
             "sys.exit(1 if bad or 'torch._dynamo' in sys.modules else 0)")
@@ -192,8 +192,8 @@ def test_reads_pre_v5_configs_llama31_and_qwen2():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from serving.engine import ModelArgs
     from serving.engine.model import rope_inv_freq
+    from serving.engine.models.registry import model_args_of
 
     llama31 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
                "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 512,
@@ -201,7 +201,7 @@ def test_reads_pre_v5_configs_llama31_and_qwen2():
                "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"},
                "tie_word_embeddings": True}
-    args = ModelArgs.from_hf_config(llama31)
+    args = model_args_of(llama31)
     assert (args.rope_type, args.rope_theta, args.rope_factor, args.head_dim) == ("llama3", 500000.0, 8.0, 64)
     assert args.tie_word_embeddings and not args.qkv_bias
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**llama31), "cpu")
@@ -211,5 +211,20 @@ def test_reads_pre_v5_configs_llama31_and_qwen2():
             "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24, "intermediate_size": 4864,
             "vocab_size": 151936, "max_position_embeddings": 32768, "rope_theta": 1000000.0, "sliding_window": 32768,
             "use_sliding_window": False, "tie_word_embeddings": True}
-    args = ModelArgs.from_hf_config(qwen)
+    args = model_args_of(qwen)
     assert args.qkv_bias and not args.o_bias and args.sliding_window is None and args.head_dim == 64
+
+
+def test_the_registry_maps_each_architecture_to_its_family_and_names_the_supported_ones():
+    """`models.registry`: a new family is one file and one entry; the supported list is the registry's keys."""
+    from serving.engine import SUPPORTED_ARCHITECTURES, Transformer
+    from serving.engine.models import llama
+    from serving.engine.models.registry import ARCHITECTURES, architecture_of, registered
+
+    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    for name, arch in ARCHITECTURES.items():
+        assert arch.model_class is Transformer and arch.weights is llama.HF_TO_ENGINE and registered(name) is arch
+    assert architecture_of({"model_type": "mistral"}).name == "MistralForCausalLM"  # no `architectures`
+    with pytest.raises(UnsupportedArchitectureError, match=r"'Gemma3ForCausalLM' is not one this runtime serves; "
+                       r"supported: LlamaForCausalLM \(model_type 'llama'\), MistralForCausalLM"):
+        registered("Gemma3ForCausalLM")

@@ -90,21 +90,21 @@ def test_a_paged_engine_with_an_fp8_kv_cache_passes_its_budget_and_kv_stored_too
     by the per-token KL, which reads the pool past each prompt's first block."""
     from unittest import mock
 
-    from serving.engine import paged_cache
-    from serving.engine.paged_cache import PagedKVConfig
-    from serving.engine.paged_runner import load_paged_engine
+    from serving.engine import kv_cache
+    from serving.engine.kv_cache import KVCacheConfig
+    from serving.engine.runner import load_engine
 
     checkpoint = convert_checkpoint(smol.hf, smol.work / "ckpt-kv", dtype="float32")
-    config = PagedKVConfig(block_size=16, num_blocks=24, max_num_tokens=256, kv_cache_dtype="fp8")
-    engine = Path(build_engine(checkpoint, smol.work / "engine-fp8-kv", limits=LIMITS, paged=config).path)
+    config = KVCacheConfig(block_size=16, num_blocks=24, max_num_tokens=256, kv_cache_dtype="fp8")
+    engine = Path(build_engine(checkpoint, smol.work / "engine-fp8-kv", limits=LIMITS, kv_cache=config).path)
     shutil.rmtree(checkpoint)
     reference = reference_run(smol.hf, SPEC, "float32+fp8-kv", max_seq_len=LIMITS.max_seq_len, base=smol.reference)
     clean = validate_engine(engine, smol.hf, SPEC, reference=reference)
     print(f"fp8 KV on SmolLM2: KL {clean.engine.mean_kl:.4f}, peer {clean.peer.mean_kl:.4f}, limits {clean.thresholds}")
     assert clean.passed and clean.precision == "float32+fp8-kv", clean.failures
-    store = paged_cache.to_kv_fp8
-    with mock.patch.object(paged_cache, "to_kv_fp8", lambda x: store(x * 1.25)):
-        wrong = validate_engine(engine, smol.hf, SPEC, reference=reference, runner=load_paged_engine(engine))
+    store = kv_cache.to_kv_fp8
+    with mock.patch.object(kv_cache, "to_kv_fp8", lambda x: store(x * 1.25)):
+        wrong = validate_engine(engine, smol.hf, SPEC, reference=reference, runner=load_engine(engine))
     print(f"K/V written 25% too large: KL {wrong.engine.mean_kl:.4f}")
     assert not wrong.passed
     assert any(f.startswith("mean per-token KL(reference || engine) ") for f in wrong.failures), wrong.failures

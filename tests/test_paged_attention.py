@@ -19,8 +19,8 @@ import os
 import pytest
 import torch
 
+from serving.engine.kv_cache import KV_FP8_DTYPE, to_kv_fp8
 from serving.engine.paged_attention import kernel_fits, paged_decode_reference, paged_decode_triton, triton
-from serving.engine.paged_cache import KV_FP8_DTYPE, to_kv_fp8
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton is not None
 HAS_CUDA = torch.cuda.is_available() and triton is not None and not INTERPRET

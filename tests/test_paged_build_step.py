@@ -1,4 +1,4 @@
-"""A paged step's device inputs (serving/engine/paged_model.build_step), built in numpy from each chunk's
+"""A paged step's device inputs (serving/engine/step.build_step), built in numpy from each chunk's
 length, start and table, held to a per-token reference on random plans of decodes, prompts from position 0
 (equal lengths grouped, in a row or not) and later chunks of long prompts (grouped by length, tables padded); and the refusal of a table too
 short for its chunk."""
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from serving.engine.paged_model import build_step
+from serving.engine.step import build_step
 
 BS = 4
 

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from serving.engine import paged_rope
+from serving.engine.kv_cache import KV_FP8_DTYPE, KV_FP8_MAX, to_kv_fp8
 from serving.engine.model import _rope_1
-from serving.engine.paged_cache import KV_FP8_DTYPE, KV_FP8_MAX, to_kv_fp8
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and paged_rope.triton is not None
 HAS_CUDA = torch.cuda.is_available() and paged_rope.triton is not None and not INTERPRET

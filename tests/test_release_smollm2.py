@@ -151,11 +151,11 @@ def test_a_float32_release_is_published_promoted_and_serves_hfs_tokens(stack, pr
 
 def test_a_bfloat16_release_passes_against_production_loading_each_engine_once(
         stack, production, smollm2_checkpoint, hf_loads, monkeypatch):
-    from serving.engine import engine_loader
+    from serving.engine import runner
 
     loaded: list[Path] = []
-    real_load = engine_loader.load_as_built
-    monkeypatch.setattr(engine_loader, "load_as_built", lambda path, **kw: loaded.append(Path(path)) or real_load(path, **kw))
+    real_load = runner.load_engine
+    monkeypatch.setattr(runner, "load_engine", lambda path, **kw: loaded.append(Path(path)) or real_load(path, **kw))
     spec = make_spec(stack, smollm2_checkpoint, "bfloat16")
     state = release_flow(spec, return_state=True)
     assert state.is_completed(), state.message

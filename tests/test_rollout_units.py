@@ -268,12 +268,9 @@ def test_releases_stage_the_decoupled_llm_unless_the_spec_says_plain() -> None:
         "decoupled": "false"}
 
 
-def test_a_compiled_engine_gets_a_longer_load_timeout_unless_one_is_given() -> None:
+def test_the_load_timeout_is_its_default_unless_one_is_given() -> None:
     assert TritonSpec().load_timeout_s == 120
-    assert TritonSpec.model_validate({"engine_parameters": {"compile_decode": "True"}}).load_timeout_s == 600
-    given = {"engine_parameters": {"compile_decode": "true"}, "load_timeout_s": 200}
-    assert TritonSpec.model_validate(given).load_timeout_s == 200
-    assert TritonSpec.model_validate({"engine_parameters": {"compile_decode": "false"}}).load_timeout_s == 120
+    assert TritonSpec.model_validate({"load_timeout_s": 200}).load_timeout_s == 200
 
 
 # ---------------------------------------------------------------- journal

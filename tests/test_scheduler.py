@@ -1,5 +1,5 @@
-"""In-flight batching scheduler on the CPU (tiny float32 llama): same tokens as `generate`, requests
-admitted into freed slots mid-flight, per-request max_tokens / stop tokens / seeds, failures isolated."""
+"""The in-flight scheduler on the CPU (tiny float32 llama): same tokens as `generate`, requests admitted as live
+ones finish, per-request max_tokens / stop tokens / seeds, failures isolated, the loop's lifecycle."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_greedy_equals_generate_with_more_requests_than_slots(runner):
     for p, n, (ids, reason) in zip(PROMPTS, max_tokens, got):
         assert ids == runner.generate([p], max_new_tokens=n)[0].token_ids
         assert reason == "length"
-    assert sched.stats.prefills >= 2, "requests should be admitted in several waves"
+    assert sched.stats.mixed_steps >= 2, "requests should be admitted in several waves"
     assert sched.stats.largest_batch == 3 and sched.live == 0
 
 
@@ -90,20 +90,22 @@ def test_limits_checked_at_submit(runner):
 def test_failed_step_fails_its_requests_and_loop_goes_on(runner, monkeypatch):
     sched = Scheduler(runner)
     errors: list[BaseException] = []
-    real = runner.decode_inplace
     calls = {"n": 0}
 
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("boom")
-        return real(*args, **kwargs)
+    def flaky(real):
+        def launch(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("boom")
+            return real(*args, **kwargs)
+        return launch
 
-    monkeypatch.setattr(runner, "decode_inplace", flaky)
+    for name in ("forward", "forward_ahead"):
+        monkeypatch.setattr(runner, name, flaky(getattr(runner, name)))
     sched.submit(GenRequest(PROMPTS[0], 8, lambda *a: None, errors.append))
     sched.run_until_idle()
     assert len(errors) == 1 and "boom" in str(errors[0])
-    monkeypatch.setattr(runner, "decode_inplace", real)
+    monkeypatch.undo()
     assert collect(sched, [PROMPTS[2]], max_tokens=4)[0][0] == runner.generate([PROMPTS[2]], max_new_tokens=4)[0].token_ids
 
 
@@ -125,32 +127,6 @@ def test_thread_streams_and_stop_fails_pending(runner):
     assert not sched.thread.is_alive()
     with pytest.raises(SchedulerStopped):
         sched.submit(GenRequest(PROMPTS[4], 6, emit, lambda e: None))
-
-
-def test_decode_inplace_equals_decode_and_advances_only_active_rows(runner):
-    import torch
-
-    runner.prefill(PROMPTS[:3], range(3))
-    tokens, positions = torch.tensor([5, 9, 100]), torch.tensor([4, 8, 2])
-    want = runner.decode(tokens, positions, 16).clone()
-    runner.prefill(PROMPTS[:3], range(3))  # the same cache again (decode wrote K/V at those positions)
-    state = runner.state
-    state.tokens[:3], state.positions[:3] = tokens, positions
-    state.active[:3] = torch.tensor([1, 0, 1])
-    got = runner.decode_inplace(3, 16)
-    assert torch.equal(got, want)
-    assert state.tokens[:3].tolist() == want.argmax(-1).tolist()
-    assert state.positions[:3].tolist() == [5, 8, 3]
-
-
-def test_rows_that_stop_launching_stop_advancing(runner):
-    sched = Scheduler(runner)
-    done = collect(sched, PROMPTS[:3], max_tokens=[1, 5, 3])
-    assert [len(ids) for ids, _ in done] == [1, 5, 3]
-    assert sched.advancing == set()  # nothing launches any more: every row is inactive on the device
-    assert runner.state.active.tolist() == [0, 0, 0]
-    # parked rows sit at 0; the max_tokens=1 request never launched and stays at its prompt length
-    assert runner.state.positions.tolist() == [len(PROMPTS[0]), 0, 0]
 
 
 def test_while_waiting_work_is_done_on_the_loop_thread_and_drained_when_idle(runner):
@@ -205,8 +181,8 @@ def test_an_idle_loop_runs_drain_instead_of_while_waiting_and_counts_where_its_t
     sched.stop()
     assert drained_by and set(drained_by) == {"engine-loop"}
     stats = sched.stats
-    assert stats.prefill_s > 0 and stats.queued_s >= 0 and stats.drain_s >= 0
-    assert stats.prefill_s <= stats.launch_s <= stats.busy_s
+    assert stats.mixed_s > 0 and stats.drain_s >= 0
+    assert stats.mixed_forward_s <= stats.forward_s <= stats.busy_s
     assert waited  # asked while a step ran (GPU) or after each step (CPU): the drain replaces only the idle loop
 
 
@@ -255,7 +231,7 @@ def test_an_idle_engine_admits_a_burst_of_arrivals_together_only_with_an_admit_g
             assert finished.acquire(timeout=30)
     finally:
         sched.stop()
-    assert (sched.stats.prefills == 1) is together
+    assert (sched.stats.mixed_steps == 1) is together
     # It waited out the arrivals 40 ms apart: the third came 80 ms after the first was submitted, and the loop
     # starts gathering when it wakes to the first (CI measured 79 ms), so half of that tells the two apart.
     assert (sched.stats.gather_s >= 0.04) is together
@@ -270,66 +246,24 @@ def test_a_lone_request_at_an_idle_engine_waits_one_gap(runner):
         assert finished.wait(30)
     finally:
         sched.stop()
-    assert 0.1 <= sched.stats.gather_s < 0.5 and sched.stats.prefills == 1
-
-
-def _prefill_steps(sched, runner, monkeypatch) -> list[int]:
-    """The scheduler's step count at each of its prefills (filled in as it runs)."""
-    at: list[int] = []
-    real = runner.prefill
-
-    def counted(*args, **kwargs):
-        at.append(sched.stats.steps)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "prefill", counted)
-    return at
-
-
-@pytest.mark.parametrize("every, deferred", [(6, True), (1, False)])
-def test_a_busy_engine_admits_an_arrival_at_most_every_admit_every_steps(runner, monkeypatch, every, deferred):
-    """3 slots, 4 requests: the fourth waits while three decode; the first ends after 3 tokens. Admitted
-    every 6 steps, the fourth joins at the sixth step, not when the slot frees; its tokens are unchanged."""
-    sched = Scheduler(runner, admit_every_steps=every)
-    at = _prefill_steps(sched, runner, monkeypatch)
-    max_tokens = [3, 12, 12, 4]
-    got = collect(sched, PROMPTS[:4], max_tokens=max_tokens)
-    prefilled_at = list(at)  # before `generate` below prefills too
-    for p, n, (ids, _) in zip(PROMPTS[:4], max_tokens, got):
-        assert ids == runner.generate([p], max_new_tokens=n)[0].token_ids
-    assert len(prefilled_at) == 2 and prefilled_at[0] == 0
-    assert (prefilled_at[1] >= 6) is deferred, prefilled_at
-
-
-def test_a_burst_at_a_busy_engine_is_admitted_at_once(runner, monkeypatch):
-    """Two arrivals beside one live request outnumber it (WAITING_SERVED_RATIO): admitted at the next step
-    although the last admission was one step ago."""
-    sched = Scheduler(runner, admit_every_steps=50)
-    at = _prefill_steps(sched, runner, monkeypatch)
-    sched.submit(GenRequest(PROMPTS[0], 8, lambda *a: None, print))
-    sched.step()
-    for prompt in PROMPTS[1:3]:
-        sched.submit(GenRequest(prompt, 8, lambda *a: None, print))
-    sched.step()
-    assert at == [0, 1] and sched.live == 3
-    sched.run_until_idle()
+    assert 0.1 <= sched.stats.gather_s < 0.5 and sched.stats.mixed_steps == 1
 
 
 @pytest.mark.parametrize("every, second_prompt, admitted_at", [(4, [0, 100], 5), (1, [0, 100], 2),
                                                             (50, list(range(15)), 2)],
                          ids=["trickle-held", "every-step", "fills-the-budget"])
-def test_a_busy_paged_engine_admits_a_trickle_at_most_every_admit_every_steps(runner, every, second_prompt,
+def test_a_busy_engine_admits_a_trickle_at_most_every_admit_every_steps(runner, every, second_prompt,
                                                                                admitted_at):
     """One request live, one arrives: a short prompt waits until `admit_every_steps` steps have passed since the
     last admission (a step with a prompt chunk is launched op by op; a trickle of them would make every step
     one), one that fills the step's token budget beside the live decode (16 - 1 tokens) joins at the next
     step; its tokens are the same either way."""
-    from serving.engine.paged_cache import PagedKVConfig
-    from serving.engine.paged_runner import load_paged_engine
-    from serving.engine.paged_scheduler import PagedScheduler
+    from serving.engine.kv_cache import KVCacheConfig
+    from serving.engine.runner import load_engine
+    from serving.engine.scheduler import Scheduler
 
-    engine = load_paged_engine(runner.info.path, device="cpu", config=PagedKVConfig(8, 32, max_num_tokens=16))
-    sched = PagedScheduler(engine, admit_every_steps=every)
+    engine = load_engine(runner.info.path, device="cpu", config=KVCacheConfig(8, 32, max_num_tokens=16))
+    sched = Scheduler(engine, admit_every_steps=every)
     got: dict[str, list[int]] = {"a": [], "b": []}
     sched.submit(GenRequest(PROMPTS[0], 12, lambda ids, r: got["a"].extend(ids), print))
     sched.step()
@@ -355,25 +289,20 @@ def test_a_negative_admit_gap_is_refused_by_name(runner):
         Scheduler(runner, admit_gap_s=-1)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
-def test_both_schedulers_share_the_queue_limit_and_the_lifecycle(runner, paged):
-    """`scheduler_loop.SchedulerLoop` under both: a request past `max_waiting` is refused as overloaded and
+def test_the_queue_limit_and_the_lifecycle(runner):
+    """`scheduler_loop.SchedulerLoop`: a request past `max_waiting` is refused as overloaded and
     nothing is queued; a request streams on the loop's thread; stop() fails what still waits, joins the
     thread and refuses what comes after."""
-    from serving.engine.paged_cache import PagedKVConfig
-    from serving.engine.paged_runner import load_paged_engine
-    from serving.engine.paged_scheduler import PagedScheduler
-    from serving.engine.scheduler import SchedulerFull
+    from serving.engine.kv_cache import KVCacheConfig
+    from serving.engine.runner import load_engine
+    from serving.engine.scheduler import Scheduler, SchedulerFull
 
-    if paged:
-        engine = load_paged_engine(runner.info.path, device="cpu", config=PagedKVConfig(8, 16, max_num_tokens=16))
-        make = PagedScheduler
-    else:
-        engine, make = runner, Scheduler
+    engine = load_engine(runner.info.path, device="cpu", config=KVCacheConfig(8, 16, max_num_tokens=16))
+    make = Scheduler
     failed: list[BaseException] = []
     sched = make(engine, max_waiting=1)
     sched.submit(GenRequest(PROMPTS[0], 4, lambda ids, r: None, failed.append))
-    setting = "paged.max_waiting=1" if paged else "max_waiting=1"
+    setting = "kv_cache.max_waiting=1"
     with pytest.raises(SchedulerFull, match=rf"resource exhausted: 1 requests already wait for admission \({setting}; "):
         sched.submit(GenRequest(PROMPTS[1], 4, lambda ids, r: None, failed.append))
     assert len(sched.waiting) == 1
@@ -398,7 +327,7 @@ def test_the_tighter_of_two_queue_limits_holds_and_names_its_setting(runner):
 
     sched = Scheduler(runner, max_waiting=3)
     sched.limit_waiting(5, "max_queue_size")
-    assert (sched.max_waiting, sched.max_waiting_setting) == (3, "max_waiting")
+    assert (sched.max_waiting, sched.max_waiting_setting) == (3, "kv_cache.max_waiting")
     sched.limit_waiting(1, "max_queue_size")
     sched.submit(GenRequest(PROMPTS[0], 4, lambda ids, r: None, lambda exc: None))
     with pytest.raises(SchedulerFull, match=r"1 requests already wait for admission \(max_queue_size=1; "):
@@ -458,20 +387,16 @@ def test_work_until_hands_the_wait_to_work_while_when_set(runner):
     assert seen == [True, True, False]
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
-def test_an_asynchronous_loop_launches_every_step_holding_the_lock_the_intake_waits_for(runner, paged, monkeypatch):
+def test_an_asynchronous_loop_launches_every_step_holding_the_lock_the_intake_waits_for(runner, monkeypatch):
     """On CUDA (here: a loop told it is not synchronous) every launch of a step (prefill, decode, a paged
     mixed step) runs inside `launching()`, and `between_launches()` (Triton's request intake) waits while it
     is held; a synchronous loop (the CPU's) and `exclusive_launch = False` take no lock at all."""
-    from serving.engine.paged_cache import PagedKVConfig
-    from serving.engine.paged_runner import load_paged_engine
-    from serving.engine.paged_scheduler import PagedScheduler
+    from serving.engine.kv_cache import KVCacheConfig
+    from serving.engine.runner import load_engine
+    from serving.engine.scheduler import Scheduler
 
-    if paged:
-        engine = load_paged_engine(runner.info.path, device="cpu", config=PagedKVConfig(8, 16, max_num_tokens=16))
-        make, launches = PagedScheduler, ("forward", "forward_ahead")
-    else:
-        engine, make, launches = runner, Scheduler, ("prefill", "decode_inplace")
+    engine = load_engine(runner.info.path, device="cpu", config=KVCacheConfig(8, 16, max_num_tokens=16))
+    make, launches = Scheduler, ("forward", "forward_ahead")
     monkeypatch.setattr(make, "synchronous", property(lambda self: False))
     sched = make(engine)
     held: list[bool] = []
@@ -479,15 +404,11 @@ def test_an_asynchronous_loop_launches_every_step_holding_the_lock_the_intake_wa
         launch = getattr(engine, name)
         monkeypatch.setattr(engine, name, lambda *a, _launch=launch, **k: held.append(sched._launch_lock.locked())
                             or _launch(*a, **k))
-    out = collect(sched, PROMPTS[:2], max_tokens=3) if not paged else None
-    if paged:
-        done: list[str] = []
-        for prompt in PROMPTS[:2]:
-            sched.submit(GenRequest(prompt, 3, lambda ids, r: r and done.append(r), lambda e: None))
-        sched.run_until_idle()
-        assert done == ["length", "length"]
-    else:
-        assert [len(ids) for ids, _ in out] == [3, 3]
+    done: list[str] = []
+    for prompt in PROMPTS[:2]:
+        sched.submit(GenRequest(prompt, 3, lambda ids, r: r and done.append(r), lambda e: None))
+    sched.run_until_idle()
+    assert done == ["length", "length"]
     assert len(held) >= 3 and all(held), held
 
     entered = threading.Event()
@@ -512,21 +433,17 @@ def test_an_asynchronous_loop_launches_every_step_holding_the_lock_the_intake_wa
         pass
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
-def test_a_loop_that_fails_answers_every_request_and_refuses_new_ones(runner, paged, monkeypatch):
+def test_a_loop_that_fails_answers_every_request_and_refuses_new_ones(runner, monkeypatch):
     """An error escaping a step (a bug, a failed device) ends the loop, but not silently: the requests it held,
     waiting and live, fail with EngineLoopFailed naming the error, and later submits are refused naming it too,
     so no client waits forever on a dead engine thread."""
-    from serving.engine.paged_cache import PagedKVConfig
-    from serving.engine.paged_runner import load_paged_engine
-    from serving.engine.paged_scheduler import PagedScheduler
+    from serving.engine.kv_cache import KVCacheConfig
+    from serving.engine.runner import load_engine
+    from serving.engine.scheduler import Scheduler
     from serving.engine.scheduler_loop import EngineLoopFailed
 
-    if paged:
-        engine = load_paged_engine(runner.info.path, device="cpu", config=PagedKVConfig(8, 16, max_num_tokens=16))
-        sched = PagedScheduler(engine)
-    else:
-        sched = Scheduler(runner)
+    engine = load_engine(runner.info.path, device="cpu", config=KVCacheConfig(8, 16, max_num_tokens=16))
+    sched = Scheduler(engine)
     steps = 0
     step = type(sched).step
 

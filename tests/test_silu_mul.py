@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from serving.engine import silu_mul
-from serving.engine.model import FeedForward, ModelArgs
+from serving.engine.model import ModelArgs
+from serving.engine.models.llama import FeedForward
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and silu_mul.triton is not None
 HAS_CUDA = torch.cuda.is_available() and silu_mul.triton is not None and not INTERPRET

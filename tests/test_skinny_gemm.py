@@ -156,10 +156,12 @@ def test_cuda_tuned_configs_match_f_linear(key):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
-def test_cuda_compiled_decode_step_with_kernels_matches_cublas(tmp_path, monkeypatch):
-    """A bf16 tiny engine whose shapes are put in the table (split-K configs, so the partial sums are
-    fused into the compiled step's elementwise kernels) decodes, compiled in CUDA graphs, the logits of
-    the same step with cuBLAS within bf16 rounding."""
+def test_cuda_decode_step_with_kernels_matches_cublas(tmp_path, monkeypatch):
+    """A bf16 tiny engine whose shapes are put in the table (split-K configs) decodes, in the decode-only step
+    (`cuda_graphs.paged_decode_logits`), the logits of the same step with cuBLAS within bf16 rounding, and its
+    CUDA graphs the same first greedy tokens."""
+    from engine_reference import decode_step_logits
+
     from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
     from tasks.tiny_model import make_tiny_model
 
@@ -176,21 +178,16 @@ def test_cuda_compiled_decode_step_with_kernels_matches_cublas(tmp_path, monkeyp
         table[(MAX_ROWS, n, k)] = GemmConfig("dot", 32, 16, 2).key()
     tuned_table(monkeypatch, table)
     runners = {gemm: load_engine(info.path, device="cuda", decode_gemm=gemm) for gemm in ("triton", "torch")}
-    assert runners["triton"].model.decode_gemm_impl == "triton"
+    assert runners["triton"].decode.gemm == "triton"
     launched = []
     real_launch = skinny_gemm.launch
     monkeypatch.setattr(skinny_gemm, "launch", lambda *args, **kw: launched.append(args[2]) or real_launch(*args, **kw))
     prompts = [[0, 5, 6, 7], [0, 9, 10, 11, 12, 13, 14, 15], [0, 100]]
     for bsz in (1, 3):
-        logits = {}
-        for gemm, runner in runners.items():
-            runner.compile_decode()
-            runner.prefill(prompts[:bsz], range(bsz))
-            tokens = torch.tensor([5, 9, 100][:bsz], device="cuda")
-            pos = torch.tensor([4, 8, 2][:bsz], device="cuda")
-            logits[gemm] = runner.decode(tokens, pos, 9).clone()
+        logits = {gemm: decode_step_logits(runner, prompts[:bsz], [5, 9, 100][:bsz], gemm)
+                  for gemm, runner in runners.items()}
         err = (logits["triton"] - logits["torch"]).abs().max().item()
-        print(f"skinny vs cuBLAS compiled decode logits, batch {bsz}: max abs err {err:.4f}")
+        print(f"skinny vs cuBLAS decode logits, batch {bsz}: max abs err {err:.4f}")
         assert err < 0.05 * max(logits["torch"].abs().max().item(), 1.0)
         greedy = [[g.token_ids for g in r.generate(prompts, max_new_tokens=8, logprobs=False)] for r in runners.values()]
         assert greedy[0][0][:2] == greedy[1][0][:2]

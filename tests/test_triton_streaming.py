@@ -27,10 +27,9 @@ def world(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("stream")
     engine_dir = make_tiny_engine(work, seed=0, max_batch_size=4)
     root = init_repository(work / "repo")
-    # decode_gemm, decode_attention: the llm passes them to load_engine (on the CPU "torch" and "matmul" are
-    # what "auto" picks anyway)
+    # decode_gemm: the llm passes it to load_engine (on the CPU "torch" is what "auto" picks anyway)
     stage_engine_version(root, "tiny", engine_dir, device_kind="cpu",
-                         parameters={"decoupled": "true", "decode_gemm": "torch", "decode_attention": "matmul"})
+                         parameters={"decoupled": "true", "decode_gemm": "torch"})
     servers = TritonServers(work)
     proc = servers.start(root)
     control = proc.control()
@@ -155,20 +154,20 @@ def test_a_cancelled_stream_frees_its_slot_and_serving_goes_on(world) -> None:
     assert "cancelled=1," in stats and "finished=0," in stats, stats
 
 
-def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
-    """The same checkpoint built with a paged KV cache (40 blocks of 8 positions, 16 tokens a step, at most 6
-    requests waiting), staged with no loader named: the llm model's default loader serves it paged
-    (engine.json says so), more requests than live slots, streamed and accumulated, each with the static
-    engine's tokens. Then a burst of 48 long requests at once: 4 live, 6 wait, and the ones past the queue
+def test_an_engine_with_a_small_pool_streams_the_default_engines_tokens(world) -> None:
+    """The same checkpoint built with a small KV cache (40 blocks of 8 positions, 16 tokens a step, at most 6
+    requests waiting), staged with no loader named: the llm model's default loader serves it with that pool
+    (engine.json says so), more requests than live slots, streamed and accumulated, each with the tokens of the
+    engine of the default pool. Then a burst of 48 long requests at once: 4 live, 6 wait, and the ones past the queue
     limit are refused with UNAVAILABLE in words that clients and the OpenAI front read as overload (429);
     the others are served."""
     from serving.engine import EngineLimits, build_engine
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
     from serving.llm_client import is_overload
     from serving.openai.backend import Overloaded, _error
 
     root, control, work = world["root"], world["control"], Path(world["work"])
-    paged = build_engine(work / "ckpt-0", work / "engine-paged", paged=PagedKVConfig(8, 40, max_num_tokens=16,
+    paged = build_engine(work / "ckpt-0", work / "engine-paged", kv_cache=KVCacheConfig(8, 40, max_num_tokens=16,
                                                                                      max_waiting=6),
                          limits=EngineLimits(dtype="float32", max_batch_size=4, max_input_len=128, max_seq_len=256))
     stage_engine_version(root, "paged", paged.path, device_kind="cpu",
@@ -186,26 +185,26 @@ def test_a_paged_engine_streams_the_static_engines_tokens(world) -> None:
         control.unload_model("paged_v1", wait=True)
     refused, served = burst.get("errors", []), [k for k in map(str, range(BURST)) if burst[k]]
     assert len(refused) >= 2 and len(refused) + len(served) == BURST, burst  # 4 live + 6 waiting at most
-    assert all("resource exhausted" in e and "paged.max_waiting=6" in e for e in refused), refused
+    assert all("resource exhausted" in e and "kv_cache.max_waiting=6" in e for e in refused), refused
     assert all(is_overload("", e) and isinstance(_error(RuntimeError(e), "m"), Overloaded) for e in refused)
     want = load_engine(world["engine"], device="cpu").generate(PROMPTS, max_new_tokens=BURST_TOKENS)
     for k in served:
         assert [t for ids, _, _ in burst[k] for t in ids] == want[int(k) % 4].token_ids, f"burst request {k}"
     logs = "".join(p.read_text(errors="replace") for p in work.glob("triton-*.log"))
     joined = next(line for line in logs.splitlines() if "[paged_v1 v1] engine thread joined" in line)
-    assert "scheduler PagedStats(" in joined and f"finished={6 + len(served)}," in joined, joined
+    assert "scheduler SchedulerStats(" in joined and f"finished={6 + len(served)}," in joined, joined
 
 
 def test_a_paged_engine_with_prefix_caching_serves_a_shared_prompt_from_its_cache(world) -> None:
     """Built with `prefix_caching`: requests whose prompts share 24 tokens (three blocks of 8), sent after one
-    another, stream the static engine's tokens, and the scheduler counted the shared blocks as taken from the
+    another, stream the default engine's tokens, and the scheduler counted the shared blocks as taken from the
     cache (its counters in the log at unload)."""
     from serving.engine import EngineLimits, build_engine
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
 
     root, control, work = world["root"], world["control"], Path(world["work"])
     built = build_engine(work / "ckpt-0", work / "engine-prefix",
-                         paged=PagedKVConfig(8, 40, max_num_tokens=16, prefix_caching=True),
+                         kv_cache=KVCacheConfig(8, 40, max_num_tokens=16, prefix_caching=True),
                          limits=EngineLimits(dtype="float32", max_batch_size=4, max_input_len=128, max_seq_len=256))
     stage_engine_version(root, "prefix", built.path, device_kind="cpu", parameters={"decoupled": "true"})
     control.load_model("prefix_v1", timeout_s=90)

@@ -475,12 +475,12 @@ def _kwargs_loader(engine_dir: Path, **kwargs: str) -> None:
 @pytest.mark.parametrize(("given", "kwargs"), [
     ({}, "{'device': 'cpu'}"),
     ({"decode_gemm": "Torch"}, "{'device': 'cpu', 'decode_gemm': 'torch'}"),
-    ({"decode_attention": "matmul", "decode_gemm": ""}, "{'device': 'cpu', 'decode_attention': 'matmul'}"),
+    ({"decode_gemm": ""}, "{'device': 'cpu'}"),
 ])
 def test_llm_passes_decode_kernel_choices_to_the_loader_only_when_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                       given: dict[str, str], kwargs: str) -> None:
-    """``decode_gemm`` (auto | triton | torch) and ``decode_attention`` (auto | triton | matmul) reach
-    `load_engine`; unset or empty, a custom loader gets no new argument."""
+    """``decode_gemm`` (auto | triton | torch) reaches `load_engine`; unset or empty, a custom loader gets no new
+    argument."""
     monkeypatch.setattr(llm_mod, "pb_utils", make_fake_pb_utils())
     params = {"engine_loader": {"string_value": "test_triton_units:_kwargs_loader"}}
     params.update({name: {"string_value": value} for name, value in given.items()})
@@ -762,8 +762,7 @@ def test_senders_default_to_one_per_four_cpus_from_one_to_four() -> None:
                                          ("idle_senders", "0"), ("idle_senders", "2.5"), ("idle_senders", "65"),
                                          ("busy_senders", "0"),
                                          ("admit_gap_ms", "-1"), ("decode_gemm", "cublas"),
-                                         ("decode_attention", "flash"), ("compile_decode", "ture"),
-                                         ("warmup", "maybe"), ("decode_pdl", "2"), ("decoupled", "yes please"),
+                                         ("warmup", "maybe"), ("in_flight", "2"), ("decoupled", "yes please"),
                                          ("cuda_alloc_conf", "expandable_segments"), ("prefix_caching", "maybe"),
                                          ("execute_waits_launches", "sometimes"),
                                          ("cuda_alloc_conf", "max_split_size_mb:64,turbo:1")])
@@ -777,7 +776,7 @@ def test_llm_config_refuses_a_bad_numeric_parameter_by_name(name: str, value: st
                                                  ("False", True, False), ("0", True, False), ("On", False, True),
                                                  (" yes ", False, True)])
 def test_boolean_parameters_read_the_same_words_everywhere(raw: str | None, default: bool, value: bool) -> None:
-    name = "warmup" if default else "compile_decode"
+    name = "warmup" if default else "decoupled"
     assert params_mod.BOOLEAN_PARAMETERS[name] is default
     assert params_mod.flag({} if raw is None else {name: raw}, name) is value
 
@@ -803,35 +802,6 @@ def test_llm_config_keeps_good_millisecond_parameters() -> None:
     assert cfg["parameters"]["idle_senders"] == {"string_value": "8"}
 
 
-class FakeGraphs:
-    """Decode graphs whose warm-up (where a compile happens) fails when told to."""
-
-    def __init__(self, kind: str, fail: bool = False) -> None:
-        self.kind, self.fail, self.warmed = kind, fail, False
-
-    def warm_up(self) -> None:
-        if self.fail:
-            raise RuntimeError("inductor: griddepcontrol is not supported")
-        self.warmed = True
-
-
-class CompileRunner:
-    """A runner whose compiled decode step fails at its first capture for the PDL settings in `failing`."""
-
-    def __init__(self, failing: set[bool]) -> None:
-        self.failing = failing
-        self.graphs = FakeGraphs("eager")
-        self.calls: list[tuple] = []
-
-    def compile_decode(self, *, pdl: bool) -> None:
-        self.calls.append(("compile", pdl))
-        self.graphs = FakeGraphs(f"compiled pdl={pdl}", fail=pdl in self.failing)
-
-    def eager_graphs(self) -> None:
-        self.calls.append(("eager",))
-        self.graphs = FakeGraphs("eager")
-
-
 class ListLog:
     prefix = "llm_1"
 
@@ -844,31 +814,37 @@ class ListLog:
     error = info
 
 
-@pytest.mark.parametrize(("decode_pdl", "failing", "calls", "serves"), [
-    (True, set(), [("compile", True)], "compiled pdl=True"),
-    (True, {True}, [("compile", True), ("compile", False)], "compiled pdl=False"),
-    (True, {True, False}, [("compile", True), ("compile", False), ("eager",)], "eager"),
-    (False, {False}, [("compile", False), ("eager",)], "eager"),
-])
-def test_a_failed_decode_compile_falls_back_without_pdl_then_to_eager_graphs(decode_pdl, failing, calls, serves):
-    runner, log = CompileRunner(failing), ListLog()
-    engine = llm_mod.EngineThread(runner, log, device_id=None, compile_decode=True, warmup=True,
-                                  decode_pdl=decode_pdl)
-    engine.prepare_decode()
-    assert runner.calls == calls
-    assert runner.graphs.kind == serves and runner.graphs.warmed
-    assert engine.decode_pdl == (serves == "compiled pdl=True")
-    assert engine.compile_decode == (serves != "eager")
-    failures = [line for line in log.lines if "failed" in line]
-    assert len(failures) == len(failing)
-    assert all(f"decode_pdl={pdl}" in line for line, pdl in zip(failures, [c[1] for c in calls if c[0] == "compile"]))
-    assert all("griddepcontrol" in line for line in failures)
+class WarmRunner:
+    """A runner that records its warm-up and hands out a scheduler whose loop returns at once."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def warm_up_prefill(self) -> None:
+        self.calls.append("warm_up")
+
+    def scheduler(self, **options) -> object:
+        self.calls.append(f"scheduler admit_every_steps={options['admit_every_steps']}")
+        runner = self
+
+        class Loop:
+            work_while = None
+            exclusive_launch = True
+
+            def run_forever(self) -> None:
+                runner.calls.append("run")
+
+        return Loop()
 
 
-def test_without_compile_the_eager_graphs_are_captured_once():
-    runner = CompileRunner(set())
-    llm_mod.EngineThread(runner, ListLog(), device_id=None, compile_decode=False, warmup=True).prepare_decode()
-    assert runner.calls == [] and runner.graphs.warmed
+@pytest.mark.parametrize("warmup", [True, False])
+def test_the_engine_thread_warms_up_then_runs_the_runners_scheduler(warmup):
+    runner, log = WarmRunner(), ListLog()
+    engine = llm_mod.EngineThread(runner, log, device_id=None, warmup=warmup, admit_every_steps=8)
+    engine.start(timeout_s=10)
+    engine.thread.join(10)
+    assert runner.calls == ["warm_up"] * warmup + ["scheduler admit_every_steps=8", "run"]
+    assert any("engine thread ready in" in line and f"warmup={warmup}" in line for line in log.lines)
 
 
 # ---------------------------------------------------------------- one model per version, fit check

@@ -19,7 +19,10 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("CheckpointError", "CheckpointNotFoundError", "EngineError", "EngineExistsError",
                      "EngineFormatError", "EngineIntegrityError", "EngineLimitError", "ToolchainMismatchError",
                      "UnsupportedArchitectureError"), "errors"),
-    **dict.fromkeys(("SUPPORTED_ARCHITECTURES", "KVCache", "ModelArgs", "Transformer"), "model"),
+    "ModelArgs": "model",
+    "SUPPORTED_ARCHITECTURES": "models.registry",
+    "Transformer": "models.llama",
+    "KVCacheConfig": "kv_cache",
     **dict.fromkeys(("EngineRunner", "Generation", "load_engine"), "runner"),
     **dict.fromkeys(("SamplingParams", "sample"), "sampling"),
 }

@@ -2,8 +2,8 @@
 
 An engine folder is self-contained:
 
-    engine.json                 format, model args, limits, quantization, toolchain, sha256 of every file,
-                                fingerprint
+    engine.json                 format, model args, limits, quantization, KV-cache settings, toolchain,
+                                sha256 of every file, fingerprint
     weights-0000i-of-0000N.pt   torch.save'd tensor dicts (load with torch alone, mmap)
     tokenizer.json, ...         tokenizer files copied from the checkpoint
 
@@ -47,8 +47,8 @@ from serving.engine.errors import (
     EngineLimitError,
     ToolchainMismatchError,
 )
+from serving.engine.kv_cache import KVCacheConfig, check_kv_cache_config, kv_block_bytes, kv_element_bytes
 from serving.engine.model import ModelArgs
-from serving.engine.paged_cache import PagedKVConfig, check_paged_config, kv_block_bytes, kv_element_bytes
 from serving.engine.quantize import QuantInfo, check_capability_text
 
 ENGINE_FORMAT = "enginewright-torch-engine"
@@ -96,7 +96,7 @@ class EngineInfo:
     path: Path
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
     quantization: QuantInfo = field(default_factory=QuantInfo)
-    paged: PagedKVConfig | None = None  # the paged KV cache's settings (`paged_runner`); None: static only
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)  # the paged KV cache's settings
 
     @property
     def weight_files(self) -> list[str]:
@@ -191,20 +191,20 @@ def sha256_file(path: Path) -> str:
 
 
 def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits,
-                 quantization: QuantInfo | None = None, paged: PagedKVConfig | None = None) -> EngineInfo:
+                 quantization: QuantInfo | None = None, kv_cache: KVCacheConfig | None = None) -> EngineInfo:
     """Write the engine folder `out_dir` from an engine checkpoint; idempotent for identical inputs.
-    `quantization`, when given, must be what the checkpoint was converted with; `paged`, when given, is
-    checked against the limits and recorded."""
+    `quantization`, when given, must be what the checkpoint was converted with; `kv_cache` (default:
+    `KVCacheConfig()`) is checked against the limits and recorded."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     meta = read_checkpoint_meta(checkpoint_dir)
     model = ModelArgs.from_dict(meta["model"])
     limits.validate(model)
-    if paged is not None:
-        check_paged_config(paged, max_seq_len=limits.max_seq_len, max_batch_size=limits.max_batch_size,
-                           block_bytes=kv_block_bytes(n_layers=model.n_layers, n_kv_heads=model.n_kv_heads,
-                                                      head_dim=model.head_dim, block_size=max(paged.block_size, 1),
-                                                      element_bytes=kv_element_bytes(paged.kv_cache_dtype,
-                                                                                     DTYPES[limits.dtype].itemsize)))
+    kv_cache = kv_cache or KVCacheConfig()
+    check_kv_cache_config(kv_cache, max_seq_len=limits.max_seq_len, max_batch_size=limits.max_batch_size,
+                          block_bytes=kv_block_bytes(n_layers=model.n_layers, n_kv_heads=model.n_kv_heads,
+                                                     head_dim=model.head_dim, block_size=max(kv_cache.block_size, 1),
+                                                     element_bytes=kv_element_bytes(kv_cache.kv_cache_dtype,
+                                                                                    DTYPES[limits.dtype].itemsize)))
     if limits.dtype != meta["dtype"]:
         raise EngineLimitError(f"limits.dtype={limits.dtype!r} but checkpoint {str(checkpoint_dir)!r} was "
                                f"converted to dtype={meta['dtype']!r}; convert with dtype={limits.dtype!r}")
@@ -236,11 +236,10 @@ def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits,
             "limits": dataclasses.asdict(limits),
             "toolchain": toolchain,
             "files": files,
+            "kv_cache": kv_cache.to_dict(),
         }
         if quantization.enabled:  # (absent for unquantized engines: their fingerprints stay as they were)
             engine_json["quantization"] = meta["quantization"]
-        if paged is not None:  # (absent for static-only engines: their fingerprints stay as they were)
-            engine_json["paged"] = paged.to_dict()
         engine_json["fingerprint"] = compute_fingerprint(engine_json)
         (tmp / ENGINE_JSON).write_text(json.dumps(engine_json, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
@@ -288,10 +287,20 @@ def read_engine_info(engine_dir: Path) -> EngineInfo:
             path=engine_dir,
             files=d["files"],
             quantization=QuantInfo.from_dict(d.get("quantization")),
-            paged=PagedKVConfig.from_dict(d["paged"]) if d.get("paged") else None,
+            kv_cache=_kv_cache_record(d),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise EngineFormatError(f"{path} is malformed: {e!r}") from None
+
+
+def _kv_cache_record(d: dict[str, Any]) -> KVCacheConfig:
+    """engine.json's `kv_cache`; an engine built by an earlier release has `paged` (the same settings) or
+    neither (a static cache: the pool then has the room of that cache, `kv_cache.static_pool_blocks`)."""
+    if "kv_cache" in d:
+        return KVCacheConfig.from_dict(d["kv_cache"])
+    if d.get("paged"):
+        return KVCacheConfig.from_dict(d["paged"], setting="paged")
+    return KVCacheConfig()
 
 
 def verify_engine(engine_dir: Path) -> EngineInfo:

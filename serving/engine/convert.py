@@ -37,7 +37,8 @@ from serving.engine.errors import (
     EngineExistsError,
     EngineLimitError,
 )
-from serving.engine.model import ModelArgs, engine_param_names
+from serving.engine.model import ModelArgs
+from serving.engine.models.registry import model_args_of, registered
 from serving.engine.quantize import SCALE_SUFFIX, QuantInfo, quantize_weight
 
 CHECKPOINT_FORMAT = "enginewright-torch-checkpoint"
@@ -47,26 +48,6 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "tokenizer.model", "chat_template.jinja")
 
-# HF name -> (engine name, part index, number of parts); `{i}` is the layer index.
-HF_TO_ENGINE: dict[str, tuple[str, int, int]] = {
-    "model.embed_tokens.weight": ("tok_embeddings.weight", 0, 1),
-    "model.norm.weight": ("norm.weight", 0, 1),
-    "lm_head.weight": ("output.weight", 0, 1),
-    "model.layers.{i}.self_attn.q_proj.weight": ("layers.{i}.attention.wqkv.weight", 0, 3),
-    "model.layers.{i}.self_attn.k_proj.weight": ("layers.{i}.attention.wqkv.weight", 1, 3),
-    "model.layers.{i}.self_attn.v_proj.weight": ("layers.{i}.attention.wqkv.weight", 2, 3),
-    "model.layers.{i}.self_attn.q_proj.bias": ("layers.{i}.attention.wqkv.bias", 0, 3),
-    "model.layers.{i}.self_attn.k_proj.bias": ("layers.{i}.attention.wqkv.bias", 1, 3),
-    "model.layers.{i}.self_attn.v_proj.bias": ("layers.{i}.attention.wqkv.bias", 2, 3),
-    "model.layers.{i}.self_attn.o_proj.weight": ("layers.{i}.attention.wo.weight", 0, 1),
-    "model.layers.{i}.self_attn.o_proj.bias": ("layers.{i}.attention.wo.bias", 0, 1),
-    "model.layers.{i}.mlp.gate_proj.weight": ("layers.{i}.feed_forward.w13.weight", 0, 2),
-    "model.layers.{i}.mlp.up_proj.weight": ("layers.{i}.feed_forward.w13.weight", 1, 2),
-    "model.layers.{i}.mlp.down_proj.weight": ("layers.{i}.feed_forward.w2.weight", 0, 1),
-    "model.layers.{i}.input_layernorm.weight": ("layers.{i}.attention_norm.weight", 0, 1),
-    "model.layers.{i}.post_attention_layernorm.weight": ("layers.{i}.ffn_norm.weight", 0, 1),
-}
-IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -77,15 +58,17 @@ def parse_dtype(dtype: str, *, setting: str = "dtype") -> torch.dtype:
 
 
 def map_hf_name(name: str, args: ModelArgs) -> tuple[str, int, int] | None:
-    """HF tensor name -> (engine name, part, n_parts); None for tensors the engine drops."""
-    if IGNORED_HF_TENSORS.fullmatch(name) or (name == "lm_head.weight" and args.tie_word_embeddings):
+    """HF tensor name -> (engine name, part, n_parts) by the weight table of `args.architecture`
+    (`models.registry`); None for tensors the engine drops."""
+    arch = registered(args.architecture)
+    if arch.ignored_weights.fullmatch(name) or (name == "lm_head.weight" and args.tie_word_embeddings):
         return None
     m = _LAYER.match(name)
     key, layer = (f"model.layers.{{i}}.{m.group(2)}", m.group(1)) if m else (name, None)
-    if key not in HF_TO_ENGINE:
+    if key not in arch.weights:
         raise CheckpointError(f"unexpected tensor {name!r}: not in the HF->engine weight table for "
                               f"{args.architecture}")
-    target, part, n_parts = HF_TO_ENGINE[key]
+    target, part, n_parts = arch.weights[key]
     return (target.format(i=layer) if layer is not None else target), part, n_parts
 
 
@@ -96,7 +79,7 @@ def read_hf_config(hf_dir: Path) -> tuple[dict[str, Any], ModelArgs]:
     if not path.is_file():
         raise CheckpointNotFoundError(f"HF checkpoint folder {str(hf_dir)!r} has no config.json ({path})")
     config = json.loads(path.read_text())
-    return config, ModelArgs.from_hf_config(config, source=str(path))
+    return config, model_args_of(config, source=str(path))
 
 
 def list_shards(hf_dir: Path) -> list[Path]:
@@ -260,7 +243,7 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
         if pending:
             raise CheckpointError(f"fused tensors incomplete after all shards of {str(hf_dir)!r}: "
                                   f"{ {k: sorted(v) for k, v in pending.items()} } (parts present)")
-        expected = set(engine_param_names(args)) | {name + SCALE_SUFFIX for name in quantized}
+        expected = set(registered(args.architecture).param_names(args)) | {name + SCALE_SUFFIX for name in quantized}
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
         if missing or extra:
             raise CheckpointError(f"checkpoint {str(hf_dir)!r} does not match {args.architecture} config: "

@@ -1,301 +1,245 @@
-"""CUDA graphs of the decode step, one per (batch bucket, KV-length bucket).
+"""Decode-only steps: inputs kept on the device, the tuned decode GEMMs, CUDA graphs over block tables.
 
-`DecodeGraphs.step(tokens [b], input_pos [b], kv_needed)` runs `model.decode_step` for cache rows
-[0, b) by replaying the graph of the smallest batch bucket >= b and the smallest KV bucket >= kv_needed
-(multiples of `kv_block`, capped at the cache length). Rows [b, bucket) of the bucket are fed token 0
-at position 0: they must be free cache rows (the runner and the scheduler fill rows from 0 up), whose
-position 0 is rewritten by the next prefill into them. Graphs are captured lazily, the first time a
-bucket is needed (tens of ms each for the eager step; a compiled step compiles first).
+Once every live request has its prompt in the cache, a paged step is B requests of one token each. Such a
+step runs here instead of through `step.paged_forward` (which stays the path of every step with a
+prefill chunk in it):
 
-With `compile=True` (or "dynamic") the step's start, one decode layer and the LM head are each put under
-`torch.compile(dynamic=True, fullgraph=True)` (`compiled_parts`; inductor fuses RMSNorm, rotary and the
-elementwise tails) and their kernels are then captured like the eager ones, so one compile of each (plus
-one for batch 1, which dynamo specialises) serves every bucket and every layer. Dynamo traces one layer
-instead of all of them. On the H200, Llama-1B, against `compile="whole"` (the whole step under one compile)
-in the same run: compile and capture of batch 1 5.4 against 19.3 s, of batch 64 4.7 against 15.4 s; the
-step 0.852 against 0.866 ms at batch 1 and 1.041 against 1.038 ms at batch 64 (same kernels, fewer at
-batch 1).
-`compile="static"` compiles each (batch bucket, KV bucket) for its exact shapes, with inductor's
-coordinate-descent tuning of the generated kernels: faster kernels, one compile per captured graph.
-`compile="auto"` (the runner's default) does that for batch 1 at the first KV bucket of models under
-4 GB of weights, where inductor then fuses each matrix-vector product with its RMSNorm/SiLU neighbours
-into one tuned reduction kernel (Llama-1B shape on the H200: 1.00 vs 1.12 ms per step; at the 8B shape
-the same fusion was slower than cuBLAS, 5.06 vs 4.89 ms), and compiles every other graph with dynamic
-shapes, where cuBLAS runs the GEMMs either way (1B batch 64: 1.32 vs 1.33 ms). A model whose batch-1
-products all have tuned Triton kernels (`tuned_single_row`) skips the static compile: its speed
-changes from compile to compile (Llama-1B, the same code compiled eight times in one process: 0.90 to
-1.09 ms per step; what the tuning picks is the likely cause, not established), while the dynamic step
-on the tuned kernels ran 0.878-0.880 ms. Batch 1 at longer contexts takes the dynamic compile too: a
-static compile per KV bucket, captured lazily while serving, would stall every stream for a whole
-compile. `warm_up` captures every graph whose capture compiles.
-`pdl=True` launches the step's kernels with programmatic dependent launch (Hopper and later; ignored
-elsewhere): inductor generates it for its kernels, and the step's own Triton kernels (skinny GEMMs,
-attention) take their PDL variants (`serving.engine.pdl`). Each kernel may then start while its
-predecessor finishes, and waits for it before reading what it wrote: it takes off part of the
-per-kernel ramp and tail that dominate a small model's step.
-`whole_row_norms` (default) compiles the step's row reductions (residual add + RMSNorm) in one pass over
-each row where that measured faster (`serving.engine.whole_row_norms`; Llama-1B batch 64: 1.037 against
-1.076 ms per step on an H200).
+- **Block tables on the device, updated incrementally.** `tables` is one row per possible first block
+  (a sequence's first block is its own while it lives, so it names the sequence; with prefix caching, the
+  first block it took itself, `prefix_cache.BlockTable.row_key`): `[num_blocks + 1, W]`,
+  W the blocks of one `max_seq_len` sequence. A step sends only each row's key (its first block), token
+  and position, plus the table entries that changed since the sequence's last decode step (a block
+  opened every `block_size` tokens; a whole row when a new sequence took that first block). The step
+  derives each token's slot and visible length on the device. So the host's per-step work is three small
+  integer arrays, not a padded `[B, W]` table, and one pinned copy.
+- **The decode GEMMs.** The projections and the MLP go through `model._linear_fn` /
+  `_gate_up_fn` with the engine's `decode_gemm` ("triton": the tuned skinny kernels where they were tuned,
+  which are the decode shapes of up to 64 rows; cuBLAS beyond), attention through
+  `paged_attention.paged_decode_attention` (the Triton kernel reading the pools through the tables).
+- **CUDA graphs per batch bucket** (`BUCKETS`, capped at the live limit): rows past B are padding that
+  writes its K/V into a trash block (block `num_blocks`, never handed out) and reads only it. The
+  logits land in one shared `[max_live, V]` float32 buffer (a view of it is returned; consume it before
+  the next step). `warm_up()` captures every bucket before serving; a bucket not captured yet is captured
+  the first time it is needed (capture runs the step on padding only: nothing live is written).
 
-The replay writes into static buffers: the logits returned are a view that the next replay
-overwrites. Consume them (sample) before the next `step`.
+On the CPU (or `graphs=False`) the same code runs eagerly on the same buffers: the tests check it against
+`paged_forward`.
 
-The inputs are the buffers of a `DecodeState` (the runner's), and each graph ends with its `advance`
-(to the greedy tokens the step computed): `step` copies the caller's tokens and positions in first
-(`EngineRunner.generate`), `replay` uses the buffers as they stand (the in-flight scheduler, which keeps
-its rows' state there between steps).
-Capturing a graph runs the step twice outside the capture; those runs would write K/V at the
-buffers' positions and advance the buffers, so the touched cache entries and the buffers are saved
-before and put back after each run: a lazy capture in the middle of serving changes nothing.
+On CUDA the rotary embedding and the K/V write are one kernel (`paged_rope`). A step may take its input
+tokens from the device (`device_tokens`): the previous step's samples, which the scheduler has not read
+yet when it runs one step ahead (`scheduler`).
 
-Imports: stdlib and torch only.
+Imports: stdlib and torch only (Triton through the kernels, lazily).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from serving.engine.compile_cache import pin_ptxas
-from serving.engine.decode_state import DecodeState
-from serving.engine.model import (
-    StepParts,
-    Transformer,
-    decode_head,
-    decode_layer,
-    decode_start,
-    decode_step_greedy,
-    gemm_impl_of,
-)
+from serving.engine import paged_rope
+from serving.engine.kv_cache import PagedKVCache, blocks_for
+from serving.engine.model import ModelArgs, RMSNorm, StepContext, _gate_up_fn, _linear_fn
+from serving.engine.models.llama import Transformer
+from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.pdl import supported as pdl_supported
-from serving.engine.quantize import model_quantization
-from serving.engine.whole_row_norms import compile_options as whole_row_options
-from serving.engine.whole_row_norms import whole_row_reductions
+from serving.engine.quantize import prescale_rows_for
 
-StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (model, tokens, positions, kv_len) -> (logits, greedy)
-DEFAULT_KV_BLOCK = 256
-SINGLE_ROW_FUSION_MAX_BYTES = 4 * 10**9  # "auto": batch 1 compiled static only below this (see above)
+# The decode graphs' kernels launched with programmatic dependent launch where the GPU has it (Hopper and
+# later). Off: no steady gain on the H200 (docs/decisions.md).
+PDL = False
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
-def _decode_step_single(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
-                        pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    # F.linear, so that inductor fuses each matrix-vector product with its neighbours (the point of the
-    # static batch-1 compile); an opaque Triton GEMM would stop that fusion
-    return decode_step_greedy(model, tokens, input_pos, kv_len, gemm="torch", pdl=pdl)
+def decode_buckets(max_live: int) -> list[int]:
+    """The batch buckets graphs are captured at: BUCKETS up to `max_live`, and `max_live` itself."""
+    return sorted({b for b in BUCKETS if b < max_live} | {max_live})
+
+
+def is_decode_only(chunks: Sequence[tuple[list[int], int, list[int]]], sample: Sequence[int]) -> bool:
+    """Whether a step is single tokens only, each sampled in order (what `DecodeGraphs.step` takes)."""
+    in_order = all(i == s for i, s in enumerate(sample))
+    return len(sample) == len(chunks) and in_order and all(len(toks) == 1 for toks, _, _ in chunks)
 
 
 @dataclass
-class _Saved:
-    """What a capture's warm-up runs overwrite: rows [0, bsz) of the state and their K/V entries."""
+class DecodeStep(StepContext):
+    """The attention of a decode-only step: one token a row, its K/V written by the rotation kernel
+    (`paged_rope.rotate_and_write`), attention over the row's blocks (`paged_attention.paged_decode_attention`).
+    No host sync and shapes fixed by the batch: capturable."""
 
-    rows: torch.Tensor
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer
+    positions: torch.Tensor  # [B]
+    slots: torch.Tensor  # [B] block * block_size + offset of each row's new K/V
+    tables: torch.Tensor  # [B, W] block tables
+    lengths: torch.Tensor  # [B] visible positions (position + 1)
+    cache: PagedKVCache
+    rope_cos: torch.Tensor  # [max_seq_len, hd] tables
+    rope_sin: torch.Tensor
+    args: ModelArgs
 
+    def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        a, bsz = self.args, qkv.shape[0]
+        q, _ = paged_rope.rotate_and_write(qkv, self.positions, self.slots, self.rope_cos, self.rope_sin, self.cache,
+                                           layer, a.n_heads, a.n_kv_heads, keys=False, pdl=self.pdl)
+        y = paged_decode_attention(q.view(bsz, a.n_kv_heads, a.n_heads // a.n_kv_heads, a.head_dim),
+                                   self.cache.k[layer], self.cache.v[layer], self.tables, self.lengths,
+                                   1.0 / math.sqrt(a.head_dim), pdl=self.pdl)
+        return y.reshape(bsz, a.q_size)
 
-def single_row_static(bsz: int, kv_len: int, first_kv_bucket: int) -> bool:
-    """Whether the graph of (batch bucket, KV bucket) captures the static batch-1 compile ("auto").
-
-    Only at the first KV bucket: dynamo compiles a static step once per shape, so a graph of batch 1 at
-    another KV bucket, captured lazily while serving, would stall every stream for a whole inductor
-    compile. Those graphs take the dynamic compile, whose batch-1 variant serves every KV bucket."""
-    return bsz == 1 and kv_len == first_kv_bucket
-
-
-def tuned_single_row(model: Transformer) -> bool:
-    """Whether every weight product of the model's batch-1 step runs a tuned Triton kernel in the dynamic
-    compile (`skinny_gemm.TUNED`; w13 through `gate_up.TUNED_GATE_UP` or the skinny table)."""
-    if gemm_impl_of(model) != "triton":
-        return False
-    from serving.engine import gate_up, skinny_gemm
-
-    a = model.args
-    dim, inner = a.dim, a.intermediate_size
-    fused_w13 = model.decode_gate_up and gate_up.config_for(1, inner, dim) is not None
-    w13 = fused_w13 or skinny_gemm.config_for(1, 2 * inner, dim) is not None
-    others = ((a.qkv_size, dim), (dim, a.q_size), (dim, inner), (a.vocab_size, dim))
-    return w13 and all(skinny_gemm.config_for(1, n, k) is not None for n, k in others)
+    def last_hidden(self, norm: RMSNorm, x: torch.Tensor, ff: torch.Tensor) -> torch.Tensor:
+        return norm.add(x, ff, pdl=self.pdl)[1]
 
 
-def graphs_to_warm(buckets: list[int], kv_buckets: list[int], single_static: bool) -> list[tuple[int, int]]:
-    """The (batch bucket, KV bucket) graphs to capture before serving, so that no capture while serving
-    compiles: every batch bucket at the first KV bucket and, next to a static batch-1 step, batch 1 at
-    the second KV bucket (the dynamic compile's batch-1 variant; dynamo specialises batch 1). Graphs of
-    further KV buckets replay compiled code: capturing one lazily takes tens of ms."""
-    first = kv_buckets[0]
-    out = [(bsz, first) for bsz in buckets]
-    if single_static and len(kv_buckets) > 1:
-        out.append((1, kv_buckets[1]))
-    return out
-
-
-def batch_buckets(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then multiples of 8 up to max_batch_size (which is always a bucket)."""
-    out = [b for b in (1, 2, 4) if b < max_batch_size]
-    out += list(range(8, max_batch_size, 8))
-    out.append(max_batch_size)
-    return sorted(set(out))
-
-
-def compiled_parts(options: dict[str, bool] | None, backend: str = "inductor") -> StepParts:
-    """The step's start, one decode layer and the LM head, each under torch.compile(dynamic=True, fullgraph=True)
-    (`model.StepParts`): dynamo traces one layer where a compile of the whole step traces every layer, and all
-    layers run the same compiled code. The kernels are the whole step's (`decode_layer` keeps each residual add
-    with the next RMSNorm)."""
-    def compiled(fn: Callable) -> Callable:
-        return torch.compile(fn, dynamic=True, fullgraph=True, backend=backend, options=options)
-
-    return StepParts(compiled(decode_start), compiled(decode_layer), compiled(decode_head))
-
-
-def compile_options(pdl: bool) -> dict[str, bool]:
-    """Inductor settings of the compiled step beyond its tuning: programmatic dependent launch or none."""
-    return {"triton.enable_pdl": True} if pdl else {}
+def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                        tables: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache, rope_cos: torch.Tensor,
+                        rope_sin: torch.Tensor, gemm: str, pdl: bool = False) -> torch.Tensor:
+    """One token per row (tokens, positions, slots, lengths [B]; tables [B, W]) through `Transformer.step` with a
+    `DecodeStep` -> logits [B, V] in the model's dtype (the caller's copy into its float32 buffer converts them:
+    one pass over [B, V] instead of two). `gemm`: how the step multiplies by its weights (`model._linear_fn`);
+    `pdl`: the engine's own kernels launched with programmatic dependent launch (each may start while the one
+    before it drains; `serving.engine.pdl`)."""
+    layer, bsz, linear = model.layers[0], tokens.shape[0], _linear_fn(gemm, pdl=pdl)
+    ctx = DecodeStep(linear=linear, gate_up=_gate_up_fn(gemm, pdl=pdl), pdl=pdl,
+                     qkv_e4m3=prescale_rows_for(layer.attention.wqkv, bsz, tokens.device),
+                     w13_e4m3=prescale_rows_for(layer.feed_forward.w13, bsz, tokens.device),
+                     positions=positions, slots=slots, tables=tables, lengths=lengths, cache=cache,
+                     rope_cos=rope_cos, rope_sin=rope_sin, args=model.args)
+    return linear(model.head(), model.step(tokens, ctx))
 
 
 class DecodeGraphs:
-    """Lazily captured CUDA graphs of the decode step over the static KV cache of `model`."""
+    """The decode-only steps of one `EngineRunner` (see the module doc). Not thread-safe: the scheduler's."""
 
-    def __init__(self, model: Transformer, *, kv_block: int = DEFAULT_KV_BLOCK, compile: bool | str = False,
-                 state: DecodeState | None = None, log: Callable[[str], None] | None = None,
-                 pdl: bool = False, whole_row_norms: bool = True) -> None:
-        self.model = model
-        self.kv_block = kv_block
-        self.max_batch = model.max_batch_size
-        self.max_seq = model.max_seq_len
-        self.buckets = batch_buckets(self.max_batch)
-        self.log = log or (lambda msg: None)
-        dev = model.tok_embeddings.weight.device
-        self.state = state or DecodeState.zeros(self.max_batch, dev)
-        self.tokens, self.input_pos = self.state.tokens, self.state.positions  # [maxB] each
-        self.compiled = bool(compile)
-        if compile not in (False, True, "dynamic", "whole", "static", "auto"):
-            raise ValueError(f"compile={compile!r}: expected False, True, 'dynamic', 'whole', 'static' or 'auto'")
-        if self.compiled:
-            pin_ptxas()  # before any kernel of the step is assembled: one ptxas, one Triton cache key, every load
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        quantized = model_quantization(model) != "none"  # the static step's F.linear would dequantize each weight
-        if compile == "auto" and (weight_bytes >= SINGLE_ROW_FUSION_MAX_BYTES or tuned_single_row(model) or quantized):
-            compile = "dynamic"
-        static = dynamic = None
-        self.pdl = pdl and pdl_supported(dev)
-        self.whole_row_norms = whole_row_norms
-        inductor = {**compile_options(self.pdl), **whole_row_options(whole_row_norms)}
-        step, step_single = decode_step_greedy, _decode_step_single
-        if self.pdl:
-            step, step_single = partial(decode_step_greedy, pdl=True), partial(_decode_step_single, pdl=True)
-        if compile in ("static", "auto"):
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
-            # a code object of its own: dynamo caches per code object, so the two compiles do not mix
-            static = torch.compile(step_single, dynamic=False, fullgraph=True,
-                                   options={"coordinate_descent_tuning": True, **inductor})
-        if compile == "whole":
-            dynamic = torch.compile(step, dynamic=True, fullgraph=True, options=inductor or None)
-        elif compile in (True, "dynamic", "auto"):
-            dynamic = partial(step, parts=compiled_parts(inductor or None))
-        self.fn: StepFn = dynamic or static or step
-        self.fn_single: StepFn = static or self.fn  # the step of batch bucket 1
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+    def __init__(self, model: Transformer, cache: PagedKVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
+                 max_live: int, max_seq_len: int, gemm: str, graphs: bool,
+                 log: Callable[[str], None] = lambda line: None) -> None:
+        self.model, self.cache, self.rope_cos, self.rope_sin = model, cache, rope_cos, rope_sin
+        self.gemm, self.use_graphs, self.log = gemm, graphs, log
+        self.pdl = PDL and pdl_supported(rope_cos.device)
+        self.block_size = cache.block_size
+        self.trash = cache.num_blocks - 1  # the pool's last block: padding rows write and read only it
+        self.width = blocks_for(max_seq_len, self.block_size)
+        self.buckets = decode_buckets(max_live)
+        dev = rope_cos.device
+        self.device = dev
+        self.tables = torch.full((cache.num_blocks, self.width), self.trash, dtype=torch.long, device=dev)
+        self.inputs = torch.zeros(3, max_live, dtype=torch.long, device=dev)  # keys, tokens, positions
+        self.inputs[0].fill_(self.trash)
+        self.logits = torch.empty(max_live, model.args.vocab_size, dtype=torch.float32, device=dev)
+        self.written: dict[int, tuple[list[int], int]] = {}  # first block -> (its table list, entries on the device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.capture_s = 0.0
-        self.capture_times: dict[tuple[int, int], float] = {}  # seconds per captured graph, compile included
+        self.steps = 0
 
-    def batch_bucket(self, b: int) -> int:
+    def bucket(self, b: int) -> int:
         return next(x for x in self.buckets if x >= b)
 
-    def kv_bucket(self, kv_needed: int) -> int:
-        return min(self.max_seq, -(-kv_needed // self.kv_block) * self.kv_block)
-
+    # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def _capture(self, bsz: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def step(self, chunks: Sequence[tuple[list[int], int, list[int]]],
+             device_tokens: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """A decode-only step (`is_decode_only`) -> float32 logits [B, V], a view of the shared buffer.
+        `device_tokens` (tokens [M] on the device, a row of it for each chunk): the input tokens come from
+        there (a previous step's samples the host has not read), not from the chunks."""
+        n = len(chunks)
+        bsz = self.bucket(n)
+        if self.use_graphs and bsz not in self.graphs:
+            self._capture(bsz)
+        keys, toks, poss, updates = self._host_inputs(chunks)
+        pad = bsz - n
+        rows = device_tokens[1] if device_tokens is not None else []
+        host = torch.tensor(keys + [self.trash] * pad + toks + [0] * pad + poss + [0] * pad + rows + updates,
+                            dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(self.device, non_blocking=True)
+        self.inputs[:, :bsz].copy_(flat[:3 * bsz].view(3, bsz))
+        if device_tokens is not None:
+            self.inputs[1, :n] = device_tokens[0][flat[3 * bsz:3 * bsz + n]]
+        if updates:
+            upd = flat[3 * bsz + len(rows):].view(3, -1)
+            self.tables[upd[0], upd[1]] = upd[2]
+        if self.use_graphs:
+            self.graphs[bsz].replay()
+        else:  # eagerly, reading only as many table columns as the longest row needs
+            self._forward(bsz, blocks_for(max(poss) + 1, self.block_size))
+        self.steps += 1
+        return self.logits[:n]
+
+    def _host_inputs(self, chunks: Sequence[tuple[list[int], int, list[int]]]
+                     ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Each row's key (first block), token and position, and the table entries (rows, columns, blocks,
+        flattened) the device does not have yet."""
+        bs, written = self.block_size, self.written
+        keys, toks, poss = [], [], []
+        up_rows: list[int] = []
+        up_cols: list[int] = []
+        up_blocks: list[int] = []
+        for tokens, start, table in chunks:
+            key = getattr(table, "row_key", None)  # a table of shared leading blocks (prefix_cache.BlockTable)
+            key = table[0] if key is None else key
+            seen = written.get(key)
+            done = seen[1] if seen is not None and seen[0] is table else 0
+            used = start // bs + 1
+            if used > done:
+                up_rows += [key] * (used - done)
+                up_cols += range(done, used)
+                up_blocks += table[done:used]
+                written[key] = (table, used)
+            keys.append(key)
+            toks.append(tokens[0])
+            poss.append(start)
+        return keys, toks, poss, up_rows + up_cols + up_blocks
+
+    def _forward(self, bsz: int, width: int | None = None) -> None:
+        keys, tokens, positions = self.inputs[0, :bsz], self.inputs[1, :bsz], self.inputs[2, :bsz]
+        tables = self.tables[keys] if width is None else self.tables[keys, :width]  # [B, W]
+        bs = self.block_size
+        slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        logits = paged_decode_logits(self.model, tokens, positions, slots, tables, positions + 1, self.cache,
+                                     self.rope_cos, self.rope_sin, self.gemm, pdl=self.pdl)
+        self.logits[:bsz].copy_(logits)
+
+    # -- graphs -----------------------------------------------------------------------------------
+    def _capture(self, bsz: int) -> None:
+        """Capture bucket `bsz` on padding rows (keys: the trash block): no live K/V is touched."""
         started = time.perf_counter()
-        tokens, pos = self.tokens[:bsz], self.input_pos[:bsz]
-        fn = self.fn_single if single_row_static(bsz, kv_len, self.kv_bucket(1)) else self.fn
-        kept = self._save(bsz)
+        self.inputs[0, :bsz].fill_(self.trash)
+        self.inputs[1:, :bsz].zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        # warm up outside the capture; a compiled step compiles here, under the norms' choice
-        with torch.cuda.stream(stream), whole_row_reductions(self.whole_row_norms):
+        with torch.cuda.stream(stream):  # compiles the Triton kernels, sets up cuBLAS, outside the capture
             for _ in range(2):
-                self.state.advance(fn(self.model, tokens, pos, kv_len)[1])
-                self._restore(bsz, kept)
+                self._forward(bsz)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits, next_tokens = fn(self.model, tokens, pos, kv_len)  # [bsz, V] float32, a static buffer
-            self.state.advance(next_tokens)
+            self._forward(bsz)
         torch.cuda.synchronize()
+        self.graphs[bsz] = graph
         took = time.perf_counter() - started
         self.capture_s += took
-        self.capture_times[(bsz, kv_len)] = took
-        self.log(f"captured decode graph batch={bsz} kv_len={kv_len} in {took:.2f} s")
-        return graph, logits
+        self.log(f"captured paged decode graph batch={bsz} in {took:.2f} s")
 
-    def _save(self, bsz: int) -> _Saved:
-        """Copies of the buffers' rows [0, bsz) and of the K/V entries a step of them writes."""
-        rows = torch.arange(bsz, device=self.tokens.device)
-        pos = self.input_pos[:bsz].clone()
-        caches = [layer.attention.kv_cache for layer in self.model.layers]
-        kv = [(c.k_cache[rows, :, pos], c.v_cache[rows, :, pos]) for c in caches]  # advanced indexing: copies
-        return _Saved(rows, self.tokens[:bsz].clone(), pos, kv)
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and their memory pool: the next steps capture afresh (a new pool: one
+        whose graphs are all gone cannot be captured into again), with `PDL` as it is then."""
+        self.graphs.clear()
+        self.pdl = PDL and pdl_supported(self.device)
+        if self.use_graphs:
+            torch.cuda.synchronize()
+            self.pool = torch.cuda.graph_pool_handle()
 
-    def _restore(self, bsz: int, kept: _Saved) -> None:
-        self.tokens[:bsz].copy_(kept.tokens)
-        self.input_pos[:bsz].copy_(kept.positions)
-        for layer, (k, v) in zip(self.model.layers, kept.kv):
-            cache = layer.attention.kv_cache
-            cache.k_cache[kept.rows, :, kept.positions] = k
-            cache.v_cache[kept.rows, :, kept.positions] = v
-
-    def kv_buckets(self) -> list[int]:
-        """Every KV bucket a graph can be captured at, ascending."""
-        return [self.kv_bucket(kv) for kv in range(1, self.max_seq + 1, self.kv_block)]  # the last is max_seq
-
+    @torch.no_grad()
     def warm_up(self) -> None:
-        """Capture every graph whose capture compiles (`graphs_to_warm`): after this, serving compiles
-        nothing."""
-        for bsz, kv_len in graphs_to_warm(self.buckets, self.kv_buckets(), self.fn_single is not self.fn):
-            self.prepare(bsz, kv_len)
-
-    def prepare(self, bsz: int, kv_needed: int) -> None:
-        """Capture the graph that a step of `bsz` rows needing `kv_needed` positions will replay."""
-        key = (self.batch_bucket(bsz), self.kv_bucket(kv_needed))
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(*key)
-
-    def _graph(self, b: int, kv_needed: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, int]:
-        bsz, kv_len = self.batch_bucket(b), self.kv_bucket(kv_needed)
-        if kv_needed > kv_len:
-            raise ValueError(f"decode needs {kv_needed} cache positions > max_seq_len={self.max_seq}")
-        key = (bsz, kv_len)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(bsz, kv_len)
-        graph, logits = self.graphs[key]
-        return graph, logits, bsz
-
-    @torch.no_grad()
-    def step(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_needed: int) -> torch.Tensor:
-        """tokens, input_pos: [b] (device) -> logits [b, V] (a view into a static buffer): float32, or bf16
-        where the LM head's kernel wrote them (`model.decode_step_greedy`)."""
-        b = tokens.shape[0]
-        graph, logits, bsz = self._graph(b, kv_needed)
-        self.tokens[:b].copy_(tokens, non_blocking=True)
-        self.input_pos[:b].copy_(input_pos, non_blocking=True)
-        if b < bsz:
-            self.tokens[b:bsz].zero_()
-            self.input_pos[b:bsz].zero_()
-        graph.replay()
-        return logits[:b]
-
-    @torch.no_grad()
-    def replay(self, b: int, kv_needed: int) -> torch.Tensor:
-        """The step of rows [0, b) on the state's buffers as they stand -> logits [b, V] (as `step`'s); rows
-        [b, bucket) of the bucket must be parked (position 0, not active)."""
-        graph, logits, _ = self._graph(b, kv_needed)
-        graph.replay()
-        return logits[:b]
+        """Capture every bucket's graph (before serving: a capture mid-run stalls every stream)."""
+        if self.use_graphs:
+            for bsz in self.buckets:
+                if bsz not in self.graphs:
+                    self._capture(bsz)

@@ -6,7 +6,7 @@ p of sequence b lives in block `tables[b, p // block_size]` at offset `p % block
 
 Layout:
 - q: `[B, Hkv, G, hd]` (the G = n_heads // n_kv_heads query heads sharing kv head h next to each other);
-- k_pool, v_pool: `[num_blocks, block_size, Hkv, hd]`, one layer's pools (`paged_cache.PagedKVCache`), in
+- k_pool, v_pool: `[num_blocks, block_size, Hkv, hd]`, one layer's pools (`kv_cache.PagedKVCache`), in
   q's dtype or float8_e4m3fn (an fp8 KV cache, scale 1.0: read as `value.to(q.dtype)`);
 - tables: `[B, n]` int64, each row's blocks in position order, padded with any valid block id;
 - lengths: `[B]` int64, the visible positions of each row (>= 1, <= n * block_size);
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from serving.engine.paged_cache import KV_FP8_DTYPE
+from serving.engine.kv_cache import KV_FP8_DTYPE
 from serving.engine.pdl import gdc, launch_options
 
 try:

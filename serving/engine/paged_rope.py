@@ -14,7 +14,7 @@ One program per token does it all here. It asks for torch's rounding (each produ
 sum), which the interpreter gives to the last bit; compiled for the H200 a product may stay unrounded, so a
 rotated value can land one step of the dtype away (tests/test_paged_rope.py). Values are copied exactly.
 
-Pools of float8_e4m3fn (an fp8 KV cache, `paged_cache`'s module doc) take the rotated keys and the values as
+Pools of float8_e4m3fn (an fp8 KV cache, `kv_cache`'s module doc) take the rotated keys and the values as
 `PagedKVCache.write` stores them: clamped to +-448 in float32, then cast to e4m3 rounding to nearest (scale
 1.0); the queries and the returned keys stay in qkv's dtype. The pointer's element type picks the store, so
 bf16 pools are written as before.
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from serving.engine.kv_cache import KV_FP8_DTYPE, KV_FP8_MAX, KV_FP8_SCALE, PagedKVCache
 from serving.engine.model import _rope_1
-from serving.engine.paged_cache import KV_FP8_DTYPE, KV_FP8_MAX, KV_FP8_SCALE, PagedKVCache
 from serving.engine.pdl import gdc, launch_options
 
 try:

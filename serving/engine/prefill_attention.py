@@ -1,4 +1,4 @@
-"""Attention of the eager prefills (static and paged) through SDPA, without cuDNN's backend.
+"""Attention of the eager prompt steps through SDPA, without cuDNN's backend.
 
 For bf16 prompts on the H200 (torch 2.11) SDPA picks cuDNN's attention, which builds and compiles (NVRTC,
 the `cudnn_generated_fort_native_sdpa` kernels) an execution plan for every new shape it meets. A prefill's

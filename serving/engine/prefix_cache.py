@@ -24,7 +24,7 @@ import collections
 import hashlib
 from collections.abc import Sequence
 
-from serving.engine.paged_cache import BlockAllocator
+from serving.engine.kv_cache import BlockAllocator
 
 ROOT = b""  # the parent digest of a sequence's first block
 
@@ -48,7 +48,7 @@ def reusable_blocks(prompt_len: int, block_size: int) -> int:
 
 class BlockTable(list):
     """A sequence's block table that starts with shared blocks: `row_key`, the first block it took for itself,
-    names the sequence where its first block would (`paged_decode` keeps each live sequence's table on the
+    names the sequence where its first block would (`cuda_graphs` keeps each live sequence's table on the
     device under that name, and a shared first block would name several)."""
 
     def __init__(self, blocks: Sequence[int], row_key: int) -> None:

@@ -1,4 +1,4 @@
-"""RMSNorm in one Triton kernel for the engine's eager GPU work: prefills, the paged engine's mixed steps and
+"""RMSNorm in one Triton kernel for the engine's eager GPU work: prefills, the mixed steps and
 its decode graphs (captured eagerly).
 
 `model.RMSNorm.forward` in torch is seven launches and as many passes over the rows (the float32 copy, its
@@ -17,7 +17,7 @@ With `e4m3=True` either kernel also writes its result's rows scaled to e4m3 and 
 GEMM's own scaling kernel would from the written row (`fp8_tokens`), and hands them over on the result
 (`serving.engine.prescaled`).
 
-Compiled code (the static decode step) keeps the torch ops, which inductor fuses itself.
+Code under torch.compile keeps the torch ops, which inductor fuses itself.
 
 Imports: torch; Triton only if importable (this module runs inside Triton's python backend).
 """

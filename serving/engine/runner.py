@@ -1,42 +1,69 @@
-"""Load an engine folder and generate: batched prefill of unequal prompts, then a decode loop.
+"""Load an engine folder and generate: the weights, the paged KV cache its engine.json records, the steps.
 
-The engine speaks token ids, not text: prompts are lists of token ids and generations are lists of
-token ids (the tokenizer files in the engine folder are for the caller).
+The engine speaks token ids, not text: prompts are lists of token ids and generations are lists of token ids
+(the tokenizer files in the engine folder are for the caller).
 
-`EngineRunner.generate` packs the prompts back to back and prefills them in one forward (per-prompt
-causal attention, nothing spent on padding; prompt b goes into cache row b), then decodes one token
-per step for the whole batch, each row at its own position (greedy without log-probs: on the
-decode state in place, each step's graph picking the next tokens). On CUDA the decode step replays CUDA
-graphs captured per (batch bucket, KV-length bucket) (`cuda_graphs.DecodeGraphs`), and attention
-reads only the filled prefix of the cache; `compile_decode()` puts the step under torch.compile
-first. On the CPU the same `decode_step` runs eagerly. The loop keeps tokens on the device and
-syncs with the host only every `STOP_CHECK_EVERY` steps (when stop tokens are given) and at the end.
-Requests with more prompts than `max_batch_size` are split into chunks of `max_batch_size` and run
-one after the other. Not thread-safe: one runner serves one loop (`scheduler.Scheduler` for
-in-flight batching drives the same pieces).
+`load_engine(engine_dir, device=...)` is what every consumer of a built engine calls (the release gates, the
+Triton `llm` model's default `engine_loader`): it reads and checks the folder (`load_model`), sizes the block
+pools from the engine's `kv_cache` settings (`kv_cache.resolve_num_blocks`: `num_blocks`, `free_mem_fraction` of
+the CUDA memory free after the weights, or by default room for `max_batch_size` sequences of `max_seq_len`),
+checks them against the engine's limits (`kv_cache.check_kv_cache_config`) and returns an `EngineRunner`:
+
+- `generate(prompts, *, max_new_tokens, sampling, stop_token_ids, top_logprobs, logprobs)`: every prompt
+  at once through a `scheduler.Scheduler`, which admits them as blocks, the token budget and the live cap
+  allow (more prompts than fit simply queue). A seeded sampler seeds each request on its own;
+- `prefill_logits(prompt)`: teacher-forced logits of every position, through borrowed blocks;
+- `forward(chunks, sample)`: one mixed step (`step.paged_forward`), for the scheduler.
+
+An engine built by an earlier release loads too: its `paged` record is read as `kv_cache`, and one built with
+the static cache of that release gets a pool of that cache's room (`build.read_engine_info`).
+
+With `config.kv_cache_dtype` "fp8" the pools hold float8_e4m3fn (`kv_cache`'s module doc): a block takes
+half the bytes of a bf16 one, so `free_mem_fraction` sizes twice the blocks; a GPU below compute capability
+8.9 is refused at load (`kv_cache.check_kv_cache_device`).
+
+A step of decodes only (every live request past its prompt) runs through `cuda_graphs.DecodeGraphs`:
+block tables kept on the device, the tuned decode GEMMs (`decode_gemm`), on CUDA one graph per batch
+bucket. A step with a prefill chunk in it runs `step.paged_forward` eagerly.
 
 Imports: stdlib and torch only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from serving.engine.build import EngineInfo, check_toolchain, read_engine_info
 from serving.engine.convert import DTYPES
-from serving.engine.decode_state import DecodeState
+from serving.engine.cuda_graphs import DecodeGraphs, is_decode_only
 from serving.engine.errors import EngineFormatError, EngineLimitError
-from serving.engine.model import Transformer, decode_step, packed_index, prefill_packed
+from serving.engine.kv_cache import (
+    BlockAllocator,
+    KVCacheConfig,
+    PagedKVCache,
+    blocks_for,
+    check_kv_cache_config,
+    check_kv_cache_device,
+    check_kv_cache_dtype,
+    kv_block_bytes,
+    kv_element_bytes,
+    resolve_num_blocks,
+)
+from serving.engine.model import rope_cos_sin
+from serving.engine.models.llama import Transformer
+from serving.engine.models.registry import registered
+from serving.engine.prefix_cache import PrefixCachingAllocator
 from serving.engine.quantize import check_device as check_quantization_device
 from serving.engine.quantize import install_quantized_linears
-from serving.engine.sampling import SamplingParams, chosen_logprobs, sample
-
-DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
-STOP_CHECK_EVERY = 8  # decode steps between host checks of "every row has stopped"
+from serving.engine.sampling import SamplingParams
+from serving.engine.scheduler import GenRequest, Scheduler
+from serving.engine.step import ChunkPlan, build_step, paged_forward
 
 
 @dataclass
@@ -59,254 +86,206 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 class EngineRunner:
-    """A loaded engine: weights on `device`, static KV caches sized by the engine's limits."""
+    """A loaded engine with a paged KV cache. Not thread-safe: one scheduler drives it."""
 
-    def __init__(self, info: EngineInfo, model: Transformer, device: torch.device, *,
-                 cuda_graphs: bool = True) -> None:
-        self.info = info
-        self.model = model
-        self.device = device
-        self.decode_fn: DecodeFn = decode_step
-        self.state = DecodeState.zeros(info.limits.max_batch_size, device)  # in-flight decode inputs
-        self.graphs = None
-        if device.type == "cuda" and cuda_graphs:
-            from serving.engine.cuda_graphs import DecodeGraphs
+    def __init__(self, info: EngineInfo, model: Transformer, device: torch.device, config: KVCacheConfig, *,
+                 decode_gemm: str = "torch", cuda_graphs: bool = True) -> None:
+        a, lim = info.model, info.limits
+        weight = model.tok_embeddings.weight
+        self.info, self.model, self.device, self.config = info, model, device, config
+        self.max_live = lim.max_batch_size
+        check_kv_cache_dtype(config.kv_cache_dtype)
+        check_kv_cache_device(config.kv_cache_dtype, device, where=f"engine {str(info.path)!r}")
+        self.block_bytes = kv_block_bytes(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                                          block_size=config.block_size,
+                                          element_bytes=kv_element_bytes(config.kv_cache_dtype, weight.element_size()))
+        self.num_blocks = resolve_num_blocks(config, device, self.block_bytes, max_batch_size=self.max_live,
+                                             max_seq_len=lim.max_seq_len)
+        check_kv_cache_config(config, num_blocks=self.num_blocks, max_seq_len=lim.max_seq_len,
+                              max_batch_size=self.max_live, block_bytes=self.block_bytes)
+        # one block more than the allocator hands out: the decode graphs' padding rows write there
+        self.cache = PagedKVCache(n_layers=a.n_layers, num_blocks=self.num_blocks + 1, block_size=config.block_size,
+                                  n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=weight.dtype, device=device,
+                                  kv_cache_dtype=config.kv_cache_dtype)
+        self.allocator = (PrefixCachingAllocator(self.num_blocks) if config.prefix_caching
+                          else BlockAllocator(self.num_blocks))
+        cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
+        self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
+        self.decode = DecodeGraphs(model, self.cache, self.rope_cos, self.rope_sin, max_live=self.max_live,
+                                   max_seq_len=lim.max_seq_len, gemm=decode_gemm,
+                                   graphs=cuda_graphs and device.type == "cuda")
+        self.step_events: list | None = None  # set by `generate(events=...)` on CUDA: one event per sampling step
 
-            self.graphs = DecodeGraphs(model, state=self.state)
-
-    # -- setup ------------------------------------------------------------------------------
-    def compile_decode(self, mode: str = "auto", *, pdl: bool = True, **compile_kwargs) -> None:
-        """Compile the decode step: on CUDA, graphs of the torch.compile'd step (`mode` "dynamic": one
-        compile for all buckets; "static": one per bucket, tuned; "auto": batch 1 static for small
-        models without tuned batch-1 kernels, the rest dynamic; `pdl`: with programmatic dependent
-        launch; see `DecodeGraphs`); on the CPU, torch.compile(decode_step, dynamic=True, fullgraph=True)."""
-        if self.graphs is not None:
-            from serving.engine.cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, compile=mode, state=self.state,
-                                       pdl=pdl)
-            return
-        kwargs = {"dynamic": True, "fullgraph": True, **compile_kwargs}
-        self.decode_fn = torch.compile(decode_step, **kwargs)
-
-    def eager_graphs(self) -> None:
-        """Back to CUDA graphs of the eager decode step (after a compile failed)."""
-        from serving.engine.cuda_graphs import DecodeGraphs
-
-        self.graphs = DecodeGraphs(self.model, kv_block=self.graphs.kv_block, state=self.state)
-
-    def decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_needed: int) -> torch.Tensor:
-        """One decode step of cache rows [0, len(tokens)) -> logits [b, V] (float32, or bf16 where the LM
-        head's kernel wrote them); `kv_needed` must exceed every position. The result may be a view that the
-        next call overwrites."""
-        if self.graphs is not None:
-            return self.graphs.step(tokens, input_pos, kv_needed)
-        return self.decode_fn(self.model, tokens, input_pos, kv_needed)
-
-    def decode_inplace(self, b: int, kv_needed: int) -> torch.Tensor:
-        """One decode step of cache rows [0, b) on `self.state` as it stands -> logits [b, V] (as `decode`'s);
-        afterwards the state holds each row's greedy next token and active rows' positions have moved
-        on (`DecodeState.advance`). On CUDA one graph replay, no copies. Rows past b that the graph's
-        batch bucket includes must be parked (position 0, not active)."""
-        if self.graphs is not None:
-            return self.graphs.replay(b, kv_needed)
-        logits = self.decode_fn(self.model, self.state.tokens[:b], self.state.positions[:b], kv_needed)
-        self.state.advance(logits.argmax(dim=-1))
+    @torch.no_grad()
+    def forward(self, chunks: Sequence[ChunkPlan], sample: Sequence[int]) -> torch.Tensor:
+        """One mixed step -> float32 logits [len(sample), V] of the sampled chunks' last tokens."""
+        if is_decode_only(chunks, sample):
+            logits = self.decode.step(chunks)
+        else:
+            step = build_step(chunks, sample, self.config.block_size, self.device)
+            logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
+        if self.step_events is not None and sample:
+            self.step_events.append(_recorded_event())
         return logits
 
-    def _load_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        """Rows [0, len(tokens)) of the decode state start from `tokens` at `positions`, all active; every
-        other row is parked (position 0, not active)."""
-        self.state.reset()
-        bsz = tokens.shape[0]
-        self.state.tokens[:bsz].copy_(tokens)
-        self.state.positions[:bsz].copy_(positions)
-        self.state.active[:bsz].fill_(1)
+    @torch.no_grad()
+    def forward_ahead(self, chunks: Sequence[ChunkPlan], tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """A decode-only step whose input tokens are `tokens[rows]` on the device (the previous step's samples,
+        not read by the host yet) -> float32 logits [len(chunks), V]."""
+        logits = self.decode.step(chunks, device_tokens=(tokens, rows))
+        if self.step_events is not None:
+            self.step_events.append(_recorded_event())
+        return logits
 
-    def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
-        """Prefill `prompts` into cache `rows` (packed, no padding) -> float32 last-token logits [N, V]."""
-        index = packed_index(prompts, list(rows))
-        if self.device.type == "cuda":
-            index = index.pin_memory().to(self.device, non_blocking=True)
-        return prefill_packed(self.model, index, [len(p) for p in prompts])
+    @torch.no_grad()
+    def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced float32 logits of every position of `prompt`: [S, V] on the CPU (up to
+        limits.max_seq_len tokens, through blocks borrowed for the call). One chunk; with an fp8 KV cache two:
+        its first block, then the rest attending over K/V read back from the pool, so that every position
+        past the first block sees the e4m3 rounding that served decodes and later chunks see (the quality gate
+        scores the engine through this; one chunk would attend over the fresh, unrounded K/V alone)."""
+        lim, vocab = self.info.limits, self.info.model.vocab_size
+        if not 1 <= len(prompt) <= lim.max_seq_len:
+            raise EngineLimitError(f"prefill_logits: {len(prompt)} tokens, need 1..limits.max_seq_len="
+                                   f"{lim.max_seq_len}")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise EngineLimitError(f"prefill_logits prompt has token ids {bad[:5]} outside [0, vocab_size={vocab})")
+        need = blocks_for(len(prompt), self.config.block_size)
+        blocks = self.allocator.take(need)
+        if blocks is None:
+            raise EngineLimitError(f"prefill_logits: {len(prompt)} tokens need {need} KV blocks, "
+                                   f"{self.allocator.free} are free (live requests hold the rest)")
+        try:
+            starts = [0, self.config.block_size] if self.cache.fp8 else [0]
+            ends = [*starts[1:], len(prompt)]
+            logits = []
+            for start, end in zip(starts, ends):
+                if start >= end:
+                    break
+                step = build_step([(list(prompt[start:end]), start, blocks)], [0], self.config.block_size, self.device)
+                logits.append(paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin,
+                                            all_logits=True).cpu())
+            return torch.cat(logits)
+        finally:
+            self.allocator.give_back(blocks)
+
+    def warm_up_decode(self) -> None:
+        """Capture the decode step's graph of every batch bucket (CUDA; nothing elsewhere)."""
+        self.decode.warm_up()
+
+    def scheduler(self, **options: Any) -> Scheduler:
+        """The in-flight scheduler that serves this runner (`scheduler.Scheduler`'s options), refusing requests
+        past the engine's `kv_cache.max_waiting`."""
+        return Scheduler(self, max_waiting=self.config.max_waiting, **options)
 
     @torch.no_grad()
     def warm_up_prefill(self, typical_len: int = 128) -> list[tuple[int, int]]:
-        """Run, before serving, the prefills a first burst of requests would run cold: a full batch of
-        `typical_len`-token prompts, one prompt of `max_input_len` tokens, and two of unequal lengths
-        (the per-prompt attention path). On a GPU each kernel's first call loads it, and the first large
-        batch grows the allocator: in a fresh process (a Triton model load starts one), the first 64
-        requests of the served benchmark waited about 150 ms more for their first token than the rest.
-        Writes only cache rows, which are free before serving (a prefill rewrites a row before anything
-        reads it). Returns the (prompts, tokens) of each prefill run."""
+        """Before serving: one step of a batch of `typical_len`-token prompts (capped by the token budget
+        and the live cap) and one of two unequal prompts, each to its first token; then a mixed step (a
+        decode, a new prompt and a prompt's second chunk: what serving runs once requests overlap, whose
+        kernels would otherwise compile in the first such step); blocks given back. Then the decode graphs
+        of every batch bucket (`warm_up_decode`). Returns the (prompts, tokens) of each prompt step."""
         lim = self.info.limits
-        short = min(typical_len, lim.max_input_len)
-        shapes = [[short] * lim.max_batch_size, [lim.max_input_len], [max(1, short // 2), short]]
-        ran = []
+        short = max(1, min(typical_len, lim.max_input_len))
+        batch = max(1, min(self.max_live, self.config.max_num_tokens // short, self.num_blocks // 2))
+        shapes = [[short] * batch, [max(1, short // 2), short]]
         for lengths in shapes:
-            prompts = [[1] * n for n in lengths[:lim.max_batch_size]]
-            self.prefill(prompts, range(len(prompts))).argmax(dim=-1)  # and the scheduler's pick from the logits
-            ran.append((len(prompts), sum(map(len, prompts))))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return ran
+            self.generate([[1] * n for n in lengths], max_new_tokens=1, logprobs=False)
+        self._warm_up_mixed_step(max(2, min(short, (lim.max_seq_len - 1) // 2, self.config.max_num_tokens // 3)))
+        self.warm_up_decode()
+        return [(len(lengths), sum(lengths)) for lengths in shapes]
 
-    # -- checks -----------------------------------------------------------------------------
-    def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, top_logprobs: int) -> None:
-        lim, vocab = self.info.limits, self.info.model.vocab_size
+    def _warm_up_mixed_step(self, n: int) -> None:
+        """Prompts of `n` tokens for sequences a and c, then one step of a's decode, b's prompt and c's second
+        chunk of `n` (skipped when the pool cannot lend the blocks)."""
+        per = blocks_for(2 * n + 1, self.config.block_size)
+        blocks = self.allocator.take(3 * per)
+        if blocks is None:
+            return
+        a, b, c = blocks[:per], blocks[per:2 * per], blocks[2 * per:]
+        try:
+            self.forward([([1] * n, 0, a), ([1] * n, 0, c)], [0, 1])
+            self.forward([([1], n, a), ([1] * n, 0, b), ([1] * n, n, c)], [0, 1, 2])
+        finally:
+            self.allocator.give_back(blocks)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
+                 top_logprobs: int = 0, logprobs: bool = True, events: list | None = None) -> list[Generation]:
+        """New tokens for each prompt (greedy when `sampling` is None), all submitted at once. `events` (CUDA,
+        for the benchmarks' timings): a CUDA event recorded at the start, then one after each step that sampled
+        tokens (the first of them: the first token of the prompts admitted first); left empty on the CPU."""
+        vocab = self.info.model.vocab_size
         if max_new_tokens < 1:
             raise EngineLimitError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if not 0 <= top_logprobs <= vocab:
             raise EngineLimitError(f"top_logprobs={top_logprobs} must be in [0, vocab_size={vocab}]")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise EngineLimitError(f"prompt {i} is empty; a prompt needs at least one token")
-            if len(p) > lim.max_input_len:
-                raise EngineLimitError(f"prompt {i} has {len(p)} tokens > limits.max_input_len={lim.max_input_len}")
-            if len(p) + max_new_tokens > lim.max_seq_len:
-                raise EngineLimitError(f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new_tokens} = "
-                                       f"{len(p) + max_new_tokens} > limits.max_seq_len={lim.max_seq_len}")
-            self._check_token_ids(p, f"prompt {i}")
+        scheduler = Scheduler(self)
+        out = [Generation(token_ids=[], logprobs=[]) for _ in prompts]
+        want = logprobs or top_logprobs > 0
 
-    def _check_token_ids(self, prompt: Sequence[int], what: str) -> None:
-        vocab = self.info.model.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise EngineLimitError(f"{what} has token ids {bad[:5]} outside [0, vocab_size={vocab})")
+        def sinks(gen: Generation):
+            def emit(ids: list[int], reason: str | None) -> None:
+                gen.token_ids.extend(ids)
+                if reason is not None:
+                    gen.finish_reason = reason
 
-    # -- public API -------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                 sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = (),
-                 top_logprobs: int = 0, logprobs: bool = True,
-                 events: list | None = None) -> list[Generation]:
-        """New tokens for each prompt; greedy when `sampling` is None. Chunks of max_batch_size.
+            def on_logprobs(lp: float, top: dict[int, float]) -> None:
+                gen.logprobs.append(lp)
+                if top_logprobs:
+                    gen.top_logprobs.append(top)
 
-        `logprobs=False` skips the log-softmax per step (Generation.logprobs is then empty);
-        `events` (CUDA only), when a list, receives a CUDA event recorded at the start of each chunk,
-        after its first token and after each decode step (for the benchmark's TTFT/TPOT).
-        """
-        self._check_prompts(prompts, max_new_tokens, top_logprobs)
-        generator = None
-        if sampling is not None and sampling.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(sampling.seed)
-        n = self.info.limits.max_batch_size
-        out: list[Generation] = []
-        for start in range(0, len(prompts), n):
-            out += self._generate_batch(prompts[start:start + n], max_new_tokens, sampling, stop_token_ids,
-                                        top_logprobs, generator, logprobs or top_logprobs > 0, events)
+            return emit, (on_logprobs if want else None)
+
+        failures: list[BaseException] = []
+
+        for i, p in enumerate(prompts):  # all checked before any is queued
+            try:
+                scheduler.check(p, max_new_tokens)
+            except EngineLimitError as exc:
+                raise EngineLimitError(f"prompt {i}: {exc}") from None
+        for p, gen in zip(prompts, out):
+            emit, on_lp = sinks(gen)
+            scheduler.submit(GenRequest(list(p), max_new_tokens, emit, failures.append, sampling, tuple(stop_token_ids),
+                                          top_logprobs=top_logprobs, on_logprobs=on_lp))
+        timed = events is not None and self.device.type == "cuda"
+        if timed:
+            events.append(_recorded_event())
+            self.step_events = events
+        try:
+            scheduler.run_until_idle()
+        finally:
+            self.step_events = None
+        if failures:
+            raise failures[0]
         return out
 
-    @torch.no_grad()
-    def prefill_logits(self, prompt: Sequence[int]) -> torch.Tensor:
-        """Teacher-forced float32 logits of every position of `prompt`: [S, V] on the CPU.
 
-        Accepts up to limits.max_seq_len tokens (a prompt plus its continuation, for validation).
-        """
-        lim = self.info.limits
-        if not 1 <= len(prompt) <= lim.max_seq_len:
-            raise EngineLimitError(f"prefill_logits: {len(prompt)} tokens, need 1..limits.max_seq_len="
-                                   f"{lim.max_seq_len}")
-        self._check_token_ids(prompt, "prefill_logits prompt")
-        tokens = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)  # [1, S]
-        seqlen = tokens.shape[1]
-        input_pos = torch.arange(seqlen, device=self.device).unsqueeze(0)  # [1, S]
-        h = self.model(tokens, input_pos, seqlen)  # [1, S, D]
-        return self.model.logits(h[0]).cpu()
-
-    # -- the loop ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                        sampling: SamplingParams | None, stop_token_ids: Sequence[int], top_n: int,
-                        generator: torch.Generator | None, want_logprobs: bool = True,
-                        events: list | None = None) -> list[Generation]:
-        dev, bsz = self.device, len(prompts)
-        lengths = [len(p) for p in prompts]
-        timed = events is not None and dev.type == "cuda"
-
-        def mark() -> None:
-            if timed:
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                events.append(ev)
-
-        mark()
-        stop_ids = torch.tensor(list(stop_token_ids), dtype=torch.long, device=dev)
-        done = torch.zeros(bsz, dtype=torch.bool, device=dev)
-        logits = self.prefill(prompts, range(bsz))  # [B, V]
-        input_pos = torch.tensor(lengths, dtype=torch.long, device=dev)  # [B]: where the next token goes
-        longest = max(lengths)
-        steps: list[torch.Tensor] = []
-        chosen: list[torch.Tensor] = []
-        tops: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # greedy without log-probs: each step's graph picks the next tokens itself (`decode_inplace`)
-        in_place = not want_logprobs and (sampling is None or sampling.is_greedy)
-        for step in range(max_new_tokens):
-            if in_place and step > 0:
-                next_tokens = self.state.tokens[:bsz].clone()  # [B]
-            else:
-                next_tokens = sample(logits, sampling, generator)  # [B]
-            if want_logprobs:
-                lp, top_v, top_i = chosen_logprobs(logits, next_tokens, top_n)
-                chosen.append(lp)
-                if top_v is not None:
-                    tops.append((top_v, top_i))
-            steps.append(next_tokens)
-            mark()
-            if len(stop_token_ids):
-                done |= torch.isin(next_tokens, stop_ids)
-                if (step + 1) % STOP_CHECK_EVERY == 0 and bool(done.all()):
-                    break
-            if step + 1 == max_new_tokens:
-                break
-            if in_place:
-                if step == 0:
-                    self._load_rows(next_tokens, input_pos)
-                self.decode_inplace(bsz, longest + step + 1)
-            else:
-                logits = self.decode(next_tokens, input_pos, longest + step + 1)  # [B, V]
-                input_pos = input_pos + 1
-
-        token_mat = torch.stack(steps, dim=1).cpu().tolist()  # [B, T]
-        lp_mat = torch.stack(chosen, dim=1).cpu().tolist() if chosen else [[] for _ in range(bsz)]
-        if tops:
-            top_v_mat = torch.stack([v for v, _ in tops], dim=1).cpu().tolist()  # [B, T, N]
-            top_i_mat = torch.stack([i for _, i in tops], dim=1).cpu().tolist()
-        stop_set = set(stop_token_ids)
-        results = []
-        for b in range(bsz):
-            ids = token_mat[b]
-            end, reason = len(ids), "length"
-            for t, tok in enumerate(ids):
-                if tok in stop_set:
-                    end, reason = t + 1, "stop"
-                    break
-            top = [dict(zip(top_i_mat[b][t], top_v_mat[b][t])) for t in range(end)] if tops else []
-            results.append(Generation(token_ids=ids[:end], logprobs=lp_mat[b][:end], top_logprobs=top,
-                                      finish_reason=reason))
-        return results
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
-def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = True,
-                decode_attention: str = "auto", decode_gemm: str = "auto") -> EngineRunner:
-    """Read, check (toolchain) and load an engine folder onto `device` ("auto": cuda if available).
-
-    On CUDA the decode step replays CUDA graphs unless `cuda_graphs=False`. `decode_attention`:
-    "triton" (the fused split-K kernel of `decode_attention.py`), "matmul", or "auto" (triton for bf16 /
-    fp16 on CUDA when Triton is importable). `decode_gemm`: "triton" (the tuned skinny kernels of
-    `skinny_gemm.py` for the shapes they were tuned on, F.linear for the rest), "torch", or "auto" (as
-    for attention)."""
+def load_engine(engine_dir: Path, *, config: KVCacheConfig | None = None, device: str = "auto",
+                decode_gemm: str = "auto", prefix_caching: bool | None = None) -> EngineRunner:
+    """Read, check and load an engine folder with its paged KV cache (see the module doc). Also Triton's `llm`
+    model's default `engine_loader` (`serving.engine.runner:load_engine`). `config` (default: the engine's own
+    `kv_cache`, from its build) sizes the cache; `decode_gemm` is how the decode-only steps multiply by their
+    weights (`pick_decode_gemm`); `prefix_caching` (None: as configured) turns prefix caching on or off for this
+    load."""
     info, model, dev = load_model(engine_dir, device=device)
-    model.setup_caches(info.limits.max_batch_size, info.limits.max_seq_len)
-    dtype = model.tok_embeddings.weight.dtype
-    model.decode_attention_impl = pick_decode_attention(decode_attention, dev, dtype)
-    model.decode_gemm_impl = pick_decode_gemm(decode_gemm, dev, dtype)
-    return EngineRunner(info, model, dev, cuda_graphs=cuda_graphs)
+    gemm = pick_decode_gemm(decode_gemm, dev, model.tok_embeddings.weight.dtype)
+    config = config or info.kv_cache
+    if prefix_caching is not None:
+        config = dataclasses.replace(config, prefix_caching=prefix_caching)
+    return EngineRunner(info, model, dev, config, decode_gemm=gemm)
 
 
 def load_model(engine_dir: Path, *, device: str = "auto") -> tuple[EngineInfo, Transformer, torch.device]:
-    """Read, check (toolchain, quantization) and load an engine folder's weights onto `device`, without
-    caches (`load_engine` adds the static ones, `paged_runner.load_paged_engine` the paged pools)."""
+    """Read, check (toolchain, quantization) and load an engine folder's weights onto `device`, without the
+    KV cache (`load_engine` adds it)."""
     info = read_engine_info(Path(engine_dir))
     dev = resolve_device(device)
     check_toolchain(info, device=dev)
@@ -315,7 +294,7 @@ def load_model(engine_dir: Path, *, device: str = "auto") -> tuple[EngineInfo, T
     for name in info.weight_files:
         state.update(torch.load(info.path / name, map_location="cpu", weights_only=True, mmap=True))
     with torch.device("meta"):
-        model = Transformer(info.model)
+        model = registered(info.model.architecture).model_class(info.model)
     install_quantized_linears(model, info.quantization, n_layers=info.model.n_layers,
                               tie_word_embeddings=info.model.tie_word_embeddings, dtype=DTYPES[info.limits.dtype])
     try:
@@ -324,27 +303,6 @@ def load_model(engine_dir: Path, *, device: str = "auto") -> tuple[EngineInfo, T
         raise EngineFormatError(f"engine {str(info.path)!r}: its weights do not match engine.json (quantization "
                                 f"{info.quantization.method!r}): {exc}") from None
     return info, model.to(dev).eval().requires_grad_(False), dev
-
-
-def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> "triton" for a half-precision model on CUDA when Triton is importable, else "matmul".
-
-    float32 engines are the exactness reference and keep the matmul path: in the one H200 run of the
-    fused kernel under torch.compile, the float32 compiled-vs-eager token check failed and could not be
-    re-run (docs/decisions.md)."""
-    if choice not in ("auto", "triton", "matmul"):
-        raise EngineLimitError(f"decode_attention={choice!r}: expected 'auto', 'triton' or 'matmul'")
-    if choice == "matmul" or (choice == "auto" and (device.type != "cuda" or dtype == torch.float32)):
-        return "matmul"
-    from serving.engine.decode_attention import triton_available
-
-    has_triton = triton_available()
-    if has_triton and device.type == "cuda":
-        return "triton"
-    if choice == "triton":
-        raise EngineLimitError(f"decode_attention='triton' needs CUDA and Triton (device {device}, Triton "
-                               f"{'importable' if has_triton else 'not importable'})")
-    return "matmul"
 
 
 def pick_decode_gemm(choice: str, device: torch.device, dtype: torch.dtype) -> str:

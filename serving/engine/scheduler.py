@@ -1,70 +1,60 @@
-"""In-flight (continuous) batching over the static KV cache: one cache row ("slot") per live request.
+"""In-flight batching over the paged KV cache: chunked prefill mixed with decodes under a token budget.
 
-Between decode steps the scheduler admits waiting requests into free slots (one packed prefill for
-all of them, `EngineRunner.prefill`) and retires finished ones (stop token, their own `max_tokens`,
-or the engine's `max_seq_len`); each decode step runs rows [0, highest launching slot] through
-`EngineRunner.decode` (CUDA graphs per batch bucket on GPU), rows of free or finished slots computing
-harmless garbage into their own cache rows (position 0, which a prefill rewrites before any decode
-of a new request reads it). Slots are taken lowest first, so the decode batch stays compact.
+Each step computes at most `max_num_tokens` tokens for at most `max_live` live requests (the engine's
+`max_batch_size`). It fills the budget in this order, as vLLM's scheduler does:
 
-The host runs one step ahead of the tokens (like vLLM's async scheduling): a step's sampled tokens
-stay on the device and feed the next step directly, and the tokens come back through a pinned copy +
-CUDA event that the host reads only after it has launched the following step. So the GPU decodes
-step t+1 while the host delivers step t's tokens, and the one host sync per step no longer leaves
-the GPU idle. A request that stops on a stop token has one step launched past it; those rows' tokens
-are dropped (its cache row is garbage from then on).
+1. the live requests, oldest first: a decoding request its one token, a request still prefilling the next
+   chunk of its prompt (as much of it as the budget has left);
+2. waiting requests, first come first served, while the budget, the live cap and the free blocks allow:
+   the first chunk of each prompt. While requests are live, waiting ones join at most once every
+   `admit_every_steps` steps, unless those the live cap lets in would fill the step's token budget
+   (`_admission_due`): a step with a prompt chunk in it is launched op by op from Python (a decode-only step
+   is one CUDA graph), so closed-loop clients whose requests end a few at a time, each joining at the next
+   step, turn most steps into slow mixed ones.
 
-The rows' inputs live on the device in the runner's `DecodeState` (token, position, active), and
-the step's CUDA graph itself writes the greedy next tokens and moves the active rows' positions on
-(`EngineRunner.decode_inplace`). The host only writes the state when rows change: admitted rows get
-their first token and position, rows that stop launching are parked (position 0, inactive). A step of
-greedy rows therefore costs the host one graph replay, one copy to a pinned buffer and one event:
-few calls into torch, each of which lets go of the GIL and must win it back from any other busy
-Python thread.
+Blocks are taken as a request's positions grow (`blocks_for(positions, block_size)`) and given back when
+it finishes. A request is admitted only while its first chunk's blocks, plus one block in reserve for
+each live request (their next decode may open a block), are free. When a live request needs a block and
+none is free, the newest live request is preempted: its blocks go back and it returns to the front of
+the queue with its prompt and every token it has delivered, to be prefilled again (recompute; nothing
+it has delivered changes for greedy decoding). So blocks running out means queueing, never an
+out-of-memory error. A request that could never fit (its prompt + `max_tokens` need more blocks than the
+whole pool) is refused at `submit` with the numbers. With `max_waiting` (the engine's `kv_cache.max_waiting`
+when served), a request that arrives while that many already wait is refused at `submit` with
+`SchedulerFull` (overload: Triton's `llm` model answers UNAVAILABLE, the OpenAI front 429), so a burst
+past the KV budget costs clients a retry, never the server its memory.
 
-Each request carries its own sampling (greedy requests share one argmax; sampled requests with the
-same parameters and no seed share one draw; a seeded request has its own `torch.Generator`, so its
-output does not depend on what it was batched with), stop tokens and `max_tokens`. Tokens go out
-through the request's `emit(new_ids, finish_reason)` callback (finish_reason None until the last
-emit), called on the scheduler thread.
+Tokens go out through the request's (`scheduler_loop.GenRequest`) `emit(new_ids, finish_reason)`, and, when it
+asks (`on_logprobs`), each token's log-prob and top log-probs. A request carries what it has computed and what
+it still wants (`_Seq.computed`, the rest of its tokens): there are no prefill and decode phases, a step just
+gives each live request its next chunk of uncomputed tokens. Sampling happens in one place (`_sample`).
 
-`while_waiting` (optional) is other work for the loop's thread: it is called, one item per call,
-while a launched step still runs on the GPU and the thread would otherwise block on it (at least once
-per step, so the work keeps moving when the host is the bottleneck), until it reports nothing left
-after each step on the CPU (where nothing runs asynchronously), and likewise whenever the loop goes
-idle, unless `drain` (optional) is given: then `drain()` is called instead. Triton's `llm` model sends
-its responses there (`outbox.Outbox.send_next`, and `Outbox.drain` when idle).
+One step ahead (`step_ahead`, on by default): while every live request decodes and nothing waiting could
+be admitted, a step is launched before the previous step's tokens reach the host: its input tokens are the
+previous step's samples, read on the device (`EngineRunner.forward_ahead`), and the host delivers those
+tokens while the GPU computes, instead of leaving the GPU idle while it reads, delivers and plans. The
+requests a pending token finishes by length are left out of the next step; one that meets a stop token has
+already been given the next step's row, whose token is dropped (its blocks go back once it is delivered: the
+stream runs that step before any later one can reuse them). A step that needs the tokens on the host (an
+admission, a cancel, a block only a preemption would free, a request wanting log-probs) waits for them first.
 
-`admit_gap_s` (0: off) is for bursts of arrivals at an idle engine, such as the next requests of
-closed-loop clients whose previous ones ended together: admitting the first arrival at once would
-start its prefill alone, the rest would follow in later prefills, and the groups would then decode
-out of step (more, smaller decode steps, each prefill stalling the others). An idle engine therefore
-admits once no request has arrived for `admit_gap_s` (or the slots are full, or GATHER_MAX_GAPS gaps
-have passed). A lone request waits one gap; an engine with live requests never waits.
+The queue, `submit` / `cancel`, the loop (`run_forever`, `start`, `stop`, `run_until_idle`), `while_waiting`
+/ `drain` (Triton's `llm` model sends its responses there) and `admit_gap_s` (an idle engine lets a burst of
+arrivals finish, so it is admitted in one step) are `scheduler_loop.SchedulerLoop`'s. On CUDA `while_waiting`
+runs while a step computes, until its tokens are ready (at least one item a step), never all of it between
+steps: with a thousand live requests, sending every stream's response before the next step would set the pace
+(docs/throughput.md); sent in the GPU's time, each response carries what its stream gathered meanwhile.
+Off CUDA the steps are synchronous and the loop pumps between them.
 
-`admit_every_steps` (1: every step) is for arrivals at a busy engine. Closed-loop clients that have
-drifted out of step (a gray release's weight changes do that) finish one or two at a time, and
-admitting each at the next step runs a prefill per decode step: on an H200 the 1B engine at 64 clients
-then spent 28 of 32 busy seconds launching prefills of about two prompts each and served a quarter of
-the requests it served while the clients were in step (`bench rollout`). While requests are
-live, waiting ones are therefore admitted at most once every `admit_every_steps` decode steps, unless
-they outnumber the live ones by WAITING_SERVED_RATIO (a burst); an idle engine admits at once (after
-`admit_gap_s`). This is text-generation-inference's `max_waiting_tokens` / `waiting_served_ratio`. A
-request waits for its first token at most that many steps more; none waits when no other was admitted
-in the last `admit_every_steps` steps.
-
-The request, `submit` / `cancel`, the loop (`run_forever`, `start`, `stop`, `run_until_idle`) and the
-refusal of a request past `max_waiting` (`SchedulerFull`) are `scheduler_loop.SchedulerLoop`'s, shared
-with the paged scheduler. Thread model: `submit` is thread-safe; `run_forever` (or `start()`, which runs
-it on a daemon thread) is the only code that touches the runner. `stop()` ends the loop, fails what is
-still pending or live with `SchedulerStopped`, and joins the thread.
+Thread model: `submit` and `cancel` are thread-safe; `run_forever` (or `start()`) / `run_until_idle` is
+the only code that touches the runner. `stop()` fails what is pending or live with `SchedulerStopped`.
 
 Imports: stdlib and torch only.
 """
 
 from __future__ import annotations
 
-import collections
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,10 +62,19 @@ from typing import Any
 
 import torch
 
-from serving.engine.sampling import SamplingParams, sample
+from serving.engine.errors import EngineLimitError
+from serving.engine.kv_cache import blocks_for
+from serving.engine.prefix_cache import (
+    ROOT,
+    BlockTable,
+    PrefixCachingAllocator,
+    block_digests,
+    reusable_blocks,
+)
+from serving.engine.sampling import SamplingParams, chosen_logprobs, sample
 from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabulary, imported from here too
-    GATHER_MAX_GAPS,
     Emit,
+    EngineLoopFailed,
     Fail,
     GenRequest,
     RequestCancelled,
@@ -83,299 +82,486 @@ from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabu
     SchedulerLoop,
     SchedulerStopped,
 )
-
-HOST_BUFFERS = 4
+from serving.engine.step import ChunkPlan
 
 
 @dataclass(eq=False)
-class _Live:
+class _Seq:
     req: GenRequest
-    slot: int
-    next_pos: int  # cache position of the next decode step's input token (= tokens in the cache then)
-    launched: int = 0  # tokens whose computation has been launched (prefill's first token included)
-    generated: int = 0  # tokens delivered
-    finished: bool = False
+    tokens: list[int]  # prompt + every token delivered
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # positions whose K/V are in the cache
+    generated: int = 0
     generator: torch.Generator | None = None
-    stop: frozenset[int] = field(default_factory=frozenset)
+    stop: frozenset[int] = frozenset()
+    live: bool = False  # in `running` (a flag: membership tests of a list of 1,024 cost a step milliseconds)
+    digests: list[bytes] = field(default_factory=list)  # prefix caching: its full blocks' digests known so far
+    registered: int = 0  # prefix caching: its leading blocks in the cache (held: `blocks[:registered]`)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.computed
 
 
 @dataclass
-class _Launched:
-    """Tokens on their way back to the host: one prefill or one decode step."""
+class _Ahead:
+    """A decode step launched whose sampled tokens the host has not read yet."""
 
-    lives: list[_Live]
-    index: list[int]  # where each live's token is in `tokens`
-    tokens: torch.Tensor  # on the host (pinned on CUDA), filled once `ready` has fired
-    ready: Any  # torch.cuda.Event, or None on the CPU (the copy was synchronous)
+    seqs: list[_Seq]  # its rows, in order
+    tokens: torch.Tensor  # [N] on the device
+    host: torch.Tensor  # [N] on the host (pinned on CUDA), filled by a non-blocking copy after the step
+    ready: Any  # a torch.cuda.Event recorded after that copy; None off CUDA (the copy was synchronous)
 
 
 @dataclass
 class SchedulerStats:
     steps: int = 0
-    prefills: int = 0
     admitted: int = 0
     finished: int = 0
     failed: int = 0
     cancelled: int = 0
-    tokens: int = 0
-    largest_batch: int = 0
-    busy_s: float = 0.0  # inside step(): the three below, and the rest of the host work
-    launch_s: float = 0.0  # admitting (prefill) and launching decode steps, GPU work queued, not awaited
-    deliver_s: float = 0.0  # handing tokens to the requests' callbacks, waiting included
-    wait_s: float = 0.0  # until a launched step's tokens reached the host (GPU busy; `while_waiting` ran)
-    prefill_s: float = 0.0  # of launch_s: admitting (the prefill call returns once its GPU work is queued)
+    preempted: int = 0
+    held: int = 0  # planned steps at which waiting requests were held back (`admit_every_steps`)
+    tokens: int = 0  # delivered
+    prefill_tokens: int = 0  # computed in chunks of more than one token, or a prompt's single last token
+    decode_tokens: int = 0
+    largest_batch: int = 0  # live requests in one step
+    peak_blocks: int = 0
     drain_s: float = 0.0  # idle, finishing the `while_waiting` work (or `drain`)
-    queued_s: float = 0.0  # summed over requests: from submit to admission
     gather_s: float = 0.0  # idle, letting a burst of arrivals finish (`admit_gap_s`)
-    held: int = 0  # steps at which waiting requests were held back (`admit_every_steps`)
+    busy_s: float = 0.0  # inside step(): the three below and the rest
+    plan_s: float = 0.0  # choosing the step's chunks, taking blocks
+    forward_s: float = 0.0  # building the inputs, launching the forward and sampling (the GPU runs behind)
+    wait_s: float = 0.0  # then waiting for the step's tokens to reach the host
+    deliver_s: float = 0.0  # handing the tokens to the requests' callbacks
+    ahead_steps: int = 0  # decode steps launched before the previous step's tokens were read
+    mixed_steps: int = 0  # steps with a prefill chunk in them (the others are decode-only)
+    mixed_s: float = 0.0  # their forward + wait
+    mixed_forward_s: float = 0.0  # their forward alone (the GPU waits when this outgrows their compute)
+    mixed_forward_cpu_s: float = 0.0  # the loop thread's CPU time in it (the rest: waiting for the GIL or a core)
+    launch_wait_s: float = 0.0  # waiting for the launch lock (`launching`) while the intake held it
+    prefix_hit_tokens: int = 0  # prompt positions taken from the prefix cache instead of computed
 
 
 class Scheduler(SchedulerLoop):
-    """Continuous batching driver of one `EngineRunner` (`prefill`, `decode`, `info.limits`); the queue and
-    the loop are `scheduler_loop.SchedulerLoop`'s."""
+    """Continuous batching driver of one `runner.EngineRunner`; the queue and the loop are
+    `scheduler_loop.SchedulerLoop`'s."""
 
-    def __init__(self, runner: Any, *, max_prefill_tokens: int = 16384, idle_wait_s: float = 0.05,
+    THREAD_NAME = "enginewright-scheduler"
+    MAX_WAITING_SETTING = "kv_cache.max_waiting"
+
+    def __init__(self, runner: Any, *, idle_wait_s: float = 0.05,
                  on_error: Callable[[str], None] | None = None,
                  while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
-                 admit_gap_s: float = 0.0, max_waiting: int | None = None, admit_every_steps: int = 1) -> None:
+                 admit_gap_s: float = 0.0, max_waiting: int | None = None, step_ahead: bool = True,
+                 admit_every_steps: int = 1) -> None:
         super().__init__(runner, idle_wait_s=idle_wait_s, on_error=on_error, while_waiting=while_waiting,
                          drain=drain, admit_gap_s=admit_gap_s, max_waiting=max_waiting,
                          admit_every_steps=admit_every_steps)
-        self.max_slots = self.capacity = int(runner.info.limits.max_batch_size)
-        self.max_prefill_tokens = max(max_prefill_tokens, self.max_input_len)
-        self.slots: list[_Live | None] = [None] * self.max_slots
+        self.step_ahead = step_ahead and hasattr(runner, "forward_ahead")
+        self.ahead: _Ahead | None = None
+        self.max_live = self.capacity = runner.max_live
+        self.max_num_tokens = runner.config.max_num_tokens
+        self.block_size = runner.config.block_size
+        self.allocator = runner.allocator
+        self.prefix_cache = isinstance(self.allocator, PrefixCachingAllocator)
+        self.running: list[_Seq] = []
         self.stats = SchedulerStats()
-        self.inflight: collections.deque[_Launched] = collections.deque()
-        self.state = runner.state  # the rows' decode inputs on the device (tokens, positions, active)
-        self.state.reset()
-        self.advancing: set[int] = set()  # rows whose `active` is 1 on the device
-        pinned = self.device.type == "cuda"
-        # host copies of launched tokens; at most 3 are in flight (prefill, decode, the one being read)
-        self.host_buffers = [torch.zeros(self.max_slots, dtype=torch.long, pin_memory=pinned) for _ in range(HOST_BUFFERS)]
-        self.host_events = [torch.cuda.Event() for _ in range(HOST_BUFFERS)] if pinned else []
-        self.next_buffer = 0
-
-    @property
-    def live(self) -> int:
-        return sum(s is not None for s in self.slots)
 
     @property
     def synchronous(self) -> bool:
-        return self.device.type != "cuda"  # on CUDA the host runs a step ahead of the tokens
+        return self.device.type != "cuda"  # on CUDA `while_waiting` runs while each step computes
+
+    def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
+        """Raise EngineLimitError naming the value and the limit when the engine can never serve it (also:
+        more blocks than the whole pool)."""
+        super().check(prompt_ids, max_tokens)
+        need = blocks_for(len(prompt_ids) + max_tokens, self.block_size)
+        if need > self.allocator.num_blocks:
+            raise EngineLimitError(f"prompt of {len(prompt_ids)} tokens + max_tokens={max_tokens} needs {need} KV "
+                                   f"blocks of {self.block_size} positions; the whole paged cache has "
+                                   f"{self.allocator.num_blocks}")
+
+    def _waiting_item(self, req: GenRequest) -> _Seq:
+        seq = _Seq(req=req, tokens=list(req.prompt_ids), stop=frozenset(req.stop_token_ids))
+        if req.sampling is not None and not req.sampling.is_greedy and req.sampling.seed is not None:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(req.sampling.seed)
+        return seq
+
+    def _request_of(self, item: _Seq) -> GenRequest:
+        return item.req
+
+    @property
+    def live(self) -> int:
+        return len(self.running)
 
     def _busy(self) -> bool:
-        return self.live > 0 or bool(self.inflight)
+        return bool(self.running)
 
     def _load(self) -> str:
-        return f"{self.live} of {self.max_slots} slots live"
+        return (f"{len(self.running)} live, {self.allocator.free} of {self.allocator.num_blocks} KV blocks free")
 
     @torch.no_grad()
     def step(self) -> None:
-        """Admit what fits, launch one decode step for every live slot, then deliver the tokens of
-        everything launched before it (the newest step's tokens are delivered by the next call)."""
+        """Plan one step under the token budget, run it, deliver the tokens it sampled. One step ahead: while
+        only decodes run, launch the next step from the device's samples, then deliver the previous one's."""
         started = time.perf_counter()
+        self.steps_since_admit += 1
+        if self.ahead is not None:
+            rows = self._next_ahead_rows(self.ahead)
+            if rows:
+                self._run_ahead(self.ahead, rows)
+                self.stats.busy_s += time.perf_counter() - started
+                return
+            self._land(self.ahead)
         if self.cancels_pending:
             self._apply_cancels()
-        with self.launching():
-            self._admit()  # the admitted join this very decode step (their first token comes from prefill)
-            launched = self._launch_decode()
-        self.steps_since_admit += 1
-        queued = time.perf_counter()
-        while len(self.inflight) > (1 if launched else 0):
-            self._deliver(self.inflight.popleft())
-        done = time.perf_counter()
-        self.stats.launch_s += queued - started
-        self.stats.deliver_s += done - queued
-        self.stats.busy_s += done - started
+        planning = time.perf_counter()
+        plan = self._plan()
+        self.stats.plan_s += time.perf_counter() - planning
+        if plan:
+            self._run(plan)
+        self.stats.busy_s += time.perf_counter() - started
 
-    # -- internals ----------------------------------------------------------------------------
-    def _apply_cancels(self) -> None:
-        dropped = self._take_cancelled_waiting()
-        cancelled = RequestCancelled("the request was cancelled before it finished")
-        for req in dropped:
-            self.stats.cancelled += 1
-            self._tell_failed(req, cancelled)
-        for live in [s for s in self.slots if s is not None and s.req.cancelled and not s.finished]:
-            self.stats.cancelled += 1
-            self._retire(live)  # its slot is free now; its row is parked at the next launch
-            self._tell_failed(live.req, cancelled)
-
-    def _can_launch(self, live: _Live) -> bool:
-        return (not live.finished and live.launched < live.req.max_tokens
-                and live.next_pos + 1 < self.max_seq_len)
-
-    def _admit(self) -> None:
-        free = [i for i, s in enumerate(self.slots) if s is None]
-        batch: list[tuple[int, GenRequest]] = []
-        budget = self.max_prefill_tokens
+    # -- planning -----------------------------------------------------------------------------
+    def _plan(self) -> list[tuple[_Seq, int]]:
+        budget = self.max_num_tokens
+        plan: list[tuple[_Seq, int]] = []
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if not seq.live:  # preempted for an older request's block
+                continue
+            n = min(seq.remaining, budget)
+            if not self._grow(seq, seq.computed + n):
+                preempted = True
+                continue
+            plan.append((seq, n))
+            budget -= n
         with self.cond:
-            if not self._admission_due(self.live):
-                self.stats.held += bool(self.waiting)
-                return
-            while self.waiting and len(batch) < len(free) and len(self.waiting[0].prompt_ids) <= budget:
-                req = self.waiting.popleft()
-                budget -= len(req.prompt_ids)
-                batch.append((free[len(batch)], req))
-        if not batch:
-            return
-        self.steps_since_admit = 0
-        started = time.perf_counter()
-        self.stats.queued_s += sum(started - req.queued_at for _, req in batch)
-        rows, lives = [], []
-        for slot, req in batch:
-            live = _Live(req=req, slot=slot, next_pos=len(req.prompt_ids), launched=1,
-                         stop=frozenset(req.stop_token_ids))
-            if req.sampling is not None and not req.sampling.is_greedy and req.sampling.seed is not None:
-                live.generator = torch.Generator(device=self.device)
-                live.generator.manual_seed(req.sampling.seed)
-            self.slots[slot] = live
-            rows.append(slot)
-            lives.append(live)
-        try:
-            logits = self.runner.prefill([req.prompt_ids for _, req in batch], rows)
-            tokens = self._sample(logits, lives)
-            rows_dev = self._on_device(rows)
-            self.state.tokens[rows_dev] = tokens
-            self.state.positions[rows_dev] = self._on_device([live.next_pos for live in lives])
-            self.inflight.append(self._to_host(lives, list(range(len(lives))), tokens))
-        except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
-            self._fail(lives, exc)
-            return
-        finally:
-            self.stats.prefill_s += time.perf_counter() - started
-        self.stats.prefills += 1
-        self.stats.admitted += len(batch)
+            admitting = self._admission_due(len(self.running))
+            self.stats.held += bool(self.waiting) and not admitting
+        while admitting and budget and not preempted and len(self.running) < self.max_live:
+            with self.cond:
+                if not self.waiting:
+                    break
+                seq = self.waiting[0]
+                cached = self._cached_prefix(seq)
+                start = len(cached) * self.block_size
+                n = min(len(seq.tokens) - start, budget)
+                need = blocks_for(start + n, self.block_size) - len(cached)
+                held_back = self.allocator.evictable_among(cached) if cached else 0  # cached, free until taken
+                if self.allocator.free - held_back < need + len(self.running):
+                    break
+                self.waiting.popleft()
+            if cached:  # held first: taking the fresh blocks may evict cached ones no request holds
+                self.allocator.acquire(cached)
+                self.stats.prefix_hit_tokens += start
+            fresh = self.allocator.take(need) or []
+            seq.blocks = BlockTable(cached + fresh, row_key=fresh[0]) if cached else fresh
+            seq.computed, seq.registered = start, len(cached)
+            seq.live = True
+            self.running.append(seq)
+            self.stats.admitted += 1
+            self.steps_since_admit = 0
+            plan.append((seq, n))
+            budget -= n
+        return plan
 
-    def _launch_decode(self) -> bool:
-        launched = [s for s in self.slots if s is not None and self._can_launch(s)]
-        rows = [live.slot for live in launched]
-        try:
-            self._set_advancing(rows)
-            if not rows:
+    # -- prefix caching -----------------------------------------------------------------------
+    def _cached_prefix(self, seq: _Seq) -> list[int]:
+        """The cached blocks `seq` can start from (its leading full blocks before its last token's), or []."""
+        if not self.prefix_cache:
+            return []
+        reusable = reusable_blocks(len(seq.tokens), self.block_size)
+        self._know_digests(seq, reusable)
+        return self.allocator.lookup(seq.digests[:reusable])
+
+    def _know_digests(self, seq: _Seq, blocks: int) -> None:
+        """Extend `seq.digests` to its first `blocks` full blocks."""
+        known = len(seq.digests)
+        if blocks > known:
+            seq.digests += block_digests(seq.tokens[:blocks * self.block_size], self.block_size, start=known,
+                                         parent=seq.digests[-1] if known else ROOT)
+
+    def _register(self, seq: _Seq) -> None:
+        """Put `seq`'s full blocks whose K/V are computed and whose tokens are known into the prefix cache."""
+        full = min(seq.computed, len(seq.tokens)) // self.block_size
+        if full <= seq.registered:
+            return
+        self._know_digests(seq, full)
+        for i in range(seq.registered, full):
+            self.allocator.register(seq.blocks[i], seq.digests[i])
+        seq.registered = full
+
+    def _admission_due(self, live: int) -> bool:
+        """Whether waiting requests may join now (`cond` held): none live, `admit_every_steps` steps since the
+        last admission, or the prompts the live cap lets in fill what the budget leaves beside the decodes."""
+        if live == 0 or self.steps_since_admit >= self.admit_every_steps:
+            return True
+        room, tokens = self.max_num_tokens - live, 0
+        for seq in itertools.islice(self.waiting, self.max_live - live):
+            tokens += seq.remaining
+            if tokens >= room:
+                return True
+        return False
+
+    def _grow(self, seq: _Seq, positions: int) -> bool:
+        """Give `seq` the blocks for `positions`, preempting the newest live requests while none are free.
+        False when `seq` itself was the newest and went back to the queue."""
+        need = blocks_for(positions, self.block_size) - len(seq.blocks)
+        while need > self.allocator.free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
                 return False
-            b = rows[-1] + 1
-            logits = self.runner.decode_inplace(b, max(live.next_pos for live in launched) + 1)
-            if any(live.req.sampling is not None and not live.req.sampling.is_greedy for live in launched):
-                lives: list[_Live | None] = [None] * b
-                for live in launched:
-                    lives[live.slot] = live
-                self.state.tokens[:b].copy_(self._sample(logits, lives))  # the graph wrote the argmax
-            self.inflight.append(self._to_host(launched, rows, self.state.tokens[:b]))
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
-            self._fail(launched, exc)
-            return False
-        for live in launched:
-            live.next_pos += 1
-            live.launched += 1
-        self.stats.steps += 1
-        self.stats.largest_batch = max(self.stats.largest_batch, len(rows))
+        if need > 0:
+            seq.blocks += self.allocator.take(need) or []
         return True
 
-    def _set_advancing(self, rows: list[int]) -> None:
-        """Make exactly `rows` active on the device: start the new ones, park the ones that stopped."""
-        wanted = set(rows)
-        start, park = sorted(wanted - self.advancing), sorted(self.advancing - wanted)
-        if start:
-            self.state.active[self._on_device(start)] = 1
-        if park:
-            idx = self._on_device(park)
-            self.state.active[idx] = 0
-            self.state.positions[idx] = 0
-        self.advancing = wanted
+    def _preempt(self, seq: _Seq) -> None:
+        self.running.remove(seq)
+        seq.live = False
+        self.allocator.give_back(seq.blocks)
+        seq.blocks, seq.computed, seq.registered = [], 0, 0
+        self.stats.preempted += 1
+        with self.cond:
+            self.waiting.appendleft(seq)
 
-    def _on_device(self, values: list[int]) -> torch.Tensor:
-        """A long tensor on the device without a host sync (pinned, non-blocking copy on CUDA)."""
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+    # -- one step ahead ----------------------------------------------------------------------
+    def _may_run_ahead(self, plan: list[tuple[_Seq, int]], sampling: list[int]) -> bool:
+        """Whether this step may be launched and left unread: decodes only, of every live request."""
+        return (self.step_ahead and len(plan) == len(self.running) == len(sampling)
+                and all(n == 1 for _, n in plan) and self._nothing_needs_the_tokens())
 
-    def _to_host(self, lives: list[_Live], index: list[int], tokens: torch.Tensor) -> _Launched:
-        """Start copying `tokens` to the host (the next of the reused host buffers) without waiting."""
-        i = self.next_buffer
-        self.next_buffer = (i + 1) % HOST_BUFFERS
-        host = self.host_buffers[i][: tokens.shape[0]]
-        if self.device.type != "cuda":
-            host.copy_(tokens)
-            return _Launched(lives, index, host, None)
-        host.copy_(tokens, non_blocking=True)
-        ready = self.host_events[i]
-        ready.record()
-        return _Launched(lives, index, host, ready)
+    def _nothing_needs_the_tokens(self) -> bool:
+        """No live request wants log-probs (read on the host at once) and nothing waiting could be admitted
+        (or may be yet: `admit_every_steps`)."""
+        if any(seq.req.on_logprobs is not None for seq in self.running):
+            return False
+        with self.cond:
+            return (not self.waiting or len(self.running) >= self.max_live
+                    or not self._admission_due(len(self.running)))
 
-    def _sample(self, logits: torch.Tensor, lives: Sequence[_Live | None]) -> torch.Tensor:
-        """Next token of every row, on the device: argmax for all, then sampled rows overwritten
-        (grouped by params)."""
-        out = logits.argmax(dim=-1)  # [b]
-        groups: dict[SamplingParams, list[int]] = {}
-        for row, live in enumerate(lives):
-            if live is None or live.req.sampling is None or live.req.sampling.is_greedy:
-                continue
-            if live.generator is not None:
-                out[row] = sample(logits[row:row + 1], live.req.sampling, live.generator)[0]
+    def _next_ahead_rows(self, ahead: _Ahead) -> list[_Seq]:
+        """The requests the step after `ahead` decodes, launched before its tokens are read: every one still
+        live that its unread token does not finish by length. [] when that step cannot be planned without
+        those tokens: a cancel, an admission, a block that would need a preemption."""
+        if self.cancels_pending or not self._nothing_needs_the_tokens():
+            return []
+        rows = [s for s in ahead.seqs if s.live
+                and s.generated + 1 < s.req.max_tokens and len(s.tokens) + 1 < self.max_seq_len]
+        need = sum(blocks_for(s.computed + 1, self.block_size) - len(s.blocks) for s in rows)
+        return rows if need <= self.allocator.free else []
+
+    def _launch_unread(self, seqs: list[_Seq], logits: torch.Tensor) -> _Ahead:
+        """Sample `seqs`' next tokens from `logits` and start copying them to the host; their positions count
+        as computed from here."""
+        tokens = self._sample(logits, seqs)
+        for seq in seqs:
+            seq.computed += 1
+            if seq.generated > 0:
+                self.stats.decode_tokens += 1
+            else:  # a one-token prompt
+                self.stats.prefill_tokens += 1
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = tokens.clone(), None
+        self.stats.steps += 1
+        self.stats.ahead_steps += 1
+        self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self.allocator.used)
+        return _Ahead(seqs, tokens, host, ready)
+
+    def _run_ahead(self, prev: _Ahead, rows: list[_Seq]) -> None:
+        """Launch the decode step of `rows` on `prev`'s unread samples, then deliver `prev`'s tokens."""
+        started = time.perf_counter()
+        try:
+            where = {id(seq): i for i, seq in enumerate(prev.seqs)}
+            for seq in rows:
+                self._grow(seq, seq.computed + 1)  # never preempts: `_next_ahead_rows` counted the free blocks
+            chunks: list[ChunkPlan] = [([0], seq.computed, seq.blocks) for seq in rows]
+            asked = time.perf_counter()
+            with self.launching():
+                self.stats.launch_wait_s += time.perf_counter() - asked
+                logits = self.runner.forward_ahead(chunks, prev.tokens, [where[id(seq)] for seq in rows])
+                self.ahead = self._launch_unread(rows, logits)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
+            self.ahead = None
+            self._fail(list(prev.seqs), exc)
+            return
+        self.stats.forward_s += time.perf_counter() - started
+        self._land(prev)
+
+    def _land(self, ahead: _Ahead) -> None:
+        """Wait for `ahead`'s tokens and deliver them to its requests that are still live."""
+        waiting = time.perf_counter()
+        if ahead.ready is not None:
+            self._work_until(ahead.ready)
+            ahead.ready.synchronize()
+        tokens = ahead.host.tolist()
+        delivering = time.perf_counter()
+        self.stats.wait_s += delivering - waiting
+        if self.ahead is ahead:
+            self.ahead = None
+        for seq, token in zip(ahead.seqs, tokens):
+            if seq.live:
+                self._deliver(seq, token, None)
+        self._drop_retired()
+        self.stats.deliver_s += time.perf_counter() - delivering
+
+    # -- running ------------------------------------------------------------------------------
+    def _run(self, plan: list[tuple[_Seq, int]]) -> None:
+        chunks: list[ChunkPlan] = [(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks) for seq, n in plan]
+        sampling = [i for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
+        if self._may_run_ahead(plan, sampling):
+            started = time.perf_counter()
+            try:
+                with self.launching():
+                    self.ahead = self._launch_unread([seq for seq, _ in plan], self.runner.forward(chunks, sampling))
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
+                self._fail([seq for seq, _ in plan], exc)
+            self.stats.forward_s += time.perf_counter() - started
+            return
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self.allocator.used)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(plan))
+        started = time.perf_counter()
+        started_cpu = time.thread_time()
+        try:
+            lives = [plan[i][0] for i in sampling]
+            with self.launching():
+                self.stats.launch_wait_s += time.perf_counter() - started
+                logits = self.runner.forward(chunks, sampling)  # [N, V]
+                tokens = self._sample(logits, lives)
+                ready = torch.cuda.Event() if tokens.is_cuda else None
+                if ready is not None:
+                    ready.record()
+            extras = self._logprobs(logits, tokens, lives)
+            waiting, waiting_cpu = time.perf_counter(), time.thread_time()
+            if ready is not None:
+                self._work_until(ready)
+            token_list = tokens.tolist()
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
+            self._fail([seq for seq, _ in plan], exc)
+            return
+        delivering = time.perf_counter()
+        self.stats.forward_s += waiting - started
+        self.stats.wait_s += delivering - waiting
+        self.stats.steps += 1
+        if len(sampling) != len(plan) or any(n != 1 for _, n in plan):
+            self.stats.mixed_steps += 1
+            self.stats.mixed_s += delivering - started
+            self.stats.mixed_forward_s += waiting - started
+            self.stats.mixed_forward_cpu_s += waiting_cpu - started_cpu
+        for seq, n in plan:
+            seq.computed += n
+            if n == 1 and seq.generated > 0:
+                self.stats.decode_tokens += 1
             else:
-                groups.setdefault(live.req.sampling, []).append(row)
-        for params, group in groups.items():
-            idx = self._on_device(group)
-            out[idx] = sample(logits[idx], params, None)
+                self.stats.prefill_tokens += n
+            if self.prefix_cache:
+                self._register(seq)
+        for k, seq in enumerate(lives):
+            self._deliver(seq, token_list[k], extras[k] if extras else None)
+        self._drop_retired()
+        self.stats.deliver_s += time.perf_counter() - delivering
+
+    def _sample(self, logits: torch.Tensor, lives: list[_Seq]) -> torch.Tensor:
+        out = logits.argmax(dim=-1)  # [N]
+        for row, seq in enumerate(lives):
+            params = seq.req.sampling
+            if params is not None and not params.is_greedy:
+                out[row] = sample(logits[row:row + 1], params, seq.generator)[0]
         return out
 
-    def _deliver(self, done: _Launched) -> None:
-        try:
-            if done.ready is not None:
-                waiting = time.perf_counter()
-                self._work_until(done.ready)
-                done.ready.synchronize()
-                self.stats.wait_s += time.perf_counter() - waiting
-            tokens = done.tokens.tolist()
-        except Exception as exc:  # noqa: BLE001 - the step failed on the device
-            self._fail(done.lives, exc)
-            return
-        for live, i in zip(done.lives, done.index):
-            if not live.finished:
-                self._deliver_token(live, tokens[i])
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, lives: list[_Seq]
+                  ) -> list[tuple[float, dict[int, float]] | None] | None:
+        wanting = [s.req.on_logprobs is not None for s in lives]
+        if not any(wanting):
+            return None
+        top_n = max(s.req.top_logprobs for s, w in zip(lives, wanting) if w)
+        chosen, top_v, top_i = chosen_logprobs(logits, tokens, top_n)
+        chosen_l = chosen.tolist()
+        top_vl = top_v.tolist() if top_v is not None else None
+        top_il = top_i.tolist() if top_i is not None else None
+        out: list[tuple[float, dict[int, float]] | None] = []
+        for row, (seq, want) in enumerate(zip(lives, wanting)):
+            if not want:
+                out.append(None)
+                continue
+            n = seq.req.top_logprobs
+            top = dict(zip(top_il[row][:n], top_vl[row][:n])) if n and top_il is not None else {}
+            out.append((chosen_l[row], top))
+        return out
 
-    def _deliver_token(self, live: _Live, token: int) -> None:
-        live.generated += 1
+    def _deliver(self, seq: _Seq, token: int, extra: tuple[float, dict[int, float]] | None) -> None:
+        seq.tokens.append(token)
+        seq.generated += 1
         self.stats.tokens += 1
+        if self.prefix_cache and seq.live:
+            self._register(seq)
         reason = None
-        if token in live.stop:
+        if token in seq.stop:
             reason = "stop"
-        elif live.generated >= live.req.max_tokens or (live.generated == live.launched and not self._can_launch(live)):
+        elif seq.generated >= seq.req.max_tokens or len(seq.tokens) >= self.max_seq_len:
             reason = "length"
         if reason is not None:
-            self._retire(live)
+            self._retire(seq)
             self.stats.finished += 1
         try:
-            live.req.emit([token], reason)
+            if extra is not None:
+                seq.req.on_logprobs(*extra)  # type: ignore[attr-defined]
+            seq.req.emit([token], reason)
         except Exception as exc:  # noqa: BLE001 - a broken callback must not stop the others
-            self.log_error(f"request {live.req.request_id}: emit failed: {type(exc).__name__}: {exc}")
+            self.log_error(f"request {seq.req.request_id}: emit failed: {type(exc).__name__}: {exc}")
             if reason is None:
-                self._fail_one(live, exc)
-            else:  # already retired as finished
-                self._tell_failed(live.req, exc)
+                self._fail_one(seq, exc)
+            else:
+                self._tell_failed(seq.req, exc)
 
-    def _retire(self, live: _Live) -> None:
-        live.finished = True
-        if self.slots[live.slot] is live:
-            self.slots[live.slot] = None
+    def _retire(self, seq: _Seq) -> None:
+        """Give `seq`'s blocks back; it leaves `running` at the next `_drop_retired`."""
+        if seq.live:
+            seq.live = False
+            self.allocator.give_back(seq.blocks)
+            seq.blocks, seq.registered = [], 0
 
-    def _fail(self, lives: Sequence[_Live], exc: BaseException) -> None:
-        lives = [live for live in lives if not live.finished]
-        if not lives:
+    def _drop_retired(self) -> None:
+        if any(not seq.live for seq in self.running):
+            self.running = [seq for seq in self.running if seq.live]
+
+    def _apply_cancels(self) -> None:
+        dropped = self._take_cancelled_waiting()
+        dropped += [seq for seq in self.running if seq.req.cancelled]
+        cancelled = RequestCancelled("the request was cancelled before it finished")
+        for seq in dropped:
+            self._retire(seq)
+            self.stats.cancelled += 1
+            self._tell_failed(seq.req, cancelled)
+        self._drop_retired()
+
+    def _fail(self, seqs: Sequence[_Seq], exc: BaseException) -> None:
+        if not seqs:
             return
-        self.log_error(f"step failed for {len(lives)} requests: {type(exc).__name__}: {exc}")
-        for live in lives:
-            self._fail_one(live, exc)
+        self.log_error(f"step failed for {len(seqs)} requests: {type(exc).__name__}: {exc}")
+        for seq in seqs:
+            self._fail_one(seq, exc)
+        self._drop_retired()
 
-    def _fail_one(self, live: _Live, exc: BaseException) -> None:
-        self._retire(live)
+    def _fail_one(self, seq: _Seq, exc: BaseException) -> None:
+        self._retire(seq)
         self.stats.failed += 1
-        self._tell_failed(live.req, exc)
+        self._tell_failed(seq.req, exc)
 
     def _fail_live(self, exc: BaseException) -> None:
-        self.inflight.clear()
-        self._fail([s for s in self.slots if s is not None], exc)
+        self.ahead = None
+        self._fail(list(self.running), exc)
 
 
 def collect(scheduler: Scheduler, prompts: Sequence[Sequence[int]], *, max_tokens: int | Sequence[int],

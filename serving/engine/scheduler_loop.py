@@ -1,8 +1,7 @@
-"""What every in-flight scheduler shares: the request, its errors, the queue and the loop's lifecycle.
+"""The loop of the in-flight scheduler: the request, its errors, the queue and the loop's lifecycle.
 
-`scheduler.Scheduler` (static KV cache: one cache row per live request) and
-`paged_scheduler.PagedScheduler` (paged KV cache: blocks, chunked prefill) differ in how they admit,
-launch and deliver; what a caller sees is the same and lives here once:
+`scheduler.Scheduler` decides how requests are admitted, launched and delivered (blocks, chunked prefill); what
+a caller sees lives here:
 
 - `GenRequest`: prompt, limits, sampling, and the callbacks its tokens (`emit(new_ids, finish_reason)`,
   finish_reason None until the last emit) and its failure (`fail(exc)`) go to, called on the loop's thread;
@@ -18,8 +17,8 @@ launch and deliver; what a caller sees is the same and lives here once:
   `admit_gap_s` lets a burst of arrivals finish before stepping (at most GATHER_MAX_GAPS gaps, or until
   the burst fills `capacity`), so the burst is admitted together and decodes in step;
 - `admit_every_steps` (1: every step) is for arrivals at a busy engine: while requests are live, waiting ones
-  are admitted at most once every that many steps, unless they outnumber the live ones by WAITING_SERVED_RATIO
-  (`_admission_due`; the schedulers' docs say why each needs it);
+  are admitted at most once every that many steps, with the exceptions `scheduler.Scheduler._admission_due`
+  names (its doc says why);
 - `launching()` (the loop's thread, around launching a step) and `between_launches()` (any other thread, around
   Python work that can wait a few milliseconds, such as Triton's request intake, which checks `launch_waits()`
   between its items) share one `launch_lock.LaunchLock` on CUDA, launches first: a step's eager launches give
@@ -30,7 +29,7 @@ launch and deliver; what a caller sees is the same and lives here once:
   that fails (an error escapes a step) fails them with `EngineLoopFailed` and refuses new requests;
   `run_until_idle()`: steps on the caller's thread until nothing waits or lives (tests, offline use).
 
-A subclass provides `step()`, `_busy()` (live or launched work), `_fail_live(exc)`, `capacity` (live
+`scheduler.Scheduler` provides `step()`, `_busy()` (live or launched work), `_fail_live(exc)`, `_admission_due`, `capacity` (live
 requests at most) and `stats` (with `drain_s` and `gather_s`), and may wrap each request in its own
 queue item (`_waiting_item`, `_request_of`).
 
@@ -57,9 +56,9 @@ from serving.engine.launch_lock import LaunchLock
 from serving.engine.sampling import SamplingParams
 
 GATHER_MAX_GAPS = 10  # an idle engine waits for a burst of arrivals at most this many `admit_gap_s`
-WAITING_SERVED_RATIO = 1.2  # waiting / live at which a busy engine admits at once (text-generation-inference's)
 Emit = Callable[[list[int], "str | None"], None]
 Fail = Callable[[BaseException], None]
+LogprobSink = Callable[[float, "dict[int, float]"], None]
 
 
 class SchedulerStopped(EngineError):
@@ -92,6 +91,8 @@ class GenRequest:
     request_id: Any = None
     cancelled: bool = False  # set by cancel()
     queued_at: float = 0.0  # perf_counter time it was submitted
+    top_logprobs: int = 0  # alternatives reported with each chosen token's log-prob (`on_logprobs`)
+    on_logprobs: LogprobSink | None = None  # each chosen token's raw log-prob and its top alternatives
 
 
 class SchedulerLoop:
@@ -165,11 +166,6 @@ class SchedulerLoop:
 
     def _request_of(self, item: Any) -> GenRequest:
         return item
-
-    def _admission_due(self, live: int) -> bool:
-        """Whether waiting requests may be admitted now, with `live` requests live (`cond` held)."""
-        return (live == 0 or self.steps_since_admit >= self.admit_every_steps
-                or len(self.waiting) >= WAITING_SERVED_RATIO * live)
 
     # -- submission (any thread) --------------------------------------------------------------
     def check(self, prompt_ids: Sequence[int], max_tokens: int) -> None:

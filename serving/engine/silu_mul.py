@@ -1,4 +1,4 @@
-"""SiLU(gate) * up in one Triton kernel for the engine's eager GPU work (prefills, the paged engine's steps).
+"""SiLU(gate) * up in one Triton kernel for the engine's eager GPU work (the engine's steps).
 
 `silu_mul(gate_up [T, 2I], I)` -> [T, I]: the w13 projection's two halves combined. In torch that is
 `F.silu(gate) * up` on two strided views: a kernel that writes SiLU(gate) and one that reads it back with up.

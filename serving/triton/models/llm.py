@@ -36,16 +36,11 @@ FINAL response with every token. Responses are built and sent (``outbox.Outbox.s
 engine thread itself, while it waits for the GPU and whenever it is idle, so no sender thread
 competes with it for the GIL; a stream's tokens that wait meanwhile go out together in its next
 response (k > 1 under load, 1 otherwise). ``execute`` returns at once. Startup errors of the
-thread (engine load, compile, graph capture) are carried back and raised by ``initialize``; a
+thread (engine load, warm-up, graph capture) are carried back and raised by ``initialize``; a
 request that fails gets a TritonError response; ``finalize`` stops the intake and the scheduler (queued and
-pending requests get an error) and joins their threads. Parameters: ``compile_decode`` ("true": torch.compile'd decode
-step, ~30-50 s more at a first load on an H200; its compile artifacts are then kept in
-``compile_cache_dir``, default ``.compile-cache`` in the repository's root, "off" for none, and a
-later load on the same toolchain restores them instead of compiling: `serving.engine.compile_cache`),
-``load_priority`` (default "idle": the engine's load, torch's import included, runs on a thread of Linux's
+pending requests get an error) and joins their threads. Parameters: ``load_priority`` (default "idle": the engine's load, torch's import included, runs on a thread of Linux's
 idle CPU policy, so a version loading beside a live one takes only the cores the live one leaves:
-``serving.triton.models.load_priority``), ``decode_pdl`` (default "true": that step with
-programmatic dependent launch on Hopper and later, `serving.engine.cuda_graphs`), ``warmup`` ("false" to skip
+``serving.triton.models.load_priority``), ``warmup`` ("false" to skip
 capturing graphs and running the first, cold prefills at load), ``gil_switch_interval_ms`` (default
 0.5: how long another Python thread, such as the one running ``execute``, may hold the GIL while the
 engine thread waits for it), ``exclusive_launch`` (default "true": on CUDA the request intake waits while
@@ -61,7 +56,7 @@ while a step computes on the GPU, for engines whose streams outpace one sender; 
 arriving requests once none has come for this long, so the burst is prefilled together; 0 admits
 at once; see ``serving.engine.scheduler``), ``admit_every_steps`` (default 8: while requests are live,
 waiting ones are admitted, in one prefill, at most once every this many decode steps, unless they
-outnumber the live ones; see ``serving.engine.scheduler`` and ``serving.engine.paged_scheduler``), ``prefix_caching`` ("true" / "false": a paged engine's
+outnumber the live ones; see ``serving.engine.scheduler``), ``prefix_caching`` ("true" / "false": the engine's
 prefix caching for this load, whatever its build says; unset or "auto": as built), ``cuda_alloc_conf`` (PyTorch's
 ``PYTORCH_CUDA_ALLOC_CONF`` for this model's process, e.g. "expandable_segments:True"), ``max_queue_size``
 (written by ``llm_config`` from the release's ``triton.max_queue_size``: requests waiting for admission at
@@ -78,7 +73,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +111,7 @@ try:  # only present inside Triton's python backend; unit tests install a fake m
 except ImportError:  # pragma: no cover - exercised outside Triton
     pb_utils = None
 
-DEFAULT_ENGINE_LOADER = "serving.engine.engine_loader:load_as_built"  # paged when engine.json says so
+DEFAULT_ENGINE_LOADER = "serving.engine.runner:load_engine"
 
 
 def resolve(spec: str) -> Callable[..., Any]:
@@ -302,29 +296,24 @@ def allocator_counters() -> str:
 
 
 class EngineThread:
-    """The engine loop on its own thread: prepare (compile, capture graphs), then the scheduler forever."""
+    """The engine loop on its own thread: warm up (the first steps' kernels, the decode graphs), then the
+    scheduler forever."""
 
-    def __init__(self, runner: Any, log: Log, *, device_id: int | None, compile_decode: bool,
-                 warmup: bool, while_waiting: Callable[[], bool] | None = None,
-                 drain: Callable[[], None] | None = None,
+    def __init__(self, runner: Any, log: Log, *, device_id: int | None, warmup: bool,
+                 while_waiting: Callable[[], bool] | None = None, drain: Callable[[], None] | None = None,
                  work_while: Callable[[Callable[[], bool]], None] | None = None, admit_gap_s: float = 0.0,
-                 decode_pdl: bool = True, compile_cache_root: Path | None = None,
-                 compile_cache_pruning: Any = None, admit_every_steps: int = 1, exclusive_launch: bool = True,
+                 admit_every_steps: int = 1, exclusive_launch: bool = True,
                  max_queue_size: int | None = None) -> None:
         self.runner = runner
         self.max_queue_size = max_queue_size
         self.exclusive_launch = exclusive_launch
         self.admit_every_steps = admit_every_steps
-        self.compile_cache_root = compile_cache_root
-        self.compile_cache_pruning = compile_cache_pruning  # compile_cache_prune.Pruning: after the compile
-        self.decode_pdl = decode_pdl
         self.admit_gap_s = admit_gap_s
         self.while_waiting = while_waiting
         self.drain = drain
         self.work_while = work_while
         self.log = log
         self.device_id = device_id
-        self.compile_decode = compile_decode
         self.warmup = warmup
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -341,29 +330,22 @@ class EngineThread:
 
     def _main(self) -> None:
         try:
-            from serving.engine.paged_runner import PagedRunner  # lazy: imports torch
-            from serving.engine.scheduler import Scheduler
-
             if self.device_id is not None:
-                import torch
+                import torch  # lazy: the engine's load imported it
 
                 torch.cuda.set_device(self.device_id)
             started = time.monotonic()
-            self.prepare_decode()
             if self.warmup:
                 self.runner.warm_up_prefill()
-            graphs = getattr(self.runner, "graphs", None)
-            # a paged engine (engine_loader serving.engine.paged_runner:load_paged_engine) brings its own scheduler
-            make = self.runner.scheduler if isinstance(self.runner, PagedRunner) else partial(Scheduler, self.runner)
-            self.scheduler = make(on_error=self.log.error, while_waiting=self.while_waiting, drain=self.drain,
-                                  admit_gap_s=self.admit_gap_s, admit_every_steps=self.admit_every_steps)
+            self.scheduler = self.runner.scheduler(
+                on_error=self.log.error, while_waiting=self.while_waiting, drain=self.drain,
+                admit_gap_s=self.admit_gap_s, admit_every_steps=self.admit_every_steps)
             self.scheduler.work_while = self.work_while
             self.scheduler.exclusive_launch = self.exclusive_launch
             if self.max_queue_size is not None:
                 self.scheduler.limit_waiting(self.max_queue_size, QUEUE_SIZE_PARAMETER)
-            self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (compile_decode="
-                          f"{self.compile_decode}, decode_pdl={self.decode_pdl}, admit_every_steps={self.admit_every_steps}, "
-                          f"graphs={'yes' if graphs is not None else 'no'})")
+            self.log.info(f"engine thread ready in {time.monotonic() - started:.2f} s (warmup={self.warmup}, "
+                          f"admit_every_steps={self.admit_every_steps})")
         except BaseException as exc:  # noqa: BLE001 - carried back to initialize
             self.error = exc
             self.ready.set()
@@ -371,43 +353,6 @@ class EngineThread:
         freeze_heap()  # the loaded model out of the full collections' walk (serving.engine.heap)
         self.ready.set()
         self.scheduler.run_forever()
-
-    def prepare_decode(self) -> None:
-        """Compile the decode step (when asked, on CUDA) and capture its graphs. A compile that fails falls
-        back, logged, to the compile without programmatic dependent launch, then to the eager graphs:
-        serving slower beats not serving."""
-        if not self.compile_decode or getattr(self.runner, "graphs", None) is None:
-            self._warm_graphs()
-            return
-        for pdl in dict.fromkeys((self.decode_pdl, False)):  # with PDL as configured, then without
-            try:
-                from serving.engine.compile_cache import decode_step_cache, kept  # lazy: imports torch
-
-                cache = decode_step_cache(self.runner, self.compile_cache_root if self.warmup else None, pdl=pdl,
-                                          log=self.log.info)
-                with kept(cache):
-                    self.runner.compile_decode(pdl=pdl)
-                    self._warm_graphs()  # a compile happens at the first capture: its errors surface here
-                self.decode_pdl = pdl
-                if cache is not None and self.compile_cache_pruning is not None:
-                    from serving.engine.compile_cache_prune import prune_entries  # lazy: imports torch
-
-                    prune_entries(cache.root, self.compile_cache_pruning, keep=cache.entry, log=self.log.info)
-                return
-            except Exception as exc:  # noqa: BLE001 - the fallbacks below
-                self.log.error(f"compiled decode with decode_pdl={pdl} failed: {type(exc).__name__}: {exc}")
-        self.log.error("serving with the eager decode step's CUDA graphs")
-        self.runner.eager_graphs()
-        self.compile_decode = self.decode_pdl = False
-        self._warm_graphs()
-
-    def _warm_graphs(self) -> None:
-        graphs = getattr(self.runner, "graphs", None)
-        if self.warmup and graphs is not None:
-            graphs.warm_up()
-            times = getattr(graphs, "capture_times", {})
-            self.log.info(f"captured {len(times)} decode graphs in {sum(times.values()):.2f} s (batch x KV bucket: "
-                          + ", ".join(f"{b}x{kv} {s:.2f} s" for (b, kv), s in times.items()) + ")")
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.scheduler is not None:
@@ -445,8 +390,7 @@ class TritonPythonModel:
 
             torch.cuda.set_device(device_id)
         started = time.monotonic()
-        options: dict[str, Any] = {name: value for name in ("decode_gemm", "decode_attention")
-                                   if (value := choice(params, name))}
+        options: dict[str, Any] = {"decode_gemm": value} if (value := choice(params, "decode_gemm")) else {}
         if (prefix_caching := choice(params, "prefix_caching")) in ("true", "false"):
             options["prefix_caching"] = prefix_caching == "true"
         load_priority = choice(params, "load_priority") or "idle"
@@ -489,23 +433,15 @@ class TritonPythonModel:
                                  stream_interval_s=milliseconds(params, "stream_interval_ms") / 1e3,
                                  idle_senders=count(params, "idle_senders"),
                                  busy_senders=count(params, "busy_senders"))
-            from serving.engine.compile_cache import cache_root  # lazy: imports torch
-            from serving.engine.compile_cache_prune import pruning_for
             self.engine_thread = EngineThread(runner, self.log, device_id=device_id,
-                                              compile_decode=flag(params, "compile_decode"),
                                               warmup=flag(params, "warmup"),
                                               while_waiting=self.outbox.send_next, drain=self.outbox.drain,
                                               work_while=(self.outbox.send_while
                                                           if self.outbox.busy_senders > 1 else None),
                                               admit_gap_s=milliseconds(params, "admit_gap_ms") / 1e3,
                                               admit_every_steps=count(params, "admit_every_steps"),
-                                              decode_pdl=flag(params, "decode_pdl"),
                                               exclusive_launch=flag(params, "exclusive_launch"),
-                                              max_queue_size=queue_size(params),
-                                              compile_cache_root=cache_root(params.get("compile_cache_dir"),
-                                                                            Path(args["model_repository"])),
-                                              compile_cache_pruning=pruning_for(params.get("compile_cache_dir"),
-                                                                                Path(args["model_repository"])))
+                                              max_queue_size=queue_size(params))
             try:
                 self.engine_thread.start()
             except BaseException as exc:

@@ -55,8 +55,6 @@ def queue_size(params: dict[str, str]) -> int | None:
 BOOLEAN_PARAMETERS: dict[str, bool] = {
     "decoupled": False,
     "in_flight": True,
-    "compile_decode": False,
-    "decode_pdl": True,
     "exclusive_launch": True,
     "execute_waits_launches": False,
     "warmup": True,
@@ -110,8 +108,7 @@ def count(params: dict[str, str], name: str) -> int:
 # name -> the values it may take (unset or empty: the engine's default, "auto")
 CHOICE_PARAMETERS: dict[str, tuple[str, ...]] = {
     "decode_gemm": ("auto", "triton", "torch"),  # the decode step's GEMMs: Triton kernels or cuBLAS
-    "decode_attention": ("auto", "triton", "matmul"),  # the Triton attention (with the rotary fused) or matmuls
-    "prefix_caching": ("auto", "true", "false"),  # a paged engine's prefix caching: as built, on or off
+    "prefix_caching": ("auto", "true", "false"),  # the engine's prefix caching: as built, on or off
     "load_priority": ("idle", "normal"),  # the engine's load below the serving threads, or beside them
 }
 

@@ -8,13 +8,14 @@ offset`. A sequence owns a list of blocks (its block table): position p lives in
 grows and given back when it finishes (or is preempted), so a 128-token request holds
 `ceil(128 / block_size)` blocks, not room for `max_seq_len`.
 
-Sizing (`PagedKVConfig`): an explicit `num_blocks`, or a fraction of the device memory that is free once
+Sizing (`KVCacheConfig`): an explicit `num_blocks`; or a fraction of the device memory that is free once
 the weights are loaded (TensorRT-LLM's `kv_cache_free_gpu_mem_fraction`; CUDA only: the CPU has no such
-figure, so there `num_blocks` is required). `check_paged_config` refuses impossible combinations with
+figure); by default room for `max_batch_size` sequences of `max_seq_len` (the memory a static cache at the
+engine's limits took), so admission never waits for blocks. `check_kv_cache_config` refuses impossible combinations with
 the numbers: a pool smaller than one sequence of `max_seq_len`, a step budget (`max_num_tokens`) smaller
 than one block, and so on.
 
-KV cache dtype (`PagedKVConfig.kv_cache_dtype`): "auto" stores K/V in the model's dtype; "fp8" stores them as
+KV cache dtype (`KVCacheConfig.kv_cache_dtype`): "auto" stores K/V in the model's dtype; "fp8" stores them as
 float8_e4m3fn (TensorRT-LLM's and vLLM's `kv_cache_dtype=fp8`), half the bytes of bf16: the pool holds twice
 the blocks and a decode step reads half the bytes. Values are divided by one per-tensor scale
 (`KV_FP8_SCALE`, 1.0: vLLM's default for an uncalibrated fp8 KV cache, where K/V of these models lie well
@@ -42,46 +43,41 @@ from serving.engine.quantize import require_e4m3
 
 DEFAULT_BLOCK_SIZE = 32
 AUTO, FP8 = "auto", "fp8"
-KV_CACHE_DTYPES = (AUTO, FP8)  # paged.kv_cache_dtype: the model's dtype, or float8_e4m3fn storage
+KV_CACHE_DTYPES = (AUTO, FP8)  # kv_cache.kv_cache_dtype: the model's dtype, or float8_e4m3fn storage
 KV_FP8_DTYPE = torch.float8_e4m3fn
 KV_FP8_MAX = torch.finfo(KV_FP8_DTYPE).max  # 448.0: stored values are clamped to +-this before the cast
 KV_FP8_SCALE = 1.0  # per-tensor: stored = x / scale (uncalibrated, as vLLM's default); see the module doc
 
 
 @dataclass(frozen=True)
-class PagedKVConfig:
-    """How the paged engine sizes its cache and its steps (resolved once; recorded in engine.json by the
-    build as `paged`). Live requests are capped by the engine's `limits.max_batch_size`."""
+class KVCacheConfig:
+    """How the engine sizes its KV cache and its steps (resolved once; recorded in engine.json by the build as
+    `kv_cache`). Live requests are capped by the engine's `limits.max_batch_size`."""
 
     block_size: int = DEFAULT_BLOCK_SIZE  # token positions per block
-    num_blocks: int | None = None  # explicit pool size (required on the CPU)
-    free_mem_fraction: float = 0.9  # of the device memory free after the weights, when num_blocks is None
+    num_blocks: int | None = None  # explicit pool size; None: free_mem_fraction, or room for the limits
+    free_mem_fraction: float | None = None  # of the device memory free after the weights (CUDA), when num_blocks is None
     max_num_tokens: int = 8192  # tokens (prefill chunks + decodes) one step computes at most
     max_waiting: int | None = None  # served requests waiting for admission at most (more: refused); None: no limit
     kv_cache_dtype: str = AUTO  # one of KV_CACHE_DTYPES: "auto" (the model's dtype) or "fp8" (e4m3 storage)
     prefix_caching: bool = False  # full blocks of computed K/V shared by prompts that start alike (prefix_cache)
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings for engine.json; `kv_cache_dtype` only when it is not "auto" and `prefix_caching` only
-        when on, so that the engines built before they existed keep their engine.json and fingerprint."""
-        d = dataclasses.asdict(self)
-        if self.kv_cache_dtype == AUTO:
-            del d["kv_cache_dtype"]
-        if not self.prefix_caching:
-            del d["prefix_caching"]
-        return d
+        """The settings for engine.json's `kv_cache`."""
+        return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PagedKVConfig:
-        """Read engine.json's `paged` (a missing `kv_cache_dtype` is "auto"); unknown keys and values refused."""
+    def from_dict(cls, d: dict[str, Any], *, setting: str = "kv_cache") -> KVCacheConfig:
+        """Read engine.json's `kv_cache` (or an earlier release's `paged`, the same settings where a missing
+        `kv_cache_dtype` is "auto"); unknown keys and values refused, naming `setting`."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"unknown paged KV settings {unknown} (known: {sorted(names)})")
+            raise ValueError(f"unknown {setting} settings {unknown} (known: {sorted(names)})")
         config = cls(**d)
         check_kv_cache_dtype(config.kv_cache_dtype)
         if not isinstance(config.prefix_caching, bool):
-            raise TypeError(f"paged prefix_caching={config.prefix_caching!r} must be true or false")
+            raise TypeError(f"{setting}.prefix_caching={config.prefix_caching!r} must be true or false")
         return config
 
     @property
@@ -93,7 +89,7 @@ class PagedKVConfig:
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     """Refuse, naming the value and the setting, a KV cache dtype that is not one of KV_CACHE_DTYPES."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise EngineLimitError(f"paged.kv_cache_dtype={kv_cache_dtype!r} is not supported; choose one of "
+        raise EngineLimitError(f"kv_cache.kv_cache_dtype={kv_cache_dtype!r} is not supported; choose one of "
                                f"{list(KV_CACHE_DTYPES)} ('auto': the model's dtype, 'fp8': float8_e4m3fn)")
 
 
@@ -113,7 +109,7 @@ def check_kv_cache_device(kv_cache_dtype: str, device: torch.device | str, *, wh
     """Refuse, naming the setting and the device, an fp8 KV cache on a CUDA GPU below compute capability 8.9
     (no e4m3 conversions: the kernels could not read or write the pools). The CPU casts through torch."""
     if kv_cache_dtype == FP8:
-        require_e4m3(device, where=where, setting="paged.kv_cache_dtype", instead="paged.kv_cache_dtype='auto'")
+        require_e4m3(device, where=where, setting="kv_cache.kv_cache_dtype", instead="kv_cache.kv_cache_dtype='auto'")
 
 
 def to_kv_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -145,42 +141,53 @@ def blocks_from_memory(free_bytes: int, fraction: float, block_bytes: int) -> in
     return int(free_bytes * fraction) // block_bytes
 
 
-def check_paged_config(config: PagedKVConfig, *, max_seq_len: int, max_batch_size: int, block_bytes: int,
-                       num_blocks: int | None = None) -> None:
-    """Raise EngineLimitError naming the values when the paged cache cannot serve the engine's limits
+def static_pool_blocks(block_size: int, *, max_batch_size: int, max_seq_len: int) -> int:
+    """Blocks for `max_batch_size` sequences of `max_seq_len` positions: the room of a static cache at the
+    engine's limits, so that admission never waits for blocks."""
+    return max_batch_size * blocks_for(max_seq_len, block_size)
+
+
+def check_kv_cache_config(config: KVCacheConfig, *, max_seq_len: int, max_batch_size: int, block_bytes: int,
+                          num_blocks: int | None = None) -> None:
+    """Raise EngineLimitError naming the values when the KV cache cannot serve the engine's limits
     (`num_blocks`: the pool's size, when known; the build knows it only when it is explicit)."""
     if config.block_size < 1:
-        raise EngineLimitError(f"paged.block_size={config.block_size} must be >= 1")
+        raise EngineLimitError(f"kv_cache.block_size={config.block_size} must be >= 1")
     if config.max_num_tokens < config.block_size:
-        raise EngineLimitError(f"paged.max_num_tokens={config.max_num_tokens} is smaller than one block "
-                               f"(paged.block_size={config.block_size}); raise max_num_tokens")
+        raise EngineLimitError(f"kv_cache.max_num_tokens={config.max_num_tokens} is smaller than one block "
+                               f"(kv_cache.block_size={config.block_size}); raise max_num_tokens")
     if config.max_num_tokens < max_batch_size:
-        raise EngineLimitError(f"paged.max_num_tokens={config.max_num_tokens} < limits.max_batch_size="
+        raise EngineLimitError(f"kv_cache.max_num_tokens={config.max_num_tokens} < limits.max_batch_size="
                                f"{max_batch_size}: a step could not give every live request its decode token")
-    if not 0.0 < config.free_mem_fraction <= 1.0:
-        raise EngineLimitError(f"paged.free_mem_fraction={config.free_mem_fraction} must be in (0, 1]")
+    if config.free_mem_fraction is not None and not 0.0 < config.free_mem_fraction <= 1.0:
+        raise EngineLimitError(f"kv_cache.free_mem_fraction={config.free_mem_fraction} must be in (0, 1]")
     if config.max_waiting is not None and config.max_waiting < 1:
-        raise EngineLimitError(f"paged.max_waiting={config.max_waiting} must be >= 1 (or unset: no limit)")
+        raise EngineLimitError(f"kv_cache.max_waiting={config.max_waiting} must be >= 1 (or unset: no limit)")
     if config.num_blocks is not None and config.num_blocks < 1:
-        raise EngineLimitError(f"paged.num_blocks={config.num_blocks} must be >= 1")
+        raise EngineLimitError(f"kv_cache.num_blocks={config.num_blocks} must be >= 1")
     check_kv_cache_dtype(config.kv_cache_dtype)
     num_blocks = config.num_blocks if num_blocks is None else num_blocks
     need = blocks_for(max_seq_len, config.block_size)
     if num_blocks is not None and num_blocks < need:
         raise EngineLimitError(
-            f"the paged KV cache has {num_blocks} blocks of {config.block_size} positions "
+            f"the KV cache has {num_blocks} blocks of {config.block_size} positions "
             f"({num_blocks * block_bytes / 2**20:.1f} MiB) but one sequence of limits.max_seq_len={max_seq_len} "
-            f"needs {need} blocks ({need * block_bytes / 2**20:.1f} MiB): raise paged.num_blocks / "
-            f"paged.free_mem_fraction or lower max_seq_len")
+            f"needs {need} blocks ({need * block_bytes / 2**20:.1f} MiB): raise kv_cache.num_blocks / "
+            f"kv_cache.free_mem_fraction or lower max_seq_len")
 
 
-def resolve_num_blocks(config: PagedKVConfig, device: torch.device, block_bytes: int) -> int:
-    """The pool size: `config.num_blocks`, or `free_mem_fraction` of the free CUDA memory."""
+def resolve_num_blocks(config: KVCacheConfig, device: torch.device, block_bytes: int, *, max_batch_size: int,
+                       max_seq_len: int) -> int:
+    """The pool size: `config.num_blocks`; else `free_mem_fraction` of the free CUDA memory; else the room of
+    `max_batch_size` sequences of `max_seq_len` (`static_pool_blocks`)."""
     if config.num_blocks is not None:
         return config.num_blocks
+    if config.free_mem_fraction is None:
+        return static_pool_blocks(config.block_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
     if device.type != "cuda":
-        raise EngineLimitError(f"paged.num_blocks is required on device {device}: sizing the cache from "
-                               f"paged.free_mem_fraction={config.free_mem_fraction} needs CUDA's free memory")
+        raise EngineLimitError(f"kv_cache.free_mem_fraction={config.free_mem_fraction} sizes the cache from CUDA's "
+                               f"free memory, which device {device} does not have: set kv_cache.num_blocks, or "
+                               "leave both unset for room for the engine's limits")
     free, _total = torch.cuda.mem_get_info(device)
     return blocks_from_memory(free, config.free_mem_fraction, block_bytes)
 

@@ -9,7 +9,7 @@ block table, causal inside the chunk:
 - the single-token chunks (decodes, and a prompt's last token alone) together: `paged_attention` (on CUDA a
   Triton kernel reading the pools through the tables in place; elsewhere the tables gathered and masked);
 - the longer chunks that start at position 0 (whole prompts, or their first chunks), grouped by length: one
-  causal SDPA per length over the step's own K/V (nothing read back from the cache), as the static prefill;
+  causal SDPA per length over the step's own K/V (nothing read back from the cache);
   a group whose tokens lie in a row (the usual case: prompts are planned one after another) is read as views
   of q/k/v and written back as a slice, and a step that is one such group and nothing else hands its
   attention output straight to the output projection (the gathers and the index_put they replace took
@@ -41,16 +41,17 @@ import numpy as np
 import torch
 
 from serving.engine import paged_rope
-from serving.engine.model import Transformer
+from serving.engine.kv_cache import PagedKVCache
+from serving.engine.model import ModelArgs, RMSNorm, StepContext, torch_linear
+from serving.engine.models.llama import Transformer
 from serving.engine.paged_attention import paged_decode_attention
-from serving.engine.paged_cache import PagedKVCache
 from serving.engine.prefill_attention import sdpa
 from serving.engine.quantize import prescale_rows_for
 
 # CUDA: prompt attention takes SDPA's grouped heads (`enable_gqa`, FlashAttention reads each K/V head for its
 # query heads) instead of copying K and V out to every query head first: two copies of a step's K/V size a
 # layer, 10.7 ms of a 16,384-token FP8 prompt step on the H200. The CPU keeps the copies (its kernels then
-# match the static engine's prefill, which the CPU tests hold the paged one to token for token).
+# match the reference forward's, which the CPU tests hold the steps to token for token).
 GQA_IN_SDPA = True
 
 # The most context positions (chunks x gathered positions) one batched attention over later prompt chunks reads
@@ -155,51 +156,61 @@ def _tables(chunks: Sequence[ChunkPlan], held: np.ndarray, width: int) -> np.nda
     return tables
 
 
+@dataclass
+class MixedStep(StepContext):
+    """The attention of a step of prompt chunks and decodes packed together (see the module doc): each layer's
+    rotary embedding and K/V write (`paged_rope.rotate_and_write`, keys kept for the prompt chunks), then one
+    attention per kind of chunk."""
+
+    step: PagedStep
+    cache: PagedKVCache
+    rope_cos: torch.Tensor  # [max_seq_len, hd] tables
+    rope_sin: torch.Tensor
+    args: ModelArgs
+    all_logits: bool  # the final norm of every token, not only of `step.sample_index`
+
+    def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        a, step, cache = self.args, self.step, self.cache
+        total, group = step.num_tokens, a.n_heads // a.n_kv_heads
+        v = qkv[:, a.q_size + a.kv_size:].view(total, a.n_kv_heads, a.head_dim)
+        q, k = paged_rope.rotate_and_write(qkv, step.positions, step.slots, self.rope_cos, self.rope_sin, cache,
+                                           layer, a.n_heads, a.n_kv_heads, keys=True)
+        if _whole_step_group(step, total):  # one group of prompts is the whole step (the usual prefill step)
+            return _fresh_attention(q, k, v, step.fresh_groups[0], group, 0)
+        y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
+        single = step.single_rows.shape[0]
+        if single:
+            qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]
+            y[step.single_rows] = paged_decode_attention(qg, cache.k[layer], cache.v[layer], step.single_tables,
+                                                         step.single_lengths, 1.0 / math.sqrt(a.head_dim)
+                                                         ).reshape(single, a.q_size)
+        for rows, first in zip(step.fresh_groups, step.fresh_firsts):
+            out = _fresh_attention(q, k, v, rows, group, first)
+            if first is None:
+                y[rows.flatten()] = out
+            else:
+                y[first:first + out.shape[0]] = out
+        for rows, starts, tables in step.later_groups:
+            y[rows.flatten()] = _later_chunk_attention(cache, layer, q, rows, starts, tables, group)
+        return y
+
+    def last_hidden(self, norm: RMSNorm, x: torch.Tensor, ff: torch.Tensor) -> torch.Tensor:
+        x = x + ff
+        return norm(x if self.all_logits else x[self.step.sample_index])
+
+
 def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope_cos: torch.Tensor,
                   rope_sin: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
-    """Run `step` through the model, writing its K/V into `cache` -> float32 logits [N, V] of the tokens in
-    `step.sample_index` (or of every token, [T, V], with `all_logits`)."""
-    a = model.args
-    total = step.num_tokens
-    group = a.n_heads // a.n_kv_heads
-    scale = 1.0 / math.sqrt(a.head_dim)
-    x = model.tok_embeddings(step.tokens)  # [T, D]
-    single = step.single_rows.shape[0]
-    whole = _whole_step_group(step, total)
-    layers = model.layers
-    qkv_e4m3, w13_e4m3 = (prescale_rows_for(m, total, x.device)
-                          for m in (layers[0].attention.wqkv, layers[0].feed_forward.w13))
-    h = layers[0].attention_norm(x, e4m3=qkv_e4m3)
-    for i, layer in enumerate(layers):
-        attn = layer.attention
-        qkv = attn.wqkv(h)
-        v = qkv[:, a.q_size + a.kv_size:].view(total, a.n_kv_heads, a.head_dim)
-        q, k = paged_rope.rotate_and_write(qkv, step.positions, step.slots, rope_cos, rope_sin, cache, i,
-                                           a.n_heads, a.n_kv_heads, keys=True)
-        if whole:  # one group of prompts is the whole step (the usual prefill step): its output is y
-            y = _fresh_attention(q, k, v, step.fresh_groups[0], group, 0)
-        else:
-            y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
-            if single:
-                qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]
-                y[step.single_rows] = paged_decode_attention(qg, cache.k[i], cache.v[i], step.single_tables,
-                                                             step.single_lengths, scale).reshape(single, a.q_size)
-            for rows, first in zip(step.fresh_groups, step.fresh_firsts):
-                out = _fresh_attention(q, k, v, rows, group, first)
-                if first is None:
-                    y[rows.flatten()] = out
-                else:
-                    y[first:first + out.shape[0]] = out
-            for rows, starts, tables in step.later_groups:
-                y[rows.flatten()] = _later_chunk_attention(cache, i, q, rows, starts, tables, group)
-        x, h = layer.ffn_norm.add(x, attn.wo(y), e4m3=w13_e4m3)  # the residual add and the next norm in one pass
-        ff = layer.feed_forward(h)
-        if i + 1 < len(layers):
-            x, h = layers[i + 1].attention_norm.add(x, ff, e4m3=qkv_e4m3)
-        else:
-            x = x + ff
-    h = model.norm(x if all_logits else x[step.sample_index])
-    return model.logits(h)
+    """Run `step` through the model (`Transformer.step` with a `MixedStep`), writing its K/V into `cache` ->
+    float32 logits [N, V] of the tokens in `step.sample_index` (or of every token, [T, V], with `all_logits`)."""
+    layer = model.layers[0]
+    total, dev = step.num_tokens, step.tokens.device
+    ctx = MixedStep(linear=torch_linear, gate_up=None, pdl=False,
+                    qkv_e4m3=prescale_rows_for(layer.attention.wqkv, total, dev),
+                    w13_e4m3=prescale_rows_for(layer.feed_forward.w13, total, dev),
+                    step=step, cache=cache, rope_cos=rope_cos, rope_sin=rope_sin, args=model.args,
+                    all_logits=all_logits)
+    return model.logits(model.step(step.tokens, ctx))
 
 
 def _whole_step_group(step: PagedStep, total: int) -> bool:
@@ -239,7 +250,7 @@ def _later_chunk_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, row
         return torch.cat([_later_chunk_attention(cache, layer, q, rows[a:a + per], starts[a:a + per],
                                                  tables[a:a + per], group) for a in range(0, m, per)])
     keys, values = cache.gather_tables(layer, tables)  # [m, Hkv, W * block_size, hd]
-    if group > 1:  # expand K/V heads as the static prefill does
+    if group > 1:  # expand K/V heads for SDPA
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     positions = starts[:, None] + torch.arange(n, device=q.device)  # [m, n]
     mask = torch.arange(width, device=q.device) <= positions[:, :, None]  # [m, n, W * block_size]

@@ -1,0 +1,243 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2): the model, its HF -> engine weight names, its config reader.
+
+In the layout of pytorch-labs/gpt-fast: fused `wqkv` and `w13` projections, rotary embeddings in the Hugging Face
+"rotate half" layout (so HF weights need no permutation). The layer computation is written twice, on purpose:
+`TransformerBlock.forward` / `Transformer.forward(tokens [B, S])` is the reference (whole sequences from position
+0, causal, no cache: the plain computation the serving steps are tested against), and `TransformerBlock.step` /
+`Transformer.step(tokens [T], ctx)` is what serves, over the paged KV cache: every serving step runs it, and its
+`model.StepContext` (the attention metadata) decides the attention path and how the layers multiply
+(`step.MixedStep`: prompt chunks and decodes packed; `cuda_graphs.DecodeStep`: one token a row under CUDA graphs).
+
+Registered in `models.registry.ARCHITECTURES`. Imports: stdlib and torch only.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.engine import silu_mul
+from serving.engine.errors import UnsupportedArchitectureError
+from serving.engine.model import (
+    SUPPORTED_ROPE_TYPES,
+    LinearFn,
+    ModelArgs,
+    RMSNorm,
+    StepContext,
+    apply_rope,
+    rope_cos_sin,
+    torch_linear,
+)
+from serving.engine.quantize import prescale_rows_for
+
+# HF name -> (engine name, part index, number of parts); `{i}` is the layer index.
+HF_TO_ENGINE: dict[str, tuple[str, int, int]] = {
+    "model.embed_tokens.weight": ("tok_embeddings.weight", 0, 1),
+    "model.norm.weight": ("norm.weight", 0, 1),
+    "lm_head.weight": ("output.weight", 0, 1),
+    "model.layers.{i}.self_attn.q_proj.weight": ("layers.{i}.attention.wqkv.weight", 0, 3),
+    "model.layers.{i}.self_attn.k_proj.weight": ("layers.{i}.attention.wqkv.weight", 1, 3),
+    "model.layers.{i}.self_attn.v_proj.weight": ("layers.{i}.attention.wqkv.weight", 2, 3),
+    "model.layers.{i}.self_attn.q_proj.bias": ("layers.{i}.attention.wqkv.bias", 0, 3),
+    "model.layers.{i}.self_attn.k_proj.bias": ("layers.{i}.attention.wqkv.bias", 1, 3),
+    "model.layers.{i}.self_attn.v_proj.bias": ("layers.{i}.attention.wqkv.bias", 2, 3),
+    "model.layers.{i}.self_attn.o_proj.weight": ("layers.{i}.attention.wo.weight", 0, 1),
+    "model.layers.{i}.self_attn.o_proj.bias": ("layers.{i}.attention.wo.bias", 0, 1),
+    "model.layers.{i}.mlp.gate_proj.weight": ("layers.{i}.feed_forward.w13.weight", 0, 2),
+    "model.layers.{i}.mlp.up_proj.weight": ("layers.{i}.feed_forward.w13.weight", 1, 2),
+    "model.layers.{i}.mlp.down_proj.weight": ("layers.{i}.feed_forward.w2.weight", 0, 1),
+    "model.layers.{i}.input_layernorm.weight": ("layers.{i}.attention_norm.weight", 0, 1),
+    "model.layers.{i}.post_attention_layernorm.weight": ("layers.{i}.ffn_norm.weight", 0, 1),
+}
+IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+QKV_BIAS_BY_DEFAULT = frozenset({"Qwen2ForCausalLM"})  # q/k/v carry a bias whatever `attention_bias` says
+
+
+def read_config(config: dict[str, Any], *, architecture: str, source: str = "config.json") -> ModelArgs:
+    """The `ModelArgs` of an HF `config.json` dict of this family (`architecture`: its registry entry's name);
+    options the engine does not implement raise `UnsupportedArchitectureError` naming them."""
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedArchitectureError(f"hidden_act={act!r} in {source}: only 'silu' is supported")
+    if config.get("mlp_bias"):
+        raise UnsupportedArchitectureError(f"mlp_bias=true in {source} is not supported")
+
+    dim = int(config["hidden_size"])
+    n_heads = int(config["num_attention_heads"])
+    head_dim = config.get("head_dim") or dim // n_heads
+    attention_bias = bool(config.get("attention_bias", False))
+
+    # rope: transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`
+    rope = dict(config.get("rope_parameters") or {})
+    if not rope:
+        rope = dict(config.get("rope_scaling") or {})
+        rope["rope_theta"] = config.get("rope_theta", 10000.0)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedArchitectureError(
+            f"rope type {rope_type!r} in {source} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
+        )
+
+    sliding_window = config.get("sliding_window")
+    if architecture == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+        sliding_window = None
+    return ModelArgs(
+        architecture=architecture,
+        vocab_size=int(config["vocab_size"]),
+        dim=dim,
+        n_layers=int(config["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        head_dim=int(head_dim),
+        intermediate_size=int(config["intermediate_size"]),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_type=rope_type,
+        rope_factor=float(rope.get("factor", 1.0)),
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+        qkv_bias=architecture in QKV_BIAS_BY_DEFAULT or attention_bias,
+        o_bias=attention_bias,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        sliding_window=int(sliding_window) if sliding_window else None,
+    )
+
+
+def engine_param_names(args: ModelArgs) -> list[str]:
+    """Every tensor name an engine checkpoint of `args` must hold."""
+    names = ["tok_embeddings.weight", "norm.weight"]
+    if not args.tie_word_embeddings:
+        names.append("output.weight")
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        names += [p + "attention.wqkv.weight", p + "attention.wo.weight", p + "feed_forward.w13.weight",
+                  p + "feed_forward.w2.weight", p + "attention_norm.weight", p + "ffn_norm.weight"]
+        if args.qkv_bias:
+            names.append(p + "attention.wqkv.bias")
+        if args.o_bias:
+            names.append(p + "attention.wo.bias")
+    return names
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.wqkv = nn.Linear(args.dim, args.qkv_size, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.q_size, args.dim, bias=args.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The reference attention: causal over the whole sequences, no cache. x: [B, S, D]; cos, sin: [B, S, hd]."""
+        a = self.args
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.wqkv(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = apply_rope(q.view(bsz, seqlen, a.n_heads, a.head_dim), cos, sin)  # [B, S, H, hd]
+        k = apply_rope(k.view(bsz, seqlen, a.n_kv_heads, a.head_dim), cos, sin)  # [B, S, Hkv, hd]
+        v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=a.n_heads != a.n_kv_heads)  # [B, H, S, hd]
+        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
+                ) -> torch.Tensor:
+        """`gate_up`, when given, computes silu(gate) * up from the w13 module and x itself."""
+        return linear(self.w2, self.gated(x, linear, gate_up))
+
+    def gated(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
+              ) -> torch.Tensor:
+        """silu(gate) * up, the input of w2; its rows scaled to e4m3 as well where w2's FP8 GEMM would scale
+        them in a kernel of its own (`prescale_rows_for`: past the decode rows, where `gate_up` would run w13's
+        GEMM and then SiLU * up too)."""
+        if prescale_rows_for(self.w2, x.numel() // x.shape[-1], x.device):
+            return silu_mul.gated(linear(self.w13, x), self.intermediate_size, e4m3=True)
+        if gate_up is not None:
+            return gate_up(self.w13, x)
+        return silu_mul.gated(linear(self.w13, x), self.intermediate_size)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The reference layer: x [B, S, D], whole sequences, no cache."""
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def step(self, index: int, x: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer (number `index`) in a serving step: x [T, D] and h = its attention norm of x -> (x plus the
+        attention output, the MLP output). The caller adds the MLP output with the next norm in one pass."""
+        y = ctx.attend(index, ctx.linear(self.attention.wqkv, h))  # [T, H hd]
+        x, h = self.ffn_norm.add(x, ctx.linear(self.attention.wo, y), pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
+        return x, self.feed_forward(h, ctx.linear, ctx.gate_up)
+
+
+def embedding(vocab_size: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, without its random init where the weights are on the meta device (an engine about to load
+    its own): normal_ on meta runs a python decomposition that imports torch._dynamo, 2.5 s of CPU in every
+    process that loads an engine (each Triton `llm` stub), where nothing else would import it."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
+    return nn.Embedding(vocab_size, dim)
+
+
+class Transformer(nn.Module):
+    """Embeddings, `n_layers` blocks, final norm, LM head (the embedding matrix when tied)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The reference forward (tests, the plain path the steps are checked against): tokens [B, S], each row
+        a whole sequence from position 0, causal, no cache -> final hidden states [B, S, D]."""
+        cos, sin = rope_cos_sin(self.args, tokens.shape[1], tokens.device)
+        w = self.tok_embeddings.weight
+        cos, sin = cos.to(w.dtype).expand(tokens.shape[0], -1, -1), sin.to(w.dtype).expand(tokens.shape[0], -1, -1)
+        x = self.tok_embeddings(tokens)  # [B, S, D]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def step(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Every layer of one serving step over the KV cache: tokens [T] -> the final norm of the rows `ctx`
+        returns [N, D] (`StepContext.last_hidden`). Each layer's residual add and the next layer's norm run in
+        one pass (`RMSNorm.add`)."""
+        x = self.tok_embeddings(tokens)  # [T, D]
+        layers = self.layers
+        h = layers[0].attention_norm(x, pdl=ctx.pdl, e4m3=ctx.qkv_e4m3)
+        for i, layer in enumerate(layers):
+            x, ff = layer.step(i, x, h, ctx)
+            if i + 1 < len(layers):
+                x, h = layers[i + 1].attention_norm.add(x, ff, pdl=ctx.pdl, e4m3=ctx.qkv_e4m3)
+        return ctx.last_hidden(self.norm, x, ff)
+
+    def head(self) -> nn.Module:
+        """The LM head's module: the embedding matrix when tied."""
+        return self.tok_embeddings if self.output is None else self.output
+
+    def logits(self, h: torch.Tensor, linear: LinearFn = torch_linear) -> torch.Tensor:
+        # h: [..., D] -> float32 logits [..., V]
+        return linear(self.head(), h).float()
