@@ -18,7 +18,7 @@ persisted). MLflow retries only 3 times and keeps no outbox, so `reconcile_appro
 outcome: the promote deployment converges even if every webhook is lost.
 
 A webhook says nothing about who set the tag: the promote flow still re-reads the tag and verifies it
-against MLflow's permissions (``registry.promotion``) before anything moves.
+against MLflow's permissions (``registry.promotion_checks``) before anything moves.
 """
 
 from __future__ import annotations

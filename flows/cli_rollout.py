@@ -28,13 +28,29 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_rollout_status(args: argparse.Namespace) -> int:
+    """Print the journal and router weights; first reconcile a rollout whose run is gone (one whose run cannot be
+    seen from here with --reconcile), saying what was done. A rollout whose run still works is only shown."""
+    from flows.promote import recover_unfinished
     from serving.triton.repository import router_weights
-    from tasks.rollout_state import read_journal
+    from tasks.rollout_state import owner_running, read_journal
     from tasks.targets import resolve_targets
 
     spec = _spec(args)
     repos = [t.model_repository for t in resolve_targets(spec.triton, embedded_url="http://embedded")]
     journal = read_journal(repos, spec.model_name)
+    if journal is not None and not journal.terminal:
+        running = owner_running(journal)
+        if running:
+            print(f"{spec.model_name}: the {journal.kind} of version {journal.candidate} is in progress (its run, "
+                  f"{journal.owner}, still works): not reconciled")
+        elif running is None and not args.reconcile:
+            print(f"{spec.model_name}: the {journal.kind} of version {journal.candidate} is unfinished and its run "
+                  f"({journal.owner or 'not recorded'}) cannot be looked at from here: pass --reconcile once it is "
+                  "surely gone")
+        else:
+            recovered = recover_unfinished(spec)
+            print(recovered.line if recovered is not None else f"{spec.model_name}: nothing to reconcile")
+            journal = read_journal(repos, spec.model_name)
     for repo in repos:
         print(f"{repo}: router weights {router_weights(repo, spec.model_name) or '(no router)'}")
     if journal is None:
@@ -53,7 +69,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--to", default=None, help="MLflow version to return to (default: the previous production one)")
     p.add_argument("--immediate", action="store_true", help="switch at once instead of the spec's gray steps")
     p.set_defaults(func=cmd_rollback)
-    p = subparsers.add_parser("rollout-status", help="the rollout journal and router weights of a model")
+    p = subparsers.add_parser("rollout-status", help="the rollout journal and router weights of a model; a rollout "
+                              "whose run was killed is reconciled first")
     p.add_argument("model")
     p.add_argument("--spec", required=True)
+    p.add_argument("--reconcile", action="store_true",
+                   help="reconcile an unfinished rollout whose run cannot be seen from here (it ran on another host "
+                   "or before runs were recorded); one whose run is gone is reconciled without it")
     p.set_defaults(func=cmd_rollout_status)

@@ -10,9 +10,6 @@ restart comes back where its clients (`enginewright serve --triton-grpc ...`) ex
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -141,8 +138,9 @@ def ensure_embedded(repository: Path, *, ready_timeout_s: float = 60, load_timeo
 
 
 def stop_embedded(repository: Path, *, timeout_s: float = 15) -> str:
-    """Stop the recorded server by PID (SIGTERM, then SIGKILL of its process group); one that had already
-    exited (crashed) is reported, with its log, and the shared memory it left is removed."""
+    """Stop the recorded server by PID (SIGTERM, then SIGKILL after ``timeout_s``) and return once it and every
+    python stub it started are gone (TritonStopError, naming them, when some outlive the SIGKILL); one that
+    had already exited (crashed) is reported, with its log, and the shared memory it left is removed."""
     repository = repository.absolute()
     path = record_path(repository)
     if not path.is_file():
@@ -154,14 +152,13 @@ def stop_embedded(repository: Path, *, timeout_s: float = 15) -> str:
         removed = clean_up_after_crash(server.pid, path.stat().st_mtime)  # the record is written at start
         return (f"Triton pid {server.pid} ({server.http_url}) had already exited; its log is {server.log_path}"
                 + (f"; removed the {removed} shared-memory regions it left in /dev/shm" if removed else ""))
-    os.kill(server.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while _alive(server.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _alive(server.pid):
-        os.killpg(server.pid, signal.SIGKILL)
+    from serving.triton.process import server_processes, stop_server
+
+    processes = server_processes(server.pid)
+    stop_server(server.pid, timeout_s=timeout_s)
     # the record stays (its ports are where the next start comes back); its pid is dead now
-    return f"stopped Triton pid {server.pid} ({server.http_url})"
+    return (f"stopped Triton pid {server.pid} ({server.http_url}): it and its {len(processes) - 1} python stub "
+            f"process(es) have exited")
 
 
 def embedded_status(repository: Path) -> tuple[bool, str]:

@@ -1,7 +1,8 @@
 """The promote flow: approval -> fetch and verify -> stage -> gray release -> finish or roll back.
 
-The work is the state machine of `tasks.promotion`; this flow resolves the release spec into its plan
-once, says where the endpoints are (starting the embedded Triton when the spec names none), and runs it.
+`promote` resolves the release spec into its plan once, says where the endpoints are (starting the embedded
+Triton when the spec names none), and calls the steps of `tasks.promotion` in order; a rollout a killed run
+left unfinished is recovered first (`recover_after_crash`).
 MLflow records the outcome (`registry.rollout_record`): alias `canary` while the rollout runs,
 `production` when it finishes; a version rolled back by the analysis is tagged `rollout` = `failed` with
 `rollout.reason` and `rollout.analysis` (the figures) and marked `approval` = `rejected`. Engine models are
@@ -13,7 +14,9 @@ the stage and gray-release steps run as Prefect tasks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow
 from prefect.states import Failed, State
@@ -24,17 +27,29 @@ from tasks.gray_release import gray_release_task
 from tasks.promote_spec import RolloutSpec
 from tasks.promotion import (
     PromoteResult,
-    Promotion,
     PromotionKind,
     PromotionPlan,
     PromotionSteps,
     RolloutInterrupted,
     StageFailed,
+    approve_candidate,
+    connect,
+    converge_already_live,
+    fetch_verified,
+    finish_release,
+    live_and_candidate,
+    reconcile,
+    recover_after_crash,
+    release_gradually,
+    stage_candidate,
+    unfinished_rollout,
 )
-from tasks.stage import stage_task
-from tasks.targets import Target, resolve_targets
+from tasks.rollout_state import read_journal
+from tasks.stage import migrate_layout, stage_task
+from tasks.targets import Target, check_reachable, resolve_targets
 
-__all__ = ["PromoteResult", "RolloutInterrupted", "StageFailed", "connect_targets", "promote", "promote_flow"]
+__all__ = ["PromoteResult", "RolloutInterrupted", "StageFailed", "connect_targets", "promote", "promote_flow",
+           "recover_unfinished"]
 
 
 def connect_targets(spec: ReleaseSpec) -> list[Target]:
@@ -53,6 +68,33 @@ def repositories(spec: ReleaseSpec) -> tuple[Path, ...]:
     if spec.triton.endpoints:
         return tuple(t.model_repository for t in resolve_targets(spec.triton))
     return (Path(spec.triton.model_repository),)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What ``recover_unfinished`` did to a rollout a killed run left."""
+
+    outcome: Literal["finished", "rolled_back"]
+    serving: int | None  # the one version every endpoint serves now (None: nothing, it was a first release)
+    line: str  # says it, for a person
+
+
+def recover_unfinished(spec: ReleaseSpec) -> Recovery | None:
+    """Reconcile a rollout a killed run left unfinished (starting the embedded Triton if it is down); None
+    when every rollout of the spec's model had ended."""
+    journal = read_journal(list(repositories(spec)), spec.model_name)
+    if journal is None or journal.terminal:
+        return None
+    targets = connect_targets(spec)
+    check_reachable(targets)
+    migrate_layout(targets, spec.model_name, spec.triton.load_timeout_s)
+    outcome = reconcile(spec.mlflow.tracking_uri, targets, journal, spec.triton.load_timeout_s)
+    serving = journal.candidate if outcome == "finished" else journal.live
+    done = "finished it" if outcome == "finished" else "rolled it back"
+    return Recovery(outcome, serving, f"reconciled the unfinished {journal.kind} of {spec.model_name} version {journal.candidate} (phase "
+            f"{journal.phase}, step {journal.step}, weights {journal.weights}): {done}; "
+            + (f"version {serving} serves 100% of traffic on every endpoint and is MLflow's production"
+               if serving is not None else "no version is served (it was the first release)"))
 
 
 def plan_of(spec: ReleaseSpec, version: int, *, kind: PromotionKind, rollout: RolloutSpec | None,
@@ -89,7 +131,25 @@ def promote(spec: ReleaseSpec, version: int | str, *, kind: PromotionKind = "pro
     serving exactly one version and MLflow saying which and why.
     """
     plan = plan_of(spec, int(version), kind=kind, rollout=rollout, skip_approval=skip_approval)
-    return Promotion(plan, prefect_steps()).run()
+    steps = prefect_steps()
+    unfinished = unfinished_rollout(plan)
+    approved_by = None
+    if unfinished is None:
+        approved_by = approve_candidate(plan)  # before any server starts: a rejected version starts nothing
+        targets = connect(plan)
+    else:
+        targets = connect(plan)
+        if (recovered := recover_after_crash(plan, targets, unfinished)) is not None:
+            return recovered
+    live, info = live_and_candidate(plan, targets)
+    if live == plan.candidate:
+        return converge_already_live(plan, targets, info)
+    if approved_by is None:
+        approved_by = approve_candidate(plan)
+    engine_dir = fetch_verified(plan, targets, info, live)
+    journal, staged = stage_candidate(plan, steps, targets, engine_dir, live, after=unfinished)
+    report = release_gradually(plan, steps, targets, staged, journal, info)
+    return finish_release(plan, steps, targets, journal, info, approved_by, report)
 
 
 @flow(name="promote", log_prints=True)

@@ -12,7 +12,14 @@ from __future__ import annotations
 from prefect import flow
 from prefect.states import Failed, State
 
-from flows.promote import PromoteResult, RolloutInterrupted, StageFailed, connect_targets, promote
+from flows.promote import (
+    PromoteResult,
+    RolloutInterrupted,
+    StageFailed,
+    connect_targets,
+    promote,
+    recover_unfinished,
+)
 from flows.spec import ReleaseSpec
 from registry.rollout_record import finished_versions, rejection_of
 from tasks.errors import RolloutAborted, StepError
@@ -34,8 +41,16 @@ def previous_version(spec: ReleaseSpec, live: int | None) -> int:
 
 
 def rollback(spec: ReleaseSpec, to_version: int | str | None = None, *, immediate: bool = False) -> PromoteResult:
-    """Go back to `to_version` (default: the previous production version) on every endpoint."""
+    """Go back to `to_version` (default: the previous production version) on every endpoint.
+
+    A rollout a killed run left unfinished is reconciled first; when that rolled it back and no `to_version`
+    was asked for, that was the rollback: the version it had replaced serves again, and nothing more moves."""
     name, uri = spec.model_name, spec.mlflow.tracking_uri
+    recovered = recover_unfinished(spec)
+    if recovered is not None:
+        print(recovered.line)
+        if recovered.outcome == "rolled_back" and to_version is None and recovered.serving is not None:
+            return promote(spec, recovered.serving, kind="rollback", skip_approval=True)  # already live: converged
     live = fleet_live_version(connect_targets(spec), name)
     if live is None and to_version is None:
         raise RollbackRefused(f"{name} is not live on any endpoint; pass --to VERSION to serve one")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,14 +55,17 @@ class Comparison:
     median_canary_s: float | None
     ratio: float | None  # candidate / live, Hodges-Lehmann estimate on log latencies
     interval: tuple[float, float] | None  # one-sided bounds of the ratio, each at confidence 1 - alpha
-    limit: float | None  # the largest ratio within budget: max(1 + max_slowdown, 1 + floor / live median)
+    limit: float | None  # the largest ratio within budget (``slowdown_limit``)
     reason: str
+    needed: int | None = None  # candidate samples that detect the limit with the spec's power (``samples_needed``)
+    spread: float | None = None  # the observed spread that sized ``needed`` (``interval_spread``)
 
     def figures(self) -> dict[str, Any]:
         return {"outcome": self.outcome, "judged": self.judged, "n": [self.n_baseline, self.n_canary],
                 "median_live_ms": _ms(self.median_baseline_s), "median_candidate_ms": _ms(self.median_canary_s),
                 "ratio": _round(self.ratio), "interval": None if self.interval is None else
-                [_round(x) for x in self.interval], "limit": _round(self.limit), "reason": self.reason}
+                [_round(x) for x in self.interval], "limit": _round(self.limit), "needed_samples": self.needed,
+                "spread": _round(self.spread), "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -259,12 +263,58 @@ def ratio_interval(candidate: list[float], baseline: list[float], alpha: float) 
     return estimate, math.exp(float(diffs[k])), math.exp(float(diffs[len(diffs) - 1 - k]))
 
 
+def samples_needed(limit: float, spread: float, alpha: float, power: float) -> int:
+    """Candidate samples for which a ratio of ``limit`` is told from 1 with one-sided confidence 1 - ``alpha`` and
+    probability ``power``: log(limit) must be (z_alpha + z_power) standard errors, and the standard error of the
+    log ratio is ``spread`` / sqrt(n) (``interval_spread``; the live side keeps its share of the traffic)."""
+    if limit <= 1.0 or not math.isfinite(spread):
+        return sys.maxsize  # no slowdown to detect, or no spread known yet: no number of samples is known to do
+    z = NormalDist().inv_cdf(1 - alpha) + NormalDist().inv_cdf(power)
+    return max(1, math.ceil((z * spread / math.log(limit)) ** 2))
+
+
+def interval_spread(low: float, high: float, n_candidate: int, alpha: float) -> float:
+    """The observed spread, read off the ratio's own interval: its log half-width is z_alpha standard errors, and
+    the standard error times sqrt(candidate samples) stays about constant as the window grows (both sides grow
+    in proportion). Distribution-free, as the interval is."""
+    return (math.log(high) - math.log(low)) / (2 * NormalDist().inv_cdf(1 - alpha)) * math.sqrt(n_candidate)
+
+
+@dataclass(frozen=True)
+class SlowdownLimit:
+    """The largest candidate/live ratio within budget, how many candidate samples detect it, and why."""
+
+    ratio: float
+    needed: int
+    basis: str
+
+
+def slowdown_limit(spec: ComparisonSpec, kind: str, spread: float, median_live: float | None) -> SlowdownLimit:
+    """Relative first: 1 + ``max_slowdown``, when ``max_samples`` candidate samples can detect it at the observed
+    ``spread``. Only where they cannot does the absolute floor (``min_abs_effect_ms`` over the live median)
+    decide, and the basis says so."""
+    relative = 1.0 + spec.max_slowdown
+    need = samples_needed(relative, spread, spec.alpha, spec.power)
+    floor_ms = spec.min_abs_effect_ms.get(kind, 0.0)
+    if need > spec.max_samples and floor_ms and median_live and 1.0 + floor_ms / 1e3 / median_live > relative:
+        floored = 1.0 + floor_ms / 1e3 / median_live
+        basis = (f"compare.min_abs_effect_ms {floor_ms:g} ms over the live median {median_live * 1e3:.2f} ms, "
+                 f"because compare.max_slowdown {spec.max_slowdown:.0%} would need {need} candidate samples "
+                 f"(more than compare.max_samples {spec.max_samples})")
+        need_floor = samples_needed(floored, spread, spec.alpha, spec.power)
+        return SlowdownLimit(floored, max(spec.min_samples, min(need_floor, spec.max_samples)), basis)
+    return SlowdownLimit(relative, max(spec.min_samples, min(need, spec.max_samples)),
+                         f"compare.max_slowdown {spec.max_slowdown:.0%}")
+
+
 def compare(records: list[RequestRecord], *, live: int | None, candidate: int, spec: ComparisonSpec,
             candidate_weight: int | None = None) -> list[Comparison]:
-    """Per metric, is the candidate slower than live beyond the budget? A verdict needs confidence 1 - alpha.
+    """Per metric, is the candidate slower than live beyond the limit (``slowdown_limit``)? A verdict needs
+    confidence 1 - alpha.
 
-    Failed: the ratio's lower bound is above the limit (surely slower than the budget). Successful: its upper
-    bound is at or below the limit (surely within). Otherwise, and with fewer than ``min_samples`` on a side,
+    Failed: the ratio's lower bound is above the limit (surely slower than the budget), whenever that is seen.
+    Successful: its upper bound is at or below the limit once the candidate has the samples that detect the
+    limit with the spec's power (``samples_needed``). Otherwise, and with fewer than ``min_samples`` on a side,
     Inconclusive and not judged: the window stays open for more samples, up to its ceiling.
     """
     out = []
@@ -292,17 +342,26 @@ def compare(records: list[RequestRecord], *, live: int | None, candidate: int, s
                                   f"{spec.min_samples} each (compare.min_samples)"))
             continue
         ratio, low, high = ratio_interval(cand, base, spec.alpha)
-        floor_s = spec.min_abs_effect_ms.get(kind, 0.0) / 1e3
-        limit = max(1.0 + spec.max_slowdown, 1.0 + floor_s / mb) if mb else 1.0 + spec.max_slowdown
-        outcome: Outcome = "Failed" if low > limit else "Successful" if high <= limit else "Inconclusive"
+        if low <= 0 or not math.isfinite(high):
+            out.append(Comparison(kind, "Inconclusive", False, *n, mb, mc, ratio, None, None,
+                                  f"{kind}: not judged: {len(base)} live and {len(cand)} candidate samples bound the "
+                                  f"ratio at no side at confidence {1 - spec.alpha:.0%}"))
+            continue
+        spread = interval_spread(low, high, len(cand), spec.alpha)
+        limit = slowdown_limit(spec, kind, spread, mb)
+        enough = len(cand) >= limit.needed
+        outcome: Outcome = "Failed" if low > limit.ratio else \
+            "Successful" if high <= limit.ratio and enough else "Inconclusive"
         verdict = {"Failed": "slower than the budget", "Successful": "within the budget",
-                   "Inconclusive": "not judged: the interval holds the limit"}[outcome]
+                   "Inconclusive": "not judged: the interval holds the limit" if enough else
+                   f"not judged: {len(cand)} of the {limit.needed} candidate samples that detect the limit"}[outcome]
         out.append(Comparison(
-            kind, outcome, outcome != "Inconclusive", *n, mb, mc, ratio, (low, high), limit,
+            kind, outcome, outcome != "Inconclusive", *n, mb, mc, ratio, (low, high), limit.ratio,
             f"{kind}: {verdict}: candidate/live {ratio:.3f}x, bounds [{low:.3f}, {high:.3f}] at confidence "
             f"{1 - spec.alpha:.0%} each (n={len(cand)}/{len(base)}; medians {mc * 1e3:.2f} vs {mb * 1e3:.2f} ms); "
-            f"limit {limit:.3f}x = compare.max_slowdown {spec.max_slowdown:.0%} or min_abs_effect_ms "
-            f"{floor_s * 1e3:g} ms, whichever is larger"))
+            f"limit {limit.ratio:.3f}x = {limit.basis}; {limit.needed} candidate samples detect it with "
+            f"{spec.power:.0%} power at the observed spread {spread:.3f} (log-ratio SE x sqrt(n))",
+            needed=limit.needed, spread=spread))
     return out
 
 

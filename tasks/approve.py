@@ -120,11 +120,11 @@ def verified_approver(tracking_uri: str, model_name: str, version: str, *, claim
     """Who approved, once MLflow's permissions show only approvers could have (raises otherwise).
 
     On a server with the basic-auth app the approval tag counts only if every account able to
-    write it is an approver and the publisher is not one (``registry.promotion``); without auth
+    write it is an approver and the publisher is not one (``registry.promotion_checks``); without auth
     there are no accounts and the ``approved_by`` tag is all there is.
     """
     from registry.approval import NOT_NAMED
-    from registry.promotion import require_authorized_approval
+    from registry.promotion_checks import require_authorized_approval
 
     verified = require_authorized_approval(tracking_uri, model_name, version)
     if verified is None:

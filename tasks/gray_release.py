@@ -1,10 +1,10 @@
 """Step 8: gray release. Shift traffic from the live version to the candidate in the spec's steps while
-requests flow, analyse each window, and finish (candidate takes all traffic) or roll back.
+requests flow and analyse each window; the promotion then finishes or rolls back (``tasks.rollback``).
 
 Triton has no traffic splitting: the stable model name is a BLS router whose weights live in a routing
 file its instances follow (no reload). Every step is applied to every endpoint of the fleet; a failure on
-one endpoint (a write or load that fails, a router that does not answer) aborts the rollout and rolls ALL
-back.
+one endpoint (a write or load that fails, a router that does not answer) aborts the rollout: ``RolloutAborted``
+carries the report, and the promotion rolls ALL back.
 Each step is written to the rollout journal before it is applied (``tasks.rollout_state``).
 
 Analysis (per ``analysis`` step): the test traffic of the window (``requests``, ``candidate_requests``; token
@@ -42,7 +42,6 @@ from tasks.analysis import (
 from tasks.canary_text import IDS_KEY, TEXT_KEY, TextCheck, TextPlan, check_text, text_plan
 from tasks.errors import RolloutAborted
 from tasks.promote_spec import Analysis, AnalysisSpec, MetricSpec, Pause, RolloutSpec, SetWeight, TritonSpec
-from tasks.rollback import make_live, restore_live
 from tasks.rollout_state import Journal, write_journal
 from tasks.stage import StagedVersion
 from tasks.targets import Target
@@ -71,6 +70,7 @@ class RolloutReport:
     records: list[RequestRecord] = field(default_factory=list)
     holds: list[str] = field(default_factory=list)
     text_plan: TextPlan | None = None
+    t0: float = field(default_factory=time.monotonic)  # the traffic's clock: weight changes are seconds after it
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -143,9 +143,11 @@ def gray_release(
     journal: Journal | None = None,
     decide: DecideFn | None = None,
 ) -> RolloutReport:
-    """Run the rollout steps; on success the candidate serves alone, on failure the live version does.
+    """Run the rollout steps while test traffic flows; return the report once the last step passed (the
+    candidate then has all traffic, beside the live version still loaded).
 
-    Raises ``RolloutAborted`` (carrying the report) after rolling every endpoint back.
+    A failed step raises ``RolloutAborted`` carrying the report; the weights are left as they were, for the
+    caller's ``tasks.rollback.roll_back``.
     """
     from serving.triton.client import infer_ids, infer_text
 
@@ -178,6 +180,7 @@ def gray_release(
 
     traffic = TrafficGenerator([t.url for t in targets], send, concurrency=rollout.concurrency, max_seconds=3600,
                                rate_per_s=rollout.rate_per_s)
+    report.t0 = traffic.t0
     try:
         with traffic:
             for index, step in enumerate(rollout.steps):
@@ -190,18 +193,10 @@ def gray_release(
                     report.reason = f"step {index} ({_describe(step)}) failed: {type(exc).__name__}: {exc}"
                 if report.outcome == "Failed":
                     break
-            if report.outcome == "Failed":
-                write_journal(repos, journal, phase="aborting", reason=report.reason, figures=report.figures())
-                restore_live(targets, name, live, triton.load_timeout_s)
-                report.weight_changes.append(WeightChange(time.monotonic() - traffic.t0, step_weights(live, cand, 0)
-                                                          if live is not None else {}))
-                time.sleep(0.5)  # a little traffic after the rollback, for the timeline
     finally:
         report.records = traffic.log.since(0)
     if report.outcome == "Failed":
         raise RolloutAborted(report.reason, report)
-    write_journal(repos, journal, phase="finishing", weights={cand: 100}, figures=report.figures())
-    make_live(targets, name, cand, triton.load_timeout_s)
     return report
 
 
@@ -365,16 +360,6 @@ def _text_check(window: list[RequestRecord], spec: AnalysisSpec, report: Rollout
     if plan is None or spec.text_pairs == 0 or not weights.get(report.candidate, 100):
         return None
     return check_text(window, plan, report.candidate, min_pairs=spec.text_pairs, max_mismatch=spec.max_text_mismatch)
-
-
-def finish(targets: list[Target], staged: StagedVersion, triton: TritonSpec) -> None:
-    """The candidate takes all traffic and is the only version served; other version folders go."""
-    make_live(targets, staged.model_name, staged.version, triton.load_timeout_s)
-
-
-def roll_back(targets: list[Target], staged: StagedVersion, triton: TritonSpec) -> None:
-    """Weight back to the live version, candidate unloaded and removed; before any live version, remove all."""
-    restore_live(targets, staged.model_name, staged.live_version, triton.load_timeout_s)
 
 
 @task(name="gray-release", retries=0, cache_policy=NO_CACHE)

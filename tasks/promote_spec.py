@@ -186,11 +186,14 @@ class ComparisonSpec(BaseModel):
     """Baseline (live) vs canary: is the candidate slower than live beyond a budget, with confidence?
 
     Per metric, the candidate/live latency ratio (Hodges-Lehmann on log latencies) and its one-sided bounds,
-    each at confidence 1 - alpha. The limit is the larger of 1 + max_slowdown and 1 + min_abs_effect_ms /
-    live median (a few ms on a tiny engine is no slowdown a user sees). Failed: the lower bound is above the
-    limit. Successful: the upper bound is at or below it. Neither, or fewer than min_samples per side: not
-    judged, and the window stays open for more samples up to its ceiling (analysis.timeout_s); a window that
-    ends not judged is Inconclusive (rollout.hold decides), never a pass.
+    each at confidence 1 - alpha. The limit is relative, 1 + max_slowdown, and sizes the window: the candidate
+    samples that detect it at alpha with `power` given the spread observed so far. Only when that is more than
+    max_samples (a spread too wide for the budget) does the absolute floor decide: the limit becomes
+    1 + min_abs_effect_ms / live median, and the reason says so. Failed: the lower bound is above the limit (as
+    soon as that is seen). Successful: the upper bound is at or below it, once the candidate has the samples
+    the power calls for. Neither, or fewer than min_samples per side: not judged, and the window stays open
+    for more samples up to its ceiling (analysis.timeout_s); a window that ends not judged is Inconclusive
+    (rollout.hold decides), never a pass.
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -204,10 +207,16 @@ class ComparisonSpec(BaseModel):
         0.2, ge=0, validation_alias=AliasChoices("max_slowdown", "min_effect"),
         description="Relative budget on the candidate's latency (0.2: at most 20% slower than live); alias "
         "min_effect.")
+    power: float = Field(0.9, ge=0.5, lt=1, description="Probability that the window detects a slowdown of the "
+                         "limit (and passes an equal candidate): sizes the window in candidate samples.")
+    max_samples: int = Field(
+        400, ge=3, description="Most candidate samples a window plans for, per metric: when detecting "
+        "max_slowdown would need more (the latencies spread too wide), the limit becomes min_abs_effect_ms.")
     min_abs_effect_ms: dict[Literal["ttft", "tpot"], float] = Field(
         default_factory=lambda: {"ttft": 50.0, "tpot": 5.0},
-        description="Smallest absolute slowdown (ms) that can fail, per metric: a tiny engine at a few ms per "
-        "request can be 3x 'slower' by 15 ms of scheduling noise (measured), which no user notices.")
+        description="Absolute floor of the limit (ms over the live median), per metric, used only where "
+        "max_slowdown cannot be detected within max_samples: a tiny engine at a few ms per request spreads by "
+        "its scheduling noise, which no user notices.")
     min_samples: int = Field(8, ge=3, description="Fewest samples per side before a verdict is tried.")
     weight_range: tuple[int, int] = Field(
         (1, 99), description="Compare only while the candidate's weight is within [low, high] (at 0% and 100% "

@@ -1,6 +1,9 @@
-"""Converge every endpoint of a fleet to ONE served version: the live one (roll back) or the candidate
-(finish). Both are idempotent and safe to run from any intermediate state a crash can leave, which is
-what makes reconciliation after a killed promote possible.
+"""Converge every endpoint of a fleet to ONE served version: the live one (``roll_back``) or the candidate
+(``finish``). Both are idempotent and safe to run from any intermediate state a crash can leave, which is
+what makes reconciliation after a killed promote possible. They are the only two ways a rollout ends: a
+failed staging, a failed or aborted gray release and the reconciliation of a killed run all call
+``roll_back``; a finished gray release and the reconciliation of a run killed while finishing call ``finish``.
+Each writes the rollout journal before it changes anything and records the outcome in MLflow.
 
 Order matters for zero dropped requests: the router stops choosing a version (its routing file, which
 every router instance follows from its next request; no reload) BEFORE that version is unloaded, and only
@@ -12,8 +15,10 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Any, Literal
 
-from tasks.rollout_state import checkpoint
+from registry.rollout_record import record_failure, record_interrupted, record_success
+from tasks.rollout_state import Journal, checkpoint, write_journal
 from tasks.targets import Target, live_version
 
 log = logging.getLogger(__name__)
@@ -122,3 +127,41 @@ def make_live(targets: list[Target], name: str, candidate: int, timeout_s: float
     if errors:
         raise FleetError(f"finishing {name} version {candidate} failed on: " + "; ".join(errors)
                          + ". Run the promotion again: it resumes the finish.")
+
+
+Verdict = Literal["rejected", "failed", "interrupted"]
+
+
+def roll_back(tracking_uri: str, targets: list[Target], journal: Journal, *, reason: str, verdict: Verdict,
+              figures: dict[str, Any] | None = None, timeout_s: float) -> Journal:
+    """End a rollout on the live version: journal ``aborting`` (write-ahead), every endpoint back to
+    ``journal.live``, MLflow told why, journal ``aborted`` (``interrupted`` for a run that died).
+
+    ``verdict``: ``rejected`` when the analysis judged the engine (the version is also rejected), ``failed``
+    when a step failed (the infrastructure may be at fault: the approval stays), ``interrupted`` when a killed
+    run is reconciled. Raises ``FleetError`` when an endpoint cannot be rolled back (the journal stays
+    ``aborting``, so the next run retries)."""
+    repos = [t.model_repository for t in targets]
+    name, candidate = journal.model_name, journal.candidate
+    if verdict != "interrupted" and journal.phase != "aborting":
+        journal = write_journal(repos, journal, phase="aborting", reason=reason, figures=figures or {})
+    restore_live(targets, name, journal.live, timeout_s)
+    if verdict == "interrupted":
+        record_interrupted(tracking_uri, name, candidate, reason)
+        return write_journal(repos, journal, phase="interrupted", reason=reason)
+    record_failure(tracking_uri, name, candidate, reason, figures or {}, reject=verdict == "rejected")
+    return write_journal(repos, journal, phase="aborted")
+
+
+def finish(tracking_uri: str, targets: list[Target], journal: Journal, *, figures: dict[str, Any] | None = None,
+           timeout_s: float) -> Journal:
+    """End a rollout on the candidate: journal ``finishing`` (write-ahead), the candidate the only version
+    served with all traffic on every endpoint, MLflow ``production``, journal ``done``."""
+    repos = [t.model_repository for t in targets]
+    name, candidate = journal.model_name, journal.candidate
+    if journal.phase != "finishing":
+        journal = write_journal(repos, journal, phase="finishing", weights={candidate: 100}, figures=figures or {})
+    make_live(targets, name, candidate, timeout_s)
+    record_success(tracking_uri, name, candidate, journal.live, journal.kind)
+    print(f"{name} version {candidate} is production: router sends it 100% of traffic")
+    return write_journal(repos, journal, phase="done")

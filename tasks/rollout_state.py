@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class Journal:
     seq: int = 0
     updated_at: float = 0.0
     history: list[dict[str, Any]] = field(default_factory=list)
+    owner: str = ""  # "<host> <pid> <process start time>" of the run that wrote it last ("" in older records)
 
     def to_json(self) -> str:
         doc = asdict(self)
@@ -87,6 +89,7 @@ def write_journal(repositories: list[Path], journal: Journal, **changes: Any) ->
         setattr(journal, key, value)
     journal.seq += 1
     journal.updated_at = time.time()
+    journal.owner = this_process()
     journal.history = [*journal.history[-30:], {"seq": journal.seq, "phase": journal.phase, "step": journal.step,
                                                  "weights": {str(v): w for v, w in journal.weights.items()},
                                                  "at": journal.updated_at}]
@@ -95,6 +98,30 @@ def write_journal(repositories: list[Path], journal: Journal, **changes: Any) ->
         write_atomic(journal_path(root, journal.model_name), text)
     checkpoint(f"journal {journal.phase} step {journal.step}")
     return journal
+
+
+def this_process() -> str:
+    """``<host> <pid> <start time>``: names this process so that a reused PID is not taken for it."""
+    return f"{socket.gethostname()} {os.getpid()} {_start_time(os.getpid())}"
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot ("?" when it is gone or a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return "?"
+    return "?" if len(fields) < 20 or fields[0] == "Z" else fields[19]
+
+
+def owner_running(journal: Journal) -> bool | None:
+    """Whether the run that last wrote ``journal`` still runs: None when that cannot be told (another host, an
+    older record without owner)."""
+    host, _, rest = journal.owner.partition(" ")
+    if not rest or host != socket.gethostname():
+        return None
+    pid, _, started = rest.partition(" ")
+    return started != "?" and _start_time(int(pid)) == started
 
 
 def checkpoint(label: str) -> None:

@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.engine_kinds import kind_of
 from tasks.engine_spec import EngineSpec
 from tasks.promote_spec import TritonSpec
-from tasks.rollback import remove_leftovers, restore_live
+from tasks.rollback import remove_leftovers
 from tasks.targets import Target
 
 log = logging.getLogger(__name__)
@@ -60,52 +60,35 @@ def migrate_layout(targets: list[Target], model_name: str, timeout_s: float) -> 
                   "to one Triton model per version")
 
 
-class StagingRolledBack(RuntimeError):
-    """Staging failed on an endpoint and every endpoint serves the live version again (on a first
-    release: nothing); the failure is the ``__cause__``."""
-
-
 def stage(targets: list[Target], *, model_name: str, engine_dir: Path, version: int, triton: TritonSpec,
           live: int | None = None, engine: EngineSpec | None = None) -> StagedVersion:
     """Stage `engine_dir` as the model of `version` beside the live version's on every target and load
     that model only (the live one keeps running untouched).
 
-    Any failure on any endpoint rolls every endpoint back to the live version, then raises
-    `StagingRolledBack` from it; if that rollback fails too, the failure itself is raised (logged with
-    the rollback's error) and the caller must retry the rollback.
+    A failure on any endpoint is raised as it is: the promotion rolls every endpoint back
+    (`tasks.rollback.roll_back`, the one place a rollout is undone).
     """
     from serving.triton.operations import apply_router_weights, serve_versions
     from serving.triton.repository import list_versions, served_versions
     from tasks.rollout_state import checkpoint
 
     kind = kind_of(engine)
-    try:
-        for target in targets:
-            remove_leftovers(target.model_repository, model_name)
-            before = served_versions(target.model_repository, model_name) if live is not None else []
-            if version in list_versions(target.model_repository, model_name):
-                raise ValueError(f"version {version} of {model_name} is already staged on {target.url} but not "
-                                 "live; the rollout journal should have rolled it back")
-            kind.stage(target.model_repository, model_name, engine_dir, version=version, engine=engine, triton=triton)
-            checkpoint(f"stage {target.url}: version {version} folder in place")
-            serving = sorted({*before, version})
-            serve_versions(target.control(), target.model_repository, model_name, serving, timeout_s=triton.load_timeout_s)
-            checkpoint(f"stage {target.url}: serving {serving}")
-            warm_up(target, model_name, version, triton)
-            if live is None:  # first release: the router appears, pointing at the only version there is
-                apply_router_weights(target.control(), target.model_repository, model_name, {version: 100},
-                                     timeout_s=triton.load_timeout_s)
-            log.info("staged %s version %d on %s (serving %s)", model_name, version, target.url, serving)
-    except BaseException as exc:
-        log.error("staging %s version %d failed (%s): rolling every endpoint back to %s", model_name, version, exc, live)
-        try:
-            restore_live(targets, model_name, live, triton.load_timeout_s)
-        except Exception as undo:  # noqa: BLE001 - report both; the journal makes the next run retry
-            log.error("%s", undo)
-        else:
-            if isinstance(exc, Exception):
-                raise StagingRolledBack(f"{type(exc).__name__}: {exc}") from exc
-        raise
+    for target in targets:
+        remove_leftovers(target.model_repository, model_name)
+        before = served_versions(target.model_repository, model_name) if live is not None else []
+        if version in list_versions(target.model_repository, model_name):
+            raise ValueError(f"version {version} of {model_name} is already staged on {target.url} but not "
+                             "live; the rollout journal should have rolled it back")
+        kind.stage(target.model_repository, model_name, engine_dir, version=version, engine=engine, triton=triton)
+        checkpoint(f"stage {target.url}: version {version} folder in place")
+        serving = sorted({*before, version})
+        serve_versions(target.control(), target.model_repository, model_name, serving, timeout_s=triton.load_timeout_s)
+        checkpoint(f"stage {target.url}: serving {serving}")
+        warm_up(target, model_name, version, triton)
+        if live is None:  # first release: the router appears, pointing at the only version there is
+            apply_router_weights(target.control(), target.model_repository, model_name, {version: 100},
+                                 timeout_s=triton.load_timeout_s)
+        log.info("staged %s version %d on %s (serving %s)", model_name, version, target.url, serving)
     return StagedVersion(model_name, version, live, engine_dir)
 
 

@@ -26,7 +26,7 @@ from registry.approval import ApprovalPolicy, verify_approval
 from registry.auth import AuthApi, MlflowCredentials, configure_release_permissions, version_tag_writers
 from registry.errors import ApprovalNotAuthorizedError
 from registry.model_registry import get_version, version_ui_url
-from registry.promotion import require_authorized_approval, require_complete
+from registry.promotion_checks import require_authorized_approval, require_complete
 from registry.stores import artifact_key, open_store
 from tasks.publish import publish
 

@@ -18,7 +18,7 @@ from registry.auth import AuthApi, MlflowCredentials, configure_release_permissi
 from registry.errors import ChecksumMismatchError, IncompleteArtifactError
 from registry.manifest import hash_file
 from registry.model_registry import get_version
-from registry.promotion import require_complete
+from registry.promotion_checks import require_complete
 from registry.stores import artifact_key, open_store
 from tasks.publish import publish
 

@@ -138,29 +138,64 @@ def records(version: int, latencies: list[float], tokens: int) -> list[RequestRe
 
 
 def test_latency_budget_fails_a_20_percent_slowdown_and_passes_an_equal_candidate() -> None:
-    """Seeded lognormal latencies (sd 0.2 in log space, about what served CPU requests show), n=60 per side.
-    Budget 10%, alpha 0.01 per bound. A 1.3x candidate has its lower bound near 1.2x, above the 1.1x
-    limit; an equal candidate's upper bound is near 1.08x, below it. Either verdict wrong has odds
-    under 1% by construction; these seeds are fixed."""
+    """Seeded lognormal latencies (sd 0.2 in log space, about what served CPU requests show), n=150 per side.
+    Budget 10%, alpha 0.01 per bound, power 90%: about 140 candidate samples detect the 1.1x limit. A 1.3x
+    candidate has its lower bound near 1.2x, above the 1.1x limit; an equal candidate's upper bound is near
+    1.09x, below it. Either verdict wrong has odds under 1% by construction; these seeds are fixed."""
     rng = random.Random(1)
-    base = [0.01 * rng.lognormvariate(0, 0.2) for _ in range(60)]
-    same = [0.01 * rng.lognormvariate(0, 0.2) for _ in range(60)]
+    base = [0.01 * rng.lognormvariate(0, 0.2) for _ in range(150)]
+    same = [0.01 * rng.lognormvariate(0, 0.2) for _ in range(150)]
     spec = ComparisonSpec(metrics=["tpot"], alpha=0.01, max_slowdown=0.10, min_abs_effect_ms={"tpot": 0.1})
     bad = compare(records(1, base, 8) + records(2, [1.3 * x for x in same], 8), live=1, candidate=2, spec=spec)[0]
     assert bad.outcome == "Failed" and bad.judged and bad.interval[0] > 1.1, bad.reason
     assert "slower than the budget" in bad.reason and "limit 1.100x" in bad.reason
     good = compare(records(1, base, 8) + records(2, same, 8), live=1, candidate=2, spec=spec)[0]
     assert good.outcome == "Successful" and good.judged and good.interval[1] <= 1.1, good.reason
+    assert good.needed is not None and 100 < good.needed <= 150, good.reason
     # near the limit with few samples: no verdict either way, and it says so
     near = compare(records(1, base[:10], 8) + records(2, [1.1 * x for x in same[:10]], 8), live=1, candidate=2,
                    spec=spec)[0]
     assert near.outcome == "Inconclusive" and not near.judged and "not judged" in near.reason
     few = compare(records(1, base[:3], 8) + records(2, same[:3], 8), live=1, candidate=2, spec=spec)[0]
     assert few.outcome == "Inconclusive" and not few.judged and "need 8 each" in few.reason
-    # 2x slower, but by 10 ms per token on a 10 ms baseline: under a 20 ms floor it is within budget
-    floor = ComparisonSpec(metrics=["tpot"], max_slowdown=0.1, min_abs_effect_ms={"tpot": 20.0})
+    # an equal candidate whose interval already excludes the limit still waits for the samples the power needs
+    early = compare(records(1, base[:60], 8) + records(2, same[:60], 8), live=1, candidate=2, spec=spec)[0]
+    assert early.outcome == "Inconclusive" and f"60 of the {early.needed} candidate samples" in early.reason
+    # 2x slower, but by 10 ms per token on a 10 ms baseline, where the 10% budget needs more samples than the
+    # window plans for (max_samples 60): the 20 ms floor decides, and says so
+    floor = ComparisonSpec(metrics=["tpot"], max_slowdown=0.1, max_samples=60, min_abs_effect_ms={"tpot": 20.0})
     slow = compare(records(1, base, 8) + records(2, [2 * x for x in same], 8), live=1, candidate=2, spec=floor)[0]
     assert slow.outcome == "Successful" and slow.limit == pytest.approx(1 + 0.02 / slow.median_baseline_s)
+    assert "min_abs_effect_ms 20 ms" in slow.reason and "more than compare.max_samples 60" in slow.reason
+
+
+def test_a_fast_engine_1_5x_slower_fails_on_the_relative_limit_not_the_floor() -> None:
+    """The canary that was promoted: 1.54x slower per token on a 2 ms/token engine, where the 5 ms floor made
+    the limit 3.5x. Relative first: the limit stays 1.2x (detectable within max_samples) and the candidate
+    fails, the reason naming the ratio, the limit and the evidence."""
+    rng = random.Random(3)
+    base = [0.016 * rng.lognormvariate(0, 0.2) for _ in range(270)]  # 8 tokens: 2 ms per token
+    cand = [1.54 * 0.016 * rng.lognormvariate(0, 0.2) for _ in range(30)]  # a 10% weight's share
+    spec = ComparisonSpec(metrics=["tpot"])  # defaults: 20%, alpha 0.01, power 90%, floor 5 ms
+    assert 1 + spec.min_abs_effect_ms["tpot"] / 2.0 == 3.5  # what the floor alone would have allowed
+    slow = compare(records(1, base, 8) + records(2, cand, 8), live=1, candidate=2, spec=spec, candidate_weight=10)[0]
+    assert slow.outcome == "Failed" and slow.limit == pytest.approx(1.2), slow.reason
+    assert "slower than the budget: candidate/live 1.5" in slow.reason and "limit 1.200x = compare.max_slowdown 20%" \
+        in slow.reason and "bounds [" in slow.reason and "n=30/270" in slow.reason
+    same = [0.016 * rng.lognormvariate(0, 0.2) for _ in range(60)]
+    ok = compare(records(1, base, 8) + records(2, same, 8), live=1, candidate=2, spec=spec, candidate_weight=10)[0]
+    assert ok.outcome == "Successful" and ok.limit == pytest.approx(1.2) and 60 >= ok.needed, ok.reason
+
+
+def test_samples_needed_follow_the_limit_the_spread_and_the_power() -> None:
+    from tasks.analysis import samples_needed
+
+    base = samples_needed(1.2, 0.3, 0.01, 0.9)
+    # (z_0.99 + z_0.9) * 0.3 / ln 1.2 = 5.94, squared: 35.3
+    assert base == 36
+    assert samples_needed(1.1, 0.3, 0.01, 0.9) > 3 * base  # half the effect: about 3.6x the samples
+    assert samples_needed(1.2, 0.6, 0.01, 0.9) == pytest.approx(4 * base, rel=0.03)  # twice the spread
+    assert samples_needed(1.2, 0.3, 0.01, 0.99) > base
 
 
 def test_ratio_interval_covers_the_true_ratio() -> None:

@@ -85,3 +85,52 @@ def test_triton_stop_of_an_embedded_server_that_crashed_says_so_and_cleans_up(tm
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_triton_stop_returns_once_the_server_and_its_python_stubs_are_gone(tmp_path: Path) -> None:
+    """`enginewright triton stop` (stop_embedded) said "stopped" while the server's python stubs lived on for
+    about 3 s: now it returns when every process of that server, by PID and start time, has exited."""
+    from flows.embedded import ensure_embedded, stop_embedded
+    from serving.triton.control import TritonControl
+    from serving.triton.process import _still_running, server_processes
+
+    repository = echo_repository(tmp_path / "repo")
+    server = ensure_embedded(repository)
+    try:
+        TritonControl(server.http_url).load_model("echo", timeout_s=60)
+        processes = server_processes(server.pid)
+        assert server.pid in processes and len(processes) >= 2, processes  # the server and the echo model's stub
+        message = stop_embedded(repository)
+        assert _still_running(processes) == {}, (message, _still_running(processes))
+        assert f"stopped Triton pid {server.pid}" in message and "have exited" in message, message
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_stop_server_kills_what_ignores_sigterm_and_waits_for_it(tmp_path: Path) -> None:
+    """A server (here a stand-in in its own session, with a child) that ignores SIGTERM is SIGKILLed after the
+    timeout, its child with it, and stop_server returns only once both are gone."""
+    import subprocess
+    import sys
+
+    from serving.triton.process import _still_running, server_processes, stop_server
+
+    script = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, "
+              "signal.SIG_IGN); time.sleep(60)']); print('up', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        deadline = time.monotonic() + 10
+        while len(server_processes(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        processes = server_processes(proc.pid)
+        assert len(processes) == 2, processes
+        t0 = time.monotonic()
+        stop_server(proc.pid, timeout_s=0.5, kill_timeout_s=5)
+        assert _still_running(processes) == {} and 0.5 <= time.monotonic() - t0 < 5
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

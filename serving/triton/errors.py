@@ -20,6 +20,10 @@ class TritonStartError(ServingError):
     """tritonserver exited or never became ready while starting."""
 
 
+class TritonStopError(ServingError):
+    """A tritonserver or one of its python stubs still ran after its stop's timeout (and a SIGKILL)."""
+
+
 class TritonUnreachableError(ServingError):
     """The Triton HTTP endpoint did not answer (connection refused, timeout)."""
 

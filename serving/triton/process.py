@@ -1,7 +1,8 @@
 """Start and stop the bundled ``tritonserver`` as a child process on loopback, explicit model control.
 
 The server runs in its own session so ``stop()`` can signal it by PID (SIGTERM, then SIGKILL after a
-timeout) without touching anything else. CPU-only flags are added only when no GPU is visible.
+timeout) without touching anything else, and returns only once the server and every python stub it
+started are gone (``stop_server``). CPU-only flags are added only when no GPU is visible.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving.triton.control import TritonControl
-from serving.triton.errors import TritonStartError, TritonUnreachableError
+from serving.triton.errors import TritonStartError, TritonStopError, TritonUnreachableError
 from serving.triton.install import TritonInstall, locate_triton
 
 CPU_FLAGS = (
@@ -156,6 +157,80 @@ def kill_stubs_left_by(server_pid: int, *, timeout_s: float = 2.0) -> int:
     return len(stubs)
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, ...); None once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def server_processes(server_pid: int) -> dict[int, str]:
+    """The server and every process of its group or started by it (its python stubs), as ``{pid: start
+    time}``: the start time tells a process from a later one that reuses its PID."""
+    found: dict[int, str] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        pid = int(proc.name)
+        fields = _stat_fields(pid)
+        if fields is None or len(fields) < 20 or fields[0] == "Z":
+            continue
+        if pid == server_pid or int(fields[1]) == server_pid or int(fields[2]) == server_pid:
+            found[pid] = fields[19]
+    return found
+
+
+def _still_running(processes: dict[int, str]) -> dict[int, str]:
+    """Those of ``processes`` that run (a zombie has exited; another start time is another process)."""
+    alive = {}
+    for pid, started in processes.items():
+        fields = _stat_fields(pid)
+        if fields is not None and len(fields) >= 20 and fields[0] != "Z" and fields[19] == started:
+            alive[pid] = started
+    return alive
+
+
+def _wait_gone(server_pid: int, processes: dict[int, str], timeout_s: float) -> dict[int, str]:
+    """Wait until ``processes`` (and any the server starts meanwhile) have exited; those still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        processes = _still_running(processes)
+        if server_pid in processes:  # while it runs it may start a stub (never once it is gone: its PID may be reused)
+            processes = {**server_processes(server_pid), **processes}
+        if not processes or time.monotonic() >= deadline:
+            return processes
+        time.sleep(0.05)
+
+
+def _describe_processes(processes: dict[int, str]) -> str:
+    names = []
+    for pid in sorted(processes):
+        try:
+            names.append(f"{pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
+        except OSError:
+            names.append(str(pid))
+    return ", ".join(names)
+
+
+def stop_server(server_pid: int, *, timeout_s: float = 15.0, kill_timeout_s: float = 5.0) -> None:
+    """SIGTERM the server, wait up to ``timeout_s`` for it and every python stub it started to exit (a zombie
+    has exited: its parent reaps it), SIGKILL what is left, and wait ``kill_timeout_s`` more. Returns only
+    when every one is gone; else TritonStopError naming the PIDs."""
+    processes = server_processes(server_pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(server_pid, signal.SIGTERM)
+    left = _wait_gone(server_pid, processes, timeout_s)
+    if not left:
+        return
+    for pid in left:  # by PID, each checked by its start time just above; the group may be gone already
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    left = _wait_gone(server_pid, left, kill_timeout_s)
+    if left:
+        raise TritonStopError(f"Triton pid {server_pid}: processes {_describe_processes(left)} still run "
+                              f"{timeout_s:g} s after SIGTERM and {kill_timeout_s:g} s after SIGKILL; stop them by "
+                              "hand (kill -9 PID) before starting a server on the same repository")
+
+
 def _has_mappings(pid: int) -> bool:
     """False once the process is gone or a zombie (its memory released)."""
     try:
@@ -222,23 +297,14 @@ class TritonProcess:
             self._shm_seen |= regions
 
     def stop(self, timeout_s: float = 15.0) -> int:
-        """SIGTERM the server by PID, SIGKILL after ``timeout_s``; remove its /tmp copies (and, when it had
-        crashed, the shared memory nothing maps any more); return the exit code."""
+        """SIGTERM the server by PID, SIGKILL after ``timeout_s``, and return once it and its python stubs are
+        gone (``stop_server``); remove its /tmp copies (and, when it had crashed, the shared memory nothing maps
+        any more); return the exit code."""
         crashed = not self.running()
         self.note_tmp_copies()
         if self.running():
-            try:
-                os.kill(self.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.pid, signal.SIGKILL)  # own session: the group is the server + its stubs
-                except ProcessLookupError:
-                    pass
-                self.popen.wait(timeout=timeout_s)
+            stop_server(self.pid, timeout_s=timeout_s)
+        self.popen.wait(timeout=timeout_s)
         self._kill_leftover_stubs()
         self._remove_tmp_copies()
         for region in self._shm_seen:  # gone already after a clean shutdown
