@@ -50,9 +50,10 @@ def precision_of(loaded: dict[str, Any]) -> str:
     return with_kv_cache(precision, FP8_KV_CACHE if loaded["kv_cache_dtype"] == FP8_KV_STORAGE else "auto")
 
 
+# what must agree, and the setting each comes from; the cache's layout (static or paged) is shown, not judged:
+# the budget does not depend on it, and a static build may be served paged by a loader given its own settings
 SETTINGS = {"weight_dtype": "engine.dtype", "quantization": "engine.quantization",
-            "quantized_lm_head": "engine.quantize_lm_head", "kv_cache": "engine.paged",
-            "kv_cache_dtype": "engine.paged.kv_cache_dtype"}
+            "quantized_lm_head": "engine.quantize_lm_head", "kv_cache_dtype": "engine.paged.kv_cache_dtype"}
 
 
 def check_loaded(runner: Any, budget_precision: str) -> LoadedCheck:
@@ -63,7 +64,7 @@ def check_loaded(runner: Any, budget_precision: str) -> LoadedCheck:
     loaded = loaded_configuration(runner).to_dict()
     recorded = recorded_configuration(runner.info)
     failures = [f"recorded = loaded: the runner loaded {key} {loaded[key]!r}, the engine record (engine.json, "
-                f"{SETTINGS[key]}) says {recorded[key]!r}" for key in recorded if loaded[key] != recorded[key]]
+                f"{SETTINGS[key]}) says {recorded[key]!r}" for key in SETTINGS if loaded[key] != recorded[key]]
     precision = precision_of(loaded)
     if precision != budget_precision:
         failures.append(f"recorded = loaded: the gate's budget is precision {budget_precision!r} (from engine.json), "
