@@ -108,7 +108,8 @@ def sweep_model(name: str, hf: Path, work: Path, *, dtypes: list[str], quantizat
     """Every build of one checkpoint through validation, then the fixed evaluation against its float32 build."""
     import shutil
 
-    base = reference_run(hf, spec, "float32", device=device, max_seq_len=seq)  # the float32 side, shared
+    envelope = {"max_seq_len": seq, "max_input_len": min(128, seq)}  # the long prompts of `build`'s limits
+    base = reference_run(hf, spec, "float32", device=device, **envelope)  # the float32 side, shared
     cases: list[Case] = []
     scores: dict[int, EvaluationScores] = {}
     production: EvaluationScores | None = None
@@ -116,7 +117,7 @@ def sweep_model(name: str, hf: Path, work: Path, *, dtypes: list[str], quantizat
     for dtype, method in precisions:
         precision = quantized_precision(dtype, method, lm_head=False) if method else dtype
         reference: ReferenceRun = base if precision == "float32" else reference_run(
-            hf, spec, precision, device=device, max_seq_len=seq, base=base)
+            hf, spec, precision, device=device, base=base, **envelope)
         for r in range(rebuilds):
             t0 = time.monotonic()
             folder = work / f"{precision}-{r}"

@@ -1,4 +1,5 @@
-"""The release flow: convert -> build -> validate -> fixed evaluation and perf gate against production -> publish.
+"""The release flow: convert -> build -> validate -> served configuration, fixed evaluation and perf gate against
+production -> publish.
 
 A failed gate ends the run in a Failed state whose message is the gate's summary; the full report
 is saved beside the work and attached to the flow run as a markdown artifact.
@@ -21,6 +22,7 @@ from tasks.gate_reference import ReferenceCache
 from tasks.gate_runner import load_gate_runner_task
 from tasks.production import production_engine
 from tasks.publish import PublishedVersion, publish_task
+from tasks.served_config import compare_served, render_drift
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,12 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
                                    artifacts_uri=spec.artifacts.uri, cache_dir=spec.work_dir / "production")
     print(f"production: version {production.version} at {production.engine_dir}" if production.engine_dir
           else f"production: not compared ({production.skipped})")
+    drift = compare_served(engine_dir, production.engine_dir, spec.served, checkpoint=spec.source.checkpoint,
+                           production_version=production.version, skipped=production.skipped)
+    drift_report = save_report(report_dir, "served-config.md", "\n".join(render_drift(drift, heading="#")) + "\n")
+    print(f"served configuration: {'passed' if drift.passed else 'FAILED'}, {len(drift.differences)} difference(s)")
+    if not drift.passed:
+        return _gate_failed("served configuration", "; ".join(drift.failures), drift_report)
     production_runner = load_gate_runner_task(production.engine_dir) if production.engine_dir else None
     against = {"production_dir": production.engine_dir, "production_version": production.version,
                "skipped": production.skipped, "runner": candidate, "production_runner": production_runner}
@@ -102,8 +110,9 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
             "evaluation.md": evaluation_report.read_text(),
             "performance.md": perf_report.read_text(),
             "performance.json": timed.to_json(),
+            "served-config.md": drift_report.read_text(),
         },
-        page=version_page(spec, checked, timed, compared, engine.toolchain, evaluated, measured),
+        page=version_page(spec, checked, timed, compared, engine.toolchain, evaluated, measured, drift),
     )
     status = "already published as" if published.already_existed else "published as"
     print(f"{status} {published.model_name} version {published.version} ({published.manifest_uri})")
@@ -165,7 +174,7 @@ def write_release_report(spec: ReleaseSpec, fingerprint: str, checked, timed, pu
 
 
 def version_page(spec: ReleaseSpec, checked, timed, production, toolchain: dict, evaluated=None,
-                 measured: bool = False):
+                 measured: bool = False, served=None):
     """What the published version's page will say (rendered by the publish step, links into its run)."""
     import socket
 
@@ -181,7 +190,7 @@ def version_page(spec: ReleaseSpec, checked, timed, production, toolchain: dict,
         toolchain={k: str(v) for k, v in toolchain.items()},
     )
     return VersionPage(checked, timed, spec.perf.slo, production, built,
-                       mr.ui_base_for(spec.mlflow.tracking_uri, spec.approval.ui_url), evaluated, measured)
+                       mr.ui_base_for(spec.mlflow.tracking_uri, spec.approval.ui_url), evaluated, measured, served)
 
 
 def report_production(spec: ReleaseSpec):

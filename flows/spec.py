@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tasks.engine_spec import EngineSpec
-from tasks.gate_specs import EvaluationSpec, PerfSpec, ValidationSpec
+from tasks.gate_specs import EvaluationSpec, PerfSpec, ServedSpec, ValidationSpec
 from tasks.promote_spec import ApprovalSpec, RolloutSpec, TritonSpec
 
 
@@ -103,6 +103,8 @@ class ReleaseSpec(BaseModel):
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec,
                                        description="Fixed evaluation against the production version.")
     perf: PerfSpec = Field(default_factory=PerfSpec, description="Performance gate (A/B against production).")
+    served: ServedSpec = Field(default_factory=ServedSpec, description="Drift of the served configuration (chat "
+                               "template, stop ids, tokenizer) against production's: the intended differences.")
     mlflow: MlflowSpec
     artifacts: ArtifactsSpec
     approval: ApprovalSpec = Field(default_factory=ApprovalSpec, description="The human gate.")

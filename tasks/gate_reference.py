@@ -3,7 +3,7 @@
 ``tasks.validate.reference_run`` is the costliest part of a release on the CPU (HF float32 greedy on every
 prompt and teacher-forced logits of every passage, then HF again at the engine's precision). Its float32
 side depends only on the checkpoint's content, the spec's prompts / passages / token counts, the engine's
-max_seq_len, the device kind and the torch / transformers versions; the peer (HF at the engine's precision)
+max_seq_len and max_input_len (the long prompts), the device kind and the torch / transformers versions; the peer (HF at the engine's precision)
 also on that precision. Each is stored once under ``<work_dir>/references/``:
 - ``<key>.pt``: the float32 side (prompt ids, greedy tokens with their top-N, teacher-forced ids and logits);
 - ``<key>-<precision>.pt``: that precision's peer figures beside it.
@@ -38,14 +38,15 @@ class ReferenceCache:
     checkpoint_digest: str
 
     def run(self, checkpoint: Path, spec: Any, precision: str, *, device: torch.device | str,
-            max_seq_len: int | None) -> Any:
+            max_seq_len: int | None, max_input_len: int | None = None) -> Any:
         """`tasks.validate.reference_run`'s result for these arguments, from the cache or computed and stored."""
         from tasks.validate import reference_run
 
-        key = self.key(spec, device=device, max_seq_len=max_seq_len)
+        key = self.key(spec, device=device, max_seq_len=max_seq_len, max_input_len=max_input_len)
         base = self._load_base(key, checkpoint)
         if base is None:
-            base = reference_run(checkpoint, spec, FLOAT32, device=device, max_seq_len=max_seq_len)
+            base = reference_run(checkpoint, spec, FLOAT32, device=device, max_seq_len=max_seq_len,
+                                 max_input_len=max_input_len)
             self._store(self.folder / f"{key}.pt", _base_record(base))
         if precision == FLOAT32:
             return base
@@ -54,11 +55,13 @@ class ReferenceCache:
             log.info("validation reference: cache hit, HF at %s from %s", precision, peer_path)
             peer = torch.load(peer_path, weights_only=True)
             return _with_peer(base, precision, peer)
-        run = reference_run(checkpoint, spec, precision, device=device, max_seq_len=max_seq_len, base=base)
+        run = reference_run(checkpoint, spec, precision, device=device, max_seq_len=max_seq_len, base=base,
+                            max_input_len=max_input_len)
         self._store(peer_path, {"peer": asdict(run.peer) if run.peer else None, "peer_diverged": run.peer_diverged})
         return run
 
-    def key(self, spec: Any, *, device: torch.device | str, max_seq_len: int | None) -> str:
+    def key(self, spec: Any, *, device: torch.device | str, max_seq_len: int | None,
+            max_input_len: int | None = None) -> str:
         """What the float32 side depends on, hashed: checkpoint content, spec fields, limits, device, toolchain."""
         import transformers
 
@@ -69,6 +72,7 @@ class ReferenceCache:
             "checkpoint": self.checkpoint_digest,
             "prompts": list(spec.prompts), "passages": passages, "max_new_tokens": spec.max_new_tokens,
             "top_logprobs": spec.top_logprobs, "max_seq_len": max_seq_len, "device": torch.device(device).type,
+            "max_input_len": max_input_len, "long_prompts": spec.envelope.long_prompts,
             "torch": torch.__version__, "transformers": transformers.__version__,
         })[:24]
 
@@ -84,7 +88,7 @@ class ReferenceCache:
         r = torch.load(path, weights_only=True)
         return ReferenceRun(FLOAT32, r["prompt_ids"], [_Side(s["tokens"], s["top"]) for s in r["greedy"]],
                             r["sequences"], r["logits"], None, 0, r["eos_ids"], r["texts"],
-                            AutoTokenizer.from_pretrained(checkpoint))
+                            AutoTokenizer.from_pretrained(checkpoint), r["prompt_labels"])
 
     def _store(self, path: Path, record: dict) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -95,7 +99,8 @@ class ReferenceCache:
 
 def _base_record(run: Any) -> dict:
     return {"prompt_ids": run.prompt_ids, "greedy": [{"tokens": s.tokens, "top": s.top} for s in run.greedy],
-            "sequences": run.sequences, "logits": run.logits, "eos_ids": run.eos_ids, "texts": run.texts}
+            "sequences": run.sequences, "logits": run.logits, "eos_ids": run.eos_ids, "texts": run.texts,
+            "prompt_labels": run.prompt_labels}
 
 
 def _with_peer(base: Any, precision: str, record: dict) -> Any:

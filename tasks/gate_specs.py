@@ -5,7 +5,9 @@ that reading a spec (flows.spec: every CLI command that takes one) loads neither
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -15,6 +17,29 @@ DEFAULT_PROMPTS = [
     "In machine learning, a transformer is",
     "Water boils at",
 ]
+
+
+class EnvelopeSpec(BaseModel):
+    """The gates over the engine's whole envelope: long prompts, free-running decode and wide batches."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    long_prompts: int = Field(
+        2, ge=0, description="Prompts made of the fixed texts added to the validation prompts, the longest as near "
+        "engine.max_input_len as max_seq_len - max_new_tokens allows, the others shorter; 0: none.")
+    wide_batch: bool = Field(
+        True, description="Also run the prompts cycled to one batch of engine.max_batch_size rows and each alone: "
+        "every row must equal its output alone (float32 token for token; reduced precision up to ties).")
+    max_decode_gap: float | None = Field(
+        None, ge=0, description="Largest log-prob gap, nats, between HF's argmax and the engine's token at a "
+        "generated position (HF float32 teacher-forced over the engine's own sequence); also the tie a wide "
+        "batch row may break. Default: 0.001 for float32, else 0.25 + peer_factor x HF peer's max logit error.")
+    max_decode_disagreements: int | None = Field(
+        None, ge=0, description="Most generated tokens that are not HF's argmax on the engine's own prefix. "
+        "Default: the top-1 disagreement limit x generated positions + the precision's allowance of prompts.")
+    max_wide_batch_rows: int | None = Field(
+        None, ge=0, description="Reduced precision: most rows of the wide batch that may differ from their output "
+        "alone (each at a tie within max_decode_gap). Default: a quarter of the rows. Float32: always 0.")
 
 
 class ValidationSpec(BaseModel):
@@ -47,7 +72,24 @@ class ValidationSpec(BaseModel):
     peer_factor: float | None = Field(
         None, ge=0, description="How many times HF's own figure at the engine's precision the engine may add to "
         "the floors; default per precision.")
+    envelope: EnvelopeSpec = Field(default_factory=EnvelopeSpec, description="Long prompts, free-running decode "
+                                   "and wide batches (the engine's limits, not a slice of them).")
 
+
+
+SERVED_PARTS = ("chat_template", "stop_ids", "tokenizer", "special_tokens", "generation_defaults")
+ServedPart = Literal["chat_template", "stop_ids", "tokenizer", "special_tokens", "generation_defaults"]
+
+
+class ServedSpec(BaseModel):
+    """Drift against production: which differences of the served configuration are intended."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    accept: dict[ServedPart, Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]] = Field(
+        default_factory=dict, description="Parts of the served configuration (chat_template, stop_ids, tokenizer, "
+        "special_tokens, generation_defaults) allowed to differ from production's, each with a description of why "
+        "(shown on the version page). Any other difference refuses the release.")
 
 
 class EvaluationSpec(BaseModel):

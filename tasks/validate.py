@@ -10,7 +10,13 @@ cannot run (a quantized engine) against its own budget. Figures, all two-sided:
   diverge each side's token is in the other's top-N logprobs, then that sequence is not compared further.
   EOS ends a generation on either side (HF is not forced past it), so a step where one side stops is
   judged with the same top-N tolerance as any other token;
-- the text path: tokenizer files hashed, texts tokenized the way Triton does (``tasks.text_path``).
+- the text path: tokenizer files hashed, texts tokenized the way Triton does (``tasks.text_path``);
+- the whole envelope (``tasks.envelope``, ``tasks.decode_check``): besides the spec's prompts, long ones of the
+  fixed texts up to the engine's ``max_input_len``; every generated token scored against HF float32
+  teacher-forced over the engine's own sequence (how many are not HF's argmax, how far, the mean log-prob
+  difference: a divergence is never simply tolerated); the prompts in one batch of ``max_batch_size`` rows
+  against each alone; stop ids picked as the served engine picks them (``eos_token_ids``);
+- recorded = loaded (``tasks.loaded_check``): what the runner holds against engine.json and the budget chosen.
 
 The HF side is computed once per (checkpoint, spec, precision) by ``reference_run`` and can be reused to
 judge several engines: the release keeps it in its work dir (``tasks.gate_reference``), the tests in memory.
@@ -28,8 +34,18 @@ import torch
 from prefect import task
 from prefect.cache_policies import NONE
 
+from tasks.decode_check import (
+    BatchCheck,
+    DecodeFigures,
+    DecodeLimits,
+    check_wide_batch,
+    judge_decode,
+    score_generation,
+)
+from tasks.envelope import long_prompts
 from tasks.errors import GateFailed
 from tasks.gate_specs import ValidationSpec
+from tasks.loaded_check import LoadedCheck, check_loaded, render_loaded
 from tasks.quality_budgets import PrecisionBudget, budget_for, quantized_precision, with_kv_cache
 from tasks.text_path import TokenizerCheck, check_text_path
 from tasks.token_stats import DistanceFigures, combine, sequence_stats
@@ -57,6 +73,10 @@ class ValidationResult:
     text_path: TokenizerCheck
     thresholds: dict[str, float]
     failures: list[str] = field(default_factory=list)
+    decode: DecodeFigures | None = None  # free-running decode against HF on the engine's own sequences
+    decode_limits: DecodeLimits | None = None
+    wide_batch: BatchCheck | None = None
+    loaded: LoadedCheck | None = None
 
     @property
     def top1_agreement(self) -> float:
@@ -79,6 +99,14 @@ class ValidationResult:
         if self.peer:
             out |= {"validation_peer_mean_kl": self.peer.mean_kl,
                     "validation_peer_top1_agreement": self.peer.top1_agreement}
+        if self.decode:
+            out |= {"validation_decode_positions": self.decode.positions,
+                    "validation_decode_disagreements": len(self.decode.disagreements),
+                    "validation_decode_max_gap": self.decode.max_gap,
+                    "validation_decode_logprob_delta": self.decode.mean_logprob_delta}
+        if self.wide_batch:
+            out |= {"validation_wide_batch_rows": self.wide_batch.rows,
+                    "validation_wide_batch_differing_rows": len(self.wide_batch.differences)}
         return out
 
     def to_json(self) -> str:
@@ -105,13 +133,14 @@ class ReferenceRun:
     eos_ids: list[int]
     texts: list[str]  # what the text path check tokenizes
     tokenizer: object  # the checkpoint's HF tokenizer
+    prompt_labels: list[str] = field(default_factory=list)  # each prompt as a report names it (spec's, then long)
 
 
 class ReferenceSource(Protocol):
     """Where a release finds its HF reference runs (``tasks.gate_reference.ReferenceCache``)."""
 
     def run(self, checkpoint: Path, spec: ValidationSpec, precision: str, *, device: torch.device | str,
-            max_seq_len: int | None) -> ReferenceRun: ...
+            max_seq_len: int | None, max_input_len: int | None = None) -> ReferenceRun: ...
 
 
 def compare_greedy(*, reference: _Side, engine: _Side) -> tuple[str, int | None]:
@@ -141,21 +170,22 @@ def engine_precision(info) -> str:
 
 
 def eos_token_ids(checkpoint: Path) -> list[int]:
-    """The ids that end a generation: generation_config.json's eos_token_id, else config.json's."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(checkpoint) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-    return []
+    """The ids that end a generation as the served engine picks them (``serving.triton.models.text``:
+    generation_config.json's eos_token_id through ``stop_ids_for``; config.json's is not read, as Triton's
+    ``llm`` model does not), so a checkpoint without generation_config.json is judged as it will be served."""
+    from serving.triton.models.text import read_engine_text, stop_ids_for
+
+    return list(stop_ids_for((), read_engine_text(Path(checkpoint)).eos_token_ids, ignore_eos=False))
 
 
 def reference_run(checkpoint: Path, spec: ValidationSpec, precision: str, *, device: torch.device | str = "cpu",
-                  max_seq_len: int | None = None, base: ReferenceRun | None = None) -> ReferenceRun:
+                  max_seq_len: int | None = None, base: ReferenceRun | None = None,
+                  max_input_len: int | None = None) -> ReferenceRun:
     """HF float32 on the prompts (greedy, to EOS) and the teacher-forced sequences; HF at `precision` beside it.
 
-    `base`, a run of the same checkpoint and spec for another precision, lends its float32 side."""
+    With the engine's `max_input_len` (and `max_seq_len`), the prompts include `spec.envelope.long_prompts`
+    made of the fixed texts up to it (``tasks.envelope``). `base`, a run of the same checkpoint and spec for
+    another precision, lends its float32 side."""
     from transformers import AutoTokenizer
 
     from tasks.evaluation import load_evaluation
@@ -165,6 +195,14 @@ def reference_run(checkpoint: Path, spec: ValidationSpec, precision: str, *, dev
     eos = eos_token_ids(checkpoint)
     passages = spec.passages if spec.passages is not None else list(load_evaluation().passages)
     prompt_ids = [list(tokenizer(p).input_ids) for p in spec.prompts]
+    labels = list(spec.prompts)
+    if max_input_len and max_seq_len and spec.envelope.long_prompts:
+        longest_short = max(map(len, prompt_ids))
+        for long in long_prompts(tokenizer, passages, spec.envelope.long_prompts, max_input_len=max_input_len,
+                                 max_seq_len=max_seq_len, max_new_tokens=spec.max_new_tokens,
+                                 shortest=min(longest_short + 1, max_input_len)):
+            prompt_ids.append(long.ids)
+            labels.append(long.label)
     if base is not None:
         greedy, sequences, logits = base.greedy, base.sequences, base.logits
     else:
@@ -189,7 +227,7 @@ def reference_run(checkpoint: Path, spec: ValidationSpec, precision: str, *, dev
         peer_diverged = sum(compare_greedy(reference=r, engine=p)[0] == "diverged" for r, p in zip(greedy, peer_greedy))
         del model
     return ReferenceRun(precision, prompt_ids, greedy, sequences, logits, peer, peer_diverged, eos,
-                        [*spec.prompts, *passages], tokenizer)
+                        [*spec.prompts, *passages], tokenizer, labels)
 
 
 def _hf_model(checkpoint: Path, dtype: str, device):
@@ -279,11 +317,15 @@ def _hf_logits(model, ids: Sequence[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def _hf_greedy(model, prompt_ids: Sequence[int], spec: ValidationSpec, eos_ids: list[int]) -> _Side:
-    """Greedy to max_new_tokens or the first EOS, with the raw logits' top-N at each step (a fresh
-    GenerationConfig: no sampling settings or processors from the checkpoint's generation_config)."""
+    """Greedy to max_new_tokens or the first of `eos_ids` (none: to max_new_tokens), with the raw logits' top-N
+    at each step (a fresh GenerationConfig: no sampling settings or processors from the checkpoint's
+    generation_config)."""
     from transformers import GenerationConfig
 
     input_ids = torch.tensor([list(prompt_ids)], device=model.device)
+    # generate() fills an unset eos_token_id from the model's own generation config (config.json's EOS when the
+    # checkpoint has no generation_config.json); the served engine stops at `eos_ids` only, and so does HF here
+    model.generation_config.eos_token_id = eos_ids or None
     config = GenerationConfig(max_new_tokens=spec.max_new_tokens, do_sample=False, eos_token_id=eos_ids or None,
                               pad_token_id=(eos_ids or [0])[0], output_logits=True, return_dict_in_generate=True)
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
@@ -306,23 +348,29 @@ def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: Validati
 
     runner = runner or load_engine(engine_dir)
     precision = engine_precision(runner.info)
+    lim = runner.info.limits
     if reference is None:
         run = reference_cache.run if reference_cache is not None else reference_run
-        reference = run(reference_checkpoint, spec, precision, device=runner.device,
-                        max_seq_len=runner.info.limits.max_seq_len)
+        reference = run(reference_checkpoint, spec, precision, device=runner.device, max_seq_len=lim.max_seq_len,
+                        max_input_len=lim.max_input_len)
     elif reference.precision != precision:
         raise ValueError(f"the reference was run for precision {reference.precision!r}, the engine is {precision!r}")
     budget = budget_for(precision)
     thresholds = _limits(spec, budget, reference)
     text_path = check_text_path(reference_checkpoint, engine_dir, reference.texts, reference.tokenizer)
+    loaded = check_loaded(runner, precision)
     tok = reference.tokenizer
+    labels = reference.prompt_labels or list(spec.prompts)
     comparisons: list[PromptComparison] = []
-    figures = None
-    failures = list(text_path.failures)
+    figures = decode = wide = None
+    decode_limits = _decode_limits(spec, budget, reference, thresholds)
+    failures = [*text_path.failures, *loaded.failures]
     try:
-        generations = runner.generate(reference.prompt_ids, max_new_tokens=spec.max_new_tokens,
-                                      top_logprobs=spec.top_logprobs, stop_token_ids=reference.eos_ids)
-        for prompt, ref, gen in zip(spec.prompts, reference.greedy, generations):
+        generate = _greedy(runner, spec, reference.eos_ids)
+        # each prompt alone when the wide batch is checked (which then runs them all in one batch)
+        generations = ([generate([p])[0] for p in reference.prompt_ids] if spec.envelope.wide_batch
+                       else generate(reference.prompt_ids))
+        for prompt, ref, gen in zip(labels, reference.greedy, generations):
             eng = _Side(list(gen.token_ids), [dict(t) for t in gen.top_logprobs])
             status, pos = compare_greedy(reference=ref, engine=eng)
             comparisons.append(PromptComparison(
@@ -330,16 +378,86 @@ def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: Validati
                 ref.tokens[pos] if pos is not None and pos < len(ref.tokens) else None,
                 eng.tokens[pos] if pos is not None and pos < len(eng.tokens) else None,
                 tok.decode(ref.tokens), tok.decode(eng.tokens)))
-        limit = runner.info.limits.max_seq_len
         figures = combine(
-            sequence_stats(ref[:len(s[:limit])], runner.prefill_logits(s[:limit]).float(), s[:limit])
+            sequence_stats(ref[:len(s[:lim.max_seq_len])], runner.prefill_logits(s[:lim.max_seq_len]).float(),
+                           s[:lim.max_seq_len])
             for ref, s in zip(reference.logits, reference.sequences))
+        decode = _score_decode(reference, generations, _Float32Reference(reference_checkpoint, runner.device))
+        if spec.envelope.wide_batch:
+            exact = precision == "float32"
+            rows = spec.envelope.max_wide_batch_rows
+            wide = check_wide_batch(generate, reference.prompt_ids, generations, width=lim.max_batch_size, exact=exact,
+                                    max_gap=decode_limits.max_gap, labels=labels,
+                                    max_rows=lim.max_batch_size // 4 if rows is None else rows)
     except Exception as exc:  # noqa: BLE001 - an engine that errors is refused with the error in the report
         failures.append(f"the engine raised {type(exc).__name__}: {exc}")
     if figures is not None:
         failures += _judge(comparisons, figures, thresholds)
+    if decode is not None:
+        failures += judge_decode(decode, decode_limits, labels)
+    if wide is not None:
+        failures += wide.failures
     return ValidationResult(not failures, precision, comparisons, figures, reference.peer, reference.peer_diverged,
-                            text_path, thresholds, failures)
+                            text_path, thresholds, failures, decode, decode_limits, wide, loaded)
+
+
+def _greedy(runner, spec: ValidationSpec, eos_ids: list[int]):
+    """The engine's greedy generation with top-N log-probs, as the gate runs it (prompts -> Generations)."""
+    def generate(prompts: list[list[int]]) -> list:
+        return runner.generate(prompts, max_new_tokens=spec.max_new_tokens, top_logprobs=spec.top_logprobs,
+                               stop_token_ids=eos_ids)
+    return generate
+
+
+class _Float32Reference:
+    """HF float32 teacher-forced logits of any sequence, the model loaded on first use (only a sequence where
+    the engine left the reference's greedy path needs it)."""
+
+    def __init__(self, checkpoint: Path, device) -> None:
+        self.checkpoint, self.device, self.model = checkpoint, device, None
+
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        if self.model is None:
+            self.model = _hf_model(self.checkpoint, "float32", self.device)
+        return _hf_logits(self.model, ids)
+
+
+def _score_decode(reference: ReferenceRun, generations: list, hf: _Float32Reference) -> DecodeFigures:
+    """Each generated token against HF float32 teacher-forced over the engine's own sequence (the reference's
+    own logits where the engine generated exactly the reference's tokens)."""
+    figures = DecodeFigures()
+    first = len(reference.sequences) - len(reference.prompt_ids)  # the passages come first
+    for i, (prompt, ref, gen) in enumerate(zip(reference.prompt_ids, reference.greedy, generations)):
+        tokens = list(gen.token_ids)
+        if not tokens:
+            continue
+        sequence = prompt + tokens[:-1]
+        stored = reference.sequences[first + i]
+        logits = (reference.logits[first + i] if stored[:len(sequence)] == sequence
+                  else hf.logits(sequence))
+        score_generation(figures, i, prompt, tokens, list(gen.logprobs), logits)
+    return figures
+
+
+def _decode_limits(spec: ValidationSpec, budget: PrecisionBudget, reference: ReferenceRun,
+                   thresholds: dict[str, float]) -> DecodeLimits:
+    """How many generated tokens may differ from HF's argmax, how far, and the mean log-prob difference."""
+    envelope = spec.envelope
+    positions = len(reference.prompt_ids) * spec.max_new_tokens
+    count = int(thresholds["max_top1_disagreement"] * positions) + budget.extra_diverged_prompts
+    if budget.peer_dtype is None:  # float32: ties only
+        gap = FLOAT32_DECODE_GAP
+    else:
+        peer_error = reference.peer.max_logit_error if reference.peer else 0.0
+        gap = REDUCED_DECODE_GAP + thresholds["peer_factor"] * peer_error
+    return DecodeLimits(
+        max_disagreements=count if envelope.max_decode_disagreements is None else envelope.max_decode_disagreements,
+        max_gap=gap if envelope.max_decode_gap is None else envelope.max_decode_gap,
+        max_mean_logprob_delta=thresholds["max_nll_delta"] if budget.peer_dtype is None else None)
+
+
+FLOAT32_DECODE_GAP = 1e-3  # nats: a float32 engine may break only a tie
+REDUCED_DECODE_GAP = 0.25  # nats, plus the peer's logit error: a reduced-precision engine's near-ties
 
 
 def _limits(spec: ValidationSpec, budget: PrecisionBudget, reference: ReferenceRun) -> dict[str, float]:
@@ -412,7 +530,30 @@ def render_report(result: ValidationResult) -> str:
         where = "-" if c.divergence_position is None else (
             f"token {c.divergence_position}: hf {c.reference_token} vs engine {c.engine_token}")
         lines.append(f"| {_cell(c.prompt)} | {c.status} | {where} | {_cell(c.reference_text)} | {_cell(c.engine_text)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _envelope_lines(result)) + "\n"
+
+
+def _envelope_lines(result: ValidationResult) -> list[str]:
+    """The free-running decode figures, the wide batch and what the runner loaded, for the report."""
+    lines = [""]
+    d, lim = result.decode, result.decode_limits
+    if d is not None and lim is not None:
+        lines += [
+            ("Free-running decode, every generated token against HF float32 teacher-forced over the engine's own "
+            "sequence:"), "",
+            "| figure | engine | limit |", "| --- | --- | --- |",
+            f"| generated tokens not HF's argmax | {len(d.disagreements)} of {d.positions} | <= {lim.max_disagreements} |",
+            f"| largest gap to HF's argmax, nats | {d.max_gap:.3g} | <= {lim.max_gap:.3g} |",
+            (f"| mean log-prob engine - HF where both pick the token, nats/token | {d.mean_logprob_delta:+.3g} | "
+             + ("(not judged below float32)" if lim.max_mean_logprob_delta is None
+                else f"\\|.\\| <= {lim.max_mean_logprob_delta:.3g}") + " |"), ""]
+    if result.wide_batch is not None:
+        w = result.wide_batch
+        lines += [(f"Wide batch: {w.prompts} prompts in one batch of {w.rows} rows against each alone: "
+                  f"{len(w.differences)} rows differ{' (refused)' if w.failures else ''}."), ""]
+    if result.loaded is not None:
+        lines += render_loaded(result.loaded)
+    return lines
 
 
 def _cell(text: str) -> str:

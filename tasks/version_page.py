@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from registry.model_registry import run_ui_url
 from tasks.evaluation import EvaluationComparison, evaluation_verdict
 from tasks.perf_gate import PerfResult, PerfSlo
+from tasks.served_config import ServedDrift, render_drift
 from tasks.validate import ValidationResult
 
 MAX_DESCRIPTION_CHARS = 5000  # MLflow's column size for a model version's description
@@ -141,6 +142,7 @@ class VersionPage:
     ui_base: str | None  # the MLflow UI, for links into the run; None: no links
     evaluation: EvaluationComparison | None = None
     measured: bool = False  # production's speed and evaluation figures are from this same run
+    served: ServedDrift | None = None  # the served configuration against production's
 
     def render(self, *, fingerprint: str, run: tuple[str, str] | None, manifest_uri: str, report_folder: str) -> str:
         """`run`: (experiment id, run id) of the release run, linked into when the UI is known."""
@@ -158,7 +160,7 @@ class VersionPage:
         links["engine artifact manifest"] = manifest_uri
         return render_version_page(fingerprint=fingerprint, validation=self.validation, perf=self.perf, slo=self.slo,
                                    production=self.production, provenance=self.provenance, links=links,
-                                   evaluation=self.evaluation, measured=self.measured)
+                                   evaluation=self.evaluation, measured=self.measured, served=self.served)
 
 
 def render_version_page(
@@ -172,6 +174,7 @@ def render_version_page(
     links: dict[str, str],
     evaluation: EvaluationComparison | None = None,
     measured: bool = False,
+    served: ServedDrift | None = None,
 ) -> str:
     """The version's description: decision first, then gates, comparison, provenance and links."""
     replaced = production[0] if production else None
@@ -209,6 +212,8 @@ def render_version_page(
               f"{c.change} |" for c in comparisons),
             "",
         ]
+    if served is not None:
+        lines += render_drift(served, heading="###")
     toolchain = ", ".join(f"{k} {v}" for k, v in sorted(provenance.toolchain.items()))
     lines += [
         "### Built",

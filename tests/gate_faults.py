@@ -134,3 +134,45 @@ class SlowedRunner:
         for _ in range(self.factor - 1):
             self.runner.generate(*args, **kwargs)
         return self.runner.generate(*args, **kwargs)
+
+
+# -- faults of the engine's envelope: each shows only where the old gates did not look -----------------------
+def rope_stuck_past(runner, position: int):
+    """RoPE wrong past `position`: every later position is rotated as `position` - 1 (a table cut short).
+    Prompts and sequences shorter than `position` are untouched. Static runner (its `rope_cos`/`rope_sin`)."""
+    model = runner.model
+    model.rope_cos[position:] = model.rope_cos[position - 1]
+    model.rope_sin[position:] = model.rope_sin[position - 1]
+    return runner
+
+
+def _wrap_decode(runner, change):
+    """Replace the runner's decode step (static runner, the path of generations with log-probs) by `change`
+    applied to its logits [B, V]; prefill and teacher-forced logits are untouched."""
+    real = runner.decode
+
+    def decode(tokens, input_pos, kv_needed):
+        return change(real(tokens, input_pos, kv_needed).clone())
+
+    runner.decode = decode
+    return runner
+
+
+def rows_interfering(runner, width: int):
+    """In a batch of more than `width` rows, the rows past `width` get row 0's decode logits added to theirs
+    (state leaking across rows): a batch of up to `width` rows is exact."""
+    def change(logits):
+        if logits.shape[0] > width:
+            logits[width:] += logits[0]
+        return logits
+    return _wrap_decode(runner, change)
+
+
+def decode_swaps_top2(runner):
+    """Every decode step's two best logits exchanged in every row: the prompt path (first token, teacher-forced
+    logits) stays right; each later token is the reference's second choice, within its top-N."""
+    def change(logits):
+        top = logits.topk(2, dim=-1)
+        logits.scatter_(1, top.indices, top.values.flip(-1))
+        return logits
+    return _wrap_decode(runner, change)

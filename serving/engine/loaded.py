@@ -1,0 +1,71 @@
+"""What a loaded engine actually runs with, read from its tensors and modules (not from `engine.json`).
+
+`loaded_configuration(runner)` -> `LoadedConfiguration`: the dtype the weights were loaded in, the
+quantization method of the linears that were installed, the KV cache (static or paged) and the dtype its
+tensors store, and the decode kernels the runner picked. The release gates compare it with the engine
+record (`tasks.loaded_check`): an engine that loads something its record does not show (an fp8 KV cache
+behind `paged.kv_cache_dtype: auto`, say) must not be judged by the record's budget.
+
+Read-only: it looks at the runner, allocates nothing. It takes either runner (static `EngineRunner`, paged
+`PagedRunner`) or a wrapper that forwards `model`, `device` and, for a paged one, `cache`.
+
+Imports: stdlib and torch only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from serving.engine.quantize import QuantLinear, model_quantization
+
+STATIC = "static"
+PAGED = "paged"
+
+
+@dataclass(frozen=True)
+class LoadedConfiguration:
+    """One loaded engine as it runs."""
+
+    device: str  # "cpu", "cuda:0"
+    weight_dtype: str  # torch dtype name of the unquantized weights (embeddings, norms): "bfloat16"
+    quantization: str  # method of the installed quantized linears, "none" when there are none
+    quantized_lm_head: bool  # the LM head is a quantized linear
+    kv_cache: str  # STATIC or PAGED
+    kv_cache_dtype: str  # torch dtype name the KV cache's tensors store: "bfloat16", "float8_e4m3fn"
+    decode_attention: str  # the static decode step's attention ("matmul" | "triton"); "paged" for a paged runner
+    decode_gemm: str  # the decode step's GEMMs ("torch" | "triton")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def loaded_configuration(runner: Any) -> LoadedConfiguration:
+    """What `runner` (static or paged) holds in memory now."""
+    model = runner.model
+    cache = runner.cache if hasattr(runner, "cache") else None
+    if cache is not None:  # a paged runner: its block pools
+        kv_dtype, kind, attention = cache.k[0].dtype, PAGED, PAGED
+        gemm = runner.decode.gemm
+    else:
+        first = model.layers[0].attention.kv_cache
+        if first is None:
+            raise ValueError("loaded_configuration: the model has no KV cache (setup_caches() was not called)")
+        kv_dtype, kind = first.k_cache.dtype, STATIC
+        attention, gemm = model.decode_attention_impl, model.decode_gemm_impl
+    return LoadedConfiguration(
+        device=str(runner.device),
+        weight_dtype=dtype_name(model.tok_embeddings.weight.dtype),
+        quantization=model_quantization(model),
+        quantized_lm_head=isinstance(model.output, QuantLinear),
+        kv_cache=kind,
+        kv_cache_dtype=dtype_name(kv_dtype),
+        decode_attention=attention,
+        decode_gemm=gemm,
+    )

@@ -1,0 +1,208 @@
+"""Free-running decode compared position by position with the reference, and wide batches against rows alone.
+
+Teacher-forced figures (KL, NLL, top-1) go through the prompt path only; an engine whose decode step is wrong
+(a cache read, a decode-only kernel) passes them. Here the engine's own greedy generation is scored: Hugging
+Face float32 runs teacher-forced over the engine's sequence (prompt + the engine's tokens), and at every
+generated position:
+- *disagreement*: the engine's token is not HF's argmax on that same prefix;
+- *gap*: HF's log-prob of its own argmax minus HF's log-prob of the engine's token (0 where they agree):
+  how far from a tie the engine's choice was;
+- *log-prob delta*: where both pick the same token, the engine's log-prob of it minus HF's (signed; its mean
+  is the decode path's NLL difference). Positions where they disagree are left out of it: there the engine's
+  token is the one its own error favoured, so its log-prob is biased upwards by selection, and those
+  positions are counted and measured by the two figures above.
+The budget limits how many disagreements (`max_disagreements`) and how far (`max_gap`), so a divergence is
+never simply "tolerated"; the mean delta is judged for float32 engines (where it is ~1e-7 and a decode step
+that rescales its logits without changing the argmax shows), reported for the others (in bfloat16 it
+reached 1.2x the teacher-forced NLL budget on an unchanged tiny build: an engine's near-tie picks are
+where its own rounding favoured its token, a bias the teacher-forced budget does not carry).
+
+`check_wide_batch`: the prompts in one batch of `max_batch_size` rows, each row's output against the same
+prompt generated alone; float32 must be token-for-token equal, reduced precision may differ only at a tie
+within the decode gap budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodePosition:
+    prompt: int
+    position: int  # index of the generated token
+    engine_token: int
+    reference_token: int  # HF's argmax on the engine's prefix
+    gap: float
+    logprob_delta: float | None  # None when the engine gave no log-probs, or picked another token than HF
+
+
+@dataclass
+class DecodeFigures:
+    """Decode-position figures over every generated token of every prompt."""
+
+    positions: int = 0
+    disagreements: list[DecodePosition] = field(default_factory=list)
+    max_gap: float = 0.0
+    logprob_delta_sum: float = 0.0
+    logprob_positions: int = 0
+    worst: DecodePosition | None = None  # the position of the largest gap
+
+    @property
+    def mean_logprob_delta(self) -> float:
+        return self.logprob_delta_sum / self.logprob_positions if self.logprob_positions else 0.0
+
+    def add(self, p: DecodePosition) -> None:
+        self.positions += 1
+        if p.engine_token != p.reference_token:
+            self.disagreements.append(p)
+        if self.worst is None or p.gap > self.max_gap:
+            self.max_gap, self.worst = max(self.max_gap, p.gap), p
+        if p.logprob_delta is not None:
+            self.logprob_delta_sum += p.logprob_delta
+            self.logprob_positions += 1
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    max_disagreements: int
+    max_gap: float  # nats
+    max_mean_logprob_delta: float | None  # nats per token, either sign; None: reported, not judged
+
+    def to_dict(self) -> dict[str, float]:
+        return {"max_decode_disagreements": self.max_disagreements, "max_decode_gap": self.max_gap,
+                "max_decode_logprob_delta": self.max_mean_logprob_delta}
+
+
+def score_generation(figures: DecodeFigures, index: int, prompt: Sequence[int], tokens: Sequence[int],
+                     logprobs: Sequence[float], reference_logits: torch.Tensor) -> None:
+    """Add prompt `index`'s generated `tokens` to `figures`; `reference_logits`: HF float32 [S, V] of at least
+    prompt + tokens[:-1] (teacher-forced over the engine's own sequence)."""
+    if not tokens:
+        return
+    start = len(prompt) - 1
+    lp = torch.log_softmax(reference_logits[start:start + len(tokens)].double(), dim=-1)  # [T, V]
+    if lp.shape[0] != len(tokens):
+        raise ValueError(f"reference logits cover {lp.shape[0]} of {len(tokens)} generated positions")
+    best, argmax = lp.max(dim=-1)
+    chosen = lp.gather(1, torch.tensor(list(tokens)).unsqueeze(1))[:, 0]
+    for t, tok in enumerate(tokens):
+        agree = int(tok) == int(argmax[t])
+        delta = float(logprobs[t]) - float(chosen[t]) if agree and t < len(logprobs) else None
+        figures.add(DecodePosition(index, t, int(tok), int(argmax[t]), float(best[t] - chosen[t]), delta))
+
+
+def judge_decode(figures: DecodeFigures, limits: DecodeLimits, labels: Sequence[str]) -> list[str]:
+    """Failures naming each figure, its budget and the evidence (prompt, position, both tokens)."""
+    failures = []
+
+    def where(p: DecodePosition) -> str:
+        return (f"prompt {labels[p.prompt]!r} token {p.position}: engine {p.engine_token} vs HF {p.reference_token}, "
+                f"gap {p.gap:.3g} nats")
+
+    n = len(figures.disagreements)
+    if n > limits.max_disagreements:
+        shown = "; ".join(where(p) for p in figures.disagreements[:3])
+        failures.append(f"free-running decode: {n} of {figures.positions} generated tokens are not HF's argmax on the "
+                        f"engine's own prefix (budget {limits.max_disagreements}: validation top-1 limit x positions "
+                        f"+ the precision's allowance); first: {shown}")
+    if figures.max_gap > limits.max_gap and figures.worst is not None:
+        failures.append(f"free-running decode: largest gap {figures.max_gap:.3g} nats > budget {limits.max_gap:.3g} "
+                        f"(validation.envelope.max_decode_gap, or the precision's) at {where(figures.worst)}")
+    delta = figures.mean_logprob_delta
+    if limits.max_mean_logprob_delta is not None and abs(delta) > limits.max_mean_logprob_delta:
+        failures.append(f"free-running decode: mean log-prob of the engine's tokens {delta:+.3g} nats/token from HF's "
+                        f"over {figures.logprob_positions} positions, budget |.| <= {limits.max_mean_logprob_delta:.3g} "
+                        "(the validation NLL limit)")
+    return failures
+
+
+@dataclass(frozen=True)
+class RowDifference:
+    row: int
+    prompt: int
+    position: int
+    batched_token: int
+    alone_token: int | None
+    gap: float | None  # alone's log-prob of its token minus of the batched one (None: outside alone's top-N)
+
+
+@dataclass
+class BatchCheck:
+    rows: int
+    prompts: int
+    differences: list[RowDifference] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def check_wide_batch(generate: Callable[[list[list[int]]], list], prompt_ids: Sequence[Sequence[int]],
+                     alone: Sequence, *, width: int, exact: bool, max_gap: float, max_rows: int,
+                     labels: Sequence[str]) -> BatchCheck:
+    """Run the prompts cycled to `width` rows in one batch (`generate(prompts)` -> `Generation`s with top
+    log-probs); every row must equal its prompt's output `alone` (generated in a batch of one): exactly
+    (`exact`), or first differing where alone's log-probs of the two tokens lie within `max_gap`, on at most
+    `max_rows` rows."""
+    rows = [list(prompt_ids[r % len(prompt_ids)]) for r in range(width)]
+    batched = generate(rows)
+    check = BatchCheck(width, len(prompt_ids))
+    for r, got in enumerate(batched):
+        want = alone[r % len(prompt_ids)]
+        diff = _first_difference(r, r % len(prompt_ids), got, want)
+        if diff is not None:
+            check.differences.append(diff)
+    bad = [d for d in check.differences if exact or d.gap is None or d.gap > max_gap]
+    budget = 0 if exact else max_rows
+    if bad or len(check.differences) > budget:
+        first = (bad or check.differences)[0]
+        gap = "outside its top-N" if first.gap is None else f"log-prob gap {first.gap:.3g} nats"
+        rule = ("float32: every row must equal its output alone" if exact else
+                f"a row may differ only at a tie within {max_gap:.3g} nats, on at most {max_rows} rows")
+        check.failures.append(
+            f"wide batch: {len(check.differences)} of {width} rows (one batch of limits.max_batch_size={width}) differ "
+            f"from the same prompt generated alone ({rule}); row {first.row} (prompt {labels[first.prompt]!r}) at "
+            f"token {first.position}: batched {first.batched_token} vs alone {first.alone_token}, {gap}")
+    return check
+
+
+def _first_difference(row: int, prompt: int, got, want) -> RowDifference | None:
+    for t, (a, b) in enumerate(zip(got.token_ids, want.token_ids)):
+        if a != b:
+            top = want.top_logprobs[t] if t < len(want.top_logprobs) else {}
+            gap = top[b] - top[a] if a in top and b in top else None
+            return RowDifference(row, prompt, t, a, b, gap)
+    if len(got.token_ids) != len(want.token_ids):
+        t = min(len(got.token_ids), len(want.token_ids))
+        return RowDifference(row, prompt, t, got.token_ids[t] if t < len(got.token_ids) else -1,
+                             want.token_ids[t] if t < len(want.token_ids) else None, None)
+    return None
+
+
+def check_timed_outputs(checkpoint, prompts: Sequence[Sequence[int]], generations: Sequence,
+                        limits: DecodeLimits, *, sample: int = 2, device: torch.device | str = "cpu",
+                        labels: Sequence[str] | None = None) -> tuple[DecodeFigures, list[str]]:
+    """The perf gate's hook: is what it timed correct? A sample of its rows (the first `sample`, and the row of
+    the longest prompt) scored like validation's free-running decode, HF float32 (`checkpoint`) teacher-forced
+    over each row's prompt and generated tokens, judged by `limits` (validation's `ValidationResult.decode_limits`:
+    the same budget). Generations without log-probs are judged on disagreements and gap only."""
+    from transformers import AutoModelForCausalLM
+
+    rows = sorted({*range(min(sample, len(prompts))), max(range(len(prompts)), key=lambda r: len(prompts[r]))})
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
+    figures = DecodeFigures()
+    with torch.no_grad():
+        for r in rows:
+            tokens = list(generations[r].token_ids)
+            if not tokens:
+                continue
+            ids = list(prompts[r]) + tokens[:-1]
+            logits = model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
+            score_generation(figures, r, prompts[r], tokens, list(generations[r].logprobs), logits)
+    names = list(labels) if labels is not None else [f"timed row {r} ({len(p)} tokens)" for r, p in enumerate(prompts)]
+    return figures, judge_decode(figures, limits, names)

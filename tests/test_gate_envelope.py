@@ -1,0 +1,173 @@
+"""The envelope gates' pieces on a tiny model: long prompts of the fixed texts, stop ids as served, the decode
+and wide-batch comparisons, what a runner loaded against its record, and the served configuration against
+production's. The faults through the real release flow: tests/test_release_envelope.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from gate_faults import decode_swaps_top2, rows_interfering
+
+from serving.engine import build_engine, convert_checkpoint, load_engine
+from serving.engine.build import EngineLimits
+from serving.engine.loaded import loaded_configuration
+from serving.engine.paged_cache import PagedKVConfig
+from serving.engine.paged_runner import load_paged_engine
+from serving.engine.runner import Generation
+from tasks.decode_check import DecodeLimits, check_timed_outputs, check_wide_batch
+from tasks.envelope import envelope_lengths, long_prompt_ids, workload_lengths
+from tasks.gate_specs import ServedSpec
+from tasks.loaded_check import check_loaded
+from tasks.served_config import compare_served, render_drift
+from tasks.tiny_model import make_tiny_model
+from tasks.validate import ValidationSpec, _hf_greedy, _hf_model, eos_token_ids, validate_engine
+
+LIMITS = EngineLimits(dtype="float32", max_batch_size=6, max_input_len=96, max_seq_len=112)
+PAGED = PagedKVConfig(block_size=16, num_blocks=48, max_num_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(HF checkpoint, static engine, paged engine)."""
+    root = tmp_path_factory.mktemp("envelope")
+    hf = make_tiny_model(root / "hf", seed=2)
+    ckpt = convert_checkpoint(hf, root / "ckpt", dtype="float32")
+    static = build_engine(ckpt, root / "static", limits=LIMITS).path
+    paged = build_engine(ckpt, root / "paged", limits=LIMITS, paged=PAGED).path
+    return hf, Path(static), Path(paged)
+
+
+def test_long_prompts_are_the_fixed_texts_cut_to_the_envelope(tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny[0])
+    texts = ["The river ran past the old mill.", "Nobody remembered who built the bridge."]
+    lengths = envelope_lengths(2, max_input_len=96, max_seq_len=112, max_new_tokens=8, shortest=20)
+    assert lengths[0] == 96 and 20 <= lengths[1] < 96  # the longest as near max_input_len as max_seq_len allows
+    assert envelope_lengths(1, max_input_len=96, max_seq_len=100, max_new_tokens=8) == [92]
+    ids = long_prompt_ids(tok, texts, 96)
+    assert len(ids) == 96 and tok.decode(ids, skip_special_tokens=True).startswith("The river ran past the old mill.")
+    assert workload_lengths(batch_size=3, input_len=8, max_input_len=96, max_seq_len=112, output_len=4) == [8, 8, 96]
+    with pytest.raises(ValueError, match="max_seq_len=8 - max_new_tokens=8 leaves no position"):
+        envelope_lengths(1, max_input_len=96, max_seq_len=8, max_new_tokens=8)
+
+
+def test_stop_ids_are_the_served_engines_so_a_checkpoint_without_generation_config_runs_on(tiny, tmp_path):
+    hf = tiny[0]
+    assert eos_token_ids(hf) == [1]
+    bare = shutil.copytree(hf, tmp_path / "bare")
+    (bare / "generation_config.json").unlink()
+    assert eos_token_ids(bare) == []  # config.json's eos_token_id is not what Triton's llm model stops at
+    model = _hf_model(bare, "float32", "cpu")
+    with torch.no_grad():  # every step's argmax is config.json's EOS
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
+        model.lm_head.bias[1] = 1e4
+    side = _hf_greedy(model, [0, 5, 6], ValidationSpec(max_new_tokens=4), eos_token_ids(bare))
+    assert len(side.tokens) == 4  # HF does not stop at an EOS the served engine would not stop at
+
+
+def test_validation_runs_the_whole_envelope_and_passes_an_unchanged_engine(tiny):
+    hf, static, _ = tiny
+    spec = ValidationSpec(prompts=["Once upon a time", "def f(x):"], max_new_tokens=6,
+                          passages=["The quick brown fox jumps over the lazy dog."])
+    result = validate_engine(static, hf, spec)
+    assert result.passed, result.failures
+    assert [len(c.prompt) > 0 for c in result.comparisons] == [True] * 4  # 2 prompts + 2 long ones
+    assert result.comparisons[2].prompt == "[fixed texts from #0, 96 tokens]"
+    assert result.decode.positions == 4 * 6 and not result.decode.disagreements and result.decode.max_gap == 0
+    assert result.wide_batch.rows == LIMITS.max_batch_size and not result.wide_batch.differences
+    assert result.loaded.passed and result.metrics["validation_decode_disagreements"] == 0
+
+
+def test_decode_only_and_wide_batch_faults_are_refused_with_their_evidence(tiny):
+    hf, static, _ = tiny
+    spec = ValidationSpec(prompts=["Once upon a time", "def f(x):"], max_new_tokens=6,
+                          passages=["The quick brown fox jumps over the lazy dog."],
+                          envelope={"long_prompts": 1})
+    decode = validate_engine(static, hf, spec, runner=decode_swaps_top2(load_engine(static)))
+    assert not decode.passed and all("free-running decode" in f for f in decode.failures), decode.failures
+    assert "budget 0" in decode.failures[0] and "gap" in decode.failures[0]
+    wide = validate_engine(static, hf, spec, runner=rows_interfering(load_engine(static), 3))
+    assert [f[:11] for f in wide.failures] == ["wide batch:"], wide.failures
+    assert "row 4 " in wide.failures[0] and "limits.max_batch_size=6" in wide.failures[0]  # (row 3 repeats row 0)
+
+
+def test_timed_outputs_are_checked_on_a_sample_by_the_decode_budget(tiny):
+    hf, static, _ = tiny
+    prompts = [[0, 5, 6, 7], [0, 9, 8], [0] + list(range(10, 60))]
+    limits = DecodeLimits(max_disagreements=0, max_gap=1e-3, max_mean_logprob_delta=1e-3)
+    good = load_engine(static).generate(prompts, max_new_tokens=4, logprobs=False)
+    figures, failures = check_timed_outputs(hf, prompts, good, limits, sample=1)
+    assert failures == [] and figures.positions == 2 * 4  # row 0 and the longest row
+    bad = decode_swaps_top2(load_engine(static)).generate(prompts, max_new_tokens=4, top_logprobs=1)
+    _, failures = check_timed_outputs(hf, prompts, bad, limits, sample=1)
+    assert failures and "timed row 0 (4 tokens)" in failures[0]
+
+
+def test_wide_batch_tolerates_only_ties_in_reduced_precision():
+    def gen(tokens, top):
+        return Generation(token_ids=tokens, logprobs=[0.0] * len(tokens), top_logprobs=top)
+
+    alone = [gen([5, 6], [{5: -0.1}, {6: -0.5, 7: -0.52}])]
+    tie = lambda rows: [gen([5, 7], []) if r == 1 else alone[0] for r in range(len(rows))]
+    ok = check_wide_batch(tie, [[1, 2]], alone, width=2, exact=False, max_gap=0.05, max_rows=1, labels=["p"])
+    assert ok.passed and len(ok.differences) == 1 and ok.differences[0].gap == pytest.approx(0.02)
+    exact = check_wide_batch(tie, [[1, 2]], alone, width=2, exact=True, max_gap=0.05, max_rows=1, labels=["p"])
+    assert "row 1 (prompt 'p') at token 1: batched 7 vs alone 6, log-prob gap 0.02 nats" in exact.failures[0]
+    far = check_wide_batch(tie, [[1, 2]], alone, width=2, exact=False, max_gap=0.01, max_rows=1, labels=["p"])
+    assert not far.passed
+
+
+def test_the_runner_reports_what_it_loaded_and_a_kv_cache_the_record_lacks_is_refused(tiny):
+    _, static, paged = tiny
+    loaded = loaded_configuration(load_engine(static))
+    assert (loaded.kv_cache, loaded.kv_cache_dtype, loaded.weight_dtype, loaded.quantization) == (
+        "static", "float32", "float32", "none")
+    runner = load_paged_engine(paged, device="cpu")
+    assert check_loaded(runner, "float32").passed
+    fp8 = load_paged_engine(paged, config=dataclasses.replace(PAGED, kv_cache_dtype="fp8"), device="cpu")
+    check = check_loaded(fp8, "float32")
+    assert check.loaded["kv_cache_dtype"] == "float8_e4m3fn" and check.loaded_precision == "float32+fp8-kv"
+    assert "the runner loaded kv_cache_dtype 'float8_e4m3fn', the engine record" in check.failures[0]
+    assert "the gate's budget is precision 'float32'" in check.failures[1]
+
+
+def _served_copy(engine: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+        if (engine / name).is_file():
+            shutil.copy(engine / name, dst / name)
+    return dst
+
+
+def test_served_configuration_against_production(tiny, tmp_path):
+    hf, static, _ = tiny
+    production = _served_copy(static, tmp_path / "production")
+    (production / "chat_template.jinja").write_text("{{ messages }}")
+    same = _served_copy(static, tmp_path / "same")
+    (same / "chat_template.jinja").write_text("{{ messages }}")
+    assert compare_served(same, production, ServedSpec(), checkpoint=hf, production_version="3").passed
+
+    lost = _served_copy(static, tmp_path / "lost")  # no chat template; greedy defaults changed
+    generation = json.loads((lost / "generation_config.json").read_text())
+    (lost / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.2}))
+    drift = compare_served(lost, production, ServedSpec(), checkpoint=hf, production_version="3")
+    assert [d.part for d in drift.differences] == ["chat_template", "generation_defaults"]
+    assert drift.failures[0].startswith("served configuration: chat_template lost against production version 3: "
+                                        "production {{ messages }}, candidate (none)")
+    assert "generation_defaults changed" in drift.failures[1] and '"temperature": 0.2' in drift.failures[1]
+    accepted = compare_served(lost, production, ServedSpec(accept={"chat_template": "base model, no chat",
+                                                                   "generation_defaults": "cooler"}),
+                              checkpoint=hf, production_version="3")
+    assert accepted.passed
+    page = "\n".join(render_drift(accepted))
+    assert "| chat_template | {{ messages }} | (none) | accepted: base model, no chat |" in page
+
+    (lost / "generation_config.json").unlink()  # no stop ids at all; checked with no production too
+    alone = compare_served(lost, None, ServedSpec(), checkpoint=hf, skipped="first release")
+    assert "the engine stops at no token id" in alone.failures[0] and "config.json names [1]" in alone.failures[0]
