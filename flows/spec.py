@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.engine_spec import EngineSpec
 from tasks.gate_specs import EvaluationSpec, PerfSpec, ServedSpec, ValidationSpec
@@ -115,6 +115,16 @@ class ReleaseSpec(BaseModel):
     @property
     def model_name(self) -> str:
         return self.mlflow.model_name
+
+    @model_validator(mode="after")
+    def _held_needs_a_person(self) -> ReleaseSpec:
+        holding = [f"{gate}.on_inconclusive" for gate, on in (("evaluation", self.evaluation.on_inconclusive),
+                                                             ("perf", self.perf.on_inconclusive)) if on == "hold"]
+        if holding and self.approval.mode == "auto":
+            raise ValueError(f"{' and '.join(holding)} 'hold' publishes an undecided release for a person's review, "
+                             "but approval.mode is 'auto' (nobody reviews): set approval.mode 'mlflow-tag' or "
+                             "on_inconclusive 'refuse'")
+        return self
 
 
 def parse_spec(data: dict[str, Any], *, origin: str = "spec") -> ReleaseSpec:

@@ -5,9 +5,9 @@ that reading a spec (flows.spec: every CLI command that takes one) loads neither
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -93,25 +93,74 @@ class ServedSpec(BaseModel):
 
 
 class EvaluationSpec(BaseModel):
-    """The fixed evaluation against the production version: regression budgets of the paired test."""
+    """The fixed evaluation against the production version: budgets in the units a user reads, and the spreads
+    the sample sizes are computed from (tasks/gate_power.py: each part needs enough passages or items that a
+    candidate equal to production is shown within its budget with 90% power at `alpha`; the version page
+    states n and the regression it detects)."""
 
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(True, description="Run the fixed evaluation on the candidate and the production version's "
                           "engine (skipped, and said so in the report, when there is no production version).")
-    max_nll_regression: float = Field(
-        0.02, ge=0, description="Largest mean relative increase of the passages' nats per byte over production's "
-        "(0.02: 2% less likely text) before a significant increase fails.")
-    max_accuracy_drop: float = Field(
-        0.10, ge=0, le=1, description="Largest drop of the cloze items' accuracy below production's before a "
-        "significant drop fails.")
-    alpha: float = Field(0.01, gt=0, lt=1, description="Significance level of each one-sided paired test.")
+    max_perplexity_increase: float = Field(
+        0.05, gt=0, description="Largest increase of the passages' perplexity over production's, as a fraction "
+        "(0.05: perplexity at most 5% higher; per token of production's tokenizer).")
+    perplexity_spread: float = Field(
+        0.03, gt=0, description="Assumed standard deviation over passages of a passage's log perplexity ratio "
+        "(nats per token), for the sample size; the page shows the measured one beside it.")
+    max_accuracy_drop_points: float = Field(
+        20.0, gt=0, le=100, description="Largest drop of the cloze items' accuracy below production's, in "
+        "percentage points.")
+    accuracy_spread: float = Field(
+        0.3, gt=0, description="Assumed standard deviation of an item's paired difference (-1, 0 or 1: lost, "
+        "kept, won), for the sample size.")
+    max_mean_kl: float = Field(
+        0.05, gt=0, description="Largest mean per-token KL(production || candidate) over the passages, nats, "
+        "teacher-forced on the same tokens (compared when both tokenize the passages alike).")
+    kl_spread: float = Field(0.02, gt=0, description="Assumed standard deviation of a passage's mean KL, nats.")
+    max_top1_disagreement: float = Field(
+        0.10, gt=0, le=1, description="Largest share of passage positions whose most likely next token differs "
+        "from production's (teacher-forced).")
+    top1_spread: float = Field(0.05, gt=0, description="Assumed standard deviation of a passage's top-1 "
+                               "disagreement share.")
+    max_greedy_disagreement: float = Field(
+        0.15, gt=0, le=1, description="Largest share of greedy continuation tokens that differ from production's "
+        "at the same position (each side decoding freely from a passage's first tokens).")
+    greedy_spread: float = Field(0.15, gt=0, description="Assumed standard deviation of a passage's greedy "
+                                 "disagreement share.")
+    greedy_prompt_tokens: int = Field(8, ge=1, description="Tokens of each passage the greedy continuations start "
+                                      "from.")
+    greedy_new_tokens: int = Field(8, ge=1, description="Greedy tokens generated per passage on each side.")
+    alpha: float = Field(0.01, gt=0, lt=1, description="Each part's one-sided error: the chance of passing a "
+                         "candidate whose regression is its budget.")
+    on_inconclusive: Literal["refuse", "hold"] = Field(
+        "refuse", description="A part whose interval holds its budget (neither within nor beyond with "
+        "confidence): refuse the release, or publish it held for a person's review (the version page says "
+        "so, with the interval; approval.mode must be 'mlflow-tag', a person).")
     max_passages: int | None = Field(
-        None, ge=1, description="Score only the first N passages of the fixed data (default: all). Fewer make the "
-        "sign test weaker: with N passages the smallest p is 2**-N, so N < 7 can never fail at alpha 0.01.")
+        None, ge=2, description="Score only the first N passages of the fixed data (default: all). Fewer than "
+        "the power calculation needs is refused with the number needed.")
     max_choices: int | None = Field(
-        None, ge=1, description="Score only the first N cloze items (default: all); the same caution as max_passages.")
+        None, ge=2, description="Score only the first N cloze items (default: all); the same rule as max_passages.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_budgets(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in RENAMED_EVALUATION_FIELDS.items():
+                if old in data:
+                    raise ValueError(f"evaluation.{old} ({data[old]!r}) is replaced by evaluation.{new}: {old} "
+                                     f"was {RENAMED_WHY[old]}; set {new} instead")
+        return data
+
+
+RENAMED_EVALUATION_FIELDS = {"max_nll_regression": "max_perplexity_increase",
+                             "max_accuracy_drop": "max_accuracy_drop_points"}
+RENAMED_WHY = {
+    "max_nll_regression": "a relative nats/byte increase (its 0.02 was about +6.7% perplexity on the example "
+                          "model); max_perplexity_increase is the perplexity increase as a fraction (0.05: 5%)",
+    "max_accuracy_drop": "a fraction of 1; max_accuracy_drop_points is in percentage points (0.10 -> 10)",
+}
 
 
 class PerfSlo(BaseModel):
@@ -143,6 +192,13 @@ class PerfSpec(BaseModel):
                               "'within' verdict for one that is not); also the level of the reported interval.")
     max_slowdown: float = Field(0.10, ge=0, lt=1, description="Largest relative throughput loss against the "
                                 "production engine in the same run (0.10: at most 10% slower).")
+    round_spread: float = Field(0.05, gt=0, description="Assumed standard deviation of one round's log throughput "
+                                "ratio (candidate / production), for the rounds the power calculation asks for: "
+                                "an engine as fast as production is shown within the budget with 90% power.")
+    on_inconclusive: Literal["refuse", "hold"] = Field(
+        "refuse", description="Rounds that end neither slower nor within the budget with confidence: refuse the "
+        "release (its interval in the message), or publish it held for a person's review (the version page says "
+        "so, with the interval; approval.mode must be 'mlflow-tag', a person).")
     slo_retries: int = Field(1, ge=0, description="Measurements repeated when an absolute SLO is missed.")
     seed: int = Field(0, description="Seed of the random prompts.")
     slo: PerfSlo = Field(default_factory=PerfSlo, description="Absolute objectives the engine must meet.")

@@ -7,7 +7,14 @@ those ratios against the budget ``1 - max_slowdown`` (H0: the median round ratio
 burst can move by one round at most, however large it is:
 - *slower*: so many rounds below the budget that p < alpha at a look: refused;
 - *within*: so many above it that p < alpha: passed, the rounds stop;
-- neither by the last look: passed, marked inconclusive (a noisy machine does not refuse a good build).
+- neither by the last look: *slower* when the median's interval at ``confidence`` lies wholly below the budget
+  (whatever the looks said: it is a sign test at (1 - confidence) / 2 on all the rounds), else *undecided*:
+  refused with the interval in the message, or with ``on_inconclusive: hold`` published held for a person's
+  review (the version page shows the interval).
+The rounds come from a power calculation (`tasks.gate_power.sign_test_rounds`): with rounds whose log ratio
+has the spec's ``round_spread``, an engine as fast as production is shown *within* at the last look with
+90% power; one at the budget or slower is passed with probability <= alpha. The result records the rounds
+needed, and a spec whose ``max_iterations`` can never decide is refused with the number needed.
 Looks are planned, not taken every round: at ``n0``, 2 ``n0``, 4 ``n0``... and ``max_iterations``, ``n0`` the
 fewest rounds (at least ``iterations``) at which a look can decide, and alpha = ``1 - confidence`` is split
 evenly over them (Bonferroni), so the chance of refusing an engine whose median round ratio is within budget
@@ -33,6 +40,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from tasks.errors import GateFailed
+from tasks.gate_power import sign_test_critical, sign_test_rounds, slowest_within
 from tasks.gate_specs import PerfSlo, PerfSpec
 
 
@@ -76,7 +84,11 @@ class PerfResult:
     throughput_ratio: float | None = None  # candidate / production, median of the rounds' ratios
     ratio_interval: tuple[float, float] | None = None
     stopped: str = ""  # why the rounds ended
-    inconclusive: bool = False  # the sign tests had decided neither way when the rounds ran out
+    inconclusive: bool = False  # neither slower nor within the budget with confidence when the rounds ran out
+    held: bool = False  # inconclusive, and the spec holds such a release for a person's review
+    rounds: int = 0  # ABBA rounds timed
+    rounds_needed: int | None = None  # the power calculation's rounds (an equal engine shown within, 90%)
+    slowest_detected_within: float | None = None  # the slowest ratio max_iterations show within with 90% power
     skipped: str = ""  # why production was not timed
 
     @property
@@ -181,6 +193,22 @@ def planned_looks(spec: PerfSpec) -> tuple[list[int], float]:
     return looks, alpha / len(looks)
 
 
+def check_rounds_can_decide(spec: PerfSpec, looks: list[int], alpha: float) -> None:
+    """A ValueError naming perf.max_iterations when no look can decide at its alpha (every run would end
+    undecided, which refuses)."""
+    if sign_test_critical(looks[-1], alpha) is None:
+        needed = sign_test_rounds(1.0 - spec.max_slowdown, spec.round_spread, alpha)
+        raise ValueError(f"perf.max_iterations {spec.max_iterations} can never decide: a sign test over "
+                         f"{looks[-1]} rounds cannot reach alpha {alpha:.3g} per look; the power calculation asks "
+                         f"for {needed} rounds (perf.round_spread {spec.round_spread})")
+
+
+def settle(verdict: str, interval_high: float, budget: float) -> str:
+    """The verdict when the rounds end: an undecided run whose median interval lies wholly below the budget is
+    'slower' (whatever the looks said), else the verdict as it stood."""
+    return "slower" if verdict == "undecided" and interval_high < budget else verdict
+
+
 def ab_verdict(log_ratios: list[float], budget: float, alpha: float) -> str:
     """'slower' (rounds below the budget significantly more often than not), 'within' (above it), or
     'undecided': one-sided sign tests at `alpha` on the per-round log ratios against log(budget)."""
@@ -218,6 +246,8 @@ def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
             timer.warm_up()
     budget = 1.0 - spec.max_slowdown
     looks, alpha = planned_looks(spec)
+    if prod is not None:
+        check_rounds_can_decide(spec, looks, alpha)
     log_ratios: list[float] = []
     verdict = "undecided"
     stopped = f"{spec.iterations} iterations (no production engine to compare with)"
@@ -252,7 +282,21 @@ def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
         if log_ratios:
             ratio, low, high = median_interval(log_ratios, spec.confidence)
             result.throughput_ratio, result.ratio_interval = ratio, (low, min(high, 1e9))
+            if settle(verdict, high, budget) != verdict:
+                verdict = "slower"
+                result.stopped += f"; the {spec.confidence:.0%} interval of the median lies wholly below the budget"
             result.inconclusive = verdict == "undecided"
+            result.held = result.inconclusive and spec.on_inconclusive == "hold"
+            result.rounds = len(log_ratios)
+            result.rounds_needed = sign_test_rounds(budget, spec.round_spread, alpha)
+            result.slowest_detected_within = slowest_within(spec.max_iterations, budget, spec.round_spread, alpha)
+            if result.inconclusive and not result.held:
+                result.failures.append(
+                    f"throughput {ratio:.3f}x production version {production_version}'s in the same run, undecided "
+                    f"after {len(log_ratios)} ABBA rounds: {spec.confidence:.0%} interval [{low:.3f}, "
+                    f"{min(high, 1e9):.3g}] holds the budget 1 - perf.max_slowdown = {budget:.2f} "
+                    f"({_count(log_ratios, budget)}; {result.rounds_needed} rounds give 90% power at "
+                    f"perf.round_spread {spec.round_spread}); refused (perf.on_inconclusive: refuse)")
             if verdict == "slower":
                 result.failures.append(
                     f"throughput {ratio:.3f}x production version {production_version}'s in the same run (median of "
@@ -338,7 +382,7 @@ def render_report(result: PerfResult) -> str:
         return f"| {label} | {cand} | {prod if p else '-'} |\n"
 
     return (
-        f"# Performance gate: {'PASSED' if result.passed else 'FAILED'}\n\n"
+        f"# Performance gate: {'FAILED' if not result.passed else 'HELD FOR REVIEW' if result.held else 'PASSED'}\n\n"
         + "".join(f"- {f}\n" for f in result.failures)
         + (f"\nProduction not timed: {result.skipped}.\n" if result.skipped else "")
         + f"\n| figure | candidate | {head} |\n| --- | --- | --- |\n"
@@ -352,8 +396,13 @@ def render_report(result: PerfResult) -> str:
                f"{p.iterations} ({p.errors})" if p else "")
         + (f"\nThroughput ratio candidate/production: {result.throughput_ratio:.3f} "
            f"(interval {result.ratio_interval[0]:.3f}-{result.ratio_interval[1]:.3f})"
-           f"{'; inconclusive: neither slower nor within the budget with confidence' if result.inconclusive else ''}.\n"
+           f"{'; inconclusive: neither slower nor within the budget with confidence' if result.inconclusive else ''}"
+           f"{' (held for review: perf.on_inconclusive is hold)' if result.held else ''}.\n"
            if result.throughput_ratio is not None and result.ratio_interval else "")
+        + (f"\nPower: {result.rounds_needed} rounds show an engine as fast as production within the budget with 90% "
+           f"power at perf.round_spread {result.workload.get('round_spread')}; perf.max_iterations "
+           f"{result.workload.get('max_iterations')} show one at {result.slowest_detected_within:.3f}x or faster.\n"
+           if result.rounds_needed is not None and result.slowest_detected_within is not None else "")
         + f"\nRounds: {result.stopped}.\n\nWorkload: `{json.dumps(result.workload)}`\n"
     )
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from registry.model_registry import run_ui_url
-from tasks.evaluation import EvaluationComparison, evaluation_verdict
+from tasks.evaluation import EvaluationComparison, evaluation_verdict, part_format
 from tasks.perf_gate import PerfResult, PerfSlo
 from tasks.served_config import ServedDrift, render_drift
 from tasks.validate import ValidationResult
@@ -96,18 +96,22 @@ def gate_rows(validation: ValidationResult, perf: PerfResult, slo: PerfSlo,
     rows.append(("validation", "prompts diverged from HF", f"{diverged} of {len(validation.comparisons)}",
                  f"<= {t['max_failed_prompts']:g}"))
     for part in (evaluation.parts if evaluation else []):
-        value = f"{part.regression:+.3g} (p={part.p_value:.2g})"
-        what = "passages' nats/byte increase" if part.name == "passages" else "cloze accuracy drop"
-        rows.append(("fixed evaluation", f"{what} against production", value,
-                     f"fails when > {part.budget:g} and p < {part.alpha:g}"))
+        fmt = part_format(part.name)
+        verdict = "held for review" if part.held else part.verdict
+        rows.append(("fixed evaluation", f"{part.label} vs production", (f"{fmt(part.figure)} [{fmt(part.low)}, "
+                     f"{fmt(part.high)}]: {verdict}"), (f"<= {fmt(part.budget)}; n {part.units} (90% power needs "
+                     f"{part.needed}), detects {fmt(part.detectable)}")))
     if evaluation is not None and evaluation.skipped:
         rows.append(("fixed evaluation", "against production", "skipped", evaluation.skipped))
     if perf.throughput_ratio is not None:
         budget = 1 - float(perf.workload.get("max_slowdown", 0.0))
         low, high = perf.ratio_interval or (float("nan"), float("nan"))
+        power = (f"; {perf.rounds} rounds (90% power needs {perf.rounds_needed}); passes >= "
+                 f"{perf.slowest_detected_within:.3f}x with 90% power" if perf.rounds_needed is not None
+                 and perf.slowest_detected_within is not None else "")
         rows.append(("performance", f"throughput / production v{perf.production_version} (same run)",
-                     f"{perf.throughput_ratio:.3f} [{low:.3f}, {high:.3f}]"
-                     + (" (inconclusive: neither slower nor within budget with confidence)" if perf.inconclusive else ""), f">= {budget:.2f}"))
+                     f"{perf.throughput_ratio:.3f} [{low:.3f}, {high:.3f}]: {perf_verdict(perf)}",
+                     f">= {budget:.2f}{power}"))
     rows.append(("performance", "error rate", f"{perf.errors} of {perf.iterations}", f"<= {slo.max_error_rate:g}"))
     for value, bound, label, sign in (
         (perf.output_tokens_per_s, slo.min_output_tokens_per_s, "output tokens/s", ">="),
@@ -117,6 +121,26 @@ def gate_rows(validation: ValidationResult, perf: PerfResult, slo: PerfSlo,
     ):
         rows.append(("performance", label, f"{value:.4g}", f"{sign} {bound:g}" if bound is not None else "not set"))
     return rows
+
+
+def perf_verdict(perf: PerfResult) -> str:
+    """The A/B's verdict in words: within, slower, undecided (refused) or held for review."""
+    if perf.held:
+        return "undecided, held for review"
+    if perf.inconclusive:
+        return "undecided, refused"
+    return "within" if perf.passed else "slower" if perf.throughput_ratio is not None else "failed"
+
+
+def held_for_review(perf: PerfResult, evaluation: EvaluationComparison | None) -> list[str]:
+    """What the spec held for a person rather than refusing: each undecided figure with its interval."""
+    held = [f"fixed evaluation {p.label} {part_format(p.name)(p.figure)}, interval [{part_format(p.name)(p.low)}, "
+            f"{part_format(p.name)(p.high)}] holds its budget {part_format(p.name)(p.budget)}"
+            for p in (evaluation.held if evaluation else [])]
+    if perf.held and perf.throughput_ratio is not None and perf.ratio_interval:
+        held.append(f"throughput {perf.throughput_ratio:.3f}x production, interval [{perf.ratio_interval[0]:.3f}, "
+                    f"{perf.ratio_interval[1]:.3f}] holds its budget {1 - float(perf.workload['max_slowdown']):.2f}")
+    return held
 
 
 def _link_line(name: str, uri: str) -> str:
@@ -181,7 +205,9 @@ def render_version_page(
     passed = validation.passed and perf.passed and (evaluation is None or evaluation.passed)
     candidate = {**validation.metrics, **perf.metrics, **(evaluation.metrics if evaluation else {})}
     comparisons = compare_figures(candidate, production[1] if production else None)
+    held = held_for_review(perf, evaluation)
     lines = [
+        *([f"**Held for review: undecided, a person must judge.** {'; '.join(held)}.", ""] if held and passed else []),
         f"**Gates {'passed' if passed else 'FAILED'}.** "
         + (f"Approving promotes it in place of version {replaced} (alias `production`)." if replaced
            else "Approving makes it the first live version of this model."),

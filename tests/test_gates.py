@@ -11,8 +11,9 @@ from gate_faults import SlowedRunner
 
 from serving.engine import build_engine, convert_checkpoint, load_engine
 from serving.engine.build import EngineLimits
-from tasks.evaluation import EvaluationScores, EvaluationSpec, compare_scores, sign_test_greater
+from tasks.evaluation import EvaluationScores, EvaluationSpec, compare_scores
 from tasks.fault_injection import FaultyRunner
+from tasks.gate_power import detectable, paired_bounds, sign_test_critical, t_quantile, units_for_power
 from tasks.perf_gate import (
     PerfSpec,
     ab_verdict,
@@ -37,24 +38,58 @@ def test_a_side_that_stops_at_eos_is_judged_with_top_n_tolerance():
     assert compare_greedy(reference=ref, engine=ref) == ("identical", None)
 
 
-def test_sign_test_states_its_odds():
-    assert sign_test_greater(0, 0) == 1.0
-    assert sign_test_greater(16, 0) == pytest.approx(2 ** -16)
-    assert sign_test_greater(8, 8) > 0.5
+def test_power_sizes_the_sample_from_budget_spread_and_alpha():
+    import math
+    import random
+
+    import scipy.stats
+
+    assert t_quantile(0.99, 15) == pytest.approx(scipy.stats.t.ppf(0.99, 15), rel=1e-9)
+    assert t_quantile(0.9, 1) == pytest.approx(scipy.stats.t.ppf(0.9, 1), rel=1e-9)
+    n = units_for_power(math.log(1.05), 0.03, alpha=0.01)  # a 5% perplexity budget, passages' spread 0.03
+    assert detectable(n, 0.03, 0.01) <= math.log(1.05) < detectable(n - 1, 0.03, 0.01)
+    # simulated: n units of that spread, no true change, pass (upper bound within the budget) >= 90% of the time
+    rng = random.Random(0)
+    passes = sum(paired_bounds([rng.gauss(0, 0.03) for _ in range(n)], 0.01).verdict(math.log(1.05)) == "within"
+                 for _ in range(2000))
+    assert passes / 2000 >= 0.88
+    assert sign_test_critical(8, 0.01) == 8 and sign_test_critical(6, 0.01) is None  # 2**-6 > 0.01
 
 
-def test_paired_evaluation_fails_only_a_significant_regression_beyond_budget():
-    spec = EvaluationSpec(max_nll_regression=0.02, max_accuracy_drop=0.1, alpha=0.01)
-    production = EvaluationScores([1.0] * 16, [True] * 30 + [False] * 6)
+def scores(ppl_ratio: float, correct: list[bool], passages: int = 16) -> EvaluationScores:
+    """Passages of 50 tokens each at production's NLL (2 nats/token) times log-ratio, the given item results."""
+    import math
+
+    nll = [50 * (2.0 + math.log(ppl_ratio) + 0.01 * ((i % 5) - 2)) for i in range(passages)]
+    return EvaluationScores([x / 200 for x in nll], correct, nll, [50] * passages)
+
+
+def test_the_evaluation_refuses_beyond_budget_and_undecided_and_passes_within():
+    spec = EvaluationSpec(max_perplexity_increase=0.05, max_accuracy_drop_points=20, alpha=0.01)
+    production = scores(1.0, [True] * 30 + [False] * 6)
     same = compare_scores(production, production, spec, production_version="3")
-    assert same.passed and [p.worse for p in same.parts] == [0, 0]
-    slightly = EvaluationScores([1.01] * 16, [True] * 30 + [False] * 6)  # significant, within budget
+    assert same.passed and [p.verdict for p in same.parts] == ["within", "within"]
+    slightly = scores(1.01, [True] * 29 + [False] * 7)  # 1% more perplexity, one item lost: within budget
     assert compare_scores(slightly, production, spec, production_version="3").passed
-    worse = EvaluationScores([1.05] * 16, [True] * 20 + [False] * 16)
+    worse = scores(1.15, [True] * 20 + [False] * 16)
     result = compare_scores(worse, production, spec, production_version="3")
-    assert not result.passed
-    assert any("passages are +5.00% nats/byte against production version 3" in f for f in result.failures)
-    assert any("cloze accuracy 0.556 vs production version 3's 0.833" in f for f in result.failures)
+    assert not result.passed and [p.verdict for p in result.parts] == ["beyond", "undecided"]
+    assert any(f.startswith("fixed evaluation: perplexity change +15.00% against production version 3 (interval [+")
+               and "evaluation.max_perplexity_increase +5.00%: beyond the budget: refused" in f
+               for f in result.failures), result.failures
+    assert any("cloze accuracy drop (points) +27.8" in f and "evaluation.on_inconclusive: refuse" in f
+               for f in result.failures), result.failures
+    held = compare_scores(worse, production, spec.model_copy(update={"on_inconclusive": "hold"}),
+                          production_version="3")
+    assert not held.passed and [p.name for p in held.held] == ["cloze"], "beyond still refuses; undecided is held"
+
+
+def test_old_budget_fields_are_refused_naming_the_new_ones():
+    with pytest.raises(ValueError, match="evaluation.max_nll_regression .* is replaced by "
+                                         "evaluation.max_perplexity_increase"):
+        EvaluationSpec(max_nll_regression=0.02)
+    with pytest.raises(ValueError, match="max_accuracy_drop_points"):
+        EvaluationSpec.model_validate({"max_accuracy_drop": 0.1})
 
 
 def test_perf_verdict_is_a_sign_test_with_planned_looks():

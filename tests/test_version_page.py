@@ -24,7 +24,8 @@ def results() -> tuple[ValidationResult, PerfResult]:
                     "max_top1_disagreement": 0.005, "peer_factor": 0.0})
     perf = PerfResult(passed=True, output_tokens_per_s=812.0, ttft_p50_ms=5.0, ttft_p99_ms=9.0, tpot_p50_ms=1.2,
                       tpot_p99_ms=2.0, workload={"batch_size": 4, "max_slowdown": 0.1}, failures=[], iterations=6,
-                      production_version="3", throughput_ratio=1.02, ratio_interval=(0.98, 1.06))
+                      production_version="3", throughput_ratio=1.02, ratio_interval=(0.98, 1.06),
+                      rounds=6, rounds_needed=10, slowest_detected_within=0.94)
     return validation, perf
 
 
@@ -41,7 +42,7 @@ def test_equal_figures_are_the_same_and_zero_is_not_infinitely_worse() -> None:
 def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() -> None:
     validation, perf = results()
     built = Provenance("alice", "build-7", "0123456789abcdef", "f" * 64, "torch float32", {"torch": "2.13.0"})
-    scores = EvaluationScores([1.0] * 16, [True] * 30 + [False] * 6)
+    scores = EvaluationScores([1.0] * 16, [True] * 30 + [False] * 6, [100.0] * 16, [50] * 16)
     evaluated = compare_scores(scores, scores, EvaluationSpec(), production_version="3")
     page = VersionPage(validation, perf, PerfSlo(min_output_tokens_per_s=50), ("3", {"perf_output_tokens_per_s": 406.0}),
                        built, "http://127.0.0.1:5000", evaluated, measured=True)
@@ -51,9 +52,12 @@ def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() ->
     assert "### Gates: validation passed, performance passed, fixed evaluation passed" in text
     assert "| validation | mean KL to HF float32, nats/token | 1.5e-06 | <= 1e-05 |" in text
     assert "| validation | top-1 agreement (teacher-forced) | 1.0000 | >= 0.9950 |" in text
-    assert "| fixed evaluation | passages' nats/byte increase against production | +0 (p=1) | fails when > 0.02 " \
-           "and p < 0.01 |" in text
-    assert "| performance | throughput / production v3 (same run) | 1.020 [0.980, 1.060] | >= 0.90 |" in text
+    assert "| fixed evaluation | perplexity change vs production | +0.00% [+0.00%, +0.00%]: within | <= +5.00%; n 16 " \
+           "(90% power needs 8), detects +" in text
+    assert "| fixed evaluation | cloze accuracy drop (points) vs production | +0.0 pt [+0.0 pt, +0.0 pt]: within | " \
+           "<= +20.0 pt; n 36 (90% power needs 32), detects +" in text
+    assert "| performance | throughput / production v3 (same run) | 1.020 [0.980, 1.060]: within | >= 0.90; 6 rounds " \
+           "(90% power needs 10); passes >= 0.940x with 90% power |" in text
     assert "| performance | error rate | 0 of 6 | <= 0 |" in text
     assert "both versions measured side by side in this run" in text
     assert "| performance | output tokens/s | 812 | >= 50 |" in text
@@ -64,6 +68,18 @@ def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() ->
             "report/release-report.html?workflowType=machine_learning)") in text
     assert "- [MLflow run (params, metrics, all artifacts)](http://127.0.0.1:5000/#/experiments/1/runs/r1?workflowType=machine_learning)" in text
     assert "- engine artifact manifest: `file:///a/manifest.json`" in text  # no link a browser will not open
+
+
+def test_an_undecided_gate_held_for_review_says_so_first_with_its_interval() -> None:
+    validation, perf = results()
+    perf.inconclusive = perf.held = True
+    perf.ratio_interval = (0.85, 0.97)
+    built = Provenance("alice", "build-7", "0123456789abcdef", "f" * 64, "torch float32", {"torch": "2.13.0"})
+    page = VersionPage(validation, perf, PerfSlo(), ("3", {}), built, None)
+    text = page.render(fingerprint="abc" * 10, run=None, manifest_uri="file:///a/manifest.json", report_folder="r")
+    assert text.startswith("**Held for review: undecided, a person must judge.** throughput 1.020x production, "
+                           "interval [0.850, 0.970] holds its budget 0.90.\n\n**Gates passed.**"), text
+    assert "1.020 [0.850, 0.970]: undecided, held for review" in text
 
 
 def test_the_html_report_carries_its_plots_inline(tmp_path: Path) -> None:
