@@ -149,7 +149,7 @@ def test_the_release_spec_turns_it_on_and_the_setting_round_trips():
         KVCacheConfig.from_dict({**_kv_cache(on).to_dict(), "prefix_caching": "yes"})
 
 
-@pytest.mark.skip(reason="serving/bench's throughput bench still drives the retired static engine and the paged_* "
+@pytest.mark.skip(reason="bench/throughput.py bench still drives the retired static engine and the paged_* "
                   "modules: it is fixed where it moves (bench/, helper lab), not here")
 def test_the_throughput_bench_serves_a_shared_prefix_from_the_cache_on_its_side():
     """`bench throughput --shared-prefix 12 --sides paged,paged-prefix-cache`: every prompt starts with the same 12
