@@ -10,7 +10,7 @@ import pytest
 from engine_reference import ReferenceEngine
 
 from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
-from serving.engine.kv_cache import KVCacheConfig, blocks_for
+from serving.engine.kv_cache import BlockAllocator, KVCacheConfig, blocks_for
 from serving.engine.prefix_cache import PrefixCachingAllocator, block_digests, reusable_blocks
 from serving.engine.scheduler import Scheduler, collect
 from tasks.tiny_model import make_tiny_model
@@ -220,9 +220,6 @@ def test_a_hit_on_the_oldest_cached_blocks_holds_them_before_taking_fresh_ones(e
 def test_a_load_turns_prefix_caching_on_or_off_whatever_the_build_says(engines, tmp_path):
     """The `llm` model's `prefix_caching` parameter reaches the default loader: a paged engine built without it
     serves with it, one built with it serves without."""
-    from serving.engine import build_engine
-    from serving.engine.kv_cache import BlockAllocator
-
     engine, _ = engines
     ckpt = engine.parent / "ckpt"
     plain = build_engine(ckpt, tmp_path / "plain", limits=LIMITS,
@@ -232,3 +229,27 @@ def test_a_load_turns_prefix_caching_on_or_off_whatever_the_build_says(engines, 
     cached = build_engine(ckpt, tmp_path / "cached", limits=LIMITS, kv_cache=CONFIG).path
     assert type(load_engine(cached, device="cpu", prefix_caching=False).allocator) is BlockAllocator
     assert isinstance(load_engine(engine, device="cpu", prefix_caching=True).allocator, PrefixCachingAllocator)
+
+
+def test_the_kv_cache_manager_hands_out_block_ids_and_keeps_prefix_caching_behind_them():
+    """`KVCacheManager`: a request's table grows by positions, its computed full blocks go into the cache, a later
+    request with the same leading tokens is admitted from them (held, not copied), released blocks go back."""
+    from serving.engine.kv_cache_manager import KVCacheManager, RequestBlocks
+
+    kv = KVCacheManager(PrefixCachingAllocator(8), block_size=4)
+    first, tokens = RequestBlocks(), list(range(10, 21))  # 11 tokens: two full blocks and three more
+    assert kv.cached_positions(first, tokens) == 0 and kv.can_admit(first, 11, reserve=0)
+    kv.admit(first, 11)
+    assert len(first.table) == 3 and kv.free == 5
+    assert kv.grow(first, 13) and len(first.table) == 4 and not kv.grow(first, 100) and len(first.table) == 4
+    kv.cache_computed(first, tokens, computed=11)
+    assert first.registered == 2
+    second = RequestBlocks()
+    assert kv.cached_positions(second, tokens[:9] + [99]) == 8  # its two leading blocks, not the last token's
+    kv.admit(second, 10)
+    assert second.table[:2] == first.table[:2] and second.table.row_key == second.table[2]
+    kv.release(first)
+    kv.release(second)
+    assert kv.free == 8 and first.table == [] and second.registered == 0
+    plain = KVCacheManager(BlockAllocator(4), block_size=4)
+    assert plain.cached_positions(RequestBlocks(), tokens) == 0 and not plain.prefix_caching

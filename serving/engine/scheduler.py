@@ -12,8 +12,8 @@ Each step computes at most `max_num_tokens` tokens for at most `max_live` live r
    is one CUDA graph), so closed-loop clients whose requests end a few at a time, each joining at the next
    step, turn most steps into slow mixed ones.
 
-Blocks are taken as a request's positions grow (`blocks_for(positions, block_size)`) and given back when
-it finishes. A request is admitted only while its first chunk's blocks, plus one block in reserve for
+Blocks come from the KV-cache manager (`kv_cache_manager.KVCacheManager`: block ids in, block ids out; prefix
+caching behind it), taken as a request's positions grow and given back when it finishes. A request is admitted only while its first chunk's blocks, plus one block in reserve for
 each live request (their next decode may open a block), are free. When a live request needs a block and
 none is free, the newest live request is preempted: its blocks go back and it returns to the front of
 the queue with its prompt and every token it has delivered, to be prefilled again (recompute; nothing
@@ -64,13 +64,7 @@ import torch
 
 from serving.engine.errors import EngineLimitError
 from serving.engine.kv_cache import blocks_for
-from serving.engine.prefix_cache import (
-    ROOT,
-    BlockTable,
-    PrefixCachingAllocator,
-    block_digests,
-    reusable_blocks,
-)
+from serving.engine.kv_cache_manager import KVCacheManager, RequestBlocks
 from serving.engine.sampling import SamplingParams, chosen_logprobs, sample
 from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabulary, imported from here too
     Emit,
@@ -89,14 +83,12 @@ from serving.engine.step import ChunkPlan
 class _Seq:
     req: GenRequest
     tokens: list[int]  # prompt + every token delivered
-    blocks: list[int] = field(default_factory=list)
+    kv: RequestBlocks = field(default_factory=RequestBlocks)  # its block table (`kv.table`), the manager's
     computed: int = 0  # positions whose K/V are in the cache
     generated: int = 0
     generator: torch.Generator | None = None
     stop: frozenset[int] = frozenset()
     live: bool = False  # in `running` (a flag: membership tests of a list of 1,024 cost a step milliseconds)
-    digests: list[bytes] = field(default_factory=list)  # prefix caching: its full blocks' digests known so far
-    registered: int = 0  # prefix caching: its leading blocks in the cache (held: `blocks[:registered]`)
 
     @property
     def remaining(self) -> int:
@@ -163,8 +155,7 @@ class Scheduler(SchedulerLoop):
         self.max_live = self.capacity = runner.max_live
         self.max_num_tokens = runner.config.max_num_tokens
         self.block_size = runner.config.block_size
-        self.allocator = runner.allocator
-        self.prefix_cache = isinstance(self.allocator, PrefixCachingAllocator)
+        self.kv = KVCacheManager(runner.allocator, self.block_size)  # block ids in, block ids out
         self.running: list[_Seq] = []
         self.stats = SchedulerStats()
 
@@ -177,10 +168,10 @@ class Scheduler(SchedulerLoop):
         more blocks than the whole pool)."""
         super().check(prompt_ids, max_tokens)
         need = blocks_for(len(prompt_ids) + max_tokens, self.block_size)
-        if need > self.allocator.num_blocks:
+        if need > self.kv.num_blocks:
             raise EngineLimitError(f"prompt of {len(prompt_ids)} tokens + max_tokens={max_tokens} needs {need} KV "
                                    f"blocks of {self.block_size} positions; the whole paged cache has "
-                                   f"{self.allocator.num_blocks}")
+                                   f"{self.kv.num_blocks}")
 
     def _waiting_item(self, req: GenRequest) -> _Seq:
         seq = _Seq(req=req, tokens=list(req.prompt_ids), stop=frozenset(req.stop_token_ids))
@@ -200,7 +191,7 @@ class Scheduler(SchedulerLoop):
         return bool(self.running)
 
     def _load(self) -> str:
-        return (f"{len(self.running)} live, {self.allocator.free} of {self.allocator.num_blocks} KV blocks free")
+        return f"{len(self.running)} live, {self.kv.free} of {self.kv.num_blocks} KV blocks free"
 
     @torch.no_grad()
     def step(self) -> None:
@@ -248,20 +239,14 @@ class Scheduler(SchedulerLoop):
                 if not self.waiting:
                     break
                 seq = self.waiting[0]
-                cached = self._cached_prefix(seq)
-                start = len(cached) * self.block_size
+                start = self.kv.cached_positions(seq.kv, seq.tokens)
                 n = min(len(seq.tokens) - start, budget)
-                need = blocks_for(start + n, self.block_size) - len(cached)
-                held_back = self.allocator.evictable_among(cached) if cached else 0  # cached, free until taken
-                if self.allocator.free - held_back < need + len(self.running):
+                if not self.kv.can_admit(seq.kv, start + n, reserve=len(self.running)):
                     break
                 self.waiting.popleft()
-            if cached:  # held first: taking the fresh blocks may evict cached ones no request holds
-                self.allocator.acquire(cached)
-                self.stats.prefix_hit_tokens += start
-            fresh = self.allocator.take(need) or []
-            seq.blocks = BlockTable(cached + fresh, row_key=fresh[0]) if cached else fresh
-            seq.computed, seq.registered = start, len(cached)
+            self.kv.admit(seq.kv, start + n)
+            self.stats.prefix_hit_tokens += start
+            seq.computed = start
             seq.live = True
             self.running.append(seq)
             self.stats.admitted += 1
@@ -269,32 +254,6 @@ class Scheduler(SchedulerLoop):
             plan.append((seq, n))
             budget -= n
         return plan
-
-    # -- prefix caching -----------------------------------------------------------------------
-    def _cached_prefix(self, seq: _Seq) -> list[int]:
-        """The cached blocks `seq` can start from (its leading full blocks before its last token's), or []."""
-        if not self.prefix_cache:
-            return []
-        reusable = reusable_blocks(len(seq.tokens), self.block_size)
-        self._know_digests(seq, reusable)
-        return self.allocator.lookup(seq.digests[:reusable])
-
-    def _know_digests(self, seq: _Seq, blocks: int) -> None:
-        """Extend `seq.digests` to its first `blocks` full blocks."""
-        known = len(seq.digests)
-        if blocks > known:
-            seq.digests += block_digests(seq.tokens[:blocks * self.block_size], self.block_size, start=known,
-                                         parent=seq.digests[-1] if known else ROOT)
-
-    def _register(self, seq: _Seq) -> None:
-        """Put `seq`'s full blocks whose K/V are computed and whose tokens are known into the prefix cache."""
-        full = min(seq.computed, len(seq.tokens)) // self.block_size
-        if full <= seq.registered:
-            return
-        self._know_digests(seq, full)
-        for i in range(seq.registered, full):
-            self.allocator.register(seq.blocks[i], seq.digests[i])
-        seq.registered = full
 
     def _admission_due(self, live: int) -> bool:
         """Whether waiting requests may join now (`cond` held): none live, `admit_every_steps` steps since the
@@ -311,21 +270,18 @@ class Scheduler(SchedulerLoop):
     def _grow(self, seq: _Seq, positions: int) -> bool:
         """Give `seq` the blocks for `positions`, preempting the newest live requests while none are free.
         False when `seq` itself was the newest and went back to the queue."""
-        need = blocks_for(positions, self.block_size) - len(seq.blocks)
-        while need > self.allocator.free:
+        while not self.kv.grow(seq.kv, positions):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
-        if need > 0:
-            seq.blocks += self.allocator.take(need) or []
         return True
 
     def _preempt(self, seq: _Seq) -> None:
         self.running.remove(seq)
         seq.live = False
-        self.allocator.give_back(seq.blocks)
-        seq.blocks, seq.computed, seq.registered = [], 0, 0
+        self.kv.release(seq.kv)
+        seq.computed = 0
         self.stats.preempted += 1
         with self.cond:
             self.waiting.appendleft(seq)
@@ -353,8 +309,8 @@ class Scheduler(SchedulerLoop):
             return []
         rows = [s for s in ahead.seqs if s.live
                 and s.generated + 1 < s.req.max_tokens and len(s.tokens) + 1 < self.max_seq_len]
-        need = sum(blocks_for(s.computed + 1, self.block_size) - len(s.blocks) for s in rows)
-        return rows if need <= self.allocator.free else []
+        need = sum(self.kv.blocks_needed(s.kv, s.computed + 1) for s in rows)
+        return rows if need <= self.kv.free else []
 
     def _launch_unread(self, seqs: list[_Seq], logits: torch.Tensor) -> _Ahead:
         """Sample `seqs`' next tokens from `logits` and start copying them to the host; their positions count
@@ -376,7 +332,7 @@ class Scheduler(SchedulerLoop):
         self.stats.steps += 1
         self.stats.ahead_steps += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
-        self.stats.peak_blocks = max(self.stats.peak_blocks, self.allocator.used)
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self.kv.used)
         return _Ahead(seqs, tokens, host, ready)
 
     def _run_ahead(self, prev: _Ahead, rows: list[_Seq]) -> None:
@@ -386,7 +342,7 @@ class Scheduler(SchedulerLoop):
             where = {id(seq): i for i, seq in enumerate(prev.seqs)}
             for seq in rows:
                 self._grow(seq, seq.computed + 1)  # never preempts: `_next_ahead_rows` counted the free blocks
-            chunks: list[ChunkPlan] = [([0], seq.computed, seq.blocks) for seq in rows]
+            chunks: list[ChunkPlan] = [([0], seq.computed, seq.kv.table) for seq in rows]
             asked = time.perf_counter()
             with self.launching():
                 self.stats.launch_wait_s += time.perf_counter() - asked
@@ -418,7 +374,8 @@ class Scheduler(SchedulerLoop):
 
     # -- running ------------------------------------------------------------------------------
     def _run(self, plan: list[tuple[_Seq, int]]) -> None:
-        chunks: list[ChunkPlan] = [(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks) for seq, n in plan]
+        chunks: list[ChunkPlan] = [(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.kv.table)
+                                   for seq, n in plan]
         sampling = [i for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
         if self._may_run_ahead(plan, sampling):
             started = time.perf_counter()
@@ -429,7 +386,7 @@ class Scheduler(SchedulerLoop):
                 self._fail([seq for seq, _ in plan], exc)
             self.stats.forward_s += time.perf_counter() - started
             return
-        self.stats.peak_blocks = max(self.stats.peak_blocks, self.allocator.used)
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self.kv.used)
         self.stats.largest_batch = max(self.stats.largest_batch, len(plan))
         started = time.perf_counter()
         started_cpu = time.thread_time()
@@ -465,8 +422,7 @@ class Scheduler(SchedulerLoop):
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += n
-            if self.prefix_cache:
-                self._register(seq)
+            self.kv.cache_computed(seq.kv, seq.tokens, seq.computed)
         for k, seq in enumerate(lives):
             self._deliver(seq, token_list[k], extras[k] if extras else None)
         self._drop_retired()
@@ -504,8 +460,8 @@ class Scheduler(SchedulerLoop):
         seq.tokens.append(token)
         seq.generated += 1
         self.stats.tokens += 1
-        if self.prefix_cache and seq.live:
-            self._register(seq)
+        if seq.live:
+            self.kv.cache_computed(seq.kv, seq.tokens, seq.computed)
         reason = None
         if token in seq.stop:
             reason = "stop"
@@ -516,7 +472,7 @@ class Scheduler(SchedulerLoop):
             self.stats.finished += 1
         try:
             if extra is not None:
-                seq.req.on_logprobs(*extra)  # type: ignore[attr-defined]
+                seq.req.on_logprobs(*extra)
             seq.req.emit([token], reason)
         except Exception as exc:  # noqa: BLE001 - a broken callback must not stop the others
             self.log_error(f"request {seq.req.request_id}: emit failed: {type(exc).__name__}: {exc}")
@@ -529,8 +485,7 @@ class Scheduler(SchedulerLoop):
         """Give `seq`'s blocks back; it leaves `running` at the next `_drop_retired`."""
         if seq.live:
             seq.live = False
-            self.allocator.give_back(seq.blocks)
-            seq.blocks, seq.registered = [], 0
+            self.kv.release(seq.kv)
 
     def _drop_retired(self) -> None:
         if any(not seq.live for seq in self.running):

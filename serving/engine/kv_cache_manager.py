@@ -1,0 +1,130 @@
+"""The KV-cache manager: the scheduler's one door to the pool. It asks for room in positions and gets block ids.
+
+Each request has a `RequestBlocks`: its block table (the block ids its K/V live in, handed to the steps) and,
+with prefix caching, what the manager knows about its full blocks (their digests, how many are in the cache).
+The scheduler calls, in a request's life:
+
+- `cached_positions(blocks, tokens)` at admission: how many leading positions of the prompt the cache already
+  holds (0 without prefix caching); then `can_admit(blocks, positions, reserve)` and `admit(blocks, positions)`:
+  the cached blocks held and fresh ones taken for the first `positions`;
+- `grow(blocks, positions)` before a step computes up to `positions` (False, nothing taken, when the pool is
+  short: the scheduler preempts and asks again);
+- `cache_computed(blocks, tokens, computed)` after a step: its full blocks whose K/V are computed go into the
+  prefix cache;
+- `release(blocks)` when it finishes, is cancelled or preempted.
+
+How blocks are shared, digested, looked up and evicted (`prefix_cache`) stays behind this boundary.
+
+Not thread-safe (the scheduler's thread owns it). Imports: stdlib only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from serving.engine.kv_cache import BlockAllocator, blocks_for
+from serving.engine.prefix_cache import (
+    ROOT,
+    BlockTable,
+    PrefixCachingAllocator,
+    block_digests,
+    reusable_blocks,
+)
+
+
+@dataclass(eq=False)
+class RequestBlocks:
+    """One request's blocks: its table, and with prefix caching its known digests and cached leading blocks."""
+
+    table: list[int] = field(default_factory=list)  # block ids, position p in table[p // block_size]
+    digests: list[bytes] = field(default_factory=list)  # its full blocks' digests known so far
+    registered: int = 0  # its leading blocks in the prefix cache (held: `table[:registered]`)
+    cached: list[int] = field(default_factory=list)  # at admission: the cached blocks it will start from
+
+
+class KVCacheManager:
+    """Block ids for requests, over one pool's allocator (see the module doc)."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        self.allocator, self.block_size = allocator, block_size
+        self.prefix_caching = isinstance(allocator, PrefixCachingAllocator)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def free(self) -> int:
+        """Blocks a request could take now (with prefix caching, cached ones no request holds included)."""
+        return self.allocator.free
+
+    @property
+    def used(self) -> int:
+        return self.allocator.used
+
+    def blocks_needed(self, blocks: RequestBlocks, positions: int) -> int:
+        """Blocks `blocks` lacks to hold `positions` positions."""
+        return max(0, blocks_for(positions, self.block_size) - len(blocks.table))
+
+    # -- admission ------------------------------------------------------------------------------
+    def cached_positions(self, blocks: RequestBlocks, tokens: Sequence[int]) -> int:
+        """Leading positions of a waiting request's `tokens` whose K/V the prefix cache holds (its leading full
+        blocks before its last token's); remembered for `admit`."""
+        blocks.cached = []
+        if self.prefix_caching:
+            reusable = reusable_blocks(len(tokens), self.block_size)
+            self._know_digests(blocks, tokens, reusable)
+            blocks.cached = self.allocator.lookup(blocks.digests[:reusable])
+        return len(blocks.cached) * self.block_size
+
+    def can_admit(self, blocks: RequestBlocks, positions: int, *, reserve: int) -> bool:
+        """Whether the pool can give a waiting request its first `positions` positions and keep `reserve` blocks
+        free (one per live request: its next decode may open a block)."""
+        need = blocks_for(positions, self.block_size) - len(blocks.cached)
+        held_back = self.allocator.evictable_among(blocks.cached) if blocks.cached else 0  # cached, free until taken
+        return self.allocator.free - held_back >= need + reserve
+
+    def admit(self, blocks: RequestBlocks, positions: int) -> None:
+        """Hold the request's cached blocks and take fresh ones up to `positions` (`can_admit` said yes)."""
+        cached = blocks.cached
+        if cached:  # held first: taking the fresh blocks may evict cached ones no request holds
+            self.allocator.acquire(cached)
+        fresh = self.allocator.take(blocks_for(positions, self.block_size) - len(cached)) or []
+        blocks.table = BlockTable(cached + fresh, row_key=fresh[0]) if cached else fresh
+        blocks.registered, blocks.cached = len(cached), []
+
+    # -- a live request --------------------------------------------------------------------------
+    def grow(self, blocks: RequestBlocks, positions: int) -> bool:
+        """Take the blocks for `positions`; False (nothing taken) when fewer are free."""
+        need = self.blocks_needed(blocks, positions)
+        if need > self.allocator.free:
+            return False
+        if need:
+            blocks.table += self.allocator.take(need) or []
+        return True
+
+    def cache_computed(self, blocks: RequestBlocks, tokens: Sequence[int], computed: int) -> None:
+        """Put the request's full blocks whose K/V are computed (`computed` positions) and whose tokens are known
+        into the prefix cache (nothing without prefix caching)."""
+        if not self.prefix_caching:
+            return
+        full = min(computed, len(tokens)) // self.block_size
+        if full <= blocks.registered:
+            return
+        self._know_digests(blocks, tokens, full)
+        for i in range(blocks.registered, full):
+            self.allocator.register(blocks.table[i], blocks.digests[i])
+        blocks.registered = full
+
+    def release(self, blocks: RequestBlocks) -> None:
+        """Give the request's blocks back (cached ones stay cached until needed)."""
+        self.allocator.give_back(blocks.table)
+        blocks.table, blocks.registered = [], 0
+
+    def _know_digests(self, blocks: RequestBlocks, tokens: Sequence[int], count: int) -> None:
+        """Extend `blocks.digests` to the first `count` full blocks of `tokens`."""
+        known = len(blocks.digests)
+        if count > known:
+            blocks.digests += block_digests(tokens[:count * self.block_size], self.block_size, start=known,
+                                            parent=blocks.digests[-1] if known else ROOT)
