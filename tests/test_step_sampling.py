@@ -65,7 +65,7 @@ def test_top_k_and_top_p_per_row():
 
 def test_penalties_bias_min_tokens_and_masks_shape_the_logits():
     logits = torch.tensor([[1.0, 0.9, 0.8, 0.0]])
-    greedy = dict(temperature=0.0)
+    greedy = {"temperature": 0.0}
     # token 0 was generated twice: a frequency penalty of 0.1 puts it below token 1
     assert _sample(logits, [RowSampling(SamplingParams(**greedy, frequency_penalty=0.1), 0, 4, tokens=(3, 0, 0),
                                         prompt_len=1, generated=2)]) == [1]
