@@ -199,3 +199,32 @@ def test_seeded_sampling_repeats_whatever_the_batch_and_penalties_apply(paged):
     _run(paged, [banned.request([4, 4, 4], 3, stop_token_ids=(first,),
                                 sampling=SamplingParams(temperature=0.0, min_tokens=2))])
     assert first not in banned.ids[:2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_step_samples_the_same_tokens_on_cuda_as_on_the_cpu():
+    """The counter-based draws, penalties, bias, min_tokens and a packed mask give the CPU's tokens on the GPU
+    (pinned, non-blocking parameter copies), and the step's log-probs reach the host with them."""
+    from serving.engine.step_sampling import StepLogprobs
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 1000)
+    mask = OnlyTokens({5, 77, 900})
+    rows = [RowSampling(None, 0, 1), RowSampling(SamplingParams(temperature=0.9, top_k=40, top_p=0.9), 123, 17),
+            RowSampling(SamplingParams(temperature=1.3, presence_penalty=1.0, frequency_penalty=0.5,
+                                       repetition_penalty=1.2), 2**63 + 5, 40, tokens=(1, 2, 3, 3, 9), prompt_len=2,
+                        generated=3),
+            RowSampling(SamplingParams(temperature=0.0, logit_bias=((11, 50.0),)), 0, 3),
+            RowSampling(SamplingParams(temperature=0.7, min_tokens=4), 99, 8, stop_ids=(int(logits[4].argmax()),),
+                        generated=1),
+            RowSampling(SamplingParams(temperature=1.0), 7, 2, token_mask=mask)]
+    cpu = _sample(logits, rows)
+    cuda = sample_rows(logits.cuda(), StepSampling.build(rows, 1000, torch.device("cuda"))).tolist()
+    assert cuda == cpu
+    from serving.engine.sampling import chosen_logprobs
+
+    chosen, top_v, top_i = chosen_logprobs(logits.cuda(), torch.tensor(cpu, device="cuda"), 3)
+    host = StepLogprobs([0, 1], [3, 0], chosen[:2], top_v[:2], top_i[:2]).to_host()
+    torch.cuda.synchronize()
+    assert host.per_row(2)[0][0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[cpu[0]]), abs=1e-5)

@@ -1,7 +1,7 @@
 """A request's engine calls: one per (prompt, choice), each with its own seed, and how their pieces make choices.
 
-``n`` choices of a prompt are ``n`` engine requests sent at once (the engine's prefix cache, where it has one,
-shares the prompt's blocks between them); choice ``c`` of a request with ``seed`` samples with ``seed + c``, so
+``n`` choices of a prompt are ``n`` engine requests sent at once (each computes the prompt: they are admitted
+together, before a prefix cache holds its blocks); choice ``c`` of a request with ``seed`` samples with ``seed + c``, so
 each choice is its own repeatable stream. ``max_tokens: 0`` (with ``echo``) asks the engine for one token and
 drops it: the answer is the prompt and its log-probs. Streams of several choices are merged as their pieces come
 (`merged`), each chunk naming its choice's index.
