@@ -228,3 +228,11 @@ def test_the_step_samples_the_same_tokens_on_cuda_as_on_the_cpu():
     host = StepLogprobs([0, 1], [3, 0], chosen[:2], top_v[:2], top_i[:2]).to_host()
     torch.cuda.synchronize()
     assert host.per_row(2)[0][0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[cpu[0]]), abs=1e-5)
+
+
+def test_the_static_runners_sampler_refuses_what_only_the_step_serves():
+    from serving.engine.errors import EngineLimitError
+    from serving.engine.sampling import sample
+
+    with pytest.raises(EngineLimitError, match="paged engine"):
+        sample(torch.zeros(1, 4), SamplingParams(temperature=0.0, presence_penalty=1.0))
