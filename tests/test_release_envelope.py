@@ -119,11 +119,11 @@ def test_a_fault_only_in_free_running_decode_is_refused(tmp_path, checkpoint, pr
 
 def test_an_fp8_kv_cache_the_record_does_not_show_is_refused(tmp_path, checkpoint, prefect_harness, monkeypatch):
     from serving.engine import read_engine_info
-    from serving.engine.paged_runner import load_paged_engine
+    from serving.engine.runner import load_engine
 
     def fp8_behind_the_record(engine_dir: Path):
         config = read_engine_info(engine_dir).paged
-        return load_paged_engine(engine_dir, config=dataclasses.replace(config, kv_cache_dtype="fp8"), device="cpu")
+        return load_engine(engine_dir, config=dataclasses.replace(config, kv_cache_dtype="fp8"), device="cpu")
 
     seed_fault(monkeypatch, fp8_behind_the_record)
     paged = {"block_size": 16, "num_blocks": 96, "max_num_tokens": 256}
