@@ -20,7 +20,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 def served(tmp_path_factory):
     """(the HF checkpoint, Triton) for one paged float32 engine of the tiny model with a chat template."""
     from serving.engine import EngineLimits, build_engine, convert_checkpoint
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
     from serving.triton.operations import apply_router_weights, serve_versions
     from serving.triton.repository import init_repository, stage_engine_version
     from tasks.tiny_model import make_tiny_model
@@ -30,7 +30,7 @@ def served(tmp_path_factory):
     ckpt = convert_checkpoint(hf, work / "ckpt", dtype="float32")
     engine = build_engine(ckpt, work / "engine", limits=EngineLimits(dtype="float32", max_batch_size=8,
                                                                       max_input_len=128, max_seq_len=256),
-                          paged=PagedKVConfig(block_size=16, num_blocks=160, max_num_tokens=256,
+                          kv_cache=KVCacheConfig(block_size=16, num_blocks=160, max_num_tokens=256,
                                               prefix_caching=True)).path
     (engine / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     repo = init_repository(work / "repository")
