@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27's rollout latency on the device (one H200, from the repo root, wheels of bench/device_wheels.sh
+# A gray release's latency on the device, phase by phase (one H200, from the repo root, wheels of bench/device_wheels.sh
 # in $WHL, default .whl/): in one call, the 1B engine built (random bf16 weights -> HF checkpoint -> convert ->
 # build; max batch 64, 256 positions), staged as three versions of one release (decoupled llm, eager decode:
 # no torch.compile, so three loads fit the device budget), and `bench rollout` under steady load:

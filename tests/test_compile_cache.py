@@ -4,7 +4,7 @@ CPU, every run, cheap: torch's own save/load of compile artifacts is replaced by
 artifacts (a CPU inductor compile takes minutes on a busy 2-core machine); torch's real functions are called
 where they need no compile (nothing recorded -> nothing stored; bytes torch cannot read -> ignored). The real
 round trip, a compiled 1B step restored in a fresh process, is measured on the H200
-(bench/device_loadcache.sh, docs/performance.md).
+(bench/device_load_time.sh, docs/performance.md).
 """
 
 from __future__ import annotations
