@@ -12,6 +12,7 @@
 # DTYPES (default float32,bfloat16), FAULTS, QUANTIZATIONS narrow the sweep: the whole one took 77 s once and ran past 120 s once.
 # PRECISE_ACCUM=1: the fp8 prompt GEMMs without _scaled_mm's fast accumulation (quantize.FP8_FAST_ACCUM off).
 # Results: $OUT/gates.json (every case and the summary) and $OUT/gates.log.
+# Also read from the environment (default): REBUILDS=1, TINY_SEEDS='', TOTAL_S=400.
 set -uo pipefail
 ROOT=${ROOT:-$([ -d .dev ] && echo . || echo ../..)}  # where .dev/ is: the repository root, or ../.. from a copy of the branch in .dev/<name>
 STAGE_DIR=/tmp/gates-stage

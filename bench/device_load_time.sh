@@ -13,6 +13,7 @@
 # cProfile'd second offline load (the breakdown: LAYERS=4 PROFILE=1 TRITON=0, ~110 s); TRITON=0 skips Triton;
 # KEYS=1 logs every Triton compile's cache key in the servers' processes and reports, per kernel compiled by
 # both loads, which parts of its key differ (bench/triton_keys.py).
+# Also read from the environment (default): TRITON_S=150.
 set -u
 OUT=${OUT:-/tmp/load-time-out}
 WHL=${WHL:-.whl}

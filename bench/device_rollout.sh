@@ -8,6 +8,7 @@
 # Triton's stub and the clients run in /tmp/venv, where numpy 1.26 shadows the image's numpy 2.
 # PARAMS: more arguments of `bench rollout`, e.g. PARAMS="--param admit_every_steps=8".
 # Results under $OUT: steps.log, rollout.json, rollout.log, triton.log.
+# Also read from the environment (default): GEN_LEN=32, HOLD_S=3, ROLLOUT_S=150, STEADY_S=10.
 set -u
 OUT=${OUT:-/tmp/rollout-out}
 WHL=${WHL:-.whl}

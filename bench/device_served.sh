@@ -11,6 +11,8 @@
 #    loads and compiles; the clients wait for them, so nothing else is on the GPU while they are timed.
 # Whole script <= ~560 s. Results under $OUT: steps.log, sends.json/.log, offline.json/.log, served.json/.log,
 # parity.json/.log, gpu-tests.log, triton.log.
+# Also read from the environment (default): SKIP_GPU_TESTS=0, SKIP_PARITY=0, SWEEP_BEFORE_S=470, TOTAL_S=560,
+#  VIA_STREAM=0.
 set -u
 OUT=${OUT:-/tmp/served-out}
 W=/tmp/bs
