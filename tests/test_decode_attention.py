@@ -36,6 +36,7 @@ from serving.engine.decode_attention import (
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
 HAS_CUDA = torch.cuda.is_available() and triton_available() and not INTERPRET
+CUDA_MISSING = "needs a CUDA GPU" if triton_available() else "needs a CUDA GPU and the triton package"
 # (atol, rtol). In bf16/fp16 both paths round the probabilities before p @ v, each its own way (the
 # kernel's are unnormalised), so the difference scales with sum_i |p_i v_i| (|v| up to ~4 here), not |out|.
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
@@ -163,13 +164,17 @@ def test_head_dim_must_be_a_power_of_two(head_dim):
 
 
 INTERPRETER_SHAPES = [(1, 8, 4), (3, 2, 8), (3, 1, 1), (64, 2, 4)]
+# The interpreter runs a grid's programs one after another: 64 rows over hundreds of positions take minutes of
+# CPU, past CI's budget (`large`: `make test-kernels-all`; every shape runs on the GPU below).
+LARGE = pytest.mark.large
+INTERPRETER_CASES = [pytest.param(shape, kv_len, marks=LARGE if shape[0] >= 64 and kv_len >= 256 else ())
+                     for kv_len in (1, 17, 256, 1000) for shape in INTERPRETER_SHAPES]
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("shape", INTERPRETER_SHAPES)
-@pytest.mark.parametrize("kv_len", [1, 17, 256, 1000])
+@pytest.mark.parametrize(("shape", "kv_len"), INTERPRETER_CASES)
 def test_interpreter_matches_reference(interpreter_bf16_dot, dtype, head_dim, shape, kv_len):
     q, k_cache, v_cache, lengths = make_inputs(*shape, head_dim, kv_len, dtype)
     scale = head_dim ** -0.5
@@ -179,9 +184,9 @@ def test_interpreter_matches_reference(interpreter_bf16_dot, dtype, head_dim, sh
     assert_close(got, want, dtype)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv_len", [17, 300])
+@pytest.mark.parametrize("kv_len", [17, pytest.param(300, marks=LARGE)])
 def test_interpreter_single_split_writes_the_output(interpreter_bf16_dot, dtype, kv_len):
     """64 rows x 8 KV heads fill the split-K grid's target alone: one split, which writes the output
     itself (no combine kernel)."""
@@ -227,10 +232,11 @@ def unfused_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, scale)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("shape", "head_dim", "kv_len"), [
-    ((1, 8, 4), 64, 17), ((3, 2, 8), 128, 256), ((3, 1, 1), 64, 1000), ((64, 8, 2), 64, 17), ((5, 2, 4), 64, 129),
+    ((1, 8, 4), 64, 17), ((3, 2, 8), 128, 256), ((3, 1, 1), 64, 1000), pytest.param((64, 8, 2), 64, 17, marks=LARGE),
+    ((5, 2, 4), 64, 129),
 ])
 @pytest.mark.parametrize("parts", [0, 1, 3])
 def test_interpreter_rope_variant_rotates_writes_and_attends(interpreter_bf16_dot, dtype, shape, head_dim, kv_len,
@@ -269,7 +275,7 @@ def attend_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
                                  k_cache.shape[-1] ** -0.5, pdl=pdl)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 def test_interpreter_pdl_variant_compiled_writes_the_caches_and_attends(interpreter_bf16_dot):
     """The PDL variant is an opaque custom op (serving/engine/pdl.py): under torch.compile its fake
     implementation must give the real output's shape and dtype, and its cache writes must reach the
@@ -289,7 +295,7 @@ def test_interpreter_pdl_variant_compiled_writes_the_caches_and_attends(interpre
 # ---------------------------------------------------------------------------------------------
 # CUDA
 
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 
 
 @pytest.mark.gpu
