@@ -32,7 +32,7 @@ demo: $(STAMP)
 # The 30 slowest tests are listed at the end, to see where the time goes.
 # Then the files in ALONE, in a second pytest with the machine to themselves: the gray release's load test
 # holds p99 through a rollout within 1.5x of steady state (issue 27), and three workers beside it on two
-# cores would make that a measure of the other tests. Both runs go ahead; the target fails when either does.
+# cores would make that a measure of the other tests. All three runs go ahead; the target fails when any does.
 # The kernel tests on CPU tensors (mark `interpreter`) run in `test-kernels` instead, after the parallel run.
 ALONE := tests/test_rollout_triton.py
 test: $(STAMP) browser
