@@ -95,6 +95,7 @@ def gate_rows(validation: ValidationResult, perf: PerfResult, slo: PerfSlo,
         ]
     rows.append(("validation", "prompts diverged from HF", f"{diverged} of {len(validation.comparisons)}",
                  f"<= {t['max_failed_prompts']:g}"))
+    rows += envelope_rows(validation)
     for part in (evaluation.parts if evaluation else []):
         value = f"{part.regression:+.3g} (p={part.p_value:.2g})"
         what = "passages' nats/byte increase" if part.name == "passages" else "cloze accuracy drop"
@@ -116,6 +117,24 @@ def gate_rows(validation: ValidationResult, perf: PerfResult, slo: PerfSlo,
         (perf.tpot_p50_ms, slo.max_tpot_p50_ms, "TPOT p50 ms", "<="),
     ):
         rows.append(("performance", label, f"{value:.4g}", f"{sign} {bound:g}" if bound is not None else "not set"))
+    return rows
+
+
+def envelope_rows(validation: ValidationResult) -> list[tuple[str, str, str, str]]:
+    """The whole envelope's rows: free-running decode against HF, the wide batch, recorded = loaded."""
+    rows = []
+    d, lim = validation.decode, validation.decode_limits
+    if d is not None and lim is not None:
+        rows += [("validation", "generated tokens not HF's argmax (free-running decode)",
+                  f"{len(d.disagreements)} of {d.positions}", f"<= {lim.max_disagreements}"),
+                 ("validation", "largest gap to HF's argmax, nats", f"{d.max_gap:.3g}", f"<= {lim.max_gap:.3g}")]
+    if validation.wide_batch is not None:
+        w = validation.wide_batch
+        rows.append(("validation", f"rows of a {w.rows}-row batch unlike their output alone",
+                     f"{len(w.differences)}", "0 (float32), else ties only"))
+    if validation.loaded is not None:
+        rows.append(("validation", "loaded = engine.json (dtypes, quantization, KV cache)",
+                     "yes" if validation.loaded.passed else "NO", f"budget {validation.loaded.budget_precision}"))
     return rows
 
 
