@@ -47,7 +47,8 @@ FAULTS: dict[str, Callable] = {
     "add_noise": gate_faults.add_noise(0.2),
 }
 BATCH_SIZES = (4, 2, 8, 3)  # rebuild r uses BATCH_SIZES[r % 4]
-MEASURES = ("max_mean_kl", "max_nll_delta", "max_top1_disagreement", "max_failed_prompts")
+MEASURES = ("max_mean_kl", "max_nll_delta", "max_top1_disagreement", "max_failed_prompts",
+            "max_decode_disagreements", "max_decode_gap")
 
 
 @dataclass
@@ -82,7 +83,18 @@ def figures_of(result: ValidationResult) -> dict[str, float]:
     out = {"max_failed_prompts": float(sum(c.status == "diverged" for c in result.comparisons))}
     if e is not None:
         out |= {"max_mean_kl": e.mean_kl, "max_nll_delta": abs(e.nll_delta), "max_top1_disagreement": e.top1_disagreement}
+    if result.decode is not None:  # free-running decode against HF on the engine's own sequences
+        out |= {"max_decode_disagreements": float(len(result.decode.disagreements)),
+                "max_decode_gap": result.decode.max_gap}
     return out
+
+
+def limits_of(result: ValidationResult) -> dict[str, float]:
+    limits = dict(result.thresholds)
+    if result.decode_limits is not None:
+        limits |= {"max_decode_disagreements": float(result.decode_limits.max_disagreements),
+                   "max_decode_gap": result.decode_limits.max_gap}
+    return limits
 
 
 def build(hf: Path, work: Path, *, dtype: str, method: str | None, batch: int, seq: int) -> Path:
@@ -125,7 +137,7 @@ def sweep_model(name: str, hf: Path, work: Path, *, dtypes: list[str], quantizat
             runner = load_engine(engine, device=device)
             result = validate_engine(engine, hf, spec, reference=reference, runner=runner)
             case = Case(name, precision, f"rebuild {r} (max_batch_size {BATCH_SIZES[r % 4]})", True, result.passed,
-                        figures_of(result), dict(result.thresholds), result.failures)
+                        figures_of(result), limits_of(result), result.failures)
             got = evaluation_scores(runner, engine, data, seq)
             if precision == "float32" and r == 0:
                 production = got
@@ -136,7 +148,7 @@ def sweep_model(name: str, hf: Path, work: Path, *, dtypes: list[str], quantizat
                     bad = gate_faults.edited_runner(engine, FAULTS[fault])
                     bad_result = validate_engine(engine, hf, spec, reference=reference, runner=bad)
                     bad_case = Case(name, precision, f"fault {fault}", False, bad_result.passed, figures_of(bad_result),
-                                    dict(bad_result.thresholds), bad_result.failures)
+                                    limits_of(bad_result), bad_result.failures)
                     del bad
                     cases.append(bad_case)
                     report(bad_case)

@@ -120,6 +120,25 @@ def judge_decode(figures: DecodeFigures, limits: DecodeLimits, labels: Sequence[
     return failures
 
 
+class Float32Reference:
+    """HF float32 teacher-forced logits of any sequence, the model loaded on first use (validation needs it only
+    for a sequence where the engine left the reference's greedy path; the reference run's own model is not
+    kept)."""
+
+    def __init__(self, checkpoint, device: torch.device | str) -> None:
+        self.checkpoint, self.device, self.model = checkpoint, device, None
+
+    @torch.no_grad()
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """[len(ids), V] float32 on the CPU."""
+        if self.model is None:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32)
+            self.model = self.model.to(self.device).eval()
+        return self.model(torch.tensor([list(ids)], device=self.model.device)).logits[0].float().cpu()
+
+
 @dataclass(frozen=True)
 class RowDifference:
     row: int
@@ -191,18 +210,13 @@ def check_timed_outputs(checkpoint, prompts: Sequence[Sequence[int]], generation
     the longest prompt) scored like validation's free-running decode, HF float32 (`checkpoint`) teacher-forced
     over each row's prompt and generated tokens, judged by `limits` (validation's `ValidationResult.decode_limits`:
     the same budget). Generations without log-probs are judged on disagreements and gap only."""
-    from transformers import AutoModelForCausalLM
-
     rows = sorted({*range(min(sample, len(prompts))), max(range(len(prompts)), key=lambda r: len(prompts[r]))})
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
+    hf = Float32Reference(checkpoint, device)
     figures = DecodeFigures()
-    with torch.no_grad():
-        for r in rows:
-            tokens = list(generations[r].token_ids)
-            if not tokens:
-                continue
-            ids = list(prompts[r]) + tokens[:-1]
-            logits = model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
+    for r in rows:
+        tokens = list(generations[r].token_ids)
+        if tokens:
+            logits = hf.logits(list(prompts[r]) + tokens[:-1])
             score_generation(figures, r, prompts[r], tokens, list(generations[r].logprobs), logits)
     names = list(labels) if labels is not None else [f"timed row {r} ({len(p)} tokens)" for r, p in enumerate(prompts)]
     return figures, judge_decode(figures, limits, names)

@@ -38,6 +38,7 @@ from tasks.decode_check import (
     BatchCheck,
     DecodeFigures,
     DecodeLimits,
+    Float32Reference,
     check_wide_batch,
     judge_decode,
     score_generation,
@@ -382,7 +383,7 @@ def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: Validati
             sequence_stats(ref[:len(s[:lim.max_seq_len])], runner.prefill_logits(s[:lim.max_seq_len]).float(),
                            s[:lim.max_seq_len])
             for ref, s in zip(reference.logits, reference.sequences))
-        decode = _score_decode(reference, generations, _Float32Reference(reference_checkpoint, runner.device))
+        decode = _score_decode(reference, generations, Float32Reference(reference_checkpoint, runner.device))
         if spec.envelope.wide_batch:
             exact = precision == "float32"
             rows = spec.envelope.max_wide_batch_rows
@@ -409,20 +410,7 @@ def _greedy(runner, spec: ValidationSpec, eos_ids: list[int]):
     return generate
 
 
-class _Float32Reference:
-    """HF float32 teacher-forced logits of any sequence, the model loaded on first use (only a sequence where
-    the engine left the reference's greedy path needs it)."""
-
-    def __init__(self, checkpoint: Path, device) -> None:
-        self.checkpoint, self.device, self.model = checkpoint, device, None
-
-    def logits(self, ids: Sequence[int]) -> torch.Tensor:
-        if self.model is None:
-            self.model = _hf_model(self.checkpoint, "float32", self.device)
-        return _hf_logits(self.model, ids)
-
-
-def _score_decode(reference: ReferenceRun, generations: list, hf: _Float32Reference) -> DecodeFigures:
+def _score_decode(reference: ReferenceRun, generations: list, hf: Float32Reference) -> DecodeFigures:
     """Each generated token against HF float32 teacher-forced over the engine's own sequence (the reference's
     own logits where the engine generated exactly the reference's tokens)."""
     figures = DecodeFigures()

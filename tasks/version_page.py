@@ -95,6 +95,7 @@ def gate_rows(validation: ValidationResult, perf: PerfResult, slo: PerfSlo,
         ]
     rows.append(("validation", "prompts diverged from HF", f"{diverged} of {len(validation.comparisons)}",
                  f"<= {t['max_failed_prompts']:g}"))
+    rows += envelope_rows(validation)
     for part in (evaluation.parts if evaluation else []):
         fmt = part_format(part.name)
         verdict = "held for review" if part.held else part.verdict
@@ -141,6 +142,24 @@ def held_for_review(perf: PerfResult, evaluation: EvaluationComparison | None) -
         held.append(f"throughput {perf.throughput_ratio:.3f}x production, interval [{perf.ratio_interval[0]:.3f}, "
                     f"{perf.ratio_interval[1]:.3f}] holds its budget {1 - float(perf.workload['max_slowdown']):.2f}")
     return held
+
+
+def envelope_rows(validation: ValidationResult) -> list[tuple[str, str, str, str]]:
+    """The whole envelope's rows: free-running decode against HF, the wide batch, recorded = loaded."""
+    rows = []
+    d, lim = validation.decode, validation.decode_limits
+    if d is not None and lim is not None:
+        rows += [("validation", "generated tokens not HF's argmax (free-running decode)",
+                  f"{len(d.disagreements)} of {d.positions}", f"<= {lim.max_disagreements}"),
+                 ("validation", "largest gap to HF's argmax, nats", f"{d.max_gap:.3g}", f"<= {lim.max_gap:.3g}")]
+    if validation.wide_batch is not None:
+        w = validation.wide_batch
+        rows.append(("validation", f"rows of a {w.rows}-row batch unlike their output alone",
+                     f"{len(w.differences)}", "0 (float32), else ties only"))
+    if validation.loaded is not None:
+        rows.append(("validation", "loaded = engine.json (dtypes, quantization, KV cache)",
+                     "yes" if validation.loaded.passed else "NO", f"budget {validation.loaded.budget_precision}"))
+    return rows
 
 
 def _link_line(name: str, uri: str) -> str:

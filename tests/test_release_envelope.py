@@ -164,3 +164,5 @@ def test_a_changed_chat_template_is_refused_unless_accepted_and_then_shown(produ
     assert "### Served configuration vs production" in page
     assert "| chat_template | " in page and f"accepted: {why} |" in page, page
     assert "-{% endfor %}assistant:" in page and "+{% endfor %}<|assistant|>" in page
+    assert "| validation | generated tokens not HF's argmax (free-running decode) | 0 of " in page
+    assert "| validation | loaded = engine.json (dtypes, quantization, KV cache) | yes |" in page
