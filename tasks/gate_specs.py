@@ -84,13 +84,17 @@ class EvaluationSpec(BaseModel):
     top1_spread: float = Field(0.05, gt=0, description="Assumed standard deviation of a passage's top-1 "
                                "disagreement share.")
     max_greedy_disagreement: float = Field(
-        0.15, gt=0, le=1, description="Largest share of greedy continuation tokens that differ from production's "
-        "at the same position (each side decoding freely from a passage's first tokens).")
-    greedy_spread: float = Field(0.15, gt=0, description="Assumed standard deviation of a passage's greedy "
-                                 "disagreement share.")
-    greedy_prompt_tokens: int = Field(8, ge=1, description="Tokens of each passage the greedy continuations start "
-                                      "from.")
-    greedy_new_tokens: int = Field(8, ge=1, description="Greedy tokens generated per passage on each side.")
+        0.20, gt=0, le=1, description="Largest share of greedy continuation tokens that differ from production's "
+        "at the same position (each side decoding freely from the same prompt, as it serves).")
+    greedy_spread: float = Field(0.30, gt=0, description="Assumed standard deviation of one continuation's "
+                                 "disagreement share (one early divergence changes the rest: shares are near 0 or "
+                                 "large, a wide spread).")
+    greedy_prompt_tokens: int = Field(8, ge=1, description="Prompt length of the first continuation of each "
+                                      "passage, and the step between its continuations' prompts.")
+    greedy_windows: int = Field(3, ge=1, description="Continuations per passage, from its first 1, 2, ... times "
+                                "greedy_prompt_tokens tokens (each a unit: the passages alone are too few for the "
+                                "power this spread needs).")
+    greedy_new_tokens: int = Field(8, ge=1, description="Greedy tokens generated per continuation on each side.")
     alpha: float = Field(0.01, gt=0, lt=1, description="Each part's one-sided error: the chance of passing a "
                          "candidate whose regression is its budget.")
     on_inconclusive: Literal["refuse", "hold"] = Field(
