@@ -56,7 +56,10 @@ class EvaluationSpec(BaseModel):
     """The fixed evaluation against the production version: budgets in the units a user reads, and the spreads
     the sample sizes are computed from (tasks/gate_power.py: each part needs enough passages or items that a
     candidate equal to production is shown within its budget with 90% power at `alpha`; the version page
-    states n and the regression it detects)."""
+    states n and the regression it detects). Each part is a one-sided paired t bound; with the defaults the
+    calculation asks for 8 passages (perplexity, spread 0.03 nats/token), 32 cloze items (spread 0.3), 5 and 6
+    passages (KL 0.02, top-1 0.05) and 32 greedy continuations (spread 0.3); the data holds 16 passages (48
+    continuations) and 36 items (`tests/test_gates.py` checks the calculation by simulation)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -140,7 +143,11 @@ class PerfSlo(BaseModel):
 
 
 class PerfSpec(BaseModel):
-    """The fixed workload of the performance gate, its budget against production and the absolute SLOs."""
+    """The fixed workload of the performance gate, its budget against production and the absolute SLOs.
+
+    The A/B is a sign test of ABBA rounds against the budget at planned looks (tasks/perf_gate.py); with the
+    defaults (budget 0.90, round_spread 0.05, looks at 7, 14, 28 and 30 rounds at alpha 0.0125 each) an engine
+    as fast as production is shown within with 90% power after 10 rounds (tasks.gate_power.sign_test_rounds)."""
 
     model_config = ConfigDict(extra="forbid")
 
