@@ -161,8 +161,8 @@ def sweep_model(name: str, hf: Path, work: Path, *, dtypes: list[str], quantizat
         for index, got in scores.items():
             comparison = compare_scores(got, production, espec, production_version="float32 rebuild 0")
             cases[index].evaluation_passed = comparison.passed
-            cases[index].evaluation = {f"{p.name}_margin": _ratio(p.regression, p.budget) for p in comparison.parts} | {
-                f"{p.name}_p": p.p_value for p in comparison.parts}
+            # a part's margin: its upper bound over its budget (under 1: within, passes)
+            cases[index].evaluation = {f"{p.name}_margin": _ratio(p.high, p.budget) for p in comparison.parts}
             if not comparison.passed:
                 cases[index].failures += comparison.failures
     return cases
@@ -197,7 +197,7 @@ def line(case: Case) -> str:
     evaluation = ""
     if case.evaluation_passed is not None:
         evaluation = (f" | eval {'pass' if case.evaluation_passed else 'REFUSED'} "
-                      f"nll {case.evaluation.get('passages_margin', 0):+.2f} acc {case.evaluation.get('choices_margin', 0):+.2f}")
+                      f"ppl {case.evaluation.get('perplexity_margin', 0):+.2f} acc {case.evaluation.get('cloze_margin', 0):+.2f}")
     figs = " ".join(f"{k.removeprefix('max_')} {f.get(k, float('nan')):.3g}/{lim.get(k, float('nan')):.3g}"
                     f" ({m.get(k, float('nan')):.2f})" for k in MEASURES)
     return f"{case.model:22s} {case.precision:14s} {case.build:28s} {verdict:7s} {figs}{evaluation}{expected}"
@@ -215,9 +215,7 @@ def summary(cases: list[Case]) -> dict:
         "good_refused_by_evaluation": sum(not c.evaluation_passed for c in evaluated),
         "largest_good_margin": worst,
         "largest_good_evaluation_margin": {k: max((c.evaluation.get(k, 0.0) for c in evaluated), default=0.0)
-                                           for k in ("passages_margin", "choices_margin")},
-        "smallest_good_evaluation_p": {k: min((c.evaluation.get(k, 1.0) for c in evaluated), default=1.0)
-                                       for k in ("passages_p", "choices_p")},
+                                           for k in ("perplexity_margin", "cloze_margin")},
         "faulty_builds": len(bad),
         "faulty_passed": sum(c.passed for c in bad),
         "smallest_faulty_margin": min((max(c.margins.values(), default=0.0) for c in bad), default=None),

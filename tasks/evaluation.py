@@ -16,7 +16,8 @@ sized):
 - perplexity: a passage's log perplexity ratio, (NLL_candidate - NLL_production) / production's tokens
   (exactly log(ppl_c / ppl_p) when the tokenizers match); shown as a perplexity increase in %;
 - cloze: an item's production-correct minus candidate-correct (1 lost, 0 kept, -1 won); shown in points;
-- KL, top-1 and greedy disagreement: a passage's mean, against 0 (production itself).
+- KL and top-1 disagreement: a passage's mean, against 0 (production itself); greedy disagreement: one
+  continuation's share, ``greedy_windows`` continuations per passage (from its first 8, 16, 24 tokens).
 A part passes when its upper bound is within the budget, is refused when its lower bound is beyond it, and an
 undecided part refuses (or, with ``on_inconclusive: hold``, publishes held for a person's review).
 """
@@ -191,9 +192,9 @@ def part_specs(spec: EvaluationSpec) -> dict[str, PartSpec]:
         "top1": PartSpec("top1", "top-1 disagreement with production (teacher-forced)",
                          "evaluation.max_top1_disagreement", spec.max_top1_disagreement, spec.top1_spread, same,
                          "{:.3f}", "passages"),
-        "greedy": PartSpec("greedy", f"greedy disagreement with production ({spec.greedy_new_tokens} tokens after "
-                           f"{spec.greedy_prompt_tokens})", "evaluation.max_greedy_disagreement",
-                           spec.max_greedy_disagreement, spec.greedy_spread, same, "{:.3f}", "passages"),
+        "greedy": PartSpec("greedy", f"greedy disagreement with production ({spec.greedy_new_tokens} tokens, "
+                           f"{spec.greedy_windows} prompts a passage)", "evaluation.max_greedy_disagreement",
+                           spec.max_greedy_disagreement, spec.greedy_spread, same, "{:.3f}", "continuations"),
     }
 
 
@@ -206,7 +207,7 @@ def units_needed(spec: EvaluationSpec) -> dict[str, int]:
 
 def check_enough_units(spec: EvaluationSpec, data: EvaluationData) -> None:
     """A ValueError naming the part, its setting and the number needed when the data is too small for its power."""
-    have = {"passages": len(data.passages), "items": len(data.choices)}
+    have = {"passages": len(data.passages), "items": len(data.choices), "continuations": greedy_units(data, spec)}
     for name, needed in units_needed(spec).items():
         part = part_specs(spec)[name]
         if have[part.unit_word] < needed:
@@ -347,13 +348,24 @@ def score_pair(candidate: Scored, production: Scored, data: EvaluationData, spec
             tokens[side].append(len(ids) - 1)
         distances.add_teacher_forced(logits_p, logits_c, ids_p, ids_c)
     distances.greedy_disagreement = greedy_disagreement(
-        production.runner, candidate.runner, [production.encode(t)[:spec.greedy_prompt_tokens] for t in data.passages],
-        [candidate.encode(t)[:spec.greedy_prompt_tokens] for t in data.passages], spec.greedy_new_tokens)
+        production.runner, candidate.runner, greedy_prompts(production.encode, data, spec),
+        greedy_prompts(candidate.encode, data, spec), spec.greedy_new_tokens)
     return (scores_of(data, nll["c"], tokens["c"], score_choices(candidate.runner.prefill_logits, candidate.encode,
                                                                  data, max_len=candidate.max_len)),
             scores_of(data, nll["p"], tokens["p"], score_choices(production.runner.prefill_logits, production.encode,
                                                                  data, max_len=production.max_len)),
             distances)
+
+
+def greedy_prompts(encode: Callable[[str], list[int]], data: EvaluationData, spec: EvaluationSpec) -> list[list[int]]:
+    """Each passage's first k x greedy_prompt_tokens tokens, k = 1..greedy_windows (a passage shorter than a window
+    gives all its tokens: every passage gives the same number of prompts on both sides)."""
+    step = spec.greedy_prompt_tokens
+    return [ids[:step * k] for ids in map(encode, data.passages) for k in range(1, spec.greedy_windows + 1)]
+
+
+def greedy_units(data: EvaluationData, spec: EvaluationSpec) -> int:
+    return len(data.passages) * spec.greedy_windows
 
 
 @task(name="evaluate", retries=0, cache_policy=NONE)  # NONE: a runner would be hashed by pickling its model

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from functools import cache
 from statistics import NormalDist
 
 POWER = 0.90  # each gate's chance of passing a candidate equal to production, at its assumed spread
@@ -44,6 +45,7 @@ def _t_cdf(x: float, df: int) -> float:
     return 0.5 + inside / 2 if x >= 0 else 0.5 - inside / 2
 
 
+@cache
 def t_quantile(p: float, df: int) -> float:
     """The p-quantile of Student's t with `df` degrees of freedom (bisection on the CDF)."""
     if not 0 < p < 1 or df < 1:

@@ -96,7 +96,10 @@ class EvaluationSpec(BaseModel):
     """The fixed evaluation against the production version: budgets in the units a user reads, and the spreads
     the sample sizes are computed from (tasks/gate_power.py: each part needs enough passages or items that a
     candidate equal to production is shown within its budget with 90% power at `alpha`; the version page
-    states n and the regression it detects)."""
+    states n and the regression it detects). Each part is a one-sided paired t bound; with the defaults the
+    calculation asks for 8 passages (perplexity, spread 0.03 nats/token), 32 cloze items (spread 0.3), 5 and 6
+    passages (KL 0.02, top-1 0.05) and 32 greedy continuations (spread 0.3); the data holds 16 passages (48
+    continuations) and 36 items (`tests/test_gates.py` checks the calculation by simulation)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -124,13 +127,17 @@ class EvaluationSpec(BaseModel):
     top1_spread: float = Field(0.05, gt=0, description="Assumed standard deviation of a passage's top-1 "
                                "disagreement share.")
     max_greedy_disagreement: float = Field(
-        0.15, gt=0, le=1, description="Largest share of greedy continuation tokens that differ from production's "
-        "at the same position (each side decoding freely from a passage's first tokens).")
-    greedy_spread: float = Field(0.15, gt=0, description="Assumed standard deviation of a passage's greedy "
-                                 "disagreement share.")
-    greedy_prompt_tokens: int = Field(8, ge=1, description="Tokens of each passage the greedy continuations start "
-                                      "from.")
-    greedy_new_tokens: int = Field(8, ge=1, description="Greedy tokens generated per passage on each side.")
+        0.20, gt=0, le=1, description="Largest share of greedy continuation tokens that differ from production's "
+        "at the same position (each side decoding freely from the same prompt, as it serves).")
+    greedy_spread: float = Field(0.30, gt=0, description="Assumed standard deviation of one continuation's "
+                                 "disagreement share (one early divergence changes the rest: shares are near 0 or "
+                                 "large, a wide spread).")
+    greedy_prompt_tokens: int = Field(8, ge=1, description="Prompt length of the first continuation of each "
+                                      "passage, and the step between its continuations' prompts.")
+    greedy_windows: int = Field(3, ge=1, description="Continuations per passage, from its first 1, 2, ... times "
+                                "greedy_prompt_tokens tokens (each a unit: the passages alone are too few for the "
+                                "power this spread needs).")
+    greedy_new_tokens: int = Field(8, ge=1, description="Greedy tokens generated per continuation on each side.")
     alpha: float = Field(0.01, gt=0, lt=1, description="Each part's one-sided error: the chance of passing a "
                          "candidate whose regression is its budget.")
     on_inconclusive: Literal["refuse", "hold"] = Field(
@@ -176,7 +183,11 @@ class PerfSlo(BaseModel):
 
 
 class PerfSpec(BaseModel):
-    """The fixed workload of the performance gate, its budget against production and the absolute SLOs."""
+    """The fixed workload of the performance gate, its budget against production and the absolute SLOs.
+
+    The A/B is a sign test of ABBA rounds against the budget at planned looks (tasks/perf_gate.py); with the
+    defaults (budget 0.90, round_spread 0.05, looks at 7, 14, 28 and 30 rounds at alpha 0.0125 each) an engine
+    as fast as production is shown within with 90% power after 10 rounds (tasks.gate_power.sign_test_rounds)."""
 
     model_config = ConfigDict(extra="forbid")
 

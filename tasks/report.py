@@ -99,7 +99,8 @@ def render_release_report(
         f"# Release report: {model_name} `{fingerprint[:16]}`",
         "",
         (f"Validation: **{'passed' if validation.passed else 'FAILED'}** · Fixed evaluation: "
-         f"**{evaluation_verdict(evaluation)}** · Performance: **{'passed' if perf.passed else 'FAILED'}**"),
+         f"**{evaluation_verdict(evaluation)}** · Performance: "
+         f"**{'FAILED' if not perf.passed else 'held for review' if perf.held else 'passed'}**"),
         "",
         *(f"- {name}: {_link(url)}" for name, url in links.items()),
         "",

@@ -178,3 +178,39 @@ def decode_swaps_top2(runner):
         logits.scatter_(1, top.indices, top.values.flip(-1))
         return logits
     return _wrap_decode(runner, change)
+
+
+def scale_logits(hf_dir: Path, dst: Path, *, factor: float) -> Path:
+    """An HF checkpoint whose LM head (the embedding, when tied) is multiplied by `factor`: every logit scaled,
+    the model sharper (> 1) or flatter (< 1) than it was; its argmax, hence its greedy text, unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_dir, dst)
+    for path in sorted(dst.glob("*.safetensors")):
+        tensors = load_file(path)
+        name = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+        if name in tensors:
+            tensors[name] = (tensors[name].float() * factor).to(tensors[name].dtype)
+            save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
+class ProportionallySlowedRunner:
+    """A loaded engine whose every `generate` call takes 1 / (1 - `slowdown`) times its own duration (it sleeps the
+    rest): its throughput is (1 - slowdown) x the same engine's whatever the machine's load, since the sleep
+    follows each call's own time. Everything else is the engine's."""
+
+    def __init__(self, runner, slowdown: float) -> None:
+        self.runner, self.stretch = runner, 1.0 / (1.0 - slowdown) - 1.0
+        self.info, self.device = runner.info, runner.device
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def generate(self, *args, **kwargs):
+        import time
+
+        start = time.perf_counter()
+        out = self.runner.generate(*args, **kwargs)
+        time.sleep((time.perf_counter() - start) * self.stretch)
+        return out

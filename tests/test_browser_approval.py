@@ -276,6 +276,21 @@ def test_reject_in_the_browser_and_nothing_changes(setup: Setup, browser) -> Non
             assert f"figure this version version {live} change" in page, page
             assert re.search(r"^top-1 agreement ([\d.]+) \1 same$", page, re.MULTILINE), page
             assert re.search(r"^output tokens/s [\d.]+ [\d.]+ (same|[\d.]+x, (better|worse))$", page, re.MULTILINE), page
+            # each statistical gate: figure [interval]: verdict, budget; n (what 90% power needs) and what it detects
+            power = r"; n (\d+) \(90% power needs (\d+)\), detects "
+            for row in ((rf"fixed evaluation perplexity change vs production \+0\.00% \[\+0\.00%, \+0\.00%\]: within "
+                        rf"<= \+5\.00%{power}\+[\d.]+%"),
+                        (rf"fixed evaluation cloze accuracy drop \(points\) vs production \+0\.0 pt \[\+0\.0 pt, \+0\.0 pt\]: "
+                        rf"within <= \+20\.0 pt{power}\+[\d.]+ pt"),
+                        (rf"fixed evaluation mean KL\(production \|\| candidate\), nats/token vs production 0 \[0, 0\]: "
+                        rf"within <= 0\.05{power}[\d.e-]+"),
+                        (rf"fixed evaluation greedy disagreement with production \(8 tokens, 3 prompts a passage\) vs "
+                         rf"production 0 \[0, 0\]: within <= 0\.2{power}[\d.e-]+")):
+                found = re.search(f"^{row}$", page, re.MULTILINE)
+                assert found and int(found[1]) >= int(found[2]), (row, page)
+            assert re.search(rf"^performance throughput / production v{live} \(same run\) [\d.]+ \[[\d.]+, [\d.]+\]: "
+                             r"within >= 0\.05; \d+ rounds \(90% power needs \d+\); passes >= [\d.]+x with 90% power$",
+                             page, re.MULTILINE), page
             add_tag_in_ui(browser, "rejected_by", "erin")
             add_tag_in_ui(browser, "approval", "rejected")
             code = promote.finish()

@@ -44,7 +44,9 @@ def make_spec(tmp: Path, checkpoint: Path, triton, **overrides) -> ReleaseSpec:
         "source": {"checkpoint": str(checkpoint)},
         "engine": {"dtype": "float32", "max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128},
         "validation": {"max_new_tokens": 8, "prompts": ["The capital of France is", "Once upon a time", "def f(x):"]},
-        "perf": {"batch_size": 2, "input_len": 8, "output_len": 4, "iterations": 2},
+        # the A/B is not what this test judges (tests/test_gates.py and test_gates_evidence.py do): on a loaded
+        # 2-core machine an equal engine's rounds against a 0.90 budget mostly end undecided, which refuses
+        "perf": {"batch_size": 2, "input_len": 8, "output_len": 4, "iterations": 2, "max_slowdown": 0.5},
         "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "model_name": MODEL},
         "artifacts": {"uri": (tmp / "artifacts").as_uri()},
         "approval": {"mode": "auto"},

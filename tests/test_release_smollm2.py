@@ -40,6 +40,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 PASSAGES = list(load_evaluation().passages[:3])  # teacher-forced by the validation gate
 
 
+# A precision change against the float32 production is an intended change of the output distribution, which
+# the spec declares by its budgets (docs/gates.md): bfloat16 SmolLM2's greedy text differs from float32's on
+# about an eighth of the tokens (one early divergence changes the rest), near the default 0.20.
+PRECISION_CHANGE = {"bfloat16": {"max_greedy_disagreement": 0.4}}
+
+
 @dataclass(frozen=True)
 class Stack:
     root: Path
@@ -65,8 +71,12 @@ def make_spec(stack: Stack, checkpoint: Path, dtype: str = "float32") -> Release
         "source": {"checkpoint": str(checkpoint)},
         "engine": {"dtype": dtype, "max_batch_size": 2, "max_input_len": 64, "max_seq_len": 128},
         "validation": {"prompts": PROMPTS, "max_new_tokens": 8, "passages": PASSAGES},
-        "evaluation": {"max_passages": 8, "max_choices": 1},  # 8 passages all worse: sign test p = 2**-8 < 0.01
-        "perf": {"batch_size": 1, "input_len": 4, "output_len": 2, "warmup": 0, "iterations": 2, "max_iterations": 2},
+        # 8 items against a 50-point cloze budget: the power calculation's 8 (tasks/gate_power.py)
+        "evaluation": {"max_choices": 8, "max_accuracy_drop_points": 50, **PRECISION_CHANGE.get(dtype, {})},
+        # the A/B is not what this file judges (tests/test_gates_evidence.py does): its fewest rounds that can decide
+        # a budget of 0.5, which an engine as fast as production meets at once
+        "perf": {"batch_size": 1, "input_len": 4, "output_len": 2, "warmup": 0, "iterations": 5, "max_iterations": 6,
+                 "max_slowdown": 0.5},
         "mlflow": {"tracking_uri": stack.tracking_uri, "model_name": MODEL},
         "artifacts": {"uri": (stack.root / "artifacts").as_uri()},
         "approval": {"mode": "auto"},
@@ -253,7 +263,7 @@ def test_a_regressed_checkpoint_passes_validation_and_is_refused_against_product
     report = report_of(state, "evaluation.md")
     assert report.startswith("# Fixed evaluation against production: FAILED"), report
     prod_version = production.released.published.version
-    assert any(line.startswith("- fixed evaluation: the passages are +") and
-               f"nats/byte against production version {prod_version}" in line and
-               "evaluation.max_nll_regression 2%" in line and "alpha 0.01" in line
+    assert any(line.startswith("- fixed evaluation: perplexity change +") and
+               f"against production version {prod_version} (interval [+" in line and
+               "evaluation.max_perplexity_increase +5.00%: beyond the budget: refused" in line and "alpha 0.01" in line
                for line in report.splitlines()), report

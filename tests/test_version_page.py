@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.evaluation import EvaluationScores, EvaluationSpec, compare_scores
+from tasks.output_distribution import PassageDistances
 from tasks.perf_gate import PerfResult, PerfSlo
 from tasks.report import comparison_table, render_html
 from tasks.text_path import TokenizerCheck
@@ -43,7 +44,8 @@ def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() ->
     validation, perf = results()
     built = Provenance("alice", "build-7", "0123456789abcdef", "f" * 64, "torch float32", {"torch": "2.13.0"})
     scores = EvaluationScores([1.0] * 16, [True] * 30 + [False] * 6, [100.0] * 16, [50] * 16)
-    evaluated = compare_scores(scores, scores, EvaluationSpec(), production_version="3")
+    distances = PassageDistances([0.0] * 16, [0.0] * 16, [0.0] * 48)
+    evaluated = compare_scores(scores, scores, EvaluationSpec(), production_version="3", distances=distances)
     page = VersionPage(validation, perf, PerfSlo(min_output_tokens_per_s=50), ("3", {"perf_output_tokens_per_s": 406.0}),
                        built, "http://127.0.0.1:5000", evaluated, measured=True)
     text = page.render(fingerprint="abc" * 10, run=("1", "r1"),
@@ -59,6 +61,9 @@ def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() ->
     assert "| performance | throughput / production v3 (same run) | 1.020 [0.980, 1.060]: within | >= 0.90; 6 rounds " \
            "(90% power needs 10); passes >= 0.940x with 90% power |" in text
     assert "| performance | error rate | 0 of 6 | <= 0 |" in text
+    assert "| fixed evaluation | greedy disagreement with production (8 tokens, 3 prompts a passage) vs production | " \
+           "0 [0, 0]: within | <= 0.2; n 48 (90% power needs 32), detects " in text
+    assert "(cut here" not in text, "every gate's row fits MLflow's 5000 characters"
     assert "both versions measured side by side in this run" in text
     assert "| performance | output tokens/s | 812 | >= 50 |" in text
     assert "| performance | TTFT p50 ms | 5 | not set |" in text
