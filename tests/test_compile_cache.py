@@ -33,6 +33,7 @@ from serving.engine.compile_cache import (
     source_digest,
     unpack_folders,
 )
+from serving.engine.options import EngineOptions
 
 CPU = torch.device("cpu")
 SETTINGS = {"compile": "auto", "decode_pdl": True}
@@ -229,7 +230,7 @@ class GraphsRunner:
     def __init__(self) -> None:
         self.graphs = self.Graphs()
         self.device = CPU
-        self.model = type("Model", (), {"decode_attention_impl": "triton", "decode_gemm_impl": "triton"})()
+        self.model = type("Model", (), {"options": EngineOptions(decode_attention="triton", decode_gemm="triton")})()
         self.info = type("Info", (), {"fingerprint": "e" * 64})()
 
     def compile_decode(self, *, pdl: bool) -> None:

@@ -50,27 +50,32 @@ def test_the_warm_up_compiles_everything_serving_can_capture(max_batch_size, kv_
         assert not single_row_static(1, kv_buckets[1], kv_buckets[0])  # once per bucket would compile mid-serving
 
 
-def meta_model(shape: str, gemm: str = "triton", gate_up: bool = True):
+def meta_model(shape: str, gemm: str = "triton", gate_up: bool = True, tuned=None):
     from serving.bench.models import model_args
     from serving.engine.model import Transformer
+    from serving.engine.options import EngineOptions
+    from serving.engine.tuned_tables import TUNED_DIR, read_file
 
     with torch.device("meta"):
         model = Transformer(model_args(shape))
-    model.decode_gemm_impl, model.decode_gate_up = gemm, gate_up
+    model.options = EngineOptions(decode_gemm=gemm, decode_gate_up=gate_up,
+                                  tuned=tuned or read_file(TUNED_DIR / "NVIDIA_H200.json"))
     return model
 
 
 def test_a_model_whose_batch1_products_are_all_tuned_skips_the_static_compile(monkeypatch):
     """Llama-1B's batch-1 products all have tuned kernels (w13 through the gate/up kernel), so "auto"
     compiles its batch 1 dynamic; without the Triton GEMMs, the gate/up kernel or one table entry, static."""
-    from serving.engine import gate_up
+    import dataclasses
+
+    from serving.engine.tuned_tables import TUNED_DIR, read_file
 
     assert tuned_single_row(meta_model("llama-3.2-1b"))
     assert not tuned_single_row(meta_model("llama-3.2-1b", gemm="torch"))
     assert not tuned_single_row(meta_model("llama-3.2-1b", gate_up=False))  # no 1-row w13 in the skinny table
     assert not tuned_single_row(meta_model("tiny"))
-    monkeypatch.setattr(gate_up, "TUNED_GATE_UP_CONFIGS", {})
-    assert not tuned_single_row(meta_model("llama-3.2-1b"))
+    no_gate_up = dataclasses.replace(read_file(TUNED_DIR / "NVIDIA_H200.json"), gate_up={})
+    assert not tuned_single_row(meta_model("llama-3.2-1b", tuned=no_gate_up))
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ def test_fused_attention_matches_matmul_compiled_and_eager(tmp_path):
     _, info = engine(tmp_path, "bfloat16")
     fused = load_engine(info.path, device="cuda", decode_attention="triton")
     plain = load_engine(info.path, device="cuda", decode_attention="matmul")
-    assert fused.model.decode_attention_impl == "triton"
+    assert fused.model.options.decode_attention == "triton"
     for compiled in (False, True):
         if compiled:
             fused.compile_decode()
@@ -252,17 +252,16 @@ def skinny_configs_for_parity_shapes() -> dict:
 
 
 def route_parity_shapes_to_kernels(monkeypatch) -> list:
-    """Serve the parity shapes from the skinny and gate/up tables (the lookups read the parsed copies, so
-    those are patched) and record every kernel launch (the LM head's with its greedy tokens as
-    "serving.engine.lm_head"); the list it returns fills as they run."""
-    from serving.engine import gate_up, skinny_gemm
+    """Serve the parity shapes from the skinny and gate/up tables (the tables the loader resolves for the
+    device) and record every kernel launch (the LM head's with its greedy tokens as "serving.engine.lm_head");
+    the list it returns fills as they run."""
+    from serving.engine import gate_up, options, skinny_gemm
     from serving.engine.skinny_gemm import MAX_ROWS, parse_table
+    from serving.engine.tuned_tables import TunedTables
 
-    table = skinny_configs_for_parity_shapes()
-    monkeypatch.setattr(skinny_gemm, "TUNED", table)
-    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", parse_table(table))
-    monkeypatch.setattr(gate_up, "TUNED_GATE_UP_CONFIGS", parse_table(
+    tables = TunedTables(source="test", skinny=parse_table(skinny_configs_for_parity_shapes()), gate_up=parse_table(
         {(rows, PARITY_MLP, PARITY_DIM): "dot:n64:k64:s1:w4:st3" for rows in (1, MAX_ROWS)}))
+    monkeypatch.setattr(options, "tables_for", lambda device: tables)
     launched = []
     for module in (skinny_gemm, gate_up):
         real = module.launch

@@ -101,6 +101,8 @@ def test_cuda_kernel_matches_the_unfused_product(intermediate, k):
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_cuda_compiled_decode_step_with_the_kernel_matches_the_unfused_step(tmp_path, monkeypatch, pdl):
     from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
+    from serving.engine.linears import apply_options
+    from serving.engine.options import with_tuned
     from tasks.tiny_model import make_tiny_model
 
     ckpt = convert_checkpoint(make_tiny_model(tmp_path / "hf"), tmp_path / "ckpt", dtype="bfloat16")
@@ -114,9 +116,10 @@ def test_cuda_compiled_decode_step_with_the_kernel_matches_the_unfused_step(tmp_
     launch = gate_up_module.launch
     monkeypatch.setattr(gate_up_module, "launch", lambda *a, **kw: launched.append(kw) or launch(*a, **kw))
     logits = {}
+    base = runner.model.options
     for fused in (False, True):
         table = {(rows, a.intermediate_size, a.dim): config for rows in (1, 64)} if fused else {}
-        monkeypatch.setattr(gate_up_module, "TUNED_GATE_UP_CONFIGS", table)
+        apply_options(runner.model, with_tuned(base, gate_up=table))
         torch._dynamo.reset()
         runner.compile_decode(pdl=pdl)
         runner.prefill(prompts, range(3))

@@ -85,13 +85,13 @@ def tiny_model(dtype: torch.dtype = torch.float32) -> Transformer:
 @pytest.mark.parametrize(("rows", "dim"), [(64, 2048), (1, 2048), (64, 4096), (1, 4096)])
 def test_cuda_head_kernel_at_the_tuned_llama_configs_replays_in_a_graph(rows, dim):
     from serving.engine.lm_head import lm_head_greedy
-    from serving.engine.skinny_gemm import TUNED_CONFIGS
+    from serving.engine.tuned_tables import TUNED_DIR, read_file
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     vocab = 128256
     x = torch.randn(rows, dim, device="cuda", generator=gen).to(torch.bfloat16)
     head = (torch.randn(vocab, dim, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    config = TUNED_CONFIGS[(rows, vocab, dim)]
+    config = read_file(TUNED_DIR / "NVIDIA_H200.json").skinny[(rows, vocab, dim)]
     torch.cuda.synchronize()
     lm_head_greedy(x, head, config, pdl=True)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -110,13 +110,17 @@ def test_cuda_head_kernel_at_the_tuned_llama_configs_replays_in_a_graph(rows, di
 @pytest.mark.gpu
 @cuda_only
 def test_cuda_compiled_step_with_the_head_kernel_decodes_as_without(monkeypatch):
-    from serving.engine import lm_head, skinny_gemm
+    import dataclasses
+
+    from serving.engine import lm_head
+    from serving.engine.linears import apply_options
     from serving.engine.model import decode_step_greedy
+    from serving.engine.options import EngineOptions, with_tuned
 
     model = tiny_model(torch.bfloat16).cuda()
-    model.decode_attention_impl, model.decode_gemm_impl = "triton", "triton"
     a = model.args
-    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", {(64, a.vocab_size, a.dim): GemmConfig("dot", 64, 32, 1)})
+    options = with_tuned(EngineOptions(decode_attention="triton", decode_gemm="triton"),
+                         skinny={(64, a.vocab_size, a.dim): GemmConfig("dot", 64, 32, 1)})
     ran = []
     real = lm_head.greedy_from_tiles
     monkeypatch.setattr(lm_head, "greedy_from_tiles", lambda *args: ran.append(1) or real(*args))
@@ -124,7 +128,7 @@ def test_cuda_compiled_step_with_the_head_kernel_decodes_as_without(monkeypatch)
     input_pos = torch.tensor([0, 4, 9, 17, 30], device="cuda")
     results = {}
     for greedy in (False, True):
-        model.decode_lm_greedy = greedy
+        apply_options(model, dataclasses.replace(options, decode_lm_greedy=greedy))
         torch._dynamo.reset()
         step = torch.compile(decode_step_greedy, dynamic=True, fullgraph=True)
         with torch.no_grad():

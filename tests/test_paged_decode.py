@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from serving.bench.throughput import ThroughputConfig, _runners
+from serving.engine.linears import apply_options
 from serving.engine.paged_cache import KV_FP8_DTYPE
 from serving.engine.paged_decode import decode_buckets, is_decode_only
 from serving.engine.paged_model import build_step, paged_forward
@@ -20,15 +21,17 @@ from serving.engine.scheduler import collect
 
 
 def _paged(device: str, *, graphs: bool = True, num_blocks: int = 24, live: int = 6, kv_cache_dtype: str = "auto",
-           quantization: str = "none", max_num_tokens: int = 64, input_len: int = 30):
+           quantization: str = "none", max_num_tokens: int = 64, input_len: int = 30, **options):
+    """A paged runner of the bench's tiny model; `options`: `EngineOptions` fields changed from the resolved ones."""
     cfg = ThroughputConfig(shape="tiny", input_len=input_len, output_len=30, sides=("paged",), paged_live=live, block_size=16,
                            max_num_tokens=max_num_tokens, num_blocks=num_blocks, warmup_requests=0,
                            quantization=quantization)
     model, _, runner = _runners(cfg, torch.device(device))
-    if kv_cache_dtype != "auto":  # the same weights over a pool of another dtype
+    if options:
+        apply_options(model, dataclasses.replace(model.options, **options))
+    if kv_cache_dtype != "auto" or options:  # the same weights over a pool of another dtype, or other options
         runner = PagedRunner(runner.info, model, runner.device,
-                             dataclasses.replace(runner.config, kv_cache_dtype=kv_cache_dtype),
-                             decode_gemm=runner.decode.gemm)
+                             dataclasses.replace(runner.config, kv_cache_dtype=kv_cache_dtype))
     runner.decode.use_graphs = graphs and runner.decode.use_graphs
     return runner
 
@@ -109,17 +112,13 @@ def test_captured_decode_graphs_over_an_fp8_kv_cache_give_the_eager_steps_tokens
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the decode graphs are captured there")
 def test_decode_graphs_launched_with_pdl_give_the_same_tokens_and_logprobs_on_cuda():
-    """`paged_decode.PDL`: the same kernels, each allowed to start while the one before it drains (each waits
+    """`EngineOptions.decode_pdl`: the same kernels, each allowed to start while the one before it drains (each waits
     for it before touching memory), so the same values to the bit: tokens and log-probs equal."""
-    from unittest import mock
-
-    from serving.engine import paged_decode
     from serving.engine.pdl import supported
 
     outs = []
     for pdl in (False, True):
-        with mock.patch.object(paged_decode, "PDL", pdl):
-            runner = _paged("cuda")
+        runner = _paged("cuda", decode_pdl=pdl)
         assert runner.decode.pdl == (pdl and supported(runner.device))
         runner.warm_up_decode()
         outs.append(runner.generate(_prompts(), max_new_tokens=30, top_logprobs=1))
@@ -130,23 +129,19 @@ def test_decode_graphs_launched_with_pdl_give_the_same_tokens_and_logprobs_on_cu
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the FP8 tensor cores and row kernels")
 def test_rows_scaled_before_the_fp8_gemms_give_the_same_tokens_and_logprobs_on_cuda():
-    """`quantize.PRESCALE_ROWS`: the norms and SiLU * up hand the FP8 GEMMs of wqkv, w13 and w2 their rows
+    """`EngineOptions.prescale_rows`: the norms and SiLU * up hand the FP8 GEMMs of wqkv, w13 and w2 their rows
     already scaled to e4m3, the values the GEMMs' own scaling kernel computes, so the same results to the bit:
     the logits of a 100-token prompt step and 30 tokens of 80 requests decoded together (96-row graphs, past
     the decode rows)."""
-    from unittest import mock
-
-    from serving.engine import quantize
-
     rng = random.Random(2)
     prompt = [rng.randrange(1, 512) for _ in range(100)]
     prompts = [[rng.randrange(1, 512) for _ in range(rng.randrange(5, 31))] for _ in range(80)]
     results = []
     for scaled in (False, True):
-        with mock.patch.object(quantize, "PRESCALE_ROWS", scaled):
-            runner = _paged("cuda", quantization="fp8", num_blocks=400, live=96, max_num_tokens=256, input_len=100)
-            runner.warm_up_decode()
-            results.append((runner.prefill_logits(prompt), runner.generate(prompts, max_new_tokens=30, top_logprobs=1)))
+        runner = _paged("cuda", quantization="fp8", num_blocks=400, live=96, max_num_tokens=256, input_len=100,
+                        prescale_rows=scaled)
+        runner.warm_up_decode()
+        results.append((runner.prefill_logits(prompt), runner.generate(prompts, max_new_tokens=30, top_logprobs=1)))
     (logits, out), (logits_scaled, out_scaled) = results
     assert torch.equal(logits_scaled, logits)
     assert [g.token_ids for g in out_scaled] == [g.token_ids for g in out]

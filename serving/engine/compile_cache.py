@@ -369,7 +369,7 @@ def decode_step_cache(runner: Any, root: Path | None, *, pdl: bool, log: Log | N
         return None
     model = runner.model
     settings = {"compile": "auto", "decode_pdl": pdl, "whole_row_norms": True,
-                "decode_attention": model.decode_attention_impl, "decode_gemm": model.decode_gemm_impl}
+                "decode_attention": model.options.decode_attention, "decode_gemm": model.options.decode_gemm}
     return CompileCache(root, cache_key(runner.info.fingerprint, runner.device, settings), log=log,
                         triton_dir=triton_cache_dir(runner.device))
 

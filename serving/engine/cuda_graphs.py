@@ -62,6 +62,7 @@ import torch
 
 from serving.engine.compile_cache import pin_ptxas
 from serving.engine.decode_state import DecodeState
+from serving.engine.linear_quantized import model_quantization
 from serving.engine.model import (
     StepParts,
     Transformer,
@@ -72,7 +73,6 @@ from serving.engine.model import (
     gemm_impl_of,
 )
 from serving.engine.pdl import supported as pdl_supported
-from serving.engine.quantize import model_quantization
 from serving.engine.whole_row_norms import compile_options as whole_row_options
 from serving.engine.whole_row_norms import whole_row_reductions
 
@@ -109,17 +109,18 @@ def single_row_static(bsz: int, kv_len: int, first_kv_bucket: int) -> bool:
 
 def tuned_single_row(model: Transformer) -> bool:
     """Whether every weight product of the model's batch-1 step runs a tuned Triton kernel in the dynamic
-    compile (`skinny_gemm.TUNED`; w13 through `gate_up.TUNED_GATE_UP` or the skinny table)."""
+    compile (the tuned skinny table; w13 through the gate/up table or the skinny one)."""
     if gemm_impl_of(model) != "triton":
         return False
     from serving.engine import gate_up, skinny_gemm
 
     a = model.args
     dim, inner = a.dim, a.intermediate_size
-    fused_w13 = model.decode_gate_up and gate_up.config_for(1, inner, dim) is not None
-    w13 = fused_w13 or skinny_gemm.config_for(1, 2 * inner, dim) is not None
+    tables = model.options.tuned
+    fused_w13 = model.options.decode_gate_up and gate_up.config_for(1, inner, dim, tables) is not None
+    w13 = fused_w13 or skinny_gemm.config_for(1, 2 * inner, dim, tables.skinny) is not None
     others = ((a.qkv_size, dim), (dim, a.q_size), (dim, inner), (a.vocab_size, dim))
-    return w13 and all(skinny_gemm.config_for(1, n, k) is not None for n, k in others)
+    return w13 and all(skinny_gemm.config_for(1, n, k, tables.skinny) is not None for n, k in others)
 
 
 def graphs_to_warm(buckets: list[int], kv_buckets: list[int], single_static: bool) -> list[tuple[int, int]]:

@@ -22,6 +22,7 @@ import torch
 
 from serving.engine import skinny_gemm
 from serving.engine.skinny_gemm import GemmConfig, empty_partials, kernel_config, tile_maxima
+from serving.engine.tuned_tables import TunedTables
 
 try:
     import triton
@@ -29,10 +30,10 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
 
-def head_config(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
+def head_config(x: torch.Tensor, weight: torch.Tensor, tables: TunedTables) -> GemmConfig | None:
     """The tuned config of the head's product (`skinny_gemm.kernel_config`) if it is a one-slice "dot"
     config, else None."""
-    config = kernel_config(x, weight)
+    config = kernel_config(x, weight, tables=tables)
     return config if config is not None and config.kernel == "dot" and config.split == 1 else None
 
 

@@ -33,9 +33,11 @@ from torch import nn
 
 from serving.engine import row_norm, silu_mul
 from serving.engine.errors import UnsupportedArchitectureError
+from serving.engine.linear_float import FloatLinear, TiedHead
+from serving.engine.linear_quantized import QuantLinear, prescale_rows_for
+from serving.engine.options import EngineOptions
 from serving.engine.partials import sum_partials
 from serving.engine.prefill_attention import sdpa
-from serving.engine.quantize import QuantLinear, prescale_rows_for
 
 # architectures[0] of config.json -> (model_type, whether q/k/v carry a bias by default)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -236,25 +238,20 @@ class KVCache(nn.Module):
 # the transformer
 
 
-MAX_DECODE_KERNEL_ROWS = 64  # skinny_gemm.MAX_ROWS: more rows and a quantized layer runs its own GEMM
-REFERENCE_GEMM = "reference"  # a decode `gemm`: F.linear, quantized layers dequantized (the checks' reference)
-LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (nn.Linear or tied nn.Embedding, x) -> x W^T + b
+REFERENCE_GEMM = "reference"  # a decode `gemm`: quantized layers dequantized at every row count (the checks' reference)
+LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (a linear layer, x) -> x W^T + b
 
 
 def torch_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x W^T (+ b) by F.linear, for an nn.Linear or the tied embedding matrix (no bias); a quantized
-    layer's own forward (`QuantLinear`: dequantized, or FP8 tensor-core GEMMs)."""
-    if isinstance(module, QuantLinear):
-        return module(x)
-    return F.linear(x, module.weight, getattr(module, "bias", None))
+    """The layer's own forward: the GEMM it picked at load for x's rows (`linear_float`, `linear_fp8`,
+    `linear_int8`)."""
+    return module(x)
 
 
 def reference_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`torch_linear` with a quantized layer's dequantizing reference (weight-only numerics at every row
-    count): what the decode step is checked against (`decode_step(..., gemm=REFERENCE_GEMM)`)."""
-    if isinstance(module, QuantLinear):
-        return module.reference(x)
-    return torch_linear(module, x)
+    """The layer's dequantizing reference (F.linear on a float layer): what the decode step is checked against
+    (`decode_step(..., gemm=REFERENCE_GEMM)`)."""
+    return module.reference(x)
 
 
 class RMSNorm(nn.Module):
@@ -287,8 +284,8 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.wqkv = nn.Linear(args.dim, args.qkv_size, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.q_size, args.dim, bias=args.o_bias)
+        self.wqkv = FloatLinear(args.dim, args.qkv_size, bias=args.qkv_bias)
+        self.wo = FloatLinear(args.q_size, args.dim, bias=args.o_bias)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
@@ -311,24 +308,20 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.intermediate_size = args.intermediate_size
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = FloatLinear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
+        self.w2 = FloatLinear(args.intermediate_size, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
-                ) -> torch.Tensor:
-        """`gate_up`, when given, computes silu(gate) * up from the w13 module and x itself."""
-        return linear(self.w2, self.gated(x, linear, gate_up))
+    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        return self.w2(self.gated(x, pdl), pdl=pdl)
 
-    def gated(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
-              ) -> torch.Tensor:
-        """silu(gate) * up, the input of w2; its rows scaled to e4m3 as well where w2's FP8 GEMM would scale
-        them in a kernel of its own (`prescale_rows_for`: past the decode rows, where `gate_up` would run w13's
-        GEMM and then SiLU * up too)."""
-        if prescale_rows_for(self.w2, x.numel() // x.shape[-1], x.device):
-            return silu_mul.gated(linear(self.w13, x), self.intermediate_size, e4m3=True)
-        if gate_up is not None:
-            return gate_up(self.w13, x)
-        return silu_mul.gated(linear(self.w13, x), self.intermediate_size)
+    def gated(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """silu(gate) * up, the input of w2 (w13's `gated`: one kernel where it picked one); its rows scaled to
+        e4m3 as well where w2's FP8 GEMM would scale them in a kernel of its own (`prescale_rows_for`)."""
+        return self.w13.gated(x, pdl, e4m3=prescale_rows_for(self.w2, x.numel() // x.shape[-1], x.device))
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP through its layers' dequantizing references."""
+        return self.w2.reference(silu_mul.gated(self.w13.reference(x), self.intermediate_size))
 
 
 class TransformerBlock(nn.Module):
@@ -363,12 +356,11 @@ class Transformer(nn.Module):
         self.tok_embeddings = embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, args.vocab_size, bias=False)
+        # the tied LM head over the embedding table (a tuple: not a submodule, the state dict holds the table once)
+        self.tied_head = (TiedHead(self.tok_embeddings),) if args.tie_word_embeddings else ()
         self.max_batch_size = 0
-        self.decode_attention_impl = "matmul"  # "triton": serving.engine.decode_attention (CUDA)
-        self.decode_gemm_impl = "torch"  # "triton": tuned shapes through serving.engine.skinny_gemm (CUDA)
-        self.decode_gate_up = True  # with "triton": silu(gate) * up in one kernel where tuned (gate_up.py)
-        self.decode_lm_greedy = True  # with "triton": the greedy tokens from the LM head's kernel (lm_head.py)
+        self.options = EngineOptions()  # how it runs (`linears.apply_options` sets them at load)
         self.max_seq_len = 0
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
@@ -397,8 +389,8 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def head(self) -> nn.Module:
-        """The LM head's module: the embedding matrix when tied."""
-        return self.tok_embeddings if self.output is None else self.output
+        """The LM head's layer: over the embedding matrix when tied."""
+        return self.tied_head[0] if self.output is None else self.output
 
     def logits(self, h: torch.Tensor, linear: LinearFn = torch_linear) -> torch.Tensor:
         # h: [..., D] -> float32 logits [..., V]
@@ -441,64 +433,24 @@ def _rope_1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn:
-    """How the decode step multiplies by a weight: "torch" F.linear (cuBLAS, or inductor's fused
-    reductions), "triton" the tuned skinny Triton kernels where they beat cuBLAS (`skinny_gemm.TUNED`;
-    `pdl`: launched with programmatic dependent launch; fp8 layers of 16+ rows: the FP8 tensor cores),
-    `REFERENCE_GEMM` F.linear with quantized layers dequantized. With `parts`, the result is left as split-K
-    partial products [P, B, N] for a consumer that sums them (P = 1 for F.linear)."""
-    if gemm != "triton":
-        one = reference_linear if gemm == REFERENCE_GEMM else torch_linear
-        return (lambda module, x: one(module, x).unsqueeze(0)) if parts else one
-    from serving.engine.fp8_gemm import fp8_config_for, fp8_partials
-    from serving.engine.skinny_gemm import kernel_config, skinny_linear, skinny_linear_parts
-
-    product = skinny_linear_parts if parts else skinny_linear
-
-    def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(module, QuantLinear):
-            return product(x, module.weight, getattr(module, "bias", None), pdl=pdl)
-        if module.decode_tensor_cores and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
-            y = fp8_partials(x, module.weight, module.weight_scale, fp8, pdl=pdl)
-            return y if parts else sum_partials(y, x.dtype)
-        if module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores
-            y = module.tensor_core(x)
-        elif kernel_config(x, module.weight) is None:  # more rows than the kernels take: the layer's own GEMM
-            y = module(x)
-        else:
-            return product(x, module.weight, module.bias, pdl=pdl, scale=module.weight_scale)
-        return y.unsqueeze(0) if parts else y
-
-    return linear
+def _linear_of(gemm_impl: str, pdl: bool) -> LinearFn:
+    """The static step's products: the layers' references for `REFERENCE_GEMM`, else the layers themselves."""
+    if gemm_impl == REFERENCE_GEMM:
+        return reference_linear
+    return lambda module, x: module(x, pdl=pdl)
 
 
-def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
-    """The MLP's silu(gate) * up: "triton" through `gate_up.gate_up` (one kernel where tuned), else None
-    (the step multiplies by w13 and runs SiLU * up itself)."""
-    if gemm != "triton":
-        return None
-    from serving.engine.fp8_gemm import fp8_config_for, fp8_linear
-    from serving.engine.gate_up import gate_up
-
-    def product(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(module, QuantLinear):
-            return gate_up(x, module.weight, pdl=pdl)
-        if module.decode_tensor_cores and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
-            both = fp8_linear(x, module.weight, module.weight_scale, config=fp8, pdl=pdl)
-        elif module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores, then SiLU * up
-            both = module.tensor_core(x)
-        elif x.shape[0] > MAX_DECODE_KERNEL_ROWS:  # the layer's own GEMM, then SiLU * up
-            both = module(x)
-        else:
-            return gate_up(x, module.weight, pdl=pdl, scale=module.weight_scale)
-        return silu_mul.gated(both, module.out_features // 2)
-
-    return product
+def _parts_of(gemm_impl: str, pdl: bool) -> LinearFn:
+    """`_linear_of` as split-K partial products [P, M, N] (P = 1 for the references)."""
+    if gemm_impl == REFERENCE_GEMM:
+        return lambda module, x: module.reference(x).unsqueeze(0)
+    return lambda module, x: module.parts(x, pdl=pdl)
 
 
 def gemm_impl_of(model: Transformer, gemm: str | None = None) -> str:
-    """How the decode step multiplies by its weights: `gemm` if given, else the model's `decode_gemm_impl`."""
-    return gemm or getattr(model, "decode_gemm_impl", "torch")
+    """How the decode step multiplies by its weights: `gemm` if given, else the model's options' `decode_gemm`
+    (the layers' own GEMMs; `REFERENCE_GEMM`: their references)."""
+    return gemm or model.options.decode_gemm
 
 
 def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
@@ -506,7 +458,7 @@ def decode_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tenso
     """One decode step of cache rows [0, B): tokens, input_pos: [B] -> float32 logits [B, V]
     (`decode_hidden`, then the LM head)."""
     hidden = decode_hidden(model, tokens, input_pos, kv_len, gemm, pdl)
-    return model.logits(hidden, _linear_fn(gemm_impl_of(model, gemm), pdl=pdl))
+    return model.logits(hidden, _linear_of(gemm_impl_of(model, gemm), pdl))
 
 
 class DecodeInputs(NamedTuple):
@@ -535,14 +487,14 @@ def decode_start(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tens
     [B, D] (the first layer's input)."""
     bsz = tokens.shape[0]
     rows = torch.arange(bsz, device=tokens.device)
-    fused = getattr(model, "decode_attention_impl", "matmul") == "triton"
+    fused = model.options.decode_attention == "triton"
     rope_fused = False
     lengths = cos = sin = neg = None
     if fused:
         from serving.engine.decode_attention import triton_available
 
         lengths = input_pos + 1
-        rope_fused = tokens.is_cuda and triton_available() and getattr(model, "decode_rope_fused", True)
+        rope_fused = tokens.is_cuda and triton_available() and model.options.decode_rope_fused
     else:
         visible = model.slots[:kv_len].unsqueeze(0) <= input_pos.unsqueeze(1)  # [B, L]
         neg = torch.zeros(visible.shape, dtype=torch.float32, device=tokens.device).masked_fill(
@@ -559,7 +511,7 @@ def decode_layer(layer: TransformerBlock, x: torch.Tensor, delta: torch.Tensor |
                  kv_len: int, gemm_impl: str, pdl: bool, gate_up: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer of a decode step, its bounds moved by one residual add: (x, delta) -> (x', delta'), where the
     layer's input is x + the sum of delta (the previous layer's MLP output as split-K partial products
-    [P, B, D], `_linear_fn(parts=True)`; None for the first layer), x' is that plus the attention output and
+    [P, B, D], the layers' `parts`; None for the first layer), x' is that plus the attention output and
     delta' the MLP's partials, so the layer's output is x' + sum(delta').
 
     When each layer is compiled on its own (`cuda_graphs.compiled_parts`), the partials' sum and the residual add
@@ -571,7 +523,7 @@ def decode_layer(layer: TransformerBlock, x: torch.Tensor, delta: torch.Tensor |
     bsz = x.shape[0]
     scale = 1.0 / math.sqrt(a.head_dim)
     attn, cache = layer.attention, layer.attention.kv_cache
-    linear, partials = _linear_fn(gemm_impl, pdl=pdl), _linear_fn(gemm_impl, parts=True, pdl=pdl)
+    linear, partials = _linear_of(gemm_impl, pdl), _parts_of(gemm_impl, pdl)
     h = layer.attention_norm(x)
     if inputs.rope_fused:  # the kernel sums the projection's split-K partials itself
         from serving.engine.decode_attention import decode_attention_rope
@@ -597,9 +549,10 @@ def decode_layer(layer: TransformerBlock, x: torch.Tensor, delta: torch.Tensor |
             probs = scores.softmax(dim=-1).to(values.dtype)
             y = torch.matmul(probs, values)  # [B, Hkv, G, hd]
     x = x + linear(attn.wo, y.reshape(bsz, a.q_size))
-    product = _gate_up_fn(gemm_impl, pdl=pdl) if gate_up else None
-    mlp = layer.feed_forward
-    return x, partials(mlp.w2, mlp.gated(layer.ffn_norm(x), linear, product))
+    mlp, h = layer.feed_forward, layer.ffn_norm(x)
+    if gemm_impl == REFERENCE_GEMM:
+        return x, mlp.reference(h).unsqueeze(0)
+    return x, mlp.w2.parts(mlp.gated(h, pdl), pdl)
 
 
 def decode_layers(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
@@ -616,7 +569,7 @@ def decode_layers(model: Transformer, tokens: torch.Tensor, input_pos: torch.Ten
     capability 9.0 or later: `serving.engine.pdl`). `layer_fn` runs one layer (`decode_layer`, or a compile
     of it), `start_fn` the step's start (`decode_start`, or a compile of it)."""
     inputs, x = start_fn(model, tokens, input_pos, kv_len)
-    gate_up, delta = getattr(model, "decode_gate_up", True), None
+    gate_up, delta = model.options.decode_gate_up, None
     for layer in model.layers:
         x, delta = layer_fn(layer, x, delta, inputs, kv_len, gemm_impl, pdl, gate_up)
     return x, delta
@@ -625,7 +578,7 @@ def decode_layers(model: Transformer, tokens: torch.Tensor, input_pos: torch.Ten
 def decode_hidden(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
                   gemm: str | None = None, pdl: bool = False) -> torch.Tensor:
     """The layers and the final norm of one decode step (`decode_layers`) -> hidden states [B, D]. `gemm`
-    ("torch" | "triton") overrides `model.decode_gemm_impl`."""
+    (`REFERENCE_GEMM`: the layers' references) overrides the model's options."""
     x, delta = decode_layers(model, tokens, input_pos, kv_len, gemm_impl_of(model, gemm), pdl)
     return model.norm(x + sum_partials(delta, x.dtype))
 
@@ -649,12 +602,14 @@ def decode_head(norm: RMSNorm, head: nn.Module, x: torch.Tensor, delta: torch.Te
     and the kernel finds the tokens; else they are float32 and `greedy_tokens` finds them."""
     hidden = norm(x + sum_partials(delta, x.dtype))
     if gemm_impl == "triton" and lm_greedy and not isinstance(head, QuantLinear):
-        from serving.engine.lm_head import head_config, lm_head_greedy
+        from serving.engine.linear_routes import Skinny, pick
+        from serving.engine.lm_head import lm_head_greedy
 
-        config = head_config(hidden, head.weight)
-        if config is not None:
+        route = pick(head.routes, hidden)  # the head's tuned kernel, if it is a one-slice "dot" config
+        config = route.config if isinstance(route, Skinny) and route.config.kernel == "dot" else None
+        if config is not None and config.split == 1:
             return lm_head_greedy(hidden, head.weight, config, pdl=pdl)
-    logits = _linear_fn(gemm_impl, pdl=pdl)(head, hidden).float()
+    logits = _linear_of(gemm_impl, pdl)(head, hidden).float()
     return logits, greedy_tokens(logits)
 
 
@@ -677,7 +632,7 @@ def decode_step_greedy(model: Transformer, tokens: torch.Tensor, input_pos: torc
     step took 27-37 us on an H200, up to 2.8% of a Llama-1B step)."""
     gemm_impl = gemm_impl_of(model, gemm)
     x, delta = decode_layers(model, tokens, input_pos, kv_len, gemm_impl, pdl, parts.layer, parts.start)
-    return parts.head(model.norm, model.head(), x, delta, gemm_impl, pdl, getattr(model, "decode_lm_greedy", True))
+    return parts.head(model.norm, model.head(), x, delta, gemm_impl, pdl, model.options.decode_lm_greedy)
 
 
 def packed_index(prompts: list[list[int]] | list[tuple[int, ...]], rows: list[int]) -> torch.Tensor:

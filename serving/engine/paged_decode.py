@@ -12,10 +12,11 @@ prefill chunk in it):
   opened every `block_size` tokens; a whole row when a new sequence took that first block). The step
   derives each token's slot and visible length on the device. So the host's per-step work is three small
   integer arrays, not a padded `[B, W]` table, and one pinned copy.
-- **The static step's multiplications.** The projections and the MLP go through `model._linear_fn` /
-  `_gate_up_fn` with the engine's `decode_gemm` ("triton": the tuned skinny kernels where they were tuned,
-  which are the decode shapes of up to 64 rows; cuBLAS beyond), attention through
-  `paged_attention.paged_decode_attention` (the Triton kernel reading the pools through the tables).
+- **The layers' own multiplications.** The projections and the MLP call their layers, which picked their
+  GEMMs at load from the engine's options (`linears.apply_options`: with "triton" decode GEMMs the tuned
+  skinny kernels where they were tuned, which are the decode shapes of up to 64 rows; cuBLAS beyond),
+  attention through `paged_attention.paged_decode_attention` (the Triton kernel reading the pools through the
+  tables).
 - **CUDA graphs per batch bucket** (`BUCKETS`, capped at the live limit): rows past B are padding that
   writes its K/V into a trash block (block `num_blocks`, never handed out) and reads only it. The
   logits land in one shared `[max_live, V]` float32 buffer (a view of it is returned; consume it before
@@ -41,15 +42,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from serving.engine import paged_rope
-from serving.engine.model import Transformer, _gate_up_fn, _linear_fn
+from serving.engine.linear_quantized import prescale_rows_for
+from serving.engine.model import Transformer
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache, blocks_for
 from serving.engine.pdl import supported as pdl_supported
-from serving.engine.quantize import prescale_rows_for
-
-# The decode graphs' kernels launched with programmatic dependent launch where the GPU has it (Hopper and
-# later), as the static compiled step's are. Off: no steady gain on the H200 (docs/decisions.md).
-PDL = False
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
@@ -67,10 +64,10 @@ def is_decode_only(chunks: Sequence[tuple[list[int], int, list[int]]], sample: S
 
 def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                         tables: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache, rope_cos: torch.Tensor,
-                        rope_sin: torch.Tensor, gemm: str, pdl: bool = False) -> torch.Tensor:
+                        rope_sin: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """One token per row (tokens, positions, slots, lengths [B]; tables [B, W]) -> logits [B, V] in the
     model's dtype (the caller's copy into its float32 buffer converts them: one pass over [B, V], where
-    `model.logits`'s float32 result and then the copy were two, 0.63 ms of a 20.75 ms FP8 step at 1,024 rows).
+    `model.logits`'s float32 result and then the copy would be two).
     No host sync and shapes fixed by B: capturable. `pdl`: the engine's own kernels launched with programmatic
     dependent launch (each may start while the one before it drains; `serving.engine.pdl`), as the static
     compiled step's are."""
@@ -78,8 +75,7 @@ def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: tor
     bsz = tokens.shape[0]
     group = a.n_heads // a.n_kv_heads
     scale = 1.0 / math.sqrt(a.head_dim)
-    linear = _linear_fn(gemm, pdl=pdl)
-    gate_up = _gate_up_fn(gemm, pdl=pdl) if getattr(model, "decode_gate_up", True) else None
+    kernel = model.options.attention
     x = model.tok_embeddings(tokens)  # [B, D]
     layers = model.layers
     qkv_e4m3, w13_e4m3 = (prescale_rows_for(m, bsz, x.device)
@@ -87,26 +83,26 @@ def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: tor
     h = layers[0].attention_norm(x, pdl=pdl, e4m3=qkv_e4m3)
     for i, layer in enumerate(layers):
         attn = layer.attention
-        q, _ = paged_rope.rotate_and_write(linear(attn.wqkv, h), positions, slots, rope_cos, rope_sin, cache, i,
+        q, _ = paged_rope.rotate_and_write(attn.wqkv(h, pdl=pdl), positions, slots, rope_cos, rope_sin, cache, i,
                                            a.n_heads, a.n_kv_heads, keys=False, pdl=pdl)
         y = paged_decode_attention(q.view(bsz, a.n_kv_heads, group, a.head_dim), cache.k[i], cache.v[i], tables,
-                                   lengths, scale, pdl=pdl)
-        x, h = layer.ffn_norm.add(x, linear(attn.wo, y.reshape(bsz, a.q_size)), pdl=pdl, e4m3=w13_e4m3)
+                                   lengths, scale, pdl=pdl, kernel=kernel)
+        x, h = layer.ffn_norm.add(x, attn.wo(y.reshape(bsz, a.q_size), pdl=pdl), pdl=pdl, e4m3=w13_e4m3)
         last = i + 1 == len(layers)
         next_norm = model.norm if last else layers[i + 1].attention_norm
-        x, h = next_norm.add(x, layer.feed_forward(h, linear, gate_up), pdl=pdl, e4m3=qkv_e4m3 and not last)
-    return linear(model.head(), h)
+        x, h = next_norm.add(x, layer.feed_forward(h, pdl), pdl=pdl, e4m3=qkv_e4m3 and not last)
+    return model.head()(h, pdl=pdl)
 
 
 class PagedDecodeGraphs:
     """The decode-only steps of one `PagedRunner` (see the module doc). Not thread-safe: the scheduler's."""
 
     def __init__(self, model: Transformer, cache: PagedKVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
-                 max_live: int, max_seq_len: int, gemm: str, graphs: bool,
+                 max_live: int, max_seq_len: int, graphs: bool,
                  log: Callable[[str], None] = lambda line: None) -> None:
         self.model, self.cache, self.rope_cos, self.rope_sin = model, cache, rope_cos, rope_sin
-        self.gemm, self.use_graphs, self.log = gemm, graphs, log
-        self.pdl = PDL and pdl_supported(rope_cos.device)
+        self.use_graphs, self.log = graphs, log
+        self.pdl = model.options.decode_pdl and pdl_supported(rope_cos.device)
         self.block_size = cache.block_size
         self.trash = cache.num_blocks - 1  # the pool's last block: padding rows write and read only it
         self.width = blocks_for(max_seq_len, self.block_size)
@@ -189,7 +185,7 @@ class PagedDecodeGraphs:
         bs = self.block_size
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         logits = paged_decode_logits(self.model, tokens, positions, slots, tables, positions + 1, self.cache,
-                                     self.rope_cos, self.rope_sin, self.gemm, pdl=self.pdl)
+                                     self.rope_cos, self.rope_sin, pdl=self.pdl)
         self.logits[:bsz].copy_(logits)
 
     # -- graphs -----------------------------------------------------------------------------------
@@ -215,9 +211,10 @@ class PagedDecodeGraphs:
 
     def drop_graphs(self) -> None:
         """Forget every captured graph and their memory pool: the next steps capture afresh (a new pool: one
-        whose graphs are all gone cannot be captured into again), with `PDL` as it is then."""
+        whose graphs are all gone cannot be captured into again), with the model's options as they are then
+        (`decode_pdl`)."""
         self.graphs.clear()
-        self.pdl = PDL and pdl_supported(self.device)
+        self.pdl = self.model.options.decode_pdl and pdl_supported(self.device)
         if self.use_graphs:
             torch.cuda.synchronize()
             self.pool = torch.cuda.graph_pool_handle()

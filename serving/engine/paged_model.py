@@ -41,17 +41,11 @@ import numpy as np
 import torch
 
 from serving.engine import paged_rope
+from serving.engine.linear_quantized import prescale_rows_for
 from serving.engine.model import Transformer
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.paged_cache import PagedKVCache
 from serving.engine.prefill_attention import sdpa
-from serving.engine.quantize import prescale_rows_for
-
-# CUDA: prompt attention takes SDPA's grouped heads (`enable_gqa`, FlashAttention reads each K/V head for its
-# query heads) instead of copying K and V out to every query head first: two copies of a step's K/V size a
-# layer, 10.7 ms of a 16,384-token FP8 prompt step on the H200. The CPU keeps the copies (its kernels then
-# match the static engine's prefill, which the CPU tests hold the paged one to token for token).
-GQA_IN_SDPA = True
 
 # The most context positions (chunks x gathered positions) one batched attention over later prompt chunks reads
 # at once: bounds the copies of K and V it makes (Llama-8B, bf16: 4 KiB a position gathered, 16 KiB more with the
@@ -158,7 +152,8 @@ def _tables(chunks: Sequence[ChunkPlan], held: np.ndarray, width: int) -> np.nda
 def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope_cos: torch.Tensor,
                   rope_sin: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
     """Run `step` through the model, writing its K/V into `cache` -> float32 logits [N, V] of the tokens in
-    `step.sample_index` (or of every token, [T, V], with `all_logits`)."""
+    `step.sample_index` (or of every token, [T, V], with `all_logits`). How: `model.options`."""
+    options = model.options
     a = model.args
     total = step.num_tokens
     group = a.n_heads // a.n_kv_heads
@@ -177,15 +172,16 @@ def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope
         q, k = paged_rope.rotate_and_write(qkv, step.positions, step.slots, rope_cos, rope_sin, cache, i,
                                            a.n_heads, a.n_kv_heads, keys=True)
         if whole:  # one group of prompts is the whole step (the usual prefill step): its output is y
-            y = _fresh_attention(q, k, v, step.fresh_groups[0], group, 0)
+            y = _fresh_attention(q, k, v, step.fresh_groups[0], group, 0, gqa_in_sdpa=options.gqa_in_sdpa)
         else:
             y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
             if single:
                 qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]
                 y[step.single_rows] = paged_decode_attention(qg, cache.k[i], cache.v[i], step.single_tables,
-                                                             step.single_lengths, scale).reshape(single, a.q_size)
+                                                             step.single_lengths, scale, kernel=options.attention
+                                                             ).reshape(single, a.q_size)
             for rows, first in zip(step.fresh_groups, step.fresh_firsts):
-                out = _fresh_attention(q, k, v, rows, group, first)
+                out = _fresh_attention(q, k, v, rows, group, first, gqa_in_sdpa=options.gqa_in_sdpa)
                 if first is None:
                     y[rows.flatten()] = out
                 else:
@@ -209,17 +205,19 @@ def _whole_step_group(step: PagedStep, total: int) -> bool:
 
 
 def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, group: int,
-                     first: int | None = None) -> torch.Tensor:
+                     first: int | None = None, *, gqa_in_sdpa: bool = True) -> torch.Tensor:
     """m chunks of n tokens from position 0 (their token indices `rows` [m, n]; `first`: the first of them
     when they lie in a row, read as views instead of gathered), causal over their own keys/values
-    (q [T, H, hd], k, v [T, Hkv, hd]) -> [m * n, H * hd]."""
+    (q [T, H, hd], k, v [T, Hkv, hd]) -> [m * n, H * hd]. `gqa_in_sdpa` (CUDA): SDPA's grouped heads read each
+    K/V head for its query heads, instead of K and V copied out to every query head first; the CPU keeps the
+    copies (its kernels then match the static engine's prefill, which the CPU tests hold the paged one to)."""
     m, n = rows.shape
     if first is None:
         qc, kc, vc = q[rows], k[rows], v[rows]  # [m, n, heads, hd]
     else:
         span = slice(first, first + m * n)
         qc, kc, vc = (t[span].view(m, n, *t.shape[1:]) for t in (q, k, v))
-    gqa = group > 1 and GQA_IN_SDPA and q.is_cuda
+    gqa = group > 1 and gqa_in_sdpa and q.is_cuda
     if group > 1 and not gqa:
         kc, vc = kc.repeat_interleave(group, dim=2), vc.repeat_interleave(group, dim=2)
     out = sdpa(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), is_causal=True, enable_gqa=gqa)

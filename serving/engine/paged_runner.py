@@ -18,8 +18,9 @@ half the bytes of a bf16 one, so `free_mem_fraction` sizes twice the blocks; a G
 8.9 is refused at load (`paged_cache.check_kv_cache_device`).
 
 A step of decodes only (every live request past its prompt) runs through `paged_decode.PagedDecodeGraphs`:
-block tables kept on the device, the static step's GEMMs (`decode_gemm`), on CUDA one graph per batch
-bucket. A step with a prefill chunk in it runs `paged_model.paged_forward` eagerly.
+block tables kept on the device, the layers' GEMMs as picked at load for the engine's options
+(`options.resolve_options`, `linears.apply_options`), on CUDA one graph per batch bucket. A step with a
+prefill chunk in it runs `paged_model.paged_forward` eagerly.
 
 Imports: stdlib and torch only.
 """
@@ -27,7 +28,7 @@ Imports: stdlib and torch only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,9 @@ import torch
 
 from serving.engine.build import EngineInfo
 from serving.engine.errors import EngineLimitError
+from serving.engine.linears import apply_options
 from serving.engine.model import Transformer, rope_cos_sin
+from serving.engine.options import resolve_options
 from serving.engine.paged_cache import (
     BlockAllocator,
     PagedKVCache,
@@ -52,7 +55,7 @@ from serving.engine.paged_decode import PagedDecodeGraphs, is_decode_only
 from serving.engine.paged_model import ChunkPlan, build_step, paged_forward
 from serving.engine.paged_scheduler import PagedRequest, PagedScheduler
 from serving.engine.prefix_cache import PrefixCachingAllocator
-from serving.engine.runner import Generation, load_model, pick_decode_gemm
+from serving.engine.runner import Generation, load_model
 from serving.engine.sampling import SamplingParams
 
 
@@ -60,7 +63,8 @@ class PagedRunner:
     """A loaded engine with a paged KV cache. Not thread-safe: one scheduler drives it."""
 
     def __init__(self, info: EngineInfo, model: Transformer, device: torch.device, config: PagedKVConfig, *,
-                 decode_gemm: str = "torch", cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True) -> None:
+        """`model` runs as its `options` say (`linears.apply_options` before this, or its defaults)."""
         a, lim = info.model, info.limits
         weight = model.tok_embeddings.weight
         self.info, self.model, self.device, self.config = info, model, device, config
@@ -82,8 +86,7 @@ class PagedRunner:
         cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
         self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
         self.decode = PagedDecodeGraphs(model, self.cache, self.rope_cos, self.rope_sin, max_live=self.max_live,
-                                        max_seq_len=lim.max_seq_len, gemm=decode_gemm,
-                                        graphs=cuda_graphs and device.type == "cuda")
+                                        max_seq_len=lim.max_seq_len, graphs=cuda_graphs and device.type == "cuda")
         self.step_events: list | None = None  # set by `generate(events=...)` on CUDA: one event per sampling step
 
     @torch.no_grad()
@@ -239,19 +242,19 @@ def _recorded_event() -> torch.cuda.Event:
 
 
 def load_paged_engine(engine_dir: Path, *, config: PagedKVConfig | None = None, device: str = "auto",
-                      decode_attention: str = "auto", decode_gemm: str = "auto",
-                      prefix_caching: bool | None = None) -> PagedRunner:
+                      overrides: Mapping[str, Any] | None = None, prefix_caching: bool | None = None
+                      ) -> PagedRunner:
     """Read, check and load an engine folder with a paged KV cache sized by `config` (default: the engine's
     own `paged` settings, from its build; see module doc). Also Triton's `llm` model's `engine_loader`
-    (`serving.engine.paged_runner:load_paged_engine`). `decode_gemm` is `load_engine`'s (the decode-only
-    steps' GEMMs); `decode_attention` is accepted for its signature and unused (the paged kernel reads the
-    pools); `prefix_caching` (None: as configured) turns prefix caching on or off for this load."""
+    (`serving.engine.paged_runner:load_paged_engine`). `overrides`: `EngineOptions` fields set for this load
+    (`options.resolve_options`; `decode_attention` has no effect here: the paged kernel reads the pools);
+    `prefix_caching` (None: as configured) turns prefix caching on or off for this load."""
     info, model, dev = load_model(engine_dir, device=device)
-    gemm = pick_decode_gemm(decode_gemm, dev, model.tok_embeddings.weight.dtype)
+    apply_options(model, resolve_options(dev, info, overrides))
     config = config or info.paged
     if config is None:
         raise EngineLimitError(f"engine {str(info.path)!r} was built without paged KV settings (engine.paged); "
                                "build it with engine.paged set, or pass config=PagedKVConfig(...)")
     if prefix_caching is not None:
         config = dataclasses.replace(config, prefix_caching=prefix_caching)
-    return PagedRunner(info, model, dev, config, decode_gemm=gemm)
+    return PagedRunner(info, model, dev, config)

@@ -20,9 +20,10 @@ Imports: stdlib and torch only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,9 +31,10 @@ from serving.engine.build import EngineInfo, check_toolchain, read_engine_info
 from serving.engine.convert import DTYPES
 from serving.engine.decode_state import DecodeState
 from serving.engine.errors import EngineFormatError, EngineLimitError
+from serving.engine.linears import apply_options, install_quantized_linears
 from serving.engine.model import Transformer, decode_step, packed_index, prefill_packed
+from serving.engine.options import pick_decode_attention, resolve_options  # noqa: F401 (the bench's name)
 from serving.engine.quantize import check_device as check_quantization_device
-from serving.engine.quantize import install_quantized_linears
 from serving.engine.sampling import SamplingParams, chosen_logprobs, sample
 
 DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -288,7 +290,8 @@ class EngineRunner:
 
 
 def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = True,
-                decode_attention: str = "auto", decode_gemm: str = "auto") -> EngineRunner:
+                decode_attention: str = "auto", decode_gemm: str = "auto",
+                overrides: Mapping[str, Any] | None = None) -> EngineRunner:
     """Read, check (toolchain) and load an engine folder onto `device` ("auto": cuda if available).
 
     On CUDA the decode step replays CUDA graphs unless `cuda_graphs=False`. `decode_attention`:
@@ -298,9 +301,8 @@ def load_engine(engine_dir: Path, *, device: str = "auto", cuda_graphs: bool = T
     for attention)."""
     info, model, dev = load_model(engine_dir, device=device)
     model.setup_caches(info.limits.max_batch_size, info.limits.max_seq_len)
-    dtype = model.tok_embeddings.weight.dtype
-    model.decode_attention_impl = pick_decode_attention(decode_attention, dev, dtype)
-    model.decode_gemm_impl = pick_decode_gemm(decode_gemm, dev, dtype)
+    given = {"decode_attention": decode_attention, "decode_gemm": decode_gemm, **(overrides or {})}
+    apply_options(model, resolve_options(dev, info, given))
     return EngineRunner(info, model, dev, cuda_graphs=cuda_graphs)
 
 
@@ -324,46 +326,3 @@ def load_model(engine_dir: Path, *, device: str = "auto") -> tuple[EngineInfo, T
         raise EngineFormatError(f"engine {str(info.path)!r}: its weights do not match engine.json (quantization "
                                 f"{info.quantization.method!r}): {exc}") from None
     return info, model.to(dev).eval().requires_grad_(False), dev
-
-
-def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> "triton" for a half-precision model on CUDA when Triton is importable, else "matmul".
-
-    float32 engines are the exactness reference and keep the matmul path: in the one H200 run of the
-    fused kernel under torch.compile, the float32 compiled-vs-eager token check failed and could not be
-    re-run (docs/decisions.md)."""
-    if choice not in ("auto", "triton", "matmul"):
-        raise EngineLimitError(f"decode_attention={choice!r}: expected 'auto', 'triton' or 'matmul'")
-    if choice == "matmul" or (choice == "auto" and (device.type != "cuda" or dtype == torch.float32)):
-        return "matmul"
-    from serving.engine.decode_attention import triton_available
-
-    has_triton = triton_available()
-    if has_triton and device.type == "cuda":
-        return "triton"
-    if choice == "triton":
-        raise EngineLimitError(f"decode_attention='triton' needs CUDA and Triton (device {device}, Triton "
-                               f"{'importable' if has_triton else 'not importable'})")
-    return "matmul"
-
-
-def pick_decode_gemm(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> "triton" for a half-precision model on a GPU of the kind the kernels were tuned on
-    (compute capability 9.0) when Triton is importable, else "torch"."""
-    if choice not in ("auto", "triton", "torch"):
-        raise EngineLimitError(f"decode_gemm={choice!r}: expected 'auto', 'triton' or 'torch'")
-    if choice == "torch" or (choice == "auto" and (device.type != "cuda" or dtype == torch.float32)):
-        return "torch"
-    from serving.engine.skinny_gemm import TUNED_CAPABILITY, triton_available, tuned_for
-
-    if triton_available() and tuned_for(device):
-        return "triton"
-    if choice == "triton":
-        where = (f"compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
-                 if device.type == "cuda" else f"device {device}")
-        raise EngineLimitError(
-            f"decode_gemm='triton' needs Triton and a GPU of compute capability "
-            f"{'.'.join(map(str, TUNED_CAPABILITY))} (the kernels' table was tuned on an H200); here: {where}, "
-            f"Triton {'importable' if triton_available() else 'not importable'}. Use decode_gemm='torch', or "
-            f"tune this GPU with `python3 -m serving.bench gemms`")
-    return "torch"
