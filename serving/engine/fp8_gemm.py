@@ -3,7 +3,8 @@
 A decode step's GEMM reads each weight once, so its time is the weight's bytes over the bandwidth. The
 row-wise `torch._scaled_mm` tiles N only: an output narrower than about one wave of 128-wide tiles (8B
 wqkv, wo, w2; every Llama-1B GEMM but w13) leaves SMs idle, and the weight-only decode kernels
-(`skinny_gemm`, e4m3 converted to bf16 in registers, bf16 MMAs) reach about 2 TB/s at 64 rows. Here a
+(`skinny_gemm`, e4m3 converted to bf16 in registers, bf16 MMAs) reach about half the bandwidth at 64 rows
+(docs/quantization.md). Here a
 program per (BLOCK_N output columns, K slice) multiplies the weight tile [BLOCK_N, BLOCK_K] (e4m3, read as
 stored) by the tokens' tile [BLOCK_K, BLOCK_M] (e4m3, each token scaled by its own max:
 `quantize.quantize_tokens_fp8`, torch ops that the decode step's compile fuses into the RMSNorm or SiLU * up

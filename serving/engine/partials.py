@@ -3,9 +3,9 @@
 `sum_partials` adds them in float32 in split order and rounds once, as cuBLAS rounds its float32 accumulators.
 Traced by torch.compile it is pointwise adds, which inductor fuses into the consumer's kernel (a residual add
 and RMSNorm), where a sum over dim 0 would run alone. Run eagerly on CUDA (the paged decode graphs, the static
-engine's eager step) those adds were a kernel each plus the cast: `wo` of Llama-3.1-8B at one row is split 8
-ways, nine kernels of a few microseconds for a 4,096-wide sum. There one Triton kernel does it, with the same
-additions in the same order (bit-equal).
+engine's eager step) those adds were a kernel each plus the cast: a GEMM split 8 ways took nine kernels for
+one row's sum. There one Triton kernel does it, with the same additions in the same order (bit-equal);
+`EngineOptions.partial_sums_one_kernel` off keeps the adds (what it gains: docs/decisions.md).
 
 Imports: torch; Triton only if importable.
 """

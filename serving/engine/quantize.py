@@ -8,10 +8,11 @@ Methods (`engine.quantization` in the release spec):
   tensor cores (compute capability 8.9 or later, bf16 engines), GEMMs scale each activation row (token)
   to e4m3 at run time (`quantize_tokens_fp8`) and multiply e4m3 x e4m3, both scales in the epilogue:
   prefill GEMMs (more than 64 rows) through `torch._scaled_mm`; decode GEMMs (1-64 rows) of the shapes in
-  `fp8_gemm.TUNED_FP8` (on compute capability 9.0: every Llama-1B/8B projection) through the split-K
-  `fp8_gemm` kernel; other decode GEMMs of 16-64 rows with outputs at least `FP8_TENSOR_CORE_MIN_N` wide
-  through `_scaled_mm`. The remaining decode GEMMs take the weight-only decode kernels, which read `Q` and
-  `s` at their stored precision and convert the tile exactly in registers (`skinny_gemm`, `gate_up`).
+  the device's tuned `fp8` table (`tuned_tables`) through the split-K `fp8_gemm` kernel; other decode GEMMs of
+  16-64 rows with outputs at least `FP8_TENSOR_CORE_MIN_N` wide through `_scaled_mm`. The remaining decode
+  GEMMs take the weight-only decode kernels, which read `Q` and `s` at their stored precision and convert the
+  tile exactly in registers (`skinny_gemm`, `gate_up`). Each layer picks among these at load
+  (`linear_fp8.Fp8Linear`, `linear_int8.Int8Linear`).
 - `int8-weight-only`: `Q` is int8, `s = max|W[n]| / 127`, round to nearest; activations stay in the
   engine dtype everywhere (for GPUs without FP8 and for the CPU).
 
@@ -21,15 +22,15 @@ the engine dtype. Each quantized tensor `<name>` has its scale beside it in the 
 `<name>_scale` (`SCALE_SUFFIX`). `engine.json` records it all under `quantization` (`QuantInfo.to_dict`).
 
 The CPU (and any device without the kernels) runs the same engines through the dequantizing reference
-path `QuantLinear.reference`: the weight is dequantized on the fly into the engine dtype and multiplied
+path `linear_quantized.QuantLinear.reference`: the weight is dequantized on the fly into the engine dtype and multiplied
 by F.linear, so CI exercises every quantized engine. That is weight-only numerics for fp8 too: the CPU
 has no FP8 tensor cores. `fp8_emulated_linear` reproduces the per-token activation rounding on any
 device (the same e4m3 values and scales; only the accumulation order and precision differ from the
 tensor cores'), for tests and quality measurements. On the CPU an fp8 layer keeps its dequantized weight
-after the first call (`QuantLinear.dequantized`): torch converts e4m3 to float there at about 80 M
-elements/s (SmolLM2-135M: ~1.4 s of every forward), so an fp8 engine on the CPU takes the memory of its
+after the first call (`QuantLinear.dequantized`): torch's e4m3-to-float conversion on the CPU is slow
+enough to dominate every forward (docs/quantization.md), so an fp8 engine on the CPU takes the memory of its
 engine dtype; it is the reference path, not a way to save CPU memory (int8 weight-only is, and its
-conversion is 4x faster: it is dequantized at every call).
+conversion is faster: it is dequantized at every call).
 
 Imports: stdlib and torch only (this module runs inside Triton's python backend).
 """
@@ -98,7 +99,7 @@ class QuantInfo:
             "scales": {"granularity": "per-output-channel", "dtype": "float32", "suffix": SCALE_SUFFIX,
                        "where": "tensor '<weight name>_scale' [N] beside each quantized weight, same file"},
             "activations": ("per-token e4m3 at run time in FP8 tensor-core GEMMs (prefill; decode GEMMs in "
-                            "fp8_gemm.TUNED_FP8, and of >= "
+                            "the device's tuned fp8 table, and of >= "
                             f"{FP8_TENSOR_CORE_MIN_ROWS} rows where N >= {FP8_TENSOR_CORE_MIN_N}); engine dtype in "
                             "the weight-only decode kernels and on the CPU"
                             if self.method == FP8 else "engine dtype"),

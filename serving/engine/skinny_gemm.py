@@ -14,8 +14,8 @@ Three kernels:
   `tl.dot`) and its weight tile, accumulating in float32 on the tensor cores;
 - "dott" (the same product transposed, out^T = W x^T): the weight tile is the first operand, which
   Hopper's tensor cores can take from registers, so a quantized tile converted there goes straight into
-  the product instead of back through shared memory (the "dot" kernel on fp8 weights at 64 rows read
-  them at 1.7-1.9 TB/s, against 3.9 for bf16);
+  the product instead of back through shared memory (the "dot" kernel on fp8 weights at 64 rows reached
+  about half the bandwidth it reaches on bf16 ones: docs/quantization.md);
 - "gemv" (M == 1): a program per (BLOCK_N columns, K slice) multiplies and sums on the CUDA cores.
 
 `config_for(m, n, k, table)` looks the shape up in the device's tuned table (`tuned_tables`, written by the
