@@ -219,3 +219,22 @@ def test_options_are_read_from_the_model_not_getattr():
     assert not [str(p) for p, text in sources if 'getattr(model, "decode_' in text]
     assert not [str(p) for p, text in sources if "_linear_fn" in text or "_gate_up_fn" in text]
     assert options_module.OVERRIDABLE[0] == "decode_gemm"
+
+
+def test_the_h200_tables_route_every_llama_8b_fp8_decode_gemm_to_the_split_k_fp8_kernel(cuda_tensors, monkeypatch):
+    """What the tables were tuned for: on the H200 every Llama-3.1-8B fp8 projection at 1 and 2-64 rows runs the
+    split-K FP8 kernel, prompt rows `_scaled_mm`; the bf16 layers the skinny kernel where it beat cuBLAS."""
+    from serving.engine.linear_fp8 import Fp8Linear
+    from serving.engine.linear_routes import SplitKFp8, TensorCores
+
+    monkeypatch.setattr(Fp8Linear, "takes_tensor_cores", lambda self: True)
+    options = dataclasses.replace(EngineOptions(decode_gemm="triton"), tuned=read_file(TUNED_DIR / "NVIDIA_H200.json"))
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        fp8 = Fp8Linear(k, n, bias=False, dtype=torch.bfloat16)
+        fp8.apply_options(options)
+        bf16 = FloatLinear(k, n, bias=False, device="meta")
+        bf16.apply_options(options)
+        for rows in (1, 2, 15, 16, 64):
+            assert isinstance(pick(fp8.routes, torch.zeros(rows, k)), SplitKFp8), (n, k, rows)
+        assert isinstance(pick(fp8.routes, torch.zeros(65, k)), TensorCores), (n, k)
+        assert isinstance(pick(bf16.routes, torch.zeros(64, k)), Skinny), (n, k)

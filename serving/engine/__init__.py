@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
                      "EngineFormatError", "EngineIntegrityError", "EngineLimitError", "ToolchainMismatchError",
                      "UnsupportedArchitectureError"), "errors"),
     **dict.fromkeys(("SUPPORTED_ARCHITECTURES", "KVCache", "ModelArgs", "Transformer"), "model"),
+    **dict.fromkeys(("AttentionKernelOptions", "EngineOptions", "resolve_options"), "options"),
     **dict.fromkeys(("EngineRunner", "Generation", "load_engine"), "runner"),
     **dict.fromkeys(("SamplingParams", "sample"), "sampling"),
 }

@@ -25,7 +25,6 @@ from serving.engine.linear_routes import (
     Skinny,
     TorchLinear,
     Unfused,
-    bucket_rows,
     pick,
 )
 from serving.engine.options import EngineOptions
@@ -111,12 +110,11 @@ def float_routes(layer: Routed, options: EngineOptions) -> tuple[Routes, Routes]
     n, k = layer.weight.shape
     routes: list[tuple[int, Route]] = []
     gated: list[tuple[int, Route]] = []
-    for most in DECODE_BUCKETS:
-        rows = bucket_rows(most)
+    for rows in DECODE_BUCKETS:  # each bucket's config, looked up at its largest row count
         config = config_for(rows, n, k, options.tuned.skinny)
         fits = config is not None and config.fits(rows, n, k)
-        routes.append((most, Skinny(config, one_kernel_sum=options.partial_sums_one_kernel) if fits
+        routes.append((rows, Skinny(config, one_kernel_sum=options.partial_sums_one_kernel) if fits
                        else TorchLinear()))
         fused = gate_up.config_for(rows, n // 2, k, options.tuned) if options.decode_gate_up else None
-        gated.append((most, GateUpKernel(fused) if fused is not None and gate_up.fits(fused, rows, k) else Unfused()))
+        gated.append((rows, GateUpKernel(fused) if fused is not None and gate_up.fits(fused, rows, k) else Unfused()))
     return (*routes, (ANY_ROWS, TorchLinear())), (*gated, (ANY_ROWS, Unfused()))

@@ -72,7 +72,7 @@ def fp8_routes(layer: Fp8Linear, options: EngineOptions) -> tuple[Routes, Routes
     n, k = layer.weight.shape
     routes: list[tuple[int, Route]] = []
     gated: list[tuple[int, Route]] = []
-    for most, rows in ((1, 1), (FEW_ROWS, FEW_ROWS), (MAX_ROWS, MAX_ROWS)):
+    for rows in (1, FEW_ROWS, MAX_ROWS):  # each bucket's route, picked at its largest row count
         split_k = options.tuned.fp8.get((1 if rows == 1 else MAX_ROWS, n, k))
         if decode_tensor_cores and layer.bias is None and split_k is not None and fp8_gemm.fits(split_k, rows, n, k):
             route: Route = SplitKFp8(split_k, options.fp8_row_scaling_in_kernel, options.partial_sums_one_kernel)
@@ -82,9 +82,9 @@ def fp8_routes(layer: Fp8Linear, options: EngineOptions) -> tuple[Routes, Routes
             route = Skinny(config, scaled=True, one_kernel_sum=options.partial_sums_one_kernel)
         else:
             route = prompt if decode_tensor_cores and rows >= FP8_TENSOR_CORE_MIN_ROWS else Dequantized()
-        routes.append((most, route))
+        routes.append((rows, route))
         fused = (gate_up.config_for(rows, n // 2, k, options.tuned, quantized=True)
                  if options.decode_gate_up and isinstance(route, Skinny) else None)
-        gated.append((most, GateUpKernel(fused, scaled=True) if fused is not None and gate_up.fits(fused, rows, k)
+        gated.append((rows, GateUpKernel(fused, scaled=True) if fused is not None and gate_up.fits(fused, rows, k)
                       else Unfused()))
     return (*routes, (ANY_ROWS, prompt)), (*gated, (ANY_ROWS, Unfused()))

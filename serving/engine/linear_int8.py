@@ -39,11 +39,11 @@ def int8_routes(layer: Int8Linear, options: EngineOptions) -> tuple[Routes, Rout
     n, k = layer.weight.shape
     routes: list[tuple[int, Route]] = []
     gated: list[tuple[int, Route]] = []
-    for most in (1, MAX_ROWS):
-        config = quantized_config_for(most, n, k, options.tuned, int8=True)
-        routes.append((most, Dequantized() if config is None
+    for rows in (1, MAX_ROWS):  # each bucket's config, looked up at its largest row count
+        config = quantized_config_for(rows, n, k, options.tuned, int8=True)
+        routes.append((rows, Dequantized() if config is None
                        else Skinny(config, scaled=True, one_kernel_sum=options.partial_sums_one_kernel)))
-        fused = gate_up.config_for(most, n // 2, k, options.tuned, quantized=True) if options.decode_gate_up else None
-        gated.append((most, GateUpKernel(fused, scaled=True) if fused is not None and gate_up.fits(fused, most, k)
+        fused = gate_up.config_for(rows, n // 2, k, options.tuned, quantized=True) if options.decode_gate_up else None
+        gated.append((rows, GateUpKernel(fused, scaled=True) if fused is not None and gate_up.fits(fused, rows, k)
                       else Unfused()))
     return (*routes, (ANY_ROWS, Dequantized())), (*gated, (ANY_ROWS, Unfused()))

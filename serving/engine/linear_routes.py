@@ -137,8 +137,3 @@ class GateUpKernel(Route):
 
         return gate_up(x, module.weight, config=self.config, pdl=pdl,
                        scale=module.weight_scale if self.scaled else None)
-
-
-def bucket_rows(most: int) -> int:
-    """The row count a bucket's config is looked up at: 1 for the one-row bucket, else its largest."""
-    return 1 if most == 1 else most
