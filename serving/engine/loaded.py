@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from serving.engine.quantize import QuantLinear, model_quantization
+from serving.engine.linear_quantized import QuantLinear, model_quantization
 
 STATIC = "static"
 PAGED = "paged"
@@ -52,13 +52,13 @@ def loaded_configuration(runner: Any) -> LoadedConfiguration:
     cache = runner.cache if hasattr(runner, "cache") else None
     if cache is not None:  # a paged runner: its block pools
         kv_dtype, kind, attention = cache.k[0].dtype, PAGED, PAGED
-        gemm = runner.decode.gemm
+        gemm = model.options.decode_gemm
     else:
         first = model.layers[0].attention.kv_cache
         if first is None:
             raise ValueError("loaded_configuration: the model has no KV cache (setup_caches() was not called)")
         kv_dtype, kind = first.k_cache.dtype, STATIC
-        attention, gemm = model.decode_attention_impl, model.decode_gemm_impl
+        attention, gemm = model.options.decode_attention, model.options.decode_gemm
     return LoadedConfiguration(
         device=str(runner.device),
         weight_dtype=dtype_name(model.tok_embeddings.weight.dtype),
