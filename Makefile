@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # imports, every time: each test's servers, CLIs and Triton stubs import torch, transformers, MLflow or Prefect.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test lint clean browser
+.PHONY: demo test test-kernels test-kernels-all lint clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,11 +32,24 @@ demo: $(STAMP)
 # The 30 slowest tests are listed at the end, to see where the time goes.
 # Then the files in ALONE, in a second pytest with the machine to themselves: the gray release's load test
 # holds p99 through a rollout within 1.5x of steady state (issue 27), and three workers beside it on two
-# cores would make that a measure of the other tests. Both runs go ahead; the target fails when either does.
+# cores would make that a measure of the other tests. All three runs go ahead; the target fails when any does.
+# The kernel tests on CPU tensors (mark `interpreter`) run in `test-kernels` instead, after the parallel run.
 ALONE := tests/test_rollout_triton.py
 test: $(STAMP) browser
-	$(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30 $(ALONE:%=--ignore=%); \
-	  parallel=$$?; $(BIN)/pytest -q $(ALONE) && exit $$parallel
+	$(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30 -m "not interpreter" \
+	  $(ALONE:%=--ignore=%); parallel=$$?; \
+	  $(MAKE) --no-print-directory test-kernels; kernels=$$?; \
+	  $(BIN)/pytest -q $(ALONE) && [ $$parallel = 0 ] && [ $$kernels = 0 ]
+
+# Triton's kernels on CPU tensors under its interpreter: Triton chooses the interpreter when a kernel is defined,
+# so TRITON_INTERPRET=1 is set for this pytest alone, which runs only the `interpreter` tests (tests/conftest.py),
+# spread test by test over the workers; `large` cases (minutes of CPU each) only in test-kernels-all.
+# KERNEL_TESTS: the files that use the mark.
+KERNEL_TESTS = $(shell grep -l "mark.interpreter" tests/test_*.py)
+test-kernels: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/pytest -q -n 3 --dist load --durations=10 -m "interpreter and not large" $(KERNEL_TESTS)
+test-kernels-all: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/pytest -q -n 3 --dist load --durations=10 -m interpreter $(KERNEL_TESTS)
 
 # The browser test (tests/test_browser_approval.py) drives Debian's headless Chromium: installed when missing
 # and apt-get may (root, as in CI); where it cannot, that test skips saying why.

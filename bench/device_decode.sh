@@ -7,6 +7,7 @@
 #    side with the HF peers ($PEERS, "" for none),
 #  - `bench profile` of $PROFILE_VARIANTS at $PROFILE_SHAPE while time is left (PROFILE_BEFORE_S).
 # Results under $OUT: steps.log, gpu-tests.log, offline-<shape>.json/.log, profile.json/.log.
+# Also read from the environment (default): OFFLINE_S=300, PROFILE_BATCH=1,64, PROFILE_S=150, TESTS_S=240.
 set -u
 OUT=${OUT:-/tmp/decode-out}
 mkdir -p "$OUT"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27's rollout latency on the device (one H200, from the repo root, wheels of bench/device_wheels.sh
+# A gray release's latency on the device, phase by phase (one H200, from the repo root, wheels of bench/device_wheels.sh
 # in $WHL, default .whl/): in one call, the 1B engine built (random bf16 weights -> HF checkpoint -> convert ->
 # build; max batch 64, 256 positions), staged as three versions of one release (decoupled llm, eager decode:
 # no torch.compile, so three loads fit the device budget), and `bench rollout` under steady load:
@@ -8,6 +8,7 @@
 # Triton's stub and the clients run in /tmp/venv, where numpy 1.26 shadows the image's numpy 2.
 # PARAMS: more arguments of `bench rollout`, e.g. PARAMS="--param admit_every_steps=8".
 # Results under $OUT: steps.log, rollout.json, rollout.log, triton.log.
+# Also read from the environment (default): GEN_LEN=32, HOLD_S=3, ROLLOUT_S=150, STEADY_S=10.
 set -u
 OUT=${OUT:-/tmp/rollout-out}
 WHL=${WHL:-.whl}

@@ -15,6 +15,7 @@
 #      its unload, PYSPY_RATE a second (default 100): `.whl/py-spy`, the binary of the py-spy wheel, carried; it
 #      pauses the stub at each sample, so that variant's figures are not comparable).
 # Results under $OUT: steps.log, offline.json/.log, served.json/.log, triton.log, pyspy-llm.txt (collapsed stacks).
+# Also read from the environment (default): BUILD_S=240, FRACTION=0.85, OFFLINE=1, OFFLINE_S=200, SERVED_S=360.
 set -u
 OUT=${OUT:-/tmp/served-paged-out}
 W=/tmp/sp

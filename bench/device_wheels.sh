@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheels that bench/device_issue7.sh needs on the device (which has no internet), assembled
+# The wheels that bench/device_served.sh needs on the device (which has no internet), assembled
 # here from PyPI into .whl/ (git-ignored; carry it: `run(..., carry=[".whl"])`, under the 64 MiB limit):
 #  - numpy 1.26.4 and python-rapidjson 1.20 for CPython 3.12 (the Triton stub's venv),
 #  - pytriton-312.tar.xz: the nvidia-pytriton 0.7.0 wheel's pytriton/, nvidia_pytriton.libs/ and dist-info

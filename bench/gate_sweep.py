@@ -13,7 +13,7 @@ summary gives the count of good builds refused and the largest margin of each me
 
 CPU (docs/gates.md's figures):
     .venv/bin/python bench/gate_sweep.py --threads 1 --out /tmp/sweep.json
-The H200 check (bench/device_gates.sh):
+The H200 check (bench/device_gate_sweep.sh):
     python3 bench/gate_sweep.py --device cuda --gguf SmolLM2.gguf --tiny-seeds 0 --faults int8_round,drop_layer
 """
 

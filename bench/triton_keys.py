@@ -1,5 +1,5 @@
 """What each Triton compile's cache key is made of, logged per process: why a kernel put back from the compile
-cache is compiled again (`device_loadcache.sh` with KEYS=1; `report` compares the first load's against the
+cache is compiled again (`device_load_time.sh` with KEYS=1; `report` compares the first load's against the
 second's).
 
 `install()` wraps Triton's `get_cache_key` (the key of a compile: Triton's own version, the kernel's source hash

@@ -285,8 +285,17 @@ class SlowdownLimit:
     """The largest candidate/live ratio within budget, how many candidate samples detect it, and why."""
 
     ratio: float
-    needed: int
+    needed: int  # capped at compare.max_samples
     basis: str
+    uncapped: int  # what the power calculation asked for
+
+    def sizing(self, power: float, spread: float) -> str:
+        """How many candidate samples detect the limit, for a reason."""
+        how = f"with {power:.0%} power at the observed spread {spread:.3f} (log-ratio SE x sqrt(n))"
+        if self.needed >= self.uncapped:
+            return f"{self.needed} candidate samples detect it {how}"
+        return (f"detecting it {how} needs {self.uncapped} candidate samples; the window plans for "
+                f"compare.max_samples {self.needed}")
 
 
 def slowdown_limit(spec: ComparisonSpec, kind: str, spread: float, median_live: float | None) -> SlowdownLimit:
@@ -302,9 +311,9 @@ def slowdown_limit(spec: ComparisonSpec, kind: str, spread: float, median_live: 
                  f"because compare.max_slowdown {spec.max_slowdown:.0%} would need {need} candidate samples "
                  f"(more than compare.max_samples {spec.max_samples})")
         need_floor = samples_needed(floored, spread, spec.alpha, spec.power)
-        return SlowdownLimit(floored, max(spec.min_samples, min(need_floor, spec.max_samples)), basis)
+        return SlowdownLimit(floored, max(spec.min_samples, min(need_floor, spec.max_samples)), basis, need_floor)
     return SlowdownLimit(relative, max(spec.min_samples, min(need, spec.max_samples)),
-                         f"compare.max_slowdown {spec.max_slowdown:.0%}")
+                         f"compare.max_slowdown {spec.max_slowdown:.0%}", need)
 
 
 def compare(records: list[RequestRecord], *, live: int | None, candidate: int, spec: ComparisonSpec,
@@ -359,8 +368,7 @@ def compare(records: list[RequestRecord], *, live: int | None, candidate: int, s
             kind, outcome, outcome != "Inconclusive", *n, mb, mc, ratio, (low, high), limit.ratio,
             f"{kind}: {verdict}: candidate/live {ratio:.3f}x, bounds [{low:.3f}, {high:.3f}] at confidence "
             f"{1 - spec.alpha:.0%} each (n={len(cand)}/{len(base)}; medians {mc * 1e3:.2f} vs {mb * 1e3:.2f} ms); "
-            f"limit {limit.ratio:.3f}x = {limit.basis}; {limit.needed} candidate samples detect it with "
-            f"{spec.power:.0%} power at the observed spread {spread:.3f} (log-ratio SE x sqrt(n))",
+            f"limit {limit.ratio:.3f}x = {limit.basis}; {limit.sizing(spec.power, spread)}",
             needed=limit.needed, spread=spread))
     return out
 

@@ -35,11 +35,10 @@ def recorded_configuration(info: Any) -> dict[str, Any]:
     """What `engine.json` says the runner should hold, in `LoadedConfiguration`'s terms."""
     dtype = info.limits.dtype
     q = info.quantization
-    paged = info.paged
-    kv_dtype = FP8_KV_STORAGE if paged is not None and paged.kv_cache_dtype == FP8_KV_CACHE else dtype
+    kv_dtype = FP8_KV_STORAGE if info.kv_cache.kv_cache_dtype == FP8_KV_CACHE else dtype
     return {"weight_dtype": dtype, "quantization": q.method,
             "quantized_lm_head": bool(q.enabled and q.lm_head and not info.model.tie_word_embeddings),
-            "kv_cache": "static" if paged is None else "paged", "kv_cache_dtype": kv_dtype}
+            "kv_cache_dtype": kv_dtype}
 
 
 def precision_of(loaded: dict[str, Any]) -> str:
@@ -50,10 +49,9 @@ def precision_of(loaded: dict[str, Any]) -> str:
     return with_kv_cache(precision, FP8_KV_CACHE if loaded["kv_cache_dtype"] == FP8_KV_STORAGE else "auto")
 
 
-# what must agree, and the setting each comes from; the cache's layout (static or paged) is shown, not judged:
-# the budget does not depend on it, and a static build may be served paged by a loader given its own settings
+# what must agree, and the setting each comes from
 SETTINGS = {"weight_dtype": "engine.dtype", "quantization": "engine.quantization",
-            "quantized_lm_head": "engine.quantize_lm_head", "kv_cache_dtype": "engine.paged.kv_cache_dtype"}
+            "quantized_lm_head": "engine.quantize_lm_head", "kv_cache_dtype": "engine.kv_cache.kv_cache_dtype"}
 
 
 def check_loaded(runner: Any, budget_precision: str) -> LoadedCheck:

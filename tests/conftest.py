@@ -36,6 +36,7 @@ from services import (
 )
 
 PREFECT_SERVER_KEY = pytest.StashKey[object]()
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # the kernel tests' own pytest (below)
 MLFLOW_SERVER_KEY = pytest.StashKey[object]()
 
 
@@ -45,7 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
     CLI process it starts then use it, instead of a temporary server each (15-20 s of CPU apiece). It starts
     the session's ``mlflow server`` (``mlflow_server``) the same way, for the same reason: the four files that
     use it ran on three workers, each starting one (8-15 s of CPU a start)."""
-    if not shares_prefect_server(config):
+    if IN_INTERPRETER or not shares_prefect_server(config):  # the kernel tests use neither server
         return
     server = start_prefect_server(Path(tempfile.mkdtemp(prefix="enginewright-prefect-")))
     config.stash[PREFECT_SERVER_KEY] = server
@@ -124,7 +125,8 @@ SHARED_WORKER: dict[str, tuple[str, ...]] = {  # group: the prefixes of its file
 LONGEST_FIRST: tuple[str, ...] = (
     "rollout", "test_end_to_end.py", "test_release_smollm2.py", "test_browser_approval.py", "mlflow-auth",
     "test_deployments.py", "test_openai_doors.py", "test_openai_real_model.py", "test_gates_smollm2.py",
-    "test_openai_front.py", "test_release_envelope.py", "test_triton_restart.py", "test_triton_server.py",
+    "test_openai_front.py", "test_release_envelope.py", "test_openai_api.py", "test_lm_eval_check.py",
+    "test_triton_restart.py", "test_triton_server.py",
     "test_bench_served.py", "test_llm_client.py", "test_release_resume.py", "test_engine_equivalence.py",
     "test_approval_wait.py", "test_triton_streaming.py", "test_registry_approval.py", "test_triton_reload_skip.py",
     "test_registry_mlflow.py", "test_triton_crash_rerun.py", "test_engine_generate.py", "test_decode_graphs.py",
@@ -138,8 +140,40 @@ def worker_unit(file_name: str) -> str:
     return next((group for group, prefixes in SHARED_WORKER.items() if file_name.startswith(prefixes)), file_name)
 
 
+# -- Triton's CPU interpreter
+#
+# Triton chooses its interpreter when a kernel is defined, that is when the engine's modules are imported
+# (TRITON_INTERPRET=1 in the environment), so a process runs every kernel interpreted or none. The kernel tests on
+# CPU tensors carry the `interpreter` mark and run in a pytest of their own under TRITON_INTERPRET=1 (`make
+# test-kernels`, part of `make test`); that pytest runs nothing else, so the rest of the suite never runs in the
+# interpreter, and anywhere else they skip saying what they need.
+def interpreter_skip_reason() -> str:
+    from importlib.util import find_spec
+
+    if find_spec("triton") is None:
+        return "needs the triton package (the kernel compiler, a dev dependency; not the Triton server)"
+    return ("a Triton kernel on CPU tensors: needs TRITON_INTERPRET=1 set before the engine is imported "
+            "(`make test-kernels` runs these)")
+
+
+def split_interpreter_tests(config: pytest.Config, items: list[pytest.Item], *, in_interpreter: bool) -> None:
+    """Under TRITON_INTERPRET=1 only the `interpreter` tests run (the rest deselected); elsewhere those skip."""
+    if in_interpreter:
+        others = [item for item in items if item.get_closest_marker("interpreter") is None]
+        if others:
+            config.hook.pytest_deselected(items=others)
+            items[:] = [item for item in items if item.get_closest_marker("interpreter") is not None]
+        return
+    skip = None
+    for item in items:
+        if item.get_closest_marker("interpreter") is not None:
+            skip = skip or pytest.mark.skip(reason=interpreter_skip_reason())
+            item.add_marker(skip)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    split_interpreter_tests(config, items, in_interpreter=IN_INTERPRETER)
     rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
     first_seen: dict[str, int] = {}
     for item in items:

@@ -147,14 +147,16 @@ def rope_stuck_past(runner, position: int):
 
 
 def _wrap_decode(runner, change):
-    """Replace the runner's decode step (static runner, the path of generations with log-probs) by `change`
-    applied to its logits [B, V]; prefill and teacher-forced logits are untouched."""
-    real = runner.decode
+    """The runner's decode-only steps (`cuda_graphs.DecodeGraphs.step`: every step once each request is past its
+    prompt) with `change` applied to their logits [B, V]; steps with a prompt chunk in them and teacher-forced
+    logits are untouched."""
+    graphs = runner.decode
+    real = graphs.step
 
-    def decode(tokens, input_pos, kv_needed):
-        return change(real(tokens, input_pos, kv_needed).clone())
+    def step(chunks, *args, **kwargs):
+        return change(real(chunks, *args, **kwargs).clone())
 
-    runner.decode = decode
+    graphs.step = step
     return runner
 
 

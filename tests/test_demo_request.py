@@ -23,14 +23,24 @@ def test_the_body_survives_the_single_quotes_it_is_printed_in():
 
 
 def test_the_demo_spec_parses_with_a_budget_a_two_core_machine_can_judge(tmp_path):
-    from flows.demo import demo_spec
-    from tasks.promote_spec import Analysis
+    """The demo compares latency where both versions carry half the traffic, against a 50% budget, sizes its
+    evaluation and A/B down, and says so (SMALLER_THAN_PRODUCTION is printed first)."""
+    from flows.demo import SMALLER_THAN_PRODUCTION, demo_spec
+    from tasks.analysis import samples_needed
+    from tasks.promote_spec import Analysis, SetWeight
 
     spec = demo_spec(tmp_path, max_batch_size=8)
+    weights = [s.set_weight for s in spec.rollout.steps if isinstance(s, SetWeight)]
     analyses = [s.analysis for s in spec.rollout.steps if isinstance(s, Analysis)]
-    assert len(analyses) == 3 and all(a.compare.max_slowdown == 0.5 for a in analyses)
-    assert [a.timeout_s for a in analyses] == [300, 240, 240]
+    assert weights == [10, 50, 100] and len(analyses) == 3
+    compared = analyses[1].compare
+    assert analyses[0].compare is None and compared is not None and compared.max_slowdown == 0.5
+    # a spread of 0.6 (what the busy 2-core machine showed) needs few enough samples for a window of a minute
+    assert samples_needed(1 + compared.max_slowdown, 0.6, compared.alpha, compared.power) <= compared.max_samples
     assert spec.rollout.hold.on_inconclusive == "abort"
+    assert spec.evaluation.max_passages == 8 and spec.perf.max_iterations == 6
+    assert "smaller than a production spec" in SMALLER_THAN_PRODUCTION and "8 of its 16 passages" in \
+        SMALLER_THAN_PRODUCTION
 
 
 def test_a_failed_demo_says_how_to_stop_the_server_it_leaves_serving(tmp_path):

@@ -32,6 +32,7 @@ from serving.engine.skinny_gemm import GemmConfig, triton_available
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
 HAS_CUDA = torch.cuda.is_available() and triton_available() and not INTERPRET
+CUDA_MISSING = "needs a CUDA GPU" if triton_available() else "needs a CUDA GPU and the triton package"
 E4M3_ROUNDING = 2.0**-4
 
 
@@ -102,7 +103,7 @@ def test_token_scales_need_the_transposed_kernel_and_weight_scales():
         launch(xq, w, GemmConfig.parse("dott:n64:k128:s1:w4:st3"), scale=s, x_scale=xs[:3])
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows", [1, 5, 64])
 @pytest.mark.parametrize("config", ["dott:n32:k32:s1:w4:st2", "dott:n16:k32:s4:w4:st2"])
 def test_kernel_matches_the_emulation_interpreted(rows, config):
@@ -115,7 +116,7 @@ def test_kernel_matches_the_emulation_interpreted(rows, config):
     assert rel_err(parts.double().sum(0), ref) < 1e-2, (rows, config)  # bf16 output rounding at one slice
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 def test_token_scaling_kernel_gives_the_torch_ops_values_interpreted():
     x = torch.randn(5, 2500) * torch.logspace(-3, 3, 5)[:, None]  # K: two passes and a ragged end
     x[3] = 0.0  # an all-zero token keeps scale 1
@@ -136,7 +137,7 @@ def test_token_scaling_kernel_gives_the_torch_ops_values_interpreted():
 # CUDA
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("config", ["dott:n32:k32:s1:w4:st2", "dott:n16:k64:s4:w4:st2"])
 def test_one_token_scaled_in_the_kernel_equals_the_two_step_path_interpreted(config):
     """`_fp8_one_row_kernel` (the row's scale found by every program, K past two `ROW_BLOCK`s with a ragged
@@ -152,7 +153,7 @@ def test_one_token_scaled_in_the_kernel_equals_the_two_step_path_interpreted(con
         assert torch.equal(got, want), config.key()
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 def test_one_token_goes_to_the_scaling_kernel_only_when_asked_interpreted(monkeypatch):
     config = GemmConfig.parse("dott:n32:k64:s2:w4:st2")
     w, s = quantize_weight(torch.randn(64, 512) * 0.02, FP8)
@@ -179,7 +180,7 @@ def test_the_in_kernel_scaling_takes_one_bf16_token_and_says_so():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("config", ["dott:n64:k128:s2:w4:st3", "dott:n64:k256:s4:w4:st4"])
 def test_one_token_scaled_in_the_kernel_on_the_gpu_equals_the_two_step_path(config):
     """At the Llama shapes: the same e4m3 token (correctly rounded division, as torch and inductor divide) and
@@ -195,7 +196,7 @@ def test_one_token_scaled_in_the_kernel_on_the_gpu_equals_the_two_step_path(conf
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_token_scaling_kernel_on_the_gpu_gives_the_torch_ops_values_but_at_rounding_ties():
     from serving.engine.quantize import tokens_to_e4m3
 
@@ -215,7 +216,7 @@ LLAMA_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (6144, 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("rows", [1, 16, 64])
 @pytest.mark.parametrize("config", ["dott:n64:k128:s1:w4:st3", "dott:n128:k256:s4:w8:st3"])
 def test_kernel_at_llama_shapes(rows, config):
@@ -233,7 +234,7 @@ def test_kernel_at_llama_shapes(rows, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("row_scaling", [False, True], ids=["scaled-before", "scaled-in-gemm"])
 def test_decode_on_the_fp8_kernel_matches_its_reference_path(monkeypatch, row_scaling):
     """Every projection of a 2-layer Llama-1B-wide fp8 engine on the kernel (one config for all), in the decode-only

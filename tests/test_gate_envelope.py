@@ -16,8 +16,8 @@ from gate_faults import decode_swaps_top2, rows_interfering
 from serving.engine import build_engine, convert_checkpoint, load_engine
 from serving.engine.build import EngineLimits
 from serving.engine.loaded import loaded_configuration
-from serving.engine.paged_cache import PagedKVConfig
-from serving.engine.paged_runner import load_paged_engine
+from serving.engine.kv_cache import KVCacheConfig
+from serving.engine.runner import load_engine
 from serving.engine.runner import Generation
 from tasks.decode_check import DecodeLimits, check_timed_outputs, check_wide_batch
 from tasks.envelope import envelope_lengths, long_prompt_ids, workload_lengths
@@ -28,18 +28,18 @@ from tasks.tiny_model import make_tiny_model
 from tasks.validate import ValidationSpec, _hf_greedy, _hf_model, eos_token_ids, validate_engine
 
 LIMITS = EngineLimits(dtype="float32", max_batch_size=6, max_input_len=96, max_seq_len=112)
-PAGED = PagedKVConfig(block_size=16, num_blocks=48, max_num_tokens=256)
+PAGED = KVCacheConfig(block_size=16, num_blocks=48, max_num_tokens=256)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """(HF checkpoint, static engine, paged engine)."""
+    """(HF checkpoint, an engine with the default KV cache, one with its pool set by hand)."""
     root = tmp_path_factory.mktemp("envelope")
     hf = make_tiny_model(root / "hf", seed=2)
     ckpt = convert_checkpoint(hf, root / "ckpt", dtype="float32")
-    static = build_engine(ckpt, root / "static", limits=LIMITS).path
-    paged = build_engine(ckpt, root / "paged", limits=LIMITS, paged=PAGED).path
-    return hf, Path(static), Path(paged)
+    default = build_engine(ckpt, root / "default", limits=LIMITS).path
+    paged = build_engine(ckpt, root / "paged", limits=LIMITS, kv_cache=PAGED).path
+    return hf, Path(default), Path(paged)
 
 
 def test_long_prompts_are_the_fixed_texts_cut_to_the_envelope(tiny):
@@ -124,13 +124,12 @@ def test_wide_batch_tolerates_only_ties_in_reduced_precision():
 
 
 def test_the_runner_reports_what_it_loaded_and_a_kv_cache_the_record_lacks_is_refused(tiny):
-    _, static, paged = tiny
-    loaded = loaded_configuration(load_engine(static))
-    assert (loaded.kv_cache, loaded.kv_cache_dtype, loaded.weight_dtype, loaded.quantization) == (
-        "static", "float32", "float32", "none")
-    runner = load_paged_engine(paged, device="cpu")
+    _, default, paged = tiny
+    loaded = loaded_configuration(load_engine(default, device="cpu"))
+    assert (loaded.kv_cache_dtype, loaded.weight_dtype, loaded.quantization) == ("float32", "float32", "none")
+    runner = load_engine(paged, device="cpu")
     assert check_loaded(runner, "float32").passed
-    fp8 = load_paged_engine(paged, config=dataclasses.replace(PAGED, kv_cache_dtype="fp8"), device="cpu")
+    fp8 = load_engine(paged, config=dataclasses.replace(PAGED, kv_cache_dtype="fp8"), device="cpu")
     check = check_loaded(fp8, "float32")
     assert check.loaded["kv_cache_dtype"] == "float8_e4m3fn" and check.loaded_precision == "float32+fp8-kv"
     assert "the runner loaded kv_cache_dtype 'float8_e4m3fn', the engine record" in check.failures[0]

@@ -22,6 +22,7 @@ from serving.engine.skinny_gemm import GemmConfig, triton_available
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
 HAS_CUDA = torch.cuda.is_available() and triton_available() and not INTERPRET
+CUDA_MISSING = "needs a CUDA GPU" if triton_available() else "needs a CUDA GPU and the triton package"
 
 
 def unfused(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ def test_fit_rules():
     assert not fits(GemmConfig("dot", 64, 128, 1), 1, 4096 + 64)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_interpreter_kernel_matches_the_unfused_product(interpreter_bf16_dot, dtype, rows):
@@ -66,7 +67,7 @@ def test_interpreter_kernel_matches_the_unfused_product(interpreter_bf16_dot, dt
         gate_up_module.launch(x, w13, GemmConfig("dot", 32, 64, 2))
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 def test_interpreter_pdl_variant_is_the_same_product_eagerly_and_compiled(interpreter_bf16_dot):
     """The PDL variant is an opaque custom op: its fake implementation must give the real output's shape
     and dtype under torch.compile. The interpreter runs the kernel without the grid-dependency
@@ -83,7 +84,7 @@ def test_interpreter_pdl_variant_is_the_same_product_eagerly_and_compiled(interp
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize(("intermediate", "k"), [(8192, 2048), (14336, 4096)], ids=["llama-1b", "llama-8b"])
 def test_cuda_kernel_matches_the_unfused_product(intermediate, k):
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -97,7 +98,7 @@ def test_cuda_kernel_matches_the_unfused_product(intermediate, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_cuda_decode_step_with_the_kernel_matches_the_unfused_step(tmp_path, monkeypatch, pdl):
     from engine_reference import decode_step_logits

@@ -24,6 +24,7 @@ from serving.engine.paged_attention import kernel_fits, paged_decode_reference, 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton is not None
 HAS_CUDA = torch.cuda.is_available() and triton is not None and not INTERPRET
+CUDA_MISSING = "needs a CUDA GPU" if triton is not None else "needs a CUDA GPU and the triton package"
 
 
 def _case(*, bsz=3, n_kv=2, group=4, hd=16, block=16, lengths=(1, 17, 40), dtype=torch.float32, device="cpu",
@@ -67,7 +68,7 @@ def test_reference_equals_a_naive_softmax_over_each_rows_blocks():
     assert not kernel_fits(8, 16) and not kernel_fits(16, 24)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -87,7 +88,7 @@ def test_blocks_prefetched_ahead_give_the_reference_result(splits, fp8, prefetch
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("group", [1, 4])
 def test_kernel_under_the_interpreter_equals_the_reference(group):
     q, k, v, tables, lengths = _case(group=group, fill=float("nan"))
@@ -97,7 +98,7 @@ def test_kernel_under_the_interpreter_equals_the_reference(group):
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("splits", [2, 3, 16])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_positions_split_over_programs_give_the_one_program_result(splits, pdl):
@@ -111,7 +112,7 @@ def test_positions_split_over_programs_give_the_one_program_result(splits, pdl):
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("tile, splits", [(32, 1), (64, 1), (32, 2), (64, 16)])
 def test_tiles_of_several_blocks_give_the_one_block_result(tile, splits):
     """Iterations over tiles of 2-4 blocks (each position through its own table entry; rows shorter than a
@@ -144,7 +145,7 @@ def test_positions_are_split_only_when_the_batch_leaves_sms_idle():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_kernel_split_over_positions_and_in_tiles_on_cuda_equals_the_reference():
     q, k, v, tables, lengths = _case(bsz=2, n_kv=8, group=4, hd=128, block=32, lengths=(1, 1000),
                                      dtype=torch.bfloat16, device="cuda")
@@ -156,7 +157,7 @@ def test_kernel_split_over_positions_and_in_tiles_on_cuda_equals_the_reference()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_kernel_on_cuda_bf16_equals_the_reference():
     q, k, v, tables, lengths = _case(bsz=64, n_kv=8, group=4, hd=128, block=32,
                                      lengths=tuple(range(1, 640, 10)), dtype=torch.bfloat16, device="cuda")
@@ -167,7 +168,7 @@ def test_kernel_on_cuda_bf16_equals_the_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_kernel_on_cuda_with_blocks_prefetched_gives_the_same_values():
     """`AttentionKernelOptions.prefetch_blocks` changes when the loads are issued, not what is computed: the
     same values to the bit, with and without splits, over bf16 and fp8 pools."""
@@ -218,7 +219,7 @@ def test_reference_over_fp8_pools_is_attention_over_the_rounded_kv():
     assert 0 < off.max() and bool((off <= bound + 1e-5).all())
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernel_over_fp8_pools_under_the_interpreter_equals_the_reference(dtype):
     """The interpreter loads float8e4nv exactly (its fp8 *stores* round wrongly at some binade edges, see
@@ -234,7 +235,7 @@ def test_kernel_over_fp8_pools_under_the_interpreter_equals_the_reference(dtype)
     assert (got.float() - want).abs().max() < tol, (got.float() - want).abs().max()
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("splits", [1, 3])
 def test_dots_in_float16_over_fp8_pools_give_the_reference_to_float16_rounding(splits):
     """`AttentionKernelOptions.fp8_kv_dot_f16`'s kernel (q, K, V and the probabilities in float16, float32 accumulators), forced on a
@@ -252,7 +253,7 @@ def test_dots_in_float16_over_fp8_pools_give_the_reference_to_float16_rounding(s
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_kernel_on_cuda_bf16_q_over_fp8_pools_equals_the_reference():
     """Llama-8B's head shapes, bf16 queries over e4m3 pools: the kernel (fp8 loads converted to bf16 before
     tl.dot) against the reference (the pools cast to bf16), within bf16 noise as for bf16 pools."""

@@ -31,6 +31,7 @@ from serving.engine.model import _rope_1
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and paged_rope.triton is not None
 HAS_CUDA = torch.cuda.is_available() and paged_rope.triton is not None and not INTERPRET
+CUDA_MISSING = "needs a CUDA GPU" if paged_rope.triton is not None else "needs a CUDA GPU and the triton package"
 SHAPES = ((5, 4, 2, 16), (3, 6, 2, 32))  # tokens, query heads, kv heads, head_dim (6 and 2: padded head tiles)
 
 
@@ -96,13 +97,13 @@ def check(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype, exa
             assert bool((diff <= 2 * step * size + 1e-6).all()), what
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_equals_the_torch_ops_interpreted(shape: tuple[int, int, int, int]) -> None:
     check(shape, "cpu", torch.float16, exact=True)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 def test_kernel_launched_with_pdl_writes_what_it_writes_without_interpreted() -> None:
     c, again = case(SHAPES[0], "cpu", torch.float16), case(SHAPES[0], "cpu", torch.float16)
     q, keys = paged_rope._launch(**c, keys_out=True)
@@ -123,7 +124,7 @@ def test_fits_only_cuda_half_precision_steps() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("shape", (*SHAPES, (64, 32, 8, 128), (1024, 32, 8, 128)))
 def test_kernel_equals_the_torch_ops_on_the_gpu(shape: tuple[int, int, int, int]) -> None:
     check(shape, "cuda", torch.bfloat16, exact=False)
@@ -184,7 +185,7 @@ def check_fp8(shape: tuple[int, int, int, int], device: str, dtype: torch.dtype,
         print(f"{shape}: {off} keys stored otherwise than torch's cast, by the interpreter's fp8 cast")
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_writes_fp8_pools_as_the_interpreter_casts_interpreted(shape: tuple[int, int, int, int]) -> None:
     check_fp8(shape, "cpu", torch.float16, interpreted=True)
@@ -200,7 +201,7 @@ def test_fits_takes_fp8_pools_of_half_precision_rows() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("shape", (*SHAPES, (64, 32, 8, 128), (1024, 32, 8, 128)))
 def test_kernel_writes_fp8_pools_as_torch_casts_on_the_gpu(shape: tuple[int, int, int, int]) -> None:
     check_fp8(shape, "cuda", torch.bfloat16, interpreted=False)

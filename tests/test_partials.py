@@ -13,6 +13,7 @@ from serving.engine.partials import one_kernel_fits, sum_partials, sum_partials_
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton is not None
 HAS_CUDA = torch.cuda.is_available() and triton is not None
+CUDA_MISSING = "needs a CUDA GPU" if triton is not None else "needs a CUDA GPU and the triton package"
 
 
 def _adds(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -35,7 +36,7 @@ def test_on_the_cpu_it_is_the_adds_in_split_order_rounded_once():
     assert torch.equal(sum_partials(parts[:1], torch.bfloat16), parts[0].to(torch.bfloat16))
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and Triton (the kernel on CPU tensors)")
+@pytest.mark.interpreter
 @pytest.mark.parametrize(("split", "rows", "n"), [(2, 1, 4096), (3, 5, 300), (8, 1, 1030)])
 def test_the_kernel_gives_the_adds_to_the_bit(split, rows, n):
     parts = _parts(split, rows, n)
@@ -44,7 +45,7 @@ def test_the_kernel_gives_the_adds_to_the_bit(split, rows, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and Triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_eager_on_cuda_it_is_one_kernel_with_the_adds_values_and_traced_it_is_the_adds():
     parts = _parts(8, 1, 4096, "cuda")  # Llama-3.1-8B wo at one row: split 8
     assert one_kernel_fits(parts)

@@ -55,6 +55,7 @@ H200 = read_file(TUNED_DIR / "NVIDIA_H200.json")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
 HAS_CUDA = torch.cuda.is_available() and triton_available() and not INTERPRET
+CUDA_MISSING = "needs a CUDA GPU" if triton_available() else "needs a CUDA GPU and the triton package"
 METHODS = (INT8_WEIGHT_ONLY, FP8)
 E4M3_ROUNDING = 2.0**-4  # half a unit in the last place of 3 mantissa bits, relative
 
@@ -129,7 +130,7 @@ def test_fp8_tensor_core_numerics_emulated_on_the_cpu():
     torch.testing.assert_close(layer(x), F.linear(x, w), rtol=0, atol=1e-5)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rows", [1, 5, 64])
 @pytest.mark.parametrize("config", ["dot:n32:k32:s1:w4:st2", "dot:n16:k16:s4:w4:st2", "gemv:n8:k32:s2:w4:st2",
@@ -147,7 +148,7 @@ def test_skinny_kernels_on_quantized_weights_interpreted(method, rows, config):
     assert rel_err(out, F.linear(x.double(), w.double())) < 1e-5, (method, rows, config)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rows", [1, 7])
 @pytest.mark.parametrize("kernel", ["dot", "dott"])
@@ -168,7 +169,7 @@ LLAMA_SHAPES = [(3072, 2048), (2048, 8192), (128256 // 8, 2048), (6144, 4096), (
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_quantized_kernels_at_llama_shapes(method, rows):
@@ -187,7 +188,7 @@ def test_quantized_kernels_at_llama_shapes(method, rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("rows", [FP8_TENSOR_CORE_MIN_ROWS, 64, 300])
 def test_fp8_tensor_core_gemm_scales_tokens(rows):
     """Decode rows (16, 64) and a prefill (300) at the Llama shapes: against the emulation (same e4m3 inputs:
@@ -222,7 +223,7 @@ def _random_quantized_runner(method: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("method", METHODS)
 def test_quantized_decode_matches_its_reference_path(method):
     from engine_reference import decode_step_logits

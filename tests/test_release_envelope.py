@@ -119,19 +119,19 @@ def test_a_fault_only_in_free_running_decode_is_refused(tmp_path, checkpoint, pr
 
 def test_an_fp8_kv_cache_the_record_does_not_show_is_refused(tmp_path, checkpoint, prefect_harness, monkeypatch):
     from serving.engine import read_engine_info
-    from serving.engine.paged_runner import load_paged_engine
+    from serving.engine.runner import load_engine
 
     def fp8_behind_the_record(engine_dir: Path):
-        config = read_engine_info(engine_dir).paged
-        return load_paged_engine(engine_dir, config=dataclasses.replace(config, kv_cache_dtype="fp8"), device="cpu")
+        config = read_engine_info(engine_dir).kv_cache
+        return load_engine(engine_dir, config=dataclasses.replace(config, kv_cache_dtype="fp8"), device="cpu")
 
     seed_fault(monkeypatch, fp8_behind_the_record)
     paged = {"block_size": 16, "num_blocks": 96, "max_num_tokens": 256}
     spec = make_spec(tmp_path, checkpoint, engine={"dtype": "float32", "max_batch_size": 8, "max_input_len": 128,
-                                                  "max_seq_len": 160, "paged": paged})
+                                                  "max_seq_len": 160, "kv_cache": paged})
     message = refused(release_flow(spec, return_state=True), "validation")
     assert ("the runner loaded kv_cache_dtype 'float8_e4m3fn', the engine record (engine.json, "
-            "engine.paged.kv_cache_dtype) says 'float32'") in message, message
+            "engine.kv_cache.kv_cache_dtype) says 'float32'") in message, message
     assert "the gate's budget is precision 'float32' (from engine.json), what the runner loaded is " \
            "'float32+fp8-kv'" in message
 

@@ -48,7 +48,10 @@ ANALYSIS = {"requests": 16, "max_new_tokens": 8,
                  "count": 2, "success_condition": "result <= 0", "failure_limit": 0, "inconclusive_limit": 2},
                 {"name": "triton-success", "provider": "prometheus", "query": "success_rate", "version": "candidate",
                  "interval": 1.0, "count": 1, "success_condition": "result >= 1", "inconclusive_limit": 1}],
-            "compare": {"metrics": ["ttft", "tpot"], "alpha": 0.01, "min_effect": 0.5, "min_samples": 6}}
+            # max_samples: at 10% the candidate answers a TTFT probe every 2 s (10 requests/s, every 2nd a probe);
+            # where the spread asks for more than 24 of them for the 1.5x limit, the 50 ms floor decides instead
+            "compare": {"metrics": ["ttft", "tpot"], "alpha": 0.01, "min_effect": 0.5, "min_samples": 6,
+                        "max_samples": 24}}
 # Steady phases: before, between and after, about 4 s each, so that a slow second of the machine's own counts in
 # steady state as it does in the rollout (half a minute); their requests pooled give the steady p99 (the 18th
 # slowest of 1,800).

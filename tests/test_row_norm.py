@@ -23,6 +23,7 @@ from serving.engine.model import RMSNorm
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and row_norm.triton is not None
 HAS_CUDA = torch.cuda.is_available() and row_norm.triton is not None and not INTERPRET
+CUDA_MISSING = "needs a CUDA GPU" if row_norm.triton is not None else "needs a CUDA GPU and the triton package"
 SHAPES = ((3, 4096), (2, 5, 2048), (4, 3000))  # rows x hidden (a non-power of two masks the row's tail)
 
 
@@ -45,7 +46,7 @@ def make(shape: tuple[int, ...], device: str, dtype: torch.dtype = torch.bfloat1
     return norm, (3 * torch.randn(*shape, device=device)).to(dtype)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pdl", (False, True))
 def test_kernel_matches_the_modules_torch_ops_interpreted(shape: tuple[int, ...], pdl: bool) -> None:
@@ -65,7 +66,7 @@ def test_fits_only_half_precision_rows_of_the_weights_dtype() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("shape", (*SHAPES, (8192, 4096)))
 def test_module_on_the_gpu_runs_the_kernel_with_its_own_numerics(shape: tuple[int, ...]) -> None:
     norm, x = make(shape, "cuda")
@@ -87,7 +88,7 @@ def test_add_on_the_cpu_is_the_add_then_the_norm() -> None:
     assert torch.equal(total, x + delta) and torch.equal(out, norm(x + delta))
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pdl", (False, True))
 def test_add_kernel_rounds_the_sum_as_torch_and_norms_it_interpreted(shape: tuple[int, ...], pdl: bool) -> None:
@@ -106,7 +107,7 @@ def test_add_fits_only_two_rows_of_one_shape() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("shape", (*SHAPES, (8192, 4096)))
 def test_module_add_on_the_gpu_runs_the_fused_kernel(shape: tuple[int, ...]) -> None:
     norm, x, delta = _add_case(shape, "cuda", torch.bfloat16)
@@ -117,7 +118,7 @@ def test_module_add_on_the_gpu_runs_the_fused_kernel(shape: tuple[int, ...]) -> 
     check_close(out, torch_ops(norm, x + delta))
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("add", (False, True))
 def test_rows_scaled_to_e4m3_in_the_norm_equal_the_token_scaling_kernels_interpreted(add: bool) -> None:
     """`e4m3=True`: the output carries its rows scaled to e4m3 and their scales, equal to what the FP8 GEMM's

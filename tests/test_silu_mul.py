@@ -23,6 +23,7 @@ from serving.engine.models.llama import FeedForward
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and silu_mul.triton is not None
 HAS_CUDA = torch.cuda.is_available() and silu_mul.triton is not None and not INTERPRET
+CUDA_MISSING = "needs a CUDA GPU" if silu_mul.triton is not None else "needs a CUDA GPU and the triton package"
 SHAPES = ((3, 2 * 1500), (2, 4, 2 * 2048))  # the last: two BLOCKs a row; 1500: a masked tail
 
 
@@ -43,14 +44,14 @@ def make(shape: tuple[int, ...], device: str, dtype: torch.dtype) -> torch.Tenso
     return (3 * torch.randn(*shape, device=device)).to(dtype)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_the_torch_ops_interpreted(shape: tuple[int, ...]) -> None:
     x = make(shape, "cpu", torch.float16)
     check_close(silu_mul.silu_mul(x, shape[-1] // 2), torch_ops(x))
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("inter", (1500, 2048, 2600))  # a masked tail; two BLOCKs; three with a tail
 def test_rows_scaled_to_e4m3_equal_the_token_scaling_kernels_interpreted(inter: int) -> None:
     """`silu_mul_e4m3`: `silu_mul`'s values, carrying its rows scaled to e4m3 as the FP8 GEMM's own scaling
@@ -72,7 +73,7 @@ def test_fits_only_cuda_half_precision() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("shape", (*SHAPES, (8192, 2 * 14336)))
 def test_kernel_matches_the_torch_ops_on_the_gpu(shape: tuple[int, ...]) -> None:
     x = make(shape, "cuda", torch.bfloat16)
@@ -80,7 +81,7 @@ def test_kernel_matches_the_torch_ops_on_the_gpu(shape: tuple[int, ...]) -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_feed_forward_takes_the_kernel_eagerly() -> None:
     args = ModelArgs(architecture="LlamaForCausalLM", vocab_size=64, dim=256, n_layers=1, n_heads=4, n_kv_heads=4,
                      head_dim=64, intermediate_size=512, norm_eps=1e-5, max_position_embeddings=64)

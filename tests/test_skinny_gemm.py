@@ -31,6 +31,7 @@ TUNED = H200.skinny
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
 HAS_CUDA = torch.cuda.is_available() and triton_available() and not INTERPRET
+CUDA_MISSING = "needs a CUDA GPU" if triton_available() else "needs a CUDA GPU and the triton package"
 
 
 def test_config_text_round_trips_and_fit_rules():
@@ -92,7 +93,7 @@ def test_auto_uses_the_kernels_only_where_the_device_has_tuned_tables(monkeypatc
         pick_decode_gemm("cublas", cuda, dtype, tables)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
 def test_interpreter_kernels_match_f_linear(interpreter_bf16_dot, dtype, rows):
@@ -113,7 +114,7 @@ def test_interpreter_kernels_match_f_linear(interpreter_bf16_dot, dtype, rows):
         assert err <= tol * max(1.0, want.abs().max().item()), (config.key(), err)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.interpreter
 @pytest.mark.parametrize("config", [GemmConfig("dot", 32, 64, 1), GemmConfig("dot", 16, 64, 4)], ids=GemmConfig.key)
 def test_interpreter_pdl_variant_is_the_same_product_eagerly_and_compiled(interpreter_bf16_dot, config):
     """The PDL variant is an opaque custom op (serving/engine/pdl.py): its fake implementation must give
@@ -149,7 +150,7 @@ def test_a_given_table_is_what_the_loader_resolves(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("key", sorted(TUNED), ids=lambda k: f"rows{k[0]}-n{k[1]}-k{k[2]}")
 def test_cuda_tuned_configs_match_f_linear(key):
     rows_bucket, n, k = key
@@ -164,7 +165,7 @@ def test_cuda_tuned_configs_match_f_linear(key):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_cuda_decode_step_with_kernels_matches_cublas(tmp_path, monkeypatch):
     """A bf16 tiny engine whose shapes are put in the table (split-K configs) decodes, in the decode-only step
     (`cuda_graphs.paged_decode_logits`), the logits of the same step with cuBLAS within bf16 rounding, and its
@@ -204,7 +205,7 @@ def test_cuda_decode_step_with_kernels_matches_cublas(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and triton")
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_cuda_pdl_kernels_in_a_graph_wait_for_the_kernel_before():
     """GEMM kernels back to back in a CUDA graph, each reading what the one before wrote, launched with
     programmatic dependent launch: on every replay, bit for bit the products of launching them plainly.

@@ -1,13 +1,13 @@
 """What a loaded engine actually runs with, read from its tensors and modules (not from `engine.json`).
 
 `loaded_configuration(runner)` -> `LoadedConfiguration`: the dtype the weights were loaded in, the
-quantization method of the linears that were installed, the KV cache (static or paged) and the dtype its
-tensors store, and the decode kernels the runner picked. The release gates compare it with the engine
+quantization method of the linears that were installed, the dtype the KV cache's block pools store, and
+the decode GEMMs the runner picked. The release gates compare it with the engine
 record (`tasks.loaded_check`): an engine that loads something its record does not show (an fp8 KV cache
-behind `paged.kv_cache_dtype: auto`, say) must not be judged by the record's budget.
+behind `kv_cache.kv_cache_dtype: auto`, say) must not be judged by the record's budget.
 
-Read-only: it looks at the runner, allocates nothing. It takes either runner (static `EngineRunner`, paged
-`PagedRunner`) or a wrapper that forwards `model`, `device` and, for a paged one, `cache`.
+Read-only: it looks at the runner, allocates nothing. It takes an `EngineRunner` or a wrapper that forwards
+`model`, `device`, `cache` and `decode`.
 
 Imports: stdlib and torch only.
 """
@@ -21,9 +21,6 @@ import torch
 
 from serving.engine.linear_quantized import QuantLinear, model_quantization
 
-STATIC = "static"
-PAGED = "paged"
-
 
 @dataclass(frozen=True)
 class LoadedConfiguration:
@@ -33,9 +30,7 @@ class LoadedConfiguration:
     weight_dtype: str  # torch dtype name of the unquantized weights (embeddings, norms): "bfloat16"
     quantization: str  # method of the installed quantized linears, "none" when there are none
     quantized_lm_head: bool  # the LM head is a quantized linear
-    kv_cache: str  # STATIC or PAGED
-    kv_cache_dtype: str  # torch dtype name the KV cache's tensors store: "bfloat16", "float8_e4m3fn"
-    decode_attention: str  # the static decode step's attention ("matmul" | "triton"); "paged" for a paged runner
+    kv_cache_dtype: str  # torch dtype name the KV cache's block pools store: "bfloat16", "float8_e4m3fn"
     decode_gemm: str  # the decode step's GEMMs ("torch" | "triton")
 
     def to_dict(self) -> dict[str, Any]:
@@ -47,25 +42,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def loaded_configuration(runner: Any) -> LoadedConfiguration:
-    """What `runner` (static or paged) holds in memory now."""
+    """What `runner` holds in memory now."""
     model = runner.model
-    cache = runner.cache if hasattr(runner, "cache") else None
-    if cache is not None:  # a paged runner: its block pools
-        kv_dtype, kind, attention = cache.k[0].dtype, PAGED, PAGED
-        gemm = model.options.decode_gemm
-    else:
-        first = model.layers[0].attention.kv_cache
-        if first is None:
-            raise ValueError("loaded_configuration: the model has no KV cache (setup_caches() was not called)")
-        kv_dtype, kind = first.k_cache.dtype, STATIC
-        attention, gemm = model.options.decode_attention, model.options.decode_gemm
     return LoadedConfiguration(
         device=str(runner.device),
         weight_dtype=dtype_name(model.tok_embeddings.weight.dtype),
         quantization=model_quantization(model),
         quantized_lm_head=isinstance(model.output, QuantLinear),
-        kv_cache=kind,
-        kv_cache_dtype=dtype_name(kv_dtype),
-        decode_attention=attention,
-        decode_gemm=gemm,
+        kv_cache_dtype=dtype_name(runner.cache.k[0].dtype),
+        decode_gemm=model.options.decode_gemm,
     )

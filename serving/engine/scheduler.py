@@ -27,7 +27,13 @@ past the KV budget costs clients a retry, never the server its memory.
 Tokens go out through the request's (`scheduler_loop.GenRequest`) `emit(new_ids, finish_reason)`, and, when it
 asks (`on_logprobs`), each token's log-prob and top log-probs. A request carries what it has computed and what
 it still wants (`_Seq.computed`, the rest of its tokens): there are no prefill and decode phases, a step just
-gives each live request its next chunk of uncomputed tokens. Sampling happens in one place (`_sample`).
+gives each live request its next chunk of uncomputed tokens. Sampling happens in one place (`_sample`): each
+step's sampled rows are sampled together (`step_sampling`: every row its own temperature, top-k/top-p,
+penalties, `logit_bias`, `min_tokens`, token mask and seed, in per-row tensors); a request's seed (a random one
+when it has none) and the position sampled choose its draw, so a sampled request is repeatable whatever it is
+batched with. A request can also ask for its prompt's log-probs (`on_prompt_logprobs`: each prompt token's raw
+log-prob given the tokens before it, from the logits of every position of its prompt chunks, computed in the
+chunks' own forward; such a prompt is computed whole, not taken from the prefix cache).
 
 One step ahead (`step_ahead`, on by default): while every live request decodes and nothing waiting could
 be admitted, a step is launched before the previous step's tokens reach the host: its input tokens are the
@@ -36,7 +42,8 @@ tokens while the GPU computes, instead of leaving the GPU idle while it reads, d
 requests a pending token finishes by length are left out of the next step; one that meets a stop token has
 already been given the next step's row, whose token is dropped (its blocks go back once it is delivered: the
 stream runs that step before any later one can reuse them). A step that needs the tokens on the host (an
-admission, a cancel, a block only a preemption would free, a request wanting log-probs) waits for them first.
+admission, a cancel, a block only a preemption would free, a request whose sampling reads its tokens on the
+host: penalties, `min_tokens` or a token mask) waits for them first; log-probs travel with the tokens.
 
 The queue, `submit` / `cancel`, the loop (`run_forever`, `start`, `stop`, `run_until_idle`), `while_waiting`
 / `drain` (Triton's `llm` model sends its responses there) and `admit_gap_s` (an idle engine lets a burst of
@@ -65,7 +72,7 @@ import torch
 from serving.engine.errors import EngineLimitError
 from serving.engine.kv_cache import blocks_for
 from serving.engine.kv_cache_manager import KVCacheManager, RequestBlocks
-from serving.engine.sampling import SamplingParams, chosen_logprobs, sample
+from serving.engine.sampling import SamplingParams, chosen_logprobs
 from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabulary, imported from here too
     Emit,
     EngineLoopFailed,
@@ -77,6 +84,7 @@ from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabu
     SchedulerStopped,
 )
 from serving.engine.step import ChunkPlan
+from serving.engine.step_sampling import RowSampling, StepLogprobs, StepSampling, fresh_seed, sample_rows
 
 
 @dataclass(eq=False)
@@ -86,7 +94,11 @@ class _Seq:
     kv: RequestBlocks = field(default_factory=RequestBlocks)  # its block table (`kv.table`), the manager's
     computed: int = 0  # positions whose K/V are in the cache
     generated: int = 0
-    generator: torch.Generator | None = None
+    seed: int = 0  # its draws' seed (`step_sampling`)
+    prompt_len: int = 0
+    prompt_reported: int = 1  # prompt tokens whose log-probs went out (the first has none)
+    plain_greedy: bool = True  # greedy with nothing shaping its logits: sampled by the step's one argmax
+    needs_host: bool = False  # its sampling reads its tokens on the host (penalties, min_tokens, a token mask)
     stop: frozenset[int] = frozenset()
     live: bool = False  # in `running` (a flag: membership tests of a list of 1,024 cost a step milliseconds)
 
@@ -103,6 +115,7 @@ class _Ahead:
     tokens: torch.Tensor  # [N] on the device
     host: torch.Tensor  # [N] on the host (pinned on CUDA), filled by a non-blocking copy after the step
     ready: Any  # a torch.cuda.Event recorded after that copy; None off CUDA (the copy was synchronous)
+    logprobs: StepLogprobs | None = None  # its rows' log-probs, copied to the host with the tokens
 
 
 @dataclass
@@ -174,10 +187,13 @@ class Scheduler(SchedulerLoop):
                                    f"{self.kv.num_blocks}")
 
     def _waiting_item(self, req: GenRequest) -> _Seq:
-        seq = _Seq(req=req, tokens=list(req.prompt_ids), stop=frozenset(req.stop_token_ids))
-        if req.sampling is not None and not req.sampling.is_greedy and req.sampling.seed is not None:
-            seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(req.sampling.seed)
+        params = req.sampling
+        seq = _Seq(req=req, tokens=list(req.prompt_ids), stop=frozenset(req.stop_token_ids),
+                   prompt_len=len(req.prompt_ids),
+                   seed=params.seed if params is not None and params.seed is not None else fresh_seed())
+        seq.plain_greedy = req.token_mask is None and (params is None or (params.is_greedy and not params.shapes_logits))
+        seq.needs_host = req.token_mask is not None or (params is not None and (params.has_penalties
+                                                                                or params.min_tokens > 0))
         return seq
 
     def _request_of(self, item: _Seq) -> GenRequest:
@@ -239,7 +255,7 @@ class Scheduler(SchedulerLoop):
                 if not self.waiting:
                     break
                 seq = self.waiting[0]
-                start = self.kv.cached_positions(seq.kv, seq.tokens)
+                start = 0 if _wants_prompt_logprobs(seq) else self.kv.cached_positions(seq.kv, seq.tokens)
                 n = min(len(seq.tokens) - start, budget)
                 if not self.kv.can_admit(seq.kv, start + n, reserve=len(self.running)):
                     break
@@ -293,9 +309,9 @@ class Scheduler(SchedulerLoop):
                 and all(n == 1 for _, n in plan) and self._nothing_needs_the_tokens())
 
     def _nothing_needs_the_tokens(self) -> bool:
-        """No live request wants log-probs (read on the host at once) and nothing waiting could be admitted
-        (or may be yet: `admit_every_steps`)."""
-        if any(seq.req.on_logprobs is not None for seq in self.running):
+        """No live request's sampling reads its tokens on the host (penalties, min_tokens, a token mask) and nothing
+        waiting could be admitted (or may be yet: `admit_every_steps`). Log-probs travel with the tokens."""
+        if any(seq.needs_host for seq in self.running):
             return False
         with self.cond:
             return (not self.waiting or len(self.running) >= self.max_live
@@ -315,7 +331,8 @@ class Scheduler(SchedulerLoop):
     def _launch_unread(self, seqs: list[_Seq], logits: torch.Tensor) -> _Ahead:
         """Sample `seqs`' next tokens from `logits` and start copying them to the host; their positions count
         as computed from here."""
-        tokens = self._sample(logits, seqs)
+        tokens = self._sample(logits, seqs, [seq.computed + 1 for seq in seqs])
+        logprobs = self._step_logprobs(logits, tokens, seqs)
         for seq in seqs:
             seq.computed += 1
             if seq.generated > 0:
@@ -325,6 +342,7 @@ class Scheduler(SchedulerLoop):
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
+            logprobs = logprobs.to_host() if logprobs is not None else None
             ready = torch.cuda.Event()
             ready.record()
         else:
@@ -333,7 +351,7 @@ class Scheduler(SchedulerLoop):
         self.stats.ahead_steps += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.kv.used)
-        return _Ahead(seqs, tokens, host, ready)
+        return _Ahead(seqs, tokens, host, ready, logprobs)
 
     def _run_ahead(self, prev: _Ahead, rows: list[_Seq]) -> None:
         """Launch the decode step of `rows` on `prev`'s unread samples, then deliver `prev`'s tokens."""
@@ -366,9 +384,10 @@ class Scheduler(SchedulerLoop):
         self.stats.wait_s += delivering - waiting
         if self.ahead is ahead:
             self.ahead = None
-        for seq, token in zip(ahead.seqs, tokens):
+        extras = ahead.logprobs.per_row(len(tokens)) if ahead.logprobs is not None else [None] * len(tokens)
+        for seq, token, extra in zip(ahead.seqs, tokens, extras):
             if seq.live:
-                self._deliver(seq, token, None)
+                self._deliver(seq, token, extra)
         self._drop_retired()
         self.stats.deliver_s += time.perf_counter() - delivering
 
@@ -377,7 +396,8 @@ class Scheduler(SchedulerLoop):
         chunks: list[ChunkPlan] = [(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.kv.table)
                                    for seq, n in plan]
         sampling = [i for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
-        if self._may_run_ahead(plan, sampling):
+        echoing = [i for i, (seq, n) in enumerate(plan) if _reports_prompt(seq, n)]
+        if not echoing and self._may_run_ahead(plan, sampling):
             started = time.perf_counter()
             try:
                 with self.launching():
@@ -394,12 +414,19 @@ class Scheduler(SchedulerLoop):
             lives = [plan[i][0] for i in sampling]
             with self.launching():
                 self.stats.launch_wait_s += time.perf_counter() - started
-                logits = self.runner.forward(chunks, sampling)  # [N, V]
-                tokens = self._sample(logits, lives)
+                if echoing:  # [N + the echoing chunks' tokens, V]
+                    logits = self.runner.forward(chunks, sampling, every_token=echoing)
+                    prompt_logits, logits = logits[len(sampling):], logits[:len(sampling)]
+                else:
+                    logits = self.runner.forward(chunks, sampling)  # [N, V]
+                tokens = self._sample(logits, lives, [plan[i][0].computed + plan[i][1] for i in sampling])
                 ready = torch.cuda.Event() if tokens.is_cuda else None
                 if ready is not None:
                     ready.record()
-            extras = self._logprobs(logits, tokens, lives)
+            step_logprobs = self._step_logprobs(logits, tokens, lives)
+            extras = step_logprobs.per_row(len(lives)) if step_logprobs is not None else None
+            if echoing:
+                self._report_prompt_logprobs([plan[i] for i in echoing], prompt_logits)
             waiting, waiting_cpu = time.perf_counter(), time.thread_time()
             if ready is not None:
                 self._work_until(ready)
@@ -428,33 +455,52 @@ class Scheduler(SchedulerLoop):
         self._drop_retired()
         self.stats.deliver_s += time.perf_counter() - delivering
 
-    def _sample(self, logits: torch.Tensor, lives: list[_Seq]) -> torch.Tensor:
-        out = logits.argmax(dim=-1)  # [N]
-        for row, seq in enumerate(lives):
-            params = seq.req.sampling
-            if params is not None and not params.is_greedy:
-                out[row] = sample(logits[row:row + 1], params, seq.generator)[0]
-        return out
+    def _sample(self, logits: torch.Tensor, lives: list[_Seq], positions: list[int]) -> torch.Tensor:
+        """The next token of each row of `logits` [N, V]: `positions` are the positions the rows sample."""
+        if all(seq.plain_greedy for seq in lives):
+            return logits.argmax(dim=-1)
+        rows = [RowSampling(seq.req.sampling, seq.seed, position, seq.tokens if seq.needs_host else (),
+                            seq.prompt_len, tuple(seq.stop), seq.generated, seq.req.token_mask)
+                for seq, position in zip(lives, positions)]
+        return sample_rows(logits, StepSampling.build(rows, logits.shape[-1], logits.device))
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, lives: list[_Seq]
-                  ) -> list[tuple[float, dict[int, float]] | None] | None:
-        wanting = [s.req.on_logprobs is not None for s in lives]
-        if not any(wanting):
-            return None
-        top_n = max(s.req.top_logprobs for s, w in zip(lives, wanting) if w)
-        chosen, top_v, top_i = chosen_logprobs(logits, tokens, top_n)
+    def _report_prompt_logprobs(self, echoing: list[tuple[_Seq, int]], logits: torch.Tensor) -> None:
+        """Hand each echoing chunk's prompt tokens' log-probs to its request: `logits` [every chunk's tokens, V]
+        hold the logits of each of their positions, in order; position p's give the log-prob of token p + 1."""
+        at, rows, targets, spans = 0, [], [], []
+        for seq, n in echoing:
+            first = max(seq.computed + 1, seq.prompt_reported)  # the first prompt token to report
+            last = min(seq.computed + n, seq.prompt_len - 1)  # the last
+            rows += range(at + first - 1 - seq.computed, at + last - seq.computed)
+            targets += seq.tokens[first:last + 1]
+            spans.append((seq, first, last + 1 - first))
+            at += n
+        top_n = max(seq.req.top_logprobs for seq, _ in echoing)
+        chosen, top_v, top_i = chosen_logprobs(logits[torch.tensor(rows, device=logits.device)],
+                                               torch.tensor(targets, device=logits.device), top_n)
         chosen_l = chosen.tolist()
-        top_vl = top_v.tolist() if top_v is not None else None
-        top_il = top_i.tolist() if top_i is not None else None
-        out: list[tuple[float, dict[int, float]] | None] = []
-        for row, (seq, want) in enumerate(zip(lives, wanting)):
-            if not want:
-                out.append(None)
-                continue
-            n = seq.req.top_logprobs
-            top = dict(zip(top_il[row][:n], top_vl[row][:n])) if n and top_il is not None else {}
-            out.append((chosen_l[row], top))
-        return out
+        top_vl, top_il = (top_v.tolist(), top_i.tolist()) if top_v is not None and top_i is not None else ([], [])
+        k = 0
+        for seq, first, count in spans:
+            n_top = seq.req.top_logprobs
+            tops = [dict(zip(top_il[k + j][:n_top], top_vl[k + j][:n_top])) if n_top else {} for j in range(count)]
+            seq.prompt_reported = first + count
+            try:
+                seq.req.on_prompt_logprobs(first, chosen_l[k:k + count], tops)
+            except Exception as exc:  # noqa: BLE001 - a broken callback must not stop the others
+                self.log_error(f"request {seq.req.request_id}: prompt logprobs failed: {type(exc).__name__}: {exc}")
+            k += count
+
+    def _step_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, lives: list[_Seq]) -> StepLogprobs | None:
+        """The raw log-probs of the chosen tokens (and alternatives) of the rows that want them, on the device."""
+        rows = [k for k, s in enumerate(lives) if s.req.on_logprobs is not None]
+        if not rows:
+            return None
+        top_ns = [lives[k].req.top_logprobs for k in rows]
+        index = torch.tensor(rows, device=logits.device) if len(rows) < len(lives) else None
+        picked = (logits, tokens) if index is None else (logits[index], tokens[index])
+        chosen, top_v, top_i = chosen_logprobs(*picked, max(top_ns))
+        return StepLogprobs(rows, top_ns, chosen, top_v, top_i)
 
     def _deliver(self, seq: _Seq, token: int, extra: tuple[float, dict[int, float]] | None) -> None:
         seq.tokens.append(token)
@@ -463,7 +509,11 @@ class Scheduler(SchedulerLoop):
         if seq.live:
             self.kv.cache_computed(seq.kv, seq.tokens, seq.computed)
         reason = None
-        if token in seq.stop:
+        mask = seq.req.token_mask
+        if mask is not None and not mask.accept_token(token):
+            self._fail_one(seq, EngineLimitError(f"token {token} was sampled outside its token mask"))
+            return
+        if token in seq.stop or (mask is not None and mask.is_terminated()):
             reason = "stop"
         elif seq.generated >= seq.req.max_tokens or len(seq.tokens) >= self.max_seq_len:
             reason = "length"
@@ -540,3 +590,13 @@ def collect(scheduler: Scheduler, prompts: Sequence[Sequence[int]], *, max_token
         scheduler.submit(GenRequest(list(p), limits[i], emitter(i), fail, sampling, tuple(stop_token_ids)))
     scheduler.run_until_idle()
     return [(ids, reason or "length") for ids, reason in out]
+
+
+def _wants_prompt_logprobs(seq: _Seq) -> bool:
+    return seq.req.on_prompt_logprobs is not None
+
+
+def _reports_prompt(seq: _Seq, n: int) -> bool:
+    """Whether `seq`'s next chunk of `n` tokens holds positions whose logits give prompt log-probs not yet reported."""
+    return (_wants_prompt_logprobs(seq) and seq.prompt_reported < seq.prompt_len
+            and seq.computed + 1 < seq.prompt_len and seq.computed + n >= seq.prompt_reported)

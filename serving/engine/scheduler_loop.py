@@ -53,12 +53,14 @@ from typing import Any
 
 from serving.engine.errors import EngineError, EngineLimitError
 from serving.engine.launch_lock import LaunchLock
-from serving.engine.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams, TokenMaskSource
 
 GATHER_MAX_GAPS = 10  # an idle engine waits for a burst of arrivals at most this many `admit_gap_s`
 Emit = Callable[[list[int], "str | None"], None]
 Fail = Callable[[BaseException], None]
 LogprobSink = Callable[[float, "dict[int, float]"], None]
+# (log-probs of prompt tokens [first, first + k), their top alternatives) for k prompt tokens
+PromptLogprobSink = Callable[[int, "list[float]", "list[dict[int, float]]"], None]
 
 
 class SchedulerStopped(EngineError):
@@ -93,6 +95,11 @@ class GenRequest:
     queued_at: float = 0.0  # perf_counter time it was submitted
     top_logprobs: int = 0  # alternatives reported with each chosen token's log-prob (`on_logprobs`)
     on_logprobs: LogprobSink | None = None  # each chosen token's raw log-prob and its top alternatives
+    # each prompt token's raw log-prob given the tokens before it (from the second token on), and its alternatives
+    on_prompt_logprobs: PromptLogprobSink | None = None
+    # what constrains its tokens (a grammar matcher; `sampling.TokenMaskSource`): asked for the allowed tokens
+    # before each of its sampling steps, told each token chosen; the paged scheduler serves it
+    token_mask: TokenMaskSource | None = None
 
 
 class SchedulerLoop:

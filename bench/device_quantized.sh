@@ -22,6 +22,8 @@
 #      BENCH_TIMEOUT, BATCH_SIZES (bench, default 1,64), TC_ROWS (tc, default 1,16,64).
 # Results under $OUT: steps.log, gpu-tests.log, tc.log/.json, sweep.log/.json, gate-up.log/.json,
 # fp8-sweep.log/.json, prefill.log/.json, quantized.json/.log.
+# Also read from the environment (default): AB_TIMEOUT=90, FP8_SWEEP_TIMEOUT=200, FP8_TESTS_TIMEOUT=180,
+#  MORE_TESTS_TIMEOUT=240, PREFILL_TIMEOUT=150, SWEEP_TIMEOUT=200, TC_TESTS_TIMEOUT=110, TC_TIMEOUT=90.
 set -u
 OUT=${OUT:-/tmp/quant-out}
 mkdir -p "$OUT"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 on the device (one H200, from the repo root, wheels carried in .whl/): in one call,
+# The 1B engine offline and served by Triton to 64 streaming clients (one H200, from the repo root, wheels carried in .whl/): in one call,
 #  - the python backend's send benchmark, 1/2/4/8 threads (SKIP_SENDS=1 to skip),
 #  - the 1B engine built (random bf16 weights -> HF checkpoint -> convert -> build) and timed offline at
 #    batch 64, 128/128, compiled decode in CUDA graphs (system python: the image's numpy 2),
@@ -11,8 +11,10 @@
 #    loads and compiles; the clients wait for them, so nothing else is on the GPU while they are timed.
 # Whole script <= ~560 s. Results under $OUT: steps.log, sends.json/.log, offline.json/.log, served.json/.log,
 # parity.json/.log, gpu-tests.log, triton.log.
+# Also read from the environment (default): SKIP_GPU_TESTS=0, SKIP_PARITY=0, SWEEP_BEFORE_S=470, TOTAL_S=560,
+#  VIA_STREAM=0.
 set -u
-OUT=${OUT:-/tmp/issue7-out}
+OUT=${OUT:-/tmp/served-out}
 W=/tmp/bs
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 LC_ALL=C.UTF-8

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27 on the device (one H200, from the repo root, wheels of bench/device_wheels.sh in $WHL,
+# How long an engine takes to load, first and second time, with the compile cache (one H200, from the repo root, wheels of bench/device_wheels.sh in $WHL,
 # default .whl/): in one call,
 #  - the 1B engine built (random bf16 weights -> HF checkpoint -> convert -> build; max batch 64, 256 positions),
 #  - offline: its first load against its second (`bench load-pair`: each in a fresh process with fresh
@@ -13,8 +13,9 @@
 # cProfile'd second offline load (the breakdown: LAYERS=4 PROFILE=1 TRITON=0, ~110 s); TRITON=0 skips Triton;
 # KEYS=1 logs every Triton compile's cache key in the servers' processes and reports, per kernel compiled by
 # both loads, which parts of its key differ (bench/triton_keys.py).
+# Also read from the environment (default): TRITON_S=150.
 set -u
-OUT=${OUT:-/tmp/loadcache-out}
+OUT=${OUT:-/tmp/load-time-out}
 WHL=${WHL:-.whl}
 W=/tmp/lc
 mkdir -p "$OUT" "$W"

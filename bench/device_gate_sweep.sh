@@ -6,12 +6,13 @@
 #   here:   split -b 49181216 -d ~/.cache/enginewright/gguf/SmolLM2-135M-Instruct.Q4_1.gguf part
 #           (part00 into .dev/gates_g1/, part01 into .dev/gates_g2/), the wheels of gguf and pydantic (with
 #           pydantic-core, annotated-types, typing-inspection; CPython 3.12) into .dev/gates_whl/
-#   call 1: STAGE=1 bash bench/device_gates.sh   (carry .dev/gates_g1, .dev/gates_whl, the code)
-#   call 2: bash bench/device_gates.sh           (carry .dev/gates_g2 and the code)
+#   call 1: STAGE=1 bash bench/device_gate_sweep.sh   (carry .dev/gates_g1, .dev/gates_whl, the code)
+#   call 2: bash bench/device_gate_sweep.sh           (carry .dev/gates_g2 and the code)
 # From the repository root (ROOT is found there), with `/.dev/` in .git/info/exclude (else both halves travel).
 # DTYPES (default float32,bfloat16), FAULTS, QUANTIZATIONS narrow the sweep: the whole one took 77 s once and ran past 120 s once.
 # PRECISE_ACCUM=1: the fp8 prompt GEMMs without _scaled_mm's fast accumulation (EngineOptions.fp8_fast_accum off).
 # Results: $OUT/gates.json (every case and the summary) and $OUT/gates.log.
+# Also read from the environment (default): REBUILDS=1, TINY_SEEDS='', TOTAL_S=400.
 set -uo pipefail
 ROOT=${ROOT:-$([ -d .dev ] && echo . || echo ../..)}  # where .dev/ is: the repository root, or ../.. from a copy of the branch in .dev/<name>
 STAGE_DIR=/tmp/gates-stage

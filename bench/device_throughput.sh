@@ -13,6 +13,10 @@
 #      (the 64- and 1-request runs' sides, default static,paged; e.g. static,paged,paged-pdl), RUNS (measured runs
 #      of each 1,024-request side, default 1; 2 for an A/B: the first run of a process is slower).
 # Results under $OUT: steps.log, gpu-tests.log, t<N>.json/.log.
+# Also read from the environment (default): FRACTION=0.6, SHAPE=llama-3.1-8b, T1024_S=330, T1_S=60,
+#  T1_UNTIL_S=420, T64_S=120, TESTS=tests/test_paged_decode.py tests/test_paged_attention.py
+#  tests/test_paged_rope.py tests/test_prefill_attention.py tests/test_row_norm.py tests/test_silu_mul.py,
+#  TESTS_S=120.
 set -u
 OUT=${OUT:-/tmp/paged-out}
 mkdir -p "$OUT"
