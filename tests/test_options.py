@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_defaults_on_the_cpu_and_overrides_by_name():
     cpu = resolve_options(torch.device("cpu"))
-    assert cpu.decode_gemm == "torch" and cpu.decode_attention == "matmul" and cpu.tuned == TunedTables()
+    assert cpu.decode_gemm == "torch" and cpu.tuned == TunedTables()
     assert dataclasses.replace(cpu, tuned=TunedTables()) == EngineOptions()
     got = resolve_options(torch.device("cpu"), overrides={"prescale_rows": False, "decode_pdl": True,
                                                           "attention": {"prefetch_blocks": False}})
@@ -53,8 +53,8 @@ def test_bad_names_and_values_are_refused_naming_them():
         resolve_options(cpu, overrides={"decode_gemm": "triton"})
     with pytest.raises(EngineLimitError, match=r"attention.tile_positions=24: expected a power of two >= 16"):
         AttentionKernelOptions(tile_positions=24)
-    with pytest.raises(EngineLimitError, match=r"decode_attention='fused'"):
-        EngineOptions(decode_attention="fused")
+    with pytest.raises(EngineLimitError, match=r"decode_attention.*not known"):
+        resolve_options(cpu, overrides={"decode_attention": "triton"})  # the static engine's option, gone with it
 
 
 def test_the_shipped_h200_tables_parse_and_cover_the_llama_decode_shapes():

@@ -26,7 +26,6 @@ from serving.engine.tuned_tables import TunedTables, tables_for
 EngineInfo = Any
 
 GEMM_CHOICES = ("auto", "triton", "torch")
-ATTENTION_CHOICES = ("auto", "triton", "matmul")
 
 
 @dataclass(frozen=True)
@@ -57,11 +56,7 @@ class EngineOptions:
     # the decode rows' GEMMs (1-64 rows): "triton" the tuned skinny / split-K FP8 / gate-up kernels where the
     # device's tables have the shape, "torch" F.linear (cuBLAS) and the layers' own prompt GEMMs
     decode_gemm: str = "torch"
-    # the static engine's decode attention: "triton" (decode_attention.py) or "matmul"
-    decode_attention: str = "matmul"
     decode_gate_up: bool = True  # with "triton" GEMMs: silu(gate) * up in one kernel where tuned (gate_up.py)
-    decode_lm_greedy: bool = True  # static engine, "triton": the greedy tokens from the LM head's kernel
-    decode_rope_fused: bool = True  # static engine, "triton" attention: the rotary embedding inside its kernel
     decode_pdl: bool = False  # the paged decode graphs' kernels with programmatic dependent launch (sm_90+)
     # the norms and SiLU * up writing an fp8 GEMM's input of more than the decode rows also scale its rows to
     # e4m3 (serving.engine.prescaled), instead of a kernel of the GEMM's own
@@ -81,9 +76,6 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.decode_gemm not in GEMM_CHOICES[1:]:
             raise EngineLimitError(f"decode_gemm={self.decode_gemm!r}: expected one of {list(GEMM_CHOICES[1:])}")
-        if self.decode_attention not in ATTENTION_CHOICES[1:]:
-            raise EngineLimitError(f"decode_attention={self.decode_attention!r}: expected one of "
-                                   f"{list(ATTENTION_CHOICES[1:])}")
 
     @property
     def triton_gemms(self) -> bool:
@@ -107,7 +99,6 @@ def resolve_options(device: torch.device, engine_info: EngineInfo | None = None,
     dtype = engine_dtype(engine_info)
     tables = tables_for(device) if tuned is None else tuned
     given["decode_gemm"] = pick_decode_gemm(given.get("decode_gemm", "auto"), device, dtype, tables)
-    given["decode_attention"] = pick_decode_attention(given.get("decode_attention", "auto"), device, dtype)
     attention = given.get("attention")
     if isinstance(attention, Mapping):
         names = {f.name for f in dataclasses.fields(AttentionKernelOptions)}
@@ -144,23 +135,6 @@ def pick_decode_gemm(choice: str, device: torch.device, dtype: torch.dtype, tabl
             f"{'importable' if triton_available() else 'not importable'}. Use decode_gemm='torch', or tune this "
             f"GPU with the GEMM sweeps (bench gemms)")
     return "torch"
-
-
-def pick_decode_attention(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> "triton" for a half-precision model on CUDA when Triton is importable, else "matmul".
-    float32 engines are the exactness reference and keep the matmul path (docs/decisions.md)."""
-    if choice not in ATTENTION_CHOICES:
-        raise EngineLimitError(f"decode_attention={choice!r}: expected 'auto', 'triton' or 'matmul'")
-    if choice == "matmul" or (choice == "auto" and (device.type != "cuda" or dtype == torch.float32)):
-        return "matmul"
-    from serving.engine.skinny_gemm import triton_available
-
-    if triton_available() and device.type == "cuda":
-        return "triton"
-    if choice == "triton":
-        raise EngineLimitError(f"decode_attention='triton' needs CUDA and Triton (device {device}, Triton "
-                               f"{'importable' if triton_available() else 'not importable'})")
-    return "matmul"
 
 
 def with_tuned(options: EngineOptions, **tables: Any) -> EngineOptions:

@@ -287,7 +287,7 @@ def load_engine(engine_dir: Path, *, config: KVCacheConfig | None = None, device
     """Read, check and load an engine folder with its paged KV cache (see the module doc). Also Triton's `llm`
     model's default `engine_loader` (`serving.engine.runner:load_engine`). `config` (default: the engine's own
     `kv_cache`, from its build) sizes the cache; `overrides`: `EngineOptions` fields set for this load (the `llm`
-    model's `decode_gemm` and `decode_attention` parameters among them), resolved once with the device and the
+    model's `decode_gemm` parameter among them), resolved once with the device and the
     engine's record (`options.resolve_options`) and handed to every layer (`linears.apply_options`);
     `prefix_caching` (None: as configured) turns prefix caching on or off for this load."""
     info, model, dev = load_model(engine_dir, device=device)
