@@ -10,7 +10,7 @@
 #   call 2: bash bench/device_gate_sweep.sh           (carry .dev/gates_g2 and the code)
 # From the repository root (ROOT is found there), with `/.dev/` in .git/info/exclude (else both halves travel).
 # DTYPES (default float32,bfloat16), FAULTS, QUANTIZATIONS narrow the sweep: the whole one took 77 s once and ran past 120 s once.
-# PRECISE_ACCUM=1: the fp8 prompt GEMMs without _scaled_mm's fast accumulation (quantize.FP8_FAST_ACCUM off).
+# PRECISE_ACCUM=1: the fp8 prompt GEMMs without _scaled_mm's fast accumulation (EngineOptions.fp8_fast_accum off).
 # Results: $OUT/gates.json (every case and the summary) and $OUT/gates.log.
 # Also read from the environment (default): REBUILDS=1, TINY_SEEDS='', TOTAL_S=400.
 set -uo pipefail

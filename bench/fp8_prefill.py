@@ -75,14 +75,15 @@ def _kernel_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear_split_k_chunks(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
-    """The split-K FP8 decode kernel on 64-row chunks (its 64-row `TUNED_FP8` config), up to 256 rows; more
-    rows, or a shape not in the table: the engine's `fp8_scaled_linear`."""
-    from serving.engine.fp8_gemm import TUNED_FP8_CONFIGS, launch_fp8
+    """The split-K FP8 decode kernel on 64-row chunks (its 64-row config in the device's `fp8` table), up to 256
+    rows; more rows, or a shape not in the table: the engine's `fp8_scaled_linear`."""
+    from serving.engine.fp8_gemm import launch_fp8
     from serving.engine.partials import sum_partials
+    from serving.engine.tuned_tables import tables_for
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    config = TUNED_FP8_CONFIGS.get((64, weight.shape[0], weight.shape[1]))
+    config = tables_for(x.device).fp8.get((64, weight.shape[0], weight.shape[1]))
     if config is None or x2.shape[0] > 256 or bias is not None:
         return ENGINE_LINEAR(x, weight, scale, bias)  # (not the patched name: that is this function)
     xq, x_scale = _kernel_tokens(x2)

@@ -4,7 +4,7 @@
 (wqkv, wo, w13, w2) and row count, cold in L2 and launched from a CUDA graph (as `bench gemms` does):
 
 - `cublas_us`: bf16 F.linear on the bf16 weight (for scale);
-- `weight_only_us`: the weight-only decode kernel the engine runs without `TUNED_FP8`
+- `weight_only_us`: the weight-only decode kernel the engine runs without an `fp8` tuned config
   (`skinny_gemm.quantized_config_for`, e4m3 converted to bf16 in registers);
 - `scaled_mm_us`: `torch._scaled_mm` row-wise on pre-scaled tokens (16+ rows; the GEMM alone);
 - `prefill_us` (more rows than a decode batch, `--rows 128`): the engine's prefill GEMM, `fp8_scaled_linear`,
@@ -13,11 +13,11 @@
   step's RMSNorm or SiLU * up when compiled), checked against `quantize.fp8_emulated_linear` on the same
   e4m3 inputs (`rel_err`).
 
-It ends with the `TUNED_FP8` table: each shape where the best fp8 config beats the engine's other path at
-those rows (`baseline_us`: the weight-only kernel, or `_scaled_mm` where the engine takes it) by more than
-`MIN_GAIN`. `python3 -m bench.quant_tables --fp8 fp8-sweep.json -- <bench arguments>` makes that
-table one process's `fp8_gemm.TUNED_FP8` and runs the bench on it (one device call sweeps, then times the
-engines on what it found).
+It ends by writing the `fp8` section of the GPU's tuned kernel file (`serving/engine/tuned/<device>.json`):
+each shape where the best fp8 config beats the engine's other path at those rows (`baseline_us`: the
+weight-only kernel, or `_scaled_mm` where the engine takes it) by more than `MIN_GAIN`. `python3 -m
+bench.quant_tables --fp8 fp8-sweep.json -- <bench arguments>` writes a saved report's table the same
+way and runs the bench on it (one device call sweeps, then times the engines on what it found).
 The configs compile first in a pool of processes (they fill Triton's on-disk cache).
 
 Imports: stdlib and torch at import time.
@@ -127,6 +127,7 @@ def sweep_cell(rows: int, n: int, k: int) -> dict[str, Any]:
         quantize_tokens_fp8,
     )
     from serving.engine.skinny_gemm import MAX_ROWS, launch, quantized_config_for
+    from serving.engine.tuned_tables import tables_for
 
     bf16, copies = cold_bf16_weights(n, k)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -136,7 +137,7 @@ def sweep_cell(rows: int, n: int, k: int) -> dict[str, Any]:
     xq, xs = quantize_tokens_fp8(x)
     ref = fp8_emulated_linear(x, weights[0], scales[id(weights[0])], None).float()
 
-    wo_config = quantized_config_for(rows, n, k)
+    wo_config = quantized_config_for(rows, n, k, tables_for(torch.device("cuda")))
     cell: dict[str, Any] = {"rows": rows, "n": n, "k": k, "bytes": n * k, "cublas_us": cublas,
                             "weight_only_config": wo_config.key() if wo_config else None}
     if wo_config is not None:
@@ -185,7 +186,7 @@ def describe(name: str, cell: dict[str, Any]) -> str:
 
 
 def bucket_key(cell: dict[str, Any]) -> tuple[int, int, int] | None:
-    """The `TUNED_FP8` key of a decode cell (rows bucket 1 or 64, N, K); None for a prefill cell."""
+    """The `fp8` table key of a decode cell (rows bucket 1 or 64, N, K); None for a prefill cell."""
     if cell["rows"] > 64:
         return None
     return (1 if cell["rows"] == 1 else 64, cell["n"], cell["k"])
@@ -218,10 +219,7 @@ def run_fp8_sweep(shapes: list[str], rows_list: list[int], *, out: Path, workers
                 report["cells"].append(cell)
                 print(f"{shape:13s} {describe(name, cell)}", flush=True)
                 out.write_text(json.dumps(report, indent=1))
-    print("TUNED_FP8 = {")
-    for key, config in sorted(table_of(report).items()):
-        cell = next(c for c in report["cells"] if bucket_key(c) == key)
-        print(f"    {key}: {config!r},  # {cell['shape']} {cell['name']}: {cell['best'][0]['us']:.1f} vs "
-              f"{cell['baseline_us']:.1f} us (engine's other fp8 path), bf16 cuBLAS {cell['cublas_us']:.1f}")
-    print("}", flush=True)
+    from bench.gemm_sweep import write_tuned
+
+    write_tuned("fp8", table_of(report))
     return report

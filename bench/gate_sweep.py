@@ -116,7 +116,7 @@ def evaluation_scores(runner, engine: Path, data, seq: int) -> EvaluationScores:
 
 def sweep_model(name: str, hf: Path, work: Path, *, dtypes: list[str], quantizations: list[str], rebuilds: int,
                 faults: list[str], device: str, seq: int, spec: ValidationSpec, data,
-                report: Callable[[Case], None]) -> list[Case]:
+                report: Callable[[Case], None], overrides: dict | None = None) -> list[Case]:
     """Every build of one checkpoint through validation, then the fixed evaluation against its float32 build."""
     import shutil
 
@@ -134,7 +134,7 @@ def sweep_model(name: str, hf: Path, work: Path, *, dtypes: list[str], quantizat
             t0 = time.monotonic()
             folder = work / f"{precision}-{r}"
             engine = build(hf, folder, dtype=dtype, method=method, batch=BATCH_SIZES[r % 4], seq=seq)
-            runner = load_engine(engine, device=device)
+            runner = load_engine(engine, device=device, overrides=overrides)
             result = validate_engine(engine, hf, spec, reference=reference, runner=runner)
             case = Case(name, precision, f"rebuild {r} (max_batch_size {BATCH_SIZES[r % 4]})", True, result.passed,
                         figures_of(result), limits_of(result), result.failures)
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=None, help="Scratch folder (default: a temporary one).")
     parser.add_argument("--out", type=Path, help="Write every case and the summary as JSON here.")
     parser.add_argument("--fp8-precise-accum", action="store_true", help="fp8 prompt GEMMs without _scaled_mm's fast "
-                        "accumulation (quantize.FP8_FAST_ACCUM off), to set its quality beside the engine's (GPU)")
+                        "accumulation (EngineOptions.fp8_fast_accum off), to set its quality beside the engine's (GPU)")
     args = parser.parse_args(argv)
 
     import tempfile
@@ -248,10 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.manual_seed(0)
-    if args.fp8_precise_accum:
-        from serving.engine import quantize
-
-        quantize.FP8_FAST_ACCUM = False
+    overrides = {"fp8_fast_accum": False} if args.fp8_precise_accum else None
     if args.threads:
         torch.set_num_threads(args.threads)
     work = args.work or Path(tempfile.mkdtemp(prefix="gate-sweep-"))
@@ -267,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, hf in models:
         cases += sweep_model(name, hf, work / name, dtypes=split(args.dtypes), quantizations=split(args.quantizations),
                              rebuilds=args.rebuilds, faults=split(args.faults), device=args.device,
-                             seq=args.max_seq_len, spec=spec, data=data, report=lambda c: print(line(c), flush=True))
+                             seq=args.max_seq_len, spec=spec, data=data, report=lambda c: print(line(c), flush=True),
+                             overrides=overrides)
         for c in cases:
             if c.model == name and c.evaluation_passed is not None:
                 print(f"  eval vs float32 rebuild 0: {c.precision} {c.build}: {line(c).split(' | ')[-1]}", flush=True)

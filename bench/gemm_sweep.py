@@ -5,18 +5,19 @@ matrix of the shapes (wqkv, wo, w13, w2, lm_head) at each row count, the way a d
 them: cold in L2 (each timed call reads another copy of the weight, 256 MB of copies in all) and
 launched from a CUDA graph. It prints, per shape, cuBLAS's time and bandwidth, the best Triton
 configs' (kernel alone, and with the split-K sum as a separate kernel, an upper bound on what
-the fused sum costs), and ends with the `TUNED` table of the configs that beat cuBLAS.
+the fused sum costs), and writes the configs that beat cuBLAS into the GPU's tuned kernel file
+(`serving/engine/tuned/<device>.json`, section `skinny`: `tuned_tables.write_table`), which engines read at load.
 
 The Triton configs compile first in a pool of processes (they fill Triton's on-disk cache).
 
 `--gate-up` times instead the MLP's silu(gate) * up: the step's unfused path (w13, then SiLU * up)
-against the fused `serving.engine.gate_up` kernel's configs (compiled in process), and ends with the
-`TUNED_GATE_UP` table.
+against the fused `serving.engine.gate_up` kernel's configs (compiled in process), and writes the `gate_up`
+section.
 
 `--quantization fp8|int8-weight-only` times the kernels on quantized weights (one byte per weight, per-row
-scales; `serving.engine.quantize`) against cuBLAS on the bf16 weights of the same shape, and ends with the
-`TUNED_QUANTIZED` / `TUNED_GATE_UP_QUANTIZED` tables (every shape's best config, faster than cuBLAS or not:
-a quantized weight has no cuBLAS path in the decode step). With fp8, each cell also times the FP8
+scales; `serving.engine.quantize`) against cuBLAS on the bf16 weights of the same shape, and writes the
+`skinny_fp8` (int8: `skinny_int8`) / `gate_up_quantized` sections (every shape's best config, faster than cuBLAS
+or not: a quantized weight has no cuBLAS path in the decode step). With fp8, each cell also times the FP8
 tensor-core path (`quantize.fp8_scaled_linear`: the tokens to e4m3, then `torch._scaled_mm`), with and
 without `use_fast_accum` and the GEMM alone on pre-scaled tokens, and checks it against the dequantized
 reference (`tc_rel_err`). `--tuned-only` times only the config the engine would run (`quantized_config_for`)
@@ -150,6 +151,7 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None, tuned_only
     fp8: the tensor-core path too, `tensor_core_times`)."""
     from serving.engine.quantize import INT8_WEIGHT_ONLY
     from serving.engine.skinny_gemm import config_for, launch, quantized_config_for
+    from serving.engine.tuned_tables import tables_for
 
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             for _ in range(max(1, min(16, math.ceil(COLD_BYTES / (n * k * 2)))))]
@@ -163,13 +165,15 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None, tuned_only
     ref = torch.nn.functional.linear(x, weights[0].float().mul(scales[id(weights[0])][:, None]).bfloat16()
                                      if method else weights[0]).float()
 
-    def launch(x: torch.Tensor, w: torch.Tensor, config: GemmConfig, launch: Callable = launch) -> torch.Tensor:
-        return launch(x, w, config, scale=scales[id(w)])
+    def launch(x: torch.Tensor, w: torch.Tensor, config: GemmConfig, launch: Callable = launch, **options: Any
+               ) -> torch.Tensor:
+        return launch(x, w, config, scale=scales[id(w)], **options)
     results = []
     splits = (1, 2) if nbytes > 2**29 else (1, 2, 4, 8, 16)
     int8 = method == INT8_WEIGHT_ONLY
     if tuned_only:
-        configs = [quantized_config_for(rows, n, k, int8=int8) if method else config_for(rows, n, k)]
+        tables = tables_for(torch.device("cuda"))
+        configs = [quantized_config_for(rows, n, k, tables, int8=int8) if method else config_for(rows, n, k, tables.skinny)]
     else:
         configs = [with_split(base, split) for base in compiled_configs(rows, transposed=method is not None)
                    for split in splits]
@@ -204,15 +208,9 @@ def sweep_shape(rows: int, n: int, k: int, method: str | None = None, tuned_only
 
 def int8_convert_us(x: torch.Tensor, weights: list[torch.Tensor], launch: Callable, config: GemmConfig
                     ) -> dict[str, float]:
-    """The config on int8 weights widened by int-to-float conversions (`skinny_gemm.INT8_FLOAT_BITS` off)
+    """The config on int8 weights widened by int-to-float conversions (the launcher's `int8_float_bits` off)
     rather than through float32 bits, for a side-by-side figure (only the gemv kernel differs)."""
-    from serving.engine import skinny_gemm
-
-    skinny_gemm.INT8_FLOAT_BITS = False
-    try:
-        return {"convert_us": time_cold_us(lambda w: launch(x, w, config), weights)}
-    finally:
-        skinny_gemm.INT8_FLOAT_BITS = True
+    return {"convert_us": time_cold_us(lambda w: launch(x, w, config, int8_float_bits=False), weights)}
 
 
 def sweep_gate_up(rows: int, intermediate: int, k: int, method: str | None = None) -> dict[str, Any]:
@@ -263,8 +261,8 @@ def sweep_gate_up(rows: int, intermediate: int, k: int, method: str | None = Non
 
 def run_gate_up_sweep(shapes: list[str], rows_list: list[int], *, out: Path, method: str | None = None
                       ) -> dict[str, Any]:
-    """`sweep_gate_up` for every shape's MLP at every row count; prints the `TUNED_GATE_UP` entries that
-    beat the unfused path by more than 2%."""
+    """`sweep_gate_up` for every shape's MLP at every row count; writes the configs that beat the unfused path
+    by more than 2% into the GPU's tuned kernel file (`gate_up`, quantized: `gate_up_quantized`)."""
     from bench.models import model_args
 
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "cells": []}
@@ -274,13 +272,9 @@ def run_gate_up_sweep(shapes: list[str], rows_list: list[int], *, out: Path, met
         report["cells"].append(cell)
         out.write_text(json.dumps(report, indent=1))
         print(describe(cell).replace("cuBLAS", "unfused"), flush=True)
-    print("TUNED_GATE_UP_QUANTIZED = {" if method else "TUNED_GATE_UP = {", flush=True)
-    for cell in report["cells"]:
-        best = cell["best"][0] if cell["best"] else None
-        if best and best["us"] < 0.98 * cell["cublas_us"]:
-            print(f"    ({cell['rows']}, {cell['n']}, {cell['k']}): {best['config']!r},  # {cell['shape']}: "
-                  f"{best['us']:.1f} vs unfused {cell['cublas_us']:.1f} us", flush=True)
-    print("}", flush=True)
+    table = {(cell["rows"], cell["n"], cell["k"]): cell["best"][0]["config"] for cell in report["cells"]
+             if cell["best"] and cell["best"][0]["us"] < 0.98 * cell["cublas_us"]}
+    write_tuned("gate_up_quantized" if method else "gate_up", table)
     return report
 
 
@@ -305,14 +299,26 @@ def run_sweep(shapes: list[str], rows_list: list[int], *, out: Path, workers: in
             report["cells"].append(cell)
             out.write_text(json.dumps(report, indent=1))
             print(describe(cell), flush=True)
-    print("TUNED_QUANTIZED = {" if method else "TUNED = {", flush=True)
+    table = {}
     for cell in report["cells"]:
         best = cell["best"][0] if cell["best"] else None
         if best and (method or best.get("us_with_sum", best["us"]) < cell["cublas_us"]):
-            print(f"    ({cell['rows']}, {cell['n']}, {cell['k']}): {best['config']!r},  # {cell['shape']} "
-                  f"{cell['name']}: {best['us']:.1f} vs cuBLAS {cell['cublas_us']:.1f} us", flush=True)
-    print("}", flush=True)
+            table[(cell["rows"], cell["n"], cell["k"])] = best["config"]
+    if not tuned_only:
+        from serving.engine.quantize import INT8_WEIGHT_ONLY
+
+        write_tuned({None: "skinny", INT8_WEIGHT_ONLY: "skinny_int8"}.get(method, "skinny_fp8"), table)
     return report
+
+
+def write_tuned(section: str, table: dict[tuple[int, int, int], str]) -> None:
+    """A sweep's winning configs into the current GPU's tuned kernel file (serving/engine/tuned/), which the
+    engine reads at load; the figures stay in the sweep's report."""
+    from serving.engine.tuned_tables import write_table
+
+    capability = "{}.{}".format(*torch.cuda.get_device_capability())
+    path = write_table(torch.cuda.get_device_name(), capability, section, table)
+    print(f"{len(table)} {section} configs written to {path}", flush=True)
 
 
 def describe(cell: dict[str, Any]) -> str:

@@ -92,15 +92,22 @@ def attention_cases() -> list[Case]:
     ]
 
 
+def h200_tables() -> Any:
+    """The tuned kernel configs shipped for the H200 (serving/engine/tuned/NVIDIA_H200.json)."""
+    from serving.engine.tuned_tables import TUNED_DIR, read_file
+
+    return read_file(TUNED_DIR / "NVIDIA_H200.json")
+
+
 def skinny_cases() -> list[Case]:
-    """The skinny dot kernel with PDL at 64 rows, as tuned (`skinny_gemm.TUNED`); the LM heads also with
-    their greedy maxima (`lm_head`)."""
+    """The skinny dot kernel with PDL at 64 rows, as tuned for the H200 (its `skinny` table); the LM heads also
+    with their greedy maxima (`lm_head`)."""
     from bench.models import model_args
-    from serving.engine.skinny_gemm import TUNED, GemmConfig, _dot_kernel
+    from serving.engine.skinny_gemm import _dot_kernel
 
     cases = []
-    for (rows, n, k), text in TUNED.items():
-        config = GemmConfig.parse(text)
+    for (rows, n, k), config in h200_tables().skinny.items():
+        text = config.key()
         if rows != 64 or config.kernel != "dot":
             continue
         types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32" if config.split > 1 else "*bf16",
@@ -116,13 +123,12 @@ def skinny_cases() -> list[Case]:
 
 def fp8_cases() -> list[Case]:
     """The split-K FP8 tensor-core kernel (`skinny_gemm`'s "dott" with e4m3 tokens) with PDL, as tuned
-    (`fp8_gemm.TUNED_FP8`)."""
-    from serving.engine.fp8_gemm import TUNED_FP8
-    from serving.engine.skinny_gemm import GemmConfig, _dot_t_kernel, block_m
+    for the H200 (its `fp8` table)."""
+    from serving.engine.skinny_gemm import _dot_t_kernel, block_m
 
     cases = []
-    for (rows, n, k), text in TUNED_FP8.items():
-        config = GemmConfig.parse(text)
+    for (rows, n, k), config in h200_tables().fp8.items():
+        text = config.key()
         types = {"x_ptr": "*fp8e4nv", "x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                  "out_ptr": "*fp32" if config.split > 1 else "*bf16"}
         constexprs = {"BLOCK_M": block_m(rows), "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
@@ -134,16 +140,15 @@ def fp8_cases() -> list[Case]:
 
 def fp8_one_row_cases() -> list[Case]:
     """The FP8 kernel that scales its one bf16 token itself (`fp8_gemm._fp8_one_row_kernel`) with PDL, at the
-    one-row configs of `fp8_gemm.TUNED_FP8`."""
-    from serving.engine.fp8_gemm import ROW_BLOCK, TUNED_FP8, _fp8_one_row_kernel
+    one-row configs of the H200's `fp8` table."""
+    from serving.engine.fp8_gemm import ROW_BLOCK, _fp8_one_row_kernel
     from serving.engine.prescaled import E4M3_MAX
-    from serving.engine.skinny_gemm import GemmConfig
 
     cases = []
-    for (rows, n, k), text in TUNED_FP8.items():
+    for (rows, n, k), config in h200_tables().fp8.items():
         if rows != 1:
             continue
-        config = GemmConfig.parse(text)
+        text = config.key()
         types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
                  "out_ptr": "*fp32" if config.split > 1 else "*bf16"}
         constexprs = {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "ROW_BLOCK": ROW_BLOCK,

@@ -55,10 +55,10 @@ def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, g
     of the engine thread, and the 60 most expensive calls (cumulative) are written there."""
     t_import = time.perf_counter()
     import torch
+    from serving.engine.compile_cache import decode_step_cache, inductor_cache_counts
 
     from bench.compile_trace import CompileTrace
     from serving.engine import load_engine
-    from serving.engine.compile_cache import decode_step_cache, inductor_cache_counts
     from serving.triton.models.llm import EngineThread, Log
 
     lines: list[str] = []
@@ -119,8 +119,9 @@ def measure_load(engine_dir: Path, cache_root: Path | None, *, batch: int = 8, g
 
 def import_kernels() -> None:
     """What an engine's load imports besides torch: Triton, inductor's runtime and the engine's kernel modules."""
-    import serving.engine.cuda_graphs
     import serving.engine.decode_attention
+
+    import serving.engine.cuda_graphs
     import serving.engine.gate_up
     import serving.engine.skinny_gemm  # noqa: F401
 

@@ -14,8 +14,11 @@ import torch
 
 from serving.engine.build import EngineInfo, EngineLimits
 from serving.engine.convert import map_hf_name
-from serving.engine.model import ModelArgs, Transformer
-from serving.engine.runner import EngineRunner, pick_decode_attention, pick_decode_gemm
+from serving.engine.linears import apply_options
+from serving.engine.model import ModelArgs
+from serving.engine.models.llama import Transformer
+from serving.engine.options import resolve_options
+from serving.engine.runner import EngineRunner
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -91,9 +94,8 @@ def runner_from_hf(hf_model: Any, args: ModelArgs, limits: EngineLimits, *, cuda
     model.load_state_dict(state, strict=True, assign=True)
     model = model.eval().requires_grad_(False)
     model.setup_caches(limits.max_batch_size, limits.max_seq_len)
-    model.decode_attention_impl = pick_decode_attention("auto", torch.device(device), model.tok_embeddings.weight.dtype)
-    model.decode_gemm_impl = pick_decode_gemm("auto", torch.device(device), model.tok_embeddings.weight.dtype)
     info = EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."))
+    apply_options(model, resolve_options(torch.device(device), info))
     return EngineRunner(info, model, torch.device(device), cuda_graphs=cuda_graphs)
 
 

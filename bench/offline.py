@@ -185,7 +185,8 @@ def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
         weight_bytes,
     )
     from serving.engine.build import EngineLimits
-    from serving.engine.runner import pick_decode_gemm
+    from serving.engine.linears import apply_options
+    from serving.engine.options import resolve_options
 
     t_start = time.perf_counter()
     dtype = getattr(torch, cfg.dtype)
@@ -269,7 +270,7 @@ def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
                 if gemm is not None or not pdl:
                     torch._dynamo.reset()
                 if gemm is not None:
-                    runner.model.decode_gemm_impl = pick_decode_gemm(gemm, runner.device, dtype)
+                    apply_options(runner.model, resolve_options(runner.device, runner.info, {"decode_gemm": gemm}))
                 runner.compile_decode(pdl=pdl)
                 for p, g in cfg.peer_workloads:
                     for b in cfg.batch_sizes:

@@ -19,13 +19,14 @@ Imports: stdlib and torch; the engine's kernel module.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
-from unittest import mock
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from serving.engine.options import AttentionKernelOptions
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 FLAGS = {"prefetch": "prefetch", "dotf16": "dot_f16"}  # variant word -> Variant field
@@ -104,22 +105,17 @@ def make_case(cfg: AttentionBenchConfig, device: torch.device) -> tuple[torch.Te
 def variant_call(variant: Variant, case: tuple[torch.Tensor, ...], scale: float) -> Callable[[], torch.Tensor]:
     from serving.engine.paged_attention import paged_decode_triton
 
-    return lambda: paged_decode_triton(*case, scale, splits=variant.splits, tile=variant.tile)
+    kernel = variant_kernel(variant)
+    return lambda: paged_decode_triton(*case, scale, splits=variant.splits, tile=variant.tile, kernel=kernel)
 
 
-@contextlib.contextmanager
-def variant_settings(variant: Variant) -> Iterator[None]:
-    from serving.engine import paged_attention
+def variant_kernel(variant: Variant) -> AttentionKernelOptions:
+    """The kernel's launch options a variant runs with (the engine's defaults for what it leaves alone)."""
+    from serving.engine.options import AttentionKernelOptions
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(paged_attention, "PREFETCH_BLOCKS", variant.prefetch))
-        stack.enter_context(mock.patch.object(paged_attention, "FP8_KV_DOT_F16", variant.dot_f16))
-        if variant.warps is not None:
-            stack.enter_context(mock.patch.object(paged_attention, "NUM_WARPS", variant.warps))
-            stack.enter_context(mock.patch.object(paged_attention, "FP8_NUM_WARPS", variant.warps))
-        if variant.stages is not None:
-            stack.enter_context(mock.patch.object(paged_attention, "NUM_STAGES", variant.stages))
-        yield
+    warps = {} if variant.warps is None else {"num_warps": variant.warps, "fp8_num_warps": variant.warps}
+    return AttentionKernelOptions(prefetch_blocks=variant.prefetch, fp8_kv_dot_f16=variant.dot_f16,
+                                  num_stages=variant.stages, **warps)
 
 
 def bench_paged_attention(cfg: AttentionBenchConfig, *, device: str = "cuda",
@@ -142,10 +138,9 @@ def bench_paged_attention(cfg: AttentionBenchConfig, *, device: str = "cuda",
     scale = cfg.head_dim ** -0.5
     first: torch.Tensor | None = None
     for variant in variants:
-        with variant_settings(variant):
-            call = variant_call(variant, case, scale)
-            out = call()
-            us = graph_time_us(call, calls=5, replays=4)
+        call = variant_call(variant, case, scale)
+        out = call()
+        us = graph_time_us(call, calls=5, replays=4)
         diff = 0.0 if first is None else float((out.float() - first.float()).abs().max())
         first = out if first is None else first
         rate = nbytes / (us * 1e-6) / 1e9

@@ -17,7 +17,7 @@ float32 logits rather than from the LM head's kernel (`serving.engine.lm_head`),
 kernel may start while its predecessor finishes, and waits for it before reading its output),
 `loopnorm` for inductor's own looped row reductions rather than one pass over each row for the residual
 add + RMSNorm (`serving.engine.whole_row_norms`), `rowscale` for an fp8 engine's one token scaled to e4m3 inside
-its GEMMs (`fp8_gemm.ROW_SCALING_IN_KERNEL`) rather than in kernels before them,
+its GEMMs (`EngineOptions.fp8_row_scaling_in_kernel`) rather than in kernels before them,
 `kvb<n>`, `kvw<n>`, `kvst<n>`, `kvt<n>` for the Triton attention's block (positions), warps, stages
 and target programs (`decode_attention.STEP_KNOBS`), and `g<N>x<K>=<config>` / `u<I>x<D>=<config>` for a
 skinny GEMM's / the gate/up kernel's config at the batch's rows bucket (an in-step sweep; configs as
@@ -43,8 +43,7 @@ KINDS = (("gemm", ("gemm", "gemv", "_dot_kernel", "_fp8_one_row", "_gate_up_kern
 
 VARIANT_PARTS = ("triton", "matmul", "skinny", "extra", "unfused", "nogateup", "nogreedy", "loopnorm", "pdl",
                  "rowscale")
-# candidates for skinny_gemm.TUNED, where cuBLAS runs now (none at present: the last two, Llama-8B's wqkv
-# and wo at 64 rows, went into the table once `+extra` showed the step faster with them)
+# candidates for the tuned skinny table, where cuBLAS runs now (none at present)
 ATTENTION_KNOBS = {"kvb": "block", "kvw": "num_warps", "kvst": "num_stages", "kvt": "target_programs"}
 EXTRA_CONFIGS: dict[tuple[int, int, int], str] = {}
 
@@ -101,22 +100,26 @@ def profile_variant(model: Any, *, variant: str, batch: int, context: int, kv_bl
     unknown = {p for p in parts if p not in VARIANT_PARTS and not KNOB_PART.fullmatch(p) and not CONFIG_PART.fullmatch(p)}
     if unknown:
         raise ValueError(f"variant {variant!r}: unknown parts {sorted(unknown)} ({', '.join(VARIANT_PARTS)})")
-    model.decode_attention_impl = "triton" if "triton" in parts else "matmul"
-    model.decode_rope_fused = "unfused" not in parts
-    model.decode_gemm_impl = "triton" if "skinny" in parts else "torch"
-    model.decode_gate_up = "nogateup" not in parts
-    model.decode_lm_greedy = "nogreedy" not in parts
+    from serving.engine import decode_attention
+    from serving.engine.gemm_config import parse_table
+    from serving.engine.linears import apply_options
+    from serving.engine.options import EngineOptions, with_tuned
+    from serving.engine.tuned_tables import tables_for
+
+    tuned = tables_for(torch.device("cuda"))
+    skinny_over, gate_up_over = config_overrides(parts, batch)
+    options = EngineOptions(decode_attention="triton" if "triton" in parts else "matmul",
+                            decode_rope_fused="unfused" not in parts,
+                            decode_gemm="triton" if "skinny" in parts else "torch",
+                            decode_gate_up="nogateup" not in parts, decode_lm_greedy="nogreedy" not in parts,
+                            fp8_row_scaling_in_kernel="rowscale" in parts, tuned=tuned)
+    apply_options(model, with_tuned(
+        options, skinny={**tuned.skinny, **parse_table({**(EXTRA_CONFIGS if "extra" in parts else {}), **skinny_over})},
+        gate_up={**tuned.gate_up, **parse_table(gate_up_over)}))
     t0 = time.perf_counter()
     tokens = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
-    from serving.engine import decode_attention, fp8_gemm, gate_up, skinny_gemm
-
-    decode_attention.STEP_KNOBS = knobs
-    fp8_gemm.ROW_SCALING_IN_KERNEL = "rowscale" in parts
-    skinny_over, gate_up_over = config_overrides(parts, batch)
-    skinny_gemm.TUNED_CONFIGS = skinny_gemm.parse_table(
-        {**skinny_gemm.TUNED, **(EXTRA_CONFIGS if "extra" in parts else {}), **skinny_over})
-    gate_up.TUNED_GATE_UP_CONFIGS = skinny_gemm.parse_table({**gate_up.TUNED_GATE_UP, **gate_up_over})
+    decode_attention.STEP_KNOBS = knobs  # (the static engine's attention, which goes away with it)
     torch._dynamo.reset()
     graphs = DecodeGraphs(model, kv_block=kv_block, compile=False if compile_mode == "eager" else compile_mode,
                           pdl="pdl" in parts, whole_row_norms="loopnorm" not in parts)

@@ -2,13 +2,13 @@
 
 `tables_from_sweep(report)` -> {(rows, N, K): config} of each cell's fastest config (LM heads left out:
 they stay in the engine dtype unless the spec quantizes them). `python3 -m bench.quant_tables
-sweep.json gate-up.json -- <bench arguments>` installs them into `skinny_gemm.TUNED_QUANTIZED` (an int8 sweep's:
-`TUNED_INT8`) /
-`gate_up.TUNED_GATE_UP_QUANTIZED` for this process and runs the benchmark, so that one device call can
-sweep and then time the engines on what it found; the lines to paste into the tables are printed.
-`python3 -m bench.quant_tables --fp8 fp8-sweep.json -- <bench arguments>` does the same with a
-`bench fp8-gemms` report and `fp8_gemm.TUNED_FP8` (`fp8_sweep.table_of`; the entries it found replace
-those of their shapes, the rest stay).
+sweep.json gate-up.json -- <bench arguments>` writes them into the current GPU's tuned kernel file
+(`serving/engine/tuned/<device>.json`, sections `skinny_fp8` (an int8 sweep's: `skinny_int8`) and
+`gate_up_quantized`; `tuned_tables.write_table`) and runs the benchmark, whose engines read that file at load,
+so that one device call can sweep and then time the engines on what it found; bring the file back with the
+results. `python3 -m bench.quant_tables --fp8 fp8-sweep.json -- <bench arguments>` does the same with a
+`bench fp8-gemms` report and the `fp8` section (`fp8_sweep.table_of`; the entries it found replace those of
+their shapes, the rest stay).
 """
 
 from __future__ import annotations
@@ -32,29 +32,35 @@ def tables_from_sweep(report: dict[str, Any], *, min_gain: float = 0.0) -> dict[
     return out
 
 
+def current_device() -> tuple[str, str]:
+    """(CUDA device name, compute capability "9.0") of the current GPU: whose tuned file a sweep writes."""
+    import torch
+
+    return torch.cuda.get_device_name(), "{}.{}".format(*torch.cuda.get_device_capability())
+
+
 def install(skinny: dict[tuple[int, int, int], str], gate_up_table: dict[tuple[int, int, int], str], *,
-            int8: bool = False) -> None:
-    """The sweep's configs into the engine's tables for this process: an int8 sweep's GEMMs into `TUNED_INT8`."""
-    from serving.engine import gate_up, skinny_gemm
+            int8: bool = False, device: tuple[str, str] | None = None, directory: Path | None = None) -> Path:
+    """The sweep's configs into the device's tuned file: an int8 sweep's GEMMs into `skinny_int8`."""
+    from serving.engine.tuned_tables import TUNED_DIR, write_table
 
-    table, configs = ((skinny_gemm.TUNED_INT8, skinny_gemm.TUNED_INT8_CONFIGS) if int8
-                      else (skinny_gemm.TUNED_QUANTIZED, skinny_gemm.TUNED_QUANTIZED_CONFIGS))
-    table.update(skinny)
-    configs.update(skinny_gemm.parse_table(skinny))
-    gate_up.TUNED_GATE_UP_QUANTIZED.update(gate_up_table)
-    gate_up.TUNED_GATE_UP_QUANTIZED_CONFIGS.update(skinny_gemm.parse_table(gate_up_table))
+    name, capability = device or current_device()
+    where = directory or TUNED_DIR
+    write_table(name, capability, "skinny_int8" if int8 else "skinny_fp8", skinny, directory=where)
+    return write_table(name, capability, "gate_up_quantized", gate_up_table, directory=where)
 
 
-def install_fp8(report_path: str) -> None:
+def install_fp8(report_path: str, *, device: tuple[str, str] | None = None, directory: Path | None = None) -> Path:
+    """A `bench fp8-gemms` report's table into the device's tuned file (`fp8`; shapes the sweep did not time
+    keep their entries)."""
     from bench.fp8_sweep import table_of
-    from serving.engine.fp8_gemm import TUNED_FP8, install_table
+    from serving.engine.tuned_tables import TUNED_DIR, write_table
 
-    table = table_of(json.loads(Path(report_path).read_text()))
-    install_table({**TUNED_FP8, **table})  # shapes the sweep did not time keep their entries
-    print("TUNED_FP8 |= {")
-    for key, config in sorted(table.items()):
-        print(f"    {key}: {config!r},")
-    print("}", flush=True)
+    name, capability = device or current_device()
+    path = write_table(name, capability, "fp8", table_of(json.loads(Path(report_path).read_text())),
+                       directory=directory or TUNED_DIR)
+    print(f"tuned fp8 configs written to {path}", flush=True)
+    return path
 
 
 def main(argv: list[str]) -> int:
@@ -68,15 +74,10 @@ def main(argv: list[str]) -> int:
 
     sweep, gate = (json.loads(Path(p).read_text()) for p in argv[:split])
     skinny = tables_from_sweep(sweep)
-    # one row: the w13 gemv and SiLU * up beat the fused kernel (8B: 35.5 + ~3 against 47.5 us, 2026-12-01)
+    # one row: the w13 gemv and SiLU * up beat the fused kernel (docs/quantization.md)
     fused = {key: c for key, c in tables_from_sweep(gate, min_gain=0.02).items() if key[0] > 1}
     int8 = sweep.get("quantization") == INT8_WEIGHT_ONLY
-    install(skinny, fused, int8=int8)
-    for name, table in (("TUNED_INT8" if int8 else "TUNED_QUANTIZED", skinny), ("TUNED_GATE_UP_QUANTIZED", fused)):
-        print(f"{name} += {{")
-        for key, config in sorted(table.items()):
-            print(f"    {key}: {config!r},")
-        print("}", flush=True)
+    print(f"tuned quantized configs written to {install(skinny, fused, int8=int8)}", flush=True)
     from bench.__main__ import main as bench
 
     return bench(argv[split + 1:])

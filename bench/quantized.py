@@ -17,7 +17,7 @@ compiles each one's decode step (`EngineRunner.compile_decode`, the served defau
 decode kernels (neither the split-K FP8 kernel nor `_scaled_mm` at decode rows) and the FP8 tensor cores only
 past `skinny_gemm.MAX_ROWS` rows (prefill), as fp8 engines first ran; one run times the fp8 decode paths side
 by side. And `fp8-row-scaling-in-gemm`: the fp8 engine with one token's e4m3 scaling inside its GEMMs
-(`fp8_gemm.ROW_SCALING_IN_KERNEL`), checked at one row too.
+(`EngineOptions.fp8_row_scaling_in_kernel`), checked at one row too.
 
 Before timing, the check compares each quantized engine's decode step (Triton kernels; for fp8 the FP8
 tensor cores where `fp8_gemm.TUNED_FP8` has the shape) against its own dequantizing reference path
@@ -31,46 +31,35 @@ Imports: stdlib and torch at import time.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
 from bench.offline import copy_bandwidth_gb_s, roofline
 from serving.engine.build import EngineInfo, EngineLimits
-from serving.engine.model import Transformer
-from serving.engine.quantize import FP8, NONE, QuantInfo, install_quantized_linears, quantize_state
-from serving.engine.runner import EngineRunner, pick_decode_attention, pick_decode_gemm
+from serving.engine.linears import apply_options, install_quantized_linears
+from serving.engine.models.llama import Transformer
+from serving.engine.options import resolve_options
+from serving.engine.quantize import FP8, NONE, QuantInfo, quantize_state
+from serving.engine.runner import EngineRunner
 from serving.engine.timing import time_generate
 
 FP8_DECODE_KERNELS = "fp8-decode-kernels"  # a bench method: fp8, the decode batches on the weight-only kernels
 FP8_ROW_SCALING_IN_GEMM = "fp8-row-scaling-in-gemm"  # a bench method: fp8, one token scaled inside its GEMMs
 
 
-def engine_method(method: str) -> tuple[str, int | None]:
-    """A bench method -> (engine.quantization, the fp8 tensor cores' fewest rows; None: the default)."""
+def engine_method(method: str) -> tuple[str, dict[str, Any]]:
+    """A bench method -> (engine.quantization, the `EngineOptions` fields it changes)."""
     if method == FP8_DECODE_KERNELS:
-        from serving.engine.skinny_gemm import MAX_ROWS
-
-        return FP8, MAX_ROWS + 1
+        return FP8, {"fp8_decode_tensor_cores": False}
     if method == FP8_ROW_SCALING_IN_GEMM:
-        return FP8, None
-    return method, None
-
-
-def method_switches(method: str) -> contextlib.AbstractContextManager:
-    """The engine code's switch a bench method turns while its engine is checked, compiled and timed."""
-    from serving.engine import fp8_gemm
-
-    if method == FP8_ROW_SCALING_IN_GEMM:
-        return mock.patch.object(fp8_gemm, "ROW_SCALING_IN_KERNEL", True)
-    return contextlib.nullcontext()
+        return FP8, {"fp8_row_scaling_in_kernel": True}
+    return method, {}
 
 
 @dataclass(frozen=True)
@@ -104,15 +93,14 @@ def quantized_model(base: Transformer, method: str, *, dtype: torch.dtype = torc
     """A `Transformer` over `base`'s weights quantized by the bench `method` in memory, as conversion quantizes
     them (the unquantized tensors shared with `base`)."""
     args = base.args
-    method, tensor_core_min_rows = engine_method(method)
+    method, _ = engine_method(method)
     quant = QuantInfo(method)
     state = quantize_state(base.state_dict(), quant, n_layers=args.n_layers,
                            tie_word_embeddings=args.tie_word_embeddings)
     with torch.device("meta"):
         model = Transformer(args)
-    extra = {} if tensor_core_min_rows is None else {"tensor_core_min_rows": tensor_core_min_rows}
     install_quantized_linears(model, quant, n_layers=args.n_layers, tie_word_embeddings=args.tie_word_embeddings,
-                              dtype=dtype, **extra)
+                              dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
@@ -120,17 +108,16 @@ def quantized_model(base: Transformer, method: str, *, dtype: torch.dtype = torc
 def runner_for(base: Transformer, method: str, *, max_batch_size: int, max_seq_len: int) -> EngineRunner:
     """An EngineRunner over `base`'s weights, quantized by `method` (the unquantized tensors shared)."""
     args = base.args
-    quant = QuantInfo(engine_method(method)[0])
+    quantization, overrides = engine_method(method)
+    quant = QuantInfo(quantization)
     model = quantized_model(base, method)
-    model.setup_caches(max_batch_size, max_seq_len)
     device = torch.device("cuda")
-    model.decode_attention_impl = pick_decode_attention("auto", device, torch.bfloat16)
-    model.decode_gemm_impl = pick_decode_gemm("auto", device, torch.bfloat16)
     limits = EngineLimits("bfloat16", max_batch_size=max_batch_size, max_input_len=max_seq_len - 1,
                           max_seq_len=max_seq_len)
     info = EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."),
                       quantization=quant)
-    return EngineRunner(info, model, device)
+    apply_options(model, resolve_options(device, info, overrides))
+    return EngineRunner(info, model, device, info.kv_cache)
 
 
 def random_runner(shape: str, method: str, *, max_batch_size: int, max_seq_len: int,
@@ -202,33 +189,32 @@ def run_quantized(cfg: QuantBenchConfig, *, out_json: Path | None = None, log=pr
             if time.perf_counter() - started > cfg.deadline_s:
                 report["skipped"].append(what)
                 continue
-            with method_switches(method):
-                try:
-                    runner = runner_for(base, method, max_batch_size=max(cfg.batch_sizes), max_seq_len=max_seq)
-                    wbytes = decode_weight_bytes(runner.model)
-                    if cfg.check and method != NONE:
-                        rows = (1, 8, 64) if method == FP8_ROW_SCALING_IN_GEMM else (8, 64)
-                        report["checks"][what] = check_kernels(runner, batches=rows)
-                        log(f"{what} kernels vs reference path: {report['checks'][what]}")
-                    t0 = time.perf_counter()
-                    runner.compile_decode()
-                    for b in cfg.batch_sizes:
-                        cell = time_generate(runner, batch=b, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
-                                             repeats=cfg.repeats, shape=shape, impl=f"engine-{method}")
-                        cell.bandwidth_gb_s = bw
-                        cell.roofline_tok_s = roofline(weight_bytes=wbytes, kv_bytes_per_token=kv_token, batch=b,
-                                                       prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, bandwidth_gb_s=bw)
-                        cell.roofline_frac = cell.decode_tok_s / cell.roofline_tok_s
-                        cell.note = f"quantization={method} step_weight_bytes={wbytes} compile+bench {time.perf_counter() - t0:.0f} s"
-                        row = asdict(cell)
-                        row.update(quantization=method, step_weight_bytes=wbytes)
-                        report["cells"].append(row)
-                        log(cell.row())
-                        save()
-                except Exception as exc:  # noqa: BLE001 - one failed engine must not lose the others
-                    report["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
-                    log(f"FAILED {what}: {type(exc).__name__}: {exc}")
+            try:
+                runner = runner_for(base, method, max_batch_size=max(cfg.batch_sizes), max_seq_len=max_seq)
+                wbytes = decode_weight_bytes(runner.model)
+                if cfg.check and method != NONE:
+                    rows = (1, 8, 64) if method == FP8_ROW_SCALING_IN_GEMM else (8, 64)
+                    report["checks"][what] = check_kernels(runner, batches=rows)
+                    log(f"{what} kernels vs reference path: {report['checks'][what]}")
+                t0 = time.perf_counter()
+                runner.compile_decode()
+                for b in cfg.batch_sizes:
+                    cell = time_generate(runner, batch=b, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
+                                         repeats=cfg.repeats, shape=shape, impl=f"engine-{method}")
+                    cell.bandwidth_gb_s = bw
+                    cell.roofline_tok_s = roofline(weight_bytes=wbytes, kv_bytes_per_token=kv_token, batch=b,
+                                                   prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, bandwidth_gb_s=bw)
+                    cell.roofline_frac = cell.decode_tok_s / cell.roofline_tok_s
+                    cell.note = f"quantization={method} step_weight_bytes={wbytes} compile+bench {time.perf_counter() - t0:.0f} s"
+                    row = asdict(cell)
+                    row.update(quantization=method, step_weight_bytes=wbytes)
+                    report["cells"].append(row)
+                    log(cell.row())
                     save()
+            except Exception as exc:  # noqa: BLE001 - one failed engine must not lose the others
+                report["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
+                log(f"FAILED {what}: {type(exc).__name__}: {exc}")
+                save()
             runner = None
             gc.collect()
             torch.cuda.empty_cache()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import itertools
 import json
 import random
@@ -37,13 +36,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
 
 from serving.engine.heap import frozen_heap
 from serving.engine.timing import percentile
+
+if TYPE_CHECKING:
+    from serving.engine.options import EngineOptions
 
 Work = list[tuple[list[int], int]]  # (prompt ids, max_tokens) per request
 
@@ -247,37 +249,51 @@ SYNC_SIDE = "paged-sync"  # the paged engine waiting for every step's tokens (no
 PREFIX_SIDE = "paged-prefix-cache"  # the paged engine with prefix caching (blocks cached across its runs)
 TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations, K/V writes, SiLU * up as torch ops
 TILE_SIDE = "paged-tile"  # + N: the paged engine whose decode attention walks N positions an iteration
-# sides that set one engine switch while they run: side -> (module under serving.engine, its setting, the value)
-SWITCH_SIDES: dict[str, tuple[str, str, object]] = {
-    "paged-unscaled": ("quantize", "PRESCALE_ROWS", False),  # FP8 GEMMs scaling their rows (not the norms, SiLU * up)
-    "paged-precise-accum": ("quantize", "FP8_FAST_ACCUM", False),  # fp8 prompt GEMMs promoting to float32 as they go
-    "paged-no-prefetch": ("paged_attention", "PREFETCH_BLOCKS", False),  # decode attention: table, K, V in a row
-    "paged-kv-dot-bf16": ("paged_attention", "FP8_KV_DOT_F16", False),  # ... over an e4m3 pool: bf16 dots
-    "paged-fp8-warps4": ("paged_attention", "FP8_NUM_WARPS", 4),  # ... over an e4m3 pool: 4 warps a program
-    "paged-pdl": ("paged_decode", "PDL", True),  # decode graphs with programmatic dependent launch
-    "paged-sum-adds": ("partials", "ONE_KERNEL", False),  # eager split-K sums as a kernel an add
-    "paged-repeat-kv": ("paged_model", "GQA_IN_SDPA", False),  # prompt attention copying K/V per query head
+# sides that run the engine with some of its options changed: side -> `EngineOptions` fields (`attention`: the
+# decode attention kernel's, `AttentionKernelOptions`)
+OPTION_SIDES: dict[str, dict[str, Any]] = {
+    "paged-unscaled": {"prescale_rows": False},  # FP8 GEMMs scaling their rows (not the norms, SiLU * up)
+    "paged-precise-accum": {"fp8_fast_accum": False},  # fp8 prompt GEMMs promoting to float32 as they go
+    "paged-no-prefetch": {"attention": {"prefetch_blocks": False}},  # decode attention: table, K, V in a row
+    "paged-kv-dot-bf16": {"attention": {"fp8_kv_dot_f16": False}},  # ... over an e4m3 pool: bf16 dots
+    "paged-fp8-warps4": {"attention": {"fp8_num_warps": 4}},  # ... over an e4m3 pool: 4 warps a program
+    "paged-pdl": {"decode_pdl": True},  # decode graphs with programmatic dependent launch
+    "paged-sum-adds": {"partial_sums_one_kernel": False},  # eager split-K sums as a kernel an add
+    "paged-repeat-kv": {"gqa_in_sdpa": False},  # prompt attention copying K/V per query head
 }
 
 
-def side_context(side: str) -> contextlib.AbstractContextManager:
-    """What a paged side changes while it runs (its decode graphs are captured inside it); switch sides join with
-    '+' (`paged-pdl+no-prefetch`: both switches)."""
-    if "+" in side:
-        stack = contextlib.ExitStack()
-        for part in joined_sides(side):
-            stack.enter_context(side_context(part))
-        return stack
-    if side == TORCH_ROW_OPS_SIDE:
-        return torch_row_ops()
-    if side in SWITCH_SIDES:
-        module, setting, value = SWITCH_SIDES[side]
-        return mock.patch.object(importlib.import_module(f"serving.engine.{module}"), setting, value)
-    if side.startswith(TILE_SIDE):
-        from serving.engine import paged_attention
+def side_options(side: str, base: EngineOptions) -> EngineOptions:
+    """The options a paged side runs with: `base` with each joined part's changes ('+': `paged-pdl+no-prefetch`
+    both; `paged-tile<N>`: the attention walking N positions an iteration)."""
+    fields: dict[str, Any] = {}
+    attention: dict[str, Any] = {}
+    for part in joined_sides(side):
+        if part.startswith(TILE_SIDE) and part.removeprefix(TILE_SIDE).isdigit():
+            attention["tile_positions"] = int(part.removeprefix(TILE_SIDE))
+        for name, value in OPTION_SIDES.get(part, {}).items():
+            if name == "attention":
+                attention.update(value)
+            else:
+                fields[name] = value
+    if attention:
+        fields["attention"] = replace(base.attention, **attention)
+    return replace(base, **fields)
 
-        return mock.patch.object(paged_attention, "TILE_POSITIONS", int(side.removeprefix(TILE_SIDE)))
-    return contextlib.nullcontext()
+
+@contextlib.contextmanager
+def side_context(side: str, model: Any) -> Iterator[None]:
+    """What a paged side changes while it runs (its decode graphs are captured inside it): `model`'s options
+    (`side_options`, applied to its layers too), and for `paged-torch-ops` the row kernels."""
+    from serving.engine.linears import apply_options
+
+    base = model.options
+    apply_options(model, side_options(side, base))
+    try:
+        with torch_row_ops() if TORCH_ROW_OPS_SIDE in joined_sides(side) else contextlib.nullcontext():
+            yield
+    finally:
+        apply_options(model, base)
 
 
 def joined_sides(side: str) -> list[str]:
@@ -287,13 +303,13 @@ def joined_sides(side: str) -> list[str]:
 
 def check_sides(sides: tuple[str, ...]) -> None:
     """Refuse, naming it and the known ones, a side this bench does not run."""
-    known = ("static", "paged", SYNC_SIDE, PREFIX_SIDE, TORCH_ROW_OPS_SIDE, *SWITCH_SIDES)
+    known = ("static", "paged", SYNC_SIDE, PREFIX_SIDE, TORCH_ROW_OPS_SIDE, *OPTION_SIDES)
     for side in sides:
         for part in joined_sides(side):
             tile = part.removeprefix(TILE_SIDE)
             if part not in known and not (part != tile and tile.isdigit()):
                 raise ValueError(f"bench throughput: unknown side {side!r} ({', '.join(known)}, {TILE_SIDE}<N>, "
-                                 f"switch sides joined by '+')")
+                                 f"option sides joined by '+')")
 
 
 @contextlib.contextmanager
@@ -325,14 +341,17 @@ def torch_row_ops() -> Iterator[None]:
 
 def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any]:
     """(model, static runner or None, paged runner or None) over one random model's weights."""
+    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.paged_runner import PagedRunner
+
     from bench.models import model_args
     from bench.quantized import quantized_model
     from serving.engine.build import EngineInfo, EngineLimits
+    from serving.engine.linears import apply_options
     from serving.engine.model import Transformer
-    from serving.engine.paged_cache import PagedKVConfig
-    from serving.engine.paged_runner import PagedRunner
+    from serving.engine.options import resolve_options
     from serving.engine.quantize import NONE, QuantInfo, check_device
-    from serving.engine.runner import EngineRunner, pick_decode_attention, pick_decode_gemm
+    from serving.engine.runner import EngineRunner
 
     args = model_args(cfg.shape)
     seq = cfg.input_len + cfg.output_len
@@ -359,6 +378,7 @@ def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any
         return EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."),
                           quantization=QuantInfo(cfg.quantization))
 
+    apply_options(model, resolve_options(device, info(1)))
     static = paged = None
     if any(side != "static" for side in cfg.sides):  # sized first: from the memory free before the static cache takes its share
         config = PagedKVConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_tokens=cfg.max_num_tokens,
@@ -367,12 +387,9 @@ def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any
             free = torch.cuda.mem_get_info(device)[0]
             static_bytes = 2 * args.n_layers * args.kv_size * cfg.static_batch * max_seq_len * 2
             config = replace(config, free_mem_fraction=cfg.free_mem_fraction * (free - static_bytes) / free)
-        paged = PagedRunner(info(cfg.paged_live), model, device, config,
-                            decode_gemm=pick_decode_gemm("auto", device, dtype))
+        paged = PagedRunner(info(cfg.paged_live), model, device, config)
     if "static" in cfg.sides:
         model.setup_caches(cfg.static_batch, max_seq_len)
-        model.decode_attention_impl = pick_decode_attention("auto", device, dtype)
-        model.decode_gemm_impl = pick_decode_gemm("auto", device, dtype)
         static = EngineRunner(info(cfg.static_batch), model, device)
     return model, static, paged
 
@@ -381,6 +398,7 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
                      progress: Callable[[str], None] = print) -> ThroughputReport:
     """Both sides on the same requests, one after the other; each warmed first on `warmup_requests`."""
     from serving.engine.paged_scheduler import PagedScheduler
+
     from serving.engine.runner import resolve_device
     from serving.engine.scheduler import Scheduler
 
@@ -401,7 +419,7 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
         make = (lambda r=runner: Scheduler(r, admit_every_steps=cfg.admit_every_steps)) if side == "static" else \
             (lambda r=runner, a=ahead: PagedScheduler(r, step_ahead=a, admit_every_steps=cfg.admit_every_steps))
         t0 = time.perf_counter()
-        with side_context(side), prefix_caching(paged, on=PREFIX_SIDE in joined_sides(side)):
+        with side_context(side, model), prefix_caching(paged, on=PREFIX_SIDE in joined_sides(side)):
             if side == "static" and runner.graphs is not None:
                 runner.graphs.warm_up()
             if side != "static":

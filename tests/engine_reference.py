@@ -56,10 +56,12 @@ class ReferenceEngine:
 
 
 @torch.no_grad()
-def decode_step_logits(runner, prompts: Sequence[Sequence[int]], tokens: Sequence[int], gemm: str) -> torch.Tensor:
-    """Float32 logits [B, V] of one decode-only step (`cuda_graphs.paged_decode_logits`, eager, GEMMs by `gemm`:
-    "torch", "triton" or `model.REFERENCE_GEMM`): each prompt prefilled into blocks lent for the call by one mixed
-    step, then `tokens[b]` decoded at position len(prompts[b])."""
+def decode_step_logits(runner, prompts: Sequence[Sequence[int]], tokens: Sequence[int], *,
+                       reference: bool = False) -> torch.Tensor:
+    """Float32 logits [B, V] of one decode-only step (`cuda_graphs.paged_decode_logits`, eager, through the GEMMs
+    the layers picked for the model's options, or with `reference` through their dequantizing references): each
+    prompt prefilled into blocks lent for the call by one mixed step, then `tokens[b]` decoded at position
+    len(prompts[b])."""
     from serving.engine.cuda_graphs import paged_decode_logits
     from serving.engine.kv_cache import blocks_for
 
@@ -73,7 +75,7 @@ def decode_step_logits(runner, prompts: Sequence[Sequence[int]], tokens: Sequenc
         pos = torch.tensor([len(p) for p in prompts], device=dev)
         slots = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         return paged_decode_logits(runner.model, torch.tensor(list(tokens), device=dev), pos, slots, table, pos + 1,
-                                   runner.cache, runner.rope_cos, runner.rope_sin, gemm).float()
+                                   runner.cache, runner.rope_cos, runner.rope_sin, reference=reference).float()
     finally:
         for table in tables:
             runner.allocator.give_back(table)

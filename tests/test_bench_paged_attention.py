@@ -50,13 +50,11 @@ def test_it_runs_on_cuda_only_and_refuses_an_unknown_kv_dtype():
             bench_paged_attention(AttentionBenchConfig(kv_dtype="int4"))
 
 
-def test_variant_settings_move_the_kernels_launch_and_put_it_back():
-    from bench.paged_attention_bench import variant_settings
-    from serving.engine import paged_attention
+def test_variant_kernel_options_move_the_kernels_launch():
+    from bench.paged_attention_bench import variant_kernel
+    from serving.engine.options import AttentionKernelOptions
 
-    settings = ("PREFETCH_BLOCKS", "FP8_KV_DOT_F16", "NUM_WARPS", "FP8_NUM_WARPS", "NUM_STAGES")
-    with variant_settings(parse_variant("plain+warps8+stages2")):
-        assert [getattr(paged_attention, name) for name in settings] == [False, False, 8, 8, 2]
-    with variant_settings(parse_variant("prefetch+dotf16")):
-        assert [getattr(paged_attention, name) for name in settings] == [True, True, 4, 1, None]
-    assert [getattr(paged_attention, name) for name in settings] == [True, True, 4, 1, None]  # the defaults
+    settings = ("prefetch_blocks", "fp8_kv_dot_f16", "num_warps", "fp8_num_warps", "num_stages")
+    kernel = variant_kernel(parse_variant("plain+warps8+stages2"))
+    assert [getattr(kernel, name) for name in settings] == [False, False, 8, 8, 2]
+    assert variant_kernel(parse_variant("prefetch+dotf16")) == AttentionKernelOptions()  # the engine's defaults

@@ -11,6 +11,7 @@ Errors are relative, ||out - ref|| / ||ref||, fresh random inputs per check.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -18,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from serving.engine import fp8_gemm, fp8_tokens
-from serving.engine.fp8_gemm import fits, fp8_config_for, fp8_linear, install_table
+from serving.engine.fp8_gemm import fits, fp8_config_for, fp8_linear
+from serving.engine.gemm_config import parse_table
 from serving.engine.quantize import (
     FP8,
     dequantize_weight,
@@ -51,37 +53,34 @@ def test_fit_rules():
 
 def test_lookup_needs_the_table_a_cuda_bf16_input_and_an_e4m3_weight(monkeypatch):
     w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
-    monkeypatch.setattr(fp8_gemm, "TUNED_FP8", {})
-    monkeypatch.setattr(fp8_gemm, "TUNED_FP8_CONFIGS", {})
-    install_table({(64, 256, 512): "dott:n64:k128:s2:w4:st3"})
-    assert fp8_gemm.TUNED_FP8_CONFIGS[(64, 256, 512)].split == 2
+    table = parse_table({(64, 256, 512): "dott:n64:k128:s2:w4:st3"})
     x = torch.zeros(16, 512, dtype=torch.bfloat16)
-    assert fp8_config_for(x, w) is None  # a CPU tensor: the dequantizing reference
+    assert fp8_config_for(x, w, table) is None  # a CPU tensor: the dequantizing reference
     if triton_available():
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-        assert fp8_config_for(x, w).key() == "dott:n64:k128:s2:w4:st3"
-        assert fp8_config_for(x[:1], w) is None  # one row is another bucket, not in this table
-        assert fp8_config_for(x.float(), w) is None
-        assert fp8_config_for(x, w.to(torch.int8)) is None  # int8 weight-only keeps its kernels
-        assert fp8_config_for(torch.zeros(65, 512, dtype=torch.bfloat16), w) is None
+        assert fp8_config_for(x, w, table).key() == "dott:n64:k128:s2:w4:st3"
+        assert fp8_config_for(x[:1], w, table) is None  # one row is another bucket, not in this table
+        assert fp8_config_for(x.float(), w, table) is None
+        assert fp8_config_for(x, w.to(torch.int8), table) is None  # int8 weight-only keeps its kernels
+        assert fp8_config_for(torch.zeros(65, 512, dtype=torch.bfloat16), w, table) is None
 
 
-def test_a_sweep_replaces_only_the_entries_of_the_shapes_it_timed(monkeypatch, tmp_path):
+def test_a_sweep_replaces_only_the_entries_of_the_shapes_it_timed(tmp_path):
     import json
 
     from bench.quant_tables import install_fp8
+    from serving.engine.tuned_tables import read_file, write_table
 
-    monkeypatch.setattr(fp8_gemm, "TUNED_FP8", {})
-    monkeypatch.setattr(fp8_gemm, "TUNED_FP8_CONFIGS", {})
-    install_table({(64, 4096, 4096): "dott:n64:k256:s2:w4:st5", (1, 4096, 4096): "dott:n64:k256:s4:w4:st3"})
+    write_table("NVIDIA H200", "9.0", "fp8", {(64, 4096, 4096): "dott:n64:k256:s2:w4:st5",
+                                             (1, 4096, 4096): "dott:n64:k256:s4:w4:st3"}, directory=tmp_path)
     cell = {"rows": 64, "n": 4096, "k": 4096, "baseline_us": 10.0,
             "best": [{"config": "dott:n64:k128:s4:w4:st4", "us": 7.0}]}
     report = tmp_path / "fp8-sweep.json"
     report.write_text(json.dumps({"cells": [cell]}))
-    install_fp8(str(report))
-    assert fp8_gemm.TUNED_FP8 == {(64, 4096, 4096): "dott:n64:k128:s4:w4:st4",
-                                  (1, 4096, 4096): "dott:n64:k256:s4:w4:st3"}
-    assert fp8_gemm.TUNED_FP8_CONFIGS[(64, 4096, 4096)].split == 4
+    path = install_fp8(str(report), device=("NVIDIA H200", "9.0"), directory=tmp_path)
+    assert path == tmp_path / "NVIDIA_H200.json"
+    assert {k: c.key() for k, c in read_file(path).fp8.items()} == {(64, 4096, 4096): "dott:n64:k128:s4:w4:st4",
+                                                                    (1, 4096, 4096): "dott:n64:k256:s4:w4:st3"}
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs triton")
@@ -155,7 +154,7 @@ def test_one_token_scaled_in_the_kernel_equals_the_two_step_path_interpreted(con
 
 
 @pytest.mark.interpreter
-def test_one_token_goes_to_the_scaling_kernel_only_when_switched_on_interpreted(monkeypatch):
+def test_one_token_goes_to_the_scaling_kernel_only_when_asked_interpreted(monkeypatch):
     config = GemmConfig.parse("dott:n32:k64:s2:w4:st2")
     w, s = quantize_weight(torch.randn(64, 512) * 0.02, FP8)
     x = torch.randn(3, 512).bfloat16()
@@ -164,9 +163,8 @@ def test_one_token_goes_to_the_scaling_kernel_only_when_switched_on_interpreted(
     monkeypatch.setattr(fp8_gemm, "launch_fp8_one_row", lambda x, *a, **k: calls.append(x.shape[0]) or one_row(x, *a, **k))
     fp8_gemm.fp8_partials(x[:1], w, s, config)
     assert calls == []
-    monkeypatch.setattr(fp8_gemm, "ROW_SCALING_IN_KERNEL", True)
-    on = fp8_gemm.fp8_partials(x[:1], w, s, config)
-    fp8_gemm.fp8_partials(x, w, s, config)  # more rows: scaled before, as always
+    on = fp8_gemm.fp8_partials(x[:1], w, s, config, row_scaling_in_kernel=True)
+    fp8_gemm.fp8_partials(x, w, s, config, row_scaling_in_kernel=True)  # more rows: scaled before, as always
     assert calls == [1]
     assert torch.equal(on, fp8_gemm.launch_fp8(*fp8_tokens.tokens_e4m3(x[:1], 448.0), w, s, config))
 
@@ -241,37 +239,60 @@ def test_kernel_at_llama_shapes(rows, config):
 def test_decode_on_the_fp8_kernel_matches_its_reference_path(monkeypatch, row_scaling):
     """Every projection of a 2-layer Llama-1B-wide fp8 engine on the kernel (one config for all), in the decode-only
     step: logits within e4m3's rounding of weight-only numerics; also with one token scaled inside its GEMMs
-    (`ROW_SCALING_IN_KERNEL`)."""
+    (`EngineOptions.fp8_row_scaling_in_kernel`)."""
+    import dataclasses
+
     from engine_reference import decode_step_logits
 
     from bench.quantized import random_runner
-    from serving.engine.model import REFERENCE_GEMM
+    from serving.engine.linear_routes import SplitKFp8, pick
+    from serving.engine.linears import apply_options
+    from serving.engine.options import with_tuned
 
-    monkeypatch.setattr(fp8_gemm, "ROW_SCALING_IN_KERNEL", row_scaling)
-    monkeypatch.setattr(fp8_gemm, "TUNED_FP8", {})
-    monkeypatch.setattr(fp8_gemm, "TUNED_FP8_CONFIGS", {})
     shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
-    install_table({(bucket, n, k): "dott:n64:k128:s2:w4:st3" for bucket in (1, 64) for n, k in shapes})
+    table = parse_table({(bucket, n, k): "dott:n64:k128:s2:w4:st3" for bucket in (1, 64) for n, k in shapes})
     runner = random_runner("llama-3.2-1b", FP8, max_batch_size=64, max_seq_len=256, n_layers=2)
+    options = with_tuned(dataclasses.replace(runner.model.options, fp8_row_scaling_in_kernel=row_scaling), fp8=table)
+    apply_options(runner.model, options)
     layer = runner.model.layers[0]
     x = torch.zeros(16, 2048, device="cuda", dtype=torch.bfloat16)
-    assert fp8_config_for(x, layer.attention.wqkv.weight) is not None
-    assert fp8_config_for(x[:1], layer.feed_forward.w2.weight) is not None
+    assert isinstance(pick(layer.attention.wqkv.routes, x), SplitKFp8)
+    assert isinstance(pick(layer.feed_forward.w2.routes, x[:1]), SplitKFp8)
     prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(20 + i)] for i in range(16)]
     tokens = [p[-1] for p in prompts]
     for rows in (1, 16):
-        fast = decode_step_logits(runner, prompts[:rows], tokens[:rows], "triton")
-        slow = decode_step_logits(runner, prompts[:rows], tokens[:rows], REFERENCE_GEMM)
+        fast = decode_step_logits(runner, prompts[:rows], tokens[:rows])
+        slow = decode_step_logits(runner, prompts[:rows], tokens[:rows], reference=True)
         print(f"fp8 kernel, {rows} rows: logits rel err against the dequantizing reference {rel_err(fast, slow):.2e}")
         assert rel_err(fast, slow) < E4M3_ROUNDING
 
 
-def test_a_layer_timed_on_the_weight_only_kernels_keeps_off_the_fp8_kernel():
-    """The bench's fp8-decode-kernels variant raises tensor_core_min_rows past the decode rows."""
-    from serving.engine.quantize import QuantLinear
+def test_a_layer_timed_on_the_weight_only_kernels_keeps_off_the_fp8_kernel(monkeypatch):
+    """The bench's fp8-decode-kernels variant (`fp8_decode_tensor_cores` off) keeps every decode row off the
+    FP8 tensor cores: the split-K kernel where tuned, `_scaled_mm` from 16 rows; a layer with a bias never takes
+    the split-K kernel."""
+    from serving.engine import linear_fp8, skinny_gemm
+    from serving.engine.linear_fp8 import Fp8Linear
+    from serving.engine.linear_routes import Skinny, SplitKFp8, TensorCores, pick
+    from serving.engine.options import EngineOptions, with_tuned
 
-    assert QuantLinear(64, 32, method=FP8, bias=False, dtype=torch.bfloat16).decode_tensor_cores
-    assert not QuantLinear(64, 32, method=FP8, bias=False, dtype=torch.bfloat16,
-                           tensor_core_min_rows=65).decode_tensor_cores
-    assert not QuantLinear(64, 32, method=FP8, bias=True, dtype=torch.bfloat16).decode_tensor_cores
-    assert not QuantLinear(64, 32, method="int8-weight-only", bias=False, dtype=torch.bfloat16).decode_tensor_cores
+    monkeypatch.setattr(Fp8Linear, "takes_tensor_cores", lambda self: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(skinny_gemm, "triton", object())  # (the routes only; nothing is launched)
+    table = parse_table({(b, 16384, 64): "dott:n64:k64:s1:w4:st3" for b in (1, 64)})
+    on = with_tuned(EngineOptions(decode_gemm="triton"), fp8=table)
+    off = dataclasses.replace(on, fp8_decode_tensor_cores=False)
+
+    def route(options, rows, bias=False, n=16384):
+        layer = Fp8Linear(64, n, bias=bias, dtype=torch.bfloat16)
+        layer.apply_options(options)
+        return pick(layer.routes, torch.zeros(rows, 64))
+
+    assert isinstance(route(on, 1), SplitKFp8) and isinstance(route(on, 64), SplitKFp8)
+    assert isinstance(route(on, 16, n=32768), TensorCores)  # wide, no split-K config: `_scaled_mm` from 16 rows
+    assert isinstance(route(on, 8, n=32768), Skinny)
+    assert isinstance(route(on, 65), TensorCores)  # the prompt rows
+    for rows in (1, 16, 64):
+        assert isinstance(route(off, rows), Skinny), rows
+        assert isinstance(route(on, rows, bias=True), (Skinny, TensorCores)), rows
+    assert linear_fp8.FEW_ROWS == 15

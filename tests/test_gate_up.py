@@ -104,6 +104,8 @@ def test_cuda_decode_step_with_the_kernel_matches_the_unfused_step(tmp_path, mon
     from engine_reference import decode_step_logits
 
     from serving.engine import EngineLimits, build_engine, convert_checkpoint, cuda_graphs, load_engine
+    from serving.engine.linears import apply_options
+    from serving.engine.options import with_tuned
     from tasks.tiny_model import make_tiny_model
 
     ckpt = convert_checkpoint(make_tiny_model(tmp_path / "hf"), tmp_path / "ckpt", dtype="bfloat16")
@@ -111,7 +113,7 @@ def test_cuda_decode_step_with_the_kernel_matches_the_unfused_step(tmp_path, mon
                                                                       max_input_len=64, max_seq_len=128))
     a = info.model
     config = GemmConfig("dot", 32, 16, 1)
-    runner = load_engine(info.path, device="cuda", decode_gemm="triton")
+    runner = load_engine(info.path, device="cuda", overrides={"decode_gemm": "triton"})
     prompts = [[0, 5, 6, 7], [0, 9, 10, 11, 12, 13, 14, 15], [0, 100]]
     launched = []
     launch = gate_up_module.launch
@@ -119,10 +121,11 @@ def test_cuda_decode_step_with_the_kernel_matches_the_unfused_step(tmp_path, mon
     real_step = cuda_graphs.paged_decode_logits
     monkeypatch.setattr(cuda_graphs, "paged_decode_logits", lambda *args, **kw: real_step(*args, **{**kw, "pdl": pdl}))
     logits = {}
+    base = runner.model.options
     for fused in (False, True):
         table = {(rows, a.intermediate_size, a.dim): config for rows in (1, 64)} if fused else {}
-        monkeypatch.setattr(gate_up_module, "TUNED_GATE_UP_CONFIGS", table)
-        logits[fused] = decode_step_logits(runner, prompts, [5, 9, 100], "triton")
+        apply_options(runner.model, with_tuned(base, gate_up=table))
+        logits[fused] = decode_step_logits(runner, prompts, [5, 9, 100])
     assert launched and all(kw.get("pdl", False) == pdl for kw in launched)  # the kernel ran, as asked
     err = (logits[True] - logits[False]).abs().max().item()
     print(f"fused gate/up vs unfused decode logits: max abs err {err:.4f}")

@@ -73,18 +73,17 @@ def test_reference_equals_a_naive_softmax_over_each_rows_blocks():
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_blocks_prefetched_ahead_give_the_reference_result(splits, fp8, prefetch):
-    """`PREFETCH_BLOCKS` (the next block's table entry loaded an iteration ahead, V with K) or not; rows of 1
-    position up to several blocks, splits (empty ones too), bf16-sized and fp8 pools: the reference's result."""
-    from unittest import mock
-
-    from serving.engine import paged_attention
+    """`AttentionKernelOptions.prefetch_blocks` (the next block's table entry loaded an iteration ahead, V with
+    K) or not; rows of 1 position up to several blocks, splits (empty ones too), bf16-sized and fp8 pools: the
+    reference's result."""
+    from serving.engine.options import AttentionKernelOptions
 
     q, k, v, tables, lengths = _case(group=4, fill=float("nan"))
     if fp8:
         k, v = to_kv_fp8(k), to_kv_fp8(v)
     scale = 1 / math.sqrt(q.shape[-1])
-    with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", prefetch):
-        got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits)
+    kernel = AttentionKernelOptions(prefetch_blocks=prefetch)
+    got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits, kernel=kernel)
     want = _naive(q, k.float(), v.float(), tables, lengths, scale)
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
@@ -171,18 +170,16 @@ def test_kernel_on_cuda_bf16_equals_the_reference():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_kernel_on_cuda_with_blocks_prefetched_gives_the_same_values():
-    """`PREFETCH_BLOCKS` changes when the loads are issued, not what is computed: the same values to the bit,
-    with and without splits, over bf16 and fp8 pools."""
-    from unittest import mock
-
-    from serving.engine import paged_attention
+    """`AttentionKernelOptions.prefetch_blocks` changes when the loads are issued, not what is computed: the
+    same values to the bit, with and without splits, over bf16 and fp8 pools."""
+    from serving.engine.options import AttentionKernelOptions
 
     q, k, v, tables, lengths = _case(bsz=64, n_kv=8, group=4, hd=128, block=32,
                                      lengths=tuple(range(1, 640, 10)), dtype=torch.bfloat16, device="cuda")
     scale = 1 / math.sqrt(q.shape[-1])
     for pools, splits in itertools.product(((k, v), (to_kv_fp8(k), to_kv_fp8(v))), (1, 4)):
-        with mock.patch.object(paged_attention, "PREFETCH_BLOCKS", False):
-            plain = paged_decode_triton(q, *pools, tables, lengths, scale, splits=splits)
+        plain = paged_decode_triton(q, *pools, tables, lengths, scale, splits=splits,
+                                    kernel=AttentionKernelOptions(prefetch_blocks=False))
         ahead = paged_decode_triton(q, *pools, tables, lengths, scale, splits=splits)
         assert torch.equal(ahead, plain), (pools[0].dtype, splits)
 
@@ -241,7 +238,7 @@ def test_kernel_over_fp8_pools_under_the_interpreter_equals_the_reference(dtype)
 @pytest.mark.interpreter
 @pytest.mark.parametrize("splits", [1, 3])
 def test_dots_in_float16_over_fp8_pools_give_the_reference_to_float16_rounding(splits):
-    """`FP8_KV_DOT_F16`'s kernel (q, K, V and the probabilities in float16, float32 accumulators), forced on a
+    """`AttentionKernelOptions.fp8_kv_dot_f16`'s kernel (q, K, V and the probabilities in float16, float32 accumulators), forced on a
     float32 query: the reference over the same pools, to float16 rounding; a query past float16's range is
     clamped to it, not made infinite."""
     q, k, v, tables, lengths = _case(group=4, fill=float("nan"))
@@ -266,7 +263,7 @@ def test_kernel_on_cuda_bf16_q_over_fp8_pools_equals_the_reference():
     scale = 1 / math.sqrt(q.shape[-1])
     want = paged_decode_reference(q, k8, v8, tables, lengths, scale).float()
     exact = _naive(q, k8.float(), v8.float(), tables, lengths, scale)
-    for dot_f16 in (False, True):  # the bf16 dots, then FP8_KV_DOT_F16's float16 ones
+    for dot_f16 in (False, True):  # the bf16 dots, then the float16 ones (`fp8_kv_dot_f16`)
         got = paged_decode_triton(q, k8, v8, tables, lengths, scale, dot_f16=dot_f16).float()
         assert torch.isfinite(got).all()
         assert (got - want).abs().max() < 2e-2 and (got - exact).abs().max() < 2e-2, (dot_f16, (got - exact).abs().max())

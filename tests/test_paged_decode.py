@@ -16,6 +16,7 @@ import torch
 from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
 from serving.engine.cuda_graphs import decode_buckets, is_decode_only
 from serving.engine.kv_cache import KV_FP8_DTYPE, KVCacheConfig
+from serving.engine.linears import apply_options
 from serving.engine.quantize import QuantInfo
 from serving.engine.runner import EngineRunner
 from serving.engine.scheduler import Scheduler, collect
@@ -34,15 +35,16 @@ def _engine(dtype: str, quantization: str, max_input_len: int) -> Path:
 
 
 def _paged(device: str, *, graphs: bool = True, num_blocks: int = 24, live: int = 6, kv_cache_dtype: str = "auto",
-           quantization: str = "none", max_num_tokens: int = 64, input_len: int = 30):
+           quantization: str = "none", max_num_tokens: int = 64, input_len: int = 30, **options):
     """A runner of the tiny model (bf16 on CUDA, float32 on the CPU) with `live` requests at most on a pool of
-    `num_blocks` blocks of 16."""
+    `num_blocks` blocks of 16; `options`: `EngineOptions` fields changed from the resolved ones."""
     engine = _engine("bfloat16" if device == "cuda" else "float32", quantization, input_len)
     base = load_engine(engine, device=device, config=KVCacheConfig(block_size=16, num_blocks=num_blocks,
                                                                    max_num_tokens=max_num_tokens))
     info = dataclasses.replace(base.info, limits=dataclasses.replace(base.info.limits, max_batch_size=live))
-    runner = EngineRunner(info, base.model, base.device, dataclasses.replace(base.config, kv_cache_dtype=kv_cache_dtype),
-                          decode_gemm=base.decode.gemm)
+    if options:
+        apply_options(base.model, dataclasses.replace(base.model.options, **options))
+    runner = EngineRunner(info, base.model, base.device, dataclasses.replace(base.config, kv_cache_dtype=kv_cache_dtype))
     runner.decode.use_graphs = graphs and runner.decode.use_graphs
     return runner
 
@@ -123,17 +125,13 @@ def test_captured_decode_graphs_over_an_fp8_kv_cache_give_the_eager_steps_tokens
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the decode graphs are captured there")
 def test_decode_graphs_launched_with_pdl_give_the_same_tokens_and_logprobs_on_cuda():
-    """`cuda_graphs.PDL`: the same kernels, each allowed to start while the one before it drains (each waits
+    """`EngineOptions.decode_pdl`: the same kernels, each allowed to start while the one before it drains (each waits
     for it before touching memory), so the same values to the bit: tokens and log-probs equal."""
-    from unittest import mock
-
-    from serving.engine import cuda_graphs
     from serving.engine.pdl import supported
 
     outs = []
     for pdl in (False, True):
-        with mock.patch.object(cuda_graphs, "PDL", pdl):
-            runner = _paged("cuda")
+        runner = _paged("cuda", decode_pdl=pdl)
         assert runner.decode.pdl == (pdl and supported(runner.device))
         runner.warm_up_decode()
         outs.append(runner.generate(_prompts(), max_new_tokens=30, top_logprobs=1))
@@ -144,23 +142,19 @@ def test_decode_graphs_launched_with_pdl_give_the_same_tokens_and_logprobs_on_cu
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the FP8 tensor cores and row kernels")
 def test_rows_scaled_before_the_fp8_gemms_give_the_same_tokens_and_logprobs_on_cuda():
-    """`quantize.PRESCALE_ROWS`: the norms and SiLU * up hand the FP8 GEMMs of wqkv, w13 and w2 their rows
+    """`EngineOptions.prescale_rows`: the norms and SiLU * up hand the FP8 GEMMs of wqkv, w13 and w2 their rows
     already scaled to e4m3, the values the GEMMs' own scaling kernel computes, so the same results to the bit:
     the logits of a 100-token prompt step and 30 tokens of 80 requests decoded together (96-row graphs, past
     the decode rows)."""
-    from unittest import mock
-
-    from serving.engine import quantize
-
     rng = random.Random(2)
     prompt = [rng.randrange(1, 512) for _ in range(100)]
     prompts = [[rng.randrange(1, 512) for _ in range(rng.randrange(5, 31))] for _ in range(80)]
     results = []
     for scaled in (False, True):
-        with mock.patch.object(quantize, "PRESCALE_ROWS", scaled):
-            runner = _paged("cuda", quantization="fp8", num_blocks=400, live=96, max_num_tokens=256, input_len=100)
-            runner.warm_up_decode()
-            results.append((runner.prefill_logits(prompt), runner.generate(prompts, max_new_tokens=30, top_logprobs=1)))
+        runner = _paged("cuda", quantization="fp8", num_blocks=400, live=96, max_num_tokens=256, input_len=100,
+                        prescale_rows=scaled)
+        runner.warm_up_decode()
+        results.append((runner.prefill_logits(prompt), runner.generate(prompts, max_new_tokens=30, top_logprobs=1)))
     (logits, out), (logits_scaled, out_scaled) = results
     assert torch.equal(logits_scaled, logits)
     assert [g.token_ids for g in out_scaled] == [g.token_ids for g in out]

@@ -295,7 +295,7 @@ def test_throughput_bench_runs_both_sides_on_quantized_weights(method):
     from unittest import mock
 
     from bench.throughput import ThroughputConfig, bench_throughput, workload
-    from serving.engine.quantize import QuantLinear
+    from serving.engine.linear_quantized import QuantLinear
 
     cfg = ThroughputConfig(shape="tiny", requests=4, input_len=6, output_len=3, static_batch=2, paged_live=4,
                            block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0, quantization=method)
@@ -525,34 +525,41 @@ def test_prompt_groups_in_a_row_are_read_as_views_and_give_the_gathered_result(e
 
 
 @BENCH_MOVES
-def test_throughput_bench_tile_sides_set_the_attention_tile_only_while_they_run():
+def test_throughput_bench_option_sides_set_the_engine_options_only_while_they_run():
     from bench.throughput import (
-        SWITCH_SIDES,
+        OPTION_SIDES,
         ThroughputConfig,
         bench_throughput,
         check_sides,
         side_context,
         workload,
     )
-    from serving.engine import cuda_graphs, paged_attention, partials, quantize, step
+    from serving.engine.model import ModelArgs
+    from serving.engine.models.llama import Transformer
+    from serving.engine.options import EngineOptions
 
-    with side_context("paged-tile128"):
-        assert paged_attention.TILE_POSITIONS == 128
-    assert paged_attention.TILE_POSITIONS is None
-    for side, (module, setting, value) in SWITCH_SIDES.items():
-        engine_module = {"paged_attention": paged_attention, "cuda_graphs": cuda_graphs, "step": step,
-                         "quantize": quantize, "partials": partials}[module]
-        before = getattr(engine_module, setting)
-        with side_context(side):
-            assert getattr(engine_module, setting) == value != before, side
-        assert getattr(engine_module, setting) == before, side
-    assert set(SWITCH_SIDES) == {"paged-repeat-kv", "paged-pdl", "paged-precise-accum", "paged-no-prefetch",
+    model = Transformer(ModelArgs("LlamaForCausalLM", 64, 16, 1, 2, 1, 8, 32, 1e-5, 64))
+    base = model.options
+    with side_context("paged-tile128", model):
+        assert model.options.attention.tile_positions == 128
+    assert model.options == base and base.attention.tile_positions is None
+    for side, changes in OPTION_SIDES.items():
+        with side_context(side, model):
+            for name, value in changes.items():
+                got = getattr(model.options, name)
+                if name == "attention":
+                    assert all(getattr(got, k) == v != getattr(base.attention, k) for k, v in value.items()), side
+                else:
+                    assert got == value != getattr(base, name), side
+        assert model.options == base, side
+    assert set(OPTION_SIDES) == {"paged-repeat-kv", "paged-pdl", "paged-precise-accum", "paged-no-prefetch",
                                  "paged-unscaled", "paged-sum-adds", "paged-kv-dot-bf16", "paged-fp8-warps4"}
     check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl",
                  "paged-unscaled", "paged-no-prefetch", "paged-precise-accum", "paged-tile64"))
-    with side_context("paged-no-prefetch+tile64"):
-        assert paged_attention.PREFETCH_BLOCKS is False and paged_attention.TILE_POSITIONS == 64
-    assert paged_attention.PREFETCH_BLOCKS is True and paged_attention.TILE_POSITIONS is None
+    with side_context("paged-no-prefetch+tile64", model):
+        assert model.options.attention == dataclasses.replace(EngineOptions().attention, prefetch_blocks=False,
+                                                              tile_positions=64)
+    assert model.options == base
     check_sides(("paged-no-prefetch+tile64+pdl",))
     for bad in ("paged-tile", "paged-tilex", "fast", "paged-no-prefetch+fast"):
         with pytest.raises(ValueError, match=re.escape(f"unknown side {bad!r}")):
@@ -633,7 +640,7 @@ def test_the_decode_only_step_gives_the_reference_forwards_logits(engines):
 
     _, _, reference, paged = engines
     prompts, tokens = _prompts(3, seed=9), [5, 9, 100]
-    got = decode_step_logits(paged, prompts, tokens, "torch")
+    got = decode_step_logits(paged, prompts, tokens)
     for row, (prompt, token) in enumerate(zip(prompts, tokens)):
         want = reference.prefill_logits(prompt + [token])[-1]
         err = (got[row] - want).abs().max().item()

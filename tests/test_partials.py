@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from serving.engine.partials import one_kernel, sum_partials, sum_partials_triton, triton
+from serving.engine.partials import one_kernel_fits, sum_partials, sum_partials_triton, triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton is not None
 HAS_CUDA = torch.cuda.is_available() and triton is not None
@@ -30,7 +30,7 @@ def _parts(split: int, rows: int, n: int, device: str = "cpu") -> torch.Tensor:
 
 def test_on_the_cpu_it_is_the_adds_in_split_order_rounded_once():
     parts = _parts(4, 3, 257)
-    assert not one_kernel(parts)
+    assert not one_kernel_fits(parts)
     got = sum_partials(parts, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, _adds(parts, torch.bfloat16))
     assert torch.equal(sum_partials(parts[:1], torch.bfloat16), parts[0].to(torch.bfloat16))
@@ -48,7 +48,7 @@ def test_the_kernel_gives_the_adds_to_the_bit(split, rows, n):
 @pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 def test_eager_on_cuda_it_is_one_kernel_with_the_adds_values_and_traced_it_is_the_adds():
     parts = _parts(8, 1, 4096, "cuda")  # Llama-3.1-8B wo at one row: split 8
-    assert one_kernel(parts)
+    assert one_kernel_fits(parts)
     want = _adds(parts, torch.bfloat16)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         got = sum_partials(parts, torch.bfloat16)

@@ -44,8 +44,6 @@ def test_on_cuda_no_cudnn_kernel_and_the_same_attention(m: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("first", (None, 0))
 def test_paged_prompt_attention_with_sdpa_grouped_heads_matches_the_copied_heads(first: int | None) -> None:
-    from unittest import mock
-
     from serving.engine import step
 
     m, n, heads, kv_heads, hd = 6, 40, 32, 8, 128
@@ -54,6 +52,5 @@ def test_paged_prompt_attention_with_sdpa_grouped_heads_matches_the_copied_heads
     k, v = (torch.randn(m * n, kv_heads, hd, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     rows = torch.arange(m * n, device="cuda").view(m, n)
     grouped = step._fresh_attention(q, k, v, rows, heads // kv_heads, first)
-    with mock.patch.object(step, "GQA_IN_SDPA", False):
-        copied = step._fresh_attention(q, k, v, rows, heads // kv_heads, first)
+    copied = step._fresh_attention(q, k, v, rows, heads // kv_heads, first, gqa_in_sdpa=False)
     torch.testing.assert_close(grouped, copied)

@@ -13,12 +13,12 @@ from pydantic import ValidationError
 from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine, read_engine_info
 from serving.engine.convert import read_checkpoint_meta
 from serving.engine.errors import EngineFormatError, EngineLimitError, EngineQuantizationError
+from serving.engine.linear_quantized import QuantLinear
 from serving.engine.quantize import (
     FP8,
     INT8_WEIGHT_ONLY,
     SCALE_SUFFIX,
     QuantInfo,
-    QuantLinear,
     check_capability_text,
     check_device,
     dequantize_weight,
@@ -159,7 +159,9 @@ def test_quantized_engine_generates_close_to_its_float32_twin(engines, method):
 
 def test_dequantizing_path_equals_a_float_engine_of_the_dequantized_weights(engines):
     """The CPU reference path computes exactly F.linear with Q * s: replacing each QuantLinear by an
-    nn.Linear holding the dequantized weight gives the same logits."""
+    float layer holding the dequantized weight gives the same logits."""
+    from serving.engine.linear_float import FloatLinear
+
     runner = load_engine(engines[INT8_WEIGHT_ONLY].path, device="cpu")
     prompt = PROMPTS[0]
     got = runner.prefill_logits(prompt)
@@ -167,7 +169,7 @@ def test_dequantizing_path_equals_a_float_engine_of_the_dequantized_weights(engi
         for parent, name in ((layer.attention, "wqkv"), (layer.attention, "wo"), (layer.feed_forward, "w13"),
                              (layer.feed_forward, "w2")):
             q = getattr(parent, name)
-            lin = torch.nn.Linear(q.in_features, q.out_features, bias=q.bias is not None)
+            lin = FloatLinear(q.in_features, q.out_features, bias=q.bias is not None)
             lin.weight.data = dequantize_weight(q.weight, q.weight_scale, torch.float32)
             if q.bias is not None:
                 lin.bias.data = q.bias.data

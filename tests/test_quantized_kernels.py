@@ -27,14 +27,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serving.engine import skinny_gemm
 from serving.engine.gate_up import gate_up
+from serving.engine.linear_fp8 import Fp8Linear
+from serving.engine.linear_routes import Dequantized, SplitKFp8, TensorCores, pick
+from serving.engine.options import EngineOptions, resolve_options
 from serving.engine.quantize import (
     FP8,
     FP8_TENSOR_CORE_MIN_N,
     FP8_TENSOR_CORE_MIN_ROWS,
     INT8_WEIGHT_ONLY,
-    QuantLinear,
     dequantize_weight,
     fp8_emulated_linear,
     fp8_scaled_linear,
@@ -42,14 +43,15 @@ from serving.engine.quantize import (
     quantize_weight,
 )
 from serving.engine.skinny_gemm import (
-    TUNED,
-    TUNED_QUANTIZED,
     GemmConfig,
     default_quantized_config,
     quantized_config_for,
     skinny_linear,
     triton_available,
 )
+from serving.engine.tuned_tables import TUNED_DIR, read_file
+
+H200 = read_file(TUNED_DIR / "NVIDIA_H200.json")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
 HAS_CUDA = torch.cuda.is_available() and triton_available() and not INTERPRET
@@ -72,24 +74,26 @@ def quantized(n: int, k: int, method: str, device: str = "cpu") -> tuple[torch.T
 
 
 def test_quantized_config_lookup():
-    (rows, n, k), text = next(iter(TUNED_QUANTIZED.items()))
-    assert quantized_config_for(rows, n, k) == GemmConfig.parse(text)
-    (rows, n, k), text = next((key, t) for key, t in TUNED.items() if key not in TUNED_QUANTIZED)
-    assert quantized_config_for(rows, n, k) == GemmConfig.parse(text)  # the bf16 table's (an LM head)
+    (rows, n, k), config = next(iter(H200.skinny_fp8.items()))
+    assert quantized_config_for(rows, n, k, H200) == config
+    (rows, n, k), config = next((key, c) for key, c in H200.skinny.items() if key not in H200.skinny_fp8)
+    assert quantized_config_for(rows, n, k, H200) == config  # the bf16 table's (an LM head)
     config = default_quantized_config(1000, 4096)
     assert config is not None and config.kernel == "dot" and config.fits(64, 1000, 4096)
     assert -(-1000 // 64) * config.split <= 264  # about two programs per SM
     assert default_quantized_config(100, 24) is None  # K not a multiple of 16: the reference path
-    assert quantized_config_for(65, n, k) is None
+    assert quantized_config_for(65, n, k, H200) is None
 
 
-def test_int8_weights_take_their_own_table_first(monkeypatch):
-    """An int8 weight runs `TUNED_INT8`'s config where it has one; e4m3 weights never do."""
-    (rows, n, k), text = next(iter(TUNED_QUANTIZED.items()))
+def test_int8_weights_take_their_own_table_first():
+    """An int8 weight runs `skinny_int8`'s config where it has one; e4m3 weights never do."""
+    import dataclasses
+
+    (rows, n, k), config = next(iter(H200.skinny_fp8.items()))
     other = GemmConfig("dott", 32, 64, 1, 4, 3)
-    monkeypatch.setitem(skinny_gemm.TUNED_INT8_CONFIGS, (rows, n, k), other)
-    assert quantized_config_for(rows, n, k, int8=True) == other
-    assert quantized_config_for(rows, n, k) == GemmConfig.parse(text)
+    tables = dataclasses.replace(H200, skinny_int8={(rows, n, k): other})
+    assert quantized_config_for(rows, n, k, tables, int8=True) == other
+    assert quantized_config_for(rows, n, k, tables) == config
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -119,10 +123,10 @@ def test_fp8_tensor_core_numerics_emulated_on_the_cpu():
     per_token = (out.double() - ref).norm(dim=1) / ref.norm(dim=1)
     print(f"per-token relative error: mean {per_token.mean():.4f}, max {per_token.max():.4f}")
     assert per_token.max() < E4M3_ROUNDING and per_token.mean() > 0.005  # it does change the numerics
-    layer = QuantLinear(2048, 512, method=FP8, bias=False, dtype=torch.float32)
-    on_cpu = x.bfloat16()  # the CPU keeps weight-only numerics
-    assert not layer.tensor_core_shape(on_cpu) and not layer.prompt_tensor_cores(on_cpu)
+    layer = Fp8Linear(2048, 512, bias=False, dtype=torch.float32)
     layer.weight.data, layer.weight_scale.data = q, s
+    layer.apply_options(resolve_options(torch.device("cpu")))
+    assert {type(route) for _, route in layer.routes} == {Dequantized}  # the CPU keeps weight-only numerics
     torch.testing.assert_close(layer(x), F.linear(x, w), rtol=0, atol=1e-5)
 
 
@@ -174,13 +178,13 @@ def test_quantized_kernels_at_llama_shapes(method, rows):
         x = torch.randn(rows, k, device="cuda").bfloat16()
         ref = F.linear(x.double(), w.double())
         out = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        out.copy_(skinny_linear(x, q, None, scale=s))
+        out.copy_(skinny_linear(x, q, None, tables=H200, scale=s))
         assert rel_err(out, ref) < 1e-2, (method, rows, n, k)
     for inter, dim in ((8192, 2048), (14336, 4096)):
         q, s, w = quantized(2 * inter, dim, method, "cuda")
         x = torch.randn(rows, dim, device="cuda").bfloat16()
         gate, up = F.linear(x.double(), w.double()).chunk(2, dim=-1)
-        assert rel_err(gate_up(x, q, scale=s), F.silu(gate) * up) < 2e-2, (method, rows, inter)
+        assert rel_err(gate_up(x, q, tables=H200, scale=s), F.silu(gate) * up) < 2e-2, (method, rows, inter)
 
 
 @pytest.mark.gpu
@@ -191,16 +195,20 @@ def test_fp8_tensor_core_gemm_scales_tokens(rows):
     bf16 output rounding, 2^-9, twice), and per token against the dequantized reference (e4m3's 2^-4)."""
     for n, k in LLAMA_SHAPES:
         q, s, w = quantized(n, k, FP8, "cuda")
-        layer = QuantLinear(k, n, method=FP8, bias=False, dtype=torch.bfloat16).cuda()
+        layer = Fp8Linear(k, n, bias=False, dtype=torch.bfloat16).cuda()
         layer.weight.data, layer.weight_scale.data = q, s
+        layer.apply_options(EngineOptions(decode_gemm="torch"))  # decode rows from 16 and prompts: `_scaled_mm`
         # tokens of very different magnitudes: per-token scales keep each one's relative error
         x = (torch.randn(rows, k, device="cuda") * torch.logspace(-2, 2, rows, device="cuda")[:, None]).bfloat16()
-        assert layer.tensor_core_shape(x) == (rows > 64 or n >= FP8_TENSOR_CORE_MIN_N), (rows, n)
-        assert not layer.tensor_core_shape(x[:FP8_TENSOR_CORE_MIN_ROWS - 1])
-        out = layer.tensor_core(x)
+        assert isinstance(pick(layer.routes, x), TensorCores), (rows, n)
+        assert isinstance(pick(layer.routes, x[:FP8_TENSOR_CORE_MIN_ROWS - 1]), Dequantized)
+        out = layer(x)
         torch.testing.assert_close(out, fp8_scaled_linear(x, q, s, None), rtol=0, atol=0)
-        assert layer.prompt_tensor_cores(x)  # a prompt step of any width: no dequantized weight
-        torch.testing.assert_close(layer(x), out, rtol=0, atol=0)
+        triton = Fp8Linear(k, n, bias=False, dtype=torch.bfloat16).cuda()
+        triton.weight.data, triton.weight_scale.data = q, s
+        triton.apply_options(resolve_options(torch.device("cuda"), overrides={"decode_gemm": "triton"}))
+        wide = rows > 64 or n >= FP8_TENSOR_CORE_MIN_N  # at decode rows only wide outputs, if not split-K tuned
+        assert not wide or isinstance(pick(triton.routes, x), (TensorCores, SplitKFp8)), (rows, n)
         assert rel_err(out, fp8_emulated_linear(x, q, s, None)) < 5e-3, (rows, n, k)
         ref = F.linear(x.double(), w.double())
         per_token = (out.double() - ref).norm(dim=1) / ref.norm(dim=1)
@@ -220,15 +228,13 @@ def _random_quantized_runner(method: str):
 def test_quantized_decode_matches_its_reference_path(method):
     from engine_reference import decode_step_logits
 
-    from serving.engine.model import REFERENCE_GEMM
-
     runner = _random_quantized_runner(method)
-    assert runner.decode.gemm == "triton"
+    assert runner.model.options.decode_gemm == "triton"
     prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(20 + i)] for i in range(16)]
     tokens = [p[-1] for p in prompts]
     # 16 rows: fp8's w13 on the FP8 tensor cores (per-token e4m3 activations), the rest on the decode kernels
-    fast = decode_step_logits(runner, prompts, tokens, "triton")
-    slow = decode_step_logits(runner, prompts, tokens, REFERENCE_GEMM)  # weight-only numerics
+    fast = decode_step_logits(runner, prompts, tokens)
+    slow = decode_step_logits(runner, prompts, tokens, reference=True)  # weight-only numerics
     print(f"{method}: logits rel err against the dequantizing reference {rel_err(fast, slow):.2e}")
     assert rel_err(fast, slow) < (E4M3_ROUNDING if method == FP8 else 2e-2)
 

@@ -19,12 +19,15 @@ import torch.nn.functional as F
 from serving.engine import skinny_gemm
 from serving.engine.skinny_gemm import (
     MAX_ROWS,
-    TUNED,
     GemmConfig,
     config_for,
     skinny_linear,
     triton_available,
 )
+from serving.engine.tuned_tables import TUNED_DIR, TunedTables, key_of, read_file
+
+H200 = read_file(TUNED_DIR / "NVIDIA_H200.json")
+TUNED = H200.skinny
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and triton_available()
 HAS_CUDA = torch.cuda.is_available() and triton_available() and not INTERPRET
@@ -38,55 +41,56 @@ def test_config_text_round_trips_and_fit_rules():
     assert not config.fits(65, 4096, 14336)  # more rows than the kernels take
     assert not config.fits(8, 4096, 4096 + 64)  # K must split into whole blocks
     assert not GemmConfig("gemv", 8, 256, 1).fits(2, 64, 256)  # the CUDA-core kernel is for one row
-    for text in TUNED.values():
-        assert GemmConfig.parse(text).key() == text
+    for config in TUNED.values():
+        assert GemmConfig.parse(config.key()) == config
 
 
 def test_tuned_lookup_by_rows_bucket_and_fallback_to_f_linear():
-    (rows, n, k), text = next(iter(TUNED.items()))
-    assert config_for(rows, n, k) == GemmConfig.parse(text)
-    assert config_for(MAX_ROWS + 1, n, k) is None
-    assert config_for(1, 3, 5) is None
+    (rows, n, k), config = next(iter(TUNED.items()))
+    assert config_for(rows, n, k, TUNED) == config
+    assert config_for(MAX_ROWS + 1, n, k, TUNED) is None
+    assert config_for(1, 3, 5, TUNED) is None
     x, w, b = torch.randn(3, 32), torch.randn(20, 32), torch.randn(20)
-    assert torch.equal(skinny_linear(x, w, b), F.linear(x, w, b))  # CPU: no Triton kernel, F.linear
+    assert torch.equal(skinny_linear(x, w, b, tables=H200), F.linear(x, w, b))  # CPU: no Triton kernel, F.linear
 
 
 def test_config_lookup_traces_under_dynamo_fullgraph():
     """The compiled decode step looks its configs up while dynamo traces it: a lookup dynamo cannot
     trace (it once went through functools.cache) fails the compile on the GPU only, so check it here."""
-    (rows, n, k), text = next(iter(TUNED.items()))
+    (rows, n, k), want = next(iter(TUNED.items()))
 
     def scaled(x: torch.Tensor) -> torch.Tensor:
-        config = config_for(rows, n, k)
+        config = config_for(rows, n, k, TUNED)
         return x * config.split + config.block_n
 
     compiled = torch.compile(scaled, backend="eager", fullgraph=True)
-    want = GemmConfig.parse(text)
     assert torch.equal(compiled(torch.ones(2)), torch.full((2,), float(want.split + want.block_n)))
 
 
-@pytest.mark.parametrize(("capability", "dtype", "want"), [
-    ((9, 0), torch.bfloat16, "triton"), ((9, 0), torch.float16, "triton"), ((9, 0), torch.float32, "torch"),
-    ((8, 0), torch.bfloat16, "torch"), ((8, 9), torch.bfloat16, "torch"), ((10, 0), torch.bfloat16, "torch"),
+@pytest.mark.parametrize(("tuned", "dtype", "want"), [
+    (True, torch.bfloat16, "triton"), (True, torch.float16, "triton"), (True, torch.float32, "torch"),
+    (False, torch.bfloat16, "torch"),
 ])
-def test_auto_uses_the_kernels_only_on_the_gpu_kind_they_were_tuned_on(monkeypatch, capability, dtype, want):
-    """The table's configs were measured on an H200 (9.0): elsewhere one may need more shared memory than
-    the GPU has, so "auto" keeps cuBLAS there and an explicit "triton" is refused with the reason."""
+def test_auto_uses_the_kernels_only_where_the_device_has_tuned_tables(monkeypatch, tuned, dtype, want):
+    """Tuned configs are the device's (serving/engine/tuned/): on a GPU without any, a config may need more
+    shared memory than it has, so "auto" keeps cuBLAS there and an explicit "triton" is refused with the reason."""
     from serving.engine.errors import EngineLimitError
-    from serving.engine.runner import pick_decode_gemm
+    from serving.engine.options import pick_decode_gemm
 
     monkeypatch.setattr(skinny_gemm, "triton_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     cuda = torch.device("cuda")
-    assert pick_decode_gemm("auto", cuda, dtype) == want
-    assert pick_decode_gemm("torch", cuda, dtype) == "torch"
-    assert pick_decode_gemm("auto", torch.device("cpu"), dtype) == "torch"
-    if capability != (9, 0):
-        with pytest.raises(EngineLimitError, match=rf"decode_gemm='triton'.*compute capability 9\.0.*here: "
-                                                   rf"compute capability {capability[0]}\.{capability[1]}"):
-            pick_decode_gemm("triton", cuda, torch.bfloat16)
+    tables = H200 if tuned else TunedTables()
+    assert pick_decode_gemm("auto", cuda, dtype, tables) == want
+    assert pick_decode_gemm("torch", cuda, dtype, tables) == "torch"
+    assert pick_decode_gemm("auto", torch.device("cpu"), dtype, tables) == "torch"
+    if not tuned:
+        with pytest.raises(EngineLimitError, match=r"decode_gemm='triton'.*tuned kernel tables.*here: NVIDIA A100 "
+                                                   r"\(compute capability 8\.0\)"):
+            pick_decode_gemm("triton", cuda, torch.bfloat16, tables)
     with pytest.raises(EngineLimitError, match=r"decode_gemm='cublas': expected 'auto', 'triton' or 'torch'"):
-        pick_decode_gemm("cublas", cuda, dtype)
+        pick_decode_gemm("cublas", cuda, dtype, tables)
 
 
 @pytest.mark.interpreter
@@ -128,16 +132,21 @@ def test_interpreter_pdl_variant_is_the_same_product_eagerly_and_compiled(interp
 
 
 def tuned_table(monkeypatch: pytest.MonkeyPatch, table: dict[tuple[int, int, int], str]) -> None:
-    """Serve `table` as the tuned configs: the lookup reads the copy parsed at import, so patching
-    `TUNED` alone changes nothing."""
-    monkeypatch.setattr(skinny_gemm, "TUNED", table)
-    monkeypatch.setattr(skinny_gemm, "TUNED_CONFIGS", skinny_gemm.parse_table(table))
+    """Serve `table` as every device's tuned skinny configs (what the loader reads at option resolution)."""
+    from serving.engine import options
+    from serving.engine.gemm_config import parse_table
+
+    monkeypatch.setattr(options, "tables_for", lambda device: TunedTables(source="test", skinny=parse_table(table)))
 
 
-def test_a_patched_table_is_what_the_lookup_serves(monkeypatch):
+def test_a_given_table_is_what_the_loader_resolves(monkeypatch):
+    from serving.engine.options import resolve_options
+
     tuned_table(monkeypatch, {(1, 3, 64): "gemv:n16:k16:s2:w4:st3"})
-    assert config_for(1, 3, 64) == GemmConfig("gemv", 16, 16, 2)
-    assert config_for(*next(iter(TUNED))) is None
+    tables = resolve_options(torch.device("cpu")).tuned
+    assert config_for(1, 3, 64, tables.skinny) == GemmConfig("gemv", 16, 16, 2)
+    assert config_for(*next(iter(TUNED)), tables.skinny) is None
+    assert key_of((1, 3, 64)) == "1x3x64"
 
 
 @pytest.mark.gpu
@@ -149,7 +158,7 @@ def test_cuda_tuned_configs_match_f_linear(key):
     w = torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
     for rows in ((1,) if rows_bucket == 1 else (2, 17, 64)):
         x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
-        got = skinny_linear(x, w)
+        got = skinny_linear(x, w, tables=H200)
         want = F.linear(x.float(), w.float())
         err = (got.float() - want).abs().max().item()
         assert err <= 2e-2 * max(1.0, want.abs().max().item()), (key, rows, err)
@@ -178,14 +187,14 @@ def test_cuda_decode_step_with_kernels_matches_cublas(tmp_path, monkeypatch):
         table[(1, n, k)] = GemmConfig("gemv", 16, 16, 2).key()
         table[(MAX_ROWS, n, k)] = GemmConfig("dot", 32, 16, 2).key()
     tuned_table(monkeypatch, table)
-    runners = {gemm: load_engine(info.path, device="cuda", decode_gemm=gemm) for gemm in ("triton", "torch")}
-    assert runners["triton"].decode.gemm == "triton"
+    runners = {gemm: load_engine(info.path, device="cuda", overrides={"decode_gemm": gemm}) for gemm in ("triton", "torch")}
+    assert runners["triton"].model.options.decode_gemm == "triton"
     launched = []
     real_launch = skinny_gemm.launch
     monkeypatch.setattr(skinny_gemm, "launch", lambda *args, **kw: launched.append(args[2]) or real_launch(*args, **kw))
     prompts = [[0, 5, 6, 7], [0, 9, 10, 11, 12, 13, 14, 15], [0, 100]]
     for bsz in (1, 3):
-        logits = {gemm: decode_step_logits(runner, prompts[:bsz], [5, 9, 100][:bsz], gemm)
+        logits = {gemm: decode_step_logits(runner, prompts[:bsz], [5, 9, 100][:bsz])
                   for gemm, runner in runners.items()}
         err = (logits["triton"] - logits["torch"]).abs().max().item()
         print(f"skinny vs cuBLAS decode logits, batch {bsz}: max abs err {err:.4f}")

@@ -475,13 +475,13 @@ def _kwargs_loader(engine_dir: Path, **kwargs: str) -> None:
 
 @pytest.mark.parametrize(("given", "kwargs"), [
     ({}, "{'device': 'cpu'}"),
-    ({"decode_gemm": "Torch"}, "{'device': 'cpu', 'decode_gemm': 'torch'}"),
+    ({"decode_gemm": "Torch"}, "{'device': 'cpu', 'overrides': {'decode_gemm': 'torch'}}"),
     ({"decode_gemm": ""}, "{'device': 'cpu'}"),
 ])
 def test_llm_passes_decode_kernel_choices_to_the_loader_only_when_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                       given: dict[str, str], kwargs: str) -> None:
-    """``decode_gemm`` (auto | triton | torch) reaches `load_engine`; unset or empty, a custom loader gets no new
-    argument."""
+    """``decode_gemm`` (auto | triton | torch) reaches the loader as an engine option override (`overrides`);
+    unset or empty, a custom loader gets no new argument."""
     monkeypatch.setattr(llm_mod, "pb_utils", make_fake_pb_utils())
     params = {"engine_loader": {"string_value": "test_triton_units:_kwargs_loader"}}
     params.update({name: {"string_value": value} for name, value in given.items()})

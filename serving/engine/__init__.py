@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "SUPPORTED_ARCHITECTURES": "models.registry",
     "Transformer": "models.llama",
     "KVCacheConfig": "kv_cache",
+    **dict.fromkeys(("AttentionKernelOptions", "EngineOptions", "resolve_options"), "options"),
     **dict.fromkeys(("EngineRunner", "Generation", "load_engine"), "runner"),
     **dict.fromkeys(("SamplingParams", "sample"), "sampling"),
 }

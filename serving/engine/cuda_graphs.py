@@ -1,4 +1,4 @@
-"""Decode-only steps: inputs kept on the device, the tuned decode GEMMs, CUDA graphs over block tables.
+"""Decode-only steps: inputs kept on the device, the layers' decode GEMMs, CUDA graphs over block tables.
 
 Once every live request has its prompt in the cache, a paged step is B requests of one token each. Such a
 step runs here instead of through `step.paged_forward` (which stays the path of every step with a
@@ -12,10 +12,11 @@ prefill chunk in it):
   opened every `block_size` tokens; a whole row when a new sequence took that first block). The step
   derives each token's slot and visible length on the device. So the host's per-step work is three small
   integer arrays, not a padded `[B, W]` table, and one pinned copy.
-- **The decode GEMMs.** The projections and the MLP go through `model._linear_fn` /
-  `_gate_up_fn` with the engine's `decode_gemm` ("triton": the tuned skinny kernels where they were tuned,
-  which are the decode shapes of up to 64 rows; cuBLAS beyond), attention through
-  `paged_attention.paged_decode_attention` (the Triton kernel reading the pools through the tables).
+- **The layers' own multiplications.** The projections and the MLP call their layers, which picked their
+  GEMMs at load from the engine's options (`linears.apply_options`: with "triton" decode GEMMs the tuned
+  skinny kernels where they were tuned, which are the decode shapes of up to 64 rows; cuBLAS beyond),
+  attention through `paged_attention.paged_decode_attention` (the Triton kernel reading the pools through the
+  tables, launched as `options.attention` says).
 - **CUDA graphs per batch bucket** (`BUCKETS`, capped at the live limit): rows past B are padding that
   writes its K/V into a trash block (block `num_blocks`, never handed out) and reads only it. The
   logits land in one shared `[max_live, V]` float32 buffer (a view of it is returned; consume it before
@@ -43,15 +44,12 @@ import torch
 
 from serving.engine import paged_rope
 from serving.engine.kv_cache import PagedKVCache, blocks_for
-from serving.engine.model import ModelArgs, RMSNorm, StepContext, _gate_up_fn, _linear_fn
+from serving.engine.linear_quantized import prescale_rows_for
+from serving.engine.model import ModelArgs, RMSNorm, StepContext
 from serving.engine.models.llama import Transformer
+from serving.engine.options import AttentionKernelOptions
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.pdl import supported as pdl_supported
-from serving.engine.quantize import prescale_rows_for
-
-# The decode graphs' kernels launched with programmatic dependent launch where the GPU has it (Hopper and
-# later). Off: no steady gain on the H200 (docs/decisions.md).
-PDL = False
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
@@ -81,6 +79,7 @@ class DecodeStep(StepContext):
     rope_cos: torch.Tensor  # [max_seq_len, hd] tables
     rope_sin: torch.Tensor
     args: ModelArgs
+    kernel: AttentionKernelOptions  # the paged attention kernel's launch settings
 
     def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         a, bsz = self.args, qkv.shape[0]
@@ -88,7 +87,7 @@ class DecodeStep(StepContext):
                                            layer, a.n_heads, a.n_kv_heads, keys=False, pdl=self.pdl)
         y = paged_decode_attention(q.view(bsz, a.n_kv_heads, a.n_heads // a.n_kv_heads, a.head_dim),
                                    self.cache.k[layer], self.cache.v[layer], self.tables, self.lengths,
-                                   1.0 / math.sqrt(a.head_dim), pdl=self.pdl)
+                                   1.0 / math.sqrt(a.head_dim), pdl=self.pdl, kernel=self.kernel)
         return y.reshape(bsz, a.q_size)
 
     def last_hidden(self, norm: RMSNorm, x: torch.Tensor, ff: torch.Tensor) -> torch.Tensor:
@@ -97,30 +96,31 @@ class DecodeStep(StepContext):
 
 def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                         tables: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache, rope_cos: torch.Tensor,
-                        rope_sin: torch.Tensor, gemm: str, pdl: bool = False) -> torch.Tensor:
+                        rope_sin: torch.Tensor, pdl: bool = False, reference: bool = False) -> torch.Tensor:
     """One token per row (tokens, positions, slots, lengths [B]; tables [B, W]) through `Transformer.step` with a
     `DecodeStep` -> logits [B, V] in the model's dtype (the caller's copy into its float32 buffer converts them:
-    one pass over [B, V] instead of two). `gemm`: how the step multiplies by its weights (`model._linear_fn`);
-    `pdl`: the engine's own kernels launched with programmatic dependent launch (each may start while the one
-    before it drains; `serving.engine.pdl`)."""
-    layer, bsz, linear = model.layers[0], tokens.shape[0], _linear_fn(gemm, pdl=pdl)
-    ctx = DecodeStep(linear=linear, gate_up=_gate_up_fn(gemm, pdl=pdl), pdl=pdl,
+    one pass over [B, V] instead of two). The layers multiply through the GEMMs they picked at load (`reference`:
+    through their dequantizing references, what the checks compare against); `pdl`: the engine's own kernels
+    launched with programmatic dependent launch (each may start while the one before it drains;
+    `serving.engine.pdl`)."""
+    layer, bsz = model.layers[0], tokens.shape[0]
+    ctx = DecodeStep(reference=reference, pdl=pdl,
                      qkv_e4m3=prescale_rows_for(layer.attention.wqkv, bsz, tokens.device),
                      w13_e4m3=prescale_rows_for(layer.feed_forward.w13, bsz, tokens.device),
                      positions=positions, slots=slots, tables=tables, lengths=lengths, cache=cache,
-                     rope_cos=rope_cos, rope_sin=rope_sin, args=model.args)
-    return linear(model.head(), model.step(tokens, ctx))
+                     rope_cos=rope_cos, rope_sin=rope_sin, args=model.args, kernel=model.options.attention)
+    return ctx.linear(model.head(), model.step(tokens, ctx))
 
 
 class DecodeGraphs:
     """The decode-only steps of one `EngineRunner` (see the module doc). Not thread-safe: the scheduler's."""
 
     def __init__(self, model: Transformer, cache: PagedKVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
-                 max_live: int, max_seq_len: int, gemm: str, graphs: bool,
+                 max_live: int, max_seq_len: int, graphs: bool,
                  log: Callable[[str], None] = lambda line: None) -> None:
         self.model, self.cache, self.rope_cos, self.rope_sin = model, cache, rope_cos, rope_sin
-        self.gemm, self.use_graphs, self.log = gemm, graphs, log
-        self.pdl = PDL and pdl_supported(rope_cos.device)
+        self.use_graphs, self.log = graphs, log
+        self.pdl = model.options.decode_pdl and pdl_supported(rope_cos.device)
         self.block_size = cache.block_size
         self.trash = cache.num_blocks - 1  # the pool's last block: padding rows write and read only it
         self.width = blocks_for(max_seq_len, self.block_size)
@@ -203,7 +203,7 @@ class DecodeGraphs:
         bs = self.block_size
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         logits = paged_decode_logits(self.model, tokens, positions, slots, tables, positions + 1, self.cache,
-                                     self.rope_cos, self.rope_sin, self.gemm, pdl=self.pdl)
+                                     self.rope_cos, self.rope_sin, pdl=self.pdl)
         self.logits[:bsz].copy_(logits)
 
     # -- graphs -----------------------------------------------------------------------------------
@@ -229,9 +229,10 @@ class DecodeGraphs:
 
     def drop_graphs(self) -> None:
         """Forget every captured graph and their memory pool: the next steps capture afresh (a new pool: one
-        whose graphs are all gone cannot be captured into again), with `PDL` as it is then."""
+        whose graphs are all gone cannot be captured into again), with the model's options as they are then
+        (`decode_pdl`)."""
         self.graphs.clear()
-        self.pdl = PDL and pdl_supported(self.device)
+        self.pdl = self.model.options.decode_pdl and pdl_supported(self.device)
         if self.use_graphs:
             torch.cuda.synchronize()
             self.pool = torch.cuda.graph_pool_handle()

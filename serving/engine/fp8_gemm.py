@@ -3,7 +3,8 @@
 A decode step's GEMM reads each weight once, so its time is the weight's bytes over the bandwidth. The
 row-wise `torch._scaled_mm` tiles N only: an output narrower than about one wave of 128-wide tiles (8B
 wqkv, wo, w2; every Llama-1B GEMM but w13) leaves SMs idle, and the weight-only decode kernels
-(`skinny_gemm`, e4m3 converted to bf16 in registers, bf16 MMAs) reach about 2 TB/s at 64 rows. Here a
+(`skinny_gemm`, e4m3 converted to bf16 in registers, bf16 MMAs) reach about half the bandwidth at 64 rows
+(docs/quantization.md). Here a
 program per (BLOCK_N output columns, K slice) multiplies the weight tile [BLOCK_N, BLOCK_K] (e4m3, read as
 stored) by the tokens' tile [BLOCK_K, BLOCK_M] (e4m3, each token scaled by its own max:
 `quantize.quantize_tokens_fp8`, torch ops that the decode step's compile fuses into the RMSNorm or SiLU * up
@@ -14,16 +15,16 @@ its launcher. Each partial sum is multiplied by the weight's per-channel scale a
 token's scale, so `fp8_partials` returns `[split, M, N]` partial products of the real product: float32 when
 K is split (the step sums them, fused by inductor into the next elementwise kernel), else bf16.
 
-One token (M == 1) with `ROW_SCALING_IN_KERNEL`: the kernel takes the bf16 row and scales it itself
+One token (M == 1) with `row_scaling_in_kernel` (`EngineOptions.fp8_row_scaling_in_kernel`): the kernel takes the bf16 row and scales it itself
 (`_fp8_one_row_kernel`: each program reads the whole row from L2 for its largest magnitude, then converts its K
 slice to e4m3 as it goes), so the decode step at batch 1 has no kernel of its own for that: at one row the
 scaling kernels inductor writes (after the attention, and SiLU * up's row reduction in three kernels) cost more
 in launches than the values they move. The e4m3 values and scales equal `quantize_tokens_fp8`'s (`div_rn`, as
 inductor divides), so the partial products equal the two-step path's bit for bit.
 
-`TUNED_FP8` holds the shapes (rows bucket, N, K) where this kernel was measured faster than the engine's
-other fp8 paths (`python3 -m bench fp8-gemms` on an H200); `fp8_config_for` returns None elsewhere
-and the caller keeps those paths.
+The device's `fp8` tuned table (`tuned_tables`) holds the shapes (rows bucket, N, K) where this kernel was
+measured faster than the engine's other fp8 paths (the fp8 GEMM sweep); `fp8_config_for` returns None
+elsewhere and the caller keeps those paths.
 
 Numerics are `quantize.fp8_scaled_linear`'s (the same e4m3 tokens and scales), accumulated in another order.
 Registered as `torch.ops.enginewright.fp8_partials` (a `triton_op`, traced by torch.compile) and
@@ -37,9 +38,11 @@ from __future__ import annotations
 
 import torch
 
+from serving.engine.gemm_config import MAX_ROWS, GemmConfig, rows_bucket
 from serving.engine.partials import sum_partials
 from serving.engine.prescaled import E4M3_MAX
-from serving.engine.skinny_gemm import MAX_ROWS, GemmConfig, empty_partials, parse_table, rows_bucket
+from serving.engine.skinny_gemm import empty_partials
+from serving.engine.tuned_tables import Table
 
 try:
     import triton
@@ -50,43 +53,7 @@ except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
 FP8_KERNEL = "dott"  # the config texts name the transposed kernel's tiling (`GemmConfig`)
-# one token's e4m3 scaling inside its GEMM (`_fp8_one_row_kernel`) instead of in a kernel before it; off until
-# timed on the device against the two-step path (`bench quantized --methods fp8,fp8-row-scaling-in-gemm`)
-ROW_SCALING_IN_KERNEL = False
 ROW_BLOCK = 2048  # elements of the row a program reads at once for its largest magnitude
-
-# (rows bucket, N, K) -> config, from `python3 -m bench fp8-gemms` (H200, 2026-12-01, cold L2, in CUDA
-# graphs; docs/quantization.md): where the kernel beat the engine's other fp8 path by more than 2% ("vs": the
-# weight-only decode kernel, or `_scaled_mm` on pre-scaled tokens for w13 at 64 rows). Rows bucket: 1 for one
-# row (BLOCK_M 16), else 64 (2..64 rows). Llama-1B wo at one row (3.3 vs 3.3 us) keeps the weight-only gemv.
-TUNED_FP8: dict[tuple[int, int, int], str] = {
-    # Llama-3.2-1B
-    (1, 3072, 2048): "dott:n64:k128:s8:w4:st4",  # wqkv: 4.0 vs 4.2 us
-    (1, 16384, 2048): "dott:n64:k128:s2:w4:st3",  # w13: 10.1 vs 11.2 us
-    (1, 2048, 8192): "dott:n64:k256:s8:w4:st3",  # w2: 6.2 vs 7.1 us
-    (64, 3072, 2048): "dott:n64:k256:s2:w4:st4",  # wqkv: 5.0 vs 7.2 us
-    (64, 2048, 2048): "dott:n64:k128:s4:w4:st4",  # wo: 4.2 vs 5.6 us
-    (64, 16384, 2048): "dott:n64:k128:s1:w4:st4",  # w13: 11.2 vs 14.3 us (_scaled_mm)
-    (64, 2048, 8192): "dott:n64:k256:s4:w4:st4",  # w2: 7.2 vs 11.0 us
-    # Llama-3.1-8B
-    (1, 6144, 4096): "dott:n64:k128:s4:w4:st4",  # wqkv: 8.1 vs 9.9 us
-    (1, 4096, 4096): "dott:n64:k256:s4:w4:st3",  # wo: 6.3 vs 6.9 us
-    (1, 28672, 4096): "dott:n64:k128:s2:w4:st3",  # w13: 29.3 vs 35.7 us (4.0 TB/s)
-    (1, 4096, 14336): "dott:n64:k256:s4:w4:st4",  # w2: 15.7 vs 19.0 us
-    (64, 6144, 4096): "dott:n64:k256:s1:w4:st5",  # wqkv: 9.7 vs 14.8 us
-    (64, 4096, 4096): "dott:n64:k256:s2:w4:st5",  # wo: 7.3 vs 11.2 us
-    (64, 28672, 4096): "dott:n128:k128:s1:w8:st3",  # w13: 32.2 vs 46.3 us (_scaled_mm; 3.65 TB/s)
-    (64, 4096, 14336): "dott:n64:k256:s2:w4:st5",  # w2: 17.9 vs 29.6 us
-}
-TUNED_FP8_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_FP8)
-
-
-def install_table(table: dict[tuple[int, int, int], str]) -> None:
-    """Replace `TUNED_FP8` (the bench's sweeps install what they measured for one process)."""
-    TUNED_FP8.clear()
-    TUNED_FP8.update(table)
-    TUNED_FP8_CONFIGS.clear()
-    TUNED_FP8_CONFIGS.update(parse_table(table))
 
 
 def fits(config: GemmConfig, m: int, n: int, k: int) -> bool:
@@ -95,18 +62,16 @@ def fits(config: GemmConfig, m: int, n: int, k: int) -> bool:
             and config.block_k % 32 == 0 and config.block_n % 16 == 0)
 
 
-def fp8_config_for(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
-    """The tuned config of x [M, K] (bf16, CUDA) times an e4m3 weight [N, K], or None (another path).
-    By dtype, device type and shape only, so that dynamo traces it without a device query: the decode step
-    asks only when it runs the "triton" GEMMs, which `runner.pick_decode_gemm` picks on compute capability
-    9.0 alone (`skinny_gemm.TUNED_CAPABILITY`, the GPU these tables were measured on)."""
+def fp8_config_for(x: torch.Tensor, weight: torch.Tensor, table: Table) -> GemmConfig | None:
+    """The config in `table` (the device's `TunedTables.fp8`) of x [M, K] (bf16, CUDA) times an e4m3 weight
+    [N, K], or None (another path)."""
     if triton is None or not x.is_cuda or x.dtype != torch.bfloat16 or weight.dtype != torch.float8_e4m3fn:
         return None
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS:
         return None
-    config = TUNED_FP8_CONFIGS.get((rows_bucket(m), n, k))
+    config = table.get((rows_bucket(m), n, k))
     return config if config is not None and fits(config, m, n, k) else None
 
 
@@ -234,13 +199,13 @@ if triton is not None:
 
 
 def fp8_partials(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, config: GemmConfig, *,
-                 pdl: bool = False) -> torch.Tensor:
+                 pdl: bool = False, row_scaling_in_kernel: bool = False) -> torch.Tensor:
     """x [M, K] (bf16) times the e4m3 weight [N, K] with per-row scales [N], as [split, M, N] partial products:
     the tokens scaled to e4m3 each by its own max (torch ops: fused into x's producer when compiled), then
-    the registered op."""
+    the registered op; one token with `row_scaling_in_kernel` is scaled inside the kernel (module doc)."""
     if triton is None:
         raise RuntimeError("Triton (and torch >= 2.6) is needed for the fp8 GEMM kernel")
-    if ROW_SCALING_IN_KERNEL and x.shape[0] == 1:
+    if row_scaling_in_kernel and x.shape[0] == 1:
         op = torch.ops.enginewright.fp8_one_row_partials_pdl if pdl else torch.ops.enginewright.fp8_one_row_partials
         return op(x, weight, w_scale, config.key())
     from serving.engine.quantize import quantize_tokens_fp8
@@ -251,7 +216,9 @@ def fp8_partials(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, c
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
-               config: GemmConfig, pdl: bool = False) -> torch.Tensor:
+               config: GemmConfig, pdl: bool = False, row_scaling_in_kernel: bool = False,
+               one_kernel_sum: bool = True) -> torch.Tensor:
     """`quantize.fp8_scaled_linear` for decode rows through this kernel: x [M, K] -> [M, N] in x's dtype."""
-    out = sum_partials(fp8_partials(x, weight, w_scale, config, pdl=pdl), x.dtype)
+    out = sum_partials(fp8_partials(x, weight, w_scale, config, pdl=pdl, row_scaling_in_kernel=row_scaling_in_kernel),
+                       x.dtype, one_kernel=one_kernel_sum)
     return out if bias is None else out + bias

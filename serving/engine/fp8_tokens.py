@@ -2,13 +2,12 @@
 
 `tokens_e4m3(x [T, K], qmax)` -> (e4m3 [T, K], float32 scales [T, 1]): each row divided by its own largest
 magnitude over `qmax`, clamped to +-qmax, rounded to e4m3 (`quantize.quantize_tokens_fp8`'s values, but
-at rounding ties: Triton's float32 division is not correctly rounded, and on the H200 19 of 117M values of
-an 8192 x 14336 input landed one e4m3 step from torch's; the scales are equal). Eagerly,
+at rounding ties: Triton's float32 division is not correctly rounded, so a few values in a hundred million
+land one e4m3 step from torch's (tests/test_fp8_gemm.py bounds them); the scales are equal). Eagerly,
 those torch ops are ten launches and as many passes over x per GEMM (an 8B prefill of 128 tokens has 128
 such GEMMs); the compiled decode step keeps the torch ops, which inductor fuses into the kernel that
 produces x. A program per row reads it twice (the max, then the scaling; the second read from cache).
-H200, 8B fp8 at batch 64 (128-token prompts, `bench quantized`): prefill 177.8 ms against 239.9 with the
-torch ops (bf16: 232.4), end-to-end 1.40x bf16 against 1.24x; batch 1 unchanged (48.9 against 46.8 ms).
+What it saves a prefill: docs/decisions.md.
 
 Registered as `torch.ops.enginewright.tokens_e4m3` (a `triton_op`, what a torch.compile traces); eagerly
 `tokens_e4m3` launches the kernel itself. Checked under TRITON_INTERPRET=1 and on

@@ -1,8 +1,7 @@
 """The MLP's first half of the decode step, silu(x W_gate^T) * (x W_up^T), as one Triton kernel.
 
 The unfused step multiplies by w13 ([gate; up] stacked, [2I, D]), writes the [M, 2I] product, and a
-second kernel reads it back for SiLU * up (Llama-1B at batch 64 on the H200: 2.0 us per layer, 2.6% of
-the step; Llama-8B: about 1.2%). Here each program computes BLOCK_N columns of the gate product and the
+second kernel reads it back for SiLU * up. Here each program computes BLOCK_N columns of the gate product and the
 same columns of the up product (two accumulators, the two weight tiles read once each) and stores
 silu(gate) * up: the weights are read exactly as by the w13 GEMM, and nothing else runs. K is not split
 (SiLU needs whole sums), so the kernel fits shapes with enough columns to fill the GPU: I / BLOCK_N
@@ -11,15 +10,12 @@ programs.
 Rounding follows the unfused step: gate and up are rounded to the weights' dtype (the w13 output),
 F.silu's result is rounded, and so is the product.
 
-`gate_up(x [M, D], w13 [2I, D])` -> [M, I] runs the kernel where `TUNED_GATE_UP` has a config for the
-shape (rows bucket, I, D), measured on an H200 by `python3 -m bench gemms --gate-up`; elsewhere
-the w13 product (through `skinny_linear`, so a tuned split-K w13 still runs) and SiLU * up.
-
-At one row it runs in the dynamic compile of the batch-1 step (Llama-1B: 0.878 against 0.910 ms per
-step with the w13 product and SiLU * up, twice each, same H200 call). Inside the static batch-1 compile
-it would take inductor's fusions of RMSNorm into w13 and SiLU * up into w2 away (1B: 976 against 1,022
-tok/s); `cuda_graphs.tuned_single_row` keeps a model whose batch-1 products are all tuned off that
-compile. Checked on CPU tensors under TRITON_INTERPRET=1 and on the GPU (tests/test_gate_up.py).
+`gate_up(x [M, D], w13 [2I, D], tables=...)` -> [M, I] runs the kernel where the device's tuned tables
+(`TunedTables.gate_up`, `gate_up_quantized`: written by the GEMM sweep with `--gate-up`) have a config for
+the shape (rows bucket, I, D); elsewhere the w13 product (through `skinny_linear`, so a tuned split-K w13
+still runs) and SiLU * up. Inside the static batch-1 compile it would take inductor's fusions of RMSNorm
+into w13 and SiLU * up into w2 away; `cuda_graphs.tuned_single_row` keeps a model whose batch-1 products
+are all tuned off that compile (figures: docs/decisions.md). Checked on CPU tensors under TRITON_INTERPRET=1 and on the GPU (tests/test_gate_up.py).
 
 Registered as `torch.ops.enginewright.gate_up` (a `triton_op`), so it traces under
 torch.compile(fullgraph=True) and launches inside CUDA-graph capture; `enginewright::gate_up_pdl` is
@@ -33,15 +29,9 @@ from __future__ import annotations
 import torch
 
 from serving.engine import silu_mul
-from serving.engine.skinny_gemm import (
-    MAX_ROWS,
-    QUANTIZED_DTYPES,
-    GemmConfig,
-    block_m,
-    parse_table,
-    rows_bucket,
-    skinny_linear,
-)
+from serving.engine.gemm_config import MAX_ROWS, GemmConfig, rows_bucket
+from serving.engine.skinny_gemm import QUANTIZED_DTYPES, block_m, skinny_linear
+from serving.engine.tuned_tables import TunedTables
 
 try:
     import triton
@@ -53,38 +43,19 @@ try:
 except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
-# (rows bucket, I, D) -> "dot" config with split 1, from `python3 -m bench gemms --gate-up` (H200,
-# 2026-11-30; "unfused" is the w13 GEMM then F.silu(gate) * up, as the step ran them before). In the step
-# with PDL (`bench profile`, +nogateup, same run): 1B batch 64 1.103 against 1.133 ms, twice; 8B 4.960
-# against 4.966 ms. 1B batch 1 (dynamic compile, 300 replays): 0.878-0.882 ms with the three best configs
-# against 0.909 and 0.911 ms without
-TUNED_GATE_UP: dict[tuple[int, int, int], str] = {
-    (1, 8192, 2048): 'dot:n32:k64:s1:w4:st5',  # llama-3.2-1b: 17.6 vs unfused 21.2 us
-    (64, 8192, 2048): 'dot:n32:k128:s1:w4:st3',  # llama-3.2-1b: 19.3 vs unfused 26.1 us
-    (64, 14336, 4096): 'dot:n64:k64:s1:w4:st4',  # llama-3.1-8b: 59.1 vs unfused 68.0 us
-}
-TUNED_GATE_UP_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_GATE_UP)
-# quantized w13 (one byte per weight), from `python3 -m bench gemms --quantization fp8 [--gate-up]` on an H200
-# (docs/quantization.md); a shape not here takes the bf16 config above
-TUNED_GATE_UP_QUANTIZED: dict[tuple[int, int, int], str] = {  # 2026-12-01, fp8 w13; "unfused": the fp8 w13 product + SiLU * up
-    (64, 8192, 2048): 'dott:n64:k128:s1:w4:st3',  # llama-3.2-1b: 22.7 vs unfused 31.6 us
-    (64, 14336, 4096): 'dott:n64:k128:s1:w4:st3',  # llama-3.1-8b: 63.2 vs unfused 71.9 us
-}
-TUNED_GATE_UP_QUANTIZED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_GATE_UP_QUANTIZED)
-
-
 def fits(config: GemmConfig, m: int, k: int) -> bool:
     """Whether `config` can run the gate/up product of m rows of width k (one K slice, whole blocks)."""
     return config.kernel in ("dot", "dott") and config.split == 1 and config.fits(m, 0, k)  # (fits does not read n)
 
 
-def config_for(m: int, intermediate: int, k: int, *, quantized: bool = False) -> GemmConfig | None:
-    """The tuned config of the shape; for a quantized w13 `TUNED_GATE_UP_QUANTIZED`'s only (a shape not there
-    runs the w13 product's own quantized kernel, then SiLU * up)."""
+def config_for(m: int, intermediate: int, k: int, tables: TunedTables, *, quantized: bool = False
+               ) -> GemmConfig | None:
+    """The tuned config of the shape in `tables`; for a quantized w13 `gate_up_quantized`'s only (a shape not
+    there runs the w13 product's own quantized kernel, then SiLU * up)."""
     if m > MAX_ROWS:
         return None
     key = (rows_bucket(m), intermediate, k)
-    return (TUNED_GATE_UP_QUANTIZED_CONFIGS if quantized else TUNED_GATE_UP_CONFIGS).get(key)
+    return (tables.gate_up_quantized if quantized else tables.gate_up).get(key)
 
 
 if triton is not None:
@@ -233,18 +204,20 @@ if triton is not None:
         return x.new_empty((x.shape[0], w13.shape[0] // 2))
 
 
-def gate_up(x: torch.Tensor, w13: torch.Tensor, *, config: GemmConfig | None = None, pdl: bool = False,
-            scale: torch.Tensor | None = None) -> torch.Tensor:
+def gate_up(x: torch.Tensor, w13: torch.Tensor, *, config: GemmConfig | None = None,
+            tables: TunedTables | None = None, pdl: bool = False, scale: torch.Tensor | None = None,
+            one_kernel_sum: bool = True) -> torch.Tensor:
     """silu(x W_gate^T) * (x W_up^T) for x [M, D] and w13 = [W_gate; W_up] [2I, D]: the fused kernel when
-    a config fits (`config`, else the tuned one on CUDA), else the w13 product and SiLU * up. `pdl`: the
-    kernels launched with programmatic dependent launch (CUDA, Hopper and later). `scale`: w13 is quantized
-    (int8 / e4m3) with these per-row float32 scales [2I]."""
+    a config fits (`config`, else the one in `tables` on CUDA), else the w13 product (`skinny_linear` with
+    `tables`) and SiLU * up. `pdl`: the kernels launched with programmatic dependent launch (CUDA, Hopper
+    and later). `scale`: w13 is quantized (int8 / e4m3) with these per-row float32 scales [2I]."""
     m, k = x.shape
     intermediate = w13.shape[0] // 2
-    if config is None and x.is_cuda and triton is not None:
-        config = config_for(m, intermediate, k, quantized=scale is not None)
+    if config is None and tables is not None and x.is_cuda and triton is not None:
+        config = config_for(m, intermediate, k, tables, quantized=scale is not None)
     if config is None or triton is None or not fits(config, m, k):
-        return silu_mul.gated(skinny_linear(x, w13, pdl=pdl, scale=scale), intermediate)
+        both = skinny_linear(x, w13, tables=tables, pdl=pdl, scale=scale, one_kernel_sum=one_kernel_sum)
+        return silu_mul.gated(both, intermediate)
     if scale is not None:
         op = torch.ops.enginewright.gate_up_scaled_pdl if pdl else torch.ops.enginewright.gate_up_scaled
         return op(x, w13, scale, config.key())

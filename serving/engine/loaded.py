@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from serving.engine.quantize import QuantLinear, model_quantization
+from serving.engine.linear_quantized import QuantLinear, model_quantization
+
 
 @dataclass(frozen=True)
 class LoadedConfiguration:
@@ -49,5 +50,5 @@ def loaded_configuration(runner: Any) -> LoadedConfiguration:
         quantization=model_quantization(model),
         quantized_lm_head=isinstance(model.output, QuantLinear),
         kv_cache_dtype=dtype_name(runner.cache.k[0].dtype),
-        decode_gemm=runner.decode.gemm,
+        decode_gemm=model.options.decode_gemm,
     )

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from serving.engine import row_norm, silu_mul
-from serving.engine.partials import sum_partials
-from serving.engine.quantize import QuantLinear
+from serving.engine import row_norm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -124,27 +120,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # the transformer
 
 
-MAX_DECODE_KERNEL_ROWS = 64  # skinny_gemm.MAX_ROWS: more rows and a quantized layer runs its own GEMM
-REFERENCE_GEMM = "reference"  # a decode `gemm`: F.linear, quantized layers dequantized (the checks' reference)
-LinearFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (nn.Linear or tied nn.Embedding, x) -> x W^T + b
-
-
-def torch_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x W^T (+ b) by F.linear, for an nn.Linear or the tied embedding matrix (no bias); a quantized
-    layer's own forward (`QuantLinear`: dequantized, or FP8 tensor-core GEMMs)."""
-    if isinstance(module, QuantLinear):
-        return module(x)
-    return F.linear(x, module.weight, getattr(module, "bias", None))
-
-
-def reference_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`torch_linear` with a quantized layer's dequantizing reference (weight-only numerics at every row
-    count): what the decode step is checked against (`decode_step(..., gemm=REFERENCE_GEMM)`)."""
-    if isinstance(module, QuantLinear):
-        return module.reference(x)
-    return torch_linear(module, x)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -173,18 +148,22 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class StepContext:
-    """What the layers of one serving step read besides their weights (the attention metadata): how they
-    multiply by a weight (`linear`; `gate_up`: silu(gate) * up in one product, or None), whether the engine's
-    kernels launch with programmatic dependent launch (`pdl`) and leave their rows scaled for an FP8 GEMM
-    (`qkv_e4m3`, `w13_e4m3`: `quantize.prescale_rows_for`), and the attention path: `attend` and `last_hidden`,
-    a subclass's (`step.MixedStep`: prompt chunks and decodes packed; `cuda_graphs.DecodeStep`: one token a
-    row, capturable)."""
+    """What the layers of one serving step read besides their weights (the attention metadata): whether they
+    multiply through the GEMMs their layers picked at load or through the layers' dequantizing references
+    (`reference`: what the decode step is checked against), whether the engine's kernels launch with
+    programmatic dependent launch (`pdl`) and leave their rows scaled for an FP8 GEMM (`qkv_e4m3`, `w13_e4m3`:
+    `linear_quantized.prescale_rows_for`), and the attention path: `attend` and `last_hidden`, a subclass's
+    (`step.MixedStep`: prompt chunks and decodes packed; `cuda_graphs.DecodeStep`: one token a row,
+    capturable)."""
 
-    linear: LinearFn
-    gate_up: LinearFn | None
+    reference: bool
     pdl: bool
     qkv_e4m3: bool
     w13_e4m3: bool
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x through `layer`: its own GEMM for x's rows, or its reference."""
+        return layer.reference(x) if self.reference else layer(x, pdl=self.pdl)
 
     def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         """The step's tokens' qkv projection [T, (H + 2 Hkv) hd] of layer `layer` -> attention output [T, H hd]
@@ -202,58 +181,3 @@ def _rope_1(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def _linear_fn(gemm: str, *, parts: bool = False, pdl: bool = False) -> LinearFn:
-    """How the decode step multiplies by a weight: "torch" F.linear (cuBLAS, or inductor's fused
-    reductions), "triton" the tuned skinny Triton kernels where they beat cuBLAS (`skinny_gemm.TUNED`;
-    `pdl`: launched with programmatic dependent launch; fp8 layers of 16+ rows: the FP8 tensor cores),
-    `REFERENCE_GEMM` F.linear with quantized layers dequantized. With `parts`, the result is left as split-K
-    partial products [P, B, N] for a consumer that sums them (P = 1 for F.linear)."""
-    if gemm != "triton":
-        one = reference_linear if gemm == REFERENCE_GEMM else torch_linear
-        return (lambda module, x: one(module, x).unsqueeze(0)) if parts else one
-    from serving.engine.fp8_gemm import fp8_config_for, fp8_partials
-    from serving.engine.skinny_gemm import kernel_config, skinny_linear, skinny_linear_parts
-
-    product = skinny_linear_parts if parts else skinny_linear
-
-    def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(module, QuantLinear):
-            return product(x, module.weight, getattr(module, "bias", None), pdl=pdl)
-        if module.decode_tensor_cores and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
-            y = fp8_partials(x, module.weight, module.weight_scale, fp8, pdl=pdl)
-            return y if parts else sum_partials(y, x.dtype)
-        if module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores
-            y = module.tensor_core(x)
-        elif kernel_config(x, module.weight) is None:  # more rows than the kernels take: the layer's own GEMM
-            y = module(x)
-        else:
-            return product(x, module.weight, module.bias, pdl=pdl, scale=module.weight_scale)
-        return y.unsqueeze(0) if parts else y
-
-    return linear
-
-
-def _gate_up_fn(gemm: str, *, pdl: bool = False) -> LinearFn | None:
-    """The MLP's silu(gate) * up: "triton" through `gate_up.gate_up` (one kernel where tuned), else None
-    (the step multiplies by w13 and runs SiLU * up itself)."""
-    if gemm != "triton":
-        return None
-    from serving.engine.fp8_gemm import fp8_config_for, fp8_linear
-    from serving.engine.gate_up import gate_up
-
-    def product(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(module, QuantLinear):
-            return gate_up(x, module.weight, pdl=pdl)
-        if module.decode_tensor_cores and (fp8 := fp8_config_for(x, module.weight)) is not None:  # split-K FP8 MMAs
-            both = fp8_linear(x, module.weight, module.weight_scale, config=fp8, pdl=pdl)
-        elif module.tensor_core_shape(x):  # fp8 of 16+ rows: the FP8 tensor cores, then SiLU * up
-            both = module.tensor_core(x)
-        elif x.shape[0] > MAX_DECODE_KERNEL_ROWS:  # the layer's own GEMM, then SiLU * up
-            both = module(x)
-        else:
-            return gate_up(x, module.weight, pdl=pdl, scale=module.weight_scale)
-        return silu_mul.gated(both, module.out_features // 2)
-
-    return product

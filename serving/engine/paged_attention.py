@@ -16,19 +16,18 @@ On CUDA (Triton importable) one kernel runs with one program per (sequence, kv h
 heads once (padded to 16 rows for `tl.dot`) and walks the sequence's blocks through its table row, one block
 of positions per iteration, with an online softmax in float32 (base 2); K/V are read where they lie, never
 copied. fp8 pools are converted in registers after the load (the pointer's element type says which; bf16 pools
-load as before): with bf16 queries to float16, q clamped to float16's range (`FP8_KV_DOT_F16`, the default:
+load as before): with bf16 queries to float16, q clamped to float16's range (`fp8_kv_dot_f16`, the default:
 e4m3 widens to float16 in one instruction a pair, to bf16 through several), else to q's dtype, so `tl.dot`
 multiplies one dtype on both sides, accumulating in float32. A program over an e4m3 pool runs on one warp
-(`FP8_NUM_WARPS`: its scores and softmax never cross warps) where the batch fills the GPU, else on four, as over
-a bf16 pool. On the H200, 400 rows of 3,072 e4m3 positions take 673 us, 88% of the copy bandwidth (1,104 us
-with bf16 dots on four warps). When the batch leaves the GPU short of programs (fewer than about two per SM:
+(`fp8_num_warps`: its scores and softmax never cross warps) where the batch fills the GPU, else on four, as over
+a bf16 pool. The kernel's launch choices are `options.AttentionKernelOptions`, passed by the caller. When the batch leaves the GPU short of programs (fewer than about two per SM:
 batch 1 x 8 KV heads runs 8), each (sequence, kv head)'s blocks are split over `position_splits` programs
 (flash-decoding, as `decode_attention.py` does for the static cache): each writes its softmax-weighted values
 and log-sum-exp in float32, and a second kernel combines them. The split is by each row's own length, read on the device, so a
 CUDA graph captured at one batch size serves every context length. An iteration walks one block, its table
-entry loaded an iteration ahead and V issued with K (`PREFETCH_BLOCKS`, the default: one memory round trip a
-block instead of three in a row), or a tile of several blocks (`TILE_POSITIONS`), each position through its own
-table entry (slower on the H200: docs/decisions.md). The kernel
+entry loaded an iteration ahead and V issued with K (`prefetch_blocks`, the default: one memory round trip a
+block instead of three in a row), or a tile of several blocks (`tile_positions`), each position through its own
+table entry (docs/decisions.md). The kernel
 needs a power-of-two block_size >= 16 and head_dim >= 16; elsewhere, and on the CPU, `paged_decode_reference`
 runs: each row's blocks gathered into `[B, Hkv, n * block_size, hd]` (cast to q's dtype) and the masked matmul
 of `model.decode_step`.
@@ -43,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from serving.engine.kv_cache import KV_FP8_DTYPE
+from serving.engine.options import AttentionKernelOptions
 from serving.engine.pdl import gdc, launch_options
 
 try:
@@ -57,30 +57,6 @@ except ImportError:  # CPU-only installs
 
 MIN_ROWS = 16  # tl.dot needs M, K >= 16: query heads are padded to this many rows, blocks must be this long
 MAX_SPLITS = 16  # programs over one (sequence, kv head)'s positions at most
-# positions an iteration of the kernel walks (a power of two; each position read through its own block's table
-# entry), or None: one block. Larger tiles issue more loads at once over long contexts; untimed (module doc)
-TILE_POSITIONS: int | None = None
-# one block an iteration: the next block's table entry loaded an iteration ahead, and V loaded with K rather
-# than after the scores, so an iteration waits for one memory round trip instead of three in a row (table,
-# K, V). H200: 1,024 rows of 192 bf16 positions 197.5 against 206.6 us (96% of the copy bandwidth), 400 rows of
-# 3,072 e4m3 positions 1,102 against 1,225 us (`bench paged-attention`); side `paged-no-prefetch` without it
-PREFETCH_BLOCKS = True
-# over an e4m3 pool with bf16 queries, the dots in float16 (q clamped to its range, K/V and the probabilities in
-# float16, float32 accumulators): e4m3 widens to float16 in one instruction a pair on sm_89+, to bf16 through
-# several. H200: 400 rows of 3,072 e4m3 positions 921 against 1,104 us (64% of the copy bandwidth against 54%),
-# 2048/2048 FP8 9,189 against 8,164 output tok/s (same process); side `paged-kv-dot-bf16` without it
-FP8_KV_DOT_F16 = True
-# the kernel's launch: warps a program over a bf16 (or float32) pool and over an e4m3 one, and software-pipelining
-# stages (None: Triton's default); what the figures ran, for `bench paged-attention` variants to move. e4m3 with
-# float16 dots on the H200, 400 rows of 3,072 positions: 673 us with 1 warp (88% of the copy bandwidth), 797-804
-# with 2, 916-922 with 4, 1,535 with 8; 2048/2048 FP8 10,698 output tok/s with 1, 9,762 with 2, 9,051 with 4;
-# bf16 1,024 x 192: 197 us with 4 warps, 199 with 2. Where positions are split (a batch too small to fill the
-# SMs) the programs are few, one warp each would leave the SMs nearly idle, and only 4 warps were ever timed:
-# there e4m3 pools keep NUM_WARPS.
-NUM_WARPS = 4
-FP8_NUM_WARPS = 1
-NUM_STAGES: int | None = None
-
 
 def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scale: float) -> torch.Tensor:
@@ -227,14 +203,17 @@ def position_splits(bsz: int, n_kv_heads: int, device: torch.device) -> int:
 
 def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                         lengths: torch.Tensor, scale: float, *, splits: int | None = None,
-                        tile: int | None = None, pdl: bool = False, dot_f16: bool | None = None) -> torch.Tensor:
+                        tile: int | None = None, pdl: bool = False, dot_f16: bool | None = None,
+                        kernel: AttentionKernelOptions | None = None) -> torch.Tensor:
     """The Triton kernel on any device Triton runs on (CUDA; CPU tensors under TRITON_INTERPRET=1), its
     positions split `splits` ways (default `position_splits`), `tile` positions an iteration (default
-    `TILE_POSITIONS`, else one block); `pdl`: its kernels launched with programmatic dependent launch;
-    `dot_f16`: the dots in float16 (default: `FP8_KV_DOT_F16` for bf16 queries over an e4m3 pool)."""
+    `kernel.tile_positions`, else one block); `pdl`: its kernels launched with programmatic dependent launch;
+    `dot_f16`: the dots in float16 (default: `kernel.fp8_kv_dot_f16` for bf16 queries over an e4m3 pool);
+    `kernel`: the launch's other choices (default `AttentionKernelOptions()`)."""
+    kernel = kernel or AttentionKernelOptions()
     bsz, n_kv_heads, group, head_dim = q.shape
     block_size = int(k_pool.shape[1])
-    tile = tile or TILE_POSITIONS or block_size
+    tile = tile or kernel.tile_positions or block_size
     if tile < MIN_ROWS or tile & (tile - 1):
         raise ValueError(f"paged decode kernel: tile={tile} positions an iteration must be a power of two >= {MIN_ROWS}")
     if triton is None:
@@ -248,7 +227,7 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     group_pad = max(MIN_ROWS, triton.next_power_of_2(group))
     part = lse = out  # unused with one split
     if dot_f16 is None:
-        dot_f16 = FP8_KV_DOT_F16 and q.dtype == torch.bfloat16 and k_pool.dtype == KV_FP8_DTYPE
+        dot_f16 = kernel.fp8_kv_dot_f16 and q.dtype == torch.bfloat16 and k_pool.dtype == KV_FP8_DTYPE
     if splits > 1:
         part = torch.empty(bsz * n_kv_heads * splits, group_pad, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz * n_kv_heads * splits, group_pad, dtype=torch.float32, device=q.device)
@@ -259,9 +238,9 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
         IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), DOT_F16=dot_f16,
-        PREFETCH=PREFETCH_BLOCKS and tile == block_size,
-        num_warps=FP8_NUM_WARPS if k_pool.dtype == KV_FP8_DTYPE and splits == 1 else NUM_WARPS,
-        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}), **launch_options(pdl))
+        PREFETCH=kernel.prefetch_blocks and tile == block_size,
+        num_warps=kernel.fp8_num_warps if k_pool.dtype == KV_FP8_DTYPE and splits == 1 else kernel.num_warps,
+        **({} if kernel.num_stages is None else {"num_stages": kernel.num_stages}), **launch_options(pdl))
     if splits > 1:
         _combine_splits_kernel[(bsz, n_kv_heads)](part, lse, out, GROUP=group, GROUP_PAD=group_pad,
                                                   HEAD_DIM=head_dim, SPLITS=splits, GDC=gdc(pdl), num_warps=4,
@@ -270,9 +249,10 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                           lengths: torch.Tensor, scale: float, *, pdl: bool = False) -> torch.Tensor:
+                           lengths: torch.Tensor, scale: float, *, pdl: bool = False,
+                           kernel: AttentionKernelOptions | None = None) -> torch.Tensor:
     """See the module doc: the Triton kernel on CUDA where it fits (`pdl`: launched with programmatic
-    dependent launch), the torch reference elsewhere."""
+    dependent launch; `kernel`: its launch), the torch reference elsewhere."""
     if q.device.type == "cuda" and kernel_fits(int(k_pool.shape[1]), int(q.shape[-1])):
-        return paged_decode_triton(q, k_pool, v_pool, tables, lengths, scale, pdl=pdl)
+        return paged_decode_triton(q, k_pool, v_pool, tables, lengths, scale, pdl=pdl, kernel=kernel)
     return paged_decode_reference(q, k_pool, v_pool, tables, lengths, scale)

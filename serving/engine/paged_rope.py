@@ -9,9 +9,9 @@ returns the rotated keys too, for a mixed step whose prompts attend over their o
 
 In torch that is a gather of the tables' rows, ten elementwise launches (`model._rope_1` on q and on k) and
 two index writes a layer, each a pass over the step's heads: about a quarter of the paged decode step's
-launches, and 8% of a step of 16,384 prompt tokens on the H200 (32 of its 385 ms).
+launches (and a share of a long prompt step: docs/decisions.md).
 One program per token does it all here. It asks for torch's rounding (each product to the dtype, then the
-sum), which the interpreter gives to the last bit; compiled for the H200 a product may stay unrounded, so a
+sum), which the interpreter gives to the last bit; compiled for the GPU a product may stay unrounded, so a
 rotated value can land one step of the dtype away (tests/test_paged_rope.py). Values are copied exactly.
 
 Pools of float8_e4m3fn (an fp8 KV cache, `kv_cache`'s module doc) take the rotated keys and the values as

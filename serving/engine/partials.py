@@ -3,9 +3,9 @@
 `sum_partials` adds them in float32 in split order and rounds once, as cuBLAS rounds its float32 accumulators.
 Traced by torch.compile it is pointwise adds, which inductor fuses into the consumer's kernel (a residual add
 and RMSNorm), where a sum over dim 0 would run alone. Run eagerly on CUDA (the paged decode graphs, the static
-engine's eager step) those adds were a kernel each plus the cast: `wo` of Llama-3.1-8B at one row is split 8
-ways, nine kernels of a few microseconds for a 4,096-wide sum. There one Triton kernel does it, with the same
-additions in the same order (bit-equal).
+engine's eager step) those adds were a kernel each plus the cast: a GEMM split 8 ways took nine kernels for
+one row's sum. There one Triton kernel does it, with the same additions in the same order (bit-equal);
+`EngineOptions.partial_sums_one_kernel` off keeps the adds (what it gains: docs/decisions.md).
 
 Imports: torch; Triton only if importable.
 """
@@ -21,9 +21,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 SUM_BLOCK = 1024  # elements a program
-# the one-kernel sum when eager on CUDA: fewer kernels, the same values. H200, 8B bf16, one request: the paged
-# decode step 206 against 189-191 tok/s with the adds (bench throughput side `paged-sum-adds`, same process)
-ONE_KERNEL = True
 
 if triton is not None:
 
@@ -37,10 +34,10 @@ if triton is not None:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def sum_partials(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def sum_partials(parts: torch.Tensor, dtype: torch.dtype, *, one_kernel: bool = True) -> torch.Tensor:
     """[split, M, N] float32 -> [M, N] in `dtype` (module doc: pointwise adds when traced, one kernel when
-    eager on CUDA)."""
-    if parts.shape[0] > 1 and one_kernel(parts):
+    eager on CUDA, unless `one_kernel` is off: `EngineOptions.partial_sums_one_kernel`)."""
+    if parts.shape[0] > 1 and one_kernel and one_kernel_fits(parts):
         return sum_partials_triton(parts, dtype)
     out = parts[0]
     for i in range(1, parts.shape[0]):
@@ -48,9 +45,9 @@ def sum_partials(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.to(dtype)
 
 
-def one_kernel(parts: torch.Tensor) -> bool:
-    """Whether `sum_partials` sums `parts` in one Triton kernel: eager (not traced), CUDA, contiguous float32."""
-    return (ONE_KERNEL and not torch.compiler.is_compiling() and triton is not None and parts.is_cuda
+def one_kernel_fits(parts: torch.Tensor) -> bool:
+    """Whether `sum_partials` may sum `parts` in one Triton kernel: eager (not traced), CUDA, contiguous float32."""
+    return (not torch.compiler.is_compiling() and triton is not None and parts.is_cuda
             and parts.dtype == torch.float32 and parts.is_contiguous())
 
 

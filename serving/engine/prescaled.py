@@ -10,7 +10,7 @@ object, and `quantize.fp8_scaled_linear` takes them from the tensor it is given 
 scaling again. A view or copy of the output does not carry them, so anything else done to it first falls
 back to scaling as before.
 
-Used where the GEMM would scale rows in its Triton kernel (`quantize.prescale_rows_for`): an fp8 layer on
+Used where the GEMM would scale rows in its Triton kernel (`linear_quantized.prescale_rows_for`): an fp8 layer on
 CUDA past the decode rows, with `quantize.PRESCALE_ROWS` on.
 
 Imports: torch.

@@ -8,10 +8,11 @@ Methods (`engine.quantization` in the release spec):
   tensor cores (compute capability 8.9 or later, bf16 engines), GEMMs scale each activation row (token)
   to e4m3 at run time (`quantize_tokens_fp8`) and multiply e4m3 x e4m3, both scales in the epilogue:
   prefill GEMMs (more than 64 rows) through `torch._scaled_mm`; decode GEMMs (1-64 rows) of the shapes in
-  `fp8_gemm.TUNED_FP8` (on compute capability 9.0: every Llama-1B/8B projection) through the split-K
-  `fp8_gemm` kernel; other decode GEMMs of 16-64 rows with outputs at least `FP8_TENSOR_CORE_MIN_N` wide
-  through `_scaled_mm`. The remaining decode GEMMs take the weight-only decode kernels, which read `Q` and
-  `s` at their stored precision and convert the tile exactly in registers (`skinny_gemm`, `gate_up`).
+  the device's tuned `fp8` table (`tuned_tables`) through the split-K `fp8_gemm` kernel; other decode GEMMs of
+  16-64 rows with outputs at least `FP8_TENSOR_CORE_MIN_N` wide through `_scaled_mm`. The remaining decode
+  GEMMs take the weight-only decode kernels, which read `Q` and `s` at their stored precision and convert the
+  tile exactly in registers (`skinny_gemm`, `gate_up`). Each layer picks among these at load
+  (`linear_fp8.Fp8Linear`, `linear_int8.Int8Linear`).
 - `int8-weight-only`: `Q` is int8, `s = max|W[n]| / 127`, round to nearest; activations stay in the
   engine dtype everywhere (for GPUs without FP8 and for the CPU).
 
@@ -21,15 +22,15 @@ the engine dtype. Each quantized tensor `<name>` has its scale beside it in the 
 `<name>_scale` (`SCALE_SUFFIX`). `engine.json` records it all under `quantization` (`QuantInfo.to_dict`).
 
 The CPU (and any device without the kernels) runs the same engines through the dequantizing reference
-path `QuantLinear.reference`: the weight is dequantized on the fly into the engine dtype and multiplied
+path `linear_quantized.QuantLinear.reference`: the weight is dequantized on the fly into the engine dtype and multiplied
 by F.linear, so CI exercises every quantized engine. That is weight-only numerics for fp8 too: the CPU
 has no FP8 tensor cores. `fp8_emulated_linear` reproduces the per-token activation rounding on any
 device (the same e4m3 values and scales; only the accumulation order and precision differ from the
 tensor cores'), for tests and quality measurements. On the CPU an fp8 layer keeps its dequantized weight
-after the first call (`QuantLinear.dequantized`): torch converts e4m3 to float there at about 80 M
-elements/s (SmolLM2-135M: ~1.4 s of every forward), so an fp8 engine on the CPU takes the memory of its
+after the first call (`QuantLinear.dequantized`): torch's e4m3-to-float conversion on the CPU is slow
+enough to dominate every forward (docs/quantization.md), so an fp8 engine on the CPU takes the memory of its
 engine dtype; it is the reference path, not a way to save CPU memory (int8 weight-only is, and its
-conversion is 4x faster: it is dequantized at every call).
+conversion is faster: it is dequantized at every call).
 
 Imports: stdlib and torch only (this module runs inside Triton's python backend).
 """
@@ -41,7 +42,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from serving.engine.errors import EngineLimitError, EngineQuantizationError
 from serving.engine.prescaled import E4M3_MAX, prescaled_rows
@@ -54,14 +54,6 @@ QMAX: dict[str, float] = {FP8: E4M3_MAX, INT8_WEIGHT_ONLY: 127.0}
 FP8_TENSOR_CORE_MIN_ROWS = 16  # fp8 GEMMs of this many rows and more may run on FP8 tensor cores (tokens to e4m3)
 FP8_DECODE_MAX_ROWS = 64  # skinny_gemm.MAX_ROWS: up to this many rows, the decode kernels are the alternative
 FP8_TENSOR_CORE_MIN_N = 16384  # decode rows: only outputs this wide (w13, LM heads) take the tensor cores
-# the norms and SiLU * up writing an fp8 GEMM's input also write its rows scaled to e4m3 (serving.engine.prescaled):
-# in the H200 profile of a 1,024-request FP8 run the separate scaling was 282 ms of 5,119 ms of kernels, all of it
-# but wo's input; bit-equal results, 1,024 x 128/128 FP8 +1.5% (bench throughput side `paged-unscaled` without it)
-PRESCALE_ROWS = True
-# _scaled_mm's use_fast_accum in the fp8 prompt GEMMs (Hopper: the FP8 MMAs accumulate without cuBLAS/CUTLASS's
-# periodic promotion to float32, as vLLM's and TensorRT-LLM's FP8 GEMM kernels do): 1,024 x 128/128 FP8 +7.5%;
-# its quality on the real model in docs/quantization.md (side `paged-precise-accum` without it)
-FP8_FAST_ACCUM = True
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores and e4m3 conversions: Ada, Hopper and later
 LAYER_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
 SETTING = "engine.quantization"
@@ -107,7 +99,7 @@ class QuantInfo:
             "scales": {"granularity": "per-output-channel", "dtype": "float32", "suffix": SCALE_SUFFIX,
                        "where": "tensor '<weight name>_scale' [N] beside each quantized weight, same file"},
             "activations": ("per-token e4m3 at run time in FP8 tensor-core GEMMs (prefill; decode GEMMs in "
-                            "fp8_gemm.TUNED_FP8, and of >= "
+                            "the device's tuned fp8 table, and of >= "
                             f"{FP8_TENSOR_CORE_MIN_ROWS} rows where N >= {FP8_TENSOR_CORE_MIN_N}); engine dtype in "
                             "the weight-only decode kernels and on the CPU"
                             if self.method == FP8 else "engine dtype"),
@@ -170,101 +162,9 @@ def quantize_state(state: dict[str, torch.Tensor], info: QuantInfo, *, n_layers:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# the module
-
-
-class QuantLinear(nn.Module):
-    """A linear layer whose weight is stored quantized (`weight` [N, K] int8 / e4m3, `weight_scale` [N]).
-
-    `forward` (prompt steps, eager): for an fp8 layer of a bf16 engine on a GPU with FP8 tensor cores, inputs of
-    at least `tensor_core_min_rows` rows take `tensor_core` (tokens scaled to e4m3, `torch._scaled_mm`) at any
-    width; everything else the dequantizing `reference`. The decode step's Triton kernels read `weight` and `weight_scale`
-    themselves for fewer rows (`model._linear_fn`).
-    """
-
-    def __init__(self, in_features: int, out_features: int, *, method: str, bias: bool, dtype: torch.dtype,
-                 tensor_core_min_rows: int = FP8_TENSOR_CORE_MIN_ROWS) -> None:
-        super().__init__()
-        self.method = method
-        self.in_features, self.out_features = in_features, out_features
-        self.compute_dtype = dtype
-        self.tensor_core_min_rows = tensor_core_min_rows
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=STORED_DTYPES[method]),
-                                   requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self._kept: tuple[tuple, torch.Tensor] | None = None  # (what it was made from, the dequantized weight)
-
-    def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, method={self.method}, bias={self.bias is not None}"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.prompt_tensor_cores(x) and has_fp8_tensor_cores(x.device.index or 0):
-            return self.tensor_core(x)
-        return self.reference(x)
-
-    @property
-    def decode_tensor_cores(self) -> bool:
-        """Whether the decode step may run this layer's GEMMs of 1-64 rows on the split-K FP8 kernel
-        (`fp8_gemm`, shapes in its table): fp8, no bias, and `tensor_core_min_rows` within the decode rows
-        (the bench's `fp8-decode-kernels` sets it past them to time the weight-only kernels alone)."""
-        return self.method == FP8 and self.bias is None and self.tensor_core_min_rows <= FP8_DECODE_MAX_ROWS
-
-    def prompt_tensor_cores(self, x: torch.Tensor) -> bool:
-        """Whether x [..., K] outside the decode kernels goes to the FP8 tensor cores: fp8, at least
-        `tensor_core_min_rows` rows, a shape `_scaled_mm` takes. At any width: `reference` would dequantize the
-        whole weight first (5 bytes a weight moved against 1), and its numerics (bf16 activations) would leave the
-        quality gate's short prompts judging a path that longer prompts do not take."""
-        rows = x.numel() // x.shape[-1]
-        return self.method == FP8 and rows >= self.tensor_core_min_rows and scaled_mm_fits(x, self.weight)
-
-    def tensor_core_shape(self, x: torch.Tensor) -> bool:
-        """Whether x [..., K] goes to the FP8 tensor cores, by method, device type, dtype and shape only (no
-        device query: a loaded fp8 engine's GPU was checked by `check_device`). At decode rows only wide
-        outputs do: the row-wise FP8 GEMM tiles N alone, so an output under about one wave of 128-wide
-        tiles on the GPU's SMs leaves it short of the bandwidth that the split-K decode kernels reach."""
-        rows = x.numel() // x.shape[-1]
-        wide = self.out_features >= FP8_TENSOR_CORE_MIN_N or rows > FP8_DECODE_MAX_ROWS
-        return self.method == FP8 and rows >= self.tensor_core_min_rows and wide and scaled_mm_fits(x, self.weight)
-
-    def tensor_core(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_scaled_linear(x, self.weight, self.weight_scale, self.bias)
-
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """x times the dequantized weight in x's dtype: weight-only numerics, any device."""
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight dequantized to `dtype`: made at each call, except an fp8 weight on the CPU, kept (module
-        docstring) until the weight or its scale change (their version counters and storage are the key)."""
-        if self.method != FP8 or self.weight.device.type != "cpu" or torch.compiler.is_compiling():
-            return dequantize_weight(self.weight, self.weight_scale, dtype)
-        made_from = (dtype, self.weight.data_ptr(), self.weight._version,
-                     self.weight_scale.data_ptr(), self.weight_scale._version)
-        if self._kept is None or self._kept[0] != made_from:
-            self._kept = (made_from, dequantize_weight(self.weight, self.weight_scale, dtype))
-        return self._kept[1]
-
-
 def has_fp8_tensor_cores(device_index: int) -> bool:
-    """Compute capability >= 8.9 (a constant to torch.compile: queried once per trace, not per step)."""
+    """Compute capability >= 8.9 (asked once, when an fp8 layer picks its GEMMs at load)."""
     return torch.cuda.get_device_capability(device_index) >= FP8_MIN_CAPABILITY
-
-
-# What `@torch.compiler.assume_constant_result` does (torch 2.13, torch/_dynamo/decorators.py), without importing
-# torch._dynamo when this module is imported: that import took 2.5 s of CPU in every process loading an engine (each
-# Triton `llm` stub, each CLI), most of which never compile. tests/test_engine_build.py checks both.
-has_fp8_tensor_cores._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `torch._scaled_mm` with row-wise scales takes x [..., K] by weight [N, K]: CUDA, bf16
-    activations, an e4m3 weight, K and N multiples of 16 (the rows and the device are the caller's)."""
-    if not x.is_cuda or x.dtype != torch.bfloat16 or weight.dtype != torch.float8_e4m3fn:
-        return False
-    n, k = weight.shape
-    return n % 16 == 0 and k % 16 == 0
 
 
 def quantize_tokens_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,23 +188,17 @@ def tokens_to_e4m3(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_tokens_fp8(x2)
 
 
-def prescale_rows_for(linear: nn.Module, rows: int, device: torch.device) -> bool:
-    """Whether the norm writing `linear`'s input of `rows` rows should scale them to e4m3 too: `linear` an fp8
-    layer whose GEMM would scale them in a Triton kernel (CUDA, past the decode rows), `PRESCALE_ROWS` on."""
-    return (PRESCALE_ROWS and device.type == "cuda" and rows > FP8_DECODE_MAX_ROWS
-            and isinstance(linear, QuantLinear) and linear.method == FP8)
-
-
 def fp8_scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
+                      bias: torch.Tensor | None, *, fast_accum: bool = True) -> torch.Tensor:
     """x [..., K] (bf16) times the e4m3 weight [N, K] with per-row scales [N]: each token (row of x) scaled to
     e4m3 by its own max, one FP8 tensor-core GEMM with both scales applied in its epilogue -> bf16 [..., N].
-    The weight's transpose is the column-major second operand `_scaled_mm` wants (no copy)."""
+    The weight's transpose is the column-major second operand `_scaled_mm` wants (no copy). `fast_accum`:
+    `EngineOptions.fp8_fast_accum`."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     xq, x_scale = prescaled_rows(x, x2.shape[0]) or tokens_to_e4m3(x2)  # the norm kernel may have scaled them
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype,
-                         use_fast_accum=FP8_FAST_ACCUM)
+                         use_fast_accum=fast_accum)
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], weight.shape[0])
@@ -321,32 +215,6 @@ def fp8_emulated_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], weight.shape[0])
-
-
-def is_quantized(module: nn.Module) -> bool:
-    return isinstance(module, QuantLinear)
-
-
-def install_quantized_linears(model: nn.Module, info: QuantInfo, *, n_layers: int, tie_word_embeddings: bool,
-                              dtype: torch.dtype, tensor_core_min_rows: int = FP8_TENSOR_CORE_MIN_ROWS) -> None:
-    """Replace the modules that `info` quantizes with `QuantLinear`s of the same shape (on the model's
-    device, meta included), before the quantized state dict is loaded. `tensor_core_min_rows`: the fewest
-    rows an fp8 GEMM runs on the FP8 tensor cores with (the bench raises it past the decode batches to time
-    the weight-only decode kernels beside them)."""
-    for name in info.quantized_modules(n_layers, tie_word_embeddings=tie_word_embeddings):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
-        device = old.weight.device
-        with torch.device(device):
-            new = QuantLinear(old.in_features, old.out_features, method=info.method, bias=old.bias is not None,
-                              dtype=dtype, tensor_core_min_rows=tensor_core_min_rows)
-        setattr(parent, child, new)
-
-
-def model_quantization(model: nn.Module) -> str:
-    """The method of the model's quantized linears, or "none"."""
-    return next((m.method for m in model.modules() if isinstance(m, QuantLinear)), NONE)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,16 +2,15 @@
 its decode graphs (captured eagerly).
 
 `model.RMSNorm.forward` in torch is seven launches and as many passes over the rows (the float32 copy, its
-square, the mean, the scaling, the cast back, the weight), each writing float32 temporaries: an 8B prefill
-of 64 x 128 tokens runs 65 of them over 8,192 x 4,096 values. `rms_norm` reads each row once and writes the
+square, the mean, the scaling, the cast back, the weight), each writing float32 temporaries, and a prefill
+runs one per layer and two more. `rms_norm` reads each row once and writes the
 result once, with the module's numerics: the row in float32, times rsqrt(mean of squares + eps), rounded to
 the row's dtype, then times the weight, rounded again (the module's `weight * h.to(x.dtype)`). Only the sum's
 order and the rsqrt differ, so a value can land one step of the dtype away (tests/test_row_norm.py).
 
 `add_rms_norm(x, delta, weight, eps)` is a residual add and the next norm in one kernel (vLLM's
 `fused_add_rms_norm`): it returns `x + delta` rounded to the row's dtype, as torch's add rounds it, and that
-sum's `rms_norm`, where the separate add was a launch and one more pass over the rows (64 of them, 5.8 ms, in a
-16,384-token FP8 prompt step on the H200).
+sum's `rms_norm`, where the separate add was a launch and one more pass over the rows (docs/decisions.md).
 
 With `e4m3=True` either kernel also writes its result's rows scaled to e4m3 and their scales, as an FP8
 GEMM's own scaling kernel would from the written row (`fp8_tokens`), and hands them over on the result
@@ -37,7 +36,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-MAX_COLUMNS = 16384  # a row held in registers at once (Llama's hidden sizes are 2,048-8,192)
+MAX_COLUMNS = 16384  # a row held in registers at once (Llama's hidden sizes are 2048-8192)
 DTYPES = (torch.bfloat16, torch.float16)
 
 if triton is not None:

@@ -23,8 +23,8 @@ half the bytes of a bf16 one, so `free_mem_fraction` sizes twice the blocks; a G
 8.9 is refused at load (`kv_cache.check_kv_cache_device`).
 
 A step of decodes only (every live request past its prompt) runs through `cuda_graphs.DecodeGraphs`:
-block tables kept on the device, the tuned decode GEMMs (`decode_gemm`), on CUDA one graph per batch
-bucket. A step with a prefill chunk in it runs `step.paged_forward` eagerly.
+block tables kept on the device, the layers' GEMMs as picked at load for the engine's options
+(`options.resolve_options`, `linears.apply_options`), on CUDA one graph per batch bucket. A step with a prefill chunk in it runs `step.paged_forward` eagerly.
 
 Imports: stdlib and torch only.
 """
@@ -32,7 +32,7 @@ Imports: stdlib and torch only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,12 +55,13 @@ from serving.engine.kv_cache import (
     kv_element_bytes,
     resolve_num_blocks,
 )
+from serving.engine.linears import apply_options, install_quantized_linears
 from serving.engine.model import rope_cos_sin
 from serving.engine.models.llama import Transformer
 from serving.engine.models.registry import registered
+from serving.engine.options import resolve_options
 from serving.engine.prefix_cache import PrefixCachingAllocator
 from serving.engine.quantize import check_device as check_quantization_device
-from serving.engine.quantize import install_quantized_linears
 from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import GenRequest, Scheduler
 from serving.engine.step import ChunkPlan, build_step, paged_forward
@@ -89,7 +90,8 @@ class EngineRunner:
     """A loaded engine with a paged KV cache. Not thread-safe: one scheduler drives it."""
 
     def __init__(self, info: EngineInfo, model: Transformer, device: torch.device, config: KVCacheConfig, *,
-                 decode_gemm: str = "torch", cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True) -> None:
+        """`model` runs as its `options` say (`linears.apply_options` before this, or its defaults)."""
         a, lim = info.model, info.limits
         weight = model.tok_embeddings.weight
         self.info, self.model, self.device, self.config = info, model, device, config
@@ -112,8 +114,7 @@ class EngineRunner:
         cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
         self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
         self.decode = DecodeGraphs(model, self.cache, self.rope_cos, self.rope_sin, max_live=self.max_live,
-                                   max_seq_len=lim.max_seq_len, gemm=decode_gemm,
-                                   graphs=cuda_graphs and device.type == "cuda")
+                                   max_seq_len=lim.max_seq_len, graphs=cuda_graphs and device.type == "cuda")
         self.step_events: list | None = None  # set by `generate(events=...)` on CUDA: one event per sampling step
 
     @torch.no_grad()
@@ -282,18 +283,19 @@ def _recorded_event() -> torch.cuda.Event:
 
 
 def load_engine(engine_dir: Path, *, config: KVCacheConfig | None = None, device: str = "auto",
-                decode_gemm: str = "auto", prefix_caching: bool | None = None) -> EngineRunner:
+                overrides: Mapping[str, Any] | None = None, prefix_caching: bool | None = None) -> EngineRunner:
     """Read, check and load an engine folder with its paged KV cache (see the module doc). Also Triton's `llm`
     model's default `engine_loader` (`serving.engine.runner:load_engine`). `config` (default: the engine's own
-    `kv_cache`, from its build) sizes the cache; `decode_gemm` is how the decode-only steps multiply by their
-    weights (`pick_decode_gemm`); `prefix_caching` (None: as configured) turns prefix caching on or off for this
-    load."""
+    `kv_cache`, from its build) sizes the cache; `overrides`: `EngineOptions` fields set for this load (the `llm`
+    model's `decode_gemm` parameter among them), resolved once with the device and the
+    engine's record (`options.resolve_options`) and handed to every layer (`linears.apply_options`);
+    `prefix_caching` (None: as configured) turns prefix caching on or off for this load."""
     info, model, dev = load_model(engine_dir, device=device)
-    gemm = pick_decode_gemm(decode_gemm, dev, model.tok_embeddings.weight.dtype)
+    apply_options(model, resolve_options(dev, info, overrides))
     config = config or info.kv_cache
     if prefix_caching is not None:
         config = dataclasses.replace(config, prefix_caching=prefix_caching)
-    return EngineRunner(info, model, dev, config, decode_gemm=gemm)
+    return EngineRunner(info, model, dev, config)
 
 
 def load_model(engine_dir: Path, *, device: str = "auto") -> tuple[EngineInfo, Transformer, torch.device]:
@@ -316,25 +318,3 @@ def load_model(engine_dir: Path, *, device: str = "auto") -> tuple[EngineInfo, T
         raise EngineFormatError(f"engine {str(info.path)!r}: its weights do not match engine.json (quantization "
                                 f"{info.quantization.method!r}): {exc}") from None
     return info, model.to(dev).eval().requires_grad_(False), dev
-
-
-def pick_decode_gemm(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> "triton" for a half-precision model on a GPU of the kind the kernels were tuned on
-    (compute capability 9.0) when Triton is importable, else "torch"."""
-    if choice not in ("auto", "triton", "torch"):
-        raise EngineLimitError(f"decode_gemm={choice!r}: expected 'auto', 'triton' or 'torch'")
-    if choice == "torch" or (choice == "auto" and (device.type != "cuda" or dtype == torch.float32)):
-        return "torch"
-    from serving.engine.skinny_gemm import TUNED_CAPABILITY, triton_available, tuned_for
-
-    if triton_available() and tuned_for(device):
-        return "triton"
-    if choice == "triton":
-        where = (f"compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
-                 if device.type == "cuda" else f"device {device}")
-        raise EngineLimitError(
-            f"decode_gemm='triton' needs Triton and a GPU of compute capability "
-            f"{'.'.join(map(str, TUNED_CAPABILITY))} (the kernels' table was tuned on an H200); here: {where}, "
-            f"Triton {'importable' if triton_available() else 'not importable'}. Use decode_gemm='torch', or "
-            f"tune this GPU with `python3 -m bench gemms`")
-    return "torch"

@@ -14,14 +14,14 @@ Three kernels:
   `tl.dot`) and its weight tile, accumulating in float32 on the tensor cores;
 - "dott" (the same product transposed, out^T = W x^T): the weight tile is the first operand, which
   Hopper's tensor cores can take from registers, so a quantized tile converted there goes straight into
-  the product instead of back through shared memory (the "dot" kernel on fp8 weights at 64 rows read
-  them at 1.7-1.9 TB/s, against 3.9 for bf16);
+  the product instead of back through shared memory (the "dot" kernel on fp8 weights at 64 rows reached
+  about half the bandwidth it reaches on bf16 ones: docs/quantization.md);
 - "gemv" (M == 1): a program per (BLOCK_N columns, K slice) multiplies and sums on the CUDA cores.
 
-`config_for(m, n, k)` looks the shape up in `TUNED` (measured on an H200 by `python3 -m bench
-gemms`); shapes not in it return None and the caller keeps F.linear (cuBLAS). The table is only used
-on GPUs of the compute capability it was measured on (`tuned_for`): on others a config may need more
-shared memory than there is, and cuBLAS may well be faster.
+`config_for(m, n, k, table)` looks the shape up in the device's tuned table (`tuned_tables`, written by the
+GEMM sweep); shapes not in it return None and the caller keeps F.linear (cuBLAS). A device without tuned
+tables runs no tuned config: there a config may need more shared memory than there is, and cuBLAS may well
+be faster.
 
 The op is registered as `torch.ops.enginewright.skinny_partials` (a `triton_op`), so it traces under
 torch.compile(fullgraph=True) and launches inside CUDA-graph capture. Checked on CPU tensors under
@@ -32,12 +32,11 @@ Imports: stdlib and torch; Triton only if importable (this module runs inside Tr
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 import torch
 
+from serving.engine.gemm_config import MAX_ROWS, GemmConfig, parse_table, rows_bucket  # noqa: F401 (the kernels' names)
 from serving.engine.partials import sum_partials
+from serving.engine.tuned_tables import Table, TunedTables
 
 try:
     import triton
@@ -48,147 +47,25 @@ try:
 except ImportError:  # no Triton (CPU-only installs) or torch < 2.6
     triton = None
 
-MAX_ROWS = 64  # more rows than this: F.linear
-CONFIG_TEXT = re.compile(r"(dott|dot|gemv):n(\d+):k(\d+):s(\d+):w(\d+):st(\d+)")
-TUNED_CAPABILITY = (9, 0)  # the table's configs were measured on Hopper (H200); elsewhere they may not fit
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    kernel: str  # "dot" | "dott" | "gemv"
-    block_n: int
-    block_k: int
-    split: int  # K slices, each a multiple of block_k
-    warps: int = 4
-    stages: int = 3
-
-    def fits(self, m: int, n: int, k: int) -> bool:
-        """Whether this config can run an [m, k] x [n, k]^T product (its K slices tile K exactly)."""
-        if self.kernel == "gemv" and m != 1:
-            return False
-        return 1 <= m <= MAX_ROWS and k % (self.split * self.block_k) == 0
-
-    def key(self) -> str:
-        return f"{self.kernel}:n{self.block_n}:k{self.block_k}:s{self.split}:w{self.warps}:st{self.stages}"
-
-    @classmethod
-    def parse(cls, text: str) -> GemmConfig:
-        """The config of a `key()` text."""
-        match = CONFIG_TEXT.fullmatch(text)
-        if match is None:
-            raise ValueError(f"skinny GEMM config {text!r} is not like 'dot:n64:k128:s2:w4:st3'")
-        kernel, *numbers = match.groups()
-        return cls(kernel, *map(int, numbers))
-
-
-# (rows bucket, N, K) -> config, from `python3 -m bench gemms` on an H200 (2026-11-30, cold L2,
-# in CUDA graphs; the sweep prints the table it measured, docs/engine.md). Kept where the kernel, plus reading its split-K partials once
-# more, beat cuBLAS by more than 2%. Rows bucket: 1 for M == 1, else 64 (the kernels pad M up to their
-# block, so the M=64 config serves 2..64; the buckets between were not timed). (*): within 2% of cuBLAS on
-# its own, kept because the kernel launches with programmatic dependent launch and cuBLAS's do not: the
-# 1B step at batch 64 took 1.136 ms with them against 1.176 ms without, the 8B step 4.850 ms against 4.960
-# (`bench profile`, +extra, one run each).
-TUNED: dict[tuple[int, int, int], str] = {
-    # Llama-3.2-1B (dim 2048, 8 KV heads of 64, MLP 8192, vocab 128256)
-    (1, 3072, 2048): "dot:n64:k64:s8:w4:st4",  # wqkv: 5.3 vs cuBLAS 6.1 us
-    (1, 2048, 2048): "gemv:n8:k256:s4:w4:st4",  # wo: 4.3 vs 6.0 us
-    (1, 2048, 8192): "dot:n64:k64:s16:w4:st3",  # w2: 10.1 vs 13.4 us
-    (1, 128256, 2048): "dot:n64:k128:s1:w4:st4",  # lm_head: 119.3 vs 125.4 us
-    (64, 3072, 2048): "dot:n64:k128:s2:w4:st5",  # wqkv: 6.2 vs 6.6 us (*)
-    (64, 2048, 2048): "dot:n64:k128:s4:w4:st4",  # wo: 4.9 vs 6.2 us
-    (64, 16384, 2048): "dot:n64:k128:s1:w4:st3",  # w13: 19.3 vs 19.4 us (*)
-    (64, 2048, 8192): "dot:n64:k128:s4:w4:st4",  # w2: 11.2 vs 14.1 us
-    (64, 128256, 2048): "dot:n64:k64:s1:w4:st3",  # lm_head: 131.8 vs 144.9 us
-    # Llama-3.1-8B (dim 4096, 8 KV heads of 128, MLP 14336, vocab 128256)
-    (1, 6144, 4096): "dot:n32:k128:s2:w4:st4",  # wqkv: 14.3 vs 16.1 us
-    (1, 4096, 4096): "dot:n64:k64:s8:w4:st3",  # wo: 10.1 vs 13.2 us
-    (1, 4096, 14336): "dot:n64:k128:s4:w4:st4",  # w2: 29.3 vs 31.7 us
-    (1, 128256, 4096): "dot:n64:k128:s1:w4:st4",  # lm_head: 235.6 vs 247.6 us
-    (64, 6144, 4096): "dot:n64:k128:s1:w4:st5",  # wqkv: 16.1 vs 16.1 us (*)
-    (64, 4096, 4096): "dot:n64:k128:s2:w4:st5",  # wo: 11.1 vs 11.6 us (*)
-    (64, 28672, 4096): "dot:n128:k64:s1:w8:st3",  # w13: 60.4 vs 62.1 us
-    (64, 4096, 14336): "dot:n64:k128:s2:w4:st5",  # w2: 31.5 vs 36.3 us
-    (64, 128256, 4096): "dot:n128:k128:s1:w4:st4",  # lm_head: 254.1 vs 285.0 us
-}
-
-
-# Quantized weights (int8 / e4m3, one byte per weight): (rows bucket, N, K) -> config, from `python3 -m
-# bench gemms --quantization fp8` on an H200 (docs/quantization.md). A shape not here runs `TUNED`'s bf16 config
-# (half the bytes per tile), else `default_quantized_config`.
-TUNED_QUANTIZED: dict[tuple[int, int, int], str] = {  # 2026-12-01, fp8 weights; "cuBLAS" is bf16 F.linear
-    (1, 3072, 2048): 'gemv:n16:k256:s4:w4:st2',  # llama-3.2-1b wqkv: 4.2 vs cuBLAS 6.1 us
-    (1, 2048, 2048): 'gemv:n32:k256:s8:w4:st2',  # llama-3.2-1b wo: 3.2 vs cuBLAS 6.1 us
-    (1, 16384, 2048): 'gemv:n16:k256:s1:w4:st4',  # llama-3.2-1b w13: 11.3 vs cuBLAS 18.2 us
-    (1, 2048, 8192): 'gemv:n8:k512:s4:w4:st2',  # llama-3.2-1b w2: 7.1 vs cuBLAS 13.4 us
-    (1, 6144, 4096): 'gemv:n8:k512:s1:w4:st2',  # llama-3.1-8b wqkv: 9.9 vs cuBLAS 16.4 us
-    (1, 4096, 4096): 'gemv:n8:k512:s2:w4:st4',  # llama-3.1-8b wo: 7.0 vs cuBLAS 13.2 us
-    (1, 28672, 4096): 'gemv:n16:k256:s4:w4:st2',  # llama-3.1-8b w13: 35.5 vs cuBLAS 56.6 us
-    (1, 4096, 14336): 'gemv:n16:k256:s4:w4:st4',  # llama-3.1-8b w2: 19.1 vs cuBLAS 31.8 us
-    (64, 3072, 2048): 'dott:n64:k128:s8:w4:st3',  # llama-3.2-1b wqkv: 7.1 vs cuBLAS 6.3 us
-    (64, 2048, 2048): 'dott:n64:k128:s8:w4:st3',  # llama-3.2-1b wo: 5.6 vs cuBLAS 6.2 us
-    (64, 16384, 2048): 'dott:n64:k128:s1:w4:st3',  # llama-3.2-1b w13: 18.5 vs cuBLAS 19.5 us
-    (64, 2048, 8192): 'dott:n64:k128:s8:w4:st3',  # llama-3.2-1b w2: 11.1 vs cuBLAS 14.2 us
-    (64, 6144, 4096): 'dott:n64:k128:s4:w4:st3',  # llama-3.1-8b wqkv: 14.8 vs cuBLAS 16.1 us
-    (64, 4096, 4096): 'dott:n64:k128:s4:w4:st3',  # llama-3.1-8b wo: 11.2 vs cuBLAS 12.0 us
-    (64, 28672, 4096): 'dott:n64:k128:s2:w4:st3',  # llama-3.1-8b w13: 55.1 vs cuBLAS 62.1 us
-    (64, 4096, 14336): 'dott:n64:k128:s4:w4:st3',  # llama-3.1-8b w2: 29.8 vs cuBLAS 36.2 us
-}
-
-
-# parsed once here: the decode step looks its configs up while dynamo traces it, and dynamo cannot trace
-# into a C-implemented cache (functools.cache on `parse` broke the compile: "can't handle functions not
-# implemented in python")
-def parse_table(table: dict[tuple[int, int, int], str]) -> dict[tuple[int, int, int], GemmConfig]:
-    return {shape: GemmConfig.parse(text) for shape, text in table.items()}
-
-
-# int8 weights where they run another config than e4m3 ones, from `python3 -m bench gemms --quantization
-# int8-weight-only` on an H200 (docs/quantization.md); a shape not here takes TUNED_QUANTIZED's. At one row the
-# bf16 tensor cores on int8 tiles (Triton's own int8 -> bf16) beat the gemv kernel even with its float32-bits
-# widening ("vs gemv": the TUNED_QUANTIZED config on int8, same run). At 64 rows the MLP's w13 goes through the
-# gate/up kernel, so its entry serves only a model whose gate/up shape has no config.
-TUNED_INT8: dict[tuple[int, int, int], str] = {  # 2026-12-03, int8 weights
-    (1, 6144, 4096): "dot:n64:k128:s4:w4:st4",  # llama-3.1-8b wqkv: 9.2 vs gemv 10.6 us
-    (1, 4096, 4096): "dot:n64:k128:s8:w4:st3",  # llama-3.1-8b wo: 7.1 vs gemv 7.5 us
-    (1, 28672, 4096): "dot:n64:k128:s2:w4:st3",  # llama-3.1-8b w13: 32.1 vs gemv 37.7 us
-    (1, 4096, 14336): "dot:n64:k128:s8:w4:st4",  # llama-3.1-8b w2: 17.4 vs gemv 20.0 us
-    (64, 6144, 4096): "dot:n128:k64:s8:w4:st3",  # llama-3.1-8b wqkv: 13.8 vs dott 15.8 us
-    (64, 4096, 4096): "dot:n128:k64:s8:w4:st4",  # llama-3.1-8b wo: 10.9 vs dott 11.6 us
-    (64, 28672, 4096): "dot:n128:k128:s1:w4:st3",  # llama-3.1-8b w13: 55.2 vs dott 59.5 us
-    (64, 4096, 14336): "dot:n128:k128:s8:w4:st3",  # llama-3.1-8b w2: 27.9 vs dott 31.1 us
-}
-
-
-TUNED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED)
-TUNED_QUANTIZED_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_QUANTIZED)
-TUNED_INT8_CONFIGS: dict[tuple[int, int, int], GemmConfig] = parse_table(TUNED_INT8)
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
-# the gemv kernel widens int8 weight tiles through float32 bits (`widen`) rather than by int-to-float
-# conversions; False is the conversion, kept so that `bench gemms --tuned-only` times both in one run
-INT8_FLOAT_BITS = True
-TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H200 for the default quantized config
+TARGET_PROGRAMS = 2 * 132  # two programs per SM of a 132-SM Hopper GPU for the default quantized config
 
 
-def rows_bucket(m: int) -> int:
-    return 1 if m == 1 else MAX_ROWS
-
-
-def config_for(m: int, n: int, k: int) -> GemmConfig | None:
-    """The tuned config of an [m, k] x [n, k]^T product, or None (use F.linear)."""
+def config_for(m: int, n: int, k: int, table: Table) -> GemmConfig | None:
+    """The tuned config of an [m, k] x [n, k]^T product in `table` (`TunedTables.skinny`), or None (F.linear)."""
     if m > MAX_ROWS:
         return None
-    return TUNED_CONFIGS.get((rows_bucket(m), n, k))
+    return table.get((rows_bucket(m), n, k))
 
 
-def quantized_config_for(m: int, n: int, k: int, *, int8: bool = False) -> GemmConfig | None:
-    """The config of an [m, k] x [n, k]^T product with a quantized weight: for an `int8` one `TUNED_INT8`, then
-    `TUNED_QUANTIZED`, else the bf16 table's, else `default_quantized_config` (a quantized weight never takes
+def quantized_config_for(m: int, n: int, k: int, tables: TunedTables, *, int8: bool = False) -> GemmConfig | None:
+    """The config of an [m, k] x [n, k]^T product with a quantized weight: for an `int8` one `skinny_int8`, then
+    `skinny_fp8`, else the bf16 table's, else `default_quantized_config` (a quantized weight never takes
     F.linear in the decode step, which would dequantize the whole matrix first)."""
     if m > MAX_ROWS:
         return None
     key = (rows_bucket(m), n, k)
-    config = ((TUNED_INT8_CONFIGS.get(key) if int8 else None) or TUNED_QUANTIZED_CONFIGS.get(key)
-              or TUNED_CONFIGS.get(key))
+    config = ((tables.skinny_int8.get(key) if int8 else None) or tables.skinny_fp8.get(key) or tables.skinny.get(key))
     if config is not None and config.fits(m, n, k):
         return config
     return default_quantized_config(n, k)
@@ -340,13 +217,15 @@ if triton is not None:
 
     def launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, pdl: bool = False,
                greedy: tuple[torch.Tensor, torch.Tensor] | None = None,
-               scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+               scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+               int8_float_bits: bool = True) -> torch.Tensor:
         """[split, M, N] partial products of x [M, K] and weight [N, K] (the tuning entry point); `pdl`:
         launched with programmatic dependent launch (Hopper and later, CUDA only); `greedy`: the [M, tiles]
         float32 maxima and int32 columns that `tile_maxima` allocates, written by a one-slice "dot" config;
         `scale`: the weight is quantized (int8 / float8_e4m3fn) with these float32 per-row scales [N];
         `x_scale`: x is e4m3 tokens with these float32 per-row scales [M] (a "dott" config, an e4m3 weight
-        with its scales: `fp8_gemm`), the output bf16."""
+        with its scales: `fp8_gemm`), the output bf16; `int8_float_bits`: the gemv kernel widens int8 tiles
+        through float32 bits (`widen`), False: by int-to-float conversions (what the GEMM sweep times beside it)."""
         m, k = x.shape
         n = weight.shape[0]
         if not config.fits(m, n, k):
@@ -385,7 +264,7 @@ if triton is not None:
             kernel_for(_gemv_kernel, pdl)[grid](
                 x, weight, out, n, k_split, weight.stride(0), out.stride(0), scales,
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, GDC=gdc(pdl), SCALED=scale is not None,
-                INT8_BITS=INT8_FLOAT_BITS, **options)
+                INT8_BITS=int8_float_bits, **options)
         else:
             # never written without `greedy`; tensors of their own, as torch.compile does not handle a traced
             # kernel's arguments that alias
@@ -443,11 +322,6 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def tuned_for(device: torch.device) -> bool:
-    """Whether `TUNED` was measured on this kind of GPU (compute capability 9.0: H100 / H200)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == TUNED_CAPABILITY
-
-
 def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *, pdl: bool = False,
                     scale: torch.Tensor | None = None) -> torch.Tensor:
     """[split, M, N] partial products through the registered op (CUDA; CPU under TRITON_INTERPRET=1);
@@ -463,22 +337,24 @@ def skinny_partials(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, *
     return torch.ops.enginewright.skinny_partials(x, weight, config.key())
 
 
-def kernel_config(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> GemmConfig | None:
-    """The config the product of x [M, K] and weight [N, K] runs with (`config`, else the tuned one on
-    CUDA: for a quantized weight `quantized_config_for`), or None for F.linear."""
+def kernel_config(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None,
+                  tables: TunedTables | None = None) -> GemmConfig | None:
+    """The config the product of x [M, K] and weight [N, K] runs with (`config`, else on CUDA the one in
+    `tables`: for a quantized weight `quantized_config_for`), or None for F.linear."""
     m, k = x.shape
     n = weight.shape[0]
-    if config is None and x.is_cuda and triton is not None:
-        config = (quantized_config_for(m, n, k, int8=weight.dtype == torch.int8) if weight.dtype in QUANTIZED_DTYPES
-                  else config_for(m, n, k))
+    if config is None and tables is not None and x.is_cuda and triton is not None:
+        config = (quantized_config_for(m, n, k, tables, int8=weight.dtype == torch.int8)
+                  if weight.dtype in QUANTIZED_DTYPES else config_for(m, n, k, tables.skinny))
     return config if config is not None and config.fits(m, n, k) else None
 
 
 def skinny_linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        pdl: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+                        config: GemmConfig | None = None, tables: TunedTables | None = None, pdl: bool = False,
+                        scale: torch.Tensor | None = None) -> torch.Tensor:
     """`skinny_linear` left as its partial products [split, M, N] for a consumer that sums them itself
-    (the decode attention kernel); [1, M, N] where no tuned kernel fits, or with a bias."""
-    config = kernel_config(x, weight) if bias is None else None
+    (the decode attention kernel); [1, M, N] where no kernel config fits, or with a bias."""
+    config = kernel_config(x, weight, config, tables) if bias is None else None
     if config is None:
         return _fallback_linear(x, weight, bias, scale).unsqueeze(0)
     return skinny_partials(x, weight, config, pdl=pdl, scale=scale)
@@ -493,14 +369,14 @@ def _fallback_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: GemmConfig | None = None, pdl: bool = False, scale: torch.Tensor | None = None
-                  ) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K]: the tuned Triton kernel when one fits (CUDA, M <= 64, a
-    shape in TUNED, or `config` given), else F.linear. The partial sums are added in float32 and rounded
-    once to x.dtype, as cuBLAS does. `scale`: `weight` is quantized (int8 / e4m3) with these per-row
-    float32 scales; the kernel reads it at that precision."""
-    config = kernel_config(x, weight, config)
+                  config: GemmConfig | None = None, tables: TunedTables | None = None, pdl: bool = False,
+                  scale: torch.Tensor | None = None, one_kernel_sum: bool = True) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K]: the Triton kernel when a config fits (`config`, else on CUDA
+    the shape's in `tables`; M <= 64), else F.linear. The partial sums are added in float32 and rounded
+    once to x.dtype, as cuBLAS does (`one_kernel_sum`: `partials.sum_partials`'s). `scale`: `weight` is
+    quantized (int8 / e4m3) with these per-row float32 scales; the kernel reads it at that precision."""
+    config = kernel_config(x, weight, config, tables)
     if config is None:
         return _fallback_linear(x, weight, bias, scale)
-    out = sum_partials(skinny_partials(x, weight, config, pdl=pdl, scale=scale), x.dtype)
+    out = sum_partials(skinny_partials(x, weight, config, pdl=pdl, scale=scale), x.dtype, one_kernel=one_kernel_sum)
     return out if bias is None else out + bias

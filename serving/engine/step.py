@@ -42,17 +42,12 @@ import torch
 
 from serving.engine import paged_rope
 from serving.engine.kv_cache import PagedKVCache
-from serving.engine.model import ModelArgs, RMSNorm, StepContext, torch_linear
+from serving.engine.linear_quantized import prescale_rows_for
+from serving.engine.model import ModelArgs, RMSNorm, StepContext
 from serving.engine.models.llama import Transformer
+from serving.engine.options import AttentionKernelOptions
 from serving.engine.paged_attention import paged_decode_attention
 from serving.engine.prefill_attention import sdpa
-from serving.engine.quantize import prescale_rows_for
-
-# CUDA: prompt attention takes SDPA's grouped heads (`enable_gqa`, FlashAttention reads each K/V head for its
-# query heads) instead of copying K and V out to every query head first: two copies of a step's K/V size a
-# layer, 10.7 ms of a 16,384-token FP8 prompt step on the H200. The CPU keeps the copies (its kernels then
-# match the reference forward's, which the CPU tests hold the steps to token for token).
-GQA_IN_SDPA = True
 
 # The most context positions (chunks x gathered positions) one batched attention over later prompt chunks reads
 # at once: bounds the copies of K and V it makes (Llama-8B, bf16: 4 KiB a position gathered, 16 KiB more with the
@@ -168,6 +163,8 @@ class MixedStep(StepContext):
     rope_sin: torch.Tensor
     args: ModelArgs
     all_logits: bool  # the final norm of every token, not only of `step.sample_index`
+    kernel: AttentionKernelOptions  # the decodes' paged attention kernel's launch settings
+    gqa_in_sdpa: bool  # the prompts' attention on CUDA: SDPA's grouped heads (`_fresh_attention`)
 
     def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         a, step, cache = self.args, self.step, self.cache
@@ -176,16 +173,16 @@ class MixedStep(StepContext):
         q, k = paged_rope.rotate_and_write(qkv, step.positions, step.slots, self.rope_cos, self.rope_sin, cache,
                                            layer, a.n_heads, a.n_kv_heads, keys=True)
         if _whole_step_group(step, total):  # one group of prompts is the whole step (the usual prefill step)
-            return _fresh_attention(q, k, v, step.fresh_groups[0], group, 0)
+            return _fresh_attention(q, k, v, step.fresh_groups[0], group, 0, gqa_in_sdpa=self.gqa_in_sdpa)
         y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
         single = step.single_rows.shape[0]
         if single:
             qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]
             y[step.single_rows] = paged_decode_attention(qg, cache.k[layer], cache.v[layer], step.single_tables,
-                                                         step.single_lengths, 1.0 / math.sqrt(a.head_dim)
-                                                         ).reshape(single, a.q_size)
+                                                         step.single_lengths, 1.0 / math.sqrt(a.head_dim),
+                                                         kernel=self.kernel).reshape(single, a.q_size)
         for rows, first in zip(step.fresh_groups, step.fresh_firsts):
-            out = _fresh_attention(q, k, v, rows, group, first)
+            out = _fresh_attention(q, k, v, rows, group, first, gqa_in_sdpa=self.gqa_in_sdpa)
             if first is None:
                 y[rows.flatten()] = out
             else:
@@ -202,14 +199,15 @@ class MixedStep(StepContext):
 def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope_cos: torch.Tensor,
                   rope_sin: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
     """Run `step` through the model (`Transformer.step` with a `MixedStep`), writing its K/V into `cache` ->
-    float32 logits [N, V] of the tokens in `step.sample_index` (or of every token, [T, V], with `all_logits`)."""
-    layer = model.layers[0]
+    float32 logits [N, V] of the tokens in `step.sample_index` (or of every token, [T, V], with `all_logits`).
+    How: `model.options` (each layer's GEMM picked at load for the step's row count)."""
+    layer, options = model.layers[0], model.options
     total, dev = step.num_tokens, step.tokens.device
-    ctx = MixedStep(linear=torch_linear, gate_up=None, pdl=False,
+    ctx = MixedStep(reference=False, pdl=False,
                     qkv_e4m3=prescale_rows_for(layer.attention.wqkv, total, dev),
                     w13_e4m3=prescale_rows_for(layer.feed_forward.w13, total, dev),
                     step=step, cache=cache, rope_cos=rope_cos, rope_sin=rope_sin, args=model.args,
-                    all_logits=all_logits)
+                    all_logits=all_logits, kernel=options.attention, gqa_in_sdpa=options.gqa_in_sdpa)
     return model.logits(model.step(step.tokens, ctx))
 
 
@@ -220,17 +218,19 @@ def _whole_step_group(step: PagedStep, total: int) -> bool:
 
 
 def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, group: int,
-                     first: int | None = None) -> torch.Tensor:
+                     first: int | None = None, *, gqa_in_sdpa: bool = True) -> torch.Tensor:
     """m chunks of n tokens from position 0 (their token indices `rows` [m, n]; `first`: the first of them
     when they lie in a row, read as views instead of gathered), causal over their own keys/values
-    (q [T, H, hd], k, v [T, Hkv, hd]) -> [m * n, H * hd]."""
+    (q [T, H, hd], k, v [T, Hkv, hd]) -> [m * n, H * hd]. `gqa_in_sdpa` (CUDA): SDPA's grouped heads read each
+    K/V head for its query heads, instead of K and V copied out to every query head first; the CPU keeps the
+    copies (its kernels then match the reference forward's, which the CPU tests hold the steps to)."""
     m, n = rows.shape
     if first is None:
         qc, kc, vc = q[rows], k[rows], v[rows]  # [m, n, heads, hd]
     else:
         span = slice(first, first + m * n)
         qc, kc, vc = (t[span].view(m, n, *t.shape[1:]) for t in (q, k, v))
-    gqa = group > 1 and GQA_IN_SDPA and q.is_cuda
+    gqa = group > 1 and gqa_in_sdpa and q.is_cuda
     if group > 1 and not gqa:
         kc, vc = kc.repeat_interleave(group, dim=2), vc.repeat_interleave(group, dim=2)
     out = sdpa(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), is_causal=True, enable_gqa=gqa)

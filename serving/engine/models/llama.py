@@ -22,17 +22,17 @@ from torch import nn
 
 from serving.engine import silu_mul
 from serving.engine.errors import UnsupportedArchitectureError
+from serving.engine.linear_float import FloatLinear, TiedHead
+from serving.engine.linear_quantized import prescale_rows_for
 from serving.engine.model import (
     SUPPORTED_ROPE_TYPES,
-    LinearFn,
     ModelArgs,
     RMSNorm,
     StepContext,
     apply_rope,
     rope_cos_sin,
-    torch_linear,
 )
-from serving.engine.quantize import prescale_rows_for
+from serving.engine.options import EngineOptions
 
 # HF name -> (engine name, part index, number of parts); `{i}` is the layer index.
 HF_TO_ENGINE: dict[str, tuple[str, int, int]] = {
@@ -129,8 +129,8 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.wqkv = nn.Linear(args.dim, args.qkv_size, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.q_size, args.dim, bias=args.o_bias)
+        self.wqkv = FloatLinear(args.dim, args.qkv_size, bias=args.qkv_bias)
+        self.wo = FloatLinear(args.q_size, args.dim, bias=args.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The reference attention: causal over the whole sequences, no cache. x: [B, S, D]; cos, sin: [B, S, hd]."""
@@ -149,24 +149,20 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.intermediate_size = args.intermediate_size
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = FloatLinear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
+        self.w2 = FloatLinear(args.intermediate_size, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
-                ) -> torch.Tensor:
-        """`gate_up`, when given, computes silu(gate) * up from the w13 module and x itself."""
-        return linear(self.w2, self.gated(x, linear, gate_up))
+    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        return self.w2(self.gated(x, pdl), pdl=pdl)
 
-    def gated(self, x: torch.Tensor, linear: LinearFn = torch_linear, gate_up: LinearFn | None = None
-              ) -> torch.Tensor:
-        """silu(gate) * up, the input of w2; its rows scaled to e4m3 as well where w2's FP8 GEMM would scale
-        them in a kernel of its own (`prescale_rows_for`: past the decode rows, where `gate_up` would run w13's
-        GEMM and then SiLU * up too)."""
-        if prescale_rows_for(self.w2, x.numel() // x.shape[-1], x.device):
-            return silu_mul.gated(linear(self.w13, x), self.intermediate_size, e4m3=True)
-        if gate_up is not None:
-            return gate_up(self.w13, x)
-        return silu_mul.gated(linear(self.w13, x), self.intermediate_size)
+    def gated(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """silu(gate) * up, the input of w2 (w13's `gated`: one kernel where it picked one); its rows scaled to
+        e4m3 as well where w2's FP8 GEMM would scale them in a kernel of its own (`prescale_rows_for`)."""
+        return self.w13.gated(x, pdl, e4m3=prescale_rows_for(self.w2, x.numel() // x.shape[-1], x.device))
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP through its layers' dequantizing references."""
+        return self.w2.reference(silu_mul.gated(self.w13.reference(x), self.intermediate_size))
 
 
 class TransformerBlock(nn.Module):
@@ -187,7 +183,8 @@ class TransformerBlock(nn.Module):
         attention output, the MLP output). The caller adds the MLP output with the next norm in one pass."""
         y = ctx.attend(index, ctx.linear(self.attention.wqkv, h))  # [T, H hd]
         x, h = self.ffn_norm.add(x, ctx.linear(self.attention.wo, y), pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
-        return x, self.feed_forward(h, ctx.linear, ctx.gate_up)
+        ff = self.feed_forward.reference(h) if ctx.reference else self.feed_forward(h, ctx.pdl)
+        return x, ff
 
 
 def embedding(vocab_size: int, dim: int) -> nn.Embedding:
@@ -208,7 +205,10 @@ class Transformer(nn.Module):
         self.tok_embeddings = embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, args.vocab_size, bias=False)
+        # the tied LM head over the embedding table (a tuple: not a submodule, the state dict holds the table once)
+        self.tied_head = (TiedHead(self.tok_embeddings),) if args.tie_word_embeddings else ()
+        self.options = EngineOptions()  # how it runs (`linears.apply_options` sets them at load)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The reference forward (tests, the plain path the steps are checked against): tokens [B, S], each row
@@ -235,9 +235,9 @@ class Transformer(nn.Module):
         return ctx.last_hidden(self.norm, x, ff)
 
     def head(self) -> nn.Module:
-        """The LM head's module: the embedding matrix when tied."""
-        return self.tok_embeddings if self.output is None else self.output
+        """The LM head's layer: over the embedding matrix when tied."""
+        return self.tied_head[0] if self.output is None else self.output
 
-    def logits(self, h: torch.Tensor, linear: LinearFn = torch_linear) -> torch.Tensor:
-        # h: [..., D] -> float32 logits [..., V]
-        return linear(self.head(), h).float()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., D] -> float32 logits [..., V], through the head's GEMM for h's rows."""
+        return self.head()(h).float()

@@ -112,6 +112,7 @@ try:  # only present inside Triton's python backend; unit tests install a fake m
 except ImportError:  # pragma: no cover - exercised outside Triton
     pb_utils = None
 
+ENGINE_OPTION_PARAMETERS = ("decode_gemm",)  # passed to the loader as `overrides`
 DEFAULT_ENGINE_LOADER = "serving.engine.runner:load_engine"
 
 
@@ -392,7 +393,10 @@ class TritonPythonModel:
 
             torch.cuda.set_device(device_id)
         started = time.monotonic()
-        options: dict[str, Any] = {"decode_gemm": value} if (value := choice(params, "decode_gemm")) else {}
+        # the parameters that are engine options (`serving.engine.options.EngineOptions`), for the loader to resolve
+        overrides: dict[str, Any] = {name: value for name in ENGINE_OPTION_PARAMETERS
+                                     if (value := choice(params, name))}
+        options: dict[str, Any] = {"overrides": overrides} if overrides else {}
         if (prefix_caching := choice(params, "prefix_caching")) in ("true", "false"):
             options["prefix_caching"] = prefix_caching == "true"
         load_priority = choice(params, "load_priority") or "idle"
