@@ -169,28 +169,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     qua.add_argument("--no-check", action="store_true", help="skip the kernels-vs-reference logits check")
     qua.add_argument("--deadline-s", type=float, default=1e9, help="skip cells starting after this many seconds")
     qua.add_argument("--out", type=Path, default=Path("bench-quantized.json"))
-    thr = sub.add_parser("throughput", help="N requests at once, offline: the static engine beside the paged one "
+    thr = sub.add_parser("throughput", help="N requests at once, offline: the engine and its variants (sides) "
                          "(output tok/s, TTFT / TPOT / ITL percentiles)")
     thr.add_argument("--shape", default="llama-3.1-8b", help="llama-3.2-1b, llama-3.1-8b or tiny (random weights)")
     thr.add_argument("--requests", type=int, default=1024)
     thr.add_argument("--workload", default="128/128", help="input/output tokens per request")
     thr.add_argument("--spread", type=float, default=0.0, help="lengths uniform in len x [1 - spread, 1 + spread]")
-    thr.add_argument("--sides", default="static,paged", help="comma list of static, paged, paged-sync (the paged engine "
-                     "without running a step ahead), paged-torch-ops (its norms, rotations, K/V writes and SiLU * up "
-                     "as torch ops), paged-repeat-kv (its prompt attention copying K/V to every query head), "
-                     "paged-pdl (its decode graphs with programmatic dependent launch), paged-sum-adds (its split-K "
-                     "partial products summed by a kernel an add, not one kernel), paged-unscaled (its FP8 "
-                     "GEMMs scaling their own rows), paged-no-prefetch (its decode attention loading table entry, K and "
-                     "V one after the other), paged-kv-dot-bf16 (its decode attention over an e4m3 pool with bf16 dots), "
-                     "paged-fp8-warps4 (its decode attention over an e4m3 pool with 4 warps a program), "
-                     "paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
-                     "paged-tile<N> (its decode attention over N positions an iteration); switch sides join with '+', "
-                     "e.g. paged-pdl+no-prefetch")
-    thr.add_argument("--static-batch", type=int, default=256, help="the static engine's max_batch_size (cache rows)")
-    thr.add_argument("--paged-live", type=int, default=1024, help="the paged engine's live requests at most")
+    thr.add_argument("--sides", default="engine", help="comma list of engine, engine-sync (the engine "
+                     "without running a step ahead), engine-prefix-cache (with prefix caching), engine-torch-ops (its "
+                     "norms, rotations, K/V writes and SiLU * up as torch ops), engine-repeat-kv (its prompt attention "
+                     "copying K/V to every query head), engine-pdl (its decode graphs with programmatic dependent "
+                     "launch), engine-sum-adds (its split-K partial products summed by a kernel an add, not one "
+                     "kernel), engine-unscaled (its FP8 GEMMs scaling their own rows), engine-no-prefetch (its decode "
+                     "attention loading table entry, K and V one after the other), engine-kv-dot-bf16 (its decode "
+                     "attention over an e4m3 pool with bf16 dots), engine-fp8-warps4 (its decode attention over an "
+                     "e4m3 pool with 4 warps a program), engine-precise-accum (its fp8 prompt GEMMs without fast "
+                     "accumulation), engine-tile<N> (its decode attention over N positions an iteration); switch "
+                     "sides join with '+', e.g. engine-pdl+no-prefetch")
+    thr.add_argument("--max-live", type=int, default=1024, help="the engine's live requests at most (max_batch_size)")
     thr.add_argument("--block-size", type=int, default=32)
-    thr.add_argument("--max-num-tokens", type=int, default=8192, help="the paged engine's tokens per step")
-    thr.add_argument("--num-blocks", type=int, help="paged pool size (default: a share of the free GPU memory)")
+    thr.add_argument("--max-num-tokens", type=int, default=8192, help="the engine's tokens per step")
+    thr.add_argument("--num-blocks", type=int, help="KV pool size (default: a share of the free GPU memory)")
     thr.add_argument("--free-mem-fraction", type=float, default=0.9)
     thr.add_argument("--warmup-requests", type=int, default=64)
     thr.add_argument("--runs", type=int, default=1, help="measured runs of each side, back to back (the report keeps "
@@ -199,20 +198,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="requests a second, arriving in a seeded Poisson process (default 0: all at once)")
     thr.add_argument("--goodput", type=_slos, default={}, help="SLOs for goodput, e.g. ttft:500,tpot:50 (milliseconds): the "
                      "requests a second that met every one")
-    thr.add_argument("--profile-prefill", action="store_true", help="after the paged side, the wall time and kernels "
+    thr.add_argument("--profile-prefill", action="store_true", help="after each side, the wall time and kernels "
                      "of one step of prompts only (CUDA)")
     thr.add_argument("--profile-run", action="store_true", help="after each side, its run once more under the "
                      "profiler: the GPU's busy share of the wall time and the run's kernels (CUDA)")
-    thr.add_argument("--profile-decode", default="", help="comma list of rows: after the paged side, the kernels "
-                     "of one paged decode step at each (CUDA)")
+    thr.add_argument("--profile-decode", default="", help="comma list of rows: after each side, the kernels "
+                     "of one decode-only step at each (CUDA)")
     thr.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
-                     help="engine.quantization of the random weights both sides share")
-    thr.add_argument("--max-seq-len", type=int, help="the engines' limits.max_seq_len, as a user would set it "
-                     "(e.g. 8192: the static cache then holds --static-batch rows of it; default: the longest request)")
+                     help="engine.quantization of the random weights every side shares")
+    thr.add_argument("--max-seq-len", type=int, help="the engine's limits.max_seq_len, as a user would set it "
+                     "(default: the longest request)")
     thr.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                     help="the paged pool's paged.kv_cache_dtype (fp8: e4m3 K/V, half the bytes)")
+                     help="the pool's kv_cache.kv_cache_dtype (fp8: e4m3 K/V, half the bytes)")
     thr.add_argument("--shared-prefix", type=int, default=0,
-                     help="leading prompt tokens every request shares (a system prompt); side paged-prefix-cache "
+                     help="leading prompt tokens every request shares (a system prompt); side engine-prefix-cache "
                           "serves them from the prefix cache")
     thr.add_argument("--admit-every-steps", type=int, default=8, help="while requests are live, waiting ones join at "
                      "most every this many steps unless they fill a step (the served llm model's admit_every_steps)")
@@ -360,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         slos = args.goodput
         bench_throughput(ThroughputConfig(
             shape=args.shape, requests=args.requests, input_len=input_len, output_len=output_len, spread=args.spread,
-            static_batch=args.static_batch, paged_live=args.paged_live, block_size=args.block_size,
+            max_live=args.max_live, block_size=args.block_size,
             max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction,
             sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests, runs=args.runs,
             profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else (),

@@ -14,8 +14,11 @@ import torch
 
 from serving.engine.build import EngineInfo, EngineLimits
 from serving.engine.convert import map_hf_name
-from serving.engine.model import ModelArgs, Transformer
-from serving.engine.runner import EngineRunner, pick_decode_attention, pick_decode_gemm
+from serving.engine.kv_cache import KVCacheConfig
+from serving.engine.model import ModelArgs
+from serving.engine.models.llama import Transformer
+from serving.engine.models.registry import model_args_of
+from serving.engine.runner import EngineRunner, pick_decode_gemm
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -49,7 +52,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 def model_args(shape: str) -> ModelArgs:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
-    return ModelArgs.from_hf_config(SHAPES[shape], source=f"shape {shape}")
+    return model_args_of(SHAPES[shape], source=f"shape {shape}")
 
 
 def random_hf_model(shape: str, *, dtype: torch.dtype, device: str, seed: int = 0) -> Any:
@@ -83,18 +86,19 @@ def engine_state_from_hf(hf_state: dict[str, torch.Tensor], args: ModelArgs) -> 
 
 def runner_from_hf(hf_model: Any, args: ModelArgs, limits: EngineLimits, *, cuda_graphs: bool = True,
                    ) -> EngineRunner:
-    """An EngineRunner over the weights of `hf_model` (fused copies; norms and embeddings shared)."""
+    """An EngineRunner over the weights of `hf_model` (fused copies; norms and embeddings shared), its KV pool
+    room for `limits.max_batch_size` sequences of `limits.max_seq_len` (the engine's default sizing)."""
     state = engine_state_from_hf(hf_model.state_dict(), args)
     device = hf_model.device
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.eval().requires_grad_(False)
-    model.setup_caches(limits.max_batch_size, limits.max_seq_len)
-    model.decode_attention_impl = pick_decode_attention("auto", torch.device(device), model.tok_embeddings.weight.dtype)
-    model.decode_gemm_impl = pick_decode_gemm("auto", torch.device(device), model.tok_embeddings.weight.dtype)
-    info = EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."))
-    return EngineRunner(info, model, torch.device(device), cuda_graphs=cuda_graphs)
+    gemm = pick_decode_gemm("auto", torch.device(device), model.tok_embeddings.weight.dtype)
+    config = KVCacheConfig()
+    info = EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."),
+                      kv_cache=config)
+    return EngineRunner(info, model, torch.device(device), config, decode_gemm=gemm, cuda_graphs=cuda_graphs)
 
 
 def weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:

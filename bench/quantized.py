@@ -44,9 +44,10 @@ import torch
 
 from bench.offline import copy_bandwidth_gb_s, roofline
 from serving.engine.build import EngineInfo, EngineLimits
-from serving.engine.model import Transformer
+from serving.engine.kv_cache import KVCacheConfig
+from serving.engine.models.llama import Transformer
 from serving.engine.quantize import FP8, NONE, QuantInfo, install_quantized_linears, quantize_state
-from serving.engine.runner import EngineRunner, pick_decode_attention, pick_decode_gemm
+from serving.engine.runner import EngineRunner, pick_decode_gemm
 from serving.engine.timing import time_generate
 
 FP8_DECODE_KERNELS = "fp8-decode-kernels"  # a bench method: fp8, the decode batches on the weight-only kernels
@@ -122,15 +123,13 @@ def runner_for(base: Transformer, method: str, *, max_batch_size: int, max_seq_l
     args = base.args
     quant = QuantInfo(engine_method(method)[0])
     model = quantized_model(base, method)
-    model.setup_caches(max_batch_size, max_seq_len)
     device = torch.device("cuda")
-    model.decode_attention_impl = pick_decode_attention("auto", device, torch.bfloat16)
-    model.decode_gemm_impl = pick_decode_gemm("auto", device, torch.bfloat16)
     limits = EngineLimits("bfloat16", max_batch_size=max_batch_size, max_input_len=max_seq_len - 1,
                           max_seq_len=max_seq_len)
+    config = KVCacheConfig()  # room for max_batch_size sequences of max_seq_len
     info = EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."),
-                      quantization=quant)
-    return EngineRunner(info, model, device)
+                      quantization=quant, kv_cache=config)
+    return EngineRunner(info, model, device, config, decode_gemm=pick_decode_gemm("auto", device, torch.bfloat16))
 
 
 def random_runner(shape: str, method: str, *, max_batch_size: int, max_seq_len: int,
