@@ -12,7 +12,7 @@
 #      default 1,64,1024), SHAPE (default llama-3.1-8b; tiny on a CPU), WORKLOAD (default 128/128),
 #      DEVICE (default auto; cpu), FRACTION (default 0.85), NUM_BLOCKS (each pool's blocks instead; 256 on
 #      DEVICE=cpu, which has no free-memory figure), DEADLINE_S (cells starting later are skipped,
-#      default 420).
+#      default 420), CELL_S (how long the last cell may run past it, default 90).
 #   CPU check of the plumbing: SHAPE=tiny DEVICE=cpu QUANTS=none CELLS=1,4,16 WORKLOAD=16/8 bash bench/device_previous_vs_current.sh
 # Results under $OUT: steps.log, <old|new>-<quant>-t<N>.json (the tree's bench report), <old|new>-<quant>.log
 # (each worker's output), table.txt (cell, old static, old paged, new, new/old-static, new/old-paged:
@@ -31,7 +31,9 @@ flip=0
 [ "${DEVICE:-auto}" != cpu ] || NUM_BLOCKS=${NUM_BLOCKS:-256}
 for quant in ${QUANTS:-none fp8}; do
   left=$((${DEADLINE_S:-420} - ($(date +%s) - T0)))
-  python3 bench/ab_cells.py drive --old "$OLD" --new . --out "$OUT" --quantization "$quant" \
+  [ "$left" -gt 0 ] || { log "$quant skipped: past DEADLINE_S"; continue; }
+  # a cell that hangs ends its drive CELL_S after the deadline (the table still prints)
+  timeout "$((left + ${CELL_S:-90}))" python3 bench/ab_cells.py drive --old "$OLD" --new . --out "$OUT" --quantization "$quant" \
     --shape "${SHAPE:-llama-3.1-8b}" --workload "${WORKLOAD:-128/128}" --cells "${CELLS:-1,64,1024}" \
     --fraction "${FRACTION:-0.85}" ${NUM_BLOCKS:+--num-blocks "$NUM_BLOCKS"} --device "${DEVICE:-auto}" --flip "$flip" --deadline-s "$left" 2>&1 | tee -a "$OUT/steps.log"
   log "$quant rc=${PIPESTATUS[0]}"
