@@ -50,13 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     off.add_argument("--workloads", default="128/128,512/128,2048/128", help="prompt/generated, comma list")
     off.add_argument("--batch-sizes", default="1,64", help="comma list")
     off.add_argument("--peers", default="hf-eager,hf-static-compile", help="HF peers ('' for none)")
-    off.add_argument("--peer-workloads", default="128/128", help="workloads the peers and the compiled step run on")
-    off.add_argument("--no-compiled", action="store_true", help="skip the torch.compile'd decode step")
+    off.add_argument("--peer-workloads", default="128/128", help="workloads the HF peers run on")
     off.add_argument("--no-check", action="store_true", help="skip the logits/greedy check against HF")
-    off.add_argument("--gemm-variants", default="", help="the compiled step again with these decode GEMMs "
-                     "(comma list of torch|triton|auto), e.g. torch for cuBLAS beside the default")
-    off.add_argument("--no-pdl-variant", action="store_true", help="the compiled step again without "
-                     "programmatic dependent launch (engine-compiled-nopdl), beside the default with it")
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--deadline-s", type=float, default=1e9, help="skip cells starting after this many seconds")
     off.add_argument("--out", type=Path, default=Path("bench-offline.json"), help="JSON written after each cell")
@@ -278,8 +273,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = OfflineConfig(
             shapes=tuple(args.shapes.split(",")), workloads=_pairs(args.workloads), batch_sizes=_ints(args.batch_sizes),
             peers=tuple(p for p in args.peers.split(",") if p), peer_workloads=_pairs(args.peer_workloads),
-            compiled=not args.no_compiled, repeats=args.repeats, deadline_s=args.deadline_s, check=not args.no_check,
-            gemm_variants=tuple(g for g in args.gemm_variants.split(",") if g), nopdl_variant=args.no_pdl_variant,
+            repeats=args.repeats, deadline_s=args.deadline_s, check=not args.no_check,
         )
         report = run_offline(cfg, out_json=args.out)
         print(render_table(report))
