@@ -25,13 +25,15 @@ def _ints(text: str) -> tuple[int, ...]:
 QUANTIZATION_CHOICES = ("none", "fp8", "int8-weight-only")  # engine.quantization (serving.engine.quantize)
 
 
-def _paged(args: argparse.Namespace) -> Any:
-    """`bench served`'s paged KV settings (a PagedKVConfig), or None without --paged-live."""
-    if not args.paged_live:
+def _kv_cache(args: argparse.Namespace) -> Any:
+    """`bench served`'s KV cache settings (a KVCacheConfig), or None (the engine's default: room for its limits)
+    without --num-blocks, --free-mem-fraction or --max-num-tokens."""
+    if args.num_blocks is None and args.free_mem_fraction is None and args.max_num_tokens is None:
         return None
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
 
-    return PagedKVConfig(max_num_tokens=args.max_num_tokens, free_mem_fraction=args.free_mem_fraction)
+    sizes = {} if args.max_num_tokens is None else {"max_num_tokens": args.max_num_tokens}
+    return KVCacheConfig(num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction, **sizes)
 
 
 def _slos(text: str) -> dict[str, float]:
@@ -66,7 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="engine.quantization of the served engine (built beside the bf16 one in --work)")
     srv.add_argument("--work", type=Path, default=Path("build/bench-served"))
     srv.add_argument("--out", type=Path, default=Path("bench-served.json"))
-    srv.add_argument("--no-compile", action="store_true", help="eager kernels in CUDA graphs (no torch.compile)")
     srv.add_argument("--wait-for", type=Path, action="append", default=[],
                      help="file that must exist before the clients start (repeatable)")
     srv.add_argument("--offline-json", type=Path, help="an engine-offline report to compare with")
@@ -75,13 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--warmup-lanes", type=int, default=1,
                      help="requests each client sends at once in the warm-up round (0: as many as its lanes, the "
                      "timed round's width, so the timed round meets no batch size or pool size for the first time)")
-    srv.add_argument("--paged-live", type=int, default=0, help="serve the engine built with a paged KV cache of "
-                     "this many live requests (its max_batch_size; 0: the static cache)")
-    srv.add_argument("--max-num-tokens", type=int, default=8192, help="the paged engine's tokens per step")
-    srv.add_argument("--free-mem-fraction", type=float, default=0.9, help="the paged pool's share of the free memory")
+    srv.add_argument("--num-blocks", type=int, help="the engine's KV pool in blocks (default: room for its limits)")
+    srv.add_argument("--free-mem-fraction", type=float, help="the KV pool as this share of the free memory instead")
+    srv.add_argument("--max-num-tokens", type=int, help="the engine's tokens per step (default: the engine's, 8192)")
     srv.add_argument("--shared-prefix", type=int, default=0,
                      help="leading prompt tokens every request shares (a system prompt); a variant with "
-                          "prefix_caching=true serves them from the paged engine's prefix cache")
+                          "prefix_caching=true serves them from the engine's prefix cache")
     srv.add_argument("--via-stream-router", action="store_true",
                      help="after each variant, the same clients through the release's streaming router")
     srv.add_argument("--variant", action="append", default=[], metavar="LABEL[:k=v,...]",
@@ -221,7 +221,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
                      help="engine.quantization of the engine (the same folder `served --quantization` serves)")
     eng.add_argument("--repeats", type=int, default=3)
-    eng.add_argument("--no-compile", action="store_true")
     eng.add_argument("--scheduler-requests-per-client", type=int, default=4,
                      help="then BATCH closed-loop clients through the in-flight scheduler (0: skip)")
     eng.add_argument("--built-marker", type=Path, help="file touched once the engine is built")
@@ -261,7 +260,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rol.add_argument("--steady-s", type=float, default=10.0, help="length of each steady phase")
     rol.add_argument("--hold-s", type=float, default=3.0, help="time at each weight (stands in for an analysis)")
     rol.add_argument("--param", action="append", default=[], metavar="K=V",
-                     help="llm model parameter (repeatable); default decoupled=true, compile_decode=false")
+                     help="llm model parameter (repeatable); default decoupled=true")
     rol.add_argument("--work", type=Path, default=Path("build/bench-rollout"))
     rol.add_argument("--out", type=Path, default=Path("bench-rollout.json"))
 
@@ -374,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         if args.built_marker is not None:
             args.built_marker.write_text(str(engine_dir))
         report = bench_offline_engine(engine_dir, batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                                      repeats=args.repeats, compile_decode=not args.no_compile,
+                                      repeats=args.repeats,
                                       scheduler_requests_per_client=args.scheduler_requests_per_client,
                                       out_json=args.out)
         print(json.dumps(report, indent=1))
@@ -407,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         engine = args.engine or build_random_engine(args.shape, args.work, max_batch_size=args.max_batch_size,
                                                     max_seq_len=-(-(args.prompt_len + args.gen_len) // 256) * 256)
-        params = {"decoupled": "true", "compile_decode": "false", **dict(p.split("=", 1) for p in args.param)}
+        params = {"decoupled": "true", **dict(p.split("=", 1) for p in args.param)}
         report = run_rollout_bench(engine, args.work, clients=args.clients, prompt_len=args.prompt_len,
                                    gen_len=args.gen_len, steady_s=args.steady_s, hold_s=args.hold_s,
                                    parameters=params, out_json=args.out)
@@ -418,12 +417,11 @@ def run(args: argparse.Namespace) -> int:
     variants = tuple(parse_variant(v) for v in args.variant) or (("default", {}),)
     report = run_served(variants=variants, shape=args.shape, clients=args.clients, requests_per_client=args.requests_per_client,
                         prompt_len=args.prompt_len, gen_len=args.gen_len,
-                        max_batch_size=args.paged_live or args.max_batch_size,
-                        work=args.work, out_json=args.out, compile_decode=not args.no_compile,
+                        max_batch_size=args.max_batch_size, work=args.work, out_json=args.out,
                         wait_for=tuple(args.wait_for), offline_json=args.offline_json,
                         via_stream_router=args.via_stream_router, quantization=args.quantization,
                         lanes=args.lanes_per_client, warmup_lanes=args.warmup_lanes or args.lanes_per_client,
-                        paged=_paged(args), shared_prefix=args.shared_prefix)
+                        kv_cache=_kv_cache(args), shared_prefix=args.shared_prefix)
     print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "variants")}, indent=1))
     for label, figures in report["variants"].items():
         print(label, json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=1))
