@@ -87,24 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--variant", action="append", default=[], metavar="LABEL[:k=v,...]",
                      help="llm model parameters of one measured variant (repeatable; each runs in turn on one "
                           "Triton), e.g. paced:stream_interval_ms=20,gil_switch_interval_ms=0.1")
-    prof = sub.add_parser("profile", help="one decode step's CUDA graph: time, floor, kernels by kind (CUDA)")
-    prof.add_argument("--shape", default="llama-3.2-1b")
-    prof.add_argument("--batch", default="1,64", help="comma list")
-    prof.add_argument("--variants", default="dynamic",
-                      help="comma list of <compile>[+<attention>][+skinny][+extra][+unfused][+nogateup][+nogreedy]"
-                      "[+loopnorm][+pdl][+kv...][+g<N>x<K>=<config>][+u<I>x<D>=<config>]: compile in eager|dynamic|static, attention in matmul|triton, skinny: the tuned "
-                      "Triton GEMMs, nogateup: w13 and SiLU * up apart, nogreedy: argmax over the logits after the LM "
-                      "head, loopnorm: inductor's looped norms, pdl: programmatic dependent launch, kvb<n>/kvw<n>/kvst<n>/"
-                      "kvt<n>: the attention's block, warps, stages, target programs, g.../u...: a skinny GEMM's or "
-                      "the gate/up kernel's config (see bench/profile_decode.py)")
-    prof.add_argument("--context", type=int, default=192, help="filled cache positions per row")
-    prof.add_argument("--kv-block", type=int, default=256)
-    prof.add_argument("--replays", type=int, default=300,
-                      help="timed graph replays per variant")
-    prof.add_argument("--quantization", default="none",
-                      help="the engine's weights quantized as conversion does (none, fp8, int8-weight-only); the floor "
-                      "counts them at their stored precision")
-    prof.add_argument("--out", type=Path, default=Path("bench-profile.json"))
     plot = sub.add_parser("plot", help="latency distributions of a served report (PNG)")
     plot.add_argument("--served", type=Path, required=True, help="a `served` report (JSON)")
     plot.add_argument("--out", type=Path, default=Path("bench-served.png"))
@@ -283,12 +265,6 @@ def run(args: argparse.Namespace) -> int:
         from bench.plots import plot_served
 
         print(plot_served(args.served, args.out, variant=args.variant))
-        return 0
-    if args.bench_mode == "profile":
-        from bench.profile_decode import run_profile
-
-        run_profile(args.shape, list(_ints(args.batch)), args.variants.split(","), context=args.context,
-                    kv_block=args.kv_block, replays=args.replays, quantization=args.quantization, out_json=args.out)
         return 0
     if args.bench_mode == "sends":
         from bench.send_bench import run_send_bench

@@ -74,9 +74,9 @@ def write_tasks(folder: Path, *, mc_items: int = 120, gen_items: int = 40, seed:
 
 @contextlib.contextmanager
 def served(checkpoint: Path, work: Path) -> Iterator[str]:
-    """The checkpoint as a paged float32 engine behind Triton and the OpenAI front: yields the front's base URL."""
+    """The checkpoint as a float32 engine (a KV pool of 288 blocks of 16) behind Triton and the OpenAI front: yields the front's base URL."""
     from serving.engine import EngineLimits, build_engine, convert_checkpoint
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
     from serving.triton.operations import apply_router_weights, serve_versions
     from serving.triton.process import free_port, start_triton
     from serving.triton.repository import init_repository, stage_engine_version
@@ -84,7 +84,7 @@ def served(checkpoint: Path, work: Path) -> Iterator[str]:
     ckpt = convert_checkpoint(checkpoint, work / "ckpt", dtype="float32")
     engine = build_engine(ckpt, work / "engine", limits=EngineLimits(dtype="float32", max_batch_size=8,
                                                                       max_input_len=448, max_seq_len=512),
-                          paged=PagedKVConfig(block_size=16, num_blocks=288, max_num_tokens=512)).path
+                          kv_cache=KVCacheConfig(block_size=16, num_blocks=288, max_num_tokens=512)).path
     repo = init_repository(work / "repository")
     triton = start_triton(repo, log_path=work / "triton.log")
     front = None
