@@ -25,13 +25,15 @@ def _ints(text: str) -> tuple[int, ...]:
 QUANTIZATION_CHOICES = ("none", "fp8", "int8-weight-only")  # engine.quantization (serving.engine.quantize)
 
 
-def _paged(args: argparse.Namespace) -> Any:
-    """`bench served`'s paged KV settings (a PagedKVConfig), or None without --paged-live."""
-    if not args.paged_live:
+def _kv_cache(args: argparse.Namespace) -> Any:
+    """`bench served`'s KV cache settings (a KVCacheConfig), or None (the engine's default: room for its limits)
+    without --num-blocks, --free-mem-fraction or --max-num-tokens."""
+    if args.num_blocks is None and args.free_mem_fraction is None and args.max_num_tokens is None:
         return None
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
 
-    return PagedKVConfig(max_num_tokens=args.max_num_tokens, free_mem_fraction=args.free_mem_fraction)
+    sizes = {} if args.max_num_tokens is None else {"max_num_tokens": args.max_num_tokens}
+    return KVCacheConfig(num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction, **sizes)
 
 
 def _slos(text: str) -> dict[str, float]:
@@ -50,13 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     off.add_argument("--workloads", default="128/128,512/128,2048/128", help="prompt/generated, comma list")
     off.add_argument("--batch-sizes", default="1,64", help="comma list")
     off.add_argument("--peers", default="hf-eager,hf-static-compile", help="HF peers ('' for none)")
-    off.add_argument("--peer-workloads", default="128/128", help="workloads the peers and the compiled step run on")
-    off.add_argument("--no-compiled", action="store_true", help="skip the torch.compile'd decode step")
+    off.add_argument("--peer-workloads", default="128/128", help="workloads the HF peers run on")
     off.add_argument("--no-check", action="store_true", help="skip the logits/greedy check against HF")
-    off.add_argument("--gemm-variants", default="", help="the compiled step again with these decode GEMMs "
-                     "(comma list of torch|triton|auto), e.g. torch for cuBLAS beside the default")
-    off.add_argument("--no-pdl-variant", action="store_true", help="the compiled step again without "
-                     "programmatic dependent launch (engine-compiled-nopdl), beside the default with it")
     off.add_argument("--repeats", type=int, default=3)
     off.add_argument("--deadline-s", type=float, default=1e9, help="skip cells starting after this many seconds")
     off.add_argument("--out", type=Path, default=Path("bench-offline.json"), help="JSON written after each cell")
@@ -71,7 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="engine.quantization of the served engine (built beside the bf16 one in --work)")
     srv.add_argument("--work", type=Path, default=Path("build/bench-served"))
     srv.add_argument("--out", type=Path, default=Path("bench-served.json"))
-    srv.add_argument("--no-compile", action="store_true", help="eager kernels in CUDA graphs (no torch.compile)")
     srv.add_argument("--wait-for", type=Path, action="append", default=[],
                      help="file that must exist before the clients start (repeatable)")
     srv.add_argument("--offline-json", type=Path, help="an engine-offline report to compare with")
@@ -80,36 +76,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--warmup-lanes", type=int, default=1,
                      help="requests each client sends at once in the warm-up round (0: as many as its lanes, the "
                      "timed round's width, so the timed round meets no batch size or pool size for the first time)")
-    srv.add_argument("--paged-live", type=int, default=0, help="serve the engine built with a paged KV cache of "
-                     "this many live requests (its max_batch_size; 0: the static cache)")
-    srv.add_argument("--max-num-tokens", type=int, default=8192, help="the paged engine's tokens per step")
-    srv.add_argument("--free-mem-fraction", type=float, default=0.9, help="the paged pool's share of the free memory")
+    srv.add_argument("--num-blocks", type=int, help="the engine's KV pool in blocks (default: room for its limits)")
+    srv.add_argument("--free-mem-fraction", type=float, help="the KV pool as this share of the free memory instead")
+    srv.add_argument("--max-num-tokens", type=int, help="the engine's tokens per step (default: the engine's, 8192)")
     srv.add_argument("--shared-prefix", type=int, default=0,
                      help="leading prompt tokens every request shares (a system prompt); a variant with "
-                          "prefix_caching=true serves them from the paged engine's prefix cache")
+                          "prefix_caching=true serves them from the engine's prefix cache")
     srv.add_argument("--via-stream-router", action="store_true",
                      help="after each variant, the same clients through the release's streaming router")
     srv.add_argument("--variant", action="append", default=[], metavar="LABEL[:k=v,...]",
                      help="llm model parameters of one measured variant (repeatable; each runs in turn on one "
                           "Triton), e.g. paced:stream_interval_ms=20,gil_switch_interval_ms=0.1")
-    prof = sub.add_parser("profile", help="one decode step's CUDA graph: time, floor, kernels by kind (CUDA)")
-    prof.add_argument("--shape", default="llama-3.2-1b")
-    prof.add_argument("--batch", default="1,64", help="comma list")
-    prof.add_argument("--variants", default="dynamic",
-                      help="comma list of <compile>[+<attention>][+skinny][+extra][+unfused][+nogateup][+nogreedy]"
-                      "[+loopnorm][+pdl][+kv...][+g<N>x<K>=<config>][+u<I>x<D>=<config>]: compile in eager|dynamic|static, attention in matmul|triton, skinny: the tuned "
-                      "Triton GEMMs, nogateup: w13 and SiLU * up apart, nogreedy: argmax over the logits after the LM "
-                      "head, loopnorm: inductor's looped norms, pdl: programmatic dependent launch, kvb<n>/kvw<n>/kvst<n>/"
-                      "kvt<n>: the attention's block, warps, stages, target programs, g.../u...: a skinny GEMM's or "
-                      "the gate/up kernel's config (see bench/profile_decode.py)")
-    prof.add_argument("--context", type=int, default=192, help="filled cache positions per row")
-    prof.add_argument("--kv-block", type=int, default=256)
-    prof.add_argument("--replays", type=int, default=300,
-                      help="timed graph replays per variant")
-    prof.add_argument("--quantization", default="none",
-                      help="the engine's weights quantized as conversion does (none, fp8, int8-weight-only); the floor "
-                      "counts them at their stored precision")
-    prof.add_argument("--out", type=Path, default=Path("bench-profile.json"))
     plot = sub.add_parser("plot", help="latency distributions of a served report (PNG)")
     plot.add_argument("--served", type=Path, required=True, help="a `served` report (JSON)")
     plot.add_argument("--out", type=Path, default=Path("bench-served.png"))
@@ -169,28 +146,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     qua.add_argument("--no-check", action="store_true", help="skip the kernels-vs-reference logits check")
     qua.add_argument("--deadline-s", type=float, default=1e9, help="skip cells starting after this many seconds")
     qua.add_argument("--out", type=Path, default=Path("bench-quantized.json"))
-    thr = sub.add_parser("throughput", help="N requests at once, offline: the static engine beside the paged one "
+    thr = sub.add_parser("throughput", help="N requests at once, offline: the engine and its variants (sides) "
                          "(output tok/s, TTFT / TPOT / ITL percentiles)")
     thr.add_argument("--shape", default="llama-3.1-8b", help="llama-3.2-1b, llama-3.1-8b or tiny (random weights)")
     thr.add_argument("--requests", type=int, default=1024)
     thr.add_argument("--workload", default="128/128", help="input/output tokens per request")
     thr.add_argument("--spread", type=float, default=0.0, help="lengths uniform in len x [1 - spread, 1 + spread]")
-    thr.add_argument("--sides", default="static,paged", help="comma list of static, paged, paged-sync (the paged engine "
-                     "without running a step ahead), paged-torch-ops (its norms, rotations, K/V writes and SiLU * up "
-                     "as torch ops), paged-repeat-kv (its prompt attention copying K/V to every query head), "
-                     "paged-pdl (its decode graphs with programmatic dependent launch), paged-sum-adds (its split-K "
-                     "partial products summed by a kernel an add, not one kernel), paged-unscaled (its FP8 "
-                     "GEMMs scaling their own rows), paged-no-prefetch (its decode attention loading table entry, K and "
-                     "V one after the other), paged-kv-dot-bf16 (its decode attention over an e4m3 pool with bf16 dots), "
-                     "paged-fp8-warps4 (its decode attention over an e4m3 pool with 4 warps a program), "
-                     "paged-precise-accum (its fp8 prompt GEMMs without fast accumulation), "
-                     "paged-tile<N> (its decode attention over N positions an iteration); switch sides join with '+', "
-                     "e.g. paged-pdl+no-prefetch")
-    thr.add_argument("--static-batch", type=int, default=256, help="the static engine's max_batch_size (cache rows)")
-    thr.add_argument("--paged-live", type=int, default=1024, help="the paged engine's live requests at most")
+    thr.add_argument("--sides", default="engine", help="comma list of engine, engine-sync (the engine "
+                     "without running a step ahead), engine-prefix-cache (with prefix caching), engine-torch-ops (its "
+                     "norms, rotations, K/V writes and SiLU * up as torch ops), engine-repeat-kv (its prompt attention "
+                     "copying K/V to every query head), engine-pdl (its decode graphs with programmatic dependent "
+                     "launch), engine-sum-adds (its split-K partial products summed by a kernel an add, not one "
+                     "kernel), engine-unscaled (its FP8 GEMMs scaling their own rows), engine-no-prefetch (its decode "
+                     "attention loading table entry, K and V one after the other), engine-kv-dot-bf16 (its decode "
+                     "attention over an e4m3 pool with bf16 dots), engine-fp8-warps4 (its decode attention over an "
+                     "e4m3 pool with 4 warps a program), engine-precise-accum (its fp8 prompt GEMMs without fast "
+                     "accumulation), engine-tile<N> (its decode attention over N positions an iteration); option "
+                     "sides join with '+', e.g. engine-pdl+no-prefetch")
+    thr.add_argument("--max-live", type=int, default=1024, help="the engine's live requests at most (max_batch_size)")
     thr.add_argument("--block-size", type=int, default=32)
-    thr.add_argument("--max-num-tokens", type=int, default=8192, help="the paged engine's tokens per step")
-    thr.add_argument("--num-blocks", type=int, help="paged pool size (default: a share of the free GPU memory)")
+    thr.add_argument("--max-num-tokens", type=int, default=8192, help="the engine's tokens per step")
+    thr.add_argument("--num-blocks", type=int, help="KV pool size (default: a share of the free GPU memory)")
     thr.add_argument("--free-mem-fraction", type=float, default=0.9)
     thr.add_argument("--warmup-requests", type=int, default=64)
     thr.add_argument("--runs", type=int, default=1, help="measured runs of each side, back to back (the report keeps "
@@ -199,20 +175,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="requests a second, arriving in a seeded Poisson process (default 0: all at once)")
     thr.add_argument("--goodput", type=_slos, default={}, help="SLOs for goodput, e.g. ttft:500,tpot:50 (milliseconds): the "
                      "requests a second that met every one")
-    thr.add_argument("--profile-prefill", action="store_true", help="after the paged side, the wall time and kernels "
+    thr.add_argument("--profile-prefill", action="store_true", help="after each side, the wall time and kernels "
                      "of one step of prompts only (CUDA)")
     thr.add_argument("--profile-run", action="store_true", help="after each side, its run once more under the "
                      "profiler: the GPU's busy share of the wall time and the run's kernels (CUDA)")
-    thr.add_argument("--profile-decode", default="", help="comma list of rows: after the paged side, the kernels "
-                     "of one paged decode step at each (CUDA)")
+    thr.add_argument("--profile-decode", default="", help="comma list of rows: after each side, the kernels "
+                     "of one decode-only step at each (CUDA)")
     thr.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
-                     help="engine.quantization of the random weights both sides share")
-    thr.add_argument("--max-seq-len", type=int, help="the engines' limits.max_seq_len, as a user would set it "
-                     "(e.g. 8192: the static cache then holds --static-batch rows of it; default: the longest request)")
+                     help="engine.quantization of the random weights every side shares")
+    thr.add_argument("--max-seq-len", type=int, help="the engine's limits.max_seq_len, as a user would set it "
+                     "(default: the longest request)")
     thr.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                     help="the paged pool's paged.kv_cache_dtype (fp8: e4m3 K/V, half the bytes)")
+                     help="the pool's kv_cache.kv_cache_dtype (fp8: e4m3 K/V, half the bytes)")
     thr.add_argument("--shared-prefix", type=int, default=0,
-                     help="leading prompt tokens every request shares (a system prompt); side paged-prefix-cache "
+                     help="leading prompt tokens every request shares (a system prompt); side engine-prefix-cache "
                           "serves them from the prefix cache")
     thr.add_argument("--admit-every-steps", type=int, default=8, help="while requests are live, waiting ones join at "
                      "most every this many steps unless they fill a step (the served llm model's admit_every_steps)")
@@ -227,7 +203,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
                      help="engine.quantization of the engine (the same folder `served --quantization` serves)")
     eng.add_argument("--repeats", type=int, default=3)
-    eng.add_argument("--no-compile", action="store_true")
     eng.add_argument("--scheduler-requests-per-client", type=int, default=4,
                      help="then BATCH closed-loop clients through the in-flight scheduler (0: skip)")
     eng.add_argument("--built-marker", type=Path, help="file touched once the engine is built")
@@ -267,7 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rol.add_argument("--steady-s", type=float, default=10.0, help="length of each steady phase")
     rol.add_argument("--hold-s", type=float, default=3.0, help="time at each weight (stands in for an analysis)")
     rol.add_argument("--param", action="append", default=[], metavar="K=V",
-                     help="llm model parameter (repeatable); default decoupled=true, compile_decode=false")
+                     help="llm model parameter (repeatable); default decoupled=true")
     rol.add_argument("--work", type=Path, default=Path("build/bench-rollout"))
     rol.add_argument("--out", type=Path, default=Path("bench-rollout.json"))
 
@@ -279,8 +254,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = OfflineConfig(
             shapes=tuple(args.shapes.split(",")), workloads=_pairs(args.workloads), batch_sizes=_ints(args.batch_sizes),
             peers=tuple(p for p in args.peers.split(",") if p), peer_workloads=_pairs(args.peer_workloads),
-            compiled=not args.no_compiled, repeats=args.repeats, deadline_s=args.deadline_s, check=not args.no_check,
-            gemm_variants=tuple(g for g in args.gemm_variants.split(",") if g), nopdl_variant=args.no_pdl_variant,
+            repeats=args.repeats, deadline_s=args.deadline_s, check=not args.no_check,
         )
         report = run_offline(cfg, out_json=args.out)
         print(render_table(report))
@@ -291,12 +265,6 @@ def run(args: argparse.Namespace) -> int:
         from bench.plots import plot_served
 
         print(plot_served(args.served, args.out, variant=args.variant))
-        return 0
-    if args.bench_mode == "profile":
-        from bench.profile_decode import run_profile
-
-        run_profile(args.shape, list(_ints(args.batch)), args.variants.split(","), context=args.context,
-                    kv_block=args.kv_block, replays=args.replays, quantization=args.quantization, out_json=args.out)
         return 0
     if args.bench_mode == "sends":
         from bench.send_bench import run_send_bench
@@ -360,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
         slos = args.goodput
         bench_throughput(ThroughputConfig(
             shape=args.shape, requests=args.requests, input_len=input_len, output_len=output_len, spread=args.spread,
-            static_batch=args.static_batch, paged_live=args.paged_live, block_size=args.block_size,
+            max_live=args.max_live, block_size=args.block_size,
             max_num_tokens=args.max_num_tokens, num_blocks=args.num_blocks, free_mem_fraction=args.free_mem_fraction,
             sides=tuple(args.sides.split(",")), warmup_requests=args.warmup_requests, runs=args.runs,
             profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else (),
@@ -381,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         if args.built_marker is not None:
             args.built_marker.write_text(str(engine_dir))
         report = bench_offline_engine(engine_dir, batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                                      repeats=args.repeats, compile_decode=not args.no_compile,
+                                      repeats=args.repeats,
                                       scheduler_requests_per_client=args.scheduler_requests_per_client,
                                       out_json=args.out)
         print(json.dumps(report, indent=1))
@@ -414,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         engine = args.engine or build_random_engine(args.shape, args.work, max_batch_size=args.max_batch_size,
                                                     max_seq_len=-(-(args.prompt_len + args.gen_len) // 256) * 256)
-        params = {"decoupled": "true", "compile_decode": "false", **dict(p.split("=", 1) for p in args.param)}
+        params = {"decoupled": "true", **dict(p.split("=", 1) for p in args.param)}
         report = run_rollout_bench(engine, args.work, clients=args.clients, prompt_len=args.prompt_len,
                                    gen_len=args.gen_len, steady_s=args.steady_s, hold_s=args.hold_s,
                                    parameters=params, out_json=args.out)
@@ -425,12 +393,11 @@ def run(args: argparse.Namespace) -> int:
     variants = tuple(parse_variant(v) for v in args.variant) or (("default", {}),)
     report = run_served(variants=variants, shape=args.shape, clients=args.clients, requests_per_client=args.requests_per_client,
                         prompt_len=args.prompt_len, gen_len=args.gen_len,
-                        max_batch_size=args.paged_live or args.max_batch_size,
-                        work=args.work, out_json=args.out, compile_decode=not args.no_compile,
+                        max_batch_size=args.max_batch_size, work=args.work, out_json=args.out,
                         wait_for=tuple(args.wait_for), offline_json=args.offline_json,
                         via_stream_router=args.via_stream_router, quantization=args.quantization,
                         lanes=args.lanes_per_client, warmup_lanes=args.warmup_lanes or args.lanes_per_client,
-                        paged=_paged(args), shared_prefix=args.shared_prefix)
+                        kv_cache=_kv_cache(args), shared_prefix=args.shared_prefix)
     print(json.dumps({k: v for k, v in report.items() if k not in ("samples", "variants")}, indent=1))
     for label, figures in report["variants"].items():
         print(label, json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=1))

@@ -2,12 +2,10 @@
 # The decode step on the device (one H200, from the repo root, no wheels needed): in one call,
 #  - the GPU tests of the engine and its kernels (TESTS="" to skip; GPU_TESTS_K filters; TESTS_AFTER=1
 #    runs them after the benchmarks instead of before),
-#  - `bench offline` on each of $SHAPES (128/128, batch 1 and 64): the compiled step as shipped, then
-#    again without programmatic dependent launch (NOPDL=1) and with cuBLAS GEMMs (GEMM_VARIANTS), side by
-#    side with the HF peers ($PEERS, "" for none),
-#  - `bench profile` of $PROFILE_VARIANTS at $PROFILE_SHAPE while time is left (PROFILE_BEFORE_S).
-# Results under $OUT: steps.log, gpu-tests.log, offline-<shape>.json/.log, profile.json/.log.
-# Also read from the environment (default): OFFLINE_S=300, PROFILE_BATCH=1,64, PROFILE_S=150, TESTS_S=240.
+#  - `bench offline` on each of $SHAPES (128/128, batch 1 and 64): the engine side by side with the HF peers
+#    ($PEERS, "" for none). (The decode graphs' kernels: `bench throughput --profile-decode 1,64`.)
+# Results under $OUT: steps.log, gpu-tests.log, offline-<shape>.json/.log.
+# Also read from the environment (default): OFFLINE_S=300, TESTS_S=240.
 set -u
 OUT=${OUT:-/tmp/decode-out}
 mkdir -p "$OUT"
@@ -16,7 +14,7 @@ T0=$(date +%s)
 log() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/steps.log"; }
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv >>"$OUT/steps.log" 2>&1
 
-TESTS=${TESTS-"tests/test_skinny_gemm.py tests/test_engine_gpu.py tests/test_decode_graphs.py tests/test_gate_up.py"}
+TESTS=${TESTS-"tests/test_skinny_gemm.py tests/test_engine_gpu.py tests/test_paged_decode.py tests/test_gate_up.py"}
 gpu_tests() {
   [ -n "$TESTS" ] || return 0
   # shellcheck disable=SC2086
@@ -27,16 +25,10 @@ gpu_tests() {
 [ "${TESTS_AFTER:-0}" = 1 ] || gpu_tests  # before the benchmarks, or after them (TESTS_AFTER=1)
 for shape in ${SHAPES:-llama-3.2-1b llama-3.1-8b}; do
   timeout "${OFFLINE_S:-300}" python3 -m bench offline --shapes "$shape" --workloads 128/128 --batch-sizes 1,64 \
-    --peers "${PEERS-hf-eager,hf-static-compile}" --no-check --gemm-variants "${GEMM_VARIANTS-torch}" ${NOPDL:+--no-pdl-variant} \
+    --peers "${PEERS-hf-eager,hf-static-compile}" --no-check \
     --out "$OUT/offline-$shape.json" >"$OUT/offline-$shape.log" 2>&1
   log "offline $shape rc=$?"
   grep -E "decode .*tok/s" "$OUT/offline-$shape.log" | tee -a "$OUT/steps.log"
 done
-if [ -n "${PROFILE_VARIANTS:-}" ] && [ "$(($(date +%s) - T0))" -lt "${PROFILE_BEFORE_S:-400}" ]; then
-  timeout "${PROFILE_S:-150}" python3 -m bench profile --shape "${PROFILE_SHAPE:-llama-3.2-1b}" \
-    --batch "${PROFILE_BATCH:-1,64}" --variants "$PROFILE_VARIANTS" --out "$OUT/profile.json" >"$OUT/profile.log" 2>&1
-  log "profile rc=$?"
-  grep -E "step .* ms" "$OUT/profile.log" | tee -a "$OUT/steps.log"
-fi
 [ "${TESTS_AFTER:-0}" = 1 ] && gpu_tests
 log done

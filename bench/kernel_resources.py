@@ -2,8 +2,7 @@
 not here: Triton compiles them for the target (Hopper, sm_90, by default) and `cuobjdump -res-usage`
 reads the cubin. No GPU is needed, only Triton with its bundled NVIDIA tools.
 
-`python3 -m bench kernel-resources` prints, for the attention's split kernel, the skinny GEMM and
-the split-K FP8 GEMM (and its variant that scales one token itself) at the shipped configs of the Llama-1B and 8B decode shapes (and some alternatives), the registers
+`python3 -m bench kernel-resources` prints, for the skinny GEMM and the split-K FP8 GEMM (and its variant that scales one token itself) at the shipped configs of the Llama-1B and 8B decode shapes (and some alternatives), the registers
 per thread, the bytes spilled to the stack, the shared memory and how many programs fit on one SM by
 registers (65,536 per SM) and shared memory (228 KB). A memory-bound kernel with few programs per SM has few loads in flight.
 """
@@ -65,31 +64,6 @@ def compile_offline(kernel: Any, types: dict[str, str], constexprs: dict[str, An
 
 
 Case = tuple[str, Any, dict[str, str], dict[str, Any], int, int]  # name, kernel, types, constexprs, warps, stages
-
-
-def attention_cases() -> list[Case]:
-    """The rotary attention's split kernel with PDL: as shipped at each decode shape, then alternatives.
-    PARTS: the wqkv product's split-K slices (2 for the 1B batch-64 config, float32; 1 where it is one
-    slice or cuBLAS's, bf16)."""
-    from serving.engine.decode_attention import _split_kernel
-
-    def case(name: str, head_dim: int, block: int, final: bool, parts: int, warps: int) -> Case:
-        types = {"q_ptr": "*fp32" if parts > 1 else "*bf16", "len_ptr": "*i64", "lse_part_ptr": "*fp32",
-                 "o_part_ptr": "*bf16" if final else "*fp32", "qk_scale": "fp32", "k_ptr": "*bf16",
-                 "v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
-        constexprs = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": head_dim, "BLOCK": block, "IEEE_DOT": False,
-                      "FINAL": final, "ROPE": True, "PARTS": parts, "GDC": True}
-        return name, _split_kernel, types, constexprs, warps, 2
-
-    return [
-        case("1B batch 64 (shipped: block 128)", 64, 128, True, 2, 4),
-        case("1B batch 64, block 64", 64, 64, True, 2, 4),
-        case("1B batch 64, block 64, 8 warps", 64, 64, True, 2, 8),
-        case("1B batch 64, block 128, 8 warps", 64, 128, True, 2, 8),
-        case("1B batch 1 (shipped: one block of 256)", 64, 256, True, 1, 8),
-        case("8B batch 64 (shipped: block 64)", 128, 64, True, 1, 4),
-        case("8B batch 1 (shipped: 4 splits of 64)", 128, 64, False, 1, 4),
-    ]
 
 
 def h200_tables() -> Any:
@@ -159,9 +133,9 @@ def fp8_one_row_cases() -> list[Case]:
 
 
 def run_resources() -> list[dict[str, Any]]:
-    """Print and return the resources of `attention_cases`, `skinny_cases` and `fp8_cases` on sm_90."""
+    """Print and return the resources of `skinny_cases` and `fp8_cases` on sm_90."""
     rows = []
-    for name, kernel, types, constexprs, warps, stages in attention_cases() + skinny_cases() + fp8_cases():
+    for name, kernel, types, constexprs, warps, stages in skinny_cases() + fp8_cases():
         res = compile_offline(kernel, types, constexprs, warps=warps, stages=stages)
         rows.append({"kernel": kernel.__name__, "case": name, "registers": res.registers, "spilled": res.stack,
                      "shared": res.shared, "warps": warps, "programs_per_sm": res.programs_per_sm()})

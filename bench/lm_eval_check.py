@@ -74,7 +74,7 @@ def write_tasks(folder: Path, *, mc_items: int = 120, gen_items: int = 40, seed:
 
 @contextlib.contextmanager
 def served(checkpoint: Path, work: Path) -> Iterator[str]:
-    """The checkpoint as a paged float32 engine behind Triton and the OpenAI front: yields the front's base URL."""
+    """The checkpoint as a float32 engine (a KV pool of 288 blocks of 16) behind Triton and the OpenAI front: yields the front's base URL."""
     from serving.engine import EngineLimits, build_engine, convert_checkpoint
     from serving.engine.kv_cache import KVCacheConfig
     from serving.triton.operations import apply_router_weights, serve_versions

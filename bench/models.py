@@ -14,9 +14,11 @@ import torch
 
 from serving.engine.build import EngineInfo, EngineLimits
 from serving.engine.convert import map_hf_name
+from serving.engine.kv_cache import KVCacheConfig
 from serving.engine.linears import apply_options
 from serving.engine.model import ModelArgs
 from serving.engine.models.llama import Transformer
+from serving.engine.models.registry import model_args_of
 from serving.engine.options import resolve_options
 from serving.engine.runner import EngineRunner
 
@@ -52,7 +54,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 def model_args(shape: str) -> ModelArgs:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
-    return ModelArgs.from_hf_config(SHAPES[shape], source=f"shape {shape}")
+    return model_args_of(SHAPES[shape], source=f"shape {shape}")
 
 
 def random_hf_model(shape: str, *, dtype: torch.dtype, device: str, seed: int = 0) -> Any:
@@ -86,17 +88,19 @@ def engine_state_from_hf(hf_state: dict[str, torch.Tensor], args: ModelArgs) -> 
 
 def runner_from_hf(hf_model: Any, args: ModelArgs, limits: EngineLimits, *, cuda_graphs: bool = True,
                    ) -> EngineRunner:
-    """An EngineRunner over the weights of `hf_model` (fused copies; norms and embeddings shared)."""
+    """An EngineRunner over the weights of `hf_model` (fused copies; norms and embeddings shared), its KV pool
+    room for `limits.max_batch_size` sequences of `limits.max_seq_len` (the engine's default sizing)."""
     state = engine_state_from_hf(hf_model.state_dict(), args)
     device = hf_model.device
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.eval().requires_grad_(False)
-    model.setup_caches(limits.max_batch_size, limits.max_seq_len)
-    info = EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."))
+    config = KVCacheConfig()
+    info = EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."),
+                      kv_cache=config)
     apply_options(model, resolve_options(torch.device(device), info))
-    return EngineRunner(info, model, torch.device(device), cuda_graphs=cuda_graphs)
+    return EngineRunner(info, model, torch.device(device), config, cuda_graphs=cuda_graphs)
 
 
 def weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:

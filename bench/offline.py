@@ -164,14 +164,10 @@ class OfflineConfig:
     batch_sizes: tuple[int, ...] = (1, 64)
     peers: tuple[str, ...] = ("hf-eager", "hf-static-compile")  # run on `peer_workloads` only
     peer_workloads: tuple[tuple[int, int], ...] = ((128, 128),)
-    compiled: bool = True  # also the torch.compile'd decode step (on `peer_workloads`)
     repeats: int = 3
     dtype: str = "bfloat16"
     deadline_s: float = 1e9  # skip cells that would start after this many seconds
     check: bool = True  # logits / greedy against HF on the same weights
-    # the compiled step again with these decode GEMMs ("torch": cuBLAS; the engine's default is "auto")
-    gemm_variants: tuple[str, ...] = ()
-    nopdl_variant: bool = False  # the compiled step again without programmatic dependent launch
 
 
 def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
@@ -185,8 +181,6 @@ def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
         weight_bytes,
     )
     from serving.engine.build import EngineLimits
-    from serving.engine.linears import apply_options
-    from serving.engine.options import resolve_options
 
     t_start = time.perf_counter()
     dtype = getattr(torch, cfg.dtype)
@@ -262,30 +256,6 @@ def run_offline(cfg: OfflineConfig, *, out_json: Path | None = None,
                             static=peer == "hf-static-compile", repeats=1, shape=shape)
                     torch._dynamo.reset()
 
-        def compiled_cells(impl: str, failure: str, gemm: str | None = None, runner: Any = runner,
-                           shape: str = shape, pdl: bool = True) -> None:
-            """Compile the decode step (with the decode GEMMs `gemm`, else as set up; with programmatic
-            dependent launch if `pdl`, the default), then time it on every peer workload."""
-            try:
-                if gemm is not None or not pdl:
-                    torch._dynamo.reset()
-                if gemm is not None:
-                    apply_options(runner.model, resolve_options(runner.device, runner.info, {"decode_gemm": gemm}))
-                runner.compile_decode(pdl=pdl)
-                for p, g in cfg.peer_workloads:
-                    for b in cfg.batch_sizes:
-                        attempt(f"{shape} {p}/{g} b={b} {impl}", time_generate, runner, batch=b, prompt_len=p,
-                                gen_len=g, repeats=cfg.repeats, shape=shape, impl=impl)
-            except Exception as exc:  # noqa: BLE001
-                report["errors"].append(f"{failure}: {type(exc).__name__}: {exc}")
-
-        if cfg.compiled and not late(f"{shape} engine-compiled"):
-            compiled_cells("engine-compiled", f"{shape} compile")
-        if cfg.nopdl_variant and not late(f"{shape} engine-compiled-nopdl"):  # before the GEMM variants change them
-            compiled_cells("engine-compiled-nopdl", f"{shape} no pdl", pdl=False)
-        for gemm in cfg.gemm_variants:
-            if not late(f"{shape} engine-compiled-gemm-{gemm}"):
-                compiled_cells(f"engine-compiled-gemm-{gemm}", f"{shape} gemm {gemm}", gemm)
         runner = hf = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -299,7 +269,7 @@ def render_table(report: dict[str, Any]) -> str:
     """Markdown: one row per (shape, workload, batch) with every implementation side by side."""
     cells = report["cells"]
     keys = sorted({(c["shape"], c["prompt_len"], c["gen_len"], c["batch"]) for c in cells})
-    impls = ["hf-eager", "hf-static-compile", "engine-graphs", "engine-compiled"]
+    impls = ["hf-eager", "hf-static-compile", "engine-graphs"]
     lines = [("| shape | P/N | batch | HF eager e2e | HF static+compile e2e | engine decode | engine e2e | "
               "roofline tok/s | engine % roofline | engine TTFT p50/p99 ms | engine TPOT p50/p99 ms |"),
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -3,7 +3,8 @@
 `python3 -m bench quantized --shapes llama-3.1-8b,llama-3.2-1b --methods none,fp8,int8-weight-only`
 builds, per shape, one random bf16 model (the published Llama shapes of `models.py`), then an engine of
 it per `engine.quantization` (quantized in memory by `serving.engine.quantize`, as conversion does),
-compiles each one's decode step (`EngineRunner.compile_decode`, the served default) and times
+warms each one up as the served model loads it (`EngineRunner.warm_up_prefill`: prompt steps, a mixed step, the
+decode graphs) and times
 `generate` at each batch size (`serving.engine.timing.time_generate`: best of the repeats after a warm-up). Per cell:
 
 - `decode_tok_s` and `roofline_frac`: decode tokens/s against B / (step bytes / copy bandwidth), where
@@ -19,9 +20,10 @@ past `skinny_gemm.MAX_ROWS` rows (prefill), as fp8 engines first ran; one run ti
 by side. And `fp8-row-scaling-in-gemm`: the fp8 engine with one token's e4m3 scaling inside its GEMMs
 (`EngineOptions.fp8_row_scaling_in_kernel`), checked at one row too.
 
-Before timing, the check compares each quantized engine's decode step (Triton kernels; for fp8 the FP8
-tensor cores where `fp8_gemm.TUNED_FP8` has the shape) against its own dequantizing reference path
-(`gemm=REFERENCE_GEMM`: weight-only numerics) on the same inputs, at 8 rows and at the largest batch:
+Before timing, the check compares each quantized engine's decode-only step (`cuda_graphs.paged_decode_logits`
+through the GEMMs its options picked at load; for fp8 the FP8 tensor cores where the device's tuned tables have
+the shape) against its own dequantizing reference path
+(`reference=True`: weight-only numerics) on the same inputs, at 8 rows and at the largest batch:
 relative error of the logits and greedy agreement. Per-token e4m3 activations add about 2-3% relative error
 per GEMM (e4m3 keeps 3 mantissa bits: a rounding error of at most 2^-4 relative per element); 8B fp8 with
 every GEMM on them read 3.3e-2 at 8 and at 64 rows on the H200.
@@ -42,6 +44,7 @@ import torch
 
 from bench.offline import copy_bandwidth_gb_s, roofline
 from serving.engine.build import EngineInfo, EngineLimits
+from serving.engine.kv_cache import KVCacheConfig
 from serving.engine.linears import apply_options, install_quantized_linears
 from serving.engine.models.llama import Transformer
 from serving.engine.options import resolve_options
@@ -114,10 +117,11 @@ def runner_for(base: Transformer, method: str, *, max_batch_size: int, max_seq_l
     device = torch.device("cuda")
     limits = EngineLimits("bfloat16", max_batch_size=max_batch_size, max_input_len=max_seq_len - 1,
                           max_seq_len=max_seq_len)
+    config = KVCacheConfig()  # room for max_batch_size sequences of max_seq_len
     info = EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."),
-                      quantization=quant)
+                      quantization=quant, kv_cache=config)
     apply_options(model, resolve_options(device, info, overrides))
-    return EngineRunner(info, model, device, info.kv_cache)
+    return EngineRunner(info, model, device, config)
 
 
 def random_runner(shape: str, method: str, *, max_batch_size: int, max_seq_len: int,
@@ -147,20 +151,32 @@ def check_kernels(runner: EngineRunner, *, batches: tuple[int, ...] = (8, 64), c
 
 @torch.no_grad()
 def check_step(runner: EngineRunner, *, batch: int, context: int) -> dict[str, float]:
-    """The decode step (Triton kernels, FP8 tensor cores at 16+ rows) against the dequantizing reference
-    path, same inputs: relative error of the logits, greedy agreement (eager step, after a prefill of random
-    prompts)."""
-    from serving.engine.model import REFERENCE_GEMM, decode_step
+    """The decode-only step (the GEMMs the engine's options picked, FP8 tensor cores at 16+ rows) against the dequantizing reference
+    path, same inputs: relative error of the logits, greedy agreement (eager steps, after one mixed step of
+    random prompts of `context` tokens; blocks borrowed for the call)."""
+    from serving.engine.cuda_graphs import paged_decode_logits
+    from serving.engine.kv_cache import blocks_for
 
-    vocab = runner.info.model.vocab_size
+    vocab, bs, dev = runner.info.model.vocab_size, runner.config.block_size, runner.device
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, vocab, (batch, context), generator=gen).tolist()
-    runner.prefill(prompts, range(batch))
-    tokens = torch.randint(1, vocab, (batch,), generator=gen).cuda()
-    pos = torch.full((batch,), context, device="cuda")
-    kv = runner.graphs.kv_bucket(context + 1) if runner.graphs is not None else context + 1
-    fast = decode_step(runner.model, tokens, pos, kv, gemm="triton").double()
-    slow = decode_step(runner.model, tokens, pos, kv, gemm=REFERENCE_GEMM).double()
+    per = blocks_for(context + 1, bs)
+    blocks = runner.allocator.take(batch * per)
+    if blocks is None:
+        raise ValueError(f"check_step: {batch} rows of {context + 1} positions need {batch * per} KV blocks, "
+                         f"the pool has {runner.allocator.free} free")
+    try:
+        tables = [blocks[i * per:(i + 1) * per] for i in range(batch)]
+        runner.forward([(p, 0, t) for p, t in zip(prompts, tables)], list(range(batch)))
+        tokens = torch.randint(1, vocab, (batch,), generator=gen).to(dev)
+        pos = torch.full((batch,), context, device=dev)
+        table = torch.tensor(tables, device=dev)
+        slots = table[:, context // bs] * bs + context % bs
+        inputs = (runner.model, tokens, pos, slots, table, pos + 1, runner.cache, runner.rope_cos, runner.rope_sin)
+        fast = paged_decode_logits(*inputs).double()
+        slow = paged_decode_logits(*inputs, reference=True).double()
+    finally:
+        runner.allocator.give_back(blocks)
     return {"logits_rel_err": float((fast - slow).norm() / slow.norm()),
             "greedy_agreement": float((fast.argmax(-1) == slow.argmax(-1)).double().mean())}
 
@@ -197,7 +213,7 @@ def run_quantized(cfg: QuantBenchConfig, *, out_json: Path | None = None, log=pr
                     report["checks"][what] = check_kernels(runner, batches=rows)
                     log(f"{what} kernels vs reference path: {report['checks'][what]}")
                 t0 = time.perf_counter()
-                runner.compile_decode()
+                runner.warm_up_prefill(cfg.prompt_len)
                 for b in cfg.batch_sizes:
                     cell = time_generate(runner, batch=b, prompt_len=cfg.prompt_len, gen_len=cfg.gen_len,
                                          repeats=cfg.repeats, shape=shape, impl=f"engine-{method}")
@@ -205,7 +221,7 @@ def run_quantized(cfg: QuantBenchConfig, *, out_json: Path | None = None, log=pr
                     cell.roofline_tok_s = roofline(weight_bytes=wbytes, kv_bytes_per_token=kv_token, batch=b,
                                                    prompt_len=cfg.prompt_len, gen_len=cfg.gen_len, bandwidth_gb_s=bw)
                     cell.roofline_frac = cell.decode_tok_s / cell.roofline_tok_s
-                    cell.note = f"quantization={method} step_weight_bytes={wbytes} compile+bench {time.perf_counter() - t0:.0f} s"
+                    cell.note = f"quantization={method} step_weight_bytes={wbytes} warm-up+bench {time.perf_counter() - t0:.0f} s"
                     row = asdict(cell)
                     row.update(quantization=method, step_weight_bytes=wbytes)
                     report["cells"].append(row)
@@ -218,7 +234,6 @@ def run_quantized(cfg: QuantBenchConfig, *, out_json: Path | None = None, log=pr
             runner = None
             gc.collect()
             torch.cuda.empty_cache()
-            torch._dynamo.reset()
         base = None
         gc.collect()
         torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
 """Served benchmark: N concurrent streaming gRPC clients against Triton's decoupled llm (in-flight batching).
 
 Builds a random-weight engine of a real shape (HF checkpoint -> `convert_checkpoint` -> `build_engine`),
-stages it as a decoupled model (`compile_decode` on), starts the bundled tritonserver, then runs
+stages it as a decoupled model, starts the bundled tritonserver, then runs
 `clients` client processes (one gRPC stream each, `requests_per_client` requests one after the other,
 `stream=True`). Figures: output tok/s over the whole run, TTFT (send -> first token), TPOT per request
 ((last token - first token) / (tokens - 1), vLLM's benchmark definition, since one response may carry
@@ -24,14 +24,15 @@ from bench.stream_client import MODEL, stream_client
 from serving.engine.timing import percentile
 
 if TYPE_CHECKING:
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
 
 
 def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_len: int,
-                        quantization: str = "none", paged: PagedKVConfig | None = None) -> Path:
+                        quantization: str = "none", kv_cache: KVCacheConfig | None = None) -> Path:
     """Random bf16 weights of `shape` saved as an HF checkpoint, converted (quantized per
-    `engine.quantization` = `quantization`) and built (with the paged KV cache `paged`, when given); skipped
-    if that engine is there already."""
+    `engine.quantization` = `quantization`) and built (with the KV cache settings `kv_cache` when given, in a
+    folder of their own; else the engine's default, room for the limits); skipped if that engine is there
+    already."""
     import torch
 
     from bench.models import random_hf_model
@@ -40,7 +41,7 @@ def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_
 
     quant = QuantInfo(method=quantization)
     suffix = "" if quant.method == NONE else f"-{quant.method}"
-    engine_dir = work / f"engine{suffix}{'-paged' if paged is not None else ''}"
+    engine_dir = work / f"engine{suffix}{'-kv-cache' if kv_cache is not None else ''}"
     if (engine_dir / "engine.json").is_file():
         return engine_dir
     if not (work / "hf" / "config.json").is_file():
@@ -52,14 +53,13 @@ def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_
     ckpt = convert_checkpoint(work / "hf", work / f"ckpt{suffix}", dtype="bfloat16", quantization=quant)
     limits = EngineLimits("bfloat16", max_batch_size=max_batch_size, max_input_len=max_seq_len - 1,
                           max_seq_len=max_seq_len)
-    return build_engine(ckpt, engine_dir, limits=limits, quantization=quant, paged=paged).path
+    return build_engine(ckpt, engine_dir, limits=limits, quantization=quant, kv_cache=kv_cache).path
 
 
 def bench_offline_engine(engine_dir: Path, *, batch: int, prompt_len: int, gen_len: int, repeats: int = 3,
-                         compile_decode: bool = True, scheduler_requests_per_client: int = 4,
-                         out_json: Path | None = None) -> dict[str, Any]:
+                         scheduler_requests_per_client: int = 4, out_json: Path | None = None) -> dict[str, Any]:
     """The offline figure the served one is compared with: the SAME engine folder, loaded like the `llm`
-    model loads it (compiled decode in CUDA graphs on a GPU), timed by `time_generate` at `batch`; then
+    model loads it (its decode-only steps in CUDA graphs on a GPU), timed by `time_generate` at `batch`; then
     (unless `scheduler_requests_per_client` is 0) `batch` closed-loop clients through the in-flight
     scheduler in this process (`bench_scheduler`: the served workload without Triton)."""
     from dataclasses import asdict
@@ -71,11 +71,9 @@ def bench_offline_engine(engine_dir: Path, *, batch: int, prompt_len: int, gen_l
 
     t0 = time.perf_counter()
     runner = load_engine(engine_dir, device="auto")
-    compiled = compile_decode and runner.device.type == "cuda"
-    if compiled:
-        runner.compile_decode()
+    runner.warm_up_prefill(prompt_len)
     cell = time_generate(runner, batch=batch, prompt_len=prompt_len, gen_len=gen_len, repeats=repeats,
-                         shape=str(engine_dir), impl="engine-compiled" if compiled else "engine-graphs")
+                         shape=str(engine_dir), impl="engine")
     report = {k: v for k, v in asdict(cell).items() if k not in ("tpot_samples_ms", "ttft_samples_ms")}
     if scheduler_requests_per_client > 0:
         from bench.scheduler_bench import bench_scheduler
@@ -213,19 +211,19 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len: int, gen_len: int,
-               max_batch_size: int, work: Path, out_json: Path | None = None, compile_decode: bool = True,
+               max_batch_size: int, work: Path, out_json: Path | None = None,
                variants: tuple[tuple[str, dict[str, str]], ...] = (("default", {}),),
                load_timeout_s: float = 420.0, wait_for: tuple[Path, ...] = (), wait_timeout_s: float = 300.0,
                offline_json: Path | None = None, get_timeout_s: float = 300.0,
-               via_stream_router: bool = False, quantization: str = "none", paged: PagedKVConfig | None = None,
+               via_stream_router: bool = False, quantization: str = "none", kv_cache: KVCacheConfig | None = None,
                lanes: int = 1, warmup_lanes: int = 1, shared_prefix: int = 0) -> dict[str, Any]:
     """Each variant (label, extra parameters of the llm model) is staged as model ``bench_<label>`` and
     measured in turn on one Triton: load, the clients, unload (its counters are read from the log).
     The report holds every variant under ``variants``, and the first one's figures at the top level.
     `wait_for`: files that must exist before the first clients start (another job on the GPU finishing);
     `offline_json`: a `bench_offline_engine` report whose e2e/decode tok/s the served figures are set against,
-    or a `bench throughput` report (its paged side's output tok/s); `paged`: serve an engine built with that
-    paged KV cache; `lanes`: requests each client keeps in flight on its stream; `warmup_lanes`: requests
+    or a `bench throughput` report (its engine side's output tok/s); `kv_cache`: serve an engine built with those
+    KV cache settings; `lanes`: requests each client keeps in flight on its stream; `warmup_lanes`: requests
     each client sends at once in the warm-up round before the timed one (`lanes`: as wide as the timed round);
     `shared_prefix`: leading tokens every prompt shares (`run_clients`);
     `via_stream_router`: after each variant's clients, the same clients again through the release's
@@ -233,8 +231,6 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     ``via_stream_router``."""
     import os
     import signal
-
-    import torch
 
     from serving.triton import init_repository, stage_engine_version
     from serving.triton.process import start_triton
@@ -245,14 +241,13 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     previous_handler = signal.signal(signal.SIGTERM, _terminated)
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("LC_ALL", "C.UTF-8")  # inductor inside the stub reads its sources as UTF-8
-    compile_decode = compile_decode and torch.cuda.is_available()
     t0 = time.perf_counter()
     max_seq = -(-(prompt_len + gen_len) // 256) * 256
     engine_dir = build_random_engine(shape, work, max_batch_size=max_batch_size, max_seq_len=max_seq,
-                                     quantization=quantization, paged=paged)
+                                     quantization=quantization, kv_cache=kv_cache)
     build_s = time.perf_counter() - t0
     root = init_repository(work / "repo")
-    base = {"decoupled": "true", "compile_decode": "true" if compile_decode else "false"}
+    base = {"decoupled": "true"}
     for label, params in variants:
         # a queue limit no round reaches: the engine queues what it has not admitted (in flight, no batcher)
         stage_engine_version(root, f"{MODEL}_{label}", engine_dir, device_kind="auto",
@@ -261,7 +256,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
     log_path = work / "triton.log"
     proc = start_triton(root, log_path=log_path, ready_timeout_s=120)
     report: dict[str, Any] = {"shape": shape, "quantization": quantization, "clients": clients, "lanes": lanes,
-                              "paged": paged.to_dict() if paged is not None else None,
+                              "kv_cache": kv_cache.to_dict() if kv_cache is not None else None,
                               "requests_per_client": requests_per_client, "prompt_len": prompt_len, "gen_len": gen_len, "max_batch_size": max_batch_size,
                               "shared_prefix": shared_prefix,
                               "build_s": build_s, "variants": {}}
@@ -324,13 +319,13 @@ def most_in_flight(spans: list[tuple[float, float]]) -> int:
 
 def offline_figures(report: dict[str, Any]) -> dict[str, Any]:
     """The offline report the served figures are set against: a `bench_offline_engine` report as it is, or a
-    `bench throughput` report as its paged side's figure ({"e2e_tok_s": its output tok/s, "side": ...})."""
+    `bench throughput` report as its engine side's figure ({"e2e_tok_s": its output tok/s, "side": ...})."""
     if "sides" not in report:
         return report
     sides = {side["side"]: side for side in report["sides"]}
-    side = next((sides[name] for name in ("paged", "paged-sync") if name in sides), None)
+    side = next((sides[name] for name in ("engine", "engine-sync") if name in sides), None)
     if side is None:
-        raise ValueError(f"the throughput report has no paged side to compare with (sides: {sorted(sides)})")
+        raise ValueError(f"the throughput report has no engine side to compare with (sides: {sorted(sides)})")
     return {"e2e_tok_s": side["output_tok_s"], "side": side["side"], "config": report["config"]}
 
 

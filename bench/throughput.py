@@ -1,18 +1,19 @@
-"""`python3 -m bench throughput`: throughput at saturation, offline, the static engine beside the paged one.
+"""`python3 -m bench throughput`: throughput at saturation, offline, the engine and its variants (sides).
 
 N requests arrive at once (an infinite request rate, as `trtllm-bench throughput` runs by default) or at
 `request_rate` a second in a seeded Poisson process (`vllm bench serve --request-rate`), with
 fixed input/output lengths or lengths spread uniformly around them (`spread`: a fraction, each length drawn
-from [len * (1 - spread), len * (1 + spread)]). Each side's in-flight scheduler serves them (on this thread when
-they arrive at once, else on its own while this one submits them on time): the static engine through `scheduler.Scheduler` (one cache row per live request, CUDA graphs of the
-decode step), the paged one through `paged_scheduler.PagedScheduler` (chunked prefill under
-`max_num_tokens`, admission by free blocks). The two share one model's weights and run one after the other
+from [len * (1 - spread), len * (1 + spread)]). The engine's in-flight scheduler (`scheduler.Scheduler`:
+chunked prefill under `max_num_tokens`, admission by free blocks, CUDA graphs of the decode-only steps) serves
+them (on this thread when they arrive at once, else on its own while this one submits them on time). Every
+side is one variant of the one engine (`engine`; `engine-sync` without a step ahead, `engine-prefix-cache`,
+`engine-torch-ops` and the option sides): they share one runner's weights and pool and run one after the other
 in the same process on the same requests.
 
 Reported per side, like `trtllm-bench` and `vllm bench serve`: output tok/s (generated tokens / wall time
 from the first submit to the last token), requests/s, TTFT (the request's submit -> its first token on the
 host), TPOT (a request's (last - first token) / (tokens - 1)) and ITL (every gap between a request's
-consecutive tokens) at p50 / p90 / p99, the most live requests in one step, the paged side's preemptions,
+consecutive tokens) at p50 / p90 / p99, the most live requests in one step, the preemptions,
 and with SLOs (`slo_ttft_ms`, `slo_tpot_ms`) goodput: the requests a second that met every SLO set, as
 `vllm bench serve --goodput` counts them.
 
@@ -57,26 +58,25 @@ class ThroughputConfig:
     input_len: int = 128
     output_len: int = 128
     spread: float = 0.0
-    static_batch: int = 256  # the static engine's max_batch_size (cache rows)
-    paged_live: int = 1024  # the paged engine's max_batch_size (live requests)
+    max_live: int = 1024  # the engine's max_batch_size (live requests)
     block_size: int = 32
     max_num_tokens: int = 8192
     num_blocks: int | None = None  # None: free_mem_fraction of the free CUDA memory
     free_mem_fraction: float = 0.9
-    sides: tuple[str, ...] = ("static", "paged")
+    sides: tuple[str, ...] = ("engine",)
     warmup_requests: int = 64
     # measured runs of each side, back to back; the report keeps the last one's figures and lists every run's
     # output tok/s (on the H200 the first run after a process's warm-up was ~10% slower than the ones after it)
     runs: int = 1
     seed: int = 0
-    profile_decode: tuple[int, ...] = ()  # rows of the paged decode steps to profile after the run (CUDA)
-    profile_prefill: bool = False  # after the run, the kernels and wall time of one paged step of prompts only
+    profile_decode: tuple[int, ...] = ()  # rows of the decode-only steps to profile after the run (CUDA)
+    profile_prefill: bool = False  # after the run, the kernels and wall time of one step of prompts only
     profile_run: bool = False  # after the run, the run again under the profiler: GPU busy share and kernels (CUDA)
     request_rate: float = 0.0  # requests a second, Poisson; 0: all at once
-    quantization: str = "none"  # engine.quantization of the weights both sides share
-    kv_cache_dtype: str = "auto"  # the paged pool's paged.kv_cache_dtype ("fp8": e4m3 K/V)
+    quantization: str = "none"  # engine.quantization of the weights every side shares
+    kv_cache_dtype: str = "auto"  # the pool's kv_cache.kv_cache_dtype ("fp8": e4m3 K/V)
     shared_prefix: int = 0  # leading prompt tokens every request shares (a system prompt), within input_len
-    max_seq_len: int | None = None  # the engines' limits.max_seq_len (None: the longest request + 1)
+    max_seq_len: int | None = None  # the engine's limits.max_seq_len (None: the longest request + 1)
     admit_every_steps: int = 8  # the schedulers' admission rule, the served llm model's default
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -179,7 +179,7 @@ def met_slos(ttft_ms: float, tpot_ms: float | None, slo_ttft_ms: float | None, s
 
 def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = None,
              slos: tuple[float | None, float | None] = (None, None)) -> SideResult:
-    """Submit every request of `work` to `scheduler` (static or paged) at its time in `at` (default: all at
+    """Submit every request of `work` to `scheduler` at its time in `at` (default: all at
     once, served on this thread; else the scheduler runs on its own thread while this one submits), and time
     every token as the host receives it."""
     from serving.engine.scheduler import GenRequest
@@ -232,40 +232,40 @@ def run_side(scheduler: Any, work: Work, side: str, at: list[float] | None = Non
     if slos != (None, None):
         met = sum(met_slos(a, b, *slos) for a, b in zip(ttft, tpots))
     stats = scheduler.stats
-    parts = ("plan_s", "forward_s", "wait_s", "deliver_s") if hasattr(stats, "plan_s") else ("launch_s", "deliver_s", "wait_s")
-    note = f"{stats.steps} steps: " + ", ".join(f"{p[:-2]} {getattr(stats, p):.1f} s" for p in parts)
-    if hasattr(stats, "mixed_steps"):
-        note += f"; {stats.mixed_steps} steps with a prefill chunk: {stats.mixed_s:.1f} s of forward + wait"
-    if getattr(stats, "prefix_hit_tokens", 0):
+    note = (f"{stats.steps} steps: plan {stats.plan_s:.1f} s, forward {stats.forward_s:.1f} s, wait {stats.wait_s:.1f} s, "
+            f"deliver {stats.deliver_s:.1f} s; {stats.mixed_steps} steps with a prefill chunk: {stats.mixed_s:.1f} s "
+            f"of forward + wait")
+    if stats.prefix_hit_tokens:
         note += f"; {stats.prefix_hit_tokens} prompt tokens from the prefix cache"
     return SideResult(side=side, requests=len(work), input_tokens=sum(len(p) for p, _ in work),
                       output_tokens=generated, wall_s=wall, output_tok_s=generated / wall,
                       request_per_s=len(work) / wall, ttft_ms=_stats(ttft), tpot_ms=_stats(tpot), itl_ms=_stats(itl),
-                      largest_batch=stats.largest_batch, preempted=getattr(stats, "preempted", 0), note=note,
+                      largest_batch=stats.largest_batch, preempted=stats.preempted, note=note,
                       goodput_per_s=None if met is None else met / wall, met_slo=met)
 
 
-SYNC_SIDE = "paged-sync"  # the paged engine waiting for every step's tokens (no step ahead)
-PREFIX_SIDE = "paged-prefix-cache"  # the paged engine with prefix caching (blocks cached across its runs)
-TORCH_ROW_OPS_SIDE = "paged-torch-ops"  # the paged engine with its norms, rotations, K/V writes, SiLU * up as torch ops
-TILE_SIDE = "paged-tile"  # + N: the paged engine whose decode attention walks N positions an iteration
+ENGINE_SIDE = "engine"  # the engine as it serves
+SYNC_SIDE = "engine-sync"  # the engine waiting for every step's tokens (no step ahead)
+PREFIX_SIDE = "engine-prefix-cache"  # the engine with prefix caching (blocks cached across its runs)
+TORCH_ROW_OPS_SIDE = "engine-torch-ops"  # the engine with its norms, rotations, K/V writes, SiLU * up as torch ops
+TILE_SIDE = "engine-tile"  # + N: the engine whose decode attention walks N positions an iteration
 # sides that run the engine with some of its options changed: side -> `EngineOptions` fields (`attention`: the
 # decode attention kernel's, `AttentionKernelOptions`)
 OPTION_SIDES: dict[str, dict[str, Any]] = {
-    "paged-unscaled": {"prescale_rows": False},  # FP8 GEMMs scaling their rows (not the norms, SiLU * up)
-    "paged-precise-accum": {"fp8_fast_accum": False},  # fp8 prompt GEMMs promoting to float32 as they go
-    "paged-no-prefetch": {"attention": {"prefetch_blocks": False}},  # decode attention: table, K, V in a row
-    "paged-kv-dot-bf16": {"attention": {"fp8_kv_dot_f16": False}},  # ... over an e4m3 pool: bf16 dots
-    "paged-fp8-warps4": {"attention": {"fp8_num_warps": 4}},  # ... over an e4m3 pool: 4 warps a program
-    "paged-pdl": {"decode_pdl": True},  # decode graphs with programmatic dependent launch
-    "paged-sum-adds": {"partial_sums_one_kernel": False},  # eager split-K sums as a kernel an add
-    "paged-repeat-kv": {"gqa_in_sdpa": False},  # prompt attention copying K/V per query head
+    "engine-unscaled": {"prescale_rows": False},  # FP8 GEMMs scaling their rows (not the norms, SiLU * up)
+    "engine-precise-accum": {"fp8_fast_accum": False},  # fp8 prompt GEMMs promoting to float32 as they go
+    "engine-no-prefetch": {"attention": {"prefetch_blocks": False}},  # decode attention: table, K, V in a row
+    "engine-kv-dot-bf16": {"attention": {"fp8_kv_dot_f16": False}},  # ... over an e4m3 pool: bf16 dots
+    "engine-fp8-warps4": {"attention": {"fp8_num_warps": 4}},  # ... over an e4m3 pool: 4 warps a program
+    "engine-pdl": {"decode_pdl": True},  # decode graphs with programmatic dependent launch
+    "engine-sum-adds": {"partial_sums_one_kernel": False},  # eager split-K sums as a kernel an add
+    "engine-repeat-kv": {"gqa_in_sdpa": False},  # prompt attention copying K/V per query head
 }
 
 
 def side_options(side: str, base: EngineOptions) -> EngineOptions:
-    """The options a paged side runs with: `base` with each joined part's changes ('+': `paged-pdl+no-prefetch`
-    both; `paged-tile<N>`: the attention walking N positions an iteration)."""
+    """The options a side runs with: `base` with each joined part's changes ('+': `engine-pdl+no-prefetch`
+    both; `engine-tile<N>`: the attention walking N positions an iteration)."""
     fields: dict[str, Any] = {}
     attention: dict[str, Any] = {}
     for part in joined_sides(side):
@@ -283,8 +283,8 @@ def side_options(side: str, base: EngineOptions) -> EngineOptions:
 
 @contextlib.contextmanager
 def side_context(side: str, model: Any) -> Iterator[None]:
-    """What a paged side changes while it runs (its decode graphs are captured inside it): `model`'s options
-    (`side_options`, applied to its layers too), and for `paged-torch-ops` the row kernels."""
+    """What a side changes while it runs (its decode graphs are captured inside it): `model`'s options
+    (`side_options`, applied to its layers too), and for `engine-torch-ops` the row kernels."""
     from serving.engine.linears import apply_options
 
     base = model.options
@@ -297,13 +297,13 @@ def side_context(side: str, model: Any) -> Iterator[None]:
 
 
 def joined_sides(side: str) -> list[str]:
-    """`paged-pdl+no-prefetch` -> [`paged-pdl`, `paged-no-prefetch`]; a side without '+' -> [side]."""
-    return [f"paged-{part}" for part in side.removeprefix("paged-").split("+")] if "+" in side else [side]
+    """`engine-pdl+no-prefetch` -> [`engine-pdl`, `engine-no-prefetch`]; a side without '+' -> [side]."""
+    return [f"engine-{part}" for part in side.removeprefix("engine-").split("+")] if "+" in side else [side]
 
 
 def check_sides(sides: tuple[str, ...]) -> None:
     """Refuse, naming it and the known ones, a side this bench does not run."""
-    known = ("static", "paged", SYNC_SIDE, PREFIX_SIDE, TORCH_ROW_OPS_SIDE, *OPTION_SIDES)
+    known = (ENGINE_SIDE, SYNC_SIDE, PREFIX_SIDE, TORCH_ROW_OPS_SIDE, *OPTION_SIDES)
     for side in sides:
         for part in joined_sides(side):
             tile = part.removeprefix(TILE_SIDE)
@@ -314,8 +314,8 @@ def check_sides(sides: tuple[str, ...]) -> None:
 
 @contextlib.contextmanager
 def prefix_caching(runner: Any, *, on: bool) -> Iterator[None]:
-    """The paged runner with a prefix-caching allocator (`serving.engine.prefix_cache`) while a side runs."""
-    if not on or runner is None:
+    """The runner with a prefix-caching allocator (`serving.engine.prefix_cache`) while a side runs."""
+    if not on:
         yield
         return
     from serving.engine.prefix_cache import PrefixCachingAllocator
@@ -339,16 +339,14 @@ def torch_row_ops() -> Iterator[None]:
         yield
 
 
-def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any]:
-    """(model, static runner or None, paged runner or None) over one random model's weights."""
-    from serving.engine.paged_cache import PagedKVConfig
-    from serving.engine.paged_runner import PagedRunner
-
+def _runner(cfg: ThroughputConfig, device: torch.device) -> Any:
+    """The engine's runner over one random model's weights (quantized in memory by `cfg.quantization`)."""
     from bench.models import model_args
     from bench.quantized import quantized_model
     from serving.engine.build import EngineInfo, EngineLimits
+    from serving.engine.kv_cache import KVCacheConfig
     from serving.engine.linears import apply_options
-    from serving.engine.model import Transformer
+    from serving.engine.models.llama import Transformer
     from serving.engine.options import resolve_options
     from serving.engine.quantize import NONE, QuantInfo, check_device
     from serving.engine.runner import EngineRunner
@@ -370,35 +368,21 @@ def _runners(cfg: ThroughputConfig, device: torch.device) -> tuple[Any, Any, Any
         model = quantized_model(model, cfg.quantization, dtype=dtype)
         gc.collect()
         if device.type == "cuda":
-            torch.cuda.empty_cache()  # the bf16 weights it replaced, before the paged pool is sized from free memory
+            torch.cuda.empty_cache()  # the bf16 weights it replaced, before the pool is sized from free memory
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
-
-    def info(max_batch_size: int) -> EngineInfo:
-        limits = EngineLimits(name, max_batch_size=max_batch_size, max_input_len=max_seq_len - 1, max_seq_len=max_seq_len)
-        return EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."),
-                          quantization=QuantInfo(cfg.quantization))
-
-    apply_options(model, resolve_options(device, info(1)))
-    static = paged = None
-    if any(side != "static" for side in cfg.sides):  # sized first: from the memory free before the static cache takes its share
-        config = PagedKVConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_tokens=cfg.max_num_tokens,
-                               free_mem_fraction=cfg.free_mem_fraction, kv_cache_dtype=cfg.kv_cache_dtype)
-        if "static" in cfg.sides and cfg.num_blocks is None and device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-            static_bytes = 2 * args.n_layers * args.kv_size * cfg.static_batch * max_seq_len * 2
-            config = replace(config, free_mem_fraction=cfg.free_mem_fraction * (free - static_bytes) / free)
-        paged = PagedRunner(info(cfg.paged_live), model, device, config)
-    if "static" in cfg.sides:
-        model.setup_caches(cfg.static_batch, max_seq_len)
-        static = EngineRunner(info(cfg.static_batch), model, device)
-    return model, static, paged
+    limits = EngineLimits(name, max_batch_size=cfg.max_live, max_input_len=max_seq_len - 1, max_seq_len=max_seq_len)
+    config = KVCacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_tokens=cfg.max_num_tokens,
+                           free_mem_fraction=cfg.free_mem_fraction if device.type == "cuda" else None,
+                           kv_cache_dtype=cfg.kv_cache_dtype)
+    info = EngineInfo(fingerprint="random-weights", toolchain={}, limits=limits, model=args, path=Path("."),
+                      quantization=QuantInfo(cfg.quantization), kv_cache=config)
+    apply_options(model, resolve_options(device, info))
+    return EngineRunner(info, model, device, config)
 
 
 def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: Path | None = None,
                      progress: Callable[[str], None] = print) -> ThroughputReport:
-    """Both sides on the same requests, one after the other; each warmed first on `warmup_requests`."""
-    from serving.engine.paged_scheduler import PagedScheduler
-
+    """Every side on the same requests, one after the other; each warmed first on `warmup_requests`."""
     from serving.engine.runner import resolve_device
     from serving.engine.scheduler import Scheduler
 
@@ -407,24 +391,21 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
     if cfg.runs < 1:
         raise ValueError(f"bench throughput: runs={cfg.runs} must be at least 1")
     started = time.perf_counter()
-    model, static, paged = _runners(cfg, dev)
-    progress(f"model {cfg.shape} on {dev} in {time.perf_counter() - started:.0f} s"
-             + (f"; paged cache {paged.num_blocks} blocks of {cfg.block_size}" if paged else ""))
+    runner = _runner(cfg, dev)
+    progress(f"model {cfg.shape} on {dev} in {time.perf_counter() - started:.0f} s; "
+             f"KV cache {runner.num_blocks} blocks of {cfg.block_size}")
     report = ThroughputReport(config=asdict(cfg), device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
-    work = workload(cfg, model.args.vocab_size)
-    warm = workload(cfg, model.args.vocab_size, requests=cfg.warmup_requests, output_len=min(8, cfg.output_len))
+    vocab = runner.info.model.vocab_size
+    work = workload(cfg, vocab)
+    warm = workload(cfg, vocab, requests=cfg.warmup_requests, output_len=min(8, cfg.output_len))
     for side in cfg.sides:
-        runner = static if side == "static" else paged
-        ahead = side != SYNC_SIDE
-        make = (lambda r=runner: Scheduler(r, admit_every_steps=cfg.admit_every_steps)) if side == "static" else \
-            (lambda r=runner, a=ahead: PagedScheduler(r, step_ahead=a, admit_every_steps=cfg.admit_every_steps))
+        def make(ahead: bool = side != SYNC_SIDE) -> Any:
+            return Scheduler(runner, step_ahead=ahead, admit_every_steps=cfg.admit_every_steps)
+
         t0 = time.perf_counter()
-        with side_context(side, model), prefix_caching(paged, on=PREFIX_SIDE in joined_sides(side)):
-            if side == "static" and runner.graphs is not None:
-                runner.graphs.warm_up()
-            if side != "static":
-                runner.decode.drop_graphs()  # captured again, with or without the row kernels
-                runner.warm_up_prefill(cfg.input_len)  # as the served model loads it: prompt steps, a mixed step, graphs
+        with side_context(side, runner.model), prefix_caching(runner, on=PREFIX_SIDE in joined_sides(side)):
+            runner.decode.drop_graphs()  # captured again, with the side's options
+            runner.warm_up_prefill(cfg.input_len)  # as the served model loads it: prompt steps, a mixed step, graphs
             if cfg.warmup_requests:
                 run_side(make(), warm, side)
             setup = time.perf_counter() - t0
@@ -442,11 +423,11 @@ def bench_throughput(cfg: ThroughputConfig, *, device: str = "auto", out_json: P
         progress(result.row())
         if profiled:
             progress(profiled)
-        if side != "static" and dev.type == "cuda":
+        if dev.type == "cuda":
             for rows in cfg.profile_decode:
-                progress(profile_paged_decode(runner, rows, cfg.input_len + cfg.output_len // 2))
+                progress(profile_decode_step(runner, rows, cfg.input_len + cfg.output_len // 2))
             if cfg.profile_prefill:
-                progress(profile_paged_prefill(runner, cfg.input_len))
+                progress(profile_prefill_step(runner, cfg.input_len))
         if out_json is not None:
             out_json.write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
@@ -459,8 +440,8 @@ def profile_run(run: Callable[[], object], side: str) -> str:
     return kernel_table(run, f"{side}, the run again under the profiler", rows=30, busy=True)
 
 
-def profile_paged_decode(runner: Any, rows: int, position: int) -> str:
-    """The kernels of one replay of the paged decode graph of `rows` rows (padding rows at `position`: each
+def profile_decode_step(runner: Any, rows: int, position: int) -> str:
+    """The kernels of one replay of the decode graph of `rows` rows (padding rows at `position`: each
     writes and reads the spare block, so attention's reads hit the cache more than live rows' would)."""
     from bench.kernel_table import kernel_table
 
@@ -472,11 +453,11 @@ def profile_paged_decode(runner: Any, rows: int, position: int) -> str:
     decode.inputs[1, :bsz].zero_()
     decode.inputs[2, :bsz].fill_(position)
     decode.graphs[bsz].replay()
-    return kernel_table(decode.graphs[bsz].replay, f"paged decode step, {bsz} rows at position {position}")
+    return kernel_table(decode.graphs[bsz].replay, f"decode step, {bsz} rows at position {position}")
 
 
-def profile_paged_prefill(runner: Any, prompt_len: int) -> str:
-    """One paged step of prompts only, as many `prompt_len`-token prompts as the step budget and the live cap
+def profile_prefill_step(runner: Any, prompt_len: int) -> str:
+    """One step of prompts only, as many `prompt_len`-token prompts as the step budget and the live cap
     take, each to its first token: wall time on the host (best of 3), then its kernels by device time."""
     from bench.kernel_table import kernel_table
 
@@ -492,5 +473,5 @@ def profile_paged_prefill(runner: Any, prompt_len: int) -> str:
         step()
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
-    title = f"one paged step of {n} x {prompt_len} prompt tokens ({min(walls[1:]) * 1e3:.1f} ms wall)"
+    title = f"one step of {n} x {prompt_len} prompt tokens ({min(walls[1:]) * 1e3:.1f} ms wall)"
     return kernel_table(step, title, rows=30)

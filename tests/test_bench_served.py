@@ -18,7 +18,7 @@ pytest.importorskip("tritonclient.grpc")
 def test_two_variants_measured_in_turn_with_their_counters(tmp_path: Path) -> None:
     clients, per_client, gen_len = 3, 2, 24
     report = run_served(shape="tiny", clients=clients, requests_per_client=per_client, prompt_len=8, gen_len=gen_len,
-                        max_batch_size=4, work=tmp_path, out_json=tmp_path / "served.json", compile_decode=False,
+                        max_batch_size=4, work=tmp_path, out_json=tmp_path / "served.json",
                         variants=(parse_variant("plain"), parse_variant("paced:stream_interval_ms=40,idle_senders=3,busy_senders=2")),
                         via_stream_router=True)
     assert json.loads((tmp_path / "served.json").read_text())["variants"].keys() == {"plain", "paced"}
@@ -54,28 +54,28 @@ def test_two_variants_measured_in_turn_with_their_counters(tmp_path: Path) -> No
     assert report["output_tok_s"] == report["variants"]["plain"]["output_tok_s"]
 
 
-def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_path: Path) -> None:
-    """`--paged-live` serves an engine built paged; `--lanes-per-client` keeps that many requests in flight on
+def test_an_engine_with_its_own_kv_cache_served_with_several_requests_in_flight_per_stream(tmp_path: Path) -> None:
+    """`--num-blocks` serves an engine built with those KV cache settings; `--lanes-per-client` keeps that many requests in flight on
     each client's one stream, every response routed to its own request (a response given to the wrong one
     would leave a request short or over its tokens), and the report sets it against a throughput report."""
     from bench.served import most_in_flight, offline_figures
     from serving.engine.kv_cache import KVCacheConfig
 
     clients, lanes, per_lane, gen_len = 2, 3, 2, 12
-    offline = {"config": {}, "sides": [{"side": "static", "output_tok_s": 1.0},
-                                       {"side": "paged", "output_tok_s": 100.0}]}
+    offline = {"config": {}, "sides": [{"side": "engine-torch-ops", "output_tok_s": 1.0},
+                                       {"side": "engine", "output_tok_s": 100.0}]}
     (tmp_path / "throughput.json").write_text(json.dumps(offline))
     report = run_served(shape="tiny", clients=clients, lanes=lanes, requests_per_client=per_lane, prompt_len=8,
-                        gen_len=gen_len, max_batch_size=8, work=tmp_path, compile_decode=False,
+                        gen_len=gen_len, max_batch_size=8, work=tmp_path,
                         kv_cache=KVCacheConfig(block_size=16, num_blocks=64, max_num_tokens=64),
                         offline_json=tmp_path / "throughput.json", warmup_lanes=lanes)
-    assert json.loads((tmp_path / "engine-paged" / "engine.json").read_text())["kv_cache"]["num_blocks"] == 64
+    assert json.loads((tmp_path / "engine-kv-cache" / "engine.json").read_text())["kv_cache"]["num_blocks"] == 64
     assert report["n_errors"] == 0, report["errors"]
     assert report["warmup"]["requests"] == clients * lanes and report["warmup"]["most_in_flight"] > clients
     assert report["requests"] == clients * lanes * per_lane
     assert report["samples"]["tokens"] == [gen_len] * clients * lanes * per_lane
     assert report["most_in_flight"] > clients
-    # the paged scheduler's and the request intake's counters, read back from Triton's log at the unload
+    # the scheduler's and the request intake's counters, read back from Triton's log at the unload
     served = clients * lanes * (per_lane + 1)  # the warm-up round sends every lane too
     assert report["counters"]["scheduler"]["tokens"] == served * gen_len
     assert report["counters"]["intake"]["requests"] == served and report["counters"]["intake"]["seconds"] > 0
@@ -85,17 +85,17 @@ def test_a_paged_engine_served_with_several_requests_in_flight_per_stream(tmp_pa
     assert 0 <= first["send_ms_p50"] <= first["send_ms_p99"]
     assert report["served_over_offline_e2e"] == pytest.approx(report["output_tok_s"] / 100.0)
     assert most_in_flight([(0, 2), (1, 3), (2.5, 4)]) == 2 and most_in_flight([]) == 0
-    with pytest.raises(ValueError, match="no paged side"):
-        offline_figures({"config": {}, "sides": [{"side": "static", "output_tok_s": 1.0}]})
+    with pytest.raises(ValueError, match="no engine side"):
+        offline_figures({"config": {}, "sides": [{"side": "engine-torch-ops", "output_tok_s": 1.0}]})
 
 
 def test_a_shared_prefix_is_served_from_the_cache_by_the_variant_that_turns_it_on(tmp_path: Path) -> None:
-    """`--shared-prefix 16` with two variants of one paged engine built without prefix caching: the one loaded
+    """`--shared-prefix 16` with two variants of one engine built without prefix caching: the one loaded
     with `prefix_caching=true` takes the shared blocks from its cache, the default computes them."""
     from serving.engine.kv_cache import KVCacheConfig
 
     report = run_served(shape="tiny", clients=2, lanes=2, requests_per_client=2, prompt_len=20, gen_len=4,
-                        max_batch_size=8, work=tmp_path, compile_decode=False, shared_prefix=16,
+                        max_batch_size=8, work=tmp_path, shared_prefix=16,
                         kv_cache=KVCacheConfig(block_size=8, num_blocks=64, max_num_tokens=64),
                         variants=(("plain", {}), ("cached", {"prefix_caching": "true"})))
     plain, cached = report["variants"]["plain"], report["variants"]["cached"]
@@ -114,7 +114,7 @@ def test_offline_engine_report_has_the_scheduler_figure_of_the_same_workload(tmp
     from bench.served import bench_offline_engine, build_random_engine
 
     engine_dir = build_random_engine("tiny", tmp_path, max_batch_size=4, max_seq_len=256)
-    report = bench_offline_engine(engine_dir, batch=4, prompt_len=8, gen_len=10, repeats=1, compile_decode=False,
+    report = bench_offline_engine(engine_dir, batch=4, prompt_len=8, gen_len=10, repeats=1,
                                   scheduler_requests_per_client=3, out_json=tmp_path / "offline.json")
     scheduler = report["scheduler"]
     assert scheduler["output_tokens"] == 4 * 3 * 10
@@ -178,7 +178,7 @@ def test_a_run_stopped_by_its_time_limit_keeps_the_requests_done_so_far(tmp_path
     threading.Thread(target=stop_mid_run, daemon=True).start()
     with pytest.raises(SystemExit):
         run_served(shape="tiny", clients=2, requests_per_client=100_000, prompt_len=8, gen_len=8, max_batch_size=2,
-                   work=tmp_path, out_json=tmp_path / "served.json", compile_decode=False)
+                   work=tmp_path, out_json=tmp_path / "served.json")
     figures = json.loads((tmp_path / "served.json").read_text())["variants"]["default"]
     assert figures["partial"] is True and "SystemExit" in figures["interrupted"]
     assert figures["requests"] > 0 and figures["output_tokens"] == 8 * (figures["requests"] - figures["n_errors"])

@@ -26,8 +26,6 @@ from tasks.tiny_model import make_tiny_model
 LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=40, max_seq_len=80)
 # 8-position blocks; the pool holds 160 positions (two sequences of max_seq_len), each step 24 tokens
 CONFIG = KVCacheConfig(block_size=8, num_blocks=20, max_num_tokens=24)
-BENCH_MOVES = pytest.mark.skip(reason="bench/'s throughput bench still drives the retired static engine and "
-                               "the paged_* modules: it is fixed where it moves (bench/, helper lab), not here")
 
 
 @pytest.fixture(scope="module")
@@ -268,36 +266,35 @@ def test_release_build_step_carries_the_kv_cache_settings(engines, tmp_path):
     assert '"kv_cache"' in (on_default.path / "engine.json").read_text()
 
 
-@BENCH_MOVES
 def test_throughput_bench_serves_every_request_on_both_sides(tmp_path):
-    """`bench throughput` on the tiny shape (CPU): both sides deliver every requested token and report
-    percentiles; the paged side under a pool smaller than the requests' total."""
+    """`bench throughput` on the tiny shape (CPU): the engine with and without its step ahead deliver every
+    requested token and report percentiles, under a pool smaller than the requests' total."""
     import json
 
     from bench.throughput import ThroughputConfig, bench_throughput, workload
 
-    cfg = ThroughputConfig(shape="tiny", requests=6, input_len=8, output_len=4, spread=0.5, static_batch=2,
-                           paged_live=4, block_size=4, max_num_tokens=16, num_blocks=6, warmup_requests=0)
+    cfg = ThroughputConfig(shape="tiny", requests=6, input_len=8, output_len=4, spread=0.5,
+                           sides=("engine", "engine-sync"), max_live=4, block_size=4, max_num_tokens=16,
+                           num_blocks=6, warmup_requests=0)
     report = bench_throughput(cfg, device="cpu", out_json=tmp_path / "t.json", progress=lambda line: None)
     want = sum(n for _, n in workload(cfg, 512))
-    assert [s.side for s in report.sides] == ["static", "paged"]
+    assert [s.side for s in report.sides] == ["engine", "engine-sync"]
     for side in report.sides:
         assert side.output_tokens == want and side.output_tok_s > 0 and side.ttft_ms["p50"] <= side.ttft_ms["p99"]
-    assert report.sides[0].largest_batch <= 2 and report.sides[1].largest_batch <= 4
-    assert json.loads((tmp_path / "t.json").read_text())["sides"][1]["side"] == "paged"
+        assert side.largest_batch <= 4
+    assert json.loads((tmp_path / "t.json").read_text())["sides"][1]["side"] == "engine-sync"
 
 
-@BENCH_MOVES
 @pytest.mark.parametrize("method", ["fp8", "int8-weight-only"])
-def test_throughput_bench_runs_both_sides_on_quantized_weights(method):
-    """`bench throughput --quantization`: both sides run the quantized linears (the CPU's dequantizing path)
-    and deliver every token."""
+def test_throughput_bench_runs_the_engine_on_quantized_weights(method):
+    """`bench throughput --quantization`: the engine runs the quantized linears (the CPU's dequantizing path)
+    and delivers every token."""
     from unittest import mock
 
     from bench.throughput import ThroughputConfig, bench_throughput, workload
     from serving.engine.linear_quantized import QuantLinear
 
-    cfg = ThroughputConfig(shape="tiny", requests=4, input_len=6, output_len=3, static_batch=2, paged_live=4,
+    cfg = ThroughputConfig(shape="tiny", requests=4, input_len=6, output_len=3, max_live=4,
                            block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0, quantization=method)
     seen: set[str] = set()
     reference = QuantLinear.reference
@@ -310,13 +307,12 @@ def test_throughput_bench_runs_both_sides_on_quantized_weights(method):
         report = bench_throughput(cfg, device="cpu", progress=lambda line: None)
     assert seen == {method}
     want = sum(n for _, n in workload(cfg, 512))
-    assert [s.output_tokens for s in report.sides] == [want, want]
+    assert [s.output_tokens for s in report.sides] == [want]
     assert report.config["quantization"] == method
 
 
-@BENCH_MOVES
-def test_throughput_bench_paged_side_on_an_fp8_kv_cache():
-    """`bench throughput --kv-cache-dtype fp8`: the paged side's pool is e4m3 and serves every token."""
+def test_throughput_bench_on_an_fp8_kv_cache():
+    """`bench throughput --kv-cache-dtype fp8`: the engine's pool is e4m3 and serves every token."""
     from unittest import mock
 
     from bench.throughput import ThroughputConfig, bench_throughput, workload
@@ -329,7 +325,7 @@ def test_throughput_bench_paged_side_on_an_fp8_kv_cache():
         made(self, **kw)
         pools.append(self.k[0].dtype)
 
-    cfg = ThroughputConfig(shape="tiny", requests=4, input_len=6, output_len=3, sides=("paged",), paged_live=4,
+    cfg = ThroughputConfig(shape="tiny", requests=4, input_len=6, output_len=3, max_live=4,
                            block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0, kv_cache_dtype="fp8")
     with mock.patch.object(PagedKVCache, "__init__", spy):
         report = bench_throughput(cfg, device="cpu", progress=lambda line: None)
@@ -337,10 +333,10 @@ def test_throughput_bench_paged_side_on_an_fp8_kv_cache():
     assert report.sides[0].output_tokens == sum(n for _, n in workload(cfg, 512))
 
 
-@BENCH_MOVES
 def test_throughput_bench_at_a_poisson_rate_reports_goodput_against_slos():
     """`--request-rate`: requests arrive over time in a seeded Poisson process (the run lasts at least until the
-    last arrival, TTFT counts from each request's own submit), both sides serve them all on their own thread;
+    last arrival, TTFT counts from each request's own submit), both sides (the engine with and without its step
+    ahead) serve them all on their own thread;
     `--goodput`: every request meets SLOs no request can miss, none meets a TTFT SLO none can meet."""
     import statistics
 
@@ -362,7 +358,8 @@ def test_throughput_bench_at_a_poisson_rate_reports_goodput_against_slos():
             parse_slos(bad)
     assert met_slos(10.0, None, 20.0, 1.0) and not met_slos(10.0, 2.0, 20.0, 1.0) and met_slos(10.0, 2.0, None, None)
 
-    base = {"shape": "tiny", "requests": 10, "input_len": 8, "output_len": 4, "static_batch": 2, "paged_live": 4,
+    base = {"shape": "tiny", "requests": 10, "input_len": 8, "output_len": 4, "sides": ("engine", "engine-sync"),
+            "max_live": 4,
             "block_size": 4, "max_num_tokens": 16, "num_blocks": 16, "warmup_requests": 0, "request_rate": 25.0}
     last = arrivals(ThroughputConfig(**base), 10)[-1]
     want = sum(n for _, n in workload(ThroughputConfig(**base), 512))
@@ -415,10 +412,10 @@ def test_the_gates_load_the_engine_with_its_own_pool_and_the_fit_estimate_counts
     """`load_engine` (the gates' loader and the llm model's default) follows engine.json; the validation gate,
     left to load the engine itself, gets the built pool and passes; the perf gate's measurement runs on it; the
     fit check's estimate is the pool: by default max_batch_size x max_seq_len, else the blocks the build fixed."""
-    from bench.offline import bench_engine
     from serving.engine import read_engine_info, runner
     from serving.engine.kv_cache import kv_block_bytes
     from serving.engine.memory import estimate_engine_memory, kv_cache_bytes, pool_bytes
+    from serving.engine.timing import time_generate
     from tasks.validate import ValidationSpec, reference_run, validate_engine
 
     hf, default_dir, _, _ = engines
@@ -435,7 +432,7 @@ def test_the_gates_load_the_engine_with_its_own_pool_and_the_fit_estimate_counts
     result = validate_engine(paged_build, hf, spec, reference=reference)
     assert result.passed, result.failures
     assert loaded[0].config == SERVED and loaded[0].num_blocks == 20
-    cell = bench_engine(loaded[0], batch=3, prompt_len=30, gen_len=4, repeats=1, warmup=0)  # 90 tokens: 4 steps
+    cell = time_generate(loaded[0], batch=3, prompt_len=30, gen_len=4, repeats=1, warmup=0)  # 90 tokens: 4 steps
     assert cell.e2e_tok_s > 0 and cell.ttft_ms_p50 > 0
 
     a = read_engine_info(paged_build).model
@@ -524,7 +521,6 @@ def test_prompt_groups_in_a_row_are_read_as_views_and_give_the_gathered_result(e
         paged.allocator.give_back(blocks)
 
 
-@BENCH_MOVES
 def test_throughput_bench_option_sides_set_the_engine_options_only_while_they_run():
     from bench.throughput import (
         OPTION_SIDES,
@@ -540,7 +536,7 @@ def test_throughput_bench_option_sides_set_the_engine_options_only_while_they_ru
 
     model = Transformer(ModelArgs("LlamaForCausalLM", 64, 16, 1, 2, 1, 8, 32, 1e-5, 64))
     base = model.options
-    with side_context("paged-tile128", model):
+    with side_context("engine-tile128", model):
         assert model.options.attention.tile_positions == 128
     assert model.options == base and base.attention.tile_positions is None
     for side, changes in OPTION_SIDES.items():
@@ -552,47 +548,46 @@ def test_throughput_bench_option_sides_set_the_engine_options_only_while_they_ru
                 else:
                     assert got == value != getattr(base, name), side
         assert model.options == base, side
-    assert set(OPTION_SIDES) == {"paged-repeat-kv", "paged-pdl", "paged-precise-accum", "paged-no-prefetch",
-                                 "paged-unscaled", "paged-sum-adds", "paged-kv-dot-bf16", "paged-fp8-warps4"}
-    check_sides(("static", "paged", "paged-sync", "paged-torch-ops", "paged-repeat-kv", "paged-pdl",
-                 "paged-unscaled", "paged-no-prefetch", "paged-precise-accum", "paged-tile64"))
-    with side_context("paged-no-prefetch+tile64", model):
+    assert set(OPTION_SIDES) == {"engine-repeat-kv", "engine-pdl", "engine-precise-accum", "engine-no-prefetch",
+                                 "engine-unscaled", "engine-sum-adds", "engine-kv-dot-bf16", "engine-fp8-warps4"}
+    check_sides(("engine", "engine-sync", "engine-prefix-cache", "engine-torch-ops", "engine-repeat-kv",
+                 "engine-pdl", "engine-unscaled", "engine-no-prefetch", "engine-precise-accum", "engine-tile64"))
+    with side_context("engine-no-prefetch+tile64", model):
         assert model.options.attention == dataclasses.replace(EngineOptions().attention, prefetch_blocks=False,
                                                               tile_positions=64)
     assert model.options == base
-    check_sides(("paged-no-prefetch+tile64+pdl",))
-    for bad in ("paged-tile", "paged-tilex", "fast", "paged-no-prefetch+fast"):
+    check_sides(("engine-no-prefetch+tile64+pdl",))
+    for bad in ("engine-tile", "engine-tilex", "fast", "engine-no-prefetch+fast", "static", "paged"):
         with pytest.raises(ValueError, match=re.escape(f"unknown side {bad!r}")):
-            check_sides(("paged", bad))
-    cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, sides=("paged-tile32",),
-                           paged_live=4, block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0)
+            check_sides(("engine", bad))
+    cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, sides=("engine-tile32",),
+                           max_live=4, block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0)
     report = bench_throughput(cfg, device="cpu", progress=lambda line: None)
-    assert report.sides[0].side == "paged-tile32"
+    assert report.sides[0].side == "engine-tile32"
     assert report.sides[0].output_tokens == sum(n for _, n in workload(cfg, 512))
 
 
-@BENCH_MOVES
-def test_throughput_bench_at_a_users_max_seq_len_sizes_the_static_cache_by_it():
-    """`--max-seq-len`: the engines' limit as a user sets it; the static cache holds static_batch rows of it
-    (the paged pool does not care), and a limit shorter than the requests is refused with the numbers."""
+def test_throughput_bench_at_a_users_max_seq_len_sets_the_engines_limit():
+    """`--max-seq-len`: the engine's limit as a user sets it (its rotary tables and decode block tables span it),
+    and a limit shorter than the requests is refused with the numbers."""
     from unittest import mock
 
     from bench.throughput import ThroughputConfig, bench_throughput, workload
-    from serving.engine.model import Transformer
+    from serving.engine.runner import EngineRunner
 
-    sizes: list[tuple[int, int]] = []
-    setup = Transformer.setup_caches
+    limits: list[int] = []
+    made = EngineRunner.__init__
 
-    def spy(self, max_batch_size, max_seq_len, *args, **kwargs):
-        sizes.append((max_batch_size, max_seq_len))
-        return setup(self, max_batch_size, max_seq_len, *args, **kwargs)
+    def spy(self, info, *args, **kwargs):
+        limits.append(info.limits.max_seq_len)
+        made(self, info, *args, **kwargs)
 
-    cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, static_batch=2, paged_live=4,
+    cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, max_live=4,
                            block_size=4, max_num_tokens=16, num_blocks=40, warmup_requests=0, max_seq_len=128)
-    with mock.patch.object(Transformer, "setup_caches", spy):
+    with mock.patch.object(EngineRunner, "__init__", spy):
         report = bench_throughput(cfg, device="cpu", progress=lambda line: None)
-    assert sizes == [(2, 128)]
-    assert [s.output_tokens for s in report.sides] == [sum(n for _, n in workload(cfg, 512))] * 2
+    assert limits == [128]
+    assert [s.output_tokens for s in report.sides] == [sum(n for _, n in workload(cfg, 512))]
     with pytest.raises(ValueError, match="max_seq_len=8 is shorter than the longest request"):
         bench_throughput(dataclasses.replace(cfg, max_seq_len=8), device="cpu", progress=lambda line: None)
 
@@ -619,11 +614,10 @@ def test_warm_up_runs_a_mixed_step_and_gives_its_blocks_back(engines):
     assert paged.allocator.free == paged.num_blocks
 
 
-@BENCH_MOVES
 def test_throughput_bench_repeats_each_sides_run_and_lists_every_runs_rate():
     from bench.throughput import ThroughputConfig, bench_throughput, workload
 
-    cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, sides=("paged",), paged_live=4,
+    cfg = ThroughputConfig(shape="tiny", requests=3, input_len=6, output_len=3, max_live=4,
                            block_size=4, max_num_tokens=16, num_blocks=12, warmup_requests=0, runs=2)
     side = bench_throughput(cfg, device="cpu", progress=lambda line: None).sides[0]
     assert len(side.run_tok_s) == 2 and side.run_tok_s[-1] == side.output_tok_s

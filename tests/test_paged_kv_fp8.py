@@ -242,19 +242,17 @@ def test_the_fp8_engine_is_the_model_over_e4m3_rounded_kv_and_generates(built):
     assert fp8.allocator.free == FP8.num_blocks
 
 
-@pytest.mark.skip(reason="bench/'s throughput bench (its random-weight runners) still drives the retired "
-                  "static engine: it is fixed where it moves (bench/, helper lab), not here")
 def test_greedy_tokens_of_a_model_of_default_init_mostly_agree_with_the_model_dtype_cache():
     """A random model of the bench's tiny shape at nn.Linear's default init (cached K/V of median magnitude
     0.4, not the tiny HF model's ~3): teacher-forced over 10 prompts x 30 tokens, 299 of 300 top-1
     tokens agree with the float32 cache and the logits move by 0.3%; floors 0.97 and 2%."""
-    from bench.throughput import ThroughputConfig, _runners
+    from bench.throughput import ThroughputConfig, _runner
     from serving.engine.runner import EngineRunner
 
-    cfg = ThroughputConfig(shape="tiny", input_len=30, output_len=30, sides=("paged",), paged_live=6,
+    cfg = ThroughputConfig(shape="tiny", input_len=30, output_len=30, max_live=6,
                            block_size=16, max_num_tokens=64, num_blocks=24, warmup_requests=0)
-    model, _, auto = _runners(cfg, torch.device("cpu"))
-    fp8 = EngineRunner(auto.info, model, auto.device, dataclasses.replace(auto.config, kv_cache_dtype="fp8"))
+    auto = _runner(cfg, torch.device("cpu"))
+    fp8 = EngineRunner(auto.info, auto.model, auto.device, dataclasses.replace(auto.config, kv_cache_dtype="fp8"))
     assert fp8.cache.k[0].dtype == KV_FP8_DTYPE
     agreement, rel, positions = compare_forced(auto, fp8, _prompts(10, seed=0, longest=30), 30)
     print(f"default init, fp8 KV against float32 KV: top-1 {agreement:.3f} of {positions}, logits {rel:.2%}")

@@ -149,15 +149,13 @@ def test_the_release_spec_turns_it_on_and_the_setting_round_trips():
         KVCacheConfig.from_dict({**_kv_cache(on).to_dict(), "prefix_caching": "yes"})
 
 
-@pytest.mark.skip(reason="bench/throughput.py bench still drives the retired static engine and the paged_* "
-                  "modules: it is fixed where it moves (bench/, helper lab), not here")
 def test_the_throughput_bench_serves_a_shared_prefix_from_the_cache_on_its_side():
-    """`bench throughput --shared-prefix 12 --sides paged,paged-prefix-cache`: every prompt starts with the same 12
+    """`bench throughput --shared-prefix 12 --sides engine,engine-prefix-cache`: every prompt starts with the same 12
     ids; the prefix-caching side takes them from the cache after the first requests, both sides make every token."""
     from bench.throughput import ThroughputConfig, bench_throughput, workload
 
-    cfg = ThroughputConfig(shape="tiny", requests=6, input_len=16, output_len=4, sides=("paged", "paged-prefix-cache"),
-                           paged_live=2, block_size=4, max_num_tokens=16, num_blocks=24, warmup_requests=0,
+    cfg = ThroughputConfig(shape="tiny", requests=6, input_len=16, output_len=4, sides=("engine", "engine-prefix-cache"),
+                           max_live=2, block_size=4, max_num_tokens=16, num_blocks=24, warmup_requests=0,
                            shared_prefix=12)
     work = workload(cfg, 512)
     assert len({tuple(p[:12]) for p, _ in work}) == 1 and len({tuple(p) for p, _ in work}) == 6
