@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.bench.lm_eval_check import check
+from bench.lm_eval_check import check
 
 pytestmark = pytest.mark.slow
 
