@@ -209,14 +209,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--work", type=Path, default=Path("build/bench-served"))
     eng.add_argument("--out", type=Path, default=Path("bench-engine-offline.json"))
     lod = sub.add_parser("engine-load", help="one load of an engine folder as the decoupled llm model loads it "
-                         "(compiled decode step, compile cache restored or stored), timed to ready (CUDA)")
+                         "(prompt steps, a mixed step and the decode graphs warmed up), timed to ready")
     lod.add_argument("--engine", type=Path, required=True)
-    lod.add_argument("--compile-cache", type=Path, required=True, help="root of the compile caches")
     lod.add_argument("--out", type=Path, default=Path("bench-engine-load.json"))
-    lod.add_argument("--profile", type=Path, default=None, help="compile on this thread under cProfile; its top "
+    lod.add_argument("--profile", type=Path, default=None, help="warm up on this thread under cProfile; its top "
                      "calls written here")
     pair = sub.add_parser("load-pair", help="first load against second load of an engine, each in a fresh process "
-                          "with empty inductor/Triton caches: the second finds only the first's compile cache")
+                          "sharing one Triton cache folder that starts empty: the second finds the first's kernels")
     pair.add_argument("--engine", type=Path, required=True)
     pair.add_argument("--work", type=Path, default=Path("build/bench-load"))
     pair.add_argument("--out", type=Path, default=Path("bench-load.json"))
@@ -357,14 +356,14 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_mode == "engine-load":
         from bench.load_time import measure_load
 
-        report = measure_load(args.engine, args.compile_cache, profile=args.profile)
+        report = measure_load(args.engine, profile=args.profile)
         args.out.write_text(json.dumps(report, indent=1))
         return 0
     if args.bench_mode == "load-pair":
         from bench.load_time import run_load_pair
 
         args.work.mkdir(parents=True, exist_ok=True)
-        report = run_load_pair(args.engine, args.work / "compile-cache", args.work, profile=args.profile)
+        report = run_load_pair(args.engine, args.work, profile=args.profile)
         args.out.write_text(json.dumps(report, indent=1))
         return 0
     if args.bench_mode == "bls-stress":

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# How long an engine takes to load, first and second time, with the compile cache (one H200, from the repo root, wheels of bench/device_wheels.sh in $WHL,
+# How long an engine takes to load, first and second time on a machine (one H200, from the repo root, wheels of bench/device_wheels.sh in $WHL,
 # default .whl/): in one call,
 #  - the 1B engine built (random bf16 weights -> HF checkpoint -> convert -> build; max batch 64, 256 positions),
-#  - offline: its first load against its second (`bench load-pair`: each in a fresh process with fresh
-#    empty inductor/Triton caches; the second finds only the first's compile cache),
-#  - Triton: the same engine as a decoupled compiled llm model, loaded by a first server then a second one
-#    (fresh inductor/Triton caches each, one compile cache dir), model load to ready and one request,
+#  - offline: its first load against its second (`bench load-pair`: each in a fresh process sharing one Triton
+#    cache folder that starts empty; the second finds the kernels the first compiled),
+#  - Triton: the same engine as a decoupled llm model, loaded by a first server then a second one (one Triton
+#    cache folder, empty at the first), model load to ready and one request,
 #  - while the second serves it: the fit check (tasks.fit.check_fits, Triton's GPU memory metrics) of a
 #    candidate built from the same checkpoint with limits that fit an empty GPU but not beside the live one.
 # Results under $OUT: steps.log, load-pair.json, triton.json, triton-*.log. OFFLINE=0 skips the offline pair,
@@ -111,10 +111,10 @@ for name in ("load-pair.json", "triton.json"):
         print(name, "missing", exc)
         continue
     for label, fig in rep.items():
-        if not isinstance(fig, dict) or label == "aot_key_differences":
+        if not isinstance(fig, dict):
             print(name, label, json.dumps(fig)[:3000])
             continue
-        print(name, label, {k: v for k, v in fig.items() if k not in ("log", "during_second", "compile_trace")})
+        print(name, label, {k: v for k, v in fig.items() if k not in ("log", "during_second")})
         for line in fig.get("log", []):
             print("   ", line)
         if "during_second" in fig:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The paged engine served (one H200, from the repo root, wheels carried in .whl/: bench/device_wheels.sh),
 # in one call: Llama-3.1-8B shape, random bf16 weights quantized per QUANT (default fp8), 128/128,
-#  1. offline: `bench throughput`, the paged side alone, REQUESTS (1,024) at once, 1,024 live, 16,384 tokens a step;
-#  2. served: the same shape built as an engine folder with that paged cache, loaded by the bundled Triton
+#  1. offline: `bench throughput`, the engine side alone, REQUESTS (1,024) at once, 1,024 live, 16,384 tokens a step;
+#  2. served: the same shape built as an engine folder with those KV cache settings, loaded by the bundled Triton
 #     (decoupled llm model), CLIENTS (16) streaming gRPC clients x LANES (64) requests in flight each, one
 #     request per lane after a warm-up round, set against step 1's figure; one run per variant in $VARIANTS
 #     (`bench served --variant`, e.g. "interval20:stream_interval_ms=20").
@@ -28,18 +28,18 @@ bash bench/device_venv.sh >>"$OUT/steps.log" 2>&1 &
 VENV_PID=$!
 if [ "${OFFLINE:-1}" = 1 ]; then
   timeout "${OFFLINE_S:-200}" python3 -m bench throughput --shape llama-3.1-8b --quantization "$QUANT" \
-    --workload 128/128 --requests "${REQUESTS:-1024}" --sides paged --paged-live 1024 --max-num-tokens 16384 \
+    --workload 128/128 --requests "${REQUESTS:-1024}" --max-live 1024 --max-num-tokens 16384 \
     --free-mem-fraction 0.9 --warmup-requests 128 --runs "${OFFLINE_RUNS:-1}" --out "$OUT/offline.json" \
     >"$OUT/offline.log" 2>&1
-  log "offline rc=$?: $(grep -E '^ *paged' "$OUT/offline.log" | cut -c1-300)"
+  log "offline rc=$?: $(grep -E '^ *engine' "$OUT/offline.log" | cut -c1-300)"
 fi
 # the engine folder built by the image's python (transformers needs its numpy 2; the venv's 1.26 is for the stub)
 timeout "${BUILD_S:-240}" python3 -c "
 from pathlib import Path
 from bench.served import build_random_engine
-from serving.engine.paged_cache import PagedKVConfig
+from serving.engine.kv_cache import KVCacheConfig
 print(build_random_engine('llama-3.1-8b', Path('$W'), max_batch_size=1024, max_seq_len=256, quantization='$QUANT',
-                          paged=PagedKVConfig(max_num_tokens=16384, free_mem_fraction=${FRACTION:-0.85})))
+                          kv_cache=KVCacheConfig(max_num_tokens=16384, free_mem_fraction=${FRACTION:-0.85})))
 " >"$OUT/build.log" 2>&1
 log "build rc=$?: $(tail -n 1 "$OUT/build.log")"
 wait $VENV_PID; log "venv rc=$?"
@@ -53,7 +53,7 @@ if [ "${PYSPY:-0}" = 1 ] && [ -x .whl/py-spy ]; then
 fi
 ( export PATH=/tmp/venv/bin:$PATH
   timeout "${SERVED_S:-360}" /tmp/venv/bin/python -m bench served --shape llama-3.1-8b --quantization "$QUANT" \
-    --paged-live 1024 --max-num-tokens 16384 --free-mem-fraction "${FRACTION:-0.85}" \
+    --max-batch-size 1024 --max-num-tokens 16384 --free-mem-fraction "${FRACTION:-0.85}" \
     --clients "${CLIENTS:-16}" --lanes-per-client "${LANES:-64}" --requests-per-client "${PER_LANE:-1}" \
     --prompt-len 128 --gen-len 128 --warmup-lanes "${WARMUP_LANES:-1}" --shared-prefix "${SHARED_PREFIX:-0}" \
     --work "$W" --offline-json "$OUT/offline.json" \

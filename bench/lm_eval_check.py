@@ -1,7 +1,7 @@
 """lm-evaluation-harness against `enginewright serve`, scored beside lm-eval's own `hf` backend on the same
 float32 checkpoint (issue 49's acceptance).
 
-`python -m bench.lm_eval_check --checkpoint DIR --out DIR` converts and builds a paged float32 engine of
+`python -m bench.lm_eval_check --checkpoint DIR --out DIR` converts and builds a float32 engine of
 the checkpoint, serves it (a real Triton, its routers, the OpenAI front on loopback), writes two tasks in
 lm-eval's own format over local JSONL files (`write_tasks`: a multiple-choice likelihood task and a generation
 task, arithmetic questions made from a fixed seed; `dataset_path: json`, no dataset hub), and runs the `lm_eval`
