@@ -40,18 +40,19 @@ DONE = "done"
 
 
 def cell_configs(requests: int, *, shape: str, workload: tuple[int, int], quantization: str,
-                 fraction: float, num_blocks: int | None = None) -> dict[str, dict[str, Any]]:
+                 fraction: float, old_fraction: float, num_blocks: int | None = None) -> dict[str, dict[str, Any]]:
     """Each tree's `ThroughputConfig` fields for one cell of `requests` requests: the previous tree's static
     engine at `requests` cache rows (512 from 1,024 requests: its device script's setting), its paged engine
-    and the current engine at `requests` live requests; both pools `fraction` of the free memory, or `num_blocks`
-    blocks (the CPU has no free-memory figure)."""
+    and the current engine at `requests` live requests. The current engine's pool takes `fraction` of the free
+    memory, the previous paged one `old_fraction` (0.6 in its device script: its static cache and the static
+    side's prompt steps need the rest), or both `num_blocks` blocks (the CPU has no free-memory figure)."""
     common = {"shape": shape, "requests": requests, "input_len": workload[0], "output_len": workload[1],
-              "quantization": quantization, "free_mem_fraction": fraction, "num_blocks": num_blocks,
+              "quantization": quantization, "num_blocks": num_blocks,
               "warmup_requests": max(1, min(128, requests // 8)),
               "max_num_tokens": 16384 if requests >= 1024 else 8192}
     return {"old": {**common, "sides": ["static", "paged"], "static_batch": min(requests, 512),
-                    "paged_live": requests},
-            "new": {**common, "sides": ["engine"], "max_live": requests}}
+                    "paged_live": requests, "free_mem_fraction": old_fraction},
+            "new": {**common, "sides": ["engine"], "max_live": requests, "free_mem_fraction": fraction}}
 
 
 class Worker:
@@ -91,7 +92,9 @@ class Worker:
 
 
 def drive(args: argparse.Namespace) -> int:
-    """Every cell of one quantization, old and new alternating; returns the number of cells that failed."""
+    """Every cell of one quantization; returns the number of cells that failed. `--sequential`: the old worker's
+    cells, then the new one's, each process alone on the GPU (where two sets of weights and a 1,024-request pool
+    do not fit together: an 80 GB H100 at the 8B shape); else both workers live, old and new alternating."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workload = tuple(int(x) for x in args.workload.split("/"))
@@ -100,25 +103,32 @@ def drive(args: argparse.Namespace) -> int:
     for tree, root in roots.items():
         if not (root / TREES[tree][0].replace(".", "/") / "throughput.py").is_file():
             raise SystemExit(f"ab_cells: --{tree} {str(root)!r} has no {TREES[tree][0]}.throughput (the tree's root?)")
-    workers = {tree: Worker(tree, root, args.device, out / f"{tree}-{args.quantization}.log")
-               for tree, root in roots.items()}
+    cells = []  # (tree, requests) in the order they run
+    for i, requests in enumerate(int(x) for x in args.cells.split(",")):
+        cells += [(tree, requests) for tree in (("old", "new") if (i + args.flip) % 2 == 0 else ("new", "old"))]
+    if args.sequential:
+        cells = sorted(cells, key=lambda cell: cell[0] != ("old" if args.flip % 2 == 0 else "new"))
+    workers: dict[str, Worker] = {}
     failed = 0
     try:
-        for i, requests in enumerate(int(x) for x in args.cells.split(",")):
+        for tree, requests in cells:
+            name = f"{tree}-{args.quantization}-t{requests}"
+            if time.monotonic() - started > args.deadline_s:
+                print(f"[{time.monotonic() - started:.0f} s] {name}: skipped, past --deadline-s {args.deadline_s}",
+                      flush=True)
+                failed += 1
+                continue
+            if args.sequential:
+                for other in [t for t in workers if t != tree]:
+                    workers.pop(other).close()
+            if tree not in workers:
+                workers[tree] = Worker(tree, roots[tree], args.device, out / f"{tree}-{args.quantization}.log")
             configs = cell_configs(requests, shape=args.shape, workload=workload,  # type: ignore[arg-type]
                                    quantization=args.quantization, fraction=args.fraction,
-                                   num_blocks=args.num_blocks)
-            order = ("old", "new") if (i + args.flip) % 2 == 0 else ("new", "old")
-            for tree in order:
-                name = f"{tree}-{args.quantization}-t{requests}"
-                if time.monotonic() - started > args.deadline_s:
-                    print(f"[{time.monotonic() - started:.0f} s] {name}: skipped, past --deadline-s {args.deadline_s}",
-                          flush=True)
-                    failed += 1
-                    continue
-                rc = workers[tree].run(name, out / f"{name}.json", configs[tree])
-                failed += rc != 0
-                print(f"[{time.monotonic() - started:.0f} s] {name} rc={rc}", flush=True)
+                                   old_fraction=args.old_fraction, num_blocks=args.num_blocks)
+            rc = workers[tree].run(name, out / f"{name}.json", configs[tree])
+            failed += rc != 0
+            print(f"[{time.monotonic() - started:.0f} s] {name} rc={rc}", flush=True)
     finally:
         for worker in workers.values():
             worker.close()
@@ -235,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     drv.add_argument("--shape", default="llama-3.1-8b")
     drv.add_argument("--workload", default="128/128", help="input/output tokens per request")
     drv.add_argument("--cells", default="1,64,1024", help="requests of each cell, comma list")
-    drv.add_argument("--fraction", type=float, default=0.85, help="each pool's share of the free memory")
+    drv.add_argument("--fraction", type=float, default=0.85, help="the current engine's pool: its share of the free memory")
+    drv.add_argument("--old-fraction", type=float, default=0.6, help="the previous paged engine's pool: its share of "
+                     "the memory free beside its static cache")
+    drv.add_argument("--sequential", action="store_true", help="the old worker's cells, then the new one's (each "
+                     "process alone on the GPU), not alternating")
     drv.add_argument("--num-blocks", type=int, help="each pool's blocks (default: --fraction; needed on a CPU)")
     drv.add_argument("--device", default="auto")
     drv.add_argument("--flip", type=int, default=0, help="1: the first cell runs new before old")

@@ -14,12 +14,14 @@ from bench.throughput import ThroughputConfig
 
 
 def test_a_cell_sets_the_static_engine_beside_the_paged_one_and_the_current_engine_at_the_same_requests():
-    big = cell_configs(1024, shape="tiny", workload=(128, 128), quantization="fp8", fraction=0.85)
+    big = cell_configs(1024, shape="tiny", workload=(128, 128), quantization="fp8", fraction=0.85, old_fraction=0.6)
+    assert (big["old"]["free_mem_fraction"], big["new"]["free_mem_fraction"]) == (0.6, 0.85)
     assert big["old"]["sides"] == ["static", "paged"] and big["new"]["sides"] == ["engine"]
     assert (big["old"]["static_batch"], big["old"]["paged_live"], big["new"]["max_live"]) == (512, 1024, 1024)
     assert big["old"]["max_num_tokens"] == big["new"]["max_num_tokens"] == 16384
     assert big["old"]["warmup_requests"] == big["new"]["warmup_requests"] == 128
-    one = cell_configs(1, shape="tiny", workload=(16, 8), quantization="none", fraction=0.85, num_blocks=64)
+    one = cell_configs(1, shape="tiny", workload=(16, 8), quantization="none", fraction=0.85, old_fraction=0.6,
+                       num_blocks=64)
     assert (one["old"]["static_batch"], one["new"]["max_live"], one["new"]["warmup_requests"]) == (1, 1, 1)
     config = ThroughputConfig(**{**one["new"], "sides": tuple(one["new"]["sides"])})  # every field is the bench's
     assert config.num_blocks == 64 and config.input_len == 16 and config.quantization == "none"
