@@ -89,7 +89,7 @@ class Guide:
         return Guide(data["kind"], data.get("value"), str(data.get("param") or "guided_decoding"))
 
 
-def _schema_problems(schema: Any, where: str) -> Iterator[str]:
+def schema_problems(schema: Any, where: str = "") -> Iterator[str]:
     """The keywords of `schema` (at JSON pointer `where`) that the engine would not enforce."""
     if isinstance(schema, bool):
         return
@@ -109,15 +109,15 @@ def _schema_problems(schema: Any, where: str) -> Iterator[str]:
                 yield f"{path} must be an object of schemas"
                 continue
             for name, sub in value.items():
-                yield from _schema_problems(sub, f"{path}/{name}")
+                yield from schema_problems(sub, f"{path}/{name}")
         elif key in SCHEMA_LISTS:
             if not isinstance(value, list):
                 yield f"{path} must be a list of schemas"
                 continue
             for i, sub in enumerate(value):
-                yield from _schema_problems(sub, f"{path}/{i}")
+                yield from schema_problems(sub, f"{path}/{i}")
         elif key in SCHEMA_ONE:
-            yield from _schema_problems(value, path)
+            yield from schema_problems(value, path)
 
 
 def grammar_text(guide: Guide) -> str:
@@ -143,7 +143,7 @@ def check_guide(guide: Guide) -> str:
         if not isinstance(guide.value, dict):
             raise GuideError(f"{guide.param}: the schema must be a JSON Schema object, got "
                              f"{type(guide.value).__name__} {json.dumps(guide.value)[:80]}", param=guide.param)
-        problems = list(_schema_problems(guide.value, ""))
+        problems = list(schema_problems(guide.value))
         if problems:
             raise GuideError(f"{guide.param}: {problems[0]}" + (f" (and {len(problems) - 1} more)"
                                                                  if len(problems) > 1 else ""), param=guide.param)

@@ -32,6 +32,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.openai.backend import BackendError, ClientError, Piece, Sampling, TritonBackend
 from serving.openai.limits import BodyLimit, FrontLimits, prompt_too_long
 from serving.openai.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
+from serving.openai.structured import GuideRefused, guided_decoding
+from serving.openai.tools import (
+    ToolCallStream,
+    ToolRequest,
+    ToolsError,
+    assistant_message,
+    chat_messages,
+    prompt_chars,
+    tool_request,
+)
 
 RETRY_AFTER_S = 1
 RETRY_LATER = (429, 503)  # the statuses that carry Retry-After
@@ -142,22 +152,28 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
                                 kind="not_found_error", param="model")
         return model_card(name)
 
-    async def serve(route: str, req: CompletionRequest | ChatCompletionRequest, prompt: str | list[dict[str, str]],
-                    chat: bool):
+    async def serve(route: str, req: CompletionRequest | ChatCompletionRequest, prompt: str | list | dict,
+                    chat: bool, tools: ToolRequest | None = None):
         if req.model not in served:
             metrics.requests.labels(route, req.model, "404").inc()
             return openai_error(404, f"model {req.model!r} is not served here; served: {sorted(served)}",
                                 param="model")
-        too_long = prompt_too_long(prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt), limits)
+        try:
+            guide = guided_decoding(response_format=req.response_format, guided_json=req.guided_json,
+                                    guided_regex=req.guided_regex, guided_choice=req.guided_choice, tools=tools)
+        except GuideRefused as exc:
+            metrics.requests.labels(route, req.model, "400").inc()
+            return openai_error(400, str(exc), param=exc.param)
+        too_long = prompt_too_long(prompt_chars(prompt), limits)
         if too_long is not None:
             metrics.requests.labels(route, req.model, "400").inc()
             return openai_error(400, too_long, param="messages" if chat else "prompt")
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                            stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos)
+                            stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos, guided_decoding=guide)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if req.stream:
-            return await _stream(route, req, prompt, sampling, rid, chat)
+            return await _stream(route, req, prompt, sampling, rid, chat, tools)
         started = time.monotonic()
         metrics.in_flight.inc()
         try:
@@ -172,10 +188,13 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
         metrics.requests.labels(route, req.model, "200").inc()
         metrics.tokens.labels(req.model).inc(len(piece.token_ids))
         metrics.latency.labels(route).observe(time.monotonic() - started)
-        return JSONResponse(_body(rid, req.model, piece.text, reason, piece.prompt_tokens or 0, len(piece.token_ids),
-                                  chat))
+        body = _body(rid, req.model, piece.text, reason, piece.prompt_tokens or 0, len(piece.token_ids), chat)
+        if tools is not None:
+            body["choices"][0]["message"], body["choices"][0]["finish_reason"] = assistant_message(piece.text, tools,
+                                                                                                  reason)
+        return JSONResponse(body)
 
-    async def _stream(route, req, prompt, sampling, rid, chat) -> StreamingResponse | JSONResponse:
+    async def _stream(route, req, prompt, sampling, rid, chat, tools) -> StreamingResponse | JSONResponse:
         pieces = backend.stream(req.model, prompt, sampling)
         started = time.monotonic()
         try:
@@ -189,17 +208,26 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
         async def events() -> AsyncIterator[bytes]:
             metrics.in_flight.inc()
             tokens, prompt_tokens, reason = 0, 0, None
+            calls = ToolCallStream(tools.names) if tools is not None and tools.offered else None
             try:
                 if chat:
                     yield _sse(_chunk(rid, req.model, None, None, chat, role=True))
                 piece: Piece | None = first
                 while piece is not None:  # stop strings were applied by the engine model
                     tokens += len(piece.token_ids)
-                    if piece.text:
+                    if calls is not None and piece.text:
+                        for event in _tool_events(rid, req.model, calls, *calls.feed(piece.text)):
+                            yield event
+                    elif piece.text:
                         yield _sse(_chunk(rid, req.model, piece.text, None, chat))
                     reason = piece.finish_reason or reason
                     prompt_tokens = piece.prompt_tokens or prompt_tokens
                     piece = await anext(pieces, None)
+                if calls is not None:
+                    for event in _tool_events(rid, req.model, calls, *calls.finish()):
+                        yield event
+                    if calls.calls and (reason or "length") == "stop":
+                        reason = "tool_calls"
                 yield _sse(_chunk(rid, req.model, "", reason or "length", chat))
                 if req.include_usage:
                     yield _sse(_usage_chunk(rid, req.model, prompt_tokens, tokens, chat))
@@ -217,14 +245,34 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
+        if req.tools not in (None, []) or req.tool_choice is not None:
+            param = "tools" if req.tools not in (None, []) else "tool_choice"
+            return openai_error(400, f"{param} is for /v1/chat/completions: a completion has no tool calls",
+                                param=param)
         return await serve("/v1/completions", req, req.prompt, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
-        return await serve("/v1/chat/completions", req, messages, chat=True)
+        try:
+            tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ToolsError as exc:
+            metrics.requests.labels("/v1/chat/completions", req.model, "400").inc()
+            return openai_error(400, str(exc), param=exc.param)
+        return await serve("/v1/chat/completions", req, chat_messages(req.messages, tools), chat=True, tools=tools)
 
     return app
+
+
+def _tool_events(rid: str, model: str, stream: ToolCallStream, content: str, calls: list) -> list[bytes]:
+    """The chunks of one step of a tool-call stream: its content, then each call complete (OpenAI's
+    ``delta.tool_calls[index]``, the whole call in one delta)."""
+    events = [_sse(_chunk(rid, model, content, None, True))] if content else []
+    first = stream.calls - len(calls)
+    for k, call in enumerate(calls):
+        chunk = _chunk(rid, model, None, None, True)
+        chunk["choices"][0]["delta"] = {"tool_calls": [call.as_openai(index=first + k)]}
+        events.append(_sse(chunk))
+    return events
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -92,6 +92,7 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings, matched by the engine model (special tokens included)
     ignore_eos: bool = False
+    guided_decoding: str | None = None  # the grammar the output must match (serving/openai/structured.py)
 
 
 @dataclass
@@ -102,8 +103,9 @@ class Piece:
     prompt_tokens: int | None = None  # on the final piece
 
 
-# A chat goes as `messages` (JSON): the engine model applies its tokenizer's chat template.
-Prompt = str | list[dict[str, str]]
+# A chat goes as `messages` (JSON): the engine model applies its tokenizer's chat template (a dict when it
+# carries tools: serving/openai/tools.chat_messages).
+Prompt = str | list[dict[str, Any]] | dict[str, Any]
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "prompt_tokens")
 
 
@@ -115,6 +117,8 @@ def _inputs(grpc: Any, prompt: Prompt, sampling: Sampling, *, stream: bool = Fal
         values.append(("stop", np.array([[s.encode() for s in sampling.stop]], dtype=object), "BYTES"))
     if sampling.ignore_eos:
         values.append(("ignore_eos", np.array([[True]], dtype=bool), "BOOL"))
+    if sampling.guided_decoding is not None:
+        values.append(("guided_decoding", np.array([[sampling.guided_decoding.encode()]], dtype=object), "BYTES"))
     if stream:
         values.append(("stream", np.array([[True]], dtype=bool), "BOOL"))
     # OpenAI's defaults (temperature 1, top_p 1) mean "sample"; temperature 0 means greedy.

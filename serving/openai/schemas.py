@@ -31,12 +31,8 @@ NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
@@ -74,18 +70,23 @@ class _Common(BaseModel):
     user: StrictStr | None = None
     ignore_eos: StrictBool = Field(False, description="Go on past the model's end of sequence / end of turn "
                                    "(vLLM's extension); stop strings and max_tokens still end it.")
+    # structured outputs (serving/openai/structured.py checks them): OpenAI's, and vLLM's extensions
+    response_format: Any = Field(None, description='{"type": "text" | "json_object" | "json_schema", ...}')
+    guided_json: Any = Field(None, description="A JSON Schema the output must match (vLLM's extension).")
+    guided_regex: Any = Field(None, description="A regular expression the output must match (vLLM's extension).")
+    guided_choice: Any = Field(None, description="Strings, one of which is the output (vLLM's extension).")
+    # tool calls (serving/openai/tools.py checks them)
+    tools: Any = Field(None, description="Functions the model may call (chat only).")
+    tool_choice: Any = Field(None, description='"none", "auto", "required" or {"type": "function", ...}.')
+    parallel_tool_calls: Any = Field(None, description="Whether a forced call may be several calls.")
     # OpenAI parameters accepted at their no-op value only (see NO_OP_VALUES)
     logprobs: Any = None
     top_logprobs: Any = None
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
     logit_bias: Any = None
     frequency_penalty: Any = None
     presence_penalty: Any = None
@@ -146,12 +147,22 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr | list[TextPart]
+    content: StrictStr | list[TextPart] | None = Field(description="null only for an assistant's tool calls.")
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant's calls (its content null).")
+    tool_call_id: StrictStr | None = Field(None, description="The call a tool message answers.")
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only for an assistant message with tool_calls")
+        return self
 
     @property
     def text(self) -> str:
         """The content as one string (text parts joined as OpenAI does: without a separator)."""
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
