@@ -166,7 +166,8 @@ def test_llm_config_parses_with_triton_schema() -> None:
     assert inputs["input_ids"].allow_ragged_batch and inputs["input_ids"].optional
     assert inputs["text_input"].data_type == model_config_pb2.TYPE_STRING
     assert not inputs["max_tokens"].optional
-    assert {o.name for o in cfg.output} == {"output_ids", "text_output", "finish_reason", "prompt_tokens"}
+    assert {o.name for o in cfg.output} == {"output_ids", "text_output", "finish_reason", "prompt_tokens",
+                                        "output_logprobs"}
     assert cfg.parameters["device"].string_value == "cpu"
 
 

@@ -87,12 +87,17 @@ class PagedRunner:
         self.step_events: list | None = None  # set by `generate(events=...)` on CUDA: one event per sampling step
 
     @torch.no_grad()
-    def forward(self, chunks: Sequence[ChunkPlan], sample: Sequence[int]) -> torch.Tensor:
-        """One mixed step -> float32 logits [len(sample), V] of the sampled chunks' last tokens."""
-        if is_decode_only(chunks, sample):
+    def forward(self, chunks: Sequence[ChunkPlan], sample: Sequence[int], *,
+                every_token: Sequence[int] = ()) -> torch.Tensor:
+        """One mixed step -> float32 logits [len(sample), V] of the sampled chunks' last tokens, followed (with
+        `every_token`) by the logits of every token of those chunks, in order (prompt log-probs)."""
+        if not every_token and is_decode_only(chunks, sample):
             logits = self.decode.step(chunks)
         else:
             step = build_step(chunks, sample, self.config.block_size, self.device)
+            if every_token:
+                step = dataclasses.replace(step, sample_index=torch.cat(
+                    [step.sample_index, _token_rows(chunks, every_token).to(self.device)]))
             logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
         if self.step_events is not None and sample:
             self.step_events.append(_recorded_event())
@@ -230,6 +235,14 @@ class PagedRunner:
         if failures:
             raise failures[0]
         return out
+
+
+def _token_rows(chunks: Sequence[ChunkPlan], which: Sequence[int]) -> torch.Tensor:
+    """The rows in a step's packed tokens of every token of the chunks `which`, in order."""
+    offsets = [0]
+    for tokens, _, _ in chunks:
+        offsets.append(offsets[-1] + len(tokens))
+    return torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in which])
 
 
 def _recorded_event() -> torch.cuda.Event:

@@ -26,7 +26,13 @@ past the KV budget costs clients a retry, never the server its memory.
 
 Tokens go out through the request's `emit(new_ids, finish_reason)` as in `scheduler.Scheduler` (the same
 `GenRequest`); a `PagedRequest` can also ask for each token's log-prob and top log-probs
-(`on_logprobs`).
+(`on_logprobs`), and for its prompt's (`prompt_logprobs`, `on_prompt_logprobs`: each prompt token's raw
+log-prob given the tokens before it, from the logits of every position of its prompt chunks, computed in the
+chunks' own forward; such a prompt is computed whole, not taken from the prefix cache). Each step's sampled
+rows are sampled together (`step_sampling`: every row its own temperature, top-k/top-p, penalties,
+`logit_bias`, `min_tokens`, token mask and seed, in per-row tensors); a request's seed (a random one when it
+has none) and the position sampled choose its draw, so a sampled request is repeatable whatever it is batched
+with.
 
 One step ahead (`step_ahead`, on by default): while every live request decodes and nothing waiting could
 be admitted, a step is launched before the previous step's tokens reach the host: its input tokens are the
@@ -35,7 +41,8 @@ tokens while the GPU computes, instead of leaving the GPU idle while it reads, d
 requests a pending token finishes by length are left out of the next step; one that meets a stop token has
 already been given the next step's row, whose token is dropped (its blocks go back once it is delivered: the
 stream runs that step before any later one can reuse them). A step that needs the tokens on the host (an
-admission, a cancel, a block only a preemption would free, a request wanting log-probs) waits for them first.
+admission, a cancel, a block only a preemption would free, a request wanting log-probs, penalties, `min_tokens`
+or a token mask) waits for them first.
 
 The queue, `submit` / `cancel`, the loop (`run_forever`, `start`, `stop`, `run_until_idle`), `while_waiting`
 / `drain` (Triton's `llm` model sends its responses there) and `admit_gap_s` (an idle engine lets a burst of
@@ -72,18 +79,23 @@ from serving.engine.prefix_cache import (
     block_digests,
     reusable_blocks,
 )
-from serving.engine.sampling import chosen_logprobs, sample
+from serving.engine.sampling import chosen_logprobs
 from serving.engine.scheduler_loop import GenRequest, RequestCancelled, SchedulerLoop
+from serving.engine.step_sampling import RowSampling, StepSampling, fresh_seed, sample_rows
 
 LogprobSink = Callable[[float, "dict[int, float]"], None]
+# (log-probs of prompt tokens [first, first + k), their top alternatives) for k prompt tokens
+PromptLogprobSink = Callable[[int, "list[float]", "list[dict[int, float]]"], None]
 
 
 @dataclass
 class PagedRequest(GenRequest):
-    """A `GenRequest` that also wants each chosen token's raw log-prob (and `top_logprobs` alternatives)."""
+    """A `GenRequest` that also wants each chosen token's raw log-prob (and `top_logprobs` alternatives), and
+    with `on_prompt_logprobs` its prompt tokens' (each given the tokens before it; from the second token on)."""
 
     top_logprobs: int = 0
     on_logprobs: LogprobSink | None = None
+    on_prompt_logprobs: PromptLogprobSink | None = None
 
 
 @dataclass(eq=False)
@@ -93,7 +105,11 @@ class _Seq:
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # positions whose K/V are in the cache
     generated: int = 0
-    generator: torch.Generator | None = None
+    seed: int = 0  # its draws' seed (`step_sampling`)
+    prompt_len: int = 0
+    prompt_reported: int = 1  # prompt tokens whose log-probs went out (the first has none)
+    plain_greedy: bool = True  # greedy with nothing shaping its logits: sampled by the step's one argmax
+    needs_host: bool = False  # its sampling reads its tokens on the host (penalties, min_tokens, a token mask)
     stop: frozenset[int] = frozenset()
     live: bool = False  # in `running` (a flag: membership tests of a list of 1,024 cost a step milliseconds)
     digests: list[bytes] = field(default_factory=list)  # prefix caching: its full blocks' digests known so far
@@ -184,10 +200,13 @@ class PagedScheduler(SchedulerLoop):
                                    f"{self.allocator.num_blocks}")
 
     def _waiting_item(self, req: GenRequest) -> _Seq:
-        seq = _Seq(req=req, tokens=list(req.prompt_ids), stop=frozenset(req.stop_token_ids))
-        if req.sampling is not None and not req.sampling.is_greedy and req.sampling.seed is not None:
-            seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(req.sampling.seed)
+        params = req.sampling
+        seq = _Seq(req=req, tokens=list(req.prompt_ids), stop=frozenset(req.stop_token_ids),
+                   prompt_len=len(req.prompt_ids),
+                   seed=params.seed if params is not None and params.seed is not None else fresh_seed())
+        seq.plain_greedy = req.token_mask is None and (params is None or (params.is_greedy and not params.shapes_logits))
+        seq.needs_host = req.token_mask is not None or (params is not None and (params.has_penalties
+                                                                                or params.min_tokens > 0))
         return seq
 
     def _request_of(self, item: _Seq) -> GenRequest:
@@ -274,7 +293,7 @@ class PagedScheduler(SchedulerLoop):
     # -- prefix caching -----------------------------------------------------------------------
     def _cached_prefix(self, seq: _Seq) -> list[int]:
         """The cached blocks `seq` can start from (its leading full blocks before its last token's), or []."""
-        if not self.prefix_cache:
+        if not self.prefix_cache or _wants_prompt_logprobs(seq):
             return []
         reusable = reusable_blocks(len(seq.tokens), self.block_size)
         self._know_digests(seq, reusable)
@@ -340,7 +359,8 @@ class PagedScheduler(SchedulerLoop):
     def _nothing_needs_the_tokens(self) -> bool:
         """No live request wants log-probs (read on the host at once) and nothing waiting could be admitted
         (or may be yet: `admit_every_steps`)."""
-        if any(isinstance(seq.req, PagedRequest) and seq.req.on_logprobs is not None for seq in self.running):
+        if any(seq.needs_host or (isinstance(seq.req, PagedRequest) and seq.req.on_logprobs is not None)
+               for seq in self.running):
             return False
         with self.cond:
             return (not self.waiting or len(self.running) >= self.max_live
@@ -360,7 +380,7 @@ class PagedScheduler(SchedulerLoop):
     def _launch_unread(self, seqs: list[_Seq], logits: torch.Tensor) -> _Ahead:
         """Sample `seqs`' next tokens from `logits` and start copying them to the host; their positions count
         as computed from here."""
-        tokens = self._sample(logits, seqs)
+        tokens = self._sample(logits, seqs, [seq.computed + 1 for seq in seqs])
         for seq in seqs:
             seq.computed += 1
             if seq.generated > 0:
@@ -421,7 +441,8 @@ class PagedScheduler(SchedulerLoop):
     def _run(self, plan: list[tuple[_Seq, int]]) -> None:
         chunks: list[ChunkPlan] = [(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.blocks) for seq, n in plan]
         sampling = [i for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
-        if self._may_run_ahead(plan, sampling):
+        echoing = [i for i, (seq, n) in enumerate(plan) if _reports_prompt(seq, n)]
+        if not echoing and self._may_run_ahead(plan, sampling):
             started = time.perf_counter()
             try:
                 with self.launching():
@@ -438,12 +459,18 @@ class PagedScheduler(SchedulerLoop):
             lives = [plan[i][0] for i in sampling]
             with self.launching():
                 self.stats.launch_wait_s += time.perf_counter() - started
-                logits = self.runner.forward(chunks, sampling)  # [N, V]
-                tokens = self._sample(logits, lives)
+                if echoing:  # [N + the echoing chunks' tokens, V]
+                    logits = self.runner.forward(chunks, sampling, every_token=echoing)
+                    prompt_logits, logits = logits[len(sampling):], logits[:len(sampling)]
+                else:
+                    logits = self.runner.forward(chunks, sampling)  # [N, V]
+                tokens = self._sample(logits, lives, [plan[i][0].computed + plan[i][1] for i in sampling])
                 ready = torch.cuda.Event() if tokens.is_cuda else None
                 if ready is not None:
                     ready.record()
             extras = self._logprobs(logits, tokens, lives)
+            if echoing:
+                self._report_prompt_logprobs([plan[i] for i in echoing], prompt_logits)
             waiting, waiting_cpu = time.perf_counter(), time.thread_time()
             if ready is not None:
                 self._work_until(ready)
@@ -473,13 +500,41 @@ class PagedScheduler(SchedulerLoop):
         self._drop_retired()
         self.stats.deliver_s += time.perf_counter() - delivering
 
-    def _sample(self, logits: torch.Tensor, lives: list[_Seq]) -> torch.Tensor:
-        out = logits.argmax(dim=-1)  # [N]
-        for row, seq in enumerate(lives):
-            params = seq.req.sampling
-            if params is not None and not params.is_greedy:
-                out[row] = sample(logits[row:row + 1], params, seq.generator)[0]
-        return out
+    def _sample(self, logits: torch.Tensor, lives: list[_Seq], positions: list[int]) -> torch.Tensor:
+        """The next token of each row of `logits` [N, V]: `positions` are the positions the rows sample."""
+        if all(seq.plain_greedy for seq in lives):
+            return logits.argmax(dim=-1)
+        rows = [RowSampling(seq.req.sampling, seq.seed, position, seq.tokens if seq.needs_host else (),
+                            seq.prompt_len, tuple(seq.stop), seq.generated, seq.req.token_mask)
+                for seq, position in zip(lives, positions)]
+        return sample_rows(logits, StepSampling.build(rows, logits.shape[-1], logits.device))
+
+    def _report_prompt_logprobs(self, echoing: list[tuple[_Seq, int]], logits: torch.Tensor) -> None:
+        """Hand each echoing chunk's prompt tokens' log-probs to its request: `logits` [every chunk's tokens, V]
+        hold the logits of each of their positions, in order; position p's give the log-prob of token p + 1."""
+        at, rows, targets, spans = 0, [], [], []
+        for seq, n in echoing:
+            first = max(seq.computed + 1, seq.prompt_reported)  # the first prompt token to report
+            last = min(seq.computed + n, seq.prompt_len - 1)  # the last
+            rows += range(at + first - 1 - seq.computed, at + last - seq.computed)
+            targets += seq.tokens[first:last + 1]
+            spans.append((seq, first, last + 1 - first))
+            at += n
+        top_n = max(seq.req.top_logprobs for seq, _ in echoing)  # type: ignore[attr-defined]
+        chosen, top_v, top_i = chosen_logprobs(logits[torch.tensor(rows, device=logits.device)],
+                                               torch.tensor(targets, device=logits.device), top_n)
+        chosen_l = chosen.tolist()
+        top_vl, top_il = (top_v.tolist(), top_i.tolist()) if top_v is not None and top_i is not None else ([], [])
+        k = 0
+        for seq, first, count in spans:
+            n_top = seq.req.top_logprobs  # type: ignore[attr-defined]
+            tops = [dict(zip(top_il[k + j][:n_top], top_vl[k + j][:n_top])) if n_top else {} for j in range(count)]
+            seq.prompt_reported = first + count
+            try:
+                seq.req.on_prompt_logprobs(first, chosen_l[k:k + count], tops)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - a broken callback must not stop the others
+                self.log_error(f"request {seq.req.request_id}: prompt logprobs failed: {type(exc).__name__}: {exc}")
+            k += count
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, lives: list[_Seq]
                   ) -> list[tuple[float, dict[int, float]] | None] | None:
@@ -508,7 +563,11 @@ class PagedScheduler(SchedulerLoop):
         if self.prefix_cache and seq.live:
             self._register(seq)
         reason = None
-        if token in seq.stop:
+        mask = seq.req.token_mask
+        if mask is not None and not mask.accept_token(token):
+            self._fail_one(seq, EngineLimitError(f"token {token} was sampled outside its token mask"))
+            return
+        if token in seq.stop or (mask is not None and mask.is_terminated()):
             reason = "stop"
         elif seq.generated >= seq.req.max_tokens or len(seq.tokens) >= self.max_seq_len:
             reason = "length"
@@ -563,3 +622,13 @@ class PagedScheduler(SchedulerLoop):
     def _fail_live(self, exc: BaseException) -> None:
         self.ahead = None
         self._fail(list(self.running), exc)
+
+
+def _wants_prompt_logprobs(seq: _Seq) -> bool:
+    return isinstance(seq.req, PagedRequest) and seq.req.on_prompt_logprobs is not None
+
+
+def _reports_prompt(seq: _Seq, n: int) -> bool:
+    """Whether `seq`'s next chunk of `n` tokens holds positions whose logits give prompt log-probs not yet reported."""
+    return (_wants_prompt_logprobs(seq) and seq.prompt_reported < seq.prompt_len
+            and seq.computed + 1 < seq.prompt_len and seq.computed + n >= seq.prompt_reported)

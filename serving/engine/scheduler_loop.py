@@ -54,7 +54,7 @@ from typing import Any
 
 from serving.engine.errors import EngineError, EngineLimitError
 from serving.engine.launch_lock import LaunchLock
-from serving.engine.sampling import SamplingParams
+from serving.engine.sampling import SamplingParams, TokenMaskSource
 
 GATHER_MAX_GAPS = 10  # an idle engine waits for a burst of arrivals at most this many `admit_gap_s`
 WAITING_SERVED_RATIO = 1.2  # waiting / live at which a busy engine admits at once (text-generation-inference's)
@@ -92,6 +92,9 @@ class GenRequest:
     request_id: Any = None
     cancelled: bool = False  # set by cancel()
     queued_at: float = 0.0  # perf_counter time it was submitted
+    # what constrains its tokens (a grammar matcher; `sampling.TokenMaskSource`): asked for the allowed tokens
+    # before each of its sampling steps, told each token chosen; the paged scheduler serves it
+    token_mask: TokenMaskSource | None = None
 
 
 class SchedulerLoop:

@@ -47,6 +47,17 @@ def llm_inputs() -> list[dict[str, Any]]:
         _tensor("messages", "TYPE_STRING", [1], optional=True),  # a JSON chat, for the engine's chat template
         _tensor("stop", "TYPE_STRING", [-1], optional=True, ragged=True),  # stop strings
         _tensor("ignore_eos", "TYPE_BOOL", [1], optional=True),
+        # served by in-flight paged engines (`serving.triton.models.requests`)
+        _tensor("logprobs", "TYPE_BOOL", [1], optional=True),
+        _tensor("top_logprobs", "TYPE_INT32", [1], optional=True),
+        _tensor("prompt_logprobs", "TYPE_BOOL", [1], optional=True),
+        _tensor("presence_penalty", "TYPE_FP32", [1], optional=True),
+        _tensor("frequency_penalty", "TYPE_FP32", [1], optional=True),
+        _tensor("repetition_penalty", "TYPE_FP32", [1], optional=True),
+        _tensor("logit_bias_ids", "TYPE_INT32", [-1], optional=True, ragged=True),
+        _tensor("logit_bias_values", "TYPE_FP32", [-1], optional=True, ragged=True),
+        _tensor("min_tokens", "TYPE_INT32", [1], optional=True),
+        _tensor("guided_decoding", "TYPE_STRING", [1], optional=True),  # a grammar (`guided.token_mask_for`)
     ]
 
 
@@ -56,6 +67,7 @@ def llm_outputs() -> list[dict[str, Any]]:
         _tensor("text_output", "TYPE_STRING", [1]),
         _tensor("finish_reason", "TYPE_STRING", [1]),
         _tensor("prompt_tokens", "TYPE_INT32", [1]),
+        _tensor("output_logprobs", "TYPE_STRING", [1]),  # JSON (`serving.triton.models.logprob_output`)
     ]
 
 

@@ -107,6 +107,7 @@ from serving.triton.models.requests import (
     RequestError,
     check_limits,
     check_text_size,
+    check_vocab,
     parse_request,
     plan_batches,
 )
@@ -158,13 +159,15 @@ class Log:
 
 
 def engine_sampling(req: LlmRequest) -> Any:
-    """The engine's ``SamplingParams`` for a request, ``None`` for greedy."""
-    if req.sampling.is_greedy:
+    """The engine's ``SamplingParams`` for a request, ``None`` for plain greedy."""
+    s = req.sampling
+    if s.is_greedy and not s.shapes_logits:
         return None
     from serving.engine import SamplingParams  # lazy: the engine package imports torch
 
-    s = req.sampling
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                          presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                          repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias, min_tokens=s.min_tokens)
 
 
 class EngineHost:
@@ -191,7 +194,7 @@ class EngineHost:
         if self._tokenizer is None:
             path = self.engine_dir / "tokenizer.json"
             if not path.is_file():
-                raise RequestError(f"text input/output needs {path.name} in the engine folder {self.engine_dir}")
+                raise RequestError(f"text input/output needs {path.name} in the engine folder, and this engine has none")
             from tokenizers import Tokenizer  # lazy: not importable at module import in serving/
 
             self._tokenizer = Tokenizer.from_file(str(path))
@@ -216,9 +219,8 @@ class EngineHost:
 
         messages = parse_messages(messages_json)
         if self.text.chat_template is None:
-            raise RequestError(f"input 'messages' needs a chat template, and the engine folder {self.engine_dir} "
-                               "has none (chat_template.jinja, or chat_template in tokenizer_config.json): send "
-                               "'text_input' instead")
+            raise RequestError("input 'messages' needs a chat template, and this engine has none (chat_template.jinja, "
+                               "or chat_template in tokenizer_config.json, in its folder): send 'text_input' instead")
         prompt = render_chat(self.text.chat_template, messages, self.text.special_tokens)
         return tuple(self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids)
 
@@ -472,9 +474,13 @@ class TritonPythonModel:
             raise RuntimeError(f"[{self.model_name} v{self.version}] cannot read the engine folder's tokenizer "
                                f"and generation settings: {exc}") from exc
         self.host = EngineHost(runner, engine_dir, self.log, text)
+        self.token_bytes: Any = None  # logprob_output.TokenBytes, made by the first request asking for log-probs
         uses_decoupled = getattr(pb_utils, "using_decoupled_model_transaction_policy", None)
         self.decoupled = bool(uses_decoupled(config)) if callable(uses_decoupled) else flag(params, "decoupled")
         self.in_flight = batches_in_flight(params, decoupled=self.decoupled)
+        from serving.engine.paged_runner import PagedRunner  # lazy: imports torch
+
+        self.serves_extras = self.in_flight and isinstance(runner, PagedRunner)  # `requests.EXTRA_INPUT_NAMES`
         self.execute_waits_launches = flag(params, "execute_waits_launches")
         self.engine_thread: EngineThread | None = None
         self.outbox: Outbox | None = None
@@ -533,9 +539,15 @@ class TritonPythonModel:
         """A parsed request against this engine: its stop ids, prompt ids (tokenized or rendered) and limits."""
         req = dataclasses.replace(req, stop_token_ids=stop_ids_for(req.stop_token_ids, self.host.text.eos_token_ids,
                                                                    ignore_eos=req.ignore_eos))
+        extra = req.extra_input()
+        if extra is not None and not self.serves_extras:
+            raise RequestError(f"input {extra!r} is served by engines with a paged KV cache (engine.paged) batching "
+                               "in flight; this one is not")
         ids = self.host.prompt_ids(req)
         check_limits(ids, req.max_tokens, max_input_len=self.host.max_input_len,
                      max_seq_len=self.host.max_seq_len, vocab_size=self.host.vocab_size)
+        if self.host.vocab_size is not None:
+            check_vocab(req, self.host.vocab_size)
         return req, BatchItem(index, ids, req.max_tokens, req.group_key())
 
     def _response(self, req: LlmRequest, item: BatchItem, ids: list[int], reason: str) -> Any:
@@ -549,10 +561,14 @@ class TritonPythonModel:
             text = stream.take(final=True)
         return pb_utils.InferenceResponse(output_tensors=self._tensors(req, ids, reason, text, len(item.prompt_ids)))
 
-    def _tensors(self, req: LlmRequest, ids: list[int], reason: str, text: str, prompt_tokens: int) -> list[Any]:
+    def _tensors(self, req: LlmRequest, ids: list[int], reason: str, text: str, prompt_tokens: int,
+                 logprobs: str | None = None) -> list[Any]:
         """A response's tensors: `finish_reason` and `prompt_tokens` only on the final one (a BYTES tensor
-        costs the sender more than the token ids), the text when the request wants it."""
+        costs the sender more than the token ids), the text when the request wants it, the log-probs (JSON)
+        when it asked for them."""
         tensors = [pb_utils.Tensor("output_ids", np.asarray([ids], dtype=np.int32))]
+        if logprobs is not None:
+            tensors.append(pb_utils.Tensor("output_logprobs", np.asarray([[logprobs.encode()]], dtype=np.object_)))
         if reason:
             tensors.append(pb_utils.Tensor("finish_reason", np.asarray([[reason.encode()]], dtype=np.object_)))
             tensors.append(pb_utils.Tensor("prompt_tokens", np.asarray([[prompt_tokens]], dtype=np.int32)))
@@ -593,7 +609,8 @@ class TritonPythonModel:
 
     def _submit(self, arrival: Arrival) -> None:
         """In flight, on the intake thread: hand one request to the scheduler; answer errors on its sender."""
-        from serving.engine.scheduler import (  # lazy: imports torch
+        from serving.engine.paged_scheduler import PagedRequest  # lazy: imports torch
+        from serving.engine.scheduler import (
             GenRequest,
             RequestCancelled,
             SchedulerFull,
@@ -608,6 +625,10 @@ class TritonPythonModel:
         if prepared is None:
             return
         req, item = prepared
+        extras = self._or_answered(sender, lambda: self._extras(req, item))
+        if extras is None:
+            return
+        trail, token_mask = extras
         outbox = self.outbox
         text_stream = self.host.text_stream(req)
         prompt_tokens = len(item.prompt_ids)
@@ -618,7 +639,8 @@ class TritonPythonModel:
 
         def send_tokens(ids: list[int], reason: str | None, text: str) -> None:
             nonlocal answered
-            tensors = self._tensors(req, ids, reason or "", text, prompt_tokens)
+            tensors = self._tensors(req, ids, reason or "", text, prompt_tokens,
+                                    trail.take(len(ids)) if trail is not None else None)
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if reason else 0)
             if not answered and submitted is not None and emitted is not None:
                 answered = True
@@ -643,12 +665,16 @@ class TritonPythonModel:
             if emitted is None:
                 emitted = time.monotonic()
             text = ""
+            if trail is not None:
+                trail.emitted(ids)
             if text_stream is not None:
                 keep = text_stream.add(ids)
                 if keep is not None:
                     if reason is None:
                         stopped = True
                         scheduler.cancel(gen)  # frees its slot at the next step
+                    if trail is not None:
+                        trail.drop_last(len(ids) - keep)
                     ids, reason = ids[:keep], "stop"
                 text = text_stream.take(final=reason is not None)
             outbox.emit(stream, ids, reason, text)
@@ -661,7 +687,14 @@ class TritonPythonModel:
             else:
                 outbox.fail(stream, f"{tag}: generate failed: {type(exc).__name__}: {exc}")
 
-        gen = GenRequest(list(item.prompt_ids), req.max_tokens, emit, fail, engine_sampling(req), req.stop_token_ids)
+        if trail is None and token_mask is None:
+            gen = GenRequest(list(item.prompt_ids), req.max_tokens, emit, fail, engine_sampling(req), req.stop_token_ids)
+        else:
+            gen = PagedRequest(list(item.prompt_ids), req.max_tokens, emit, fail, engine_sampling(req),
+                               req.stop_token_ids, token_mask=token_mask, top_logprobs=req.top_logprobs,
+                               on_logprobs=trail.on_logprobs if trail is not None else None,
+                               on_prompt_logprobs=(trail.on_prompt_logprobs
+                                                   if trail is not None and req.prompt_logprobs else None))
         try:
             submitted = time.monotonic()
             scheduler.submit(gen)
@@ -672,6 +705,24 @@ class TritonPythonModel:
             outbox.discard(stream)
             sender.send(_error_response(f"{tag}: {exc}", invalid_arg=True), flags=final)
         self.intake_stats.add(time.perf_counter() - started)
+
+    def _extras(self, req: LlmRequest, item: BatchItem) -> tuple[Any, Any]:
+        """The request's `LogprobTrail` (when it asked for log-probs) and token mask (for `guided_decoding`)."""
+        trail = token_mask = None
+        if req.wants_logprobs:
+            from serving.triton.models.logprob_output import LogprobTrail, TokenBytes
+
+            if self.token_bytes is None:
+                self.token_bytes = TokenBytes(self.host.tokenizer)
+            trail = LogprobTrail(item.prompt_ids, self.token_bytes, prompt=req.prompt_logprobs)
+        if req.guided_decoding is not None:
+            from serving.triton.models.guided import token_mask_for
+
+            token_mask = token_mask_for(req.guided_decoding, self.host.tokenizer,
+                                        self.host.vocab_size or self.host.tokenizer.get_vocab_size(),
+                                        eos_ids=req.stop_token_ids or self.host.text.eos_token_ids,
+                                        chat_template=self.host.text.chat_template)
+        return trail, token_mask
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
         if getattr(self, "in_flight", False):

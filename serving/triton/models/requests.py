@@ -8,10 +8,19 @@ FP32, ``top_k`` INT32, ``top_p`` FP32, ``seed`` INT64, ``stop_token_ids`` INT32 
 EOS ids), ``ignore_eos`` BOOL [1] (do not stop at EOS), ``stop`` BYTES [-1] (stop strings, matched on the
 text with special tokens; the text returned ends before the match), and (decoupled models only)
 ``stream`` BOOL [1]: one response per token instead of one at the end.
+
+Served by in-flight paged engines only (others refuse them, naming the input): ``logprobs`` BOOL [1] (each
+output token's raw log-prob), ``top_logprobs`` INT32 [1] (0 to MAX_TOP_LOGPROBS alternatives per token),
+``prompt_logprobs`` BOOL [1] (each prompt token's log-prob given the tokens before it, and as many alternatives),
+all returned in the ``output_logprobs`` output (JSON, `serving.triton.models.logprob_output`); ``presence_penalty`` and
+``frequency_penalty`` FP32 [1] (-2 to 2), ``repetition_penalty`` FP32 [1] (> 0, 1 = off), ``logit_bias_ids``
+INT32 [-1] with ``logit_bias_values`` FP32 [-1] (-100 to 100, added to those tokens' logits), ``min_tokens``
+INT32 [1] (no stop token before that many), ``guided_decoding`` BYTES [1] (a grammar: `guided.token_mask_for`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,10 +28,17 @@ import numpy as np
 
 GetInput = Callable[[str], "np.ndarray | None"]
 
+# the inputs only the in-flight paged engine serves, in the order a refusal names them
+EXTRA_INPUT_NAMES = ("logprobs", "top_logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "logit_bias_ids", "logit_bias_values", "min_tokens", "guided_decoding")
 INPUT_NAMES = ("input_ids", "text_input", "messages", "max_tokens", "temperature", "top_k", "top_p", "seed",
-               "stop_token_ids", "ignore_eos", "stop", "stream")
-OUTPUT_NAMES = ("output_ids", "text_output", "finish_reason", "prompt_tokens")
+               "stop_token_ids", "ignore_eos", "stop", "stream", *EXTRA_INPUT_NAMES)
+OUTPUT_NAMES = ("output_ids", "text_output", "finish_reason", "prompt_tokens", "output_logprobs")
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit of chat top_logprobs (completions allow 5)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias at most (OpenAI's limit)
+PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 # Begins the message of every request the llm refuses (INVALID_ARG): Triton 2.51's BLS turns the code of a
@@ -42,10 +58,21 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether penalties, a logit bias or min_tokens change the logits (the engine's sampler then runs)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 @dataclass(frozen=True)
@@ -62,6 +89,24 @@ class LlmRequest:
     messages: str | None = None
     ignore_eos: bool = False
     stop_strings: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    guided_decoding: str | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0 or self.prompt_logprobs
+
+    def extra_input(self) -> str | None:
+        """The first input it uses that only the in-flight paged engine serves, or None."""
+        s = self.sampling
+        used = {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs > 0,
+                "prompt_logprobs": self.prompt_logprobs, "presence_penalty": s.presence_penalty != 0.0,
+                "frequency_penalty": s.frequency_penalty != 0.0, "repetition_penalty": s.repetition_penalty != 1.0,
+                "logit_bias_ids": bool(s.logit_bias), "min_tokens": s.min_tokens > 0,
+                "guided_decoding": self.guided_decoding is not None}
+        return next((name for name in EXTRA_INPUT_NAMES if used.get(name)), None)
 
     def group_key(self) -> tuple:
         """Requests with equal keys can share one ``generate`` call."""
@@ -144,14 +189,64 @@ def parse_request(get_input: GetInput, requested_outputs: tuple[str, ...] = ()) 
         raise RequestError(f"input 'top_k'={sampling.top_k} must be >= 0 (0 = off)")
     if not 0.0 < sampling.top_p <= 1.0:
         raise RequestError(f"input 'top_p'={sampling.top_p} must be in (0, 1]")
+    sampling = _shaping(get_input, sampling)
     stop = _ids(get_input("stop_token_ids"), "stop_token_ids") or ()
     want_text = text is not None or messages is not None or "text_output" in requested_outputs
     stream = _scalar(get_input("stream"), "stream")
     ignore_eos = _scalar(get_input("ignore_eos"), "ignore_eos")
+    top_logprobs = _scalar(get_input("top_logprobs"), "top_logprobs")
+    top_n = 0 if top_logprobs is None else int(top_logprobs)
+    if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"input 'top_logprobs'={top_n} must be from 0 to {MAX_TOP_LOGPROBS}")
     return LlmRequest(prompt_ids, text, int(max_tokens), sampling, stop, want_text,
                       stream=bool(stream) if stream is not None else False, messages=messages,
                       ignore_eos=bool(ignore_eos) if ignore_eos is not None else False,
-                      stop_strings=_strings(get_input("stop"), "stop"))
+                      stop_strings=_strings(get_input("stop"), "stop"),
+                      logprobs=_flag(get_input, "logprobs"), top_logprobs=top_n,
+                      prompt_logprobs=_flag(get_input, "prompt_logprobs"),
+                      guided_decoding=_text(get_input("guided_decoding"), "guided_decoding"))
+
+
+def _flag(get_input: GetInput, name: str) -> bool:
+    value = _scalar(get_input(name), name)
+    return bool(value) if value is not None else False
+
+
+def _number(get_input: GetInput, name: str, default: float, least: float, most: float, *,
+            above: bool = False) -> float:
+    value = _scalar(get_input(name), name)
+    if value is None:
+        return default
+    number = float(value)
+    if not np.isfinite(number) or not (least < number if above else least <= number) or number > most:
+        raise RequestError(f"input {name!r}={number:g} must be a number {'above' if above else 'from'} {least:g} "
+                           f"{'and at most' if above else 'to'} {most:g}")
+    return number
+
+
+def _shaping(get_input: GetInput, sampling: Sampling) -> Sampling:
+    """`sampling` with the request's penalties, logit bias and min_tokens."""
+    ids = _ids(get_input("logit_bias_ids"), "logit_bias_ids") or ()
+    values = get_input("logit_bias_values")
+    biases = tuple(float(v) for v in np.asarray(values).reshape(-1)) if values is not None else ()
+    if len(ids) != len(biases):
+        raise RequestError(f"inputs 'logit_bias_ids' ({len(ids)} values) and 'logit_bias_values' ({len(biases)} "
+                           "values) must be as long as each other")
+    if len(ids) > MAX_LOGIT_BIAS:
+        raise RequestError(f"input 'logit_bias_ids' holds {len(ids)} tokens; at most {MAX_LOGIT_BIAS} are allowed")
+    bad = next((b for b in biases if not LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1]), None)
+    if bad is not None:
+        raise RequestError(f"input 'logit_bias_values' holds {bad:g}; a bias must be from {LOGIT_BIAS_RANGE[0]:g} "
+                           f"to {LOGIT_BIAS_RANGE[1]:g}")
+    min_tokens = _scalar(get_input("min_tokens"), "min_tokens")
+    if min_tokens is not None and int(min_tokens) < 0:
+        raise RequestError(f"input 'min_tokens'={int(min_tokens)} must be >= 0")
+    return dataclasses.replace(
+        sampling,
+        presence_penalty=_number(get_input, "presence_penalty", 0.0, *PENALTY_RANGE),
+        frequency_penalty=_number(get_input, "frequency_penalty", 0.0, *PENALTY_RANGE),
+        repetition_penalty=_number(get_input, "repetition_penalty", 1.0, 0.0, 2.0**16, above=True),
+        logit_bias=tuple(zip(ids, biases)), min_tokens=0 if min_tokens is None else int(min_tokens))
 
 
 MAX_BYTES_PER_TOKEN = 32  # a prompt longer than max_input_len x this cannot fit: refused before tokenizing
@@ -180,6 +275,13 @@ def check_limits(prompt_ids: tuple[int, ...], max_tokens: int, *, max_input_len:
         )
     if vocab_size is not None and prompt_ids and max(prompt_ids) >= vocab_size:
         raise RequestError(f"token id {max(prompt_ids)} in 'input_ids' is outside the vocabulary ({vocab_size})")
+
+
+def check_vocab(req: LlmRequest, vocab_size: int) -> None:
+    """Reject a logit bias or stop token id outside the vocabulary."""
+    bad = next((t for t, _ in req.sampling.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"input 'logit_bias_ids' names token id {bad}, outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ success, so these are the error counts to trust. The controller reads them from 
 from __future__ import annotations
 
 import faulthandler
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -262,4 +263,11 @@ def _joined(name: str, arrays: list[np.ndarray]) -> np.ndarray:
         return np.concatenate([a.reshape(1, -1) for a in arrays], axis=1)
     if name == "text_output":
         return np.asarray([[b"".join(bytes(a.reshape(-1)[0]) for a in arrays)]], dtype=np.object_)
+    if name == "output_logprobs":  # JSON per response (`logprob_output`): the tokens in order, the prompt once
+        merged: dict[str, list] = {"tokens": []}
+        for part in (json.loads(bytes(a.reshape(-1)[0])) for a in arrays):
+            merged["tokens"] += part.get("tokens", [])
+            if "prompt" in part:
+                merged["prompt"] = part["prompt"]
+        return np.asarray([[json.dumps(merged).encode()]], dtype=np.object_)
     return arrays[-1]
