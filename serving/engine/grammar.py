@@ -192,8 +192,9 @@ def _compute_mask(matcher: Any, words: int) -> torch.Tensor:
 
 
 class GrammarMatcher:
-    """One request's grammar state (`sampling.TokenMaskSource`): the scheduler's thread calls it, one call at a
-    time; only the next mask is computed on a `MaskWorker` thread."""
+    """One request's grammar state (`sampling.TokenMaskSource`). The scheduler's thread calls it, one call at a
+    time; the llguidance matcher is touched by one thread at a time (a worker computing the next mask, or the
+    scheduler's thread once that mask is done), so what the scheduler asks meanwhile is kept here."""
 
     def __init__(self, tokenizer: Any, grammar: str, worker: MaskWorker, *, vocab_size: int) -> None:
         import llguidance
@@ -204,26 +205,42 @@ class GrammarMatcher:
                              param="guided_decoding")
         self._words = (vocab_size + 31) // 32
         self._worker = worker
+        self._stopped = False
+        self._error = ""
         self._next: Future[torch.Tensor] = worker.submit(self._matcher, self._words)
+
+    def _wait(self) -> torch.Tensor | None:
+        """The next mask, once the worker is done with the matcher (None: it failed, `error` says why)."""
+        try:
+            return self._next.result()
+        except Exception as exc:  # noqa: BLE001 - the request fails at its next token, the engine goes on
+            self._error = self._error or f"the grammar engine failed computing a mask: {exc}"
+            return None
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         """Row `index` of `bitmask` (int32 [R, W] on the CPU) := the tokens allowed next (only the EOS ids once
-        the grammar is complete)."""
-        bitmask[index] = self._next.result()
+        the grammar is complete). A failed mask leaves the row as it is; `accept_token` then refuses."""
+        mask = self._wait()
+        if mask is not None:
+            bitmask[index] = mask
 
     def accept_token(self, token_id: int) -> bool:
         """Advance past `token_id`; False when the grammar refuses it (the matcher then stays in error)."""
-        self._next.result()  # the worker must be done reading the state we are about to change
+        if self._wait() is None:
+            return False
         ok = bool(self._matcher.consume_token(int(token_id)))
+        self._stopped = bool(self._matcher.is_stopped())
+        if not ok:
+            self._error = self._matcher.get_error() or f"token {token_id} is outside the grammar"
         self._next = self._worker.submit(self._matcher, self._words)
-        return ok
+        return ok and not self._error
 
     def is_terminated(self) -> bool:
-        return bool(self._matcher.is_stopped())
+        return self._stopped
 
     @property
     def error(self) -> str:
-        return self._matcher.get_error()
+        return self._error
 
 
 def make_matchers(guide: Guide, *, tokenizer: Any, worker: MaskWorker, vocab_size: int,

@@ -147,7 +147,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr | list[TextPart] | None = Field(description="null only for an assistant's tool calls.")
+    content: StrictStr | list[TextPart] | None = Field(None, description="null (or left out) only for an "
+                                                       "assistant's tool calls.")
     name: StrictStr | None = None
     tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant's calls (its content null).")
     tool_call_id: StrictStr | None = Field(None, description="The call a tool message answers.")
