@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from serving.openai.tools import ToolCallStream, ToolsError, parse_tool_calls, tool_calls_guide, tool_request
+from serving.openai.tools import (
+    ParamRefused,
+    ToolCallStream,
+    parse_tool_calls,
+    tool_calls_guide,
+    tool_request,
+)
 from serving.triton.models.chat import parse_messages, render_chat
 from serving.triton.models.requests import RequestError
 from serving.triton.models.tool_calls import tool_call_style, tool_calls_lark
@@ -22,10 +28,10 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 
 
 def test_tool_choice_naming_an_unknown_function_is_refused_naming_tool_choice():
-    with pytest.raises(ToolsError, match="'nope', which is not in tools") as info:
+    with pytest.raises(ParamRefused, match="'nope', which is not in tools") as info:
         tool_request([WEATHER], {"type": "function", "function": {"name": "nope"}}, None)
     assert info.value.param == "tool_choice"
-    with pytest.raises(ToolsError) as info:
+    with pytest.raises(ParamRefused) as info:
         tool_request([{"type": "function", "function": {"name": "bad name!"}}], None, None)
     assert info.value.param == "tools"
 

@@ -32,11 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.openai.backend import BackendError, ClientError, Piece, Sampling, TritonBackend
 from serving.openai.limits import BodyLimit, FrontLimits, prompt_too_long
 from serving.openai.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
-from serving.openai.structured import GuideRefused, guided_decoding
+from serving.openai.structured import guided_decoding
 from serving.openai.tools import (
+    ParamRefused,
     ToolCallStream,
     ToolRequest,
-    ToolsError,
     assistant_message,
     chat_messages,
     prompt_chars,
@@ -161,7 +161,7 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
         try:
             guide = guided_decoding(response_format=req.response_format, guided_json=req.guided_json,
                                     guided_regex=req.guided_regex, guided_choice=req.guided_choice, tools=tools)
-        except GuideRefused as exc:
+        except ParamRefused as exc:
             metrics.requests.labels(route, req.model, "400").inc()
             return openai_error(400, str(exc), param=exc.param)
         too_long = prompt_too_long(prompt_chars(prompt), limits)
@@ -255,7 +255,7 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
     async def chat_completions(req: ChatCompletionRequest):
         try:
             tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
-        except ToolsError as exc:
+        except ParamRefused as exc:
             metrics.requests.labels("/v1/chat/completions", req.model, "400").inc()
             return openai_error(400, str(exc), param=exc.param)
         return await serve("/v1/chat/completions", req, chat_messages(req.messages, tools), chat=True, tools=tools)

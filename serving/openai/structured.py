@@ -14,15 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serving.openai.tools import ToolRequest, tool_calls_guide
-
-
-class GuideRefused(ValueError):
-    """A guide the front refuses: `param` names the OpenAI parameter (HTTP 400)."""
-
-    def __init__(self, message: str, *, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+from serving.openai.tools import ParamRefused, ToolRequest, tool_calls_guide
 
 
 def _response_format_guide(response_format: Any) -> Any:
@@ -38,24 +30,24 @@ def _response_format_guide(response_format: Any) -> Any:
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise GuideRefused("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+            raise ParamRefused("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
                                "{...}, \"strict\": ...}}", param="response_format")
         name = spec.get("name")
         if name is not None and not isinstance(name, str):
-            raise GuideRefused(f"response_format.json_schema.name={name!r} must be a string", param="response_format")
+            raise ParamRefused(f"response_format.json_schema.name={name!r} must be a string", param="response_format")
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise GuideRefused(f"response_format.json_schema.strict={strict!r} must be true or false",
+            raise ParamRefused(f"response_format.json_schema.strict={strict!r} must be true or false",
                                param="response_format")
         return Guide("json_schema", spec["schema"])
-    raise GuideRefused(f"response_format={json.dumps(response_format)[:120]} must be {{\"type\": \"text\"}}, "
+    raise ParamRefused(f"response_format={json.dumps(response_format)[:120]} must be {{\"type\": \"text\"}}, "
                        "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": {...}}",
                        param="response_format")
 
 
 def guided_decoding(*, response_format: Any = None, guided_json: Any = None, guided_regex: Any = None,
                     guided_choice: Any = None, tools: ToolRequest | None = None) -> str | None:
-    """The ``guided_decoding`` input of a request (None: unconstrained); GuideRefused naming the parameter."""
+    """The ``guided_decoding`` input of a request (None: unconstrained); ParamRefused naming the parameter."""
     from serving.engine.grammar import Guide, GuideError, check_guide
 
     guides = []
@@ -71,7 +63,7 @@ def guided_decoding(*, response_format: Any = None, guided_json: Any = None, gui
     tool_guide = tool_calls_guide(tools) if tools is not None else None
     if len(guides) + (tool_guide is not None) > 1:
         names = [g.param for g in guides] + (["tool_choice"] if tool_guide else [])
-        raise GuideRefused(f"{' and '.join(names)} each constrain the output: give one of them", param=names[-1])
+        raise ParamRefused(f"{' and '.join(names)} each constrain the output: give one of them", param=names[-1])
     try:
         for guide in guides:
             check_guide(guide)
@@ -83,7 +75,7 @@ def guided_decoding(*, response_format: Any = None, guided_json: Any = None, gui
                     check_guide(Guide("json_schema", parameters, param=f"tools[{i}].function.parameters"))
     except GuideError as exc:
         param = "tools" if exc.param.startswith("tools[") else exc.param
-        raise GuideRefused(str(exc), param=param) from exc
+        raise ParamRefused(str(exc), param=param) from exc
     if tool_guide is not None:
         return tool_guide
     return guides[0].to_json() if guides else None

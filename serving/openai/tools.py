@@ -24,8 +24,8 @@ NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a funct
 BLOCK = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), re.DOTALL)
 
 
-class ToolsError(ValueError):
-    """A ``tools`` / ``tool_choice`` the front refuses: `param` names the one (HTTP 400)."""
+class ParamRefused(ValueError):
+    """A parameter the front refuses (tools, tool_choice, a guide): `param` names the OpenAI parameter (HTTP 400)."""
 
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(message)
@@ -60,29 +60,29 @@ class ToolRequest:
 
 
 def tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolRequest | None:
-    """The request's tools, checked (ToolsError naming ``tools`` or ``tool_choice``); None without tools."""
+    """The request's tools, checked (ParamRefused naming ``tools`` or ``tool_choice``); None without tools."""
     if tools in (None, []):
         if tool_choice not in (None, "none", "auto"):
-            raise ToolsError(f"tool_choice={json.dumps(tool_choice)[:80]} needs tools", param="tool_choice")
+            raise ParamRefused(f"tool_choice={json.dumps(tool_choice)[:80]} needs tools", param="tool_choice")
         return None
     if not isinstance(tools, list):
-        raise ToolsError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", param="tools")
+        raise ParamRefused("tools must be a list of {\"type\": \"function\", \"function\": {...}}", param="tools")
     seen = set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise ToolsError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}",
+            raise ParamRefused(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}",
                              param="tools")
         name = function.get("name")
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
-            raise ToolsError(f"tools[{i}].function.name={name!r} must be 1-64 letters, digits, _ or -",
+            raise ParamRefused(f"tools[{i}].function.name={name!r} must be 1-64 letters, digits, _ or -",
                              param="tools")
         if name in seen:
-            raise ToolsError(f"tools[{i}].function.name={name!r} is given twice", param="tools")
+            raise ParamRefused(f"tools[{i}].function.name={name!r} is given twice", param="tools")
         seen.add(name)
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
-            raise ToolsError(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
+            raise ParamRefused(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
     choice = _choice(tool_choice, seen)
     return ToolRequest(tuple(tools), choice, parallel=parallel_tool_calls is not False)
 
@@ -94,11 +94,11 @@ def _choice(tool_choice: Any, names: set[str]) -> str:
         return tool_choice
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(function, dict):
-        raise ToolsError(f"tool_choice={json.dumps(tool_choice)[:80]} must be \"none\", \"auto\", \"required\" or "
+        raise ParamRefused(f"tool_choice={json.dumps(tool_choice)[:80]} must be \"none\", \"auto\", \"required\" or "
                          "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
     name = function.get("name")
     if name not in names:
-        raise ToolsError(f"tool_choice names function {name!r}, which is not in tools ({', '.join(sorted(names))})",
+        raise ParamRefused(f"tool_choice names function {name!r}, which is not in tools ({', '.join(sorted(names))})",
                          param="tool_choice")
     return name
 
