@@ -84,11 +84,14 @@ def bench_llguidance(tok: Any, text: str, skip: int, repeat: int) -> dict[str, f
     for _ in range(repeat):
         matcher = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
 
-        def consume(token: int) -> None:
+        def consume(token: int, matcher: Any = matcher) -> None:
             if not matcher.consume_token(token):
                 raise RuntimeError(f"llguidance refused token {token}: {matcher.get_error()}")
 
-        times += walk(lambda: llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0), consume, tokens, skip)
+        def fill(matcher: Any = matcher) -> None:
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+
+        times += walk(fill, consume, tokens, skip)
     return summary(times, tokenizer_s, compile_s)
 
 
@@ -112,11 +115,14 @@ def bench_xgrammar(tok: Any, text: str, skip: int, repeat: int) -> dict[str, flo
     for _ in range(repeat):
         matcher = xgr.GrammarMatcher(compiled)
 
-        def consume(token: int) -> None:
+        def consume(token: int, matcher: Any = matcher) -> None:
             if not matcher.accept_token(token):
                 raise RuntimeError(f"xgrammar refused token {token}")
 
-        times += walk(lambda: matcher.fill_next_token_bitmask(bitmask, 0), consume, tokens, skip)
+        def fill(matcher: Any = matcher) -> None:
+            matcher.fill_next_token_bitmask(bitmask, 0)
+
+        times += walk(fill, consume, tokens, skip)
     return summary(times, tokenizer_s, compile_s)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from registry.model_registry import run_ui_url
 from tasks.evaluation import EvaluationComparison, evaluation_verdict
+from tasks.lm_eval_gate import LmEvalResult
 from tasks.perf_gate import PerfResult, PerfSlo
 from tasks.validate import ValidationResult
 
@@ -118,6 +119,25 @@ def gate_rows(validation: ValidationResult, perf: PerfResult, slo: PerfSlo,
     return rows
 
 
+def lm_eval_section(result: LmEvalResult | None) -> list[str]:
+    """The standard evals' lines of the page: each task's difference against production, interval and budget."""
+    if result is None:
+        return []
+    if result.skipped:
+        return [f"### Standard evals (lm-evaluation-harness): skipped ({result.skipped})", ""]
+    return [
+        f"### Standard evals (lm-evaluation-harness) against production: {_verdict(result.passed)}",
+        "",
+        "| task | metric | items | this version | production | difference [interval] | budget |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *(f"| {v.name} | {v.metric} | {v.items} | {v.candidate:.3f} | {v.production:.3f} | {v.difference:+.3f} "
+          f"[{v.interval[0]:+.3f}, {v.interval[1]:+.3f}] | drop <= {v.budget:g} (or p >= {v.alpha:g}) |"
+          for v in result.verdicts),
+        *(f"- {failure}" for failure in result.failures),
+        "",
+    ]
+
+
 def _link_line(name: str, uri: str) -> str:
     """A browser opens http(s) links only; an artifact store's `s3://` or `file://` URI is shown to copy."""
     return f"- [{name}]({uri})" if uri.startswith(("http://", "https://")) else f"- {name}: `{uri}`"
@@ -141,6 +161,7 @@ class VersionPage:
     ui_base: str | None  # the MLflow UI, for links into the run; None: no links
     evaluation: EvaluationComparison | None = None
     measured: bool = False  # production's speed and evaluation figures are from this same run
+    lm_eval: LmEvalResult | None = None  # the standard evals' verdicts (tasks/lm_eval_gate.py)
 
     def render(self, *, fingerprint: str, run: tuple[str, str] | None, manifest_uri: str, report_folder: str) -> str:
         """`run`: (experiment id, run id) of the release run, linked into when the UI is known."""
@@ -158,7 +179,7 @@ class VersionPage:
         links["engine artifact manifest"] = manifest_uri
         return render_version_page(fingerprint=fingerprint, validation=self.validation, perf=self.perf, slo=self.slo,
                                    production=self.production, provenance=self.provenance, links=links,
-                                   evaluation=self.evaluation, measured=self.measured)
+                                   evaluation=self.evaluation, measured=self.measured, lm_eval=self.lm_eval)
 
 
 def render_version_page(
@@ -172,10 +193,12 @@ def render_version_page(
     links: dict[str, str],
     evaluation: EvaluationComparison | None = None,
     measured: bool = False,
+    lm_eval: LmEvalResult | None = None,
 ) -> str:
     """The version's description: decision first, then gates, comparison, provenance and links."""
     replaced = production[0] if production else None
-    passed = validation.passed and perf.passed and (evaluation is None or evaluation.passed)
+    passed = (validation.passed and perf.passed and (evaluation is None or evaluation.passed)
+              and (lm_eval is None or lm_eval.passed))
     candidate = {**validation.metrics, **perf.metrics, **(evaluation.metrics if evaluation else {})}
     comparisons = compare_figures(candidate, production[1] if production else None)
     lines = [
@@ -195,6 +218,7 @@ def render_version_page(
         *(f"- {failure}" for failure in [*validation.failures, *(evaluation.failures if evaluation else []),
                                          *perf.failures]),
         "",
+        *lm_eval_section(lm_eval),
         (f"### Against version {replaced}, which it would replace" if replaced
          else "### Against production: no production version yet"),
         "",

@@ -6,19 +6,11 @@ trip (whole and streamed), and the 400s naming the OpenAI parameter."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from triton_support import start_triton
-
-from serving.triton.process import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +30,12 @@ class Capital(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def triton(smollm2_checkpoint, tmp_path_factory):
-    """One Triton serving one float32 paged SmolLM2 engine, decoupled, behind its router and streaming router."""
+def base(smollm2_checkpoint, tmp_path_factory):
+    """One float32 paged SmolLM2 engine in a real Triton (decoupled, behind its router and streaming router) and
+    `enginewright serve` in front: the gate's own serving path (tasks/lm_eval_gate.served_engines)."""
     from serving.engine import EngineLimits, build_engine, convert_checkpoint
     from serving.engine.paged_cache import PagedKVConfig
-    from serving.triton.operations import apply_router_weights, serve_versions
-    from serving.triton.repository import init_repository, stage_engine_version
+    from tasks.lm_eval_gate import served_engines
 
     work = tmp_path_factory.mktemp("structured")
     ckpt = convert_checkpoint(smollm2_checkpoint, work / "ckpt", dtype="float32")
@@ -51,43 +43,8 @@ def triton(smollm2_checkpoint, tmp_path_factory):
     build_engine(ckpt, engine, limits=EngineLimits(dtype="float32", max_batch_size=4, max_input_len=512,
                                                    max_seq_len=768),
                  paged=PagedKVConfig(block_size=16, num_blocks=200, max_num_tokens=512))
-    repo = init_repository(work / "repository")
-    server = start_triton(repo, log_path=work / "triton.log")
-    try:
-        version = stage_engine_version(repo, MODEL, engine, device_kind="cpu", parameters={"decoupled": "true"},
-                                       link=True)
-        serve_versions(server.control(), repo, MODEL, [version], timeout_s=300)
-        apply_router_weights(server.control(), repo, MODEL, {version: 100})
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def base(triton, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("front") / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve", "--triton-grpc", triton.grpc_url, "--model", MODEL,
-             "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"front never became healthy: {log.read_text()}")
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
+    with served_engines({MODEL: engine}, work / "serving") as served:
+        yield served.base_url
 
 
 @pytest.fixture(scope="module")
