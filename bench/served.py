@@ -24,11 +24,11 @@ from bench.stream_client import MODEL, stream_client
 from serving.engine.timing import percentile
 
 if TYPE_CHECKING:
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
 
 
 def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_len: int,
-                        quantization: str = "none", paged: PagedKVConfig | None = None) -> Path:
+                        quantization: str = "none", paged: KVCacheConfig | None = None) -> Path:
     """Random bf16 weights of `shape` saved as an HF checkpoint, converted (quantized per
     `engine.quantization` = `quantization`) and built (with the paged KV cache `paged`, when given); skipped
     if that engine is there already."""
@@ -52,7 +52,7 @@ def build_random_engine(shape: str, work: Path, *, max_batch_size: int, max_seq_
     ckpt = convert_checkpoint(work / "hf", work / f"ckpt{suffix}", dtype="bfloat16", quantization=quant)
     limits = EngineLimits("bfloat16", max_batch_size=max_batch_size, max_input_len=max_seq_len - 1,
                           max_seq_len=max_seq_len)
-    return build_engine(ckpt, engine_dir, limits=limits, quantization=quant, paged=paged).path
+    return build_engine(ckpt, engine_dir, limits=limits, quantization=quant, kv_cache=paged).path
 
 
 def bench_offline_engine(engine_dir: Path, *, batch: int, prompt_len: int, gen_len: int, repeats: int = 3,
@@ -217,7 +217,7 @@ def run_served(*, shape: str, clients: int, requests_per_client: int, prompt_len
                variants: tuple[tuple[str, dict[str, str]], ...] = (("default", {}),),
                load_timeout_s: float = 420.0, wait_for: tuple[Path, ...] = (), wait_timeout_s: float = 300.0,
                offline_json: Path | None = None, get_timeout_s: float = 300.0,
-               via_stream_router: bool = False, quantization: str = "none", paged: PagedKVConfig | None = None,
+               via_stream_router: bool = False, quantization: str = "none", paged: KVCacheConfig | None = None,
                lanes: int = 1, warmup_lanes: int = 1, shared_prefix: int = 0) -> dict[str, Any]:
     """Each variant (label, extra parameters of the llm model) is staged as model ``bench_<label>`` and
     measured in turn on one Triton: load, the clients, unload (its counters are read from the log).

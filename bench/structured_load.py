@@ -42,12 +42,12 @@ WORDS = ["the", "river", "carried", "light", "across", "a", "quiet", "valley", "
 
 def engine_with_tokenizer(work: Path, *, max_batch_size: int, max_seq_len: int) -> Path:
     """The FP8 paged engine of the 8B shape (built once) with the trained 128,256-token tokenizer in its folder."""
+    from bench.served import build_random_engine
     from bench.vocab_tokenizer import train
-    from serving.bench.served import build_random_engine
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
 
     engine = build_random_engine("llama-3.1-8b", work, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                 quantization="fp8", paged=PagedKVConfig(max_num_tokens=8192))
+                                 quantization="fp8", paged=KVCacheConfig(max_num_tokens=8192))
     if not (engine / "tokenizer.json").is_file():
         tokenizer = work / "tokenizer" / "tokenizer.json"
         if not tokenizer.is_file():

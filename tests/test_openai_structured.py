@@ -34,7 +34,7 @@ def base(smollm2_checkpoint, tmp_path_factory):
     """One float32 paged SmolLM2 engine in a real Triton (decoupled, behind its router and streaming router) and
     `enginewright serve` in front: the gate's own serving path (tasks/lm_eval_gate.served_engines)."""
     from serving.engine import EngineLimits, build_engine, convert_checkpoint
-    from serving.engine.paged_cache import PagedKVConfig
+    from serving.engine.kv_cache import KVCacheConfig
     from tasks.lm_eval_gate import served_engines
 
     work = tmp_path_factory.mktemp("structured")
@@ -42,7 +42,7 @@ def base(smollm2_checkpoint, tmp_path_factory):
     engine = work / "engine"
     build_engine(ckpt, engine, limits=EngineLimits(dtype="float32", max_batch_size=4, max_input_len=512,
                                                    max_seq_len=768),
-                 paged=PagedKVConfig(block_size=16, num_blocks=200, max_num_tokens=512))
+                 kv_cache=KVCacheConfig(block_size=16, num_blocks=200, max_num_tokens=512))
     with served_engines({MODEL: engine}, work / "serving") as served:
         yield served.base_url
 

@@ -142,8 +142,6 @@ def _inputs(grpc: Any, prompt: Prompt, sampling: Sampling, *, stream: bool = Fal
         values.append(("stop", np.array([[s.encode() for s in sampling.stop]], dtype=object), "BYTES"))
     if sampling.ignore_eos:
         values.append(("ignore_eos", np.array([[True]], dtype=bool), "BOOL"))
-    if sampling.guided_decoding is not None:
-        values.append(("guided_decoding", np.array([[sampling.guided_decoding.encode()]], dtype=object), "BYTES"))
     if stream:
         values.append(("stream", np.array([[True]], dtype=bool), "BOOL"))
     # OpenAI's defaults (temperature 1, top_p 1) mean "sample"; temperature 0 means greedy.
