@@ -227,7 +227,10 @@ def test_models_retrieve_and_content_parts(client):
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
-    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+    # a static engine serves no prompt log-probs: echoing a prompt of token ids needs them
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": [5, 6], "echo": True}, 400, "echo"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                      "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 7}, 400, "frequency_penalty"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),

@@ -42,3 +42,42 @@ def test_the_router_passes_a_target_that_is_loading_or_full_on_as_unavailable():
         assert target_error_code(message, internal, codes) == "unavailable", message
     assert target_error_code(f"{INVALID_REQUEST}: max_tokens", internal, codes) == "invalid"
     assert target_error_code("m_v1: v1 broke: ValueError", internal, codes) == "internal"
+
+
+@pytest.mark.parametrize(("message", "chat", "param", "words"), [
+    ("tiny_v3: invalid request: tiny_v3 v3: input 'top_logprobs'=21 must be from 0 to 20", True, "top_logprobs",
+     "'top_logprobs'=21"),
+    ("tiny_v3: invalid request: tiny_v3 v3: input 'top_logprobs'=9 must be from 0 to 20", False, "logprobs", "9"),
+    (("tiny_v3: invalid request: tiny_v3 v3: input 'logit_bias_ids' names token id 99999, outside the vocabulary "
+     "[0, 512)"), False, "logit_bias", "99999"),
+    ("tiny_v3: invalid request: tiny_v3 v3: input 'prompt_logprobs' is served by engines with a paged KV cache",
+     False, "echo", "'echo'"),
+    ("tiny_v3: invalid request: tiny_v3 v3: prompt of 300 tokens exceeds the engine limit max_input_len=128", True,
+     "messages", "max_input_len=128"),
+    ("tiny_v3: invalid request: tiny_v3 v3: input 'text_input' of 9000 bytes exceeds the engine limit", False,
+     "prompt", "9000 bytes"),
+    (("tiny_v3: invalid request: tiny_v3 v3: input 'messages' needs a chat template, and the engine folder "
+     "/srv/repo/tiny_v3/1/engine has none: send 'text_input' instead"), True, "messages", "no chat template"),
+])
+def test_an_engine_refusal_reads_in_openai_terms(message, chat, param, words):
+    from serving.openai.errors import client_error
+
+    text, got = client_error(message, chat=chat, model="tiny")
+    assert got == param and words in text, (text, got)
+    for internal in ("invalid request", "tiny_v3", "text_input", "input_ids", "logit_bias_ids", "/srv"):
+        assert internal not in text, text
+
+
+def test_completion_logprobs_have_openais_shape():
+    from serving.openai.responses import completion_logprobs
+
+    def entry(text: str, logprob: float | None, top: list[tuple[str, float]]) -> dict:
+        return {"id": 0, "bytes": list(text.encode()), "logprob": logprob,
+                "top": [{"id": 1, "bytes": list(t.encode()), "logprob": lp} for t, lp in top]}
+
+    shaped = completion_logprobs([entry("The", None, []), entry(" cat", -1.5, [(" dog", -0.5), (" cat", -1.5)]),
+                                  entry(" sat", -0.25, [(" sat", -0.25)])], top_n=1, offset=0)
+    assert shaped["tokens"] == ["The", " cat", " sat"]
+    assert shaped["token_logprobs"] == [None, -1.5, -0.25]
+    assert shaped["top_logprobs"] == [None, {" dog": -0.5, " cat": -1.5}, {" sat": -0.25}]  # the chosen one too
+    assert shaped["text_offset"] == [0, 3, 7]

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
-from triton_support import tiny_models_served
+from triton_support import openai_front, tiny_models_served
 
 from serving.triton.client import infer_text
-from serving.triton.process import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -36,31 +30,8 @@ def triton(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def front(triton, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("front") / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve", "--triton-grpc", triton.grpc_url, "--model", MODEL,
-             "--model", TIGHT, "--model", LIVE, "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"front never became healthy: {log.read_text()}")
+    with openai_front(triton.grpc_url, [MODEL, TIGHT, LIVE], tmp_path_factory.mktemp("front") / "serve.log") as base:
         yield base
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
 
 
 @pytest.fixture
@@ -101,8 +72,12 @@ def test_chat_with_an_engine_without_a_chat_template_is_a_400_naming_it(client):
     """The tiny model's tokenizer has no chat template (chat with one: test_openai_real_model.py)."""
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
     for stream in (False, True):
-        with pytest.raises(openai.BadRequestError, match="has none \\(chat_template.jinja"):
+        with pytest.raises(openai.BadRequestError, match="has no chat template") as caught:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=stream)
+        error = caught.value.body
+        assert error["param"] == "messages" and "text_input" not in error["message"]
+        assert "/" not in error["message"].replace("/v1/completions", ""), error  # no server path
+        assert f"{MODEL}_v" not in error["message"]
 
 
 def test_stop_string_cuts_the_text(client):
@@ -132,7 +107,7 @@ def test_hundred_concurrent_streams_all_finish(client):
         ({"model": MODEL}, "prompt"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "temperature": 5}, "temperature"),
-        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": MODEL, "prompt": []}, "prompt"),
         ({"prompt": "hi"}, "model"),
     ],
 )

@@ -6,19 +6,11 @@ as a stream of more than one chunk, and carry the right `usage`."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 
-import httpx
 import openai
 import pytest
-from triton_support import start_triton
-
-from serving.triton.process import free_port
+from triton_support import openai_front, start_triton
 
 pytestmark = pytest.mark.slow
 
@@ -84,29 +76,8 @@ def triton(smollm2_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(triton, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("front") / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve", "--triton-grpc", triton.grpc_url, "--model", MODEL,
-             "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"front never became healthy: {log.read_text()}")
+    with openai_front(triton.grpc_url, [MODEL], tmp_path_factory.mktemp("front") / "serve.log") as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
 
 
 @pytest.mark.parametrize("question", QUESTIONS)

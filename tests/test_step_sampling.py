@@ -65,7 +65,7 @@ def test_top_k_and_top_p_per_row():
 
 def test_penalties_bias_min_tokens_and_masks_shape_the_logits():
     logits = torch.tensor([[1.0, 0.9, 0.8, 0.0]])
-    greedy = dict(temperature=0.0)
+    greedy = {"temperature": 0.0}
     # token 0 was generated twice: a frequency penalty of 0.1 puts it below token 1
     assert _sample(logits, [RowSampling(SamplingParams(**greedy, frequency_penalty=0.1), 0, 4, tokens=(3, 0, 0),
                                         prompt_len=1, generated=2)]) == [1]
@@ -199,3 +199,40 @@ def test_seeded_sampling_repeats_whatever_the_batch_and_penalties_apply(paged):
     _run(paged, [banned.request([4, 4, 4], 3, stop_token_ids=(first,),
                                 sampling=SamplingParams(temperature=0.0, min_tokens=2))])
     assert first not in banned.ids[:2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_step_samples_the_same_tokens_on_cuda_as_on_the_cpu():
+    """The counter-based draws, penalties, bias, min_tokens and a packed mask give the CPU's tokens on the GPU
+    (pinned, non-blocking parameter copies), and the step's log-probs reach the host with them."""
+    from serving.engine.step_sampling import StepLogprobs
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 1000)
+    mask = OnlyTokens({5, 77, 900})
+    rows = [RowSampling(None, 0, 1), RowSampling(SamplingParams(temperature=0.9, top_k=40, top_p=0.9), 123, 17),
+            RowSampling(SamplingParams(temperature=1.3, presence_penalty=1.0, frequency_penalty=0.5,
+                                       repetition_penalty=1.2), 2**63 + 5, 40, tokens=(1, 2, 3, 3, 9), prompt_len=2,
+                        generated=3),
+            RowSampling(SamplingParams(temperature=0.0, logit_bias=((11, 50.0),)), 0, 3),
+            RowSampling(SamplingParams(temperature=0.7, min_tokens=4), 99, 8, stop_ids=(int(logits[4].argmax()),),
+                        generated=1),
+            RowSampling(SamplingParams(temperature=1.0), 7, 2, token_mask=mask)]
+    cpu = _sample(logits, rows)
+    cuda = sample_rows(logits.cuda(), StepSampling.build(rows, 1000, torch.device("cuda"))).tolist()
+    assert cuda == cpu
+    from serving.engine.sampling import chosen_logprobs
+
+    chosen, top_v, top_i = chosen_logprobs(logits.cuda(), torch.tensor(cpu, device="cuda"), 3)
+    host = StepLogprobs([0, 1], [3, 0], chosen[:2], top_v[:2], top_i[:2]).to_host()
+    torch.cuda.synchronize()
+    assert host.per_row(2)[0][0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[cpu[0]]), abs=1e-5)
+
+
+def test_the_static_runners_sampler_refuses_what_only_the_step_serves():
+    from serving.engine.errors import EngineLimitError
+    from serving.engine.sampling import sample
+
+    with pytest.raises(EngineLimitError, match="paged engine"):
+        sample(torch.zeros(1, 4), SamplingParams(temperature=0.0, presence_penalty=1.0))

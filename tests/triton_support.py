@@ -11,7 +11,9 @@ import gc
 import os
 import signal
 import subprocess
+import sys
 import threading
+import time
 import types
 import weakref
 from collections.abc import Iterator
@@ -382,3 +384,36 @@ def tiny_models_served(work_dir: Path, queues: dict[str, int], decoupled: frozen
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def openai_front(grpc_url: str, models: list[str], log_path: Path, *, ready_s: float = 60.0) -> Iterator[str]:
+    """`enginewright serve` (the CLI's module) in front of `grpc_url` for `models`, on a free loopback port, until
+    the block ends: yields its base URL once /health answers 200."""
+    import httpx
+
+    from serving.triton.process import free_port
+
+    port = free_port()
+    with open(log_path, "wb") as out:
+        command = [sys.executable, "-m", "flows.cli", "serve", "--triton-grpc", grpc_url, "--port", str(port)]
+        for model in models:
+            command += ["--model", model]
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"front never became healthy: {log_path.read_text()}")
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)

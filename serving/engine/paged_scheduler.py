@@ -81,7 +81,7 @@ from serving.engine.prefix_cache import (
 )
 from serving.engine.sampling import chosen_logprobs
 from serving.engine.scheduler_loop import GenRequest, RequestCancelled, SchedulerLoop
-from serving.engine.step_sampling import RowSampling, StepSampling, fresh_seed, sample_rows
+from serving.engine.step_sampling import RowSampling, StepLogprobs, StepSampling, fresh_seed, sample_rows
 
 LogprobSink = Callable[[float, "dict[int, float]"], None]
 # (log-probs of prompt tokens [first, first + k), their top alternatives) for k prompt tokens
@@ -128,6 +128,7 @@ class _Ahead:
     tokens: torch.Tensor  # [N] on the device
     host: torch.Tensor  # [N] on the host (pinned on CUDA), filled by a non-blocking copy after the step
     ready: Any  # a torch.cuda.Event recorded after that copy; None off CUDA (the copy was synchronous)
+    logprobs: StepLogprobs | None = None  # its rows' log-probs, copied to the host with the tokens
 
 
 @dataclass
@@ -357,10 +358,9 @@ class PagedScheduler(SchedulerLoop):
                 and all(n == 1 for _, n in plan) and self._nothing_needs_the_tokens())
 
     def _nothing_needs_the_tokens(self) -> bool:
-        """No live request wants log-probs (read on the host at once) and nothing waiting could be admitted
-        (or may be yet: `admit_every_steps`)."""
-        if any(seq.needs_host or (isinstance(seq.req, PagedRequest) and seq.req.on_logprobs is not None)
-               for seq in self.running):
+        """No live request's sampling reads its tokens on the host (penalties, min_tokens, a token mask) and nothing
+        waiting could be admitted (or may be yet: `admit_every_steps`). Log-probs travel with the tokens."""
+        if any(seq.needs_host for seq in self.running):
             return False
         with self.cond:
             return (not self.waiting or len(self.running) >= self.max_live
@@ -381,6 +381,7 @@ class PagedScheduler(SchedulerLoop):
         """Sample `seqs`' next tokens from `logits` and start copying them to the host; their positions count
         as computed from here."""
         tokens = self._sample(logits, seqs, [seq.computed + 1 for seq in seqs])
+        logprobs = self._step_logprobs(logits, tokens, seqs)
         for seq in seqs:
             seq.computed += 1
             if seq.generated > 0:
@@ -390,6 +391,7 @@ class PagedScheduler(SchedulerLoop):
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
+            logprobs = logprobs.to_host() if logprobs is not None else None
             ready = torch.cuda.Event()
             ready.record()
         else:
@@ -398,7 +400,7 @@ class PagedScheduler(SchedulerLoop):
         self.stats.ahead_steps += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(seqs))
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.allocator.used)
-        return _Ahead(seqs, tokens, host, ready)
+        return _Ahead(seqs, tokens, host, ready, logprobs)
 
     def _run_ahead(self, prev: _Ahead, rows: list[_Seq]) -> None:
         """Launch the decode step of `rows` on `prev`'s unread samples, then deliver `prev`'s tokens."""
@@ -431,9 +433,10 @@ class PagedScheduler(SchedulerLoop):
         self.stats.wait_s += delivering - waiting
         if self.ahead is ahead:
             self.ahead = None
-        for seq, token in zip(ahead.seqs, tokens):
+        extras = ahead.logprobs.per_row(len(tokens)) if ahead.logprobs is not None else [None] * len(tokens)
+        for seq, token, extra in zip(ahead.seqs, tokens, extras):
             if seq.live:
-                self._deliver(seq, token, None)
+                self._deliver(seq, token, extra)
         self._drop_retired()
         self.stats.deliver_s += time.perf_counter() - delivering
 
@@ -468,7 +471,8 @@ class PagedScheduler(SchedulerLoop):
                 ready = torch.cuda.Event() if tokens.is_cuda else None
                 if ready is not None:
                     ready.record()
-            extras = self._logprobs(logits, tokens, lives)
+            step_logprobs = self._step_logprobs(logits, tokens, lives)
+            extras = step_logprobs.per_row(len(lives)) if step_logprobs is not None else None
             if echoing:
                 self._report_prompt_logprobs([plan[i] for i in echoing], prompt_logits)
             waiting, waiting_cpu = time.perf_counter(), time.thread_time()
@@ -536,25 +540,16 @@ class PagedScheduler(SchedulerLoop):
                 self.log_error(f"request {seq.req.request_id}: prompt logprobs failed: {type(exc).__name__}: {exc}")
             k += count
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, lives: list[_Seq]
-                  ) -> list[tuple[float, dict[int, float]] | None] | None:
-        wanting = [isinstance(s.req, PagedRequest) and s.req.on_logprobs is not None for s in lives]
-        if not any(wanting):
+    def _step_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, lives: list[_Seq]) -> StepLogprobs | None:
+        """The raw log-probs of the chosen tokens (and alternatives) of the rows that want them, on the device."""
+        rows = [k for k, s in enumerate(lives) if isinstance(s.req, PagedRequest) and s.req.on_logprobs is not None]
+        if not rows:
             return None
-        top_n = max(s.req.top_logprobs for s, w in zip(lives, wanting) if w)
-        chosen, top_v, top_i = chosen_logprobs(logits, tokens, top_n)
-        chosen_l = chosen.tolist()
-        top_vl = top_v.tolist() if top_v is not None else None
-        top_il = top_i.tolist() if top_i is not None else None
-        out: list[tuple[float, dict[int, float]] | None] = []
-        for row, (seq, want) in enumerate(zip(lives, wanting)):
-            if not want:
-                out.append(None)
-                continue
-            n = seq.req.top_logprobs
-            top = dict(zip(top_il[row][:n], top_vl[row][:n])) if n and top_il is not None else {}
-            out.append((chosen_l[row], top))
-        return out
+        top_ns = [lives[k].req.top_logprobs for k in rows]  # type: ignore[attr-defined]
+        index = torch.tensor(rows, device=logits.device) if len(rows) < len(lives) else None
+        picked = (logits, tokens) if index is None else (logits[index], tokens[index])
+        chosen, top_v, top_i = chosen_logprobs(*picked, max(top_ns))
+        return StepLogprobs(rows, top_ns, chosen, top_v, top_i)
 
     def _deliver(self, seq: _Seq, token: int, extra: tuple[float, dict[int, float]] | None) -> None:
         seq.tokens.append(token)

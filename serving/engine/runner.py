@@ -186,6 +186,9 @@ class EngineRunner:
         after its first token and after each decode step (for the benchmark's TTFT/TPOT).
         """
         self._check_prompts(prompts, max_new_tokens, top_logprobs)
+        if sampling is not None and sampling.shapes_logits:
+            raise EngineLimitError(f"{sampling} asks for penalties, logit_bias or min_tokens: the paged engine serves "
+                                   "them (engine.paged), the static runner does not")
         generator = None
         if sampling is not None and sampling.seed is not None:
             generator = torch.Generator(device=self.device)

@@ -102,7 +102,10 @@ class SamplingParams:
 def sample(logits: torch.Tensor, params: SamplingParams | None,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """logits: [B, V] -> next token ids [B] (int64), every row under `params` (temperature/top-k/top-p only:
-    the static runner's batches; `sample_rows` serves the rest)."""
+    the static runner's batches; `step_sampling.sample_rows` serves the rest, and is refused here)."""
+    if params is not None and params.shapes_logits:
+        raise EngineLimitError("penalties, logit_bias and min_tokens are served by the paged engine's per-row "
+                               f"sampling (step_sampling.sample_rows), not by the static runner: {params}")
     if params is None or params.is_greedy:
         return logits.argmax(dim=-1)
     logits = logits.float() / max(params.temperature, 1e-6)

@@ -237,3 +237,34 @@ def sample_rows(logits: torch.Tensor, step: StepSampling | None) -> torch.Tensor
     out[step.sampled] = (probs / race).argmax(dim=-1)
     return out
 
+
+@dataclass
+class StepLogprobs:
+    """The raw log-probs a step's rows asked for (`chosen_logprobs`): `rows` of the step, each with its `top_ns`
+    alternatives; made on the device, read on the host (`to_host` first where the tokens are read later)."""
+
+    rows: list[int]
+    top_ns: list[int]
+    chosen: torch.Tensor  # [R]
+    top_values: torch.Tensor | None  # [R, max top_n]
+    top_ids: torch.Tensor | None
+
+    def to_host(self) -> StepLogprobs:
+        """A copy on the host started without waiting (pinned, non-blocking on CUDA): read after the step's event."""
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or not t.is_cuda:
+                return t
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        return StepLogprobs(self.rows, self.top_ns, copy(self.chosen), copy(self.top_values), copy(self.top_ids))
+
+    def per_row(self, n_rows: int) -> list[tuple[float, dict[int, float]] | None]:
+        out: list[tuple[float, dict[int, float]] | None] = [None] * n_rows
+        chosen = self.chosen.tolist()
+        values = self.top_values.tolist() if self.top_values is not None else None
+        ids = self.top_ids.tolist() if self.top_ids is not None else None
+        for k, (row, n) in enumerate(zip(self.rows, self.top_ns)):
+            top = dict(zip(ids[k][:n], values[k][:n])) if n and ids is not None and values is not None else {}
+            out[row] = (chosen[k], top)
+        return out

@@ -8,12 +8,14 @@ fails after its first byte ends with an SSE ``error`` event carrying that status
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,8 +31,11 @@ from prometheus_client import (
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.openai.backend import BackendError, ClientError, Piece, Sampling, TritonBackend
+from serving.openai.backend import BackendError, ClientError, Piece, Prompt, TritonBackend
+from serving.openai.choices import Job, jobs_for, merged
+from serving.openai.errors import client_error, scrubbed
 from serving.openai.limits import BodyLimit, FrontLimits, prompt_too_long
+from serving.openai.responses import Choice, Shape
 from serving.openai.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from serving.openai.structured import guided_decoding
 from serving.openai.tools import (
@@ -69,12 +74,19 @@ def openai_error(status: int, message: str, *, kind: str = "invalid_request_erro
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _error_response(exc: BackendError, *, prompt_param: str = "prompt") -> JSONResponse:
+def _in_openai_terms(exc: BackendError, *, chat: bool, model: str) -> tuple[str, str | None]:
+    """The message and ``param`` of a backend failure as an OpenAI client should read them (`errors`)."""
+    if isinstance(exc, ClientError):
+        return client_error(str(exc), chat=chat, model=model)
+    return scrubbed(str(exc), model), None
+
+
+def _error_response(exc: BackendError, *, chat: bool, model: str) -> JSONResponse:
     if exc.http_status >= 500 and exc.http_status != 503:  # ours to look into: say what it was
         LOG.warning("answering %d: %s (%s)", exc.http_status, exc, exc.status)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status in RETRY_LATER else None
-    param = prompt_param if isinstance(exc, ClientError) and "prompt" in str(exc) else None
-    return openai_error(exc.http_status, str(exc), kind=exc.kind, param=param, headers=headers)
+    message, param = _in_openai_terms(exc, chat=chat, model=model)
+    return openai_error(exc.http_status, message, kind=exc.kind, param=param, headers=headers)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -152,8 +164,8 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
                                 kind="not_found_error", param="model")
         return model_card(name)
 
-    async def serve(route: str, req: CompletionRequest | ChatCompletionRequest, prompt: str | list | dict,
-                    chat: bool, tools: ToolRequest | None = None):
+    async def serve(route: str, req: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], chat: bool,
+                    tools: ToolRequest | None = None):
         if req.model not in served:
             metrics.requests.labels(route, req.model, "404").inc()
             return openai_error(404, f"model {req.model!r} is not served here; served: {sorted(served)}",
@@ -164,81 +176,89 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
         except ParamRefused as exc:
             metrics.requests.labels(route, req.model, "400").inc()
             return openai_error(400, str(exc), param=exc.param)
-        too_long = prompt_too_long(prompt_chars(prompt), limits)
-        if too_long is not None:
-            metrics.requests.labels(route, req.model, "400").inc()
-            return openai_error(400, too_long, param="messages" if chat else "prompt")
-        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        sampling = Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                            stop=tuple(req.stop or ()), ignore_eos=req.ignore_eos, guided_decoding=guide)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        for prompt in prompts:
+            too_long = prompt_too_long(prompt_chars(prompt), limits)
+            if too_long is not None:
+                metrics.requests.labels(route, req.model, "400").inc()
+                return openai_error(400, too_long, param="messages" if chat else "prompt")
+        jobs = jobs_for(req, prompts, chat)
+        if guide is not None:  # each choice its own matcher (the llm makes one per engine request)
+            jobs = [replace(job, sampling=replace(job.sampling, guided_decoding=guide)) for job in jobs]
+        shape = Shape(rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model=req.model, chat=chat,
+                      logprobs=bool(req.logprobs) if chat else req.logprobs is not None,
+                      top_n=(req.top_logprobs or 0) if chat else (req.logprobs or 0))
         if req.stream:
-            return await _stream(route, req, prompt, sampling, rid, chat, tools)
+            return await _stream(route, req, jobs, shape, tools)
         started = time.monotonic()
         metrics.in_flight.inc()
         try:
-            piece = await backend.complete(req.model, prompt, sampling)
+            pieces = await asyncio.gather(*(backend.complete(req.model, job.prompt, job.sampling) for job in jobs))
         except BackendError as exc:
-            response = _error_response(exc, prompt_param="messages" if chat else "prompt")
+            response = _error_response(exc, chat=chat, model=req.model)
             metrics.requests.labels(route, req.model, str(response.status_code)).inc()
             return response
         finally:
             metrics.in_flight.dec()
-        reason = piece.finish_reason or "length"
+        choices = [job.gathered(piece, req.n) for job, piece in zip(jobs, pieces)]
         metrics.requests.labels(route, req.model, "200").inc()
-        metrics.tokens.labels(req.model).inc(len(piece.token_ids))
+        metrics.tokens.labels(req.model).inc(sum(c.tokens for c in choices))
         metrics.latency.labels(route).observe(time.monotonic() - started)
-        body = _body(rid, req.model, piece.text, reason, piece.prompt_tokens or 0, len(piece.token_ids), chat)
+        prompt_tokens = sum(c.prompt_tokens for job, c in zip(jobs, choices) if job.choice == 0)
+        body = shape.body(choices, prompt_tokens)
         if tools is not None:
-            body["choices"][0]["message"], body["choices"][0]["finish_reason"] = assistant_message(piece.text, tools,
-                                                                                                  reason)
+            for item in body["choices"]:
+                item["message"], item["finish_reason"] = assistant_message(item["message"]["content"], tools,
+                                                                           item["finish_reason"])
         return JSONResponse(body)
 
-    async def _stream(route, req, prompt, sampling, rid, chat, tools) -> StreamingResponse | JSONResponse:
-        pieces = backend.stream(req.model, prompt, sampling)
+    async def _stream(route: str, req: Any, jobs: list[Job], shape: Shape,
+                      tools: ToolRequest | None) -> StreamingResponse | JSONResponse:
+        pieces = merged([backend.stream(req.model, job.prompt, job.sampling) for job in jobs])
         started = time.monotonic()
         try:
             first = await anext(pieces, None)  # errors before the first byte still get a status code
         except BackendError as exc:
-            response = _error_response(exc, prompt_param="messages" if chat else "prompt")
+            response = _error_response(exc, chat=shape.chat, model=req.model)
             metrics.requests.labels(route, req.model, str(response.status_code)).inc()
             return response
         metrics.ttft.labels(req.model).observe(time.monotonic() - started)
 
         async def events() -> AsyncIterator[bytes]:
             metrics.in_flight.inc()
-            tokens, prompt_tokens, reason = 0, 0, None
-            calls = ToolCallStream(tools.names) if tools is not None and tools.offered else None
+            choices = [Choice(index=job.index(req.n)) for job in jobs]
+            calls = [ToolCallStream(tools.names) for _ in jobs] if tools is not None and tools.offered else None
             try:
-                if chat:
-                    yield _sse(_chunk(rid, req.model, None, None, chat, role=True))
-                piece: Piece | None = first
-                while piece is not None:  # stop strings were applied by the engine model
-                    tokens += len(piece.token_ids)
-                    if calls is not None and piece.text:
-                        for event in _tool_events(rid, req.model, calls, *calls.feed(piece.text)):
-                            yield event
-                    elif piece.text:
-                        yield _sse(_chunk(rid, req.model, piece.text, None, chat))
-                    reason = piece.finish_reason or reason
-                    prompt_tokens = piece.prompt_tokens or prompt_tokens
-                    piece = await anext(pieces, None)
-                if calls is not None:
-                    for event in _tool_events(rid, req.model, calls, *calls.finish()):
-                        yield event
-                    if calls.calls and (reason or "length") == "stop":
-                        reason = "tool_calls"
-                yield _sse(_chunk(rid, req.model, "", reason or "length", chat))
+                if shape.chat:
+                    for c in choices:
+                        yield _sse(shape.chunk(c.index, None, None, role=True))
+                item: tuple[int, Piece] | None = first
+                while item is not None:  # stop strings were applied by the engine model
+                    k, piece = item
+                    chunks = jobs[k].chunks(piece, choices[k], shape)  # also gathers the choice's text and tokens
+                    if calls is not None:
+                        chunks = _tool_chunks(shape, choices[k].index, calls[k], *calls[k].feed(piece.text))
+                    for chunk in chunks:
+                        yield _sse(chunk)
+                    item = await anext(pieces, None)
+                for k, c in enumerate(choices):
+                    if calls is not None:
+                        for chunk in _tool_chunks(shape, c.index, calls[k], *calls[k].finish()):
+                            yield _sse(chunk)
+                        if calls[k].calls and c.finish_reason == "stop":
+                            c.finish_reason = "tool_calls"
+                    yield _sse(shape.chunk(c.index, "", c.finish_reason or "length"))
                 if req.include_usage:
-                    yield _sse(_usage_chunk(rid, req.model, prompt_tokens, tokens, chat))
+                    prompt_tokens = sum(c.prompt_tokens for job, c in zip(jobs, choices) if job.choice == 0)
+                    yield _sse(shape.usage_chunk(prompt_tokens, sum(c.tokens for c in choices)))
                 yield b"data: [DONE]\n\n"
                 metrics.requests.labels(route, req.model, "200").inc()
             except BackendError as exc:
-                yield _sse({"error": {"message": str(exc), "type": exc.kind, "param": None, "code": exc.http_status}})
+                message, param = _in_openai_terms(exc, chat=shape.chat, model=req.model)
+                yield _sse({"error": {"message": message, "type": exc.kind, "param": param, "code": exc.http_status}})
                 metrics.requests.labels(route, req.model, f"stream-{exc.http_status}").inc()
             finally:
                 metrics.in_flight.dec()
-                metrics.tokens.labels(req.model).inc(tokens)
+                metrics.tokens.labels(req.model).inc(sum(c.tokens for c in choices))
                 metrics.latency.labels(route).observe(time.monotonic() - started)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -249,7 +269,7 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
             param = "tools" if req.tools not in (None, []) else "tool_choice"
             return openai_error(400, f"{param} is for /v1/chat/completions: a completion has no tool calls",
                                 param=param)
-        return await serve("/v1/completions", req, req.prompt, chat=False)
+        return await serve("/v1/completions", req, req.prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
@@ -258,64 +278,23 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
         except ParamRefused as exc:
             metrics.requests.labels("/v1/chat/completions", req.model, "400").inc()
             return openai_error(400, str(exc), param=exc.param)
-        return await serve("/v1/chat/completions", req, chat_messages(req.messages, tools), chat=True, tools=tools)
+        return await serve("/v1/chat/completions", req, [chat_messages(req.messages, tools)], chat=True, tools=tools)
 
     return app
 
 
-def _tool_events(rid: str, model: str, stream: ToolCallStream, content: str, calls: list) -> list[bytes]:
+def _tool_chunks(shape: Shape, index: int, stream: ToolCallStream, content: str, calls: list) -> list[dict[str, Any]]:
     """The chunks of one step of a tool-call stream: its content, then each call complete (OpenAI's
     ``delta.tool_calls[index]``, the whole call in one delta)."""
-    events = [_sse(_chunk(rid, model, content, None, True))] if content else []
+    chunks = [shape.chunk(index, content, None)] if content else []
     first = stream.calls - len(calls)
     for k, call in enumerate(calls):
-        chunk = _chunk(rid, model, None, None, True)
+        chunk = shape.chunk(index, None, None)
         chunk["choices"][0]["delta"] = {"tool_calls": [call.as_openai(index=first + k)]}
-        events.append(_sse(chunk))
-    return events
+        chunks.append(chunk)
+    return chunks
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
-
-def _body(rid: str, model: str, text: str, reason: str, prompt_tokens: int, completion_tokens: int,
-          chat: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        # the engine model tokenizes the prompt and says how long it was
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-    }
-
-
-def _usage_chunk(rid: str, model: str, prompt_tokens: int, completion_tokens: int, chat: bool) -> dict[str, Any]:
-    """The last chunk of a stream asked for ``stream_options.include_usage``: no choices, the usage."""
-    body = _body(rid, model, "", "length", prompt_tokens, completion_tokens, chat)
-    return {**_chunk(rid, model, None, None, chat), "choices": [], "usage": body["usage"]}
-
-
-def _chunk(rid: str, model: str, text: str | None, reason: str | None, chat: bool, *, role: bool = False) -> dict:
-    if chat:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
-        if reason is not None:
-            delta = {}
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-    }

@@ -92,7 +92,21 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings, matched by the engine model (special tokens included)
     ignore_eos: bool = False
-    guided_decoding: str | None = None  # the grammar the output must match (serving/openai/structured.py)
+    top_k: int = 0
+    logprobs: bool = False  # each output token's log-prob
+    top_logprobs: int = 0  # and this many alternatives (of prompt tokens too)
+    prompt_logprobs: bool = False  # each prompt token's log-prob (echo)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    guided_decoding: str | None = None  # a grammar (JSON; the llm's `guided.token_mask_for`)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0 or self.prompt_logprobs
 
 
 @dataclass
@@ -101,24 +115,32 @@ class Piece:
     token_ids: list[int]
     finish_reason: str | None
     prompt_tokens: int | None = None  # on the final piece
+    logprobs: dict[str, Any] | None = None  # the llm's `output_logprobs` (`logprob_output`), when asked for
 
 
-# A chat goes as `messages` (JSON): the engine model applies its tokenizer's chat template (a dict when it
-# carries tools: serving/openai/tools.chat_messages).
-Prompt = str | list[dict[str, Any]] | dict[str, Any]
+# A chat goes as `messages` (JSON): the engine model applies its tokenizer's chat template; token ids as `input_ids`.
+Prompt = str | list[int] | list[dict[str, Any]] | dict[str, Any]  # a dict: the chat with its tools (tools.chat_messages)
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "prompt_tokens")
 
 
+def _outputs(grpc: Any, sampling: Sampling) -> list[Any]:
+    return [grpc.InferRequestedOutput(n) for n in OUTPUTS + (("output_logprobs",) if sampling.wants_logprobs else ())]
+
+
+def _prompt_input(prompt: Prompt) -> tuple[str, np.ndarray, str]:
+    if isinstance(prompt, str):
+        return "text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return "input_ids", np.array([prompt], dtype=np.int32), "INT32"
+    return "messages", np.array([[json.dumps(prompt).encode()]], dtype=object), "BYTES"
+
+
 def _inputs(grpc: Any, prompt: Prompt, sampling: Sampling, *, stream: bool = False) -> list[Any]:
-    first = (("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES") if isinstance(prompt, str)
-             else ("messages", np.array([[json.dumps(prompt).encode()]], dtype=object), "BYTES"))
-    values = [first, ("max_tokens", np.array([[sampling.max_tokens]], dtype=np.int32), "INT32")]
+    values = [_prompt_input(prompt), ("max_tokens", np.array([[sampling.max_tokens]], dtype=np.int32), "INT32")]
     if sampling.stop:
         values.append(("stop", np.array([[s.encode() for s in sampling.stop]], dtype=object), "BYTES"))
     if sampling.ignore_eos:
         values.append(("ignore_eos", np.array([[True]], dtype=bool), "BOOL"))
-    if sampling.guided_decoding is not None:
-        values.append(("guided_decoding", np.array([[sampling.guided_decoding.encode()]], dtype=object), "BYTES"))
     if stream:
         values.append(("stream", np.array([[True]], dtype=bool), "BOOL"))
     # OpenAI's defaults (temperature 1, top_p 1) mean "sample"; temperature 0 means greedy.
@@ -126,8 +148,11 @@ def _inputs(grpc: Any, prompt: Prompt, sampling: Sampling, *, stream: bool = Fal
         values.append(("temperature", np.array([[sampling.temperature]], dtype=np.float32), "FP32"))
         if sampling.top_p is not None:
             values.append(("top_p", np.array([[sampling.top_p]], dtype=np.float32), "FP32"))
+        if sampling.top_k > 0:
+            values.append(("top_k", np.array([[sampling.top_k]], dtype=np.int32), "INT32"))
         if sampling.seed is not None:
             values.append(("seed", np.array([[sampling.seed]], dtype=np.int64), "INT64"))
+    values += _extra_inputs(sampling)
     tensors = []
     for name, array, dtype in values:
         tensor = grpc.InferInput(name, list(array.shape), dtype)
@@ -136,17 +161,43 @@ def _inputs(grpc: Any, prompt: Prompt, sampling: Sampling, *, stream: bool = Fal
     return tensors
 
 
+def _extra_inputs(sampling: Sampling) -> list[tuple[str, np.ndarray, str]]:
+    """The inputs of what only the in-flight paged engine serves, each only when asked for."""
+    values: list[tuple[str, np.ndarray, str]] = []
+    flags = (("logprobs", sampling.logprobs), ("prompt_logprobs", sampling.prompt_logprobs))
+    values += [(name, np.array([[True]], dtype=bool), "BOOL") for name, on in flags if on]
+    if sampling.top_logprobs:
+        values.append(("top_logprobs", np.array([[sampling.top_logprobs]], dtype=np.int32), "INT32"))
+    for name, value, off in (("presence_penalty", sampling.presence_penalty, 0.0),
+                             ("frequency_penalty", sampling.frequency_penalty, 0.0),
+                             ("repetition_penalty", sampling.repetition_penalty, 1.0)):
+        if value != off:
+            values.append((name, np.array([[value]], dtype=np.float32), "FP32"))
+    if sampling.logit_bias:
+        values.append(("logit_bias_ids", np.array([[t for t, _ in sampling.logit_bias]], dtype=np.int32), "INT32"))
+        values.append(("logit_bias_values", np.array([[b for _, b in sampling.logit_bias]], dtype=np.float32), "FP32"))
+    if sampling.min_tokens:
+        values.append(("min_tokens", np.array([[sampling.min_tokens]], dtype=np.int32), "INT32"))
+    if sampling.stop_token_ids:
+        values.append(("stop_token_ids", np.array([list(sampling.stop_token_ids)], dtype=np.int32), "INT32"))
+    if sampling.guided_decoding is not None:
+        values.append(("guided_decoding", np.array([[sampling.guided_decoding.encode()]], dtype=object), "BYTES"))
+    return values
+
+
 def _piece(result: Any) -> Piece:
     def flat(name: str) -> Any:
         array = result.as_numpy(name)
         return None if array is None else array.reshape(-1)
 
     text, ids, reason, prompt = flat("text_output"), flat("output_ids"), flat("finish_reason"), flat("prompt_tokens")
+    logprobs = flat("output_logprobs")
     return Piece(
         text=text[0].decode("utf-8", "replace") if text is not None and len(text) else "",
         token_ids=[int(i) for i in ids] if ids is not None else [],
         finish_reason=reason[0].decode() if reason is not None and len(reason) and reason[0] else None,
         prompt_tokens=int(prompt[0]) if prompt is not None and len(prompt) else None,
+        logprobs=json.loads(bytes(logprobs[0])) if logprobs is not None and len(logprobs) else None,
     )
 
 
@@ -209,7 +260,7 @@ class TritonBackend:
     async def complete(self, model: str, prompt: Prompt, sampling: Sampling) -> Piece:
         import tritonclient.grpc.aio as grpc
 
-        outputs = [grpc.InferRequestedOutput(n) for n in OUTPUTS]
+        outputs = _outputs(grpc, sampling)
         try:
             result = await self.client().infer(
                 model, _inputs(grpc, prompt, sampling), outputs=outputs, request_id=uuid.uuid4().hex,
@@ -234,7 +285,7 @@ class TritonBackend:
     async def stream(self, model: str, prompt: Prompt, sampling: Sampling) -> AsyncIterator[Piece]:
         import tritonclient.grpc.aio as grpc
 
-        outputs = [grpc.InferRequestedOutput(n) for n in OUTPUTS]
+        outputs = _outputs(grpc, sampling)
         streaming = await self.has_streaming_router(model)
         target = stream_model_name(model) if streaming else model
 
@@ -249,7 +300,7 @@ class TritonBackend:
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
                 piece = _piece(result) if response.outputs else Piece("", [], None)
-                if piece.text or piece.token_ids or piece.finish_reason:
+                if piece.text or piece.token_ids or piece.finish_reason or piece.logprobs:
                     yield piece
                 if final is None or final.bool_param:
                     return

@@ -235,10 +235,12 @@ def chat_messages(messages: list[Any], tools: ToolRequest | None) -> list[dict[s
     return out
 
 
-def prompt_chars(prompt: str | list[dict[str, Any]] | dict[str, Any]) -> str:
+def prompt_chars(prompt: str | list[int] | list[dict[str, Any]] | dict[str, Any]) -> str:
     """The text a prompt carries, for the front's length limit (a chat's contents, its tools' JSON)."""
     if isinstance(prompt, str):
         return prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict):
+        return ""  # token ids
     messages = prompt["messages"] if isinstance(prompt, dict) else prompt
     tools = json.dumps(prompt["tools"]) if isinstance(prompt, dict) else ""
     return "".join(m.get("content") or "" for m in messages) + tools

@@ -6,6 +6,9 @@ checkpoint's chat template), ``max_tokens``, optional ``temperature`` / ``top_k`
 ``stop_token_ids`` (added to the model's EOS), ``stop`` BYTES [k] (stop strings; the text returned ends
 before the match), ``ignore_eos`` BOOL (do not stop at EOS; stop ids and strings still apply); outputs
 ``output_ids`` (new tokens only), ``text_output``, ``finish_reason`` ("stop" | "length"), ``prompt_tokens``.
+The penalties (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``) and ``min_tokens`` map onto
+TensorRT-LLM's own (`TENSORRT_LLM_INPUTS`; the LLM API's ``SamplingParams`` fields of the same names); the inputs
+these kinds do not serve yet (`UNSERVED_INPUTS`: log-probs, logit bias, a grammar) are refused naming the input.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from typing import Any
 TENSORRT_LLM_INPUTS = {
     "input_ids": "input_ids", "max_tokens": "request_output_len", "temperature": "temperature",
     "top_k": "runtime_top_k", "top_p": "runtime_top_p", "seed": "seed", "stop_token_ids": "stop_words_list",
-    "stop": "stop_words_list", "ignore_eos": "end_id",
+    "stop": "stop_words_list", "ignore_eos": "end_id", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
 }
+UNSERVED_INPUTS = ("logprobs", "top_logprobs", "prompt_logprobs", "logit_bias_ids", "logit_bias_values",
+                   "guided_decoding")
 IGNORED_END_ID = -1  # what TensorRT-LLM's own executor sends as end_id for SamplingParams(ignore_eos=True)
 
 
@@ -36,6 +42,10 @@ class GenRequest:
     messages: str | None = None  # the JSON chat, rendered by the model with the chat template
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
 
 
 def _flat(value: Any) -> list[Any]:
@@ -74,6 +84,9 @@ def parse_request(get: Callable[[str], Any]) -> GenRequest:
         value = get(name)
         return None if value is None else cast(_flat(value)[0])
 
+    unserved = next((name for name in UNSERVED_INPUTS if get(name) is not None), None)
+    if unserved is not None:
+        raise ValueError(f"input {unserved!r} is not served by the TensorRT-LLM engine kinds yet")
     stops, stop_strings = get("stop_token_ids"), get("stop")
     words = [_string(w) for w in _flat(stop_strings)] if stop_strings is not None else []
     if any(not w for w in words):
@@ -81,7 +94,8 @@ def parse_request(get: Callable[[str], Any]) -> GenRequest:
     return GenRequest(prompt_ids, text_value, int(_flat(max_tokens)[0]), opt("temperature", float),
                       opt("top_k", int), opt("top_p", float), opt("seed", int),
                       [int(t) for t in _flat(stops)] if stops is not None else [], chat, words,
-                      bool(opt("ignore_eos", bool) or False))
+                      bool(opt("ignore_eos", bool) or False), opt("presence_penalty", float),
+                      opt("frequency_penalty", float), opt("repetition_penalty", float), opt("min_tokens", int))
 
 
 def check_limits(prompt_len: int, max_tokens: int, *, max_input_len: int, max_seq_len: int) -> None:

@@ -100,7 +100,11 @@ class TritonPythonModel:
                   T("pad_id", np.asarray([[self.pad_id]], dtype=np.int32)),
                   T("exclude_input_in_output", np.asarray([[not self.input_in_output]], dtype=bool))]
         for name, value, dtype in (("temperature", req.temperature, np.float32), ("runtime_top_k", req.top_k, np.int32),
-                                   ("runtime_top_p", req.top_p, np.float32), ("seed", req.seed, np.uint64)):
+                                   ("runtime_top_p", req.top_p, np.float32), ("seed", req.seed, np.uint64),
+                                   ("presence_penalty", req.presence_penalty, np.float32),
+                                   ("frequency_penalty", req.frequency_penalty, np.float32),
+                                   ("repetition_penalty", req.repetition_penalty, np.float32),
+                                   ("min_tokens", req.min_tokens, np.int32)):
             if value is not None:
                 inputs.append(T(name, np.asarray([[value]], dtype=dtype)))
         words = stop_words(req.stop_token_ids, req.stop, self.prompts.encode_stop)

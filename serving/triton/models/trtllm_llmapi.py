@@ -10,7 +10,8 @@ carrying the new tokens since the previous one, the last one flagged final.
 
 The request maps to ``SamplingParams`` (TensorRT-LLM's LLM API reference): ``stop_token_ids``, ``stop``
 (strings; ``include_stop_str_in_output`` left False, so the text ends before the match), ``ignore_eos``,
-``end_id`` (the checkpoint's EOS), ``add_special_tokens`` (False for a chat: the template writes them). A
+``end_id`` (the checkpoint's EOS), ``add_special_tokens`` (False for a chat: the template writes them), the
+penalties and ``min_tokens`` (``SamplingParams`` fields of the same names). A
 ``messages`` chat is rendered here with the checkpoint's own chat template (``trtllm_prompts``, as the torch
 model does) and sent as text; ``prompt_tokens`` is ``len(RequestOutput.prompt_token_ids)``.
 """
@@ -36,7 +37,8 @@ except ImportError:  # pragma: no cover
 def sampling_kwargs(req: Any, *, end_id: int | None) -> dict[str, Any]:
     """``SamplingParams`` keyword arguments of one parsed request (unset fields left to TensorRT-LLM)."""
     kw: dict[str, Any] = {"max_tokens": req.max_tokens}
-    for key in ("temperature", "top_k", "top_p", "seed"):
+    for key in ("temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "min_tokens"):
         if getattr(req, key) is not None:
             kw[key] = getattr(req, key)
     if req.stop_token_ids:
