@@ -1,5 +1,5 @@
-"""The release flow: convert -> build -> validate -> served configuration, fixed evaluation and perf gate against
-production -> publish.
+"""The release flow: convert -> build -> validate -> served configuration, fixed evaluation, standard evals (lm-eval)
+and perf gate against production -> publish.
 
 A failed gate ends the run in a Failed state whose message is the gate's summary; the full report
 is saved beside the work and attached to the flow run as a markdown artifact.
@@ -15,7 +15,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed, State
 
 from flows.spec import ReleaseSpec
-from tasks import evaluation, perf_gate, validate
+from tasks import evaluation, lm_eval_gate, perf_gate, validate
 from tasks.build import build_task
 from tasks.convert import convert_task
 from tasks.gate_reference import ReferenceCache
@@ -89,6 +89,15 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
     if not evaluated.passed:
         return _gate_failed("evaluation", "; ".join(evaluated.failures), evaluation_report)
 
+    standard = lm_eval_gate.lm_eval_gate_task(engine_dir, spec.lm_eval, production_dir=production.engine_dir,
+                                              production_version=production.version, skipped=production.skipped,
+                                              work=spec.work_dir / "lm-eval" / engine.fingerprint[:16])
+    standard_report = save_report(report_dir, "lm-eval.md", lm_eval_gate.render_report(standard))
+    print(f"standard evals: {'skipped' if standard.skipped else 'passed' if standard.passed else 'FAILED'} "
+          f"{standard.metrics}")
+    if not standard.passed:
+        return _gate_failed("lm-eval", "; ".join(standard.failures), standard_report)
+
     timed = perf_gate.perf_gate_task(engine_dir, spec.perf, **against)
     perf_report = save_report(report_dir, "performance.md", perf_gate.render_report(timed))
     print(f"performance gate: {'passed' if timed.passed else 'FAILED'} {timed.metrics}")
@@ -103,16 +112,17 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
         artifacts_uri=spec.artifacts.uri,
         engine_info=engine,
         params=spec.model_dump(mode="json"),
-        metrics={**checked.metrics, **evaluated.metrics, **timed.metrics},
+        metrics={**checked.metrics, **evaluated.metrics, **standard.metrics, **timed.metrics},
         reports={
             "validation.md": validation_report.read_text(),
             "validation.json": checked.to_json(),
             "evaluation.md": evaluation_report.read_text(),
+            "lm-eval.md": standard_report.read_text(),
             "performance.md": perf_report.read_text(),
             "performance.json": timed.to_json(),
             "served-config.md": drift_report.read_text(),
         },
-        page=version_page(spec, checked, timed, compared, engine.toolchain, evaluated, measured, drift),
+        page=version_page(spec, checked, timed, compared, engine.toolchain, evaluated, measured, drift, standard),
     )
     status = "already published as" if published.already_existed else "published as"
     print(f"{status} {published.model_name} version {published.version} ({published.manifest_uri})")
@@ -174,7 +184,7 @@ def write_release_report(spec: ReleaseSpec, fingerprint: str, checked, timed, pu
 
 
 def version_page(spec: ReleaseSpec, checked, timed, production, toolchain: dict, evaluated=None,
-                 measured: bool = False, served=None):
+                 measured: bool = False, served=None, standard=None):
     """What the published version's page will say (rendered by the publish step, links into its run)."""
     import socket
 
@@ -190,7 +200,8 @@ def version_page(spec: ReleaseSpec, checked, timed, production, toolchain: dict,
         toolchain={k: str(v) for k, v in toolchain.items()},
     )
     return VersionPage(checked, timed, spec.perf.slo, production, built,
-                       mr.ui_base_for(spec.mlflow.tracking_uri, spec.approval.ui_url), evaluated, measured, served)
+                       mr.ui_base_for(spec.mlflow.tracking_uri, spec.approval.ui_url), evaluated, measured, served,
+                       lm_eval=standard)
 
 
 def report_production(spec: ReleaseSpec):

@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.engine_spec import EngineSpec
-from tasks.gate_specs import EvaluationSpec, PerfSpec, ServedSpec, ValidationSpec
+from tasks.gate_specs import EvaluationSpec, LmEvalGateSpec, PerfSpec, ServedSpec, ValidationSpec
 from tasks.promote_spec import ApprovalSpec, RolloutSpec, TritonSpec
 
 
@@ -102,6 +102,8 @@ class ReleaseSpec(BaseModel):
     validation: ValidationSpec = Field(default_factory=ValidationSpec, description="Correctness gate.")
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec,
                                        description="Fixed evaluation against the production version.")
+    lm_eval: LmEvalGateSpec = Field(default_factory=LmEvalGateSpec, description="Standard evals "
+                                    "(lm-evaluation-harness tasks) against the production version, through Triton.")
     perf: PerfSpec = Field(default_factory=PerfSpec, description="Performance gate (A/B against production).")
     served: ServedSpec = Field(default_factory=ServedSpec, description="Drift of the served configuration (chat "
                                "template, stop ids, tokenizer) against production's: the intended differences.")

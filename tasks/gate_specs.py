@@ -213,3 +213,33 @@ class PerfSpec(BaseModel):
     slo_retries: int = Field(1, ge=0, description="Measurements repeated when an absolute SLO is missed.")
     seed: int = Field(0, description="Seed of the random prompts.")
     slo: PerfSlo = Field(default_factory=PerfSlo, description="Absolute objectives the engine must meet.")
+
+
+class LmEvalTaskSpec(BaseModel):
+    """One lm-evaluation-harness task the release is gated on, scored on the candidate and on production."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="The lm-eval task name (a hub task such as `arc_easy` where a "
+                      "dataset hub is reachable, or a local task of `include_path`).")
+    include_path: str | None = Field(None, description="A folder of lm-eval task YAML files over local data files "
+                                     "(relative data_files are read beside the YAML); default: the tasks shipped "
+                                     "in tasks/lm_eval_tasks.")
+    metric: str = Field("exact_match", min_length=1, description="The per-item metric compared (lm-eval's name: "
+                        "exact_match, acc, acc_norm...).")
+    limit: int | None = Field(None, ge=1, description="Score only the first N items of the task (default: all).")
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples (default: the task's own).")
+    max_drop: float = Field(0.05, ge=0, le=1, description="Largest drop of the metric below production's "
+                            "(absolute, 0.05 = 5 points) before a significant drop fails.")
+
+
+class LmEvalGateSpec(BaseModel):
+    """Standard evals as a gate: lm-eval tasks run through the serving path (Triton and the OpenAI front) on the
+    candidate and on production, paired item by item."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tasks: list[LmEvalTaskSpec] = Field(default_factory=list, description="The tasks; none: the gate is off.")
+    alpha: float = Field(0.05, gt=0, lt=1, description="One-sided significance of a drop (the interval shown is "
+                         "the two-sided 1 - 2 alpha one).")
+    concurrency: int = Field(4, ge=1, le=64, description="Requests lm-eval sends at once to each engine.")

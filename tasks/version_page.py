@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from registry.model_registry import run_ui_url
 from tasks.evaluation import EvaluationComparison, evaluation_verdict, part_format
+from tasks.lm_eval_gate import LmEvalResult
 from tasks.perf_gate import PerfResult, PerfSlo
 from tasks.served_config import ServedDrift, render_drift
 from tasks.validate import ValidationResult
@@ -160,6 +161,23 @@ def envelope_rows(validation: ValidationResult) -> list[tuple[str, str, str, str
         rows.append(("validation", "loaded = engine.json (dtypes, quantization, KV cache)",
                      "yes" if validation.loaded.passed else "NO", f"budget {validation.loaded.budget_precision}"))
     return rows
+def lm_eval_section(result: LmEvalResult | None) -> list[str]:
+    """The standard evals' lines of the page: each task's difference against production, interval and budget."""
+    if result is None:
+        return []
+    if result.skipped:
+        return [f"### Standard evals (lm-evaluation-harness): skipped ({result.skipped})", ""]
+    return [
+        f"### Standard evals (lm-evaluation-harness) against production: {_verdict(result.passed)}",
+        "",
+        "| task | metric | items | this version | production | difference [interval] | budget |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *(f"| {v.name} | {v.metric} | {v.items} | {v.candidate:.3f} | {v.production:.3f} | {v.difference:+.3f} "
+          f"[{v.interval[0]:+.3f}, {v.interval[1]:+.3f}] | drop <= {v.budget:g} (or p >= {v.alpha:g}) |"
+          for v in result.verdicts),
+        *(f"- {failure}" for failure in result.failures),
+        "",
+    ]
 
 
 def _link_line(name: str, uri: str) -> str:
@@ -186,6 +204,7 @@ class VersionPage:
     evaluation: EvaluationComparison | None = None
     measured: bool = False  # production's speed and evaluation figures are from this same run
     served: ServedDrift | None = None  # the served configuration against production's
+    lm_eval: LmEvalResult | None = None  # the standard evals' verdicts (tasks/lm_eval_gate.py)
 
     def render(self, *, fingerprint: str, run: tuple[str, str] | None, manifest_uri: str, report_folder: str) -> str:
         """`run`: (experiment id, run id) of the release run, linked into when the UI is known."""
@@ -203,7 +222,8 @@ class VersionPage:
         links["engine artifact manifest"] = manifest_uri
         return render_version_page(fingerprint=fingerprint, validation=self.validation, perf=self.perf, slo=self.slo,
                                    production=self.production, provenance=self.provenance, links=links,
-                                   evaluation=self.evaluation, measured=self.measured, served=self.served)
+                                   evaluation=self.evaluation, measured=self.measured, served=self.served,
+                                   lm_eval=self.lm_eval)
 
 
 def render_version_page(
@@ -218,10 +238,12 @@ def render_version_page(
     evaluation: EvaluationComparison | None = None,
     measured: bool = False,
     served: ServedDrift | None = None,
+    lm_eval: LmEvalResult | None = None,
 ) -> str:
     """The version's description: decision first, then gates, comparison, provenance and links."""
     replaced = production[0] if production else None
-    passed = validation.passed and perf.passed and (evaluation is None or evaluation.passed)
+    passed = (validation.passed and perf.passed and (evaluation is None or evaluation.passed)
+              and (lm_eval is None or lm_eval.passed))
     candidate = {**validation.metrics, **perf.metrics, **(evaluation.metrics if evaluation else {})}
     comparisons = compare_figures(candidate, production[1] if production else None)
     held = held_for_review(perf, evaluation)
@@ -243,6 +265,7 @@ def render_version_page(
         *(f"- {failure}" for failure in [*validation.failures, *(evaluation.failures if evaluation else []),
                                          *perf.failures]),
         "",
+        *lm_eval_section(lm_eval),
         (f"### Against version {replaced}, which it would replace" if replaced
          else "### Against production: no production version yet"),
         "",

@@ -94,3 +94,22 @@ def test_the_html_report_carries_its_plots_inline(tmp_path: Path) -> None:
                        {"latency": png}, title="Report")
     assert "<table>" in html and '<img alt="latency" src="data:image/png;base64,iVBORw0KGgpmYWtl"' in html
     assert "latency.png" not in html
+
+
+def test_the_page_shows_the_standard_evals_difference_interval_and_budget() -> None:
+    from tasks.gate_specs import LmEvalTaskSpec
+    from tasks.lm_eval_gate import LmEvalResult, paired_verdict
+
+    validation, perf = results()
+    built = Provenance("alice", "build-7", "0123456789abcdef", "f" * 64, "torch float32", {})
+    task = LmEvalTaskSpec(name="enginewright_capitals", limit=40, max_drop=0.05)
+    verdict = paired_verdict(task, {i: 0.0 for i in range(40)}, {i: float(i < 20) for i in range(40)}, alpha=0.05)
+    page = VersionPage(validation, perf, PerfSlo(), ("3", {}), built, None, lm_eval=LmEvalResult([verdict], None, "3"))
+    text = page.render(fingerprint="abc" * 10, run=None, manifest_uri="file:///m.json", report_folder="report")
+    assert text.startswith("**Gates FAILED.**")
+    assert "### Standard evals (lm-evaluation-harness) against production: **FAILED**" in text
+    assert "| enginewright_capitals | exact_match | 40 | 0.000 | 0.500 | -0.500 [-0.632, -0.368] | drop <= 0.05 " \
+           "(or p >= 0.05) |" in text, text
+    skipped = VersionPage(validation, perf, PerfSlo(), None, built, None, lm_eval=LmEvalResult(skipped="first release"))
+    assert "### Standard evals (lm-evaluation-harness): skipped (first release)" in skipped.render(
+        fingerprint="a" * 16, run=None, manifest_uri="file:///m.json", report_folder="report")

@@ -36,6 +36,16 @@ from serving.openai.errors import client_error, scrubbed
 from serving.openai.limits import BodyLimit, FrontLimits, prompt_too_long
 from serving.openai.responses import Choice, Shape
 from serving.openai.schemas import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
+from serving.openai.structured import guided_decoding
+from serving.openai.tools import (
+    ParamRefused,
+    ToolCallStream,
+    ToolRequest,
+    assistant_message,
+    chat_messages,
+    prompt_chars,
+    tool_request,
+)
 
 RETRY_AFTER_S = 1
 RETRY_LATER = (429, 503)  # the statuses that carry Retry-After
@@ -76,14 +86,6 @@ def _error_response(exc: BackendError, *, chat: bool, model: str) -> JSONRespons
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status in RETRY_LATER else None
     message, param = _in_openai_terms(exc, chat=chat, model=model)
     return openai_error(exc.http_status, message, kind=exc.kind, param=param, headers=headers)
-
-
-def _prompt_chars(prompt: Prompt) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if prompt and isinstance(prompt[0], dict):
-        return "".join(m["content"] for m in prompt)  # type: ignore[index]
-    return ""
 
 
 def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -161,22 +163,29 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
                                 kind="not_found_error", param="model")
         return model_card(name)
 
-    async def serve(route: str, req: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], chat: bool):
+    async def serve(route: str, req: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt], chat: bool,
+                    tools: ToolRequest | None = None):
         if req.model not in served:
             metrics.requests.labels(route, req.model, "404").inc()
             return openai_error(404, f"model {req.model!r} is not served here; served: {sorted(served)}",
                                 param="model")
+        try:
+            guide = guided_decoding(response_format=req.response_format, guided_json=req.guided_json,
+                                    guided_regex=req.guided_regex, guided_choice=req.guided_choice, tools=tools)
+        except ParamRefused as exc:
+            metrics.requests.labels(route, req.model, "400").inc()
+            return openai_error(400, str(exc), param=exc.param)
         for prompt in prompts:
-            too_long = prompt_too_long(_prompt_chars(prompt), limits)
+            too_long = prompt_too_long(prompt_chars(prompt), limits)
             if too_long is not None:
                 metrics.requests.labels(route, req.model, "400").inc()
                 return openai_error(400, too_long, param="messages" if chat else "prompt")
-        jobs = jobs_for(req, prompts, chat)
+        jobs = jobs_for(req, prompts, chat, guided_decoding=guide)
         shape = Shape(rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model=req.model, chat=chat,
                       logprobs=bool(req.logprobs) if chat else req.logprobs is not None,
                       top_n=(req.top_logprobs or 0) if chat else (req.logprobs or 0))
         if req.stream:
-            return await _stream(route, req, jobs, shape)
+            return await _stream(route, req, jobs, shape, tools)
         started = time.monotonic()
         metrics.in_flight.inc()
         try:
@@ -192,9 +201,15 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
         metrics.tokens.labels(req.model).inc(sum(c.tokens for c in choices))
         metrics.latency.labels(route).observe(time.monotonic() - started)
         prompt_tokens = sum(c.prompt_tokens for job, c in zip(jobs, choices) if job.choice == 0)
-        return JSONResponse(shape.body(choices, prompt_tokens))
+        body = shape.body(choices, prompt_tokens)
+        if tools is not None:
+            for item in body["choices"]:
+                item["message"], item["finish_reason"] = assistant_message(item["message"]["content"], tools,
+                                                                           item["finish_reason"])
+        return JSONResponse(body)
 
-    async def _stream(route: str, req: Any, jobs: list[Job], shape: Shape) -> StreamingResponse | JSONResponse:
+    async def _stream(route: str, req: Any, jobs: list[Job], shape: Shape,
+                      tools: ToolRequest | None) -> StreamingResponse | JSONResponse:
         pieces = merged([backend.stream(req.model, job.prompt, job.sampling) for job in jobs])
         started = time.monotonic()
         try:
@@ -208,6 +223,7 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
         async def events() -> AsyncIterator[bytes]:
             metrics.in_flight.inc()
             choices = [Choice(index=job.index(req.n)) for job in jobs]
+            parsers = [ToolCallStream(tools.names) if tools is not None and tools.offered else None for _ in jobs]
             try:
                 if shape.chat:
                     for c in choices:
@@ -216,9 +232,15 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
                 while item is not None:  # stop strings were applied by the engine model
                     k, piece = item
                     for chunk in jobs[k].chunks(piece, choices[k], shape):
-                        yield _sse(chunk)
+                        for out in _tool_chunks(shape, chunk, parsers[k]) if parsers[k] is not None else [chunk]:
+                            yield _sse(out)
                     item = await anext(pieces, None)
-                for c in choices:
+                for c, parser in zip(choices, parsers):
+                    if parser is not None:
+                        for out in _tool_chunks(shape, shape.chunk(c.index, "", None), parser, last=True):
+                            yield _sse(out)
+                        if parser.calls and c.finish_reason == "stop":
+                            c.finish_reason = "tool_calls"
                     yield _sse(shape.chunk(c.index, "", c.finish_reason or "length"))
                 if req.include_usage:
                     prompt_tokens = sum(c.prompt_tokens for job, c in zip(jobs, choices) if job.choice == 0)
@@ -238,14 +260,41 @@ def create_app(backend: TritonBackend, models: list[str], limits: FrontLimits | 
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
+        if req.tools not in (None, []) or req.tool_choice is not None:
+            param = "tools" if req.tools not in (None, []) else "tool_choice"
+            return openai_error(400, f"{param} is for /v1/chat/completions: a completion has no tool calls",
+                                param=param)
         return await serve("/v1/completions", req, req.prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
-        return await serve("/v1/chat/completions", req, [messages], chat=True)
+        try:
+            tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ParamRefused as exc:
+            metrics.requests.labels("/v1/chat/completions", req.model, "400").inc()
+            return openai_error(400, str(exc), param=exc.param)
+        return await serve("/v1/chat/completions", req, [chat_messages(req.messages, tools)], chat=True, tools=tools)
 
     return app
+
+
+def _tool_chunks(shape: Shape, chunk: dict[str, Any], parser: ToolCallStream, *, last: bool = False
+                 ) -> list[dict[str, Any]]:
+    """A chat chunk of a choice offered tools, its text passed through the call parser (`last`: the parser's
+    remainder at the end instead): the content left (with the chunk's log-probs), then each call it completed
+    as OpenAI's ``delta.tool_calls[index]``, the whole call in one delta."""
+    choice = chunk["choices"][0]
+    content, calls = parser.finish() if last else parser.feed(choice["delta"].get("content") or "")
+    out = []
+    if content or choice["logprobs"]:
+        choice["delta"] = {"content": content}
+        out.append(chunk)
+    first = parser.calls - len(calls)
+    for k, call in enumerate(calls):
+        call_chunk = shape.chunk(choice["index"], None, None)
+        call_chunk["choices"][0]["delta"] = {"tool_calls": [call.as_openai(index=first + k)]}
+        out.append(call_chunk)
+    return out
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -102,7 +102,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
-    guided_decoding: str | None = None  # a grammar (JSON; the llm's `guided.token_mask_for`)
+    guided_decoding: str | None = None  # the grammar the output must match (serving/openai/structured.py)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -118,8 +118,9 @@ class Piece:
     logprobs: dict[str, Any] | None = None  # the llm's `output_logprobs` (`logprob_output`), when asked for
 
 
-# A chat goes as `messages` (JSON): the engine model applies its tokenizer's chat template; token ids as `input_ids`.
-Prompt = str | list[int] | list[dict[str, str]]
+# A chat goes as `messages` (JSON): the engine model applies its tokenizer's chat template (a dict when it
+# carries tools: serving/openai/tools.chat_messages); token ids as `input_ids`.
+Prompt = str | list[int] | list[dict[str, Any]] | dict[str, Any]
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "prompt_tokens")
 
 
@@ -130,7 +131,7 @@ def _outputs(grpc: Any, sampling: Sampling) -> list[Any]:
 def _prompt_input(prompt: Prompt) -> tuple[str, np.ndarray, str]:
     if isinstance(prompt, str):
         return "text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"
-    if prompt and isinstance(prompt[0], int):
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return "input_ids", np.array([prompt], dtype=np.int32), "INT32"
     return "messages", np.array([[json.dumps(prompt).encode()]], dtype=object), "BYTES"
 

@@ -76,8 +76,9 @@ class Job:
         return out
 
 
-def jobs_for(req: Any, prompts: list[Prompt], chat: bool) -> list[Job]:
-    """The engine calls of a validated request (`schemas.CompletionRequest` or `schemas.ChatCompletionRequest`)."""
+def jobs_for(req: Any, prompts: list[Prompt], chat: bool, guided_decoding: str | None = None) -> list[Job]:
+    """The engine calls of a validated request (`schemas.CompletionRequest` or `schemas.ChatCompletionRequest`);
+    `guided_decoding`: the grammar every choice must match (`structured.guided_decoding`)."""
     max_tokens = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
     echo = not chat and req.echo
     jobs = []
@@ -93,7 +94,7 @@ def jobs_for(req: Any, prompts: list[Prompt], chat: bool) -> list[Job]:
                 prompt_logprobs=prompt_logprobs, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0, repetition_penalty=req.repetition_penalty,
                 logit_bias=req.logit_bias_pairs, min_tokens=req.min_tokens,
-                stop_token_ids=tuple(req.stop_token_ids or ()))
+                stop_token_ids=tuple(req.stop_token_ids or ()), guided_decoding=guided_decoding)
             jobs.append(Job(p, c, prompt, sampling, echo=echo, drop_output=max_tokens == 0))
     return jobs
 

@@ -47,7 +47,7 @@ def client_error(message: str, *, chat: bool, model: str) -> tuple[str, str | No
     text = _TAG.sub("", text)
     named = [m.group(1) for m in _INPUT.finditer(text) if m.group(1) in TRITON_TO_OPENAI]
     prompt_param = "messages" if chat else "prompt"
-    if "chat template" in text:
+    if "needs a chat template" in text:
         return (f"model {model!r} has no chat template, so it cannot answer chat completions: send its prompt to "
                 "/v1/completions instead"), "messages"
     text = _INPUT.sub(lambda m: f"'{openai_param(m.group(1), chat=chat)}'" if m.group(1) in TRITON_TO_OPENAI

@@ -32,12 +32,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the engine's seed input is INT64
 # parameter -> the values that ask for nothing (the engine cannot honour anything else)
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
 }
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range of frequency_penalty and presence_penalty
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range of a logit_bias value
@@ -90,14 +86,19 @@ class _Common(BaseModel):
     min_tokens: StrictInt = Field(0, ge=0, le=32768, description="No stop token or EOS before this many tokens.")
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=64, description="Token ids that end the generation.")
     best_of: StrictInt | None = Field(None, ge=1, description="Only equal to n: choices are not ranked here.")
+    # structured outputs (serving/openai/structured.py checks them): OpenAI's, and vLLM's extensions
+    response_format: Any = Field(None, description='{"type": "text" | "json_object" | "json_schema", ...}')
+    guided_json: Any = Field(None, description="A JSON Schema the output must match (vLLM's extension).")
+    guided_regex: Any = Field(None, description="A regular expression the output must match (vLLM's extension).")
+    guided_choice: Any = Field(None, description="Strings, one of which is the output (vLLM's extension).")
+    # tool calls (serving/openai/tools.py checks them)
+    tools: Any = Field(None, description="Functions the model may call (chat only).")
+    tool_choice: Any = Field(None, description='"none", "auto", "required" or {"type": "function", ...}.')
+    parallel_tool_calls: Any = Field(None, description="Whether a forced call may be several calls.")
     # OpenAI parameters accepted at their no-op value only (see NO_OP_VALUES)
     suffix: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -193,12 +194,23 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr | list[TextPart]
+    content: StrictStr | list[TextPart] | None = Field(None, description="null (or left out) only for an "
+                                                       "assistant's tool calls.")
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant's calls (its content null).")
+    tool_call_id: StrictStr | None = Field(None, description="The call a tool message answers.")
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only for an assistant message with tool_calls")
+        return self
 
     @property
     def text(self) -> str:
         """The content as one string (text parts joined as OpenAI does: without a separator)."""
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 

@@ -655,7 +655,10 @@ class TritonPythonModel:
         if req.guided_decoding is not None:
             from serving.triton.models.guided import token_mask_for
 
-            token_mask = token_mask_for(req.guided_decoding, self.host.tokenizer, self.host.vocab_size or 0)
+            token_mask = token_mask_for(req.guided_decoding, self.host.tokenizer,
+                                        self.host.vocab_size or self.host.tokenizer.get_vocab_size(),
+                                        eos_ids=req.stop_token_ids or self.host.text.eos_token_ids,
+                                        chat_template=self.host.text.chat_template)
         return trail, token_mask
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
