@@ -226,14 +226,15 @@ def test_models_retrieve_and_content_parts(client):
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed"),
-    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
-    # a static engine serves no prompt log-probs: echoing a prompt of token ids needs them
-    ("POST", "/v1/completions", {"model": MODEL, "prompt": [5, 6], "echo": True}, 400, "echo"),
+    # past OpenAI's limits; a token id outside the vocabulary is the engine's refusal, named as logit_bias
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 5}}, 400, "logit_bias"),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                       "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 7}, 400, "frequency_penalty"),
-    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "wat": 1}, 400, "wat"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
@@ -250,7 +251,7 @@ def test_models_retrieve_and_content_parts(client):
                                           "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
      400, "response_format"),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                      "logprobs": True}, 400, "logprobs"),
+                                      "top_logprobs": 2}, 400, "top_logprobs"),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
 ])
