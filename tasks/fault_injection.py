@@ -41,7 +41,7 @@ def write_fault(model_repository: Path, release: str, version: int, fault: dict[
 
 class FaultyRunner:
     """Wraps an engine runner: sleeps per generated token and/or raises at a given rate, whichever entry the
-    llm model uses (``generate`` for a static batch, ``prefill``/``decode`` steps for in-flight batching)."""
+    llm model uses (``generate`` for a static batch, ``forward`` steps for in-flight batching)."""
 
     def __init__(self, runner: Any, fault: dict[str, Any]) -> None:
         self.runner = runner
@@ -59,18 +59,20 @@ class FaultyRunner:
         if self.delay_per_token_s:
             time.sleep(self.delay_per_token_s)
 
-    # The in-flight batching scheduler drives the engine by steps: one prefill (first token), then decodes.
-    def prefill(self, *args: Any, **kwargs: Any) -> Any:
-        self._step()
-        return self.runner.prefill(*args, **kwargs)
+    # The in-flight scheduler drives the engine by steps: each one a `forward` (or, run a step ahead, a
+    # `forward_ahead`); the scheduler is made here so that it drives this wrapper, not the runner inside it.
+    def scheduler(self, **options: Any) -> Any:
+        from serving.engine.scheduler import Scheduler
 
-    def decode(self, *args: Any, **kwargs: Any) -> Any:
-        self._step()
-        return self.runner.decode(*args, **kwargs)
+        return Scheduler(self, max_waiting=self.runner.config.max_waiting, **options)
 
-    def decode_inplace(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._step()
-        return self.runner.decode_inplace(*args, **kwargs)
+        return self.runner.forward(*args, **kwargs)
+
+    def forward_ahead(self, *args: Any, **kwargs: Any) -> Any:
+        self._step()
+        return self.runner.forward_ahead(*args, **kwargs)
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, **kwargs: Any) -> Any:
         if self.error_rate and self.rng.random() < self.error_rate:

@@ -139,10 +139,10 @@ class SlowedRunner:
 # -- faults of the engine's envelope: each shows only where the old gates did not look -----------------------
 def rope_stuck_past(runner, position: int):
     """RoPE wrong past `position`: every later position is rotated as `position` - 1 (a table cut short).
-    Prompts and sequences shorter than `position` are untouched. Static runner (its `rope_cos`/`rope_sin`)."""
-    model = runner.model
-    model.rope_cos[position:] = model.rope_cos[position - 1]
-    model.rope_sin[position:] = model.rope_sin[position - 1]
+    Prompts and sequences shorter than `position` are untouched. The runner's tables (`rope_cos`/`rope_sin`, which
+    its mixed and decode-only steps share)."""
+    runner.rope_cos[position:] = runner.rope_cos[position - 1]
+    runner.rope_sin[position:] = runner.rope_sin[position - 1]
     return runner
 
 
