@@ -187,7 +187,7 @@ def part_specs(spec: EvaluationSpec) -> dict[str, PartSpec]:
                                "{:+.2%}", "passages"),
         "cloze": PartSpec("cloze", "cloze accuracy drop (points)", "evaluation.max_accuracy_drop_points",
                           spec.max_accuracy_drop_points / 100, spec.accuracy_spread, points, "{:+.1f}", "items"),
-        "kl": PartSpec("kl", "mean KL(production || candidate), nats/token", "evaluation.max_mean_kl",
+        "kl": PartSpec("kl", "mean KL from production to candidate, nats/token", "evaluation.max_mean_kl",
                        spec.max_mean_kl, spec.kl_spread, same, "{:.3g}", "passages"),
         "top1": PartSpec("top1", "top-1 disagreement with production (teacher-forced)",
                          "evaluation.max_top1_disagreement", spec.max_top1_disagreement, spec.top1_spread, same,

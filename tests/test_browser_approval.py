@@ -282,7 +282,7 @@ def test_reject_in_the_browser_and_nothing_changes(setup: Setup, browser) -> Non
                         rf"<= \+5\.00%{power}\+[\d.]+%"),
                         (rf"fixed evaluation cloze accuracy drop \(points\) vs production \+0\.0 pt \[\+0\.0 pt, \+0\.0 pt\]: "
                         rf"within <= \+20\.0 pt{power}\+[\d.]+ pt"),
-                        (rf"fixed evaluation mean KL\(production \|\| candidate\), nats/token vs production 0 \[0, 0\]: "
+                        (rf"fixed evaluation mean KL from production to candidate, nats/token vs production 0 \[0, 0\]: "
                         rf"within <= 0\.05{power}[\d.e-]+"),
                         (rf"fixed evaluation greedy disagreement with production \(8 tokens, 3 prompts a passage\) vs "
                          rf"production 0 \[0, 0\]: within <= 0\.2{power}[\d.e-]+")):

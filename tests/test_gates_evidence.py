@@ -87,7 +87,7 @@ def test_an_unchanged_rebuild_passes_every_part_against_production(world):
     assert report.startswith("# Fixed evaluation against production: PASSED"), report
     for part in ("perplexity change | +0.00% | [+0.00%, +0.00%] | +5.00% | within | 16 (8)",
                  "greedy disagreement with production (8 tokens, 3 prompts a passage) | 0 | [0, 0] | 0.2 | within | 48 (32)",
-                 "mean KL(production || candidate), nats/token | 0 | [0, 0] | 0.05 | within",
+                 "mean KL from production to candidate, nats/token | 0 | [0, 0] | 0.05 | within",
                  "cloze accuracy drop (points) | +0.0 pt | [+0.0 pt, +0.0 pt] | +20.0 pt | within | 36 (32)"):
         assert f"| {part}" in report, (part, report)
 
