@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from triton_support import openai_front, start_triton
+from triton_support import openai_front, serve_only_version, start_triton
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +21,7 @@ def served(tmp_path_factory):
     """(the HF checkpoint, Triton) for one paged float32 engine of the tiny model with a chat template."""
     from serving.engine import EngineLimits, build_engine, convert_checkpoint
     from serving.engine.kv_cache import KVCacheConfig
-    from serving.triton.operations import apply_router_weights, serve_versions
-    from serving.triton.repository import init_repository, stage_engine_version
+    from serving.triton.repository import init_repository
     from tasks.tiny_model import make_tiny_model
 
     work = tmp_path_factory.mktemp("api")
@@ -36,10 +35,7 @@ def served(tmp_path_factory):
     repo = init_repository(work / "repository")
     server = start_triton(repo, log_path=work / "triton.log")
     try:
-        version = stage_engine_version(repo, MODEL, engine, device_kind="cpu", parameters={"decoupled": "true"},
-                                       link=True)
-        serve_versions(server.control(), repo, MODEL, [version], timeout_s=300)
-        apply_router_weights(server.control(), repo, MODEL, {version: 100})
+        serve_only_version(server, repo, MODEL, engine)
         yield hf, server
     finally:
         server.stop()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import openai
 import pytest
-from triton_support import openai_front, start_triton
+from triton_support import openai_front, serve_only_version, start_triton
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,7 @@ def references(smollm2_checkpoint) -> dict[str, Reference]:
 def triton(smollm2_checkpoint, tmp_path_factory):
     """One Triton serving one float32 SmolLM2 engine, decoupled, behind its router and streaming router."""
     from serving.engine import EngineLimits, build_engine, convert_checkpoint
-    from serving.triton.operations import apply_router_weights, serve_versions
-    from serving.triton.repository import init_repository, stage_engine_version
+    from serving.triton.repository import init_repository
 
     work = tmp_path_factory.mktemp("smollm2")
     ckpt = convert_checkpoint(smollm2_checkpoint, work / "ckpt", dtype="float32")
@@ -65,10 +64,7 @@ def triton(smollm2_checkpoint, tmp_path_factory):
     repo = init_repository(work / "repository")
     server = start_triton(repo, log_path=work / "triton.log")
     try:
-        version = stage_engine_version(repo, MODEL, engine, device_kind="cpu", parameters={"decoupled": "true"},
-                                       link=True)
-        serve_versions(server.control(), repo, MODEL, [version], timeout_s=300)
-        apply_router_weights(server.control(), repo, MODEL, {version: 100})
+        serve_only_version(server, repo, MODEL, engine)
         yield server
     finally:
         server.stop()

@@ -417,3 +417,14 @@ def openai_front(grpc_url: str, models: list[str], log_path: Path, *, ready_s: f
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=20)
+
+
+def serve_only_version(server: Any, repo: Path, model: str, engine: Path, *, timeout_s: float = 300.0) -> int:
+    """Stage `engine` as a decoupled version of `model` in `repo`, load it and route every request to it."""
+    from serving.triton.operations import apply_router_weights, serve_versions
+    from serving.triton.repository import stage_engine_version
+
+    version = stage_engine_version(repo, model, engine, device_kind="cpu", parameters={"decoupled": "true"}, link=True)
+    serve_versions(server.control(), repo, model, [version], timeout_s=timeout_s)
+    apply_router_weights(server.control(), repo, model, {version: 100})
+    return version
