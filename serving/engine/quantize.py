@@ -169,9 +169,11 @@ def has_fp8_tensor_cores(device_index: int) -> bool:
 
 def quantize_tokens_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (e4m3 [T, K], float32 scales [T, 1]), each row scaled by its own max: x ~= q * scale.
-    Torch ops that inductor fuses into the producer of x (the RMSNorm, SiLU * up) in the decode step."""
+    The scale is the max times the float32 reciprocal of 448, as every row-scaling kernel computes it (the
+    norms', SiLU * up's, `fp8_tokens`', the one-row GEMM's): CUDA's torch divides by a Python scalar that way, the
+    CPU's divides, so the product is written out to give the same scale on both and in the kernels."""
     amax = x2.abs().amax(dim=-1, keepdim=True).float()  # [T, 1]
-    scale = torch.where(amax > 0, amax / QMAX[FP8], torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1.0 / QMAX[FP8]), torch.ones_like(amax))
     q = (x2.float() / scale).clamp(-QMAX[FP8], QMAX[FP8]).to(torch.float8_e4m3fn)
     return q, scale
 
