@@ -22,6 +22,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -29,9 +31,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3", "phi3")
 # one tiny checkpoint per registered architecture family: the ones the release flow is run over in CI
-FAMILY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+FAMILY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 VOCAB_SIZE = 512
@@ -81,6 +83,8 @@ def _config(arch: str):
         return Qwen2Config(**common, rope_theta=1000000.0), Qwen2ForCausalLM
     if arch == "qwen3":  # head_dim 32, not hidden_size / heads = 16: the q/k norms and projections sized by it
         return Qwen3Config(**common, head_dim=32, rope_theta=1000000.0), Qwen3ForCausalLM
+    if arch == "phi3":  # packed qkv_proj / gate_up_proj in the checkpoint
+        return Phi3Config(**common, original_max_position_embeddings=512), Phi3ForCausalLM
     raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
 
 
