@@ -8,6 +8,7 @@ the release flow over each family is `tests/test_release_families.py`'s (over `t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from serving.engine import EngineLimits, build_engine, convert_checkpoint
-from serving.engine.errors import UnsupportedArchitectureError
+from serving.engine.errors import EngineLimitError, UnsupportedArchitectureError
 from serving.engine.models import qwen3
 from serving.engine.models.registry import architecture_of, model_args_of
 from serving.engine.quantize import FP8, INT8_WEIGHT_ONLY, QuantInfo
@@ -24,13 +25,19 @@ from tasks.validate import ReferenceRun, ValidationSpec, reference_run, validate
 from tests.gate_faults import Tensors, edited_runner
 
 LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=48, max_seq_len=96)
+LONGROPE_LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=40, max_seq_len=64)  # its original
 SPEC = ValidationSpec(prompts=["Once upon a time", "The quick brown"], max_new_tokens=6,
                       passages=["The quick brown fox jumps over the lazy dog."])
 
 
-def build(hf: Path, root: Path, name: str, quantization: QuantInfo | None = None) -> Path:
+def limits_of(arch: str) -> EngineLimits:
+    return LONGROPE_LIMITS if arch == "phi3-longrope" else LIMITS
+
+
+def build(hf: Path, root: Path, name: str, quantization: QuantInfo | None = None,
+          limits: EngineLimits = LIMITS) -> Path:
     ckpt = convert_checkpoint(hf, root / f"ckpt-{name}", dtype="float32", quantization=quantization)
-    return Path(build_engine(ckpt, root / f"engine-{name}", limits=LIMITS).path)
+    return Path(build_engine(ckpt, root / f"engine-{name}", limits=limits).path)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +49,9 @@ def families(tmp_path_factory) -> Callable[[str], tuple[Path, Path, ReferenceRun
         if arch not in made:
             root = tmp_path_factory.mktemp(arch)
             hf = make_tiny_model(root / "hf", arch=arch, seed=5)
-            made[arch] = (hf, build(hf, root, "float32"), reference_run(
-                hf, SPEC, "float32", max_seq_len=LIMITS.max_seq_len, max_input_len=LIMITS.max_input_len))
+            limits = limits_of(arch)
+            made[arch] = (hf, build(hf, root, "float32", limits=limits), reference_run(
+                hf, SPEC, "float32", max_seq_len=limits.max_seq_len, max_input_len=limits.max_input_len))
         return made[arch]
     return family
 
@@ -72,7 +80,7 @@ def test_both_families_are_registered_and_released_over_in_ci():
         architecture_of({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"})
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "phi3-longrope"])
 def test_the_gate_passes_the_family(families, arch):
     hf, engine, reference = families(arch)
     good = validate_engine(engine, hf, SPEC, reference=reference)
@@ -114,20 +122,52 @@ def test_quantized_engines_pass_their_budget(families, tmp_path, arch, method):
     assert result.passed, f"{arch} {method}: {result.failures}"
 
 
+def test_phi3_longrope_equals_hf_within_its_original_context_and_a_build_past_it_is_refused(families, tmp_path):
+    """HF's short factors and attention factor up to original_max_position_embeddings (64 here, of 512): the
+    float32 engine's logits and greedy tokens are HF's; a longer max_seq_len is refused, naming the limit."""
+    from transformers import AutoModelForCausalLM
+
+    from serving.engine import load_engine
+
+    hf, engine, _ = families("phi3-longrope")
+    runner = load_engine(engine, device="cpu")
+    assert runner.info.model.rope_type == "longrope"
+    assert runner.info.model.rope_attention_factor == pytest.approx((1 + math.log(8) / math.log(64)) ** 0.5)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    prompt = list(range(3, 3 + 64))
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0]
+        greedy = model.generate(torch.tensor([prompt[:30]]), max_new_tokens=30, do_sample=False, eos_token_id=None)
+    got = runner.prefill_logits(prompt)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
+    assert runner.generate([prompt[:30]], max_new_tokens=30)[0].token_ids == greedy[0, 30:].tolist()
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", dtype="float32")
+    with pytest.raises(EngineLimitError, match=r"limits.max_seq_len=96 exceeds the model's "
+                       r"original_max_position_embeddings=64 \(rope type 'longrope'"):
+        build_engine(ckpt, tmp_path / "engine", limits=LIMITS)
+
+
 def phi3_config(**extra) -> dict:
     return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
             "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32, "intermediate_size": 8192,
             "vocab_size": 32064, "max_position_embeddings": 4096, "rope_theta": 10000.0, **extra}
 
 
-def test_phi3_rope_variants_the_engine_does_not_reproduce_are_refused_naming_them():
+def test_phi3_rope_options_are_read_or_refused_naming_them():
     args = model_args_of(phi3_config(rope_scaling=None, sliding_window=2047))  # Phi-3-mini-4k
     assert (args.rope_type, args.head_dim, args.sliding_window, args.qkv_bias) == ("default", 96, 2047, False)
     factors = {"short_factor": [1.0] * 48, "long_factor": [2.0] * 48}
-    for rope_type in ("longrope", "su"):
-        with pytest.raises(UnsupportedArchitectureError, match=rf"rope type '{rope_type}' in config.json "
-                           r"\(Phi3ForCausalLM\) is not supported; supported: \['default'\]"):
-            model_args_of(phi3_config(rope_scaling={"type": rope_type, **factors}, max_position_embeddings=131072))
+    for rope_type in ("longrope", "su"):  # Phi-3.5-mini, and Phi-3-mini-128k's first config
+        args = model_args_of(phi3_config(rope_scaling={"type": rope_type, **factors}, max_position_embeddings=131072,
+                                         original_max_position_embeddings=4096))
+        assert (args.rope_type, args.rope_original_max_position_embeddings) == ("longrope", 4096)
+        assert args.rope_attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    with pytest.raises(UnsupportedArchitectureError, match=r"rope type 'yarn' in config.json \(Phi3ForCausalLM\) "
+                       r"is not supported; supported: \['default', 'longrope', 'su'\]"):
+        model_args_of(phi3_config(rope_scaling={"type": "yarn", "factor": 4.0}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"rope short_factor=\[1.0, 1.0\] in config.json: "
+                       r"longrope needs a list of head_dim / 2 = 48 numbers"):
+        model_args_of(phi3_config(rope_scaling={"type": "longrope", "short_factor": [1.0, 1.0]}))
     with pytest.raises(UnsupportedArchitectureError, match=r"partial_rotary_factor=0.75 in config.json"):
         model_args_of(phi3_config(partial_rotary_factor=0.75))  # Phi-4-mini
 
