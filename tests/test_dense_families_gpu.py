@@ -1,7 +1,6 @@
-"""Qwen3 and Phi-3 on CUDA: the float32 engine equals the CPU engine (prompts through the mixed steps, decodes
-under CUDA graphs), Qwen3's per-head q/k norms run their kernel (`head_norm`) in every step and give the same
-tokens under CUDA graphs as eagerly, and bf16 and fp8 engines of both pass the
-validation gate against HF on the GPU.
+"""Qwen3 and Phi-3 on CUDA: Qwen3's per-head q/k norms run their kernel (`head_norm`) in every step and give the
+same tokens under CUDA graphs as eagerly, and bf16 and fp8 engines of both pass the validation gate against HF
+on the GPU. (The float32 engines of both equal the CPU engine: tests/test_engine_gpu.py.)
 
 Runs only where CUDA is present (the lead's GPU run); skipped elsewhere.
 """
@@ -30,19 +29,6 @@ def engine(tmp_path: Path, arch: str, dtype: str, quantization: QuantInfo | None
     name = f"{arch}-{dtype}-{quantization.method if quantization else 'none'}"
     ckpt = convert_checkpoint(hf, tmp_path / f"ckpt-{name}", dtype=dtype, quantization=quantization)
     return hf, Path(build_engine(ckpt, tmp_path / f"engine-{name}", limits=EngineLimits(dtype=dtype, **LIMITS)).path)
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
-def test_cuda_matches_cpu_float32(tmp_path, arch):
-    _, path = engine(tmp_path, arch, "float32")
-    cpu, gpu = load_engine(path, device="cpu"), load_engine(path, device="cuda")
-    prompt = list(range(3, 100))
-    err = (cpu.prefill_logits(prompt) - gpu.prefill_logits(prompt)).abs()
-    print(f"{arch} cuda vs cpu float32 logits: max {err.max():.2e} mean {err.mean():.2e}")
-    assert err.max() < 1e-2  # TF32 matmuls may be on
-    a = [g.token_ids for g in cpu.generate(PROMPTS, max_new_tokens=16)]
-    b = [g.token_ids for g in gpu.generate(PROMPTS, max_new_tokens=16)]
-    assert a == b
 
 
 def test_qwen3_head_norms_run_the_kernel_and_graphs_equal_eager_steps_in_bf16(tmp_path):
