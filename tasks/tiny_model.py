@@ -85,10 +85,11 @@ def _config(arch: str):
         return Qwen3Config(**common, head_dim=32, rope_theta=1000000.0), Qwen3ForCausalLM
     if arch == "phi3":  # packed qkv_proj / gate_up_proj in the checkpoint
         return Phi3Config(**common, original_max_position_embeddings=512), Phi3ForCausalLM
-    if arch == "phi3-longrope":  # Phi-3.5's rope scaling, its original context (64) the engine's limit
+    if arch == "phi3-longrope":  # Phi-3.5's rope scaling; its original context (512 of 4096) the engine's limit
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 0.8, 2.0, 1.1, 3.0, 1.5, 0.9],
                 "long_factor": [4.0] * 8}
-        return Phi3Config(**common, original_max_position_embeddings=64, rope_scaling=rope), Phi3ForCausalLM
+        return Phi3Config(**{**common, "max_position_embeddings": 4096}, original_max_position_embeddings=512,
+                          rope_scaling=rope), Phi3ForCausalLM
     raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
 
 

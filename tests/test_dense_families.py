@@ -25,19 +25,13 @@ from tasks.validate import ReferenceRun, ValidationSpec, reference_run, validate
 from tests.gate_faults import Tensors, edited_runner
 
 LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=48, max_seq_len=96)
-LONGROPE_LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=40, max_seq_len=64)  # its original
 SPEC = ValidationSpec(prompts=["Once upon a time", "The quick brown"], max_new_tokens=6,
                       passages=["The quick brown fox jumps over the lazy dog."])
 
 
-def limits_of(arch: str) -> EngineLimits:
-    return LONGROPE_LIMITS if arch == "phi3-longrope" else LIMITS
-
-
-def build(hf: Path, root: Path, name: str, quantization: QuantInfo | None = None,
-          limits: EngineLimits = LIMITS) -> Path:
+def build(hf: Path, root: Path, name: str, quantization: QuantInfo | None = None) -> Path:
     ckpt = convert_checkpoint(hf, root / f"ckpt-{name}", dtype="float32", quantization=quantization)
-    return Path(build_engine(ckpt, root / f"engine-{name}", limits=limits).path)
+    return Path(build_engine(ckpt, root / f"engine-{name}", limits=LIMITS).path)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +43,8 @@ def families(tmp_path_factory) -> Callable[[str], tuple[Path, Path, ReferenceRun
         if arch not in made:
             root = tmp_path_factory.mktemp(arch)
             hf = make_tiny_model(root / "hf", arch=arch, seed=5)
-            limits = limits_of(arch)
-            made[arch] = (hf, build(hf, root, "float32", limits=limits), reference_run(
-                hf, SPEC, "float32", max_seq_len=limits.max_seq_len, max_input_len=limits.max_input_len))
+            made[arch] = (hf, build(hf, root, "float32"), reference_run(
+                hf, SPEC, "float32", max_seq_len=LIMITS.max_seq_len, max_input_len=LIMITS.max_input_len))
         return made[arch]
     return family
 
@@ -123,7 +116,7 @@ def test_quantized_engines_pass_their_budget(families, tmp_path, arch, method):
 
 
 def test_phi3_longrope_equals_hf_within_its_original_context_and_a_build_past_it_is_refused(families, tmp_path):
-    """HF's short factors and attention factor up to original_max_position_embeddings (64 here, of 512): the
+    """HF's short factors and attention factor up to original_max_position_embeddings (512 here, of 4096): the
     float32 engine's logits and greedy tokens are HF's; a longer max_seq_len is refused, naming the limit."""
     from transformers import AutoModelForCausalLM
 
@@ -132,9 +125,9 @@ def test_phi3_longrope_equals_hf_within_its_original_context_and_a_build_past_it
     hf, engine, _ = families("phi3-longrope")
     runner = load_engine(engine, device="cpu")
     assert runner.info.model.rope_type == "longrope"
-    assert runner.info.model.rope_attention_factor == pytest.approx((1 + math.log(8) / math.log(64)) ** 0.5)
+    assert runner.info.model.rope_attention_factor == pytest.approx((1 + math.log(8) / math.log(512)) ** 0.5)
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    prompt = list(range(3, 3 + 64))
+    prompt = list(range(3, 3 + LIMITS.max_seq_len))
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0]
         greedy = model.generate(torch.tensor([prompt[:30]]), max_new_tokens=30, do_sample=False, eos_token_id=None)
@@ -142,9 +135,10 @@ def test_phi3_longrope_equals_hf_within_its_original_context_and_a_build_past_it
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
     assert runner.generate([prompt[:30]], max_new_tokens=30)[0].token_ids == greedy[0, 30:].tolist()
     ckpt = convert_checkpoint(hf, tmp_path / "ckpt", dtype="float32")
-    with pytest.raises(EngineLimitError, match=r"limits.max_seq_len=96 exceeds the model's "
-                       r"original_max_position_embeddings=64 \(rope type 'longrope'"):
-        build_engine(ckpt, tmp_path / "engine", limits=LIMITS)
+    past = EngineLimits(dtype="float32", max_batch_size=1, max_input_len=32, max_seq_len=513)
+    with pytest.raises(EngineLimitError, match=r"limits.max_seq_len=513 exceeds the model's "
+                       r"original_max_position_embeddings=512 \(rope type 'longrope'"):
+        build_engine(ckpt, tmp_path / "engine", limits=past)
 
 
 def phi3_config(**extra) -> dict:
