@@ -150,6 +150,10 @@ def phi3_config(**extra) -> dict:
 def test_phi3_rope_options_are_read_or_refused_naming_them():
     args = model_args_of(phi3_config(rope_scaling=None, sliding_window=2047))  # Phi-3-mini-4k
     assert (args.rope_type, args.head_dim, args.sliding_window, args.qkv_bias) == ("default", 96, 2047, False)
+    phi4 = model_args_of(phi3_config(hidden_size=5120, num_attention_heads=40, num_key_value_heads=10,
+                                     num_hidden_layers=40, intermediate_size=17920, vocab_size=100352,
+                                     max_position_embeddings=16384, rope_theta=250000.0, rope_scaling=None))
+    assert (phi4.head_dim, phi4.n_kv_heads, phi4.qkv_size, phi4.rope_theta) == (128, 10, 7680, 250000.0)  # Phi-4
     factors = {"short_factor": [1.0] * 48, "long_factor": [2.0] * 48}
     for rope_type in ("longrope", "su"):  # Phi-3.5-mini, and Phi-3-mini-128k's first config
         args = model_args_of(phi3_config(rope_scaling={"type": rope_type, **factors}, max_position_embeddings=131072,
