@@ -20,7 +20,7 @@ from torch import nn
 
 from serving.engine.errors import UnsupportedArchitectureError
 from serving.engine.model import ModelArgs
-from serving.engine.models import llama
+from serving.engine.models import llama, phi3, qwen3
 
 # An HF tensor name (`{i}`: the layer index) -> (engine tensor name, part of a fused tensor, number of parts)
 WeightTable = dict[str, tuple[str, int, int]]
@@ -46,6 +46,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     for name, model_type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"),
                              ("Qwen2ForCausalLM", "qwen2"))
 }
+ARCHITECTURES["Qwen3ForCausalLM"] = Architecture(
+    name="Qwen3ForCausalLM", model_type="qwen3", model_class=qwen3.Qwen3Transformer, weights=qwen3.HF_TO_ENGINE,
+    param_names=qwen3.engine_param_names, read_config=qwen3.read_config, ignored_weights=qwen3.IGNORED_HF_TENSORS)
+ARCHITECTURES["Phi3ForCausalLM"] = Architecture(
+    name="Phi3ForCausalLM", model_type="phi3", model_class=phi3.Transformer, weights=phi3.HF_TO_ENGINE,
+    param_names=phi3.engine_param_names, read_config=phi3.read_config, ignored_weights=phi3.IGNORED_HF_TENSORS)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 
