@@ -49,6 +49,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "chat_template.jinja")
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # one expert's tensor of a mixture of experts (`models.moe`)
 
 
 def parse_dtype(dtype: str, *, setting: str = "dtype") -> torch.dtype:
@@ -65,10 +66,15 @@ def map_hf_name(name: str, args: ModelArgs) -> tuple[str, int, int] | None:
         return None
     m = _LAYER.match(name)
     key, layer = (f"model.layers.{{i}}.{m.group(2)}", m.group(1)) if m else (name, None)
-    if key not in arch.weights:
+    expert = _EXPERT.search(key)
+    if expert is not None:  # expert e's parts follow those of experts 0..e-1 in the stacked tensor
+        key = f"{key[:expert.start()]}.experts.{{e}}.{key[expert.end():]}"
+    if key not in arch.weights or (expert is not None and int(expert.group(1)) >= args.n_experts):
         raise CheckpointError(f"unexpected tensor {name!r}: not in the HF->engine weight table for "
-                              f"{args.architecture}")
+                              f"{args.architecture}" + (f" ({args.n_experts} experts)" if expert else ""))
     target, part, n_parts = arch.weights[key]
+    if expert is not None:
+        part, n_parts = int(expert.group(1)) * n_parts + part, args.n_experts * n_parts
     return (target.format(i=layer) if layer is not None else target), part, n_parts
 
 
@@ -218,6 +224,8 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
                         continue
                     target, part, n_parts = mapped
                     t = _read_tensor(f, header[name], data_start, path=shard, name=name)
+                    if t.dim() == 3:  # experts already stacked [E, N, K]: the engine stacks them on the rows
+                        t = t.flatten(0, 1)
                     if t.is_floating_point() and t.dtype != target_dtype:
                         t = t.to(target_dtype)  # the source copy is freed here (last reference)
                     count += 1

@@ -50,6 +50,18 @@ class ModelArgs:
     o_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # not implemented: builds require max_seq_len <= sliding_window
+    # mixtures of experts (`models.moe`): n_experts 0 is a dense model
+    n_experts: int = 0
+    n_experts_per_tok: int = 0  # the top-k each token is routed to
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    moe_renormalize: bool = True  # the top-k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model whose MLP is dense (intermediate_size)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # (a list when read from JSON)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer not in self.dense_layers
 
     # derived -------------------------------------------------------------------------------
     @property

@@ -20,9 +20,10 @@ from torch import nn
 
 from serving.engine.errors import UnsupportedArchitectureError
 from serving.engine.model import ModelArgs
-from serving.engine.models import llama
+from serving.engine.models import llama, mixtral
 
-# An HF tensor name (`{i}`: the layer index) -> (engine tensor name, part of a fused tensor, number of parts)
+# An HF tensor name (`{i}`: the layer index; `{e}`: an expert's index, its parts stacked after those of the experts
+# before it) -> (engine tensor name, part of a fused tensor, number of parts)
 WeightTable = dict[str, tuple[str, int, int]]
 
 
@@ -46,6 +47,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     for name, model_type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"),
                              ("Qwen2ForCausalLM", "qwen2"))
 }
+ARCHITECTURES["MixtralForCausalLM"] = Architecture(
+    name="MixtralForCausalLM", model_type="mixtral", model_class=mixtral.Transformer, weights=mixtral.HF_TO_ENGINE,
+    param_names=mixtral.engine_param_names, read_config=mixtral.read_config, ignored_weights=llama.IGNORED_HF_TENSORS)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 
