@@ -27,13 +27,15 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "mixtral", "qwen3-moe")
+ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3", "mixtral", "qwen3-moe")
 # one tiny checkpoint per registered architecture family: the ones the release flow is run over in CI
-FAMILY_ARCHS = ("llama", "mistral", "qwen2", "mixtral", "qwen3-moe")
+FAMILY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe")
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 VOCAB_SIZE = 512
@@ -81,6 +83,8 @@ def _config(arch: str):
         return MistralConfig(**common, sliding_window=4096), MistralForCausalLM
     if arch == "qwen2":
         return Qwen2Config(**common, rope_theta=1000000.0), Qwen2ForCausalLM
+    if arch == "qwen3":  # head_dim 32, not hidden_size / heads = 16: the q/k norms and projections sized by it
+        return Qwen3Config(**common, head_dim=32, rope_theta=1000000.0), Qwen3ForCausalLM
     if arch == "mixtral":
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2), MixtralForCausalLM
     if arch == "qwen3-moe":

@@ -216,9 +216,13 @@ def test_the_registry_maps_each_architecture_to_its_family_and_names_the_support
     from serving.engine.models import llama
     from serving.engine.models.registry import ARCHITECTURES, architecture_of, registered
 
-    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    assert SUPPORTED_ARCHITECTURES == tuple(ARCHITECTURES)
+    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(ARCHITECTURES)
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):  # llama.py's families
+        arch = ARCHITECTURES[name]
+        assert arch.model_class is Transformer and arch.weights is llama.HF_TO_ENGINE
     for name, arch in ARCHITECTURES.items():
-        assert arch.model_class is Transformer and arch.weights is llama.HF_TO_ENGINE and registered(name) is arch
+        assert registered(name) is arch and arch.weights.keys() >= {"model.embed_tokens.weight", "model.norm.weight"}
     assert architecture_of({"model_type": "mistral"}).name == "MistralForCausalLM"  # no `architectures`
     with pytest.raises(UnsupportedArchitectureError, match=r"'Gemma3ForCausalLM' is not one this runtime serves; "
                        r"supported: LlamaForCausalLM \(model_type 'llama'\), MistralForCausalLM"):

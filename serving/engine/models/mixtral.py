@@ -18,7 +18,7 @@ from typing import Any
 
 from serving.engine.model import ModelArgs
 from serving.engine.models import llama
-from serving.engine.models.moe import MoEFeedForward, moe_fields, moe_param_names
+from serving.engine.models.moe import MoETransformer, moe_fields, moe_param_names
 
 _LLAMA_MLP = ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight",
               "model.layers.{i}.mlp.down_proj.weight")
@@ -49,8 +49,5 @@ def engine_param_names(args: ModelArgs) -> list[str]:
     return llama.engine_param_names(args) + [n for i in range(args.n_layers) for n in moe_param_names(args, i)]
 
 
-class Transformer(llama.Transformer):
+class Transformer(MoETransformer):
     """Llama's model with a mixture of experts as each layer's MLP."""
-
-    def block(self, args: ModelArgs, index: int) -> llama.TransformerBlock:
-        return llama.TransformerBlock(args, MoEFeedForward(args) if args.is_moe_layer(index) else None)

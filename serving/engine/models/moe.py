@@ -41,6 +41,7 @@ from torch import nn
 
 from serving.engine.linear_float import FloatLinear
 from serving.engine.model import ModelArgs
+from serving.engine.models import llama
 from serving.engine.options import EngineOptions
 from serving.engine.quantize import NONE, STORED_DTYPES, dequantize_weight
 
@@ -162,3 +163,11 @@ def moe_param_names(args: ModelArgs, layer: int) -> list[str]:
     """The tensors a mixture-of-experts layer holds beyond a dense layer's (whose `feed_forward.w13` / `w2`
     names it keeps for the stacked experts): the router."""
     return [f"layers.{layer}.feed_forward.gate.weight"] if args.is_moe_layer(layer) else []
+
+
+class MoETransformer(llama.Transformer):
+    """A family's model (its layer: `block_class`) with a mixture of experts as the MLP of every layer that
+    `ModelArgs.is_moe_layer`, the dense `FeedForward` in the others."""
+
+    def block(self, args: ModelArgs, index: int) -> llama.TransformerBlock:
+        return self.block_class(args, MoEFeedForward(args) if args.is_moe_layer(index) else None)
