@@ -12,7 +12,8 @@ alone (`torch.load(weights_only=True, mmap=True)`):
 Tensors are read one at a time from each shard (the safetensors header parsed here, the bytes read
 with `readinto` into the tensor: no mmap, whose pages count in RSS), cast, and written out in
 files of about a quarter shard; a fused tensor whose parts straddle two shards waits in a small
-pending buffer. Peak memory stays under the largest shard (measured: tests/test_engine_convert.py
+pending buffer (a mixture of experts' stacked tensor is allocated whole at its first expert and filled in
+place). Peak memory stays under the largest shard (measured: tests/test_engine_convert.py
 prints it), not the model. The output is written into a temp sibling and renamed at the end.
 
 Imports at module load: stdlib and torch only (no safetensors needed).
@@ -186,6 +187,7 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
     tmp.mkdir()
     try:
         pending: dict[str, dict[int, torch.Tensor]] = {}  # fused tensors still missing parts
+        stacks: dict[str, _Stack] = {}  # experts' stacked tensors still missing parts, filled in place
         weights: dict[str, str] = {}  # engine tensor name -> file (temporary names until the end)
         files: list[str] = []
         out: dict[str, torch.Tensor] = {}
@@ -232,6 +234,12 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
                     if n_parts == 1:
                         put(target, t)
                         continue
+                    if n_parts >= STACKED_MIN_PARTS:  # experts: no list of parts and a copy of them all at the end
+                        stack = stacks.setdefault(target, _Stack(n_parts, t))
+                        if stack.add(part, t, name=name):
+                            put(target, stacks.pop(target).tensor)
+                        del t, stack
+                        continue
                     parts = pending.setdefault(target, {})
                     parts[part] = t
                     del t
@@ -248,9 +256,10 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
         for old, new in names.items():
             os.rename(tmp / old, tmp / new)
         weights = {k: names[v] for k, v in weights.items()}
-        if pending:
+        if pending or stacks:
+            present = {**{k: sorted(v) for k, v in pending.items()}, **{k: sorted(v.parts) for k, v in stacks.items()}}
             raise CheckpointError(f"fused tensors incomplete after all shards of {str(hf_dir)!r}: "
-                                  f"{ {k: sorted(v) for k, v in pending.items()} } (parts present)")
+                                  f"{present} (parts present)")
         expected = set(registered(args.architecture).param_names(args)) | {name + SCALE_SUFFIX for name in quantized}
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
         if missing or extra:
@@ -274,6 +283,28 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+STACKED_MIN_PARTS = 4  # a fused tensor of more parts than q/k/v: a mixture of experts' weights stacked
+
+
+class _Stack:
+    """A stacked tensor of `n_parts` parts of one shape (the experts' gate, up or down projections, `models.moe`),
+    allocated whole at its first part and each part copied into its rows as it is read."""
+
+    def __init__(self, n_parts: int, first: torch.Tensor) -> None:
+        self.rows = first.shape[0]
+        self.tensor = torch.empty((n_parts * self.rows, *first.shape[1:]), dtype=first.dtype)
+        self.n_parts, self.parts = n_parts, set()
+
+    def add(self, part: int, t: torch.Tensor, *, name: str) -> bool:
+        """Copy part `part` in; whether the tensor is complete."""
+        if t.shape != (self.rows, *self.tensor.shape[1:]) or t.dtype != self.tensor.dtype:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)} ({t.dtype}); the other experts' have "
+                                  f"{(self.rows, *self.tensor.shape[1:])} ({self.tensor.dtype})")
+        self.tensor[part * self.rows:(part + 1) * self.rows] = t
+        self.parts.add(part)
+        return len(self.parts) == self.n_parts
 
 
 def read_checkpoint_meta(checkpoint_dir: Path) -> dict[str, Any]:
