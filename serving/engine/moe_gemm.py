@@ -28,14 +28,11 @@ Imports: stdlib and torch; Triton only if importable (this module runs inside Tr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from serving.engine import silu_mul
-
-if TYPE_CHECKING:
-    from serving.engine.models.moe import ExpertWeights
 
 try:
     import triton
@@ -44,6 +41,16 @@ except ImportError:  # CPU-only installs
     triton = None
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8)
+
+
+class ExpertWeights(Protocol):
+    """E experts' weights stacked on the rows (`models.moe.ExpertWeights`)."""
+
+    n_experts: int
+    in_features: int
+    out_features: int
+    weight: torch.Tensor  # [E * out_features, in_features]
+    weight_scale: torch.Tensor | None  # [E * out_features] float32 when the weight is quantized
 
 
 @dataclass(frozen=True)
