@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
-from serving.engine.errors import UnsupportedArchitectureError
+from serving.engine.errors import CheckpointError, UnsupportedArchitectureError
 from serving.engine.models.moe import route
 from serving.engine.models.registry import model_args_of
 from serving.engine.quantize import QuantInfo
@@ -129,6 +129,15 @@ def test_transformers_stacked_layout_converts_to_the_same_engine(tmp_path):
     two = torch.load(next((engine_of(stacked, tmp_path, "stacked")).glob("weights-*.pt")), weights_only=True)
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
     assert one["layers.0.feed_forward.w13.weight"].shape == (4 * 2 * 128, 64)
+
+
+def test_an_expert_the_config_does_not_have_is_refused_naming_it(tmp_path):
+    hf_dir = make_tiny_model(tmp_path / "hf", arch="mixtral")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_local_experts": 3}))
+    with pytest.raises(CheckpointError, match=r"block_sparse_moe\.experts\.3\.w[123]\.weight'.*\(3 experts\)"):
+        convert_checkpoint(hf_dir, tmp_path / "ckpt", dtype="float32")
+    assert not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.parametrize("method", ["fp8", "int8-weight-only"])
