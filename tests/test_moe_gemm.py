@@ -64,6 +64,18 @@ def test_align_puts_every_pair_once_in_its_experts_padded_run(tokens, n_experts,
     assert bool((block_expert[used // block_m:] == n_experts).all())
 
 
+def test_the_cpu_keeps_the_loop_over_experts():
+    from serving.engine.model import ModelArgs
+    from serving.engine.options import resolve_options
+
+    args = ModelArgs(architecture="MixtralForCausalLM", vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2,
+                     head_dim=16, intermediate_size=48, norm_eps=1e-6, max_position_embeddings=64, n_experts=4,
+                     n_experts_per_tok=2, moe_intermediate_size=48)
+    ff = MoEFeedForward(args)
+    ff.apply_options(resolve_options(torch.device("cpu")))
+    assert not ff.grouped
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("method", ["none", "fp8", "int8-weight-only"])
 @pytest.mark.parametrize("tokens", [1, 5, 40])

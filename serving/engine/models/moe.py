@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serving.engine.errors import EngineLimitError
 from serving.engine.linear_float import FloatLinear
 from serving.engine.model import ModelArgs
 from serving.engine.models import llama
@@ -120,10 +121,17 @@ class MoEFeedForward(nn.Module):
         self.grouped = False  # the grouped GEMM kernels (CUDA with Triton), picked at load
 
     def apply_options(self, options: EngineOptions) -> None:
-        """Pick how the experts run on the weights' device (module doc)."""
+        """Pick how the experts run on the weights' device (module doc): the grouped kernels on CUDA, whatever
+        `options.decode_gemm` says (the loop asks the host which experts got tokens, which a CUDA graph cannot)."""
         from serving.engine import moe_gemm
 
         self.grouped = moe_gemm.available(self.w13.weight)
+        if self.w13.weight.is_cuda and not self.grouped:
+            raise EngineLimitError(f"a mixture-of-experts layer on {self.w13.weight.device} needs the grouped expert "
+                                   f"kernels (serving/engine/moe_gemm.py): Triton importable and expert weights of "
+                                   f"{[str(d).removeprefix('torch.') for d in moe_gemm.WEIGHT_DTYPES]}; here Triton "
+                                   f"is {'importable' if moe_gemm.triton is not None else 'not importable'}, the "
+                                   f"weights {self.w13.weight.dtype}")
 
     def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """x [..., D] -> [..., D]: routed, through the experts as picked at load."""
