@@ -4,7 +4,9 @@ with each family's normalization, and the experts.
 Routing (`route`): router logits [N, E] = h W_g^T in the model's dtype (as Hugging Face computes them), softmax
 over the E experts in float32, the k experts of the largest probabilities, and with `renormalize` their weights
 divided by their sum (Mixtral always; Qwen3-MoE when `norm_topk_prob`). Each token's output is the sum over its
-k experts of weight x expert(h), every expert a SiLU-gated MLP: w2 (silu(h w_gate^T) * h w_up^T).
+k experts of weight x expert(h), every expert a SiLU-gated MLP: w2 (silu(h w_gate^T) * h w_up^T). The weights
+multiply in float32 as Mixtral's HF code does (Qwen3-MoE's rounds them to the model's dtype first: a difference
+of a bf16 rounding, within the validation gate's bf16 budget).
 
 Ties, the one rule: **among experts of exactly equal probability, the lowest expert index wins** (a stable sort
 of the probabilities, descending: `route`), on every device and path. Hugging Face's routers call `torch.topk`,
