@@ -16,7 +16,10 @@ projections as e4m3 with per-row scales, the rest bf16), never as a bf16 checkpo
 KV pool takes `--free-mem-fraction` of what the weights leave; `--kv-cache-dtype fp8` halves a token's K/V.
 The JSON (`--out`) is written after the decode cell and again at the end, so a run cut short keeps the first.
 
-Device: `bash bench/device_moe.sh` (the grouped kernels' GPU tests, then this).
+`--sweep FILE` instead times the grouped expert kernels (one layer of the shape, e4m3 experts) under every
+candidate tiling at 1-4,096 tokens, beside `moe_gemm.config_for`'s default: data for a tuned table.
+
+Device: `bash bench/device_moe.sh` (the grouped kernels' GPU tests, the sweep, then the engine).
 
 Imports: stdlib and torch; the engine and bench modules.
 """
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
 import time
 from pathlib import Path
@@ -118,8 +123,8 @@ def bench_moe(ns: argparse.Namespace, out: Path, log=print) -> dict[str, Any]:
     from serving.engine.timing import time_generate
 
     args = dataclasses.replace(QWEN3_30B_A3B, n_layers=ns.layers or QWEN3_30B_A3B.n_layers)
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "args": args.to_dict(), "config": vars(ns)}
-    report["config"]["out"] = str(out)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "args": args.to_dict(),
+                              "config": {**vars(ns), "out": str(out), "sweep": None}}
     t0 = time.perf_counter()
     model = random_fp8_model(args)
     torch.cuda.synchronize()
@@ -162,6 +167,66 @@ def bench_moe(ns: argparse.Namespace, out: Path, log=print) -> dict[str, Any]:
     return report
 
 
+SWEEP_TOKENS = (1, 8, 64, 512, 4096)
+
+
+def sweep_grouped(args: ModelArgs, *, tokens: tuple[int, ...] = SWEEP_TOKENS, iters: int = 20,
+                  log=print) -> list[dict[str, Any]]:
+    """The grouped expert kernels (`moe_gemm.fused_experts`, e4m3 experts of `args`' shape, one layer) at each
+    token count under every candidate tiling: device time a call, the expert bytes it reads per second, and the
+    best tiling per count beside `moe_gemm.config_for`'s default (data for a tuned table)."""
+    from serving.engine import moe_gemm
+    from serving.engine.models.moe import ExpertWeights, route
+    from serving.engine.quantize import quantize_weight
+
+    e, k, d, inter = args.n_experts, args.n_experts_per_tok, args.dim, args.moe_intermediate_size
+    pair = []
+    for out_f, in_f in ((2 * inter, d), (d, inter)):
+        layer = ExpertWeights(e, in_f, out_f, method=FP8).cuda()
+        layer.weight.data, layer.weight_scale.data = quantize_weight(
+            torch.randn(e * out_f, in_f, device="cuda", dtype=torch.bfloat16), FP8)
+        pair.append(layer)
+    w13, w2 = pair
+    rows = []
+    for n in tokens:
+        x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+        weights, ids = route(torch.randn(n, e, device="cuda"), k, renormalize=True)
+        touched = int(torch.unique(ids).numel())
+        nbytes = touched * (3 * inter * d + (2 * inter + d) * 4)  # e4m3 rows and their float32 scales
+        default = moe_gemm.config_for(n, e)
+        cells = []
+        for bm, bn, bk, warps, stages in itertools.product((16,) if n <= e else (16, 32, 64), (32, 64, 128),
+                                                           (64, 128), (4, 8), (3, 4)):
+            config = moe_gemm.GroupedConfig(bm, bn, bk, warps, stages)
+            try:
+                ms = _time_ms(functools.partial(moe_gemm.fused_experts, x, weights, ids, w13, w2, config), iters)
+            except Exception as exc:  # noqa: BLE001 - a tiling the device cannot run (shared memory)
+                log(f"tokens {n} {config}: {type(exc).__name__}")
+                continue
+            cells.append({"config": dataclasses.asdict(config), "ms": ms, "gb_s": nbytes / ms / 1e6,
+                          "default": config == default})
+        best = min(cells, key=lambda c: c["ms"])
+        base = next((c for c in cells if c["default"]), None)
+        rows.append({"tokens": n, "experts_touched": touched, "bytes": nbytes, "best": best, "default": base})
+        log(f"tokens {n:>5} ({touched} experts): best {best['config']} {best['ms'] * 1e3:.0f} us "
+            f"({best['gb_s']:.0f} GB/s of expert bytes); default "
+            + (f"{base['ms'] * 1e3:.0f} us ({base['gb_s']:.0f} GB/s)" if base else "failed"))
+    return rows
+
+
+def _time_ms(run, iters: int) -> float:
+    """Device time of one `run()` in ms (CUDA events, after two warm-up calls)."""
+    for _ in range(2):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python3 -m bench.moe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's 48 (a quick check)")
@@ -173,10 +238,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-live", type=int, default=1024, help="the engine's max_batch_size")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     parser.add_argument("--free-mem-fraction", type=float, default=0.9)
+    parser.add_argument("--sweep", type=Path, default=None,
+                        help="instead: the grouped kernels' tilings at one layer of the shape, written to this JSON")
     parser.add_argument("--out", type=Path, default=Path("bench-moe.json"))
     ns = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
+    if ns.sweep is not None:
+        rows = sweep_grouped(QWEN3_30B_A3B)
+        ns.sweep.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=2) + "\n")
+        return
     bench_moe(ns, ns.out)
 
 
