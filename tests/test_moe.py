@@ -140,6 +140,56 @@ def test_an_expert_the_config_does_not_have_is_refused_naming_it(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+def make_random_mixtral(out: Path, *, shards: int = 4, dim: int = 256, experts: int = 8, layers: int = 4) -> int:
+    """A float32 Mixtral-shaped checkpoint in the published per-expert layout (~53 MB at the defaults; a layer's
+    experts 12.6 MB, straddling shards), in `shards` files; the largest file's bytes."""
+    out.mkdir()
+    inter = 2 * dim
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": dim, "hidden_size": dim,
+           "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": inter,
+           "num_local_experts": experts, "num_experts_per_tok": 2, "max_position_embeddings": 512,
+           "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(cfg))
+    shapes = {"model.embed_tokens.weight": (dim, dim), "model.norm.weight": (dim,), "lm_head.weight": (dim, dim)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + f"self_attn.{x}_proj.weight": (dim, dim) for x in "qkvo"}
+        shapes |= {p + "block_sparse_moe.gate.weight": (experts, dim), p + "input_layernorm.weight": (dim,),
+                   p + "post_attention_layernorm.weight": (dim,)}
+        for e in range(experts):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            shapes |= {q + "w1.weight": (inter, dim), q + "w3.weight": (inter, dim), q + "w2.weight": (dim, inter)}
+    g = torch.Generator().manual_seed(0)
+    names, per, weight_map, largest = list(shapes), -(-len(shapes) // shards), {}, 0
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        group = {n: torch.randn(shapes[n], generator=g) for n in names[s * per:(s + 1) * per]}
+        save_file(group, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(group, file)
+        largest = max(largest, (out / file).stat().st_size)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return largest
+
+
+def test_experts_convert_in_the_bounded_memory_of_a_shard(tmp_path):
+    """Peak RSS growth while converting a 4-shard Mixtral stays under 1.5x the largest shard, as for the dense
+    families (tests/test_engine_convert.py); the figure is printed."""
+    import subprocess
+    import sys
+
+    from test_engine_convert import MEASURE, REPO
+
+    largest = make_random_mixtral(tmp_path / "hf")
+    res = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "hf"), str(tmp_path / "out")],
+                         capture_output=True, text=True, cwd=REPO, check=True)
+    before, peak = map(int, res.stdout.split())
+    print(f"\nconvert peak RSS growth {(peak - before) / 2**20:.1f} MiB; largest shard {largest / 2**20:.1f} MiB "
+          f"(ratio {(peak - before) / largest:.2f})")
+    assert peak - before < 1.5 * largest
+    meta = json.loads((tmp_path / "out" / "checkpoint.json").read_text())
+    assert len(meta["weights"]) == 3 + 4 * 7  # + per layer wqkv, wo, gate, w13, w2, 2 norms
+
+
 @pytest.mark.parametrize("method", ["fp8", "int8-weight-only"])
 def test_quantized_experts_are_stacked_with_per_expert_row_scales_and_equal_hf_with_the_same_rounding(tmp_path,
                                                                                                       method):
