@@ -24,6 +24,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -33,9 +35,10 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3", "mixtral", "qwen3-moe")
+ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3", "phi3", "phi3-longrope", "mixtral",
+         "qwen3-moe")
 # one tiny checkpoint per registered architecture family: the ones the release flow is run over in CI
-FAMILY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3-moe")
+FAMILY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3-moe")
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 VOCAB_SIZE = 512
@@ -85,6 +88,13 @@ def _config(arch: str):
         return Qwen2Config(**common, rope_theta=1000000.0), Qwen2ForCausalLM
     if arch == "qwen3":  # head_dim 32, not hidden_size / heads = 16: the q/k norms and projections sized by it
         return Qwen3Config(**common, head_dim=32, rope_theta=1000000.0), Qwen3ForCausalLM
+    if arch == "phi3":  # packed qkv_proj / gate_up_proj in the checkpoint
+        return Phi3Config(**common, original_max_position_embeddings=512), Phi3ForCausalLM
+    if arch == "phi3-longrope":  # Phi-3.5's rope scaling; its original context (512 of 4096) the engine's limit
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 0.8, 2.0, 1.1, 3.0, 1.5, 0.9],
+                "long_factor": [4.0] * 8}
+        return Phi3Config(**{**common, "max_position_embeddings": 4096}, original_max_position_embeddings=512,
+                          rope_scaling=rope), Phi3ForCausalLM
     if arch == "mixtral":
         return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2), MixtralForCausalLM
     if arch == "qwen3-moe":

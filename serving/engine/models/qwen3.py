@@ -4,8 +4,9 @@ rotary embedding, no q/k/v bias by default, a `head_dim` of its own (not hidden_
 The layer loop, the reference `forward` and the serving `step` are `models.llama`'s: only the attention differs
 (`Qwen3Attention.norm_heads`), and both paths go through it, the reference on [B, S, H, hd] and every serving
 step (`step.MixedStep`, `cuda_graphs.DecodeStep`, CUDA graphs included) on the projection [T, (H + 2 Hkv) hd]
-before `StepContext.attend` rotates it (`Qwen3Attention.qkv`). The norms are `model.RMSNorm` over the last
-dimension (one Triton kernel a call on eager GPU work, torch ops elsewhere), `head_dim` wide.
+before `StepContext.attend` rotates it (`Qwen3Attention.qkv`). The norms are `model.RMSNorm`s of `head_dim`;
+on eager half-precision GPU work a step runs both as one kernel, in place on the projection (`head_norm`),
+elsewhere as the modules' torch ops.
 
 Families built on Qwen3's attention (Qwen3-MoE) import `Qwen3Attention` from here.
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from serving.engine import head_norm
 from serving.engine.model import ModelArgs, RMSNorm, StepContext
 from serving.engine.models import llama
 
@@ -59,7 +61,12 @@ class Qwen3Attention(llama.Attention):
 
     def qkv(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         a = self.args
-        q, k, v = super().qkv(h, ctx).split([a.q_size, a.kv_size, a.kv_size], dim=-1)  # [T, H hd], [T, Hkv hd] x2
+        qkv = super().qkv(h, ctx)  # [T, (H + 2 Hkv) hd]
+        if qkv.is_cuda and not torch.compiler.is_compiling() and head_norm.fits(qkv, self.q_norm.weight,
+                                                                                 self.k_norm.weight):
+            return head_norm.norm_heads_(qkv, self.q_norm.weight, self.k_norm.weight, n_heads=a.n_heads,
+                                         n_kv_heads=a.n_kv_heads, eps=self.q_norm.eps, pdl=ctx.pdl)  # one kernel
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)  # [T, H hd], [T, Hkv hd] x2
         q, k = self.norm_heads(q.unflatten(-1, (a.n_heads, a.head_dim)), k.unflatten(-1, (a.n_kv_heads, a.head_dim)),
                                pdl=ctx.pdl)
         return torch.cat([q.flatten(-2), k.flatten(-2), v], dim=-1)  # [T, (H + 2 Hkv) hd]
