@@ -79,7 +79,9 @@ def test_logprobs_are_raw_model_logprobs(models):
     logits = runner.prefill_logits(prompt + gen.token_ids[:-1])  # teacher-forced over the generation
     lp = torch.log_softmax(logits[len(prompt) - 1:], dim=-1)  # [6, V]
     expected = lp.gather(-1, torch.tensor(gen.token_ids).unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(torch.tensor(gen.logprobs), expected, atol=1e-4)
+    # (rtol: a mixture of experts multiplies each expert's tokens as one GEMM whose row count differs between the
+    # decode steps and the teacher-forced prefill, so float32 rounding differs a little more than a dense model's)
+    assert torch.allclose(torch.tensor(gen.logprobs), expected, atol=1e-4, rtol=1e-4)
     for t, top in enumerate(gen.top_logprobs):
         assert len(top) == 3 and gen.token_ids[t] == max(top, key=top.get)  # greedy = top-1
         assert max(top.values()) == pytest.approx(gen.logprobs[t], abs=1e-5)
