@@ -22,6 +22,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
@@ -29,11 +31,14 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3", "phi3", "phi3-longrope")
+ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3", "phi3", "phi3-longrope", "mixtral",
+         "qwen3-moe")
 # one tiny checkpoint per registered architecture family: the ones the release flow is run over in CI
-FAMILY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3-moe")
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 VOCAB_SIZE = 512
@@ -90,7 +95,42 @@ def _config(arch: str):
                 "long_factor": [4.0] * 8}
         return Phi3Config(**{**common, "max_position_embeddings": 4096}, original_max_position_embeddings=512,
                           rope_scaling=rope), Phi3ForCausalLM
+    if arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2), MixtralForCausalLM
+    if arch == "qwen3-moe":
+        # no renormalization of the top-k (Mixtral has it), and layer 1 dense (mlp_only_layers)
+        return Qwen3MoeConfig(**common, head_dim=16, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1]), Qwen3MoeForCausalLM
     raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+
+
+# each expert's tensors as the published checkpoints hold them, for transformers' stacked experts [E, ...]:
+# Mixtral's `block_sparse_moe.experts.{e}.w1` (gate) / `w3` (up) / `w2` (down), Qwen3-MoE's `mlp.experts.{e}.*_proj`
+HUB_EXPERTS = {MixtralForCausalLM: ("block_sparse_moe", "w1", "w3", "w2"),
+               Qwen3MoeForCausalLM: ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def hub_layout(state: dict[str, torch.Tensor], model_cls: type) -> dict[str, torch.Tensor]:
+    """`state` with transformers' stacked experts split into the published checkpoints' per-expert tensors."""
+    if model_cls not in HUB_EXPERTS:
+        return state
+    block, gate, up, down = HUB_EXPERTS[model_cls]
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        prefix, _, rest = name.partition(".mlp.")
+        if rest == "experts.gate_up_proj":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{block}.experts.{e}.{gate}.weight"] = t[e, :inter].clone()
+                out[f"{prefix}.{block}.experts.{e}.{up}.weight"] = t[e, inter:].clone()
+        elif rest == "experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{block}.experts.{e}.{down}.weight"] = t[e].clone()
+        elif rest == "gate.weight":
+            out[f"{prefix}.{block}.gate.weight"] = t
+        else:
+            out[name] = t
+    return out
 
 
 def make_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
@@ -150,7 +190,7 @@ def make_tiny_model(out_dir: Path, *, arch: str = "llama", seed: int = 0, shards
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    state = hub_layout({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}, model_cls)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     config.architectures = [model_cls.__name__]

@@ -262,8 +262,9 @@ def engine_scales_tokens(method: str, dtype: torch.dtype, device: torch.device |
 
 @torch.no_grad()
 def quantize_hf_linears(model, method: str, *, lm_head: bool, scale_tokens: bool | None = None) -> None:
-    """Replace each decoder layer's linear weights (and the LM head's, when the engine quantizes it) by
-    their quantized-then-dequantized values, per output channel as the engine's conversion does. Where the
+    """Replace each decoder layer's linear weights (and the LM head's, when the engine quantizes it; a mixture of
+    experts' stacked expert weights, not its router) by their quantized-then-dequantized values, per output
+    channel as the engine's conversion does. Where the
     engine rounds tokens to e4m3 too (`scale_tokens`; by default `engine_scales_tokens` on the model's
     device), the peer's linears do the same, so that error is the peer's as well as the engine's."""
     from serving.engine.quantize import dequantize_weight, quantize_weight
@@ -274,6 +275,10 @@ def quantize_hf_linears(model, method: str, *, lm_head: bool, scale_tokens: bool
                if isinstance(m, torch.nn.Linear)]
     if lm_head:
         linears.append((model, "lm_head"))
+    for layer in model.model.layers:  # a mixture of experts' stacked weights [E, N, K]: weight-only (models.moe)
+        for p in (p for p in layer.parameters() if p.dim() == 3):
+            q, scale = quantize_weight(p.data.flatten(0, 1), method)
+            p.data = dequantize_weight(q, scale, p.dtype).view_as(p)
     for owner, name in linears:
         linear = owner.get_submodule(name)
         q, scale = quantize_weight(linear.weight.data, method)

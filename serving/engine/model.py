@@ -52,9 +52,19 @@ class ModelArgs:
     sliding_window: int | None = None  # not implemented: builds require max_seq_len <= sliding_window
     rope_short_factor: tuple[float, ...] = ()  # longrope: each frequency's divisor (HF's up to the original context)
     rope_attention_factor: float = 1.0  # cos and sin scaled by it (longrope)
+    # mixtures of experts (`models.moe`): n_experts 0 is a dense model
+    n_experts: int = 0
+    n_experts_per_tok: int = 0  # the top-k each token is routed to
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    moe_renormalize: bool = True  # the top-k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model whose MLP is dense (intermediate_size)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rope_short_factor", tuple(self.rope_short_factor))  # a JSON list when read back
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer not in self.dense_layers
 
     # derived -------------------------------------------------------------------------------
     @property

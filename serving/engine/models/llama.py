@@ -178,10 +178,11 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     attention_class: type[Attention] = Attention  # a family's own attention (`models.qwen3`)
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None) -> None:
+        """`feed_forward`: the layer's MLP when not `FeedForward` (a mixture of experts: `models.moe`)."""
         super().__init__()
         self.attention = self.attention_class(args)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = FeedForward(args) if feed_forward is None else feed_forward
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -217,12 +218,16 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(self.block_class(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(self.block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, args.vocab_size, bias=False)
         # the tied LM head over the embedding table (a tuple: not a submodule, the state dict holds the table once)
         self.tied_head = (TiedHead(self.tok_embeddings),) if args.tie_word_embeddings else ()
         self.options = EngineOptions()  # how it runs (`linears.apply_options` sets them at load)
+
+    def block(self, args: ModelArgs, index: int) -> TransformerBlock:
+        """Layer number `index` (a family's that differs by layer, a mixture of experts', builds its own)."""
+        return self.block_class(args)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The reference forward (tests, the plain path the steps are checked against): tokens [B, S], each row
