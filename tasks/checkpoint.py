@@ -26,3 +26,6 @@ def check_checkpoint(checkpoint: Path) -> None:
         raise CheckpointError(f"source.checkpoint {str(checkpoint)!r} has no config.json")
     if not any(checkpoint.glob("*.safetensors")):
         raise CheckpointError(f"source.checkpoint {str(checkpoint)!r} has no *.safetensors weights")
+    from tasks.hf_reference import fp8_checkpoint_of
+
+    fp8_checkpoint_of(checkpoint)  # a quantization the engine does not load is refused here, naming it
