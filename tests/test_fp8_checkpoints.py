@@ -163,7 +163,7 @@ def test_an_unsupported_quantization_is_refused_naming_it_and_what_is_supported(
     config = json.loads((hf / "config.json").read_text())
     config["quantization_config"] = qc
     (hf / "config.json").write_text(json.dumps(config))
-    for refuse in (lambda: check_checkpoint(hf),  # when the release starts, before any flow run
+    for refuse in (lambda: check_checkpoint(hf, kind="torch"),  # when the release starts, before any flow run
                    lambda: convert_checkpoint(hf, root / f"out-{case}", dtype="bfloat16", quantization=QuantInfo(FP8))):
         with pytest.raises(UnsupportedQuantizationError) as caught:
             refuse()
@@ -178,7 +178,7 @@ def test_modelopt_quant_algo_other_than_fp8_in_hf_quant_config_is_refused(root):
     quant["quantization"]["quant_algo"] = "W4A8_AWQ"
     (hf / "hf_quant_config.json").write_text(json.dumps(quant))
     with pytest.raises(UnsupportedQuantizationError, match=r"hf_quant_config.json: quantization.quant_algo='W4A8_AWQ'"):
-        check_checkpoint(hf)
+        check_checkpoint(hf, kind="torch")
 
 
 @pytest.mark.parametrize("method", ["none", "int8-weight-only"])
