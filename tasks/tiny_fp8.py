@@ -3,10 +3,10 @@
 `make_tiny_fp8_model(out_dir, fmt)` writes the tiny Llama of `tasks.tiny_model` (bf16) quantized to FP8 in one
 of `FP8_FORMATS`, each written by its format's own library where it has one on PyPI:
 
-- `ct-tensor`, `ct-channel`, `ct-block`: llm-compressor's compressed-tensors format, by `compressed-tensors`
+- `ct-tensor`, `ct-channel`, `ct-block`, `ct-naive`: llm-compressor's compressed-tensors format, by `compressed-tensors`
   (`apply_quantization_config`, then `ModelCompressor` compresses and writes `quantization_config`): its presets
-  FP8 (per-tensor weights, static per-tensor input scales), FP8_DYNAMIC (per-channel weights, dynamic tokens)
-  and FP8_BLOCK (block weights, dynamic token groups), with scales from each weight's own range (minmax, as
+  FP8 (per-tensor weights, static per-tensor input scales), FP8_DYNAMIC (per-channel weights, dynamic tokens;
+  `ct-naive`: the same in the `naive-quantized` format) and FP8_BLOCK (block weights, dynamic token groups), with scales from each weight's own range (minmax, as
   llm-compressor's default observer); static input scales are a fixed 0.05 (no calibration data here);
 - `modelopt`: NVIDIA ModelOpt's FP8, written here by hand to the layout of ModelOpt's own export: `nvidia-modelopt`
   0.47.0 installs and exports on the CPU (`mtq.quantize(model, mtq.FP8_DEFAULT_CFG, calibrate)`, then
@@ -34,7 +34,7 @@ import torch
 
 from tasks.tiny_model import make_tiny_model
 
-FP8_FORMATS = ("ct-tensor", "ct-channel", "ct-block", "modelopt", "fp8-block")
+FP8_FORMATS = ("ct-tensor", "ct-channel", "ct-block", "ct-naive", "modelopt", "fp8-block")
 TINY_BLOCK = 32
 MODELOPT_VERSION = "0.47.0"  # the export whose layout `_modelopt` writes
 E4M3_MAX = 448.0
@@ -49,7 +49,9 @@ def make_tiny_fp8_model(out_dir: Path, fmt: str, *, seed: int = 0, block: int = 
     out_dir = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="tiny-bf16-") as tmp:
         source = make_tiny_model(Path(tmp) / "hf", seed=seed)
-        if fmt.startswith("ct-"):
+        if fmt == "ct-naive":
+            _compressed_tensors(source, out_dir, "channel", block, compression="naive-quantized")
+        elif fmt.startswith("ct-"):
             _compressed_tensors(source, out_dir, fmt.removeprefix("ct-"), block)
         elif fmt == "modelopt":
             _modelopt(source, out_dir)
@@ -67,8 +69,10 @@ def _bf16_model(source: Path):
     return AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
 
 
-def _compressed_tensors(source: Path, out_dir: Path, strategy: str, block: int) -> None:
-    """compressed-tensors' FP8 presets, scales from each weight's range, compressed and saved by the library."""
+def _compressed_tensors(source: Path, out_dir: Path, strategy: str, block: int, *,
+                        compression: str | None = None) -> None:
+    """compressed-tensors' FP8 presets, scales from each weight's range, compressed and saved by the library in
+    its `compression` format (default: the one it infers, float-quantized)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -97,7 +101,7 @@ def _compressed_tensors(source: Path, out_dir: Path, strategy: str, block: int) 
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
             if hasattr(module, "input_scale"):  # static activations: no calibration data, a fixed scale
                 module.input_scale.fill_(0.05)
-    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=compression)
     compressor.compress_model(model)
     model.save_pretrained(out_dir)
     compressor.update_config(out_dir)

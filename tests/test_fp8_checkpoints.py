@@ -40,6 +40,7 @@ RECORDED = {  # format, weights granularity and block of each tiny checkpoint, a
     "ct-tensor": ("compressed-tensors", "per-tensor", None),
     "ct-channel": ("compressed-tensors", "per-channel", None),
     "ct-block": ("compressed-tensors", "block", [32, 32]),
+    "ct-naive": ("compressed-tensors", "per-channel", None),
     "modelopt": ("modelopt", "per-tensor", None),
     "fp8-block": ("fp8", "block", [32, 32]),
 }
@@ -255,3 +256,20 @@ def test_an_fp8_checkpoint_engine_on_the_gpu_passes_the_gate(root, fmt):
     result = validate_engine(engine(root, fmt), checkpoint(root, fmt), SPEC, runner=runner)
     print(render_report(result))
     assert result.passed, result.failures
+
+
+def test_input_and_kv_cache_scales_are_not_used_and_the_record_says_so(root):
+    """A ModelOpt export with `kv_cache_quant_algo: FP8` adds k/v scales; static input scales are there anyway."""
+    hf = root / "modelopt-kv"
+    shutil.copytree(checkpoint(root, "modelopt"), hf, dirs_exist_ok=True)
+    tensors = load_file(hf / "model.safetensors")
+    assert "model.layers.0.self_attn.q_proj.input_scale" in tensors
+    for i in range(2):
+        for kv in "kv":
+            tensors[f"model.layers.{i}.self_attn.{kv}_proj.{kv}_scale"] = torch.tensor(0.02)
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    converted = convert_checkpoint(hf, root / "ckpt-modelopt-kv", dtype="bfloat16", quantization=QuantInfo(FP8))
+    meta = read_checkpoint_meta(converted)
+    assert not [n for n in meta["weights"] if "input_scale" in n or n.endswith(("k_scale", "v_scale"))]
+    record = meta["quantization"]["checkpoint"]
+    assert record["activations"] == "static per tensor (input_scale)" and "input_scale, k_scale, v_scale" in record["unused"]
