@@ -110,6 +110,15 @@ def test_kernel_matches_the_emulation_interpreted(rows, n, k, block):
 
 
 @pytest.mark.interpreter
+def test_the_registered_op_that_torch_compile_traces_gives_the_same_interpreted():
+    w, s = block_weight(96, 64, 32)
+    x = torch.randn(3, 64)
+    xq, xs = tokens_e4m3_groups(x, 32)
+    y = torch.ops.enginewright.block_fp8_linear(xq, xs, w, s, 32, 32, torch.float32)
+    assert rel_err(y, block_fp8_emulated_linear(x, w, s, (32, 32), None)) < 1e-5
+
+
+@pytest.mark.interpreter
 def test_kernel_in_bf16_interpreted():
     w, s = block_weight(256, 256, 128)
     x = torch.randn(3, 256).to(torch.bfloat16)
