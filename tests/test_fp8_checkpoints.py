@@ -273,3 +273,24 @@ def test_input_and_kv_cache_scales_are_not_used_and_the_record_says_so(root):
     assert not [n for n in meta["weights"] if "input_scale" in n or n.endswith(("k_scale", "v_scale"))]
     record = meta["quantization"]["checkpoint"]
     assert record["activations"] == "static per tensor (input_scale)" and "input_scale, k_scale, v_scale" in record["unused"]
+
+
+def test_a_sharded_checkpoint_whose_scales_lie_in_another_shard_converts_the_same(root):
+    """Scales found in a later shard than their weights (and a fused part split over shards) wait for them."""
+    hf = root / "hf-fp8-block-sharded"
+    shutil.copytree(checkpoint(root, "fp8-block"), hf, dirs_exist_ok=True)
+    tensors = load_file(hf / "model.safetensors")
+    (hf / "model.safetensors").unlink()
+    later = {n for n in tensors if n.endswith("_scale_inv") or ".k_proj." in n}
+    shards = {"model-00001-of-00002.safetensors": {n: t for n, t in tensors.items() if n not in later},
+              "model-00002-of-00002.safetensors": {n: t for n, t in tensors.items() if n in later}}
+    for file, part in shards.items():
+        save_file(part, str(hf / file), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    sharded = engine_tensors(build_engine(convert_checkpoint(hf, root / "ckpt-sharded", dtype="bfloat16",
+                                                             quantization=QuantInfo(FP8)),
+                                          root / "engine-sharded", limits=LIMITS).path)
+    whole = engine_tensors(engine(root, "fp8-block"))
+    assert sharded.keys() == whole.keys()
+    assert all(torch.equal(sharded[n].view(torch.uint8), whole[n].view(torch.uint8)) for n in whole)
