@@ -38,6 +38,11 @@ from serving.engine.errors import (
     EngineExistsError,
     EngineLimitError,
 )
+from serving.engine.fp8_checkpoint import (
+    UnsupportedQuantizationError,
+    detect_fp8_checkpoint,
+    fp8_quantization,
+)
 from serving.engine.model import ModelArgs
 from serving.engine.models.registry import model_args_of, registered
 from serving.engine.quantize import SCALE_SUFFIX, QuantInfo, quantize_weight
@@ -168,16 +173,22 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
     `torch.save`'d file; so peak memory is about that buffer plus the tensor in hand and the fused
     parts still waiting for their siblings, not a whole shard (and never the model).
     `quantization` (`serving.engine.quantize`): each tensor it quantizes is quantized as soon as it is
-    complete (fused), its scale written beside it; the same bounded memory.
+    complete (fused), its scale written beside it; the same bounded memory. A checkpoint already in FP8
+    (`fp8_checkpoint`) keeps its e4m3 weights and takes its own scales in the engine's layout (`quantization`
+    must then be fp8).
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     target_dtype = parse_dtype(dtype)
     quant = quantization or QuantInfo()
     config, args = read_hf_config(hf_dir)
     quant.validate(tie_word_embeddings=args.tie_word_embeddings)
+    fp8 = detect_fp8_checkpoint(hf_dir, config)
+    if fp8 is not None:
+        quant = fp8_quantization(fp8, quant, where=str(hf_dir))
     quantized = {f"{m}.weight" for m in quant.quantized_modules(args.n_layers,
                                                                tie_word_embeddings=args.tie_word_embeddings)}
     shards = list_shards(hf_dir)
+    shapes = {k: v["shape"] for s in shards for k, v in read_safetensors_header(s)[0].items()} if fp8 else {}
     if out_dir.exists():
         raise EngineExistsError(f"convert output {str(out_dir)!r} already exists; remove it or pick another")
     if flush_bytes is None:
@@ -205,7 +216,10 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
 
         def put(target: str, t: torch.Tensor) -> None:
             nonlocal buffered
-            if target in quantized:
+            if target not in quantized and t.dtype == torch.float8_e4m3fn:
+                raise UnsupportedQuantizationError(f"{target}: FP8 in {str(hf_dir)!r}, but the engine keeps it in "
+                                                   f"{dtype} (it quantizes the layers' projections only)")
+            if target in quantized and fp8 is None:
                 t, scale = quantize_weight(t, quant.method)
                 out[target + SCALE_SUFFIX] = scale
                 buffered += scale.numel() * scale.element_size()
@@ -221,14 +235,25 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
             count = 0
             with open(shard, "rb", buffering=0) as f:
                 for name in ordered:
-                    mapped = map_hf_name(name, args)
+                    if fp8 is not None and fp8.unused(name):
+                        continue
+                    scaled = fp8.weight_of_scale(name) if fp8 is not None else None
+                    mapped = map_hf_name(scaled or name, args)
                     if mapped is None:
                         continue
                     target, part, n_parts = mapped
                     t = _read_tensor(f, header[name], data_start, path=shard, name=name)
                     if t.dim() == 3:  # experts already stacked [E, N, K]: the engine stacks them on the rows
                         t = t.flatten(0, 1)
-                    if t.is_floating_point() and t.dtype != target_dtype:
+                    if scaled is not None:  # the checkpoint's scale of an FP8 weight, in the engine's layout
+                        target += SCALE_SUFFIX
+                        t = fp8.engine_scale(t, shapes[scaled], name=name, fused=n_parts > 1)
+                    elif fp8 is not None and target in quantized:
+                        fp8.check_weight(name, t)  # e4m3, kept as it is
+                    elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and fp8 is None:
+                        raise CheckpointError(f"{shard}: tensor {name!r} is {t.dtype} but {hf_dir / 'config.json'} "
+                                              "has no quantization_config saying how it is scaled")
+                    elif t.is_floating_point() and t.dtype != target_dtype and t.dtype != torch.float8_e4m3fn:
                         t = t.to(target_dtype)  # the source copy is freed here (last reference)
                     count += 1
                     if n_parts == 1:

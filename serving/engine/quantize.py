@@ -37,7 +37,7 @@ Imports: stdlib and torch only (this module runs inside Triton's python backend)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,15 @@ class QuantInfo:
 
     method: str = NONE  # one of QUANTIZATIONS
     lm_head: bool = False  # the LM head quantized too (untied models only)
+    # a checkpoint already in FP8 (`fp8_checkpoint.Fp8Checkpoint.record`): where its scales came from; not part of
+    # equality, so a spec's `fp8` matches what its conversion found
+    checkpoint: dict[str, Any] | None = field(default=None, compare=False)
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """(rows, columns) of a weight block whose one scale the engine keeps (block-wise FP8), else None."""
+        block = (self.checkpoint or {}).get("block")
+        return (int(block[0]), int(block[1])) if block else None
 
     @property
     def enabled(self) -> bool:
@@ -92,7 +101,8 @@ class QuantInfo:
         """The engine.json record: method, stored dtype, where the scales are, which tensors."""
         if not self.enabled:
             return {"method": NONE}
-        return {
+        block = self.block
+        record = {
             "method": self.method,
             "lm_head": self.lm_head,
             "weight_dtype": str(STORED_DTYPES[self.method]).removeprefix("torch."),
@@ -105,12 +115,21 @@ class QuantInfo:
                             if self.method == FP8 else "engine dtype"),
             "tensors": [f"{m}.weight" for m in self.quantized_modules(n_layers, tie_word_embeddings=tie_word_embeddings)],
         }
+        if self.checkpoint is not None:
+            record["checkpoint"] = self.checkpoint
+        if block is not None:
+            record["scales"] = {"granularity": f"per-block {block[0]}x{block[1]}", "dtype": "float32",
+                                "suffix": SCALE_SUFFIX, "where": "tensor '<weight name>_scale' "
+                                f"[ceil(N/{block[0]}), ceil(K/{block[1]})] beside each quantized weight, same file"}
+            record["activations"] = (f"per token and group of {block[1]} e4m3 at run time in the block-scaled FP8 "
+                                     "GEMM (CUDA, FP8 tensor cores); engine dtype on the CPU")
+        return record
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> QuantInfo:
         if not d:
             return cls()
-        info = cls(method=d.get("method", NONE), lm_head=bool(d.get("lm_head", False)))
+        info = cls(method=d.get("method", NONE), lm_head=bool(d.get("lm_head", False)), checkpoint=d.get("checkpoint"))
         if info.method not in QUANTIZATIONS:
             raise EngineQuantizationError(f"quantization.method={info.method!r} in engine.json is not one of "
                                           f"{list(QUANTIZATIONS)} (an engine from a newer enginewright?)")
