@@ -109,7 +109,7 @@ def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: tor
                      w13_e4m3=prescale_rows_for(layer.feed_forward.w13, bsz, tokens.device),
                      positions=positions, slots=slots, tables=tables, lengths=lengths, cache=cache,
                      rope_cos=rope_cos, rope_sin=rope_sin, args=model.args, kernel=model.options.attention)
-    return ctx.linear(model.head(), model.step(tokens, ctx))
+    return model.parallel.gather_vocab(ctx.linear(model.head(), model.step(tokens, ctx)), model.args.vocab_size)
 
 
 class DecodeGraphs:

@@ -33,6 +33,7 @@ from serving.engine.model import (
     rope_cos_sin,
 )
 from serving.engine.options import EngineOptions
+from serving.engine.parallel import SINGLE, ParallelConfig, VocabParallelEmbedding
 
 # HF name -> (engine name, part index, number of parts); `{i}` is the layer index.
 HF_TO_ENGINE: dict[str, tuple[str, int, int]] = {
@@ -126,9 +127,10 @@ def engine_param_names(args: ModelArgs) -> list[str]:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, parallel: ParallelConfig = SINGLE) -> None:
+        """`args`: this rank's (`ParallelConfig.shard_args`); wo's partial products are summed over the ranks."""
         super().__init__()
-        self.args = args
+        self.args, self.parallel = args, parallel
         self.wqkv = FloatLinear(args.dim, args.qkv_size, bias=args.qkv_bias)
         self.wo = FloatLinear(args.q_size, args.dim, bias=args.o_bias)
 
@@ -142,18 +144,18 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                            enable_gqa=a.n_heads != a.n_kv_heads)  # [B, H, S, hd]
-        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size))
+        return self.parallel.all_reduce(self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size)))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, parallel: ParallelConfig = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = args.intermediate_size
+        self.intermediate_size, self.parallel = args.intermediate_size, parallel
         self.w13 = FloatLinear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
         self.w2 = FloatLinear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        return self.w2(self.gated(x, pdl), pdl=pdl)
+        return self.parallel.all_reduce(self.w2(self.gated(x, pdl), pdl=pdl))
 
     def gated(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """silu(gate) * up, the input of w2 (w13's `gated`: one kernel where it picked one); its rows scaled to
@@ -162,14 +164,15 @@ class FeedForward(nn.Module):
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP through its layers' dequantizing references."""
-        return self.w2.reference(silu_mul.gated(self.w13.reference(x), self.intermediate_size))
+        return self.parallel.all_reduce(self.w2.reference(silu_mul.gated(self.w13.reference(x),
+                                                                         self.intermediate_size)))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, parallel: ParallelConfig = SINGLE) -> None:
         super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args)
+        self.attention = Attention(args, parallel)
+        self.feed_forward = FeedForward(args, parallel)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -182,7 +185,8 @@ class TransformerBlock(nn.Module):
         """This layer (number `index`) in a serving step: x [T, D] and h = its attention norm of x -> (x plus the
         attention output, the MLP output). The caller adds the MLP output with the next norm in one pass."""
         y = ctx.attend(index, ctx.linear(self.attention.wqkv, h))  # [T, H hd]
-        x, h = self.ffn_norm.add(x, ctx.linear(self.attention.wo, y), pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
+        o = self.attention.parallel.all_reduce(ctx.linear(self.attention.wo, y))
+        x, h = self.ffn_norm.add(x, o, pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
         ff = self.feed_forward.reference(h) if ctx.reference else self.feed_forward(h, ctx.pdl)
         return x, ff
 
@@ -197,15 +201,19 @@ def embedding(vocab_size: int, dim: int) -> nn.Embedding:
 
 
 class Transformer(nn.Module):
-    """Embeddings, `n_layers` blocks, final norm, LM head (the embedding matrix when tied)."""
+    """Embeddings, `n_layers` blocks, final norm, LM head (the embedding matrix when tied). With a `parallel`
+    group of several ranks, this rank's shard of each (`serving.engine.parallel`); `args` is then this rank's."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, parallel: ParallelConfig = SINGLE) -> None:
         super().__init__()
-        self.args = args
-        self.tok_embeddings = embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.parallel = parallel
+        self.args = args = parallel.shard_args(args)
+        self.tok_embeddings = (embedding(args.vocab_size, args.dim) if parallel.size == 1
+                               else VocabParallelEmbedding(args.vocab_size, args.dim, parallel))
+        self.layers = nn.ModuleList(TransformerBlock(args, parallel) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, args.vocab_size, bias=False)
+        self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, parallel.vocab_shard(args.vocab_size),
+                                                                         bias=False)
         # the tied LM head over the embedding table (a tuple: not a submodule, the state dict holds the table once)
         self.tied_head = (TiedHead(self.tok_embeddings),) if args.tie_word_embeddings else ()
         self.options = EngineOptions()  # how it runs (`linears.apply_options` sets them at load)
@@ -240,4 +248,4 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., D] -> float32 logits [..., V], through the head's GEMM for h's rows."""
-        return self.head()(h).float()
+        return self.parallel.gather_vocab(self.head()(h).float(), self.args.vocab_size)
