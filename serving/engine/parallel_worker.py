@@ -4,10 +4,12 @@
 It loads its shard of the engine (`runner.load_model` with its `ParallelConfig`), builds the same
 `EngineRunner` as rank 0 (the same KV-cache settings; the pool's size agreed in the group) and then runs each
 step rank 0 sends, discarding the logits: rank 0 samples. It leaves at `Stop`, at the end of its pipe, or,
-while it waits inside a collective, when its parent (rank 0's process) is gone (`watch_parent`: Linux's
-PR_SET_PDEATHSIG would fire when the *thread* that started the worker ends, such as a loader thread, so the
-parent's PID is polled instead). A failure prints its traceback to stderr (rank 0's) and exits non-zero; rank
-0's next collective then fails and names this rank.
+while it waits inside a collective, as soon as one of its lifelines is gone (`watch_lifelines`): its parent
+(rank 0's process) and, where that is a Triton python-backend stub, the stub's parent, the server (a stub
+outlives a SIGKILLed server until someone kills it). The PIDs are polled, with their start times against a
+reused PID: Linux's PR_SET_PDEATHSIG would fire when the *thread* that started the worker ends (such as a
+loader thread), not the process. A failure prints its traceback to stderr (rank 0's) and exits non-zero;
+rank 0's next collective then fails and names this rank.
 
 Imports: stdlib and torch only.
 """
@@ -18,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import BinaryIO
 
 import torch
@@ -38,18 +41,47 @@ from serving.engine.parallel_protocol import (
 from serving.engine.parallel_workers import READY_KEY
 from serving.engine.runner import EngineRunner, load_model
 
-PARENT_POLL_S = 0.2
-PARENT_GONE_EXIT = 3
+LIFELINE_POLL_S = 0.2
+LIFELINE_GONE_EXIT = 3
+TRITON_STUB_NAME = "triton_python_b"  # /proc/<pid>/comm of Triton's python stub (serving.triton.process's name)
 
 
-def watch_parent(parent: int) -> None:
-    """Exit the process (code PARENT_GONE_EXIT) as soon as `parent` is no longer its parent."""
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (state, ppid, ...), None once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _started(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot), None once it is gone or a zombie."""
+    fields = _stat(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else fields[19]
+
+
+def lifelines() -> dict[int, str | None]:
+    """The processes whose end ends this worker, with their start times: its parent, and the parent's parent
+    where the parent is a Triton python stub."""
+    parent = os.getppid()
+    pids = [parent]
+    try:
+        stub = Path(f"/proc/{parent}/comm").read_text().strip() == TRITON_STUB_NAME
+    except OSError:
+        stub = False
+    if stub and (fields := _stat(parent)) is not None:
+        pids.append(int(fields[1]))
+    return {pid: _started(pid) for pid in pids}
+
+
+def watch_lifelines(watched: dict[int, str | None]) -> None:
+    """Exit the process (code LIFELINE_GONE_EXIT) as soon as a `watched` process is gone."""
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        os._exit(PARENT_GONE_EXIT)
+        while all(_started(pid) == started for pid, started in watched.items()):
+            time.sleep(LIFELINE_POLL_S)
+        os._exit(LIFELINE_GONE_EXIT)
 
-    threading.Thread(target=watch, name="enginewright-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="enginewright-lifelines", daemon=True).start()
 
 
 def start(message: Start) -> EngineRunner:
@@ -87,7 +119,7 @@ def serve(runner: EngineRunner, pipe: BinaryIO) -> None:
 
 
 def main() -> None:
-    watch_parent(os.getppid())
+    watch_lifelines(lifelines())
     pipe = sys.stdin.buffer
     first = read_message(pipe)
     if not isinstance(first, Start):
