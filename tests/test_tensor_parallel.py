@@ -2,7 +2,7 @@
 gloo ranks (`load_engine` starts the worker rank and stops it with itself) and gives the single-process
 engine's greedy tokens and its logits within float32 rounding (LOGITS_ATOL); the shards are the whole model's pieces; a size that does
 not divide the heads is refused at build, naming both; a killed worker fails the next step with its rank and
-PID, at once."""
+PID, at once; the fit check counts a rank per GPU."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ import torch
 from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
 from serving.engine.errors import EngineLimitError
 from serving.engine.kv_cache import KVCacheConfig
+from serving.engine.memory import estimate_engine_memory
 from serving.engine.model import ModelArgs
 from serving.engine.parallel import ParallelConfig, check_tensor_parallel
 from serving.engine.parallel_shard import shard_state
 from serving.engine.parallel_workers import WorkerRankError
+from tasks.fit import DeviceMemory, rank_fit_problems
 from tasks.tiny_model import make_tiny_model
 
 LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=40, max_seq_len=80)
@@ -109,3 +111,17 @@ def test_a_killed_worker_fails_the_next_step_naming_it(built):
             assert time.monotonic() - started < 5
     finally:
         runner.close()
+
+
+def test_the_fit_check_counts_every_gpu_of_a_tensor_parallel_engine(built):
+    """Each rank holds half of the one-rank engine's estimate; two GPUs must each have room for a rank."""
+    _, one, two = built
+    whole, halves = estimate_engine_memory(one), estimate_engine_memory(two)
+    assert (halves.ranks, halves.total_bytes) == (2, whole.total_bytes)
+    assert halves.per_rank_bytes == -(-whole.total_bytes // 2)
+    gpus = [DeviceMemory("gpu GPU-a", 1000, 100), DeviceMemory("gpu GPU-b", 1000, 600)]
+    assert rank_fit_problems(gpus[1].room_bytes(), 2, gpus, where="http://t") == []
+    [line] = rank_fit_problems(gpus[1].room_bytes() + 1, 2, gpus, where="http://t")
+    assert line.startswith("http://t: a tensor_parallel=2 engine needs 2 GPUs with") and "1 of its 2 GPUs" in line
+    [line] = rank_fit_problems(1, 2, gpus[:1], where="http://t")
+    assert "1 of its 1 GPUs have that room" in line
