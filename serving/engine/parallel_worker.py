@@ -95,12 +95,12 @@ def start(message: Start) -> EngineRunner:
     parallel = ParallelConfig(rank=message.rank, size=message.size, group=group)
     info, model, dev = load_model(message.engine_dir, device=message.device, parallel=parallel)
     apply_options(model, resolve_options(dev, info, message.overrides))
-    return EngineRunner(info, model, dev, message.kv_cache)
+    return EngineRunner(info, model, dev, message.kv_cache, parallel=parallel)
 
 
 def serve(runner: EngineRunner, pipe: BinaryIO) -> None:
     """Run each step rank 0 sends until `Stop` or the end of the pipe."""
-    group = runner.model.parallel.group
+    group = runner.parallel.group
     while True:
         message = read_message(pipe)
         if message is None or isinstance(message, Stop):

@@ -95,13 +95,15 @@ class EngineRunner:
     """A loaded engine with a paged KV cache. Not thread-safe: one scheduler drives it."""
 
     def __init__(self, info: EngineInfo, model: Transformer, device: torch.device, config: KVCacheConfig, *,
-                 cuda_graphs: bool = True, peers: Workers | None = None) -> None:
-        """`model` runs as its `options` say (`linears.apply_options` before this, or its defaults). `peers`: rank
-        0's worker ranks of a tensor-parallel engine (`parallel_workers`), sent each step; `model.args` are then
-        this rank's (its KV heads: its pool holds those, the pool's size agreed by every rank)."""
+                 cuda_graphs: bool = True, parallel: ParallelConfig = SINGLE, peers: Workers | None = None) -> None:
+        """`model` runs as its `options` say (`linears.apply_options` before this, or its defaults). `parallel`: this
+        rank of a tensor-parallel engine (the model built with it: `model.args` are this rank's, its pool holds
+        its KV heads, the pool's size agreed by every rank); `peers`: on rank 0, the worker ranks
+        (`parallel_workers`), sent each step."""
         a, lim = model.args, info.limits
         weight = model.tok_embeddings.weight
-        self.info, self.model, self.device, self.config, self.peers = info, model, device, config, peers
+        self.info, self.model, self.device, self.config = info, model, device, config
+        self.parallel, self.peers = parallel, peers
         self.max_live = lim.max_batch_size
         check_kv_cache_dtype(config.kv_cache_dtype)
         check_kv_cache_device(config.kv_cache_dtype, device, where=f"engine {str(info.path)!r}")
@@ -110,8 +112,8 @@ class EngineRunner:
                                           element_bytes=kv_element_bytes(config.kv_cache_dtype, weight.element_size()))
         self.num_blocks = resolve_num_blocks(config, device, self.block_bytes, max_batch_size=self.max_live,
                                              max_seq_len=lim.max_seq_len)
-        if model.parallel.group is not None:
-            self.num_blocks = model.parallel.group.min_int(self.num_blocks)
+        if parallel.group is not None:
+            self.num_blocks = parallel.group.min_int(self.num_blocks)
         check_kv_cache_config(config, num_blocks=self.num_blocks, max_seq_len=lim.max_seq_len,
                               max_batch_size=self.max_live, block_bytes=self.block_bytes)
         # one block more than the allocator hands out: the decode graphs' padding rows write there
@@ -123,7 +125,8 @@ class EngineRunner:
         cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
         self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
         self.decode = DecodeGraphs(model, self.cache, self.rope_cos, self.rope_sin, max_live=self.max_live,
-                                   max_seq_len=lim.max_seq_len, graphs=cuda_graphs and device.type == "cuda")
+                                   max_seq_len=lim.max_seq_len, graphs=cuda_graphs and device.type == "cuda",
+                                   parallel=parallel)
         self.step_events: list | None = None  # set by `generate(events=...)` on CUDA: one event per sampling step
 
     @torch.no_grad()
@@ -151,7 +154,7 @@ class EngineRunner:
         get `tokens` by a broadcast."""
         with self._on_every_rank(ForwardAhead(list(chunks), list(rows), tokens.numel())):
             if self.peers is not None:
-                tokens = self.model.parallel.group.broadcast(tokens.to(torch.long).contiguous())
+                tokens = self.parallel.group.broadcast(tokens.to(torch.long).contiguous())
             logits = self.decode.step(chunks, device_tokens=(tokens, rows))
         if self.step_events is not None:
             self.step_events.append(_recorded_event())
@@ -327,9 +330,10 @@ def load_engine(engine_dir: Path, *, config: KVCacheConfig | None = None, device
     peers = (start_workers(Path(engine_dir), size, resolve_device(device), overrides=overrides, kv_cache=config)
              if size > 1 else None)
     try:
-        info, model, dev = load_model(engine_dir, device=device, parallel=peers.parallel if peers else SINGLE)
+        parallel = peers.parallel if peers is not None else SINGLE
+        info, model, dev = load_model(engine_dir, device=device, parallel=parallel)
         apply_options(model, resolve_options(dev, info, overrides))
-        return EngineRunner(info, model, dev, config, peers=peers)
+        return EngineRunner(info, model, dev, config, parallel=parallel, peers=peers)
     except BaseException:
         if peers is not None:
             peers.stop()
