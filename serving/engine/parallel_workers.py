@@ -96,10 +96,11 @@ class Workers:
         return [p.pid for p in self.procs]
 
     def check_alive(self) -> None:
-        """Raise WorkerRankError naming the first worker rank that has exited (and remember it)."""
+        """Raise WorkerRankError naming the first worker rank that has exited (remembered: the first reason
+        stands), or why the ranks stopped earlier."""
         for rank, proc in enumerate(self.procs, start=1):
             code = proc.poll()
-            if code is not None:
+            if code is not None and self.broken is None:
                 self.broken = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}: this "
                                "engine cannot compute without it; roll its version back or reload it")
         if self.broken is not None:
