@@ -183,6 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "of one decode-only step at each (CUDA)")
     thr.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
                      help="engine.quantization of the random weights every side shares")
+    thr.add_argument("--fp8-direct", action="store_true", help="with --quantization fp8: the random weights made "
+                     "in FP8 on the device tensor by tensor, never the whole model in bf16 (a 70B shape on one H200)")
     thr.add_argument("--max-seq-len", type=int, help="the engine's limits.max_seq_len, as a user would set it "
                      "(default: the longest request)")
     thr.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
@@ -333,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
             profile_decode=tuple(_ints(args.profile_decode)) if args.profile_decode else (),
             profile_prefill=args.profile_prefill, profile_run=args.profile_run, request_rate=args.request_rate, slo_ttft_ms=slos.get("ttft"),
             slo_tpot_ms=slos.get("tpot"), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-            shared_prefix=args.shared_prefix,
+            shared_prefix=args.shared_prefix, fp8_direct=args.fp8_direct,
             max_seq_len=args.max_seq_len, admit_every_steps=args.admit_every_steps),
             device=args.device,
             out_json=args.out)

@@ -47,6 +47,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
         "bos_token_id": 151643, "eos_token_id": 151645,
     },
+    # Llama-3.3-70B-Instruct's config.json (issue 52's TensorRT-LLM comparison): random FP8 weights only
+    # (bench.tensor_parallel.fp8_random_model), its bf16 weights would not fit one H200
+    "llama-3.3-70b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}, "tie_word_embeddings": False,
+        "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
+    },
     # a few-MB shape for CPU tests of the harness itself
     "tiny": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,

@@ -74,6 +74,7 @@ class ThroughputConfig:
     profile_run: bool = False  # after the run, the run again under the profiler: GPU busy share and kernels (CUDA)
     request_rate: float = 0.0  # requests a second, Poisson; 0: all at once
     quantization: str = "none"  # engine.quantization of the weights every side shares
+    fp8_direct: bool = False  # random weights made in FP8 on the device tensor by tensor (no bf16 model first)
     kv_cache_dtype: str = "auto"  # the pool's kv_cache.kv_cache_dtype ("fp8": e4m3 K/V)
     shared_prefix: int = 0  # leading prompt tokens every request shares (a system prompt), within input_len
     max_seq_len: int | None = None  # the engine's limits.max_seq_len (None: the longest request + 1)
@@ -360,10 +361,19 @@ def _runner(cfg: ThroughputConfig, device: torch.device) -> Any:
     max_seq_len = cfg.max_seq_len or longest
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(cfg.seed)
-    with torch.device(device):
-        model = Transformer(args)
-    model = model.to(dtype).eval().requires_grad_(False)
-    if cfg.quantization != NONE:
+    if cfg.fp8_direct:
+        from bench.tensor_parallel import fp8_random_model
+
+        if cfg.quantization != "fp8":
+            raise ValueError(f"bench throughput --fp8-direct makes FP8 weights: --quantization fp8, not "
+                             f"{cfg.quantization!r}")
+        check_device(cfg.quantization, device, where="bench throughput --quantization")
+        model = fp8_random_model(args, device, dtype=dtype, seed=cfg.seed)
+    else:
+        with torch.device(device):
+            model = Transformer(args)
+        model = model.to(dtype).eval().requires_grad_(False)
+    if cfg.quantization != NONE and not cfg.fp8_direct:
         check_device(cfg.quantization, device, where="bench throughput --quantization")
         model = quantized_model(model, cfg.quantization, dtype=dtype)
         gc.collect()

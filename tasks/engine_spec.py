@@ -113,6 +113,9 @@ class EngineSpec(BaseModel):
     max_seq_len: int = Field(256, ge=2, description="Longest prompt + generated tokens, in tokens.")
     kv_cache: KvCacheSpec = Field(default_factory=KvCacheSpec, description="`torch` kind: its paged KV cache "
                                   "(docs/engine.md); max_batch_size is the most live requests.")
+    tensor_parallel: int = Field(1, ge=1, le=8, description="`torch` kind: GPUs (ranks) the engine is sharded across "
+                                 "(heads, MLP columns, vocabulary; docs/engine.md#tensor-parallelism); it must divide "
+                                 "the model's attention and KV heads. The TensorRT-LLM kinds set trtllm.tp_size.")
     trtllm: TrtllmSpec = Field(default_factory=TrtllmSpec, description="Options of the TensorRT-LLM kinds.")
 
     @model_validator(mode="after")
@@ -146,6 +149,13 @@ class EngineSpec(BaseModel):
             raise ValueError(f"kv_cache.num_blocks ({p.num_blocks}) x block_size ({p.block_size}) = "
                              f"{p.num_blocks * p.block_size} positions cannot hold one sequence of max_seq_len "
                              f"({self.max_seq_len}, {need} blocks)")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_is_torchs(self) -> EngineSpec:
+        if self.kind != "torch" and self.tensor_parallel != 1:
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} is an option of kind 'torch'; kind "
+                             f"{self.kind!r} sets trtllm.tp_size")
         return self
 
     @model_validator(mode="after")

@@ -6,6 +6,13 @@ from the endpoint's own Triton metrics (``nv_gpu_memory_*`` per GPU, ``nv_cpu_me
 so a remote fleet is measured where it runs and the live engine is already counted as used. An endpoint
 without those metrics is skipped with a logged reason. A refusal names every figure, before anything
 changes.
+
+A tensor-parallel engine (``engine.tensor_parallel`` N) needs N GPUs, each with room for one rank's share
+(``MemoryEstimate.per_rank_bytes``) plus the per-instance overhead (each rank is a process with its own CUDA
+context): refused when fewer than N of an endpoint's GPUs have that room, naming the count. Triton's metrics
+name GPUs by UUID, not index, so the check counts GPUs with room; the version's instance takes GPUs 0..N-1
+(``serving.triton.model_configs.llm_config``). On the CPU the ranks share the host's memory: the whole engine
+plus N overheads.
 """
 
 from __future__ import annotations
@@ -66,6 +73,16 @@ def fit_problems(need_bytes: int, devices: list[DeviceMemory], *, where: str) ->
             for d in devices if d.room_bytes() < need_bytes]
 
 
+def rank_fit_problems(need_bytes: int, ranks: int, devices: list[DeviceMemory], *, where: str) -> list[str]:
+    """One line when fewer than ``ranks`` of ``devices`` have room for ``need_bytes`` each (a rank's share)."""
+    roomy = [d for d in devices if d.room_bytes() >= need_bytes]
+    if len(roomy) >= ranks:
+        return []
+    return [f"{where}: a tensor_parallel={ranks} engine needs {ranks} GPUs with {_mib(need_bytes)} each; "
+            f"{len(roomy)} of its {len(devices)} GPUs have that room ("
+            + ", ".join(f"{d.device} {_mib(d.room_bytes())} after headroom" for d in devices) + ")"]
+
+
 def check_fits(targets: list[Target], engine_dir: Path, *, device: str, engine_kind: str = "torch") -> list[str]:
     """Raise `CandidateDoesNotFit` naming every figure when the candidate cannot sit beside the live engine
     on some device; return what was checked (or why not), one line per endpoint, as logged."""
@@ -94,10 +111,17 @@ def check_fits(targets: list[Target], engine_dir: Path, *, device: str, engine_k
             checked.append(line)
             continue
         kind, devices = found
-        need = estimate.total_bytes + INSTANCE_OVERHEAD_BYTES[kind]
-        problems += fit_problems(need, devices, where=target.url)
-        line = (f"fit check on {target.url}: candidate needs {_mib(need)} (weights {_mib(estimate.weights_bytes)} + "
-                f"KV cache {_mib(estimate.kv_cache_bytes)} ({estimate.kv_cache}) + overhead {_mib(INSTANCE_OVERHEAD_BYTES[kind])}); "
+        ranks = estimate.ranks
+        if kind == "gpu" and ranks > 1:
+            need = estimate.per_rank_bytes + INSTANCE_OVERHEAD_BYTES[kind]
+            problems += rank_fit_problems(need, ranks, devices, where=target.url)
+        else:
+            need = estimate.total_bytes + ranks * INSTANCE_OVERHEAD_BYTES[kind]
+            problems += fit_problems(need, devices, where=target.url)
+        per = f" per GPU on each of {ranks} GPUs (1/{ranks} of" if kind == "gpu" and ranks > 1 else " ("
+        line = (f"fit check on {target.url}: candidate needs {_mib(need)}{per} weights {_mib(estimate.weights_bytes)} + "
+                f"KV cache {_mib(estimate.kv_cache_bytes)} ({estimate.kv_cache}) + overhead {_mib(INSTANCE_OVERHEAD_BYTES[kind])}"
+                f"{f' x {ranks} ranks' if ranks > 1 and kind != 'gpu' else ''}); "
                 + ", ".join(f"{d.device} {_mib(d.free_bytes)} free" for d in devices))
         log.info(line)
         checked.append(line)

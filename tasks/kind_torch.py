@@ -75,7 +75,7 @@ def build(converted: ConvertedCheckpoint, engine: EngineSpec, work_dir: Path):
         return read_engine_info(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return build_engine(converted.path, out, limits=limits, quantization=quant_info(engine),
-                        kv_cache=_kv_cache(engine))
+                        kv_cache=_kv_cache(engine), tensor_parallel=engine.tensor_parallel)
 
 
 def _kv_cache(engine: EngineSpec) -> Any:
@@ -94,6 +94,8 @@ def _unquantized_keys(engine: EngineSpec) -> dict[str, Any]:
     keys: dict[str, Any] = {"trtllm": True}
     if engine.quantization == "none":
         keys |= {"quantization": True, "quantize_lm_head": True}
+    if engine.tensor_parallel == 1:  # likewise: one-rank builds keep their keys
+        keys["tensor_parallel"] = True
     return keys
 
 

@@ -49,6 +49,8 @@ from serving.engine.errors import (
 )
 from serving.engine.kv_cache import KVCacheConfig, check_kv_cache_config, kv_block_bytes, kv_element_bytes
 from serving.engine.model import ModelArgs
+from serving.engine.models.registry import registered
+from serving.engine.parallel import check_tensor_parallel
 from serving.engine.quantize import QuantInfo, check_capability_text
 
 ENGINE_FORMAT = "enginewright-torch-engine"
@@ -102,6 +104,7 @@ class EngineInfo:
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
     quantization: QuantInfo = field(default_factory=QuantInfo)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)  # the paged KV cache's settings
+    tensor_parallel: int = 1  # ranks (GPUs) the engine runs on, each with its shard (`serving.engine.parallel`)
 
     @property
     def weight_files(self) -> list[str]:
@@ -196,14 +199,21 @@ def sha256_file(path: Path) -> str:
 
 
 def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits,
-                 quantization: QuantInfo | None = None, kv_cache: KVCacheConfig | None = None) -> EngineInfo:
+                 quantization: QuantInfo | None = None, kv_cache: KVCacheConfig | None = None,
+                 tensor_parallel: int = 1) -> EngineInfo:
     """Write the engine folder `out_dir` from an engine checkpoint; idempotent for identical inputs.
     `quantization`, when given, must be what the checkpoint was converted with; `kv_cache` (default:
-    `KVCacheConfig()`) is checked against the limits and recorded."""
+    `KVCacheConfig()`) is checked against the limits and recorded; `tensor_parallel` (recorded when > 1) must
+    divide the heads (`parallel.check_tensor_parallel`); the weights stay whole, each rank's loader slices its
+    shard (`parallel_shard`)."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     meta = read_checkpoint_meta(checkpoint_dir)
     model = ModelArgs.from_dict(meta["model"])
     limits.validate(model)
+    check_tensor_parallel(model, tensor_parallel)
+    if tensor_parallel > 1 and not registered(model.architecture).tensor_parallel:
+        raise EngineLimitError(f"tensor_parallel={tensor_parallel}: architecture {model.architecture!r} is served "
+                               "with tensor_parallel 1 only (its layers have no sharding)")
     kv_cache = kv_cache or KVCacheConfig()
     check_kv_cache_config(kv_cache, max_seq_len=limits.max_seq_len, max_batch_size=limits.max_batch_size,
                           block_bytes=kv_block_bytes(n_layers=model.n_layers, n_kv_heads=model.n_kv_heads,
@@ -245,6 +255,8 @@ def build_engine(checkpoint_dir: Path, out_dir: Path, *, limits: EngineLimits,
         }
         if quantization.enabled:  # (absent for unquantized engines: their fingerprints stay as they were)
             engine_json["quantization"] = meta["quantization"]
+        if tensor_parallel > 1:  # (absent for one rank, likewise)
+            engine_json["tensor_parallel"] = tensor_parallel
         engine_json["fingerprint"] = compute_fingerprint(engine_json)
         (tmp / ENGINE_JSON).write_text(json.dumps(engine_json, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
@@ -293,6 +305,7 @@ def read_engine_info(engine_dir: Path) -> EngineInfo:
             files=d["files"],
             quantization=QuantInfo.from_dict(d.get("quantization")),
             kv_cache=_kv_cache_record(d),
+            tensor_parallel=int(d.get("tensor_parallel", 1)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise EngineFormatError(f"{path} is malformed: {e!r}") from None

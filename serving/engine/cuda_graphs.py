@@ -49,6 +49,7 @@ from serving.engine.model import ModelArgs, RMSNorm, StepContext
 from serving.engine.models.llama import Transformer
 from serving.engine.options import AttentionKernelOptions
 from serving.engine.paged_attention import paged_decode_attention
+from serving.engine.parallel import SINGLE, ParallelConfig
 from serving.engine.pdl import supported as pdl_supported
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
@@ -117,8 +118,10 @@ class DecodeGraphs:
 
     def __init__(self, model: Transformer, cache: PagedKVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
                  max_live: int, max_seq_len: int, graphs: bool,
-                 log: Callable[[str], None] = lambda line: None) -> None:
+                 log: Callable[[str], None] = lambda line: None, parallel: ParallelConfig = SINGLE) -> None:
+        """`parallel`: this rank's group when the model is sharded (its LM head's logits gathered here)."""
         self.model, self.cache, self.rope_cos, self.rope_sin = model, cache, rope_cos, rope_sin
+        self.parallel = parallel
         self.use_graphs, self.log = graphs, log
         self.pdl = model.options.decode_pdl and pdl_supported(rope_cos.device)
         self.block_size = cache.block_size
@@ -204,7 +207,7 @@ class DecodeGraphs:
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         logits = paged_decode_logits(self.model, tokens, positions, slots, tables, positions + 1, self.cache,
                                      self.rope_cos, self.rope_sin, pdl=self.pdl)
-        self.logits[:bsz].copy_(logits)
+        self.logits[:bsz].copy_(self.parallel.gather_vocab(logits, self.logits.shape[1]))
 
     # -- graphs -----------------------------------------------------------------------------------
     def _capture(self, bsz: int) -> None:

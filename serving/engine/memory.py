@@ -7,6 +7,9 @@ block the decode graphs' padding rows write to); a pool sized at load from ``fre
 free after the weights is estimated as the least memory that lets the load succeed: one sequence of
 ``max_seq_len`` must fit in that fraction, so the estimate is that sequence's blocks divided by the fraction.
 What the runtime adds on top (activations, CUDA graphs, the python stub) is the caller's margin.
+
+An engine of ``tensor_parallel`` N runs on N devices, each rank holding 1/N of both figures (its heads, its MLP
+columns, its vocabulary rows, its KV heads; the norms, whole on every rank, are a rounding): ``per_rank_bytes``.
 """
 
 from __future__ import annotations
@@ -22,10 +25,16 @@ class MemoryEstimate:
     weights_bytes: int
     kv_cache_bytes: int
     kv_cache: str  # how the KV figure was reached, for the fit check's lines
+    ranks: int = 1  # devices (GPUs) the engine runs on: its tensor_parallel
 
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.kv_cache_bytes
+
+    @property
+    def per_rank_bytes(self) -> int:
+        """What each of the `ranks` devices holds (module doc)."""
+        return -(-self.total_bytes // self.ranks)
 
 
 def kv_cache_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, max_batch_size: int, max_seq_len: int,
@@ -40,7 +49,7 @@ def estimate_engine_memory(engine_dir: Path) -> MemoryEstimate:
 
     info = read_engine_info(engine_dir)
     weights = sum((Path(engine_dir) / name).stat().st_size for name in info.weight_files)
-    return MemoryEstimate(weights, *pool_bytes(info))
+    return MemoryEstimate(weights, *pool_bytes(info), ranks=info.tensor_parallel)
 
 
 def pool_bytes(info) -> tuple[int, str]:

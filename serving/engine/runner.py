@@ -31,6 +31,7 @@ Imports: stdlib and torch only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ from serving.engine.model import rope_cos_sin
 from serving.engine.models.llama import Transformer
 from serving.engine.models.registry import registered
 from serving.engine.options import resolve_options
+from serving.engine.parallel import SINGLE, ParallelConfig
+from serving.engine.parallel_protocol import AllLogits, Forward, ForwardAhead, Message, WarmUpDecode
+from serving.engine.parallel_shard import shard_state
+from serving.engine.parallel_workers import Workers, start_workers
 from serving.engine.prefix_cache import PrefixCachingAllocator
 from serving.engine.quantize import check_device as check_quantization_device
 from serving.engine.sampling import SamplingParams
@@ -90,11 +95,15 @@ class EngineRunner:
     """A loaded engine with a paged KV cache. Not thread-safe: one scheduler drives it."""
 
     def __init__(self, info: EngineInfo, model: Transformer, device: torch.device, config: KVCacheConfig, *,
-                 cuda_graphs: bool = True) -> None:
-        """`model` runs as its `options` say (`linears.apply_options` before this, or its defaults)."""
-        a, lim = info.model, info.limits
+                 cuda_graphs: bool = True, parallel: ParallelConfig = SINGLE, peers: Workers | None = None) -> None:
+        """`model` runs as its `options` say (`linears.apply_options` before this, or its defaults). `parallel`: this
+        rank of a tensor-parallel engine (the model built with it: `model.args` are this rank's, its pool holds
+        its KV heads, the pool's size agreed by every rank); `peers`: on rank 0, the worker ranks
+        (`parallel_workers`), sent each step."""
+        a, lim = model.args, info.limits
         weight = model.tok_embeddings.weight
         self.info, self.model, self.device, self.config = info, model, device, config
+        self.parallel, self.peers = parallel, peers
         self.max_live = lim.max_batch_size
         check_kv_cache_dtype(config.kv_cache_dtype)
         check_kv_cache_device(config.kv_cache_dtype, device, where=f"engine {str(info.path)!r}")
@@ -103,6 +112,8 @@ class EngineRunner:
                                           element_bytes=kv_element_bytes(config.kv_cache_dtype, weight.element_size()))
         self.num_blocks = resolve_num_blocks(config, device, self.block_bytes, max_batch_size=self.max_live,
                                              max_seq_len=lim.max_seq_len)
+        if parallel.group is not None:
+            self.num_blocks = parallel.group.min_int(self.num_blocks)
         check_kv_cache_config(config, num_blocks=self.num_blocks, max_seq_len=lim.max_seq_len,
                               max_batch_size=self.max_live, block_bytes=self.block_bytes)
         # one block more than the allocator hands out: the decode graphs' padding rows write there
@@ -114,7 +125,8 @@ class EngineRunner:
         cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
         self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
         self.decode = DecodeGraphs(model, self.cache, self.rope_cos, self.rope_sin, max_live=self.max_live,
-                                   max_seq_len=lim.max_seq_len, graphs=cuda_graphs and device.type == "cuda")
+                                   max_seq_len=lim.max_seq_len, graphs=cuda_graphs and device.type == "cuda",
+                                   parallel=parallel)
         self.step_events: list | None = None  # set by `generate(events=...)` on CUDA: one event per sampling step
 
     @torch.no_grad()
@@ -122,14 +134,15 @@ class EngineRunner:
                 every_token: Sequence[int] = ()) -> torch.Tensor:
         """One mixed step -> float32 logits [len(sample), V] of the sampled chunks' last tokens, followed (with
         `every_token`) by the logits of every token of those chunks, in order (prompt log-probs)."""
-        if not every_token and is_decode_only(chunks, sample):
-            logits = self.decode.step(chunks)
-        else:
-            step = build_step(chunks, sample, self.config.block_size, self.device)
-            if every_token:
-                step = dataclasses.replace(step, sample_index=torch.cat(
-                    [step.sample_index, _token_rows(chunks, every_token).to(self.device)]))
-            logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
+        with self._on_every_rank(Forward(list(chunks), list(sample), list(every_token))):
+            if not every_token and is_decode_only(chunks, sample):
+                logits = self.decode.step(chunks)
+            else:
+                step = build_step(chunks, sample, self.config.block_size, self.device)
+                if every_token:
+                    step = dataclasses.replace(step, sample_index=torch.cat(
+                        [step.sample_index, _token_rows(chunks, every_token).to(self.device)]))
+                logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
         if self.step_events is not None and sample:
             self.step_events.append(_recorded_event())
         return logits
@@ -137,8 +150,12 @@ class EngineRunner:
     @torch.no_grad()
     def forward_ahead(self, chunks: Sequence[ChunkPlan], tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """A decode-only step whose input tokens are `tokens[rows]` on the device (the previous step's samples,
-        not read by the host yet) -> float32 logits [len(chunks), V]."""
-        logits = self.decode.step(chunks, device_tokens=(tokens, rows))
+        not read by the host yet) -> float32 logits [len(chunks), V]. The worker ranks of a tensor-parallel engine
+        get `tokens` by a broadcast."""
+        with self._on_every_rank(ForwardAhead(list(chunks), list(rows), tokens.numel())):
+            if self.peers is not None:
+                tokens = self.parallel.group.broadcast(tokens.to(torch.long).contiguous())
+            logits = self.decode.step(chunks, device_tokens=(tokens, rows))
         if self.step_events is not None:
             self.step_events.append(_recorded_event())
         return logits
@@ -169,16 +186,31 @@ class EngineRunner:
             for start, end in zip(starts, ends):
                 if start >= end:
                     break
-                step = build_step([(list(prompt[start:end]), start, blocks)], [0], self.config.block_size, self.device)
-                logits.append(paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin,
-                                            all_logits=True).cpu())
+                logits.append(self.all_token_logits([(list(prompt[start:end]), start, blocks)]).cpu())
             return torch.cat(logits)
         finally:
             self.allocator.give_back(blocks)
 
+    @torch.no_grad()
+    def all_token_logits(self, chunks: Sequence[ChunkPlan]) -> torch.Tensor:
+        """One step of `chunks` -> float32 logits of every one of their tokens [T, V] (teacher forcing)."""
+        with self._on_every_rank(AllLogits(list(chunks))):
+            step = build_step(chunks, [0], self.config.block_size, self.device)
+            return paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin, all_logits=True)
+
     def warm_up_decode(self) -> None:
         """Capture the decode step's graph of every batch bucket (CUDA; nothing elsewhere)."""
-        self.decode.warm_up()
+        with self._on_every_rank(WarmUpDecode()):
+            self.decode.warm_up()
+
+    def _on_every_rank(self, message: Message) -> contextlib.AbstractContextManager:
+        """Around rank 0's part of a step: `message` sent to the worker ranks first (a tensor-parallel engine)."""
+        return contextlib.nullcontext() if self.peers is None else self.peers.step(message)
+
+    def close(self) -> None:
+        """Stop the worker ranks of a tensor-parallel engine (nothing for one process); the Triton model's unload."""
+        if self.peers is not None:
+            self.peers.stop()
 
     def scheduler(self, **options: Any) -> Scheduler:
         """The in-flight scheduler that serves this runner (`scheduler.Scheduler`'s options), refusing requests
@@ -290,17 +322,29 @@ def load_engine(engine_dir: Path, *, config: KVCacheConfig | None = None, device
     model's `decode_gemm` parameter among them), resolved once with the device and the
     engine's record (`options.resolve_options`) and handed to every layer (`linears.apply_options`);
     `prefix_caching` (None: as configured) turns prefix caching on or off for this load."""
-    info, model, dev = load_model(engine_dir, device=device)
-    apply_options(model, resolve_options(dev, info, overrides))
-    config = config or info.kv_cache
+    recorded = read_engine_info(Path(engine_dir))
+    config = config or recorded.kv_cache
     if prefix_caching is not None:
         config = dataclasses.replace(config, prefix_caching=prefix_caching)
-    return EngineRunner(info, model, dev, config)
+    size = recorded.tensor_parallel
+    peers = (start_workers(Path(engine_dir), size, resolve_device(device), overrides=overrides, kv_cache=config)
+             if size > 1 else None)
+    try:
+        parallel = peers.parallel if peers is not None else SINGLE
+        info, model, dev = load_model(engine_dir, device=device, parallel=parallel)
+        apply_options(model, resolve_options(dev, info, overrides))
+        return EngineRunner(info, model, dev, config, parallel=parallel, peers=peers)
+    except BaseException:
+        if peers is not None:
+            peers.stop()
+        raise
 
 
-def load_model(engine_dir: Path, *, device: str = "auto") -> tuple[EngineInfo, Transformer, torch.device]:
+def load_model(engine_dir: Path, *, device: str = "auto",
+               parallel: ParallelConfig = SINGLE) -> tuple[EngineInfo, Transformer, torch.device]:
     """Read, check (toolchain, quantization) and load an engine folder's weights onto `device`, without the
-    KV cache (`load_engine` adds it)."""
+    KV cache (`load_engine` adds it); with a `parallel` group of several ranks, this rank's shard of them
+    (`parallel_shard.shard_state`, cut from the memory-mapped files)."""
     info = read_engine_info(Path(engine_dir))
     dev = resolve_device(device)
     check_toolchain(info, device=dev)
@@ -308,8 +352,11 @@ def load_model(engine_dir: Path, *, device: str = "auto") -> tuple[EngineInfo, T
     state: dict[str, torch.Tensor] = {}
     for name in info.weight_files:
         state.update(torch.load(info.path / name, map_location="cpu", weights_only=True, mmap=True))
+    if parallel.size > 1:
+        state = shard_state(state, info.model, parallel)
     with torch.device("meta"):
-        model = registered(info.model.architecture).model_class(info.model)
+        model = (registered(info.model.architecture).model_class(info.model) if parallel.size == 1
+                 else registered(info.model.architecture).model_class(info.model, parallel))
     install_quantized_linears(model, info.quantization, n_layers=info.model.n_layers,
                               tie_word_embeddings=info.model.tie_word_embeddings, dtype=DTYPES[info.limits.dtype])
     try:

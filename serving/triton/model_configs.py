@@ -86,8 +86,13 @@ def llm_config(
     instance_count: int = 1,
     parameters: dict[str, str] | None = None,
     dynamic_batching: bool | None = None,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """Complete config of an llm model serving ``versions`` (one engine version's model: ``[1]``).
+
+    An engine of ``tensor_parallel`` N > 1 is one instance (rank 0, which starts ranks 1..N-1 as its own worker
+    processes: ``serving.engine.parallel_workers``); on GPUs it owns GPUs 0..N-1, its instance placed on GPU 0
+    (``gpus: [0]``; Triton would otherwise start one instance per GPU, each wanting N).
 
     ``parameters["decoupled"] == "true"`` makes it a decoupled model (responses streamed; adds the optional
     ``stream`` BOOL input). Decoupled models are called over gRPC streaming (``async_stream_infer``); BLS
@@ -112,6 +117,9 @@ def llm_config(
         check_parameters(params)
     except ValueError as exc:
         raise ConfigError(f"model {model_name!r}: {exc}") from exc
+    if tensor_parallel > 1 and instance_count != 1:
+        raise ConfigError(f"model {model_name!r}: instance_count={instance_count} with an engine of tensor_parallel="
+                          f"{tensor_parallel}: one instance drives all its ranks; set instance_count 1")
     decoupled = flag(params, "decoupled")
     batcher = not batches_in_flight(params, decoupled=decoupled) if dynamic_batching is None else dynamic_batching
     given = params.get(QUEUE_SIZE_PARAMETER)
@@ -126,7 +134,8 @@ def llm_config(
         "max_batch_size": max_batch_size,
         "input": llm_inputs() + ([_tensor("stream", "TYPE_BOOL", [1], optional=True)] if decoupled else []),
         "output": llm_outputs(),
-        "instance_group": [{"kind": device_kind, "count": instance_count}],
+        "instance_group": [{"kind": device_kind, "count": instance_count}
+                           | ({"gpus": [0]} if tensor_parallel > 1 and device_kind == "KIND_GPU" else {})],
         "version_policy": {"specific": {"versions": sorted(versions)}},
         "parameters": _string_params(params),
     }

@@ -216,6 +216,7 @@ def version_config(model: str, summary: dict[str, Any]) -> dict[str, Any]:
         instance_count=int(settings["instance_count"]),
         parameters=dict(settings.get("parameters") or {}),
         dynamic_batching=summary.get("dynamic_batching"),
+        tensor_parallel=int(summary.get("tensor_parallel", 1)),
     )
 
 
@@ -239,7 +240,8 @@ def _engine_summary(engine_dir: Path, max_batch_size: int | None) -> dict[str, A
                               "pass max_batch_size") from exc
     info = read_engine_info(engine_dir)
     return {"max_batch_size": int(info.limits.max_batch_size), "fingerprint": getattr(info, "fingerprint", None),
-            "max_input_len": int(info.limits.max_input_len), "max_seq_len": int(info.limits.max_seq_len)}
+            "max_input_len": int(info.limits.max_input_len), "max_seq_len": int(info.limits.max_seq_len),
+            **({"tensor_parallel": info.tensor_parallel} if info.tensor_parallel > 1 else {})}
 
 
 def next_version(root: Path, name: str, version: int | None) -> int:

@@ -33,6 +33,7 @@ from serving.engine.model import (
     rope_cos_sin,
 )
 from serving.engine.options import EngineOptions
+from serving.engine.parallel import SINGLE, ParallelConfig, VocabParallelEmbedding
 
 # HF name -> (engine name, part index, number of parts); `{i}` is the layer index.
 HF_TO_ENGINE: dict[str, tuple[str, int, int]] = {
@@ -126,9 +127,10 @@ def engine_param_names(args: ModelArgs) -> list[str]:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, parallel: ParallelConfig = SINGLE) -> None:
+        """`args`: this rank's (`ParallelConfig.shard_args`); wo's partial products are summed over the ranks."""
         super().__init__()
-        self.args = args
+        self.args, self.parallel = args, parallel
         self.wqkv = FloatLinear(args.dim, args.qkv_size, bias=args.qkv_bias)
         self.wo = FloatLinear(args.q_size, args.dim, bias=args.o_bias)
 
@@ -142,7 +144,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, S, H, hd], [B, S, Hkv, hd]
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                            enable_gqa=a.n_heads != a.n_kv_heads)  # [B, H, S, hd]
-        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size))
+        return self.parallel.all_reduce(self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size)))
 
     def qkv(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The serving step's q/k/v of the normed rows h [T, D] -> [T, (H + 2 Hkv) hd], as `StepContext.attend`
@@ -156,14 +158,14 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, parallel: ParallelConfig = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = args.intermediate_size
+        self.intermediate_size, self.parallel = args.intermediate_size, parallel
         self.w13 = FloatLinear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
         self.w2 = FloatLinear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        return self.w2(self.gated(x, pdl), pdl=pdl)
+        return self.parallel.all_reduce(self.w2(self.gated(x, pdl), pdl=pdl))
 
     def gated(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """silu(gate) * up, the input of w2 (w13's `gated`: one kernel where it picked one); its rows scaled to
@@ -172,17 +174,19 @@ class FeedForward(nn.Module):
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP through its layers' dequantizing references."""
-        return self.w2.reference(silu_mul.gated(self.w13.reference(x), self.intermediate_size))
+        return self.parallel.all_reduce(self.w2.reference(silu_mul.gated(self.w13.reference(x),
+                                                                         self.intermediate_size)))
 
 
 class TransformerBlock(nn.Module):
     attention_class: type[Attention] = Attention  # a family's own attention (`models.qwen3`)
 
-    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None) -> None:
+    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None,
+                 parallel: ParallelConfig = SINGLE) -> None:
         """`feed_forward`: the layer's MLP when not `FeedForward` (a mixture of experts: `models.moe`)."""
         super().__init__()
-        self.attention = self.attention_class(args)
-        self.feed_forward = FeedForward(args) if feed_forward is None else feed_forward
+        self.attention = self.attention_class(args, parallel)
+        self.feed_forward = FeedForward(args, parallel) if feed_forward is None else feed_forward
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -195,7 +199,8 @@ class TransformerBlock(nn.Module):
         """This layer (number `index`) in a serving step: x [T, D] and h = its attention norm of x -> (x plus the
         attention output, the MLP output). The caller adds the MLP output with the next norm in one pass."""
         y = ctx.attend(index, self.attention.qkv(h, ctx))  # [T, H hd]
-        x, h = self.ffn_norm.add(x, ctx.linear(self.attention.wo, y), pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
+        o = self.attention.parallel.all_reduce(ctx.linear(self.attention.wo, y))
+        x, h = self.ffn_norm.add(x, o, pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
         ff = self.feed_forward.reference(h) if ctx.reference else self.feed_forward(h, ctx.pdl)
         return x, ff
 
@@ -210,24 +215,28 @@ def embedding(vocab_size: int, dim: int) -> nn.Embedding:
 
 
 class Transformer(nn.Module):
-    """Embeddings, `n_layers` blocks, final norm, LM head (the embedding matrix when tied)."""
+    """Embeddings, `n_layers` blocks, final norm, LM head (the embedding matrix when tied). With a `parallel`
+    group of several ranks, this rank's shard of each (`serving.engine.parallel`); `args` is then this rank's."""
 
     block_class: type[TransformerBlock] = TransformerBlock  # a family's own layer (`models.qwen3`)
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, parallel: ParallelConfig = SINGLE) -> None:
         super().__init__()
-        self.args = args
-        self.tok_embeddings = embedding(args.vocab_size, args.dim)
+        self.parallel = parallel
+        self.args = args = parallel.shard_args(args)
+        self.tok_embeddings = (embedding(args.vocab_size, args.dim) if parallel.size == 1
+                               else VocabParallelEmbedding(args.vocab_size, args.dim, parallel))
         self.layers = nn.ModuleList(self.block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, args.vocab_size, bias=False)
+        self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, parallel.vocab_shard(args.vocab_size),
+                                                                         bias=False)
         # the tied LM head over the embedding table (a tuple: not a submodule, the state dict holds the table once)
         self.tied_head = (TiedHead(self.tok_embeddings),) if args.tie_word_embeddings else ()
         self.options = EngineOptions()  # how it runs (`linears.apply_options` sets them at load)
 
     def block(self, args: ModelArgs, index: int) -> TransformerBlock:
         """Layer number `index` (a family's that differs by layer, a mixture of experts', builds its own)."""
-        return self.block_class(args)
+        return self.block_class(args, parallel=self.parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The reference forward (tests, the plain path the steps are checked against): tokens [B, S], each row
@@ -259,4 +268,4 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., D] -> float32 logits [..., V], through the head's GEMM for h's rows."""
-        return self.head()(h).float()
+        return self.parallel.gather_vocab(self.head()(h).float(), self.args.vocab_size)

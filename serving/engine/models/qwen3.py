@@ -22,6 +22,7 @@ import torch
 from serving.engine import head_norm
 from serving.engine.model import ModelArgs, RMSNorm, StepContext
 from serving.engine.models import llama
+from serving.engine.parallel import SINGLE, ParallelConfig
 
 HF_TO_ENGINE: dict[str, tuple[str, int, int]] = {
     **llama.HF_TO_ENGINE,
@@ -51,8 +52,8 @@ class Qwen3Attention(llama.Attention):
     """Llama's attention with `q_norm` and `k_norm`, RMSNorms of `head_dim` applied to every head of q and k
     before the rotary embedding."""
 
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args)
+    def __init__(self, args: ModelArgs, parallel: ParallelConfig = SINGLE) -> None:
+        super().__init__(args, parallel)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 

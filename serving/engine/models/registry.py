@@ -38,12 +38,13 @@ class Architecture:
     param_names: Callable[[ModelArgs], list[str]]  # every engine tensor name a checkpoint of these args holds
     read_config: Callable[..., ModelArgs]  # (config dict, *, architecture, source) -> ModelArgs
     ignored_weights: re.Pattern[str] = field(default=re.compile(r"(?!)"))  # HF tensors the engine drops
+    tensor_parallel: bool = False  # model_class takes a `parallel.ParallelConfig` (sharded across ranks)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     name: Architecture(name=name, model_type=model_type, model_class=llama.Transformer, weights=llama.HF_TO_ENGINE,
                        param_names=llama.engine_param_names, read_config=llama.read_config,
-                       ignored_weights=llama.IGNORED_HF_TENSORS)
+                       ignored_weights=llama.IGNORED_HF_TENSORS, tensor_parallel=True)
     for name, model_type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"),
                              ("Qwen2ForCausalLM", "qwen2"))
 }
