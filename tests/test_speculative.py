@@ -14,16 +14,30 @@ from typing import Any
 import pytest
 import torch
 
-from serving.engine import EngineLimitError, EngineLimits, SamplingParams, build_engine, convert_checkpoint, load_engine
+from serving.engine import (
+    EngineLimitError,
+    EngineLimits,
+    SamplingParams,
+    build_engine,
+    convert_checkpoint,
+    load_engine,
+)
 from serving.engine.kv_cache import KVCacheConfig
 from serving.engine.loaded import loaded_configuration
 from serving.engine.options import resolve_options
 from serving.engine.scheduler import GenRequest, Scheduler
-from serving.engine.speculative import Drafter, NgramIndex, SpeculativeOptions, accepted_length, parse_speculative
+from serving.engine.speculative import (
+    MAX_BACKOFF_STEPS,
+    Drafter,
+    NgramIndex,
+    SpeculativeOptions,
+    accepted_length,
+    parse_speculative,
+)
 from serving.triton.models.params import check_parameters
 from tasks.tiny_model import make_tiny_model
 
-LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=40, max_seq_len=80)
+LIMITS = EngineLimits(dtype="float32", max_batch_size=12, max_input_len=40, max_seq_len=80)
 NGRAM = {"method": "ngram", "max_draft": 4, "max_ngram": 3}
 
 
@@ -135,7 +149,7 @@ def test_a_drafter_backs_off_after_misses_and_drafts_again_after_an_acceptance()
     assert drafter.due and drafter.misses == 0
     for _ in range(12):
         drafter.verified(0)
-    assert drafter.wait == 32, "the back-off is capped"
+    assert drafter.wait == MAX_BACKOFF_STEPS, "the back-off is capped"
 
 
 def test_the_option_is_parsed_from_a_mapping_a_word_or_json_and_a_bad_one_is_refused_by_name():
@@ -192,7 +206,7 @@ def oracle(reference: dict[tuple[int, ...], list[int]], wrong_every: int):
 @pytest.mark.parametrize("step_ahead", [True, False])
 def test_drafts_accepted_in_part_give_every_request_the_tokens_and_logprobs_it_gets_without_them(tiny, monkeypatch,
                                                                                                    step_ahead):
-    """Six requests on three slots (later ones join as earlier ones finish): greedy with top log-probs, greedy, two
+    """Six requests at once, their drafts in the rows the live cap of 12 leaves: greedy with top log-probs, greedy, two
     sampled with seeds, greedy with penalties and min_tokens, a guided one (never drafts); drafts that are right,
     right up to their second token, or too long for `max_tokens`; stop tokens end some mid-draft."""
     plain = load_engine(tiny, device="cpu")
@@ -205,18 +219,26 @@ def test_drafts_accepted_in_part_give_every_request_the_tokens_and_logprobs_it_g
     assert want[0].reason == "stop" and want[5].reason == "length"
     monkeypatch.setattr(Drafter, "propose", oracle({tuple(a.prompt): w.tokens for a, w in zip(asks, want)}, 3))
     speculative = load_engine(tiny, device="cpu", overrides={"speculative": NGRAM})
+    shared_table, decode_step = [], speculative.decode.step
+
+    def decode(chunks, device_tokens=None):
+        shared_table.append(len({id(table) for _, _, table in chunks}) < len(chunks))
+        return decode_step(chunks, device_tokens)
+
+    monkeypatch.setattr(speculative.decode, "step", decode)
     sched = Scheduler(speculative, step_ahead=step_ahead)
     got = run(sched, fresh())
     assert_same(got, want)
     s = sched.stats
     assert s.draft_steps > 0 and 0 < s.accepted_tokens < s.drafted_tokens, s
     assert s.steps < sum(len(w.tokens) for w in want) // 2, "accepted drafts saved steps"
+    assert any(shared_table), "drafts were verified in decode-only steps (the decode graphs on CUDA)"
     assert speculative.allocator.free == plain.allocator.free, "every block given back"
 
 
 def test_preempted_drafting_requests_finish_with_the_same_tokens(tiny, monkeypatch):
-    """A pool of 12 blocks of 8 positions for four live requests of up to 58 positions: requests are preempted
-    while they draft, and finish as without speculation."""
+    """Five requests of 58 positions (8 blocks of 8) over a pool of 12 blocks: requests are preempted while they
+    draft, and finish as without speculation."""
     config = KVCacheConfig(block_size=8, num_blocks=12, max_num_tokens=24)
     asks = [Ask([0, 3 + i, 9, 3 + i, 9, 30 + i] * 3, 40) for i in range(5)]
     plain = load_engine(tiny, device="cpu", config=config)
@@ -238,7 +260,7 @@ def test_ngram_drafting_on_the_tiny_model_gives_the_tokens_it_gets_without(tiny)
 
 
 # -- the example model ----------------------------------------------------------------------------------------------
-SMOL_LIMITS = EngineLimits(dtype="float32", max_batch_size=2, max_input_len=160, max_seq_len=224)
+SMOL_LIMITS = EngineLimits(dtype="float32", max_batch_size=8, max_input_len=160, max_seq_len=224)
 TEXT = "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step."
 
 

@@ -46,10 +46,11 @@ admission, a cancel, a block only a preemption would free, a request whose sampl
 host: penalties, `min_tokens` or a token mask) waits for them first; log-probs travel with the tokens.
 
 Speculative decoding (the engine option `speculative`, `speculative.py`): a decoding request without a token mask
-drafts up to `max_draft` tokens by n-gram lookup in its own tokens; its chunk is then its last token and the draft,
-every position picked by its own sampling rule, and the picks up to the first that differs from the draft, plus
-that one, are delivered (`_deliver_picks`): the same tokens as without the draft. A step with drafts waits for its
-tokens; a request that drafts at the next step keeps the step before it from running ahead.
+drafts up to `max_draft` tokens by n-gram lookup in its own tokens, in the rows the live cap leaves; its last token
+and each draft token are then single-token chunks of the step (decode rows: a decode-only step stays one CUDA
+graph), every position picked by its own sampling rule, and the picks up to the first that differs from the draft,
+plus that one, are delivered (`_deliver_picks`): the same tokens as without the draft. A step with drafts waits for
+its tokens; a request that drafts at the next step keeps the step before it from running ahead.
 
 The queue, `submit` / `cancel`, the loop (`run_forever`, `start`, `stop`, `run_until_idle`), `while_waiting`
 / `drain` (Triton's `llm` model sends its responses there) and `admit_gap_s` (an idle engine lets a burst of
@@ -251,6 +252,7 @@ class Scheduler(SchedulerLoop):
         budget = self.max_num_tokens
         plan: list[tuple[_Seq, int]] = []
         preempted = False
+        spare_rows = self.max_live - len(self.running)  # the decode graphs' rows no live request takes: for drafts
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -261,7 +263,8 @@ class Scheduler(SchedulerLoop):
                 preempted = True
                 continue
             if seq.drafter is not None and n == seq.remaining == 1:
-                seq.draft = self._draft(seq, budget - 1)
+                seq.draft = self._draft(seq, min(budget - 1, spare_rows))
+                spare_rows -= len(seq.draft)
             plan.append((seq, n))
             budget -= n + len(seq.draft)
         with self.cond:
@@ -340,9 +343,10 @@ class Scheduler(SchedulerLoop):
 
     def _nothing_needs_the_tokens(self) -> bool:
         """No live request's sampling reads its tokens on the host (penalties, min_tokens, a token mask) or drafts at
-        the next step, and nothing waiting could be admitted (or may be yet: `admit_every_steps`). Log-probs travel
-        with the tokens."""
-        if any(seq.needs_host or (seq.drafter is not None and seq.drafter.due) for seq in self.running):
+        the next step (while the live cap leaves rows for drafts), and nothing waiting could be admitted (or may be
+        yet: `admit_every_steps`). Log-probs travel with the tokens."""
+        drafts = self.speculative is not None and len(self.running) < self.max_live
+        if any(seq.needs_host or (drafts and seq.drafter is not None and seq.drafter.due) for seq in self.running):
             return False
         with self.cond:
             return (not self.waiting or len(self.running) >= self.max_live
@@ -426,11 +430,15 @@ class Scheduler(SchedulerLoop):
 
     # -- running ------------------------------------------------------------------------------
     def _run(self, plan: list[tuple[_Seq, int]]) -> None:
-        chunks: list[ChunkPlan] = [(seq.tokens[seq.computed:seq.computed + n] + seq.draft, seq.computed, seq.kv.table)
+        chunks: list[ChunkPlan] = [(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.kv.table)
                                    for seq, n in plan]
         sampling = [i for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
         echoing = [i for i, (seq, n) in enumerate(plan) if _reports_prompt(seq, n)]
         drafting = [i for i in sampling if plan[i][0].draft]
+        # each draft token a single-token chunk after the plan's, sampled: a decode row apiece (every row's K/V is
+        # written before any row attends, so each sees the draft tokens before it), in the decode graphs
+        chunks += [([token], seq.computed + 1 + j, seq.kv.table)
+                   for seq in (plan[i][0] for i in drafting) for j, token in enumerate(seq.draft)]
         if not echoing and not drafting and self._may_run_ahead(plan, sampling):
             started = time.perf_counter()
             try:
@@ -448,16 +456,17 @@ class Scheduler(SchedulerLoop):
             lives = [plan[i][0] for i in sampling]
             positions = [plan[i][0].computed + plan[i][1] for i in sampling]
             before: list[list[int]] = []
+            sample = sampling + list(range(len(plan), len(chunks)))  # the draft tokens' rows last
             with self.launching():
                 self.stats.launch_wait_s += time.perf_counter() - started
-                if echoing or drafting:  # [N + the echoing chunks' tokens + the drafting chunks' tokens, V]
-                    logits = self.runner.forward(chunks, sampling, every_token=echoing + drafting)
-                    echoed = len(sampling) + sum(len(chunks[i][0]) for i in echoing)
-                    prompt_logits = logits[len(sampling):echoed]
-                    rows, owners, positions, before = verified_rows([seq.draft for seq in lives], positions, echoed)
-                    logits, lives = logits[torch.tensor(rows, device=logits.device)], [lives[k] for k in owners]
+                if echoing:  # [N + the echoing chunks' tokens, V]
+                    logits = self.runner.forward(chunks, sample, every_token=echoing)
+                    prompt_logits, logits = logits[len(sample):], logits[:len(sample)]
                 else:
-                    logits = self.runner.forward(chunks, sampling)  # [N, V]
+                    logits = self.runner.forward(chunks, sample)  # [N, V]
+                if drafting:
+                    rows, owners, positions, before = verified_rows([s.draft for s in lives], positions, len(sampling))
+                    logits, lives = logits[torch.tensor(rows, device=logits.device)], [lives[k] for k in owners]
                 tokens = self._sample(logits, lives, positions, before)
                 ready = torch.cuda.Event() if tokens.is_cuda else None
                 if ready is not None:

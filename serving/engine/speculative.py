@@ -35,7 +35,7 @@ METHODS = ("ngram",)
 OFF = ("", "off", "none", "false")
 MAX_DRAFT = 64  # the most draft tokens a step may verify for one request
 MAX_NGRAM = 16
-MAX_BACKOFF_STEPS = 32  # the longest a drafter waits after misses: it doubles from 1 per miss in a row
+MAX_BACKOFF_STEPS = 16  # the longest a drafter waits after misses: it doubles from 1 per miss in a row
 
 
 @dataclass(frozen=True)
@@ -169,18 +169,18 @@ def accepted_length(draft: Sequence[int], picked: Sequence[int]) -> int:
 def verified_rows(drafts: Sequence[Sequence[int]], positions: Sequence[int], at: int
                   ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
     """The picks of a step with drafts. Its sampled chunks have `drafts` ([] where none) and sample from
-    `positions`; its logits hold each sampled chunk's last token in order, then, from row `at`, every token of each
-    drafting chunk (its last token, then its draft's). A plain chunk picks once, a drafting one once a token, each
-    as if the draft tokens before it were the request's own -> (the logits row of each pick, the sampled chunk it
-    belongs to, the position it samples, the draft tokens before it)."""
+    `positions`; its logits hold each sampled chunk's last token in order, then, from row `at`, each draft token's,
+    in order. A plain chunk picks once, a drafting one also once after each draft token, each as if the draft
+    tokens before it were the request's own -> (the logits row of each pick, the sampled chunk it belongs to, the
+    position it samples, the draft tokens before it)."""
     rows: list[int] = []
     owners: list[int] = []
     picked_at: list[int] = []
     before: list[list[int]] = []
     for k, (draft, position) in enumerate(zip(drafts, positions)):
         picks = len(draft) + 1
-        rows += range(at, at + picks) if draft else (k,)
-        at += picks if draft else 0
+        rows += (k, *range(at, at + len(draft)))
+        at += len(draft)
         owners += [k] * picks
         picked_at += range(position, position + picks)
         before += [list(draft[:j]) for j in range(picks)]
