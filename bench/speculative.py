@@ -22,6 +22,7 @@ per step, tokens accepted per token drafted, output tokens per step.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -81,9 +82,11 @@ def engine(hf: Path, args: Any) -> Path:
 
     out = args.work / f"engine-{args.dtype}"
     if not (out / "engine.json").is_file():
-        ckpt = convert_checkpoint(hf, args.work / f"ckpt-{args.dtype}", dtype=args.dtype)
-        build_engine(ckpt, out, limits=EngineLimits(dtype=args.dtype, max_batch_size=8, max_input_len=1024,
-                                                    max_seq_len=2048))
+        ckpt = args.work / f"ckpt-{args.dtype}"
+        shutil.rmtree(ckpt, ignore_errors=True)  # a run stopped before its build
+        build_engine(convert_checkpoint(hf, ckpt, dtype=args.dtype), out,
+                     limits=EngineLimits(dtype=args.dtype, max_batch_size=8, max_input_len=1024, max_seq_len=2048))
+        shutil.rmtree(ckpt)
     return out
 
 
