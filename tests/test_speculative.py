@@ -236,6 +236,30 @@ def test_drafts_accepted_in_part_give_every_request_the_tokens_and_logprobs_it_g
     assert speculative.allocator.free == plain.allocator.free, "every block given back"
 
 
+def test_a_request_cancelled_by_its_emit_gets_no_accepted_token_past_it(tiny, monkeypatch):
+    """What a stop string does (the `llm` model cancels the request from its `emit`): the accepted draft tokens
+    after that token are not delivered."""
+    from serving.engine.scheduler import RequestCancelled
+
+    prompt = [0, 9, 10, 11, 12, 13, 14, 15]
+    want = run(Scheduler(load_engine(tiny, device="cpu")), [Ask(prompt, 16)])[0].tokens
+    monkeypatch.setattr(Drafter, "propose", oracle({tuple(prompt): want}, 100))
+    sched = Scheduler(load_engine(tiny, device="cpu", overrides={"speculative": NGRAM}))
+    got: list[int] = []
+    failures: list[BaseException] = []
+
+    def emit(ids: list[int], reason: str | None) -> None:
+        got.extend(ids)
+        if len(got) == 3:  # mid-draft: the step delivering tokens 2-6 stops at 3
+            sched.cancel(request)
+
+    request = GenRequest(prompt, 16, emit, failures.append)
+    sched.submit(request)
+    sched.run_until_idle()
+    assert got == want[:3] and isinstance(failures[0], RequestCancelled)
+    assert sched.stats.accepted_tokens > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_drafts_are_verified_in_the_decode_graphs_and_change_no_token(tiny, monkeypatch):

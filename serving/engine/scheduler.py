@@ -487,7 +487,7 @@ class Scheduler(SchedulerLoop):
         self.stats.wait_s += delivering - waiting
         self.stats.steps += 1
         self.stats.draft_steps += bool(drafting)
-        if len(sampling) != len(plan) or any(n != 1 for _, n in plan) or drafting:
+        if len(sampling) != len(plan) or any(n != 1 for _, n in plan):
             self.stats.mixed_steps += 1
             self.stats.mixed_s += delivering - started
             self.stats.mixed_forward_s += waiting - started
