@@ -246,6 +246,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="llm model parameter (repeatable); default decoupled=true")
     rol.add_argument("--work", type=Path, default=Path("build/bench-rollout"))
     rol.add_argument("--out", type=Path, default=Path("bench-rollout.json"))
+    from bench.speculative import add_arguments as speculative_arguments
+
+    speculative_arguments(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -375,6 +378,11 @@ def run(args: argparse.Namespace) -> int:
                                 responses=args.responses, model_file=args.model_file)
         args.out.write_text(json.dumps(report, indent=1))
         print(json.dumps(report, indent=1))
+        return 0
+    if args.bench_mode == "speculative":
+        from bench.speculative import render, run_speculative
+
+        print(render(run_speculative(args)))
         return 0
     if args.bench_mode == "rollout":
         from bench.rollout import render_phases, run_rollout_bench

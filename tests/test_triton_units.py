@@ -477,6 +477,7 @@ def _kwargs_loader(engine_dir: Path, **kwargs: str) -> None:
     ({}, "{'device': 'cpu'}"),
     ({"decode_gemm": "Torch"}, "{'device': 'cpu', 'overrides': {'decode_gemm': 'torch'}}"),
     ({"decode_gemm": ""}, "{'device': 'cpu'}"),
+    ({"speculative": "ngram"}, "{'device': 'cpu', 'overrides': {'speculative': 'ngram'}}"),
 ])
 def test_llm_passes_decode_kernel_choices_to_the_loader_only_when_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                       given: dict[str, str], kwargs: str) -> None:
@@ -765,7 +766,7 @@ def test_senders_default_to_one_per_four_cpus_from_one_to_four() -> None:
                                          ("admit_gap_ms", "-1"), ("decode_gemm", "cublas"),
                                          ("warmup", "maybe"), ("in_flight", "2"), ("decoupled", "yes please"),
                                          ("cuda_alloc_conf", "expandable_segments"), ("prefix_caching", "maybe"),
-                                         ("execute_waits_launches", "sometimes"),
+                                         ("execute_waits_launches", "sometimes"), ("speculative", "eagle"),
                                          ("cuda_alloc_conf", "max_split_size_mb:64,turbo:1")])
 def test_llm_config_refuses_a_bad_numeric_parameter_by_name(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):

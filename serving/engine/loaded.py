@@ -2,7 +2,7 @@
 
 `loaded_configuration(runner)` -> `LoadedConfiguration`: the dtype the weights were loaded in, the
 quantization method of the linears that were installed, the dtype the KV cache's block pools store, and
-the decode GEMMs the runner picked. The release gates compare it with the engine
+the decode GEMMs the runner picked, and its speculative decoding. The release gates compare it with the engine
 record (`tasks.loaded_check`): an engine that loads something its record does not show (an fp8 KV cache
 behind `kv_cache.kv_cache_dtype: auto`, say) must not be judged by the record's budget.
 
@@ -32,6 +32,7 @@ class LoadedConfiguration:
     quantized_lm_head: bool  # the LM head is a quantized linear
     kv_cache_dtype: str  # torch dtype name the KV cache's block pools store: "bfloat16", "float8_e4m3fn"
     decode_gemm: str  # the decode step's GEMMs ("torch" | "triton")
+    speculative: str  # "off", or the drafting it runs: "ngram(max_draft=4, max_ngram=3, min_ngram=1)"
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -51,4 +52,5 @@ def loaded_configuration(runner: Any) -> LoadedConfiguration:
         quantized_lm_head=isinstance(model.output, QuantLinear),
         kv_cache_dtype=dtype_name(runner.cache.k[0].dtype),
         decode_gemm=model.options.decode_gemm,
+        speculative=model.options.speculative.describe() if model.options.speculative is not None else "off",
     )

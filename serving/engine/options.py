@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from serving.engine.errors import EngineLimitError
+from serving.engine.speculative import SpeculativeOptions, parse_speculative
 from serving.engine.tuned_tables import TunedTables, tables_for
 
 # `engine_info` below is a `build.EngineInfo`, not imported: build imports the model, which imports this module
@@ -71,6 +72,8 @@ class EngineOptions:
     partial_sums_one_kernel: bool = True  # eager split-K sums on CUDA as one Triton kernel (partials.py)
     gqa_in_sdpa: bool = True  # CUDA prompt attention: SDPA's grouped heads, not K/V copied to every query head
     attention: AttentionKernelOptions = AttentionKernelOptions()
+    # speculative decoding by n-gram lookup in each request's own tokens (speculative.py); None: off
+    speculative: SpeculativeOptions | None = None
     tuned: TunedTables = field(default_factory=TunedTables)  # the device's tuned decode kernel configs (tuned_tables.py)
 
     def __post_init__(self) -> None:
@@ -90,8 +93,8 @@ def resolve_options(device: torch.device, engine_info: EngineInfo | None = None,
                     ) -> EngineOptions:
     """The options of an engine loaded on `device`: "auto" choices resolved for the device and the engine's
     dtype, the device's tuned tables (`tuned`: these instead), then `overrides` (any field but `tuned`;
-    `attention` as a mapping of `AttentionKernelOptions` fields, or one). A bad name or value raises
-    `EngineLimitError` naming it."""
+    `attention` as a mapping of `AttentionKernelOptions` fields, or one; `speculative` as
+    `speculative.parse_speculative` reads it). A bad name or value raises `EngineLimitError` naming it."""
     given = dict(overrides or {})
     unknown = sorted(set(given) - set(OVERRIDABLE))
     if unknown:
@@ -106,6 +109,8 @@ def resolve_options(device: torch.device, engine_info: EngineInfo | None = None,
             raise EngineLimitError(f"engine option attention: {sorted(set(attention) - names)} are not known; "
                                    f"known: {sorted(names)}")
         given["attention"] = AttentionKernelOptions(**attention)
+    if "speculative" in given:
+        given["speculative"] = parse_speculative(given["speculative"])
     return EngineOptions(tuned=tables, **given)
 
 

@@ -135,7 +135,7 @@ class EngineRunner:
         """One mixed step -> float32 logits [len(sample), V] of the sampled chunks' last tokens, followed (with
         `every_token`) by the logits of every token of those chunks, in order (prompt log-probs)."""
         with self._on_every_rank(Forward(list(chunks), list(sample), list(every_token))):
-            if not every_token and is_decode_only(chunks, sample):
+            if not every_token and is_decode_only(chunks, sample) and len(chunks) <= self.max_live:
                 logits = self.decode.step(chunks)
             else:
                 step = build_step(chunks, sample, self.config.block_size, self.device)

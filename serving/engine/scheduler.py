@@ -45,6 +45,13 @@ stream runs that step before any later one can reuse them). A step that needs th
 admission, a cancel, a block only a preemption would free, a request whose sampling reads its tokens on the
 host: penalties, `min_tokens` or a token mask) waits for them first; log-probs travel with the tokens.
 
+Speculative decoding (the engine option `speculative`, `speculative.py`): a decoding request without a token mask
+drafts up to `max_draft` tokens by n-gram lookup in its own tokens, in the rows the live cap leaves; its last token
+and each draft token are then single-token chunks of the step (decode rows: a decode-only step stays one CUDA
+graph), every position picked by its own sampling rule, and the picks up to the first that differs from the draft,
+plus that one, are delivered (`_deliver_picks`): the same tokens as without the draft. A step with drafts waits for
+its tokens; a request that drafts at the next step keeps the step before it from running ahead.
+
 The queue, `submit` / `cancel`, the loop (`run_forever`, `start`, `stop`, `run_until_idle`), `while_waiting`
 / `drain` (Triton's `llm` model sends its responses there) and `admit_gap_s` (an idle engine lets a burst of
 arrivals finish, so it is admitted in one step) are `scheduler_loop.SchedulerLoop`'s. On CUDA `while_waiting`
@@ -83,6 +90,7 @@ from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabu
     SchedulerLoop,
     SchedulerStopped,
 )
+from serving.engine.speculative import Drafter, accepted_length, verified_rows
 from serving.engine.step import ChunkPlan
 from serving.engine.step_sampling import RowSampling, StepLogprobs, StepSampling, fresh_seed, sample_rows
 
@@ -101,6 +109,8 @@ class _Seq:
     needs_host: bool = False  # its sampling reads its tokens on the host (penalties, min_tokens, a token mask)
     stop: frozenset[int] = frozenset()
     live: bool = False  # in `running` (a flag: membership tests of a list of 1,024 cost a step milliseconds)
+    drafter: Drafter | None = None  # its n-gram drafting, when the engine speculates and it may (`speculative`)
+    draft: list[int] = field(default_factory=list)  # the tokens this step verifies past its last one
 
     @property
     def remaining(self) -> int:
@@ -146,6 +156,9 @@ class SchedulerStats:
     mixed_forward_cpu_s: float = 0.0  # the loop thread's CPU time in it (the rest: waiting for the GIL or a core)
     launch_wait_s: float = 0.0  # waiting for the launch lock (`launching`) while the intake held it
     prefix_hit_tokens: int = 0  # prompt positions taken from the prefix cache instead of computed
+    draft_steps: int = 0  # steps that verified drafts (speculative decoding)
+    drafted_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # of those, accepted (each delivered without a step of its own)
 
 
 class Scheduler(SchedulerLoop):
@@ -171,6 +184,7 @@ class Scheduler(SchedulerLoop):
         self.kv = KVCacheManager(runner.allocator, self.block_size)  # block ids in, block ids out
         self.running: list[_Seq] = []
         self.stats = SchedulerStats()
+        self.speculative = runner.model.options.speculative  # `speculative.SpeculativeOptions`, None: off
 
     @property
     def synchronous(self) -> bool:
@@ -194,6 +208,8 @@ class Scheduler(SchedulerLoop):
         seq.plain_greedy = req.token_mask is None and (params is None or (params.is_greedy and not params.shapes_logits))
         seq.needs_host = req.token_mask is not None or (params is not None and (params.has_penalties
                                                                                 or params.min_tokens > 0))
+        if self.speculative is not None and req.token_mask is None:  # a grammar's matcher cannot take drafts back
+            seq.drafter = Drafter(self.speculative)
         return seq
 
     def _request_of(self, item: _Seq) -> GenRequest:
@@ -236,6 +252,7 @@ class Scheduler(SchedulerLoop):
         budget = self.max_num_tokens
         plan: list[tuple[_Seq, int]] = []
         preempted = False
+        spare_rows = self.max_live - len(self.running)  # the decode graphs' rows no live request takes: for drafts
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -245,8 +262,11 @@ class Scheduler(SchedulerLoop):
             if not self._grow(seq, seq.computed + n):
                 preempted = True
                 continue
+            if seq.drafter is not None and n == seq.remaining == 1:
+                seq.draft = self._draft(seq, min(budget - 1, spare_rows))
+                spare_rows -= len(seq.draft)
             plan.append((seq, n))
-            budget -= n
+            budget -= n + len(seq.draft)
         with self.cond:
             admitting = self._admission_due(len(self.running))
             self.stats.held += bool(self.waiting) and not admitting
@@ -270,6 +290,18 @@ class Scheduler(SchedulerLoop):
             plan.append((seq, n))
             budget -= n
         return plan
+
+    def _draft(self, seq: _Seq, budget: int) -> list[int]:
+        """`seq`'s draft for this step (at most `budget` tokens), its blocks taken: never past its `max_tokens` or
+        the engine's `max_seq_len`, and only from blocks its table holds or that are free beyond one for each live
+        request (a draft never preempts)."""
+        spare = max(0, self.kv.free - len(self.running))
+        room = min(budget, seq.req.max_tokens - seq.generated - 1, self.max_seq_len - len(seq.tokens) - 1,
+                   (len(seq.kv.table) + spare) * self.block_size - seq.computed - 1)
+        draft = seq.drafter.propose(seq.tokens, room) if seq.drafter is not None else []
+        if draft:
+            self.kv.grow(seq.kv, seq.computed + 1 + len(draft))
+        return draft
 
     def _admission_due(self, live: int) -> bool:
         """Whether waiting requests may join now (`cond` held): none live, `admit_every_steps` steps since the
@@ -296,6 +328,7 @@ class Scheduler(SchedulerLoop):
     def _preempt(self, seq: _Seq) -> None:
         self.running.remove(seq)
         seq.live = False
+        seq.draft = []
         self.kv.release(seq.kv)
         seq.computed = 0
         self.stats.preempted += 1
@@ -309,9 +342,11 @@ class Scheduler(SchedulerLoop):
                 and all(n == 1 for _, n in plan) and self._nothing_needs_the_tokens())
 
     def _nothing_needs_the_tokens(self) -> bool:
-        """No live request's sampling reads its tokens on the host (penalties, min_tokens, a token mask) and nothing
-        waiting could be admitted (or may be yet: `admit_every_steps`). Log-probs travel with the tokens."""
-        if any(seq.needs_host for seq in self.running):
+        """No live request's sampling reads its tokens on the host (penalties, min_tokens, a token mask) or drafts at
+        the next step (while the live cap leaves rows for drafts), and nothing waiting could be admitted (or may be
+        yet: `admit_every_steps`). Log-probs travel with the tokens."""
+        drafts = self.speculative is not None and len(self.running) < self.max_live
+        if any(seq.needs_host or (drafts and seq.drafter is not None and seq.drafter.due) for seq in self.running):
             return False
         with self.cond:
             return (not self.waiting or len(self.running) >= self.max_live
@@ -360,6 +395,8 @@ class Scheduler(SchedulerLoop):
             where = {id(seq): i for i, seq in enumerate(prev.seqs)}
             for seq in rows:
                 self._grow(seq, seq.computed + 1)  # never preempts: `_next_ahead_rows` counted the free blocks
+                if seq.drafter is not None:
+                    seq.drafter.passed()
             chunks: list[ChunkPlan] = [([0], seq.computed, seq.kv.table) for seq in rows]
             asked = time.perf_counter()
             with self.launching():
@@ -397,7 +434,12 @@ class Scheduler(SchedulerLoop):
                                    for seq, n in plan]
         sampling = [i for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
         echoing = [i for i, (seq, n) in enumerate(plan) if _reports_prompt(seq, n)]
-        if not echoing and self._may_run_ahead(plan, sampling):
+        drafting = [i for i in sampling if plan[i][0].draft]
+        # each draft token a single-token chunk after the plan's, sampled: a decode row apiece (every row's K/V is
+        # written before any row attends, so each sees the draft tokens before it), in the decode graphs
+        chunks += [([token], seq.computed + 1 + j, seq.kv.table)
+                   for seq in (plan[i][0] for i in drafting) for j, token in enumerate(seq.draft)]
+        if not echoing and not drafting and self._may_run_ahead(plan, sampling):
             started = time.perf_counter()
             try:
                 with self.launching():
@@ -412,14 +454,20 @@ class Scheduler(SchedulerLoop):
         started_cpu = time.thread_time()
         try:
             lives = [plan[i][0] for i in sampling]
+            positions = [plan[i][0].computed + plan[i][1] for i in sampling]
+            before: list[list[int]] = []
+            sample = sampling + list(range(len(plan), len(chunks)))  # the draft tokens' rows last
             with self.launching():
                 self.stats.launch_wait_s += time.perf_counter() - started
                 if echoing:  # [N + the echoing chunks' tokens, V]
-                    logits = self.runner.forward(chunks, sampling, every_token=echoing)
-                    prompt_logits, logits = logits[len(sampling):], logits[:len(sampling)]
+                    logits = self.runner.forward(chunks, sample, every_token=echoing)
+                    prompt_logits, logits = logits[len(sample):], logits[:len(sample)]
                 else:
-                    logits = self.runner.forward(chunks, sampling)  # [N, V]
-                tokens = self._sample(logits, lives, [plan[i][0].computed + plan[i][1] for i in sampling])
+                    logits = self.runner.forward(chunks, sample)  # [N, V]
+                if drafting:
+                    rows, owners, positions, before = verified_rows([s.draft for s in lives], positions, len(sampling))
+                    logits, lives = logits[torch.tensor(rows, device=logits.device)], [lives[k] for k in owners]
+                tokens = self._sample(logits, lives, positions, before)
                 ready = torch.cuda.Event() if tokens.is_cuda else None
                 if ready is not None:
                     ready.record()
@@ -438,6 +486,7 @@ class Scheduler(SchedulerLoop):
         self.stats.forward_s += waiting - started
         self.stats.wait_s += delivering - waiting
         self.stats.steps += 1
+        self.stats.draft_steps += bool(drafting)
         if len(sampling) != len(plan) or any(n != 1 for _, n in plan):
             self.stats.mixed_steps += 1
             self.stats.mixed_s += delivering - started
@@ -450,18 +499,42 @@ class Scheduler(SchedulerLoop):
             else:
                 self.stats.prefill_tokens += n
             self.kv.cache_computed(seq.kv, seq.tokens, seq.computed)
-        for k, seq in enumerate(lives):
-            self._deliver(seq, token_list[k], extras[k] if extras else None)
+        k = 0
+        for i in sampling:
+            seq = plan[i][0]
+            picks = len(seq.draft) + 1
+            self._deliver_picks(seq, token_list[k:k + picks], extras[k:k + picks] if extras else [None] * picks)
+            k += picks
         self._drop_retired()
         self.stats.deliver_s += time.perf_counter() - delivering
 
-    def _sample(self, logits: torch.Tensor, lives: list[_Seq], positions: list[int]) -> torch.Tensor:
-        """The next token of each row of `logits` [N, V]: `positions` are the positions the rows sample."""
+    def _deliver_picks(self, seq: _Seq, picks: list[int], extras: list[tuple[float, dict[int, float]] | None]) -> None:
+        """Deliver what `seq` picked this step: its one token, or, with a draft, the picks up to the first that differs
+        from the draft (`speculative.accepted_length`) and that one; each accepted draft token's K/V is computed
+        (the K/V of the rest is overwritten later: `seq.computed` stays before it, its blocks stay in its table)."""
+        draft, seq.draft = seq.draft, []
+        accepted = accepted_length(draft, picks) if draft else 0
+        if draft and seq.drafter is not None:
+            seq.drafter.verified(accepted)
+            self.stats.drafted_tokens += len(draft)
+            self.stats.accepted_tokens += accepted
+        for j in range(accepted + 1):
+            if j and (not seq.live or seq.req.cancelled):
+                break
+            seq.computed += j < accepted
+            self._deliver(seq, picks[j], extras[j])
+
+    def _sample(self, logits: torch.Tensor, lives: list[_Seq], positions: list[int],
+                before: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+        """The next token of each row of `logits` [N, V]: `positions` are the positions the rows sample, `before` (when
+        given) the draft tokens that precede each row's position past its request's tokens."""
         if all(seq.plain_greedy for seq in lives):
             return logits.argmax(dim=-1)
-        rows = [RowSampling(seq.req.sampling, seq.seed, position, seq.tokens if seq.needs_host else (),
-                            seq.prompt_len, tuple(seq.stop), seq.generated, seq.req.token_mask)
-                for seq, position in zip(lives, positions)]
+        drafts_before = before or [()] * len(lives)
+        rows = [RowSampling(seq.req.sampling, seq.seed, position,
+                            ([*seq.tokens, *drafted] if drafted else seq.tokens) if seq.needs_host else (),
+                            seq.prompt_len, tuple(seq.stop), seq.generated + len(drafted), seq.req.token_mask)
+                for seq, position, drafted in zip(lives, positions, drafts_before)]
         return sample_rows(logits, StepSampling.build(rows, logits.shape[-1], logits.device))
 
     def _report_prompt_logprobs(self, echoing: list[tuple[_Seq, int]], logits: torch.Tensor) -> None:

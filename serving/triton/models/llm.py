@@ -92,6 +92,7 @@ from serving.triton.models.params import (
     flag,
     milliseconds,
     queue_size,
+    speculative,
 )
 from serving.triton.models.request_timing import FirstTokenTimes, IntakeStats
 from serving.triton.models.requests import (
@@ -396,6 +397,8 @@ class TritonPythonModel:
         # the parameters that are engine options (`serving.engine.options.EngineOptions`), for the loader to resolve
         overrides: dict[str, Any] = {name: value for name in ENGINE_OPTION_PARAMETERS
                                      if (value := choice(params, name))}
+        if (drafting := speculative(params)) is not None:
+            overrides["speculative"] = drafting
         options: dict[str, Any] = {"overrides": overrides} if overrides else {}
         if (prefix_caching := choice(params, "prefix_caching")) in ("true", "false"):
             options["prefix_caching"] = prefix_caching == "true"

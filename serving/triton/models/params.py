@@ -121,6 +121,24 @@ def choice(params: dict[str, str], name: str) -> str | None:
     return raw or None
 
 
+def speculative(params: dict[str, str]) -> str | None:
+    """The `speculative` parameter (the engine option `speculative`: "off", "ngram" or a JSON object such as
+    '{"method": "ngram", "max_draft": 4, "max_ngram": 3}', docs/engine.md), or None when unset or empty. A bad
+    value raises ValueError naming the parameter."""
+    raw = str(params.get("speculative") or "").strip()
+    if not raw:
+        return None
+    # lazy: stdlib-only modules, imported when the parameter is set
+    from serving.engine.errors import EngineLimitError
+    from serving.engine.speculative import parse_speculative
+
+    try:
+        parse_speculative(raw)
+    except EngineLimitError as exc:
+        raise ValueError(f"parameter speculative={raw!r}: {exc}") from None
+    return raw
+
+
 # the CUDA caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF) that `cuda_alloc_conf` may name
 CUDA_ALLOC_KEYS = ("expandable_segments", "max_split_size_mb", "roundup_power2_divisions",
                    "garbage_collection_threshold", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
@@ -154,3 +172,4 @@ def check_parameters(params: dict[str, str]) -> None:
         choice(params, name)
     queue_size(params)
     cuda_alloc_conf(params)
+    speculative(params)
