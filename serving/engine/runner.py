@@ -113,8 +113,13 @@ class EngineRunner:
                           else BlockAllocator(self.num_blocks))
         cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
         self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
+        self.local_rope = None  # the windowed layers' own rope tables, for a model with a local rope (Gemma 3)
+        if a.local_rope_theta is not None:
+            local = rope_cos_sin(a, lim.max_seq_len, device, local=True)
+            self.local_rope = (local[0].to(weight.dtype), local[1].to(weight.dtype))
         self.decode = DecodeGraphs(model, self.cache, self.rope_cos, self.rope_sin, max_live=self.max_live,
-                                   max_seq_len=lim.max_seq_len, graphs=cuda_graphs and device.type == "cuda")
+                                   max_seq_len=lim.max_seq_len, graphs=cuda_graphs and device.type == "cuda",
+                                   local_rope=self.local_rope)
         self.step_events: list | None = None  # set by `generate(events=...)` on CUDA: one event per sampling step
 
     @torch.no_grad()
@@ -129,7 +134,8 @@ class EngineRunner:
             if every_token:
                 step = dataclasses.replace(step, sample_index=torch.cat(
                     [step.sample_index, _token_rows(chunks, every_token).to(self.device)]))
-            logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
+            logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin,
+                                   local_rope=self.local_rope)
         if self.step_events is not None and sample:
             self.step_events.append(_recorded_event())
         return logits
@@ -171,7 +177,7 @@ class EngineRunner:
                     break
                 step = build_step([(list(prompt[start:end]), start, blocks)], [0], self.config.block_size, self.device)
                 logits.append(paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin,
-                                            all_logits=True).cpu())
+                                            all_logits=True, local_rope=self.local_rope).cpu())
             return torch.cat(logits)
         finally:
             self.allocator.give_back(blocks)

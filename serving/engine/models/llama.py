@@ -31,8 +31,10 @@ from serving.engine.model import (
     StepContext,
     apply_rope,
     rope_cos_sin,
+    windows_of_layer_types,
 )
 from serving.engine.options import EngineOptions
+from serving.engine.prefill_attention import causal_band
 
 # HF name -> (engine name, part index, number of parts); `{i}` is the layer index.
 HF_TO_ENGINE: dict[str, tuple[str, int, int]] = {
@@ -82,14 +84,26 @@ def read_config(config: dict[str, Any], *, architecture: str, source: str = "con
             f"rope type {rope_type!r} in {source} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
         )
 
+    n_layers = int(config["num_hidden_layers"])
     sliding_window = config.get("sliding_window")
     if architecture == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
         sliding_window = None
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise UnsupportedArchitectureError(f"sliding_window={sliding_window!r} in {source} must be >= 1 (or null)")
+    layer_windows: tuple[int | None, ...] = ()
+    if sliding_window and architecture == "Qwen2ForCausalLM":  # Mistral windows every layer, whatever layer_types
+        types = config.get("layer_types") or [  # transformers' rule where a config predates layer_types
+            "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+            for i in range(n_layers)]
+        try:
+            layer_windows = windows_of_layer_types(types, int(sliding_window), n_layers, source=source)
+        except ValueError as e:
+            raise UnsupportedArchitectureError(str(e)) from None
     return ModelArgs(
         architecture=architecture,
         vocab_size=int(config["vocab_size"]),
         dim=dim,
-        n_layers=int(config["num_hidden_layers"]),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
         head_dim=int(head_dim),
@@ -106,6 +120,7 @@ def read_config(config: dict[str, Any], *, architecture: str, source: str = "con
         o_bias=attention_bias,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         sliding_window=int(sliding_window) if sliding_window else None,
+        layer_windows=layer_windows,
     )
 
 
@@ -126,9 +141,10 @@ def engine_param_names(args: ModelArgs) -> list[str]:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.args = args
+        self.window = args.window(layer)  # this layer's sliding window (None: global)
         self.wqkv = FloatLinear(args.dim, args.qkv_size, bias=args.qkv_bias)
         self.wo = FloatLinear(args.q_size, args.dim, bias=args.o_bias)
 
@@ -140,7 +156,9 @@ class Attention(nn.Module):
         q = apply_rope(q.view(bsz, seqlen, a.n_heads, a.head_dim), cos, sin)  # [B, S, H, hd]
         k = apply_rope(k.view(bsz, seqlen, a.n_kv_heads, a.head_dim), cos, sin)  # [B, S, Hkv, hd]
         v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+        band = causal_band(seqlen, self.window, x.device)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=band is None, attn_mask=band, scale=a.softmax_scale,
                                            enable_gqa=a.n_heads != a.n_kv_heads)  # [B, H, S, hd]
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size))
 
@@ -166,9 +184,9 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer)
         self.feed_forward = FeedForward(args)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -203,7 +221,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, args.vocab_size, bias=False)
         # the tied LM head over the embedding table (a tuple: not a submodule, the state dict holds the table once)

@@ -20,7 +20,7 @@ from torch import nn
 
 from serving.engine.errors import UnsupportedArchitectureError
 from serving.engine.model import ModelArgs
-from serving.engine.models import llama
+from serving.engine.models import gemma3, llama
 
 # An HF tensor name (`{i}`: the layer index) -> (engine tensor name, part of a fused tensor, number of parts)
 WeightTable = dict[str, tuple[str, int, int]]
@@ -46,6 +46,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     for name, model_type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"),
                              ("Qwen2ForCausalLM", "qwen2"))
 }
+ARCHITECTURES[gemma3.ARCHITECTURE] = Architecture(
+    name=gemma3.ARCHITECTURE, model_type=gemma3.MODEL_TYPE, model_class=gemma3.Transformer, weights=gemma3.HF_TO_ENGINE,
+    param_names=gemma3.engine_param_names, read_config=gemma3.read_config, ignored_weights=gemma3.IGNORED_HF_TENSORS)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 
