@@ -108,6 +108,24 @@ def test_config_readers_give_each_layer_its_window_and_rope():
             model_args_of({**gemma, option: value})
 
 
+def test_the_fp8_kv_peer_of_the_gate_keeps_the_window(windowed):
+    """`tasks.validate.round_hf_kv_cache` (HF over e4m3-rounded K/V, the peer of an fp8-KV engine) under its own
+    attention name still masks each sliding layer's window: transformers builds no mask for a name it does not
+    know, which would have let every key through."""
+    from tasks.validate import round_hf_kv_cache
+
+    _, hf_dir, _, _ = windowed
+    prompt = torch.tensor([list(range(3, 3 + 40))])
+    logits = []
+    for window in (SLIDING_WINDOW, LIMITS.max_seq_len):
+        peer = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, sliding_window=window).eval()
+        round_hf_kv_cache(peer, "fp8")
+        with torch.no_grad():
+            logits.append(peer(prompt).logits[0])
+    assert torch.equal(logits[0][:SLIDING_WINDOW], logits[1][:SLIDING_WINDOW])
+    assert (logits[0][SLIDING_WINDOW:] - logits[1][SLIDING_WINDOW:]).abs().max() > 1e-2
+
+
 def test_a_step_without_the_local_rope_tables_is_refused(windowed):
     """A model whose windowed layers rotate by their own rope, stepped without those tables: an error naming the
     layer, never the global rope silently."""
