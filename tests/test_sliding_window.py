@@ -47,9 +47,9 @@ def windowed(request, tmp_path_factory) -> tuple[str, Path, object, object]:
     return arch, hf_dir, hf, load_engine(info.path, device="cpu")
 
 
-def hf_greedy(hf, prompt: list[int]) -> list[int]:
+def hf_greedy(hf, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                           pad_token_id=PAD_ID)
     return out[0, len(prompt):].tolist()
 
@@ -124,6 +124,47 @@ def test_the_fp8_kv_peer_of_the_gate_keeps_the_window(windowed):
             logits.append(peer(prompt).logits[0])
     assert torch.equal(logits[0][:SLIDING_WINDOW], logits[1][:SLIDING_WINDOW])
     assert (logits[0][SLIDING_WINDOW:] - logits[1][SLIDING_WINDOW:]).abs().max() > 1e-2
+
+
+def test_blocks_out_of_every_layers_window_go_back_to_the_pool_but_the_row_key():
+    from serving.engine.kv_cache import BlockAllocator
+    from serving.engine.kv_cache_manager import KVCacheManager, RequestBlocks
+
+    kv = KVCacheManager(BlockAllocator(10), block_size=4, window=6)
+    seq = RequestBlocks()
+    kv.admit(seq, 12)  # blocks 0-2
+    kv.slide(seq, 12)  # a query at 12 sees keys 7..12: block 0 (0-3) is out, but it is the row key
+    assert kv.free == 7 and seq.slid == 1
+    assert kv.grow(seq, 20) and kv.free == 5
+    kv.slide(seq, 20)  # keys 15..20: blocks 1 (4-7) and 2 (8-11) out
+    assert kv.free == 7 and seq.table == [0, 1, 2, 3, 4] and seq.slid == 3
+    kv.release(seq)  # the row key and blocks 3, 4; none twice
+    assert kv.free == 10 and seq.table == []
+    assert not KVCacheManager(BlockAllocator(4), block_size=4).window  # a model with a global layer: none slide
+
+
+def test_a_windowed_engine_serves_in_the_blocks_of_its_windows(windowed):
+    """Mistral's window on every layer: two requests of 80-odd positions each (6 blocks each when held whole) in a
+    pool of 8 blocks run side by side without preemption, their blocks out of the window given back as they
+    go; held whole (no window given to the manager), the same requests preempt. Tokens: HF's either way."""
+    from serving.engine.scheduler import Scheduler, collect
+
+    arch, _, hf, runner = windowed
+    if runner.info.model.kv_window is None:
+        pytest.skip(f"{arch} has global layers: every block stays read")
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    new_tokens = LIMITS.max_seq_len - len(PROMPTS[3]) - 1
+    small = load_engine(runner.info.path, device="cpu", config=dataclasses.replace(KV, num_blocks=8))
+    want = [hf_greedy(hf, p, new_tokens) for p in prompts]
+    preempted = []
+    for window in (small.info.model.kv_window, None):
+        sched = Scheduler(small)
+        sched.kv.window = window
+        got = collect(sched, prompts, max_tokens=new_tokens)
+        assert [ids for ids, _ in got] == want
+        assert small.allocator.free == small.num_blocks
+        preempted.append(sched.stats.preempted)
+    assert preempted[0] == 0 < preempted[1], preempted
 
 
 def test_a_step_without_the_local_rope_tables_is_refused(windowed):

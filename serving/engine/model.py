@@ -75,6 +75,14 @@ class ModelArgs:
         """The sliding window of layer `layer`: a query at position p sees keys at (p - window, p]; None: all."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer's keys stay visible in (the largest layer window), when every layer has one: a
+        sequence's positions older than that are read by no layer (their blocks can go back to the pool); None
+        when some layer is global."""
+        windows = [self.window(i) for i in range(self.n_layers)]
+        return None if None in windows else max(windows)
+
     def local_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates by the local rope (`local_rope_theta`) rather than the global one."""
         return self.local_rope_theta is not None and self.window(layer) is not None

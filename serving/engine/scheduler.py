@@ -168,7 +168,8 @@ class Scheduler(SchedulerLoop):
         self.max_live = self.capacity = runner.max_live
         self.max_num_tokens = runner.config.max_num_tokens
         self.block_size = runner.config.block_size
-        self.kv = KVCacheManager(runner.allocator, self.block_size)  # block ids in, block ids out
+        self.kv = KVCacheManager(runner.allocator, self.block_size,  # block ids in, block ids out
+                                 window=runner.info.model.kv_window)
         self.running: list[_Seq] = []
         self.stats = SchedulerStats()
 
@@ -335,6 +336,7 @@ class Scheduler(SchedulerLoop):
         logprobs = self._step_logprobs(logits, tokens, seqs)
         for seq in seqs:
             seq.computed += 1
+            self.kv.slide(seq.kv, seq.computed)
             if seq.generated > 0:
                 self.stats.decode_tokens += 1
             else:  # a one-token prompt
@@ -450,6 +452,7 @@ class Scheduler(SchedulerLoop):
             else:
                 self.stats.prefill_tokens += n
             self.kv.cache_computed(seq.kv, seq.tokens, seq.computed)
+            self.kv.slide(seq.kv, seq.computed)
         for k, seq in enumerate(lives):
             self._deliver(seq, token_list[k], extras[k] if extras else None)
         self._drop_retired()
