@@ -25,14 +25,13 @@ Registered in `models.registry.ARCHITECTURES`. Imports: stdlib and torch only.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.engine.errors import UnsupportedArchitectureError
+from serving.engine.errors import UnsupportedArchitectureError as Unsupported
 from serving.engine.linear_float import FloatLinear, TiedHead
 from serving.engine.model import (
     SUPPORTED_ROPE_TYPES,
@@ -42,7 +41,7 @@ from serving.engine.model import (
     rope_cos_sin,
     windows_of_layer_types,
 )
-from serving.engine.models.llama import embedding
+from serving.engine.models import llama
 from serving.engine.options import EngineOptions
 from serving.engine.prefill_attention import causal_band
 
@@ -50,34 +49,17 @@ ARCHITECTURE = "Gemma3ForCausalLM"
 MODEL_TYPE = "gemma3_text"
 HIDDEN_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GELU, tanh approximation: what Gemma 3 checkpoints set
 
+# Llama's names, and the norms Gemma adds: per head on q and k, after attention, before and after the MLP
 HF_TO_ENGINE: dict[str, tuple[str, int, int]] = {
-    "model.embed_tokens.weight": ("tok_embeddings.weight", 0, 1),
-    "model.norm.weight": ("norm.weight", 0, 1),
-    "lm_head.weight": ("output.weight", 0, 1),
-    "model.layers.{i}.self_attn.q_proj.weight": ("layers.{i}.attention.wqkv.weight", 0, 3),
-    "model.layers.{i}.self_attn.k_proj.weight": ("layers.{i}.attention.wqkv.weight", 1, 3),
-    "model.layers.{i}.self_attn.v_proj.weight": ("layers.{i}.attention.wqkv.weight", 2, 3),
-    "model.layers.{i}.self_attn.q_proj.bias": ("layers.{i}.attention.wqkv.bias", 0, 3),
-    "model.layers.{i}.self_attn.k_proj.bias": ("layers.{i}.attention.wqkv.bias", 1, 3),
-    "model.layers.{i}.self_attn.v_proj.bias": ("layers.{i}.attention.wqkv.bias", 2, 3),
-    "model.layers.{i}.self_attn.o_proj.weight": ("layers.{i}.attention.wo.weight", 0, 1),
-    "model.layers.{i}.self_attn.o_proj.bias": ("layers.{i}.attention.wo.bias", 0, 1),
+    **llama.HF_TO_ENGINE,
     "model.layers.{i}.self_attn.q_norm.weight": ("layers.{i}.attention.q_norm.weight", 0, 1),
     "model.layers.{i}.self_attn.k_norm.weight": ("layers.{i}.attention.k_norm.weight", 0, 1),
-    "model.layers.{i}.mlp.gate_proj.weight": ("layers.{i}.feed_forward.w13.weight", 0, 2),
-    "model.layers.{i}.mlp.up_proj.weight": ("layers.{i}.feed_forward.w13.weight", 1, 2),
-    "model.layers.{i}.mlp.down_proj.weight": ("layers.{i}.feed_forward.w2.weight", 0, 1),
-    "model.layers.{i}.input_layernorm.weight": ("layers.{i}.attention_norm.weight", 0, 1),
     "model.layers.{i}.post_attention_layernorm.weight": ("layers.{i}.post_attention_norm.weight", 0, 1),
     "model.layers.{i}.pre_feedforward_layernorm.weight": ("layers.{i}.ffn_norm.weight", 0, 1),
     "model.layers.{i}.post_feedforward_layernorm.weight": ("layers.{i}.post_ffn_norm.weight", 0, 1),
 }
-IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+IGNORED_HF_TENSORS = llama.IGNORED_HF_TENSORS
 DEFAULT_SLIDING_WINDOW_PATTERN = 6  # transformers' default: five local layers, then a global one
-
-
-def _refuse(message: str) -> UnsupportedArchitectureError:
-    return UnsupportedArchitectureError(message)
 
 
 def _ropes(config: dict[str, Any], source: str) -> tuple[dict[str, Any], float]:
@@ -94,8 +76,8 @@ def _ropes(config: dict[str, Any], source: str) -> tuple[dict[str, Any], float]:
     full.setdefault("rope_theta", 1_000_000.0)
     local_type = local.get("rope_type", local.get("type", "default"))
     if local_type != "default":
-        raise _refuse(f"rope type {local_type!r} of the sliding-window layers in {source} is not supported; "
-                      "supported: 'default'")
+        raise Unsupported(f"rope type {local_type!r} of the sliding-window layers in {source} is not "
+                          "supported; supported: 'default'")
     return full, float(local.get("rope_theta", 10_000.0))
 
 
@@ -104,13 +86,15 @@ def read_config(config: dict[str, Any], *, architecture: str, source: str = "con
     `UnsupportedArchitectureError` naming the option, its value and what is supported."""
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in HIDDEN_ACTIVATIONS:
-        raise _refuse(f"hidden_activation={act!r} in {source}: only {list(HIDDEN_ACTIVATIONS)} is supported")
+        raise Unsupported(f"hidden_activation={act!r} in {source}: only {list(HIDDEN_ACTIVATIONS)} is "
+                          "supported")
     for option in ("final_logit_softcapping", "attn_logit_softcapping"):
         if config.get(option) is not None:
-            raise _refuse(f"{option}={config[option]!r} in {source}: logit soft-capping is not supported "
-                          "(Gemma 3 sets it to null)")
+            raise Unsupported(f"{option}={config[option]!r} in {source}: logit soft-capping is not "
+                              "supported (Gemma 3 sets it to null)")
     if config.get("use_bidirectional_attention"):
-        raise _refuse(f"use_bidirectional_attention=true in {source} is not supported (causal attention only)")
+        raise Unsupported(f"use_bidirectional_attention=true in {source} is not supported (causal "
+                          "attention only)")
 
     dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     n_layers = int(config["num_hidden_layers"])
@@ -118,10 +102,12 @@ def read_config(config: dict[str, Any], *, architecture: str, source: str = "con
     full, local_theta = _ropes(config, source)
     rope_type = full.get("rope_type", full.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise _refuse(f"rope type {rope_type!r} in {source} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+        raise Unsupported(f"rope type {rope_type!r} in {source} is not supported; supported: "
+                          f"{list(SUPPORTED_ROPE_TYPES)}")
     window = config.get("sliding_window")
     if window is None or int(window) < 1:
-        raise _refuse(f"sliding_window={window!r} in {source}: Gemma 3 needs a window >= 1 for its local layers")
+        raise Unsupported(f"sliding_window={window!r} in {source}: Gemma 3 needs a window >= 1 for its "
+                          "local layers")
     pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
                   or DEFAULT_SLIDING_WINDOW_PATTERN)
     types = config.get("layer_types") or [
@@ -129,7 +115,7 @@ def read_config(config: dict[str, Any], *, architecture: str, source: str = "con
     try:
         layer_windows = windows_of_layer_types(types, int(window), n_layers, source=source)
     except ValueError as e:
-        raise _refuse(str(e)) from None
+        raise Unsupported(str(e)) from None
     attention_bias = bool(config.get("attention_bias", False))
     return ModelArgs(
         architecture=architecture,
@@ -159,21 +145,10 @@ def read_config(config: dict[str, Any], *, architecture: str, source: str = "con
 
 
 def engine_param_names(args: ModelArgs) -> list[str]:
-    """Every tensor name an engine checkpoint of `args` must hold."""
-    names = ["tok_embeddings.weight", "norm.weight"]
-    if not args.tie_word_embeddings:
-        names.append("output.weight")
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        names += [p + "attention.wqkv.weight", p + "attention.wo.weight", p + "attention.q_norm.weight",
-                  p + "attention.k_norm.weight", p + "feed_forward.w13.weight", p + "feed_forward.w2.weight",
-                  p + "attention_norm.weight", p + "post_attention_norm.weight", p + "ffn_norm.weight",
-                  p + "post_ffn_norm.weight"]
-        if args.qkv_bias:
-            names.append(p + "attention.wqkv.bias")
-        if args.o_bias:
-            names.append(p + "attention.wo.bias")
-    return names
+    """Every tensor name an engine checkpoint of `args` must hold: Llama's, and the norms Gemma adds."""
+    extra = ("attention.q_norm.weight", "attention.k_norm.weight", "post_attention_norm.weight",
+             "post_ffn_norm.weight")
+    return llama.engine_param_names(args) + [f"layers.{i}.{name}" for i in range(args.n_layers) for name in extra]
 
 
 class GemmaRMSNorm(nn.Module):
@@ -282,7 +257,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = llama.embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = GemmaRMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, args.vocab_size, bias=False)
