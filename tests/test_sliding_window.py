@@ -85,6 +85,22 @@ def test_prefill_and_reference_forward_equal_hf_and_the_window_matters(windowed)
     assert (unwindowed[SLIDING_WINDOW:] - want[SLIDING_WINDOW:]).abs().max() > 1e-2
 
 
+def test_gemma3_in_bfloat16_follows_hf_bfloat16(tmp_path):
+    """Gemma's numerics in the model dtype as HF has them: norms in float32 times (1 + w), the embedding scale
+    rounded to the dtype. (HF bf16 is tens of logits away from HF float32 on this peaked tiny model.)"""
+    hf_dir = make_tiny_model(tmp_path / "hf", arch="gemma3")
+    info = build_engine(convert_checkpoint(hf_dir, tmp_path / "ckpt", dtype="bfloat16"), tmp_path / "engine",
+                        limits=dataclasses.replace(LIMITS, dtype="bfloat16"), kv_cache=KV)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
+    prompt = list(range(3, 3 + 40))
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0].float()
+    got = load_engine(info.path, device="cpu").prefill_logits(prompt)
+    err = (got - want).abs().max().item()
+    print(f"gemma3 bf16: engine vs HF bf16 max abs err {err:.3e}, logit scale {want.abs().mean():.1f}")
+    assert err < 0.25 and torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_config_readers_give_each_layer_its_window_and_rope():
     base = {"vocab_size": 64, "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 4,
             "intermediate_size": 64, "max_position_embeddings": 256}
