@@ -7,7 +7,7 @@
 #  - site/tritonclient: tritonclient 2.51.0 unpacked (its Python package only),
 #  - pyd/: pydantic and its dependencies (tasks.validate, for the parity test).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 DEST=.whl
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT

@@ -1,7 +1,8 @@
-"""Random-weight models of real shapes for the benchmark: an HF `LlamaForCausalLM` and the engine's
-`Transformer` holding the SAME weights (HF q/k/v and gate/up fused through the conversion table).
+"""Random-weight models of real shapes for the benchmark: an HF model of the shape's architecture and the
+engine's model (its family's class in `models.registry`) holding the SAME weights (HF q/k/v and gate/up fused
+through the conversion table).
 
-No downloads: the shapes are the published `config.json` values of Llama-3.2-1B and Llama-3.1-8B.
+No downloads: the shapes are the published `config.json` values of Llama-3.2-1B, Llama-3.1-8B and Qwen3-8B.
 transformers is imported lazily (only the benchmark needs it).
 """
 
@@ -17,8 +18,7 @@ from serving.engine.convert import map_hf_name
 from serving.engine.kv_cache import KVCacheConfig
 from serving.engine.linears import apply_options
 from serving.engine.model import ModelArgs
-from serving.engine.models.llama import Transformer
-from serving.engine.models.registry import model_args_of
+from serving.engine.models.registry import model_args_of, registered
 from serving.engine.options import resolve_options
 from serving.engine.runner import EngineRunner
 
@@ -40,6 +40,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}, "tie_word_embeddings": False,
         "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
     },
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
     # a few-MB shape for CPU tests of the harness itself
     "tiny": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
@@ -57,15 +64,20 @@ def model_args(shape: str) -> ModelArgs:
     return model_args_of(SHAPES[shape], source=f"shape {shape}")
 
 
+def engine_model(args: ModelArgs) -> torch.nn.Module:
+    """The engine's model of `args` (its family's class), on the current default device."""
+    return registered(args.architecture).model_class(args)
+
+
 def random_hf_model(shape: str, *, dtype: torch.dtype, device: str, seed: int = 0) -> Any:
-    """An HF LlamaForCausalLM with random weights (normal, std 0.02) of `shape`, in eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """An HF model of `shape`'s architecture with random weights (normal, std 0.02), in eval mode."""
+    import transformers
 
     torch.manual_seed(seed)
     cfg = {k: v for k, v in SHAPES[shape].items() if k not in ("architectures", "model_type")}
-    config = LlamaConfig(**cfg)
+    config = transformers.AutoConfig.for_model(SHAPES[shape]["model_type"], **cfg)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = getattr(transformers, SHAPES[shape]["architectures"][0])(config).to(dtype)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval().requires_grad_(False)
@@ -93,7 +105,7 @@ def runner_from_hf(hf_model: Any, args: ModelArgs, limits: EngineLimits, *, cuda
     state = engine_state_from_hf(hf_model.state_dict(), args)
     device = hf_model.device
     with torch.device("meta"):
-        model = Transformer(args)
+        model = engine_model(args)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.eval().requires_grad_(False)
     config = KVCacheConfig()
@@ -106,7 +118,7 @@ def runner_from_hf(hf_model: Any, args: ModelArgs, limits: EngineLimits, *, cuda
 def weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
     """Bytes of every weight (the embedding table counted once when tied), as the issue's roofline."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = engine_model(args)
     return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
 
 

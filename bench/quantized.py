@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from bench.models import engine_model
 from bench.offline import copy_bandwidth_gb_s, roofline
 from serving.engine.build import EngineInfo, EngineLimits
 from serving.engine.kv_cache import KVCacheConfig
@@ -88,7 +89,7 @@ def random_model(shape: str, *, n_layers: int | None = None, seed: int = 0) -> T
         args = dataclasses.replace(args, n_layers=n_layers)
     torch.manual_seed(seed)
     with torch.device("cuda"):
-        model = Transformer(args)
+        model = engine_model(args)
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
@@ -101,7 +102,7 @@ def quantized_model(base: Transformer, method: str, *, dtype: torch.dtype = torc
     state = quantize_state(base.state_dict(), quant, n_layers=args.n_layers,
                            tie_word_embeddings=args.tie_word_embeddings)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = engine_model(args)
     install_quantized_linears(model, quant, n_layers=args.n_layers, tie_word_embeddings=args.tie_word_embeddings,
                               dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)

@@ -41,7 +41,7 @@ def run_release(spec: ReleaseSpec) -> Outcome:
     from flows.release import release_flow
     from tasks.checkpoint import check_checkpoint
 
-    check_checkpoint(spec.source.checkpoint)
+    check_checkpoint(spec.source.checkpoint, kind=spec.engine.kind)
     return outcome_of(release_flow(spec, return_state=True), what="release")
 
 

@@ -15,8 +15,9 @@ class ConvertedCheckpoint:
     reused: bool = False  # a finished conversion with the same key was found: nothing was redone
 
 
-def check_checkpoint(checkpoint: Path) -> None:
-    """Fail early, naming the setting, when the source folder is not a usable HF checkpoint."""
+def check_checkpoint(checkpoint: Path, *, kind: str | None = None) -> None:
+    """Fail early, naming the setting, when the source folder is not a usable HF checkpoint; for `kind` "torch"
+    (the spec's engine.kind) also when it is quantized in a scheme that engine does not load."""
     if not checkpoint.is_dir():
         raise CheckpointError(
             f"source.checkpoint {str(checkpoint)!r} is not a folder; point it at a Hugging Face checkpoint "
@@ -26,3 +27,7 @@ def check_checkpoint(checkpoint: Path) -> None:
         raise CheckpointError(f"source.checkpoint {str(checkpoint)!r} has no config.json")
     if not any(checkpoint.glob("*.safetensors")):
         raise CheckpointError(f"source.checkpoint {str(checkpoint)!r} has no *.safetensors weights")
+    if kind == "torch":
+        from tasks.hf_reference import fp8_checkpoint_of
+
+        fp8_checkpoint_of(checkpoint)  # a quantization the engine does not load is refused here, naming it

@@ -132,10 +132,9 @@ class Float32Reference:
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
         """[len(ids), V] float32 on the CPU."""
         if self.model is None:
-            from transformers import AutoModelForCausalLM
+            from tasks.hf_reference import load_hf_model
 
-            self.model = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32)
-            self.model = self.model.to(self.device).eval()
+            self.model = load_hf_model(self.checkpoint, "float32", self.device)
         return self.model(torch.tensor([list(ids)], device=self.model.device)).logits[0].float().cpu()
 
 

@@ -105,7 +105,8 @@ class EngineSpec(BaseModel):
         "none", description="Weight quantization (docs/quantization.md): `fp8` (e4m3 weights, per-output-channel "
         "scales, activations scaled per token at run time; GPUs of compute capability >= 8.9, or the CPU's "
         "dequantizing path), `int8-weight-only` (per-output-channel symmetric int8; any GPU, the CPU). "
-        "Embeddings, norms and the LM head keep `dtype`.")
+        "Embeddings, norms and the LM head keep `dtype`. A checkpoint already in FP8 (compressed-tensors, "
+        "ModelOpt, block-wise fp8) needs `fp8`: it loads with its own weights and scales.")
     quantize_lm_head: bool = Field(False, description="Quantize the LM head too (untied models only).")
     max_batch_size: int = Field(8, ge=1, le=1024, description="Most sequences the engine decodes at once.")
     max_input_len: int = Field(128, ge=1, description="Longest prompt, in tokens.")

@@ -39,7 +39,7 @@ def convert(checkpoint: Path, engine: EngineSpec, work_dir: Path) -> ConvertedCh
     """HF checkpoint -> engine checkpoint (fused wqkv / w13, dtype cast, quantization), once per content."""
     from serving.engine import convert_checkpoint
 
-    check_checkpoint(checkpoint)
+    check_checkpoint(checkpoint, kind="torch")
     source_digest = tree_digest(checkpoint)
     identity = {"source": source_digest, "dtype": engine.dtype, "kind": engine.kind, "toolchain": toolchain_key()}
     if engine.quantization != "none":  # (absent otherwise: unquantized conversions keep their keys)

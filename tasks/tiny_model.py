@@ -24,14 +24,23 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "mistral-window", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3", "phi3", "phi3-longrope", "mixtral",
+         "qwen3-moe", "mistral-window", "gemma3")
 # one tiny checkpoint per registered architecture family: the ones the release flow is run over in CI
-FAMILY_ARCHS = ("llama", "mistral-window", "qwen2", "gemma3")
+FAMILY_ARCHS = ("llama", "mistral-window", "qwen2", "qwen3", "phi3", "mixtral", "qwen3-moe", "gemma3")
 SLIDING_WINDOW = 12  # the windowed tiny checkpoints' window: shorter than the tests' prompts and generations
 # Gemma's norms scale by (1 + w) and its tied embeddings are scaled by sqrt(hidden_size): norms around 8 and the
 # table halved keep the tiny model's greedy generations from repeating one token (the residual stream would be the
@@ -84,6 +93,21 @@ def _config(arch: str):
         return MistralConfig(**common, sliding_window=4096), MistralForCausalLM
     if arch == "qwen2":
         return Qwen2Config(**common, rope_theta=1000000.0), Qwen2ForCausalLM
+    if arch == "qwen3":  # head_dim 32, not hidden_size / heads = 16: the q/k norms and projections sized by it
+        return Qwen3Config(**common, head_dim=32, rope_theta=1000000.0), Qwen3ForCausalLM
+    if arch == "phi3":  # packed qkv_proj / gate_up_proj in the checkpoint
+        return Phi3Config(**common, original_max_position_embeddings=512), Phi3ForCausalLM
+    if arch == "phi3-longrope":  # Phi-3.5's rope scaling; its original context (512 of 4096) the engine's limit
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 0.8, 2.0, 1.1, 3.0, 1.5, 0.9],
+                "long_factor": [4.0] * 8}
+        return Phi3Config(**{**common, "max_position_embeddings": 4096}, original_max_position_embeddings=512,
+                          rope_scaling=rope), Phi3ForCausalLM
+    if arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2), MixtralForCausalLM
+    if arch == "qwen3-moe":
+        # no renormalization of the top-k (Mixtral has it), and layer 1 dense (mlp_only_layers)
+        return Qwen3MoeConfig(**common, head_dim=16, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1]), Qwen3MoeForCausalLM
     if arch == "mistral-window":
         return MistralConfig(**common, sliding_window=SLIDING_WINDOW), MistralForCausalLM
     if arch == "gemma3":  # local (windowed, own rope base) and global layers; attention scale not head_dim's
@@ -93,6 +117,35 @@ def _config(arch: str):
                                 query_pre_attn_scalar=24, rope_theta=1000000.0, rope_local_base_freq=10000.0,
                                 hidden_activation="gelu_pytorch_tanh"), Gemma3ForCausalLM
     raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+
+
+# each expert's tensors as the published checkpoints hold them, for transformers' stacked experts [E, ...]:
+# Mixtral's `block_sparse_moe.experts.{e}.w1` (gate) / `w3` (up) / `w2` (down), Qwen3-MoE's `mlp.experts.{e}.*_proj`
+HUB_EXPERTS = {MixtralForCausalLM: ("block_sparse_moe", "w1", "w3", "w2"),
+               Qwen3MoeForCausalLM: ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def hub_layout(state: dict[str, torch.Tensor], model_cls: type) -> dict[str, torch.Tensor]:
+    """`state` with transformers' stacked experts split into the published checkpoints' per-expert tensors."""
+    if model_cls not in HUB_EXPERTS:
+        return state
+    block, gate, up, down = HUB_EXPERTS[model_cls]
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        prefix, _, rest = name.partition(".mlp.")
+        if rest == "experts.gate_up_proj":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{block}.experts.{e}.{gate}.weight"] = t[e, :inter].clone()
+                out[f"{prefix}.{block}.experts.{e}.{up}.weight"] = t[e, inter:].clone()
+        elif rest == "experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{block}.experts.{e}.{down}.weight"] = t[e].clone()
+        elif rest == "gate.weight":
+            out[f"{prefix}.{block}.gate.weight"] = t
+        else:
+            out[name] = t
+    return out
 
 
 def make_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
@@ -154,7 +207,7 @@ def make_tiny_model(out_dir: Path, *, arch: str = "llama", seed: int = 0, shards
             elif "norm" in name:
                 p.copy_(norm_center + 0.2 * torch.randn(p.shape, generator=gen))
         model.get_input_embeddings().weight.mul_(embedding_factor)
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    state = hub_layout({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}, model_cls)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     config.architectures = [model_cls.__name__]

@@ -3,7 +3,8 @@
 The reference is HF in float32. Beside it, HF runs in the engine's own dtype (the *peer*), and the engine
 may be as far from the reference as the peer is, times a margin, plus a floor (``tasks.quality_budgets``):
 a bfloat16 engine is judged like HF bfloat16, a float32 one must agree almost exactly, and a precision HF
-cannot run (a quantized engine) against its own budget. Figures, all two-sided:
+cannot run (a quantized engine) against its own budget. A checkpoint already in FP8 is HF's plain model of its
+weights dequantized by its own scales, its peer those weights too (``tasks.hf_reference``). Figures, all two-sided:
 - teacher-forced over the fixed passages (``tasks/evaluation_data.json``) and each prompt with the
   reference's continuation: mean per-token KL(reference || engine), the NLL difference, top-1 agreement;
 - greedy generations compared the way vLLM's ``check_logprobs_close`` does: identical, or where they first
@@ -46,6 +47,7 @@ from tasks.decode_check import (
 from tasks.envelope import long_prompts
 from tasks.errors import GateFailed
 from tasks.gate_specs import ValidationSpec
+from tasks.hf_reference import fp8_checkpoint_of, load_hf_model, round_fp8_checkpoint_tokens
 from tasks.loaded_check import LoadedCheck, check_loaded, render_loaded
 from tasks.quality_budgets import PrecisionBudget, budget_for, quantized_precision, with_kv_cache
 from tasks.text_path import TokenizerCheck, check_text_path
@@ -219,7 +221,10 @@ def reference_run(checkpoint: Path, spec: ValidationSpec, precision: str, *, dev
     if budget.peer_dtype is not None and (budget.peer_dtype != "float32" or budget.peer_quantization
                                           or budget.peer_kv_cache):
         model = _hf_model(checkpoint, budget.peer_dtype, device)
-        if budget.peer_quantization:
+        if budget.peer_quantization and fp8_checkpoint_of(checkpoint) is not None:  # its own FP8 weights
+            round_fp8_checkpoint_tokens(model, checkpoint, scale_tokens=engine_scales_tokens(
+                budget.peer_quantization, model.dtype, model.device))
+        elif budget.peer_quantization:
             quantize_hf_linears(model, budget.peer_quantization, lm_head=budget.peer_lm_head)
         if budget.peer_kv_cache:
             round_hf_kv_cache(model, budget.peer_kv_cache)
@@ -232,9 +237,8 @@ def reference_run(checkpoint: Path, spec: ValidationSpec, precision: str, *, dev
 
 
 def _hf_model(checkpoint: Path, dtype: str, device):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(device).eval()
+    """HF's model of the checkpoint; one already in FP8 dequantized by its own scales (`tasks.hf_reference`)."""
+    return load_hf_model(checkpoint, dtype, device)
 
 
 class _Fp8TokensLinear(torch.nn.Module):
@@ -262,8 +266,9 @@ def engine_scales_tokens(method: str, dtype: torch.dtype, device: torch.device |
 
 @torch.no_grad()
 def quantize_hf_linears(model, method: str, *, lm_head: bool, scale_tokens: bool | None = None) -> None:
-    """Replace each decoder layer's linear weights (and the LM head's, when the engine quantizes it) by
-    their quantized-then-dequantized values, per output channel as the engine's conversion does. Where the
+    """Replace each decoder layer's linear weights (and the LM head's, when the engine quantizes it; a mixture of
+    experts' stacked expert weights, not its router) by their quantized-then-dequantized values, per output
+    channel as the engine's conversion does. Where the
     engine rounds tokens to e4m3 too (`scale_tokens`; by default `engine_scales_tokens` on the model's
     device), the peer's linears do the same, so that error is the peer's as well as the engine's."""
     from serving.engine.quantize import dequantize_weight, quantize_weight
@@ -274,6 +279,10 @@ def quantize_hf_linears(model, method: str, *, lm_head: bool, scale_tokens: bool
                if isinstance(m, torch.nn.Linear)]
     if lm_head:
         linears.append((model, "lm_head"))
+    for layer in model.model.layers:  # a mixture of experts' stacked weights [E, N, K]: weight-only (models.moe)
+        for p in (p for p in layer.parameters() if p.dim() == 3):
+            q, scale = quantize_weight(p.data.flatten(0, 1), method)
+            p.data = dequantize_weight(q, scale, p.dtype).view_as(p)
     for owner, name in linears:
         linear = owner.get_submodule(name)
         q, scale = quantize_weight(linear.weight.data, method)

@@ -99,6 +99,28 @@ def misscale(factor: float) -> Callable[[Tensors, dict], None]:
     return edit
 
 
+def permute_router(layer: int = 0) -> Callable[[Tensors, dict], None]:
+    """A mixture of experts' router rows of experts 0 and 1 of `layer` swapped: tokens routed to the wrong experts."""
+    def edit(tensors: Tensors, args: dict) -> None:
+        name = f"layers.{layer}.feed_forward.gate.weight"
+        if name in tensors:
+            tensors[name] = tensors[name][[1, 0, *range(2, args["n_experts"])]].clone()
+    return edit
+
+
+def swap_gate_up(layer: int = 0, expert: int = 0) -> Callable[[Tensors, dict], None]:
+    """One expert's gate and up projections swapped (w1 <-> w3 of a Mixtral expert) in the stacked w13 of `layer`."""
+    def edit(tensors: Tensors, args: dict) -> None:
+        name = f"layers.{layer}.feed_forward.w13.weight"
+        if name in tensors:
+            inter, w = args["moe_intermediate_size"], tensors[name].clone()
+            first = expert * 2 * inter
+            gate, up = slice(first, first + inter), slice(first + inter, first + 2 * inter)
+            w[gate], w[up] = tensors[name][up], tensors[name][gate]
+            tensors[name] = w
+    return edit
+
+
 def edited_runner(engine_dir: Path, edit: Callable[[Tensors, dict], None]):
     """The engine loaded, with `edit` applied to its weights in memory: what `edit_checkpoint` and a rebuild
     would load, without writing the checkpoint twice (the gates take a runner beside its engine folder)."""

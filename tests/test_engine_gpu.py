@@ -1,4 +1,5 @@
-"""The torch engine on CUDA: equals the CPU engine (float32, decode steps under CUDA graphs), bf16 agrees with
+"""The torch engine on CUDA: equals the CPU engine (float32, decode steps under CUDA graphs; the mixtures of experts
+through the grouped expert kernels there, the loop over experts on the CPU), bf16 agrees with
 HF bf16, the scheduler on CUDA.
 
 Runs only where CUDA is present (the lead's H200 run); skipped elsewhere.
@@ -23,13 +24,14 @@ def engine(tmp_path, dtype: str, arch: str = "llama"):
     return hf, build_engine(ckpt, tmp_path / f"engine-{dtype}", limits=limits)
 
 
-def test_cuda_matches_cpu_float32(tmp_path):
-    _, info = engine(tmp_path, "float32")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "mixtral", "qwen3-moe"])
+def test_cuda_matches_cpu_float32(tmp_path, arch):
+    _, info = engine(tmp_path, "float32", arch)
     cpu, gpu = load_engine(info.path, device="cpu"), load_engine(info.path, device="cuda")
     assert gpu.device.type == "cuda" and info.toolchain["compute_capability"] != "cpu"
     prompt = list(range(3, 100))
     err = (cpu.prefill_logits(prompt) - gpu.prefill_logits(prompt)).abs()
-    print(f"cuda vs cpu float32 logits: max {err.max():.2e} mean {err.mean():.2e}")
+    print(f"{arch} cuda vs cpu float32 logits: max {err.max():.2e} mean {err.mean():.2e}")
     assert err.max() < 1e-2  # TF32 matmuls may be on
     a = [g.token_ids for g in cpu.generate(PROMPTS, max_new_tokens=16)]
     b = [g.token_ids for g in gpu.generate(PROMPTS, max_new_tokens=16)]

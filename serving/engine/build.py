@@ -76,6 +76,11 @@ class EngineLimits:
         if self.max_input_len >= self.max_seq_len:
             raise EngineLimitError(f"limits.max_input_len={self.max_input_len} must be < "
                                    f"limits.max_seq_len={self.max_seq_len}")
+        if model.rope_type == "longrope" and self.max_seq_len > model.rope_original_max_position_embeddings:
+            raise EngineLimitError(f"limits.max_seq_len={self.max_seq_len} exceeds the model's "
+                                   f"original_max_position_embeddings={model.rope_original_max_position_embeddings} "
+                                   "(rope type 'longrope': the engine applies its short factors, which HF uses up to "
+                                   "that length; its long factors are not supported)")
         if self.max_seq_len > model.max_position_embeddings:
             raise EngineLimitError(f"limits.max_seq_len={self.max_seq_len} exceeds the model's "
                                    f"max_position_embeddings={model.max_position_embeddings}")

@@ -12,7 +12,8 @@ alone (`torch.load(weights_only=True, mmap=True)`):
 Tensors are read one at a time from each shard (the safetensors header parsed here, the bytes read
 with `readinto` into the tensor: no mmap, whose pages count in RSS), cast, and written out in
 files of about a quarter shard; a fused tensor whose parts straddle two shards waits in a small
-pending buffer. Peak memory stays under the largest shard (measured: tests/test_engine_convert.py
+pending buffer (a mixture of experts' stacked tensor is allocated whole at its first expert and filled in
+place). Peak memory stays under the largest shard (measured: tests/test_engine_convert.py
 prints it), not the model. The output is written into a temp sibling and renamed at the end.
 
 Imports at module load: stdlib and torch only (no safetensors needed).
@@ -37,6 +38,11 @@ from serving.engine.errors import (
     EngineExistsError,
     EngineLimitError,
 )
+from serving.engine.fp8_checkpoint import (
+    UnsupportedQuantizationError,
+    detect_fp8_checkpoint,
+    fp8_quantization,
+)
 from serving.engine.model import ModelArgs
 from serving.engine.models.registry import model_args_of, registered
 from serving.engine.quantize import SCALE_SUFFIX, QuantInfo, quantize_weight
@@ -49,6 +55,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "chat_template.jinja")
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # one expert's tensor of a mixture of experts (`models.moe`)
 
 
 def parse_dtype(dtype: str, *, setting: str = "dtype") -> torch.dtype:
@@ -65,10 +72,15 @@ def map_hf_name(name: str, args: ModelArgs) -> tuple[str, int, int] | None:
         return None
     m = _LAYER.match(name)
     key, layer = (f"model.layers.{{i}}.{m.group(2)}", m.group(1)) if m else (name, None)
-    if key not in arch.weights:
+    expert = _EXPERT.search(key)
+    if expert is not None:  # expert e's parts follow those of experts 0..e-1 in the stacked tensor
+        key = f"{key[:expert.start()]}.experts.{{e}}.{key[expert.end():]}"
+    if key not in arch.weights or (expert is not None and int(expert.group(1)) >= args.n_experts):
         raise CheckpointError(f"unexpected tensor {name!r}: not in the HF->engine weight table for "
-                              f"{args.architecture}")
+                              f"{args.architecture}" + (f" ({args.n_experts} experts)" if expert else ""))
     target, part, n_parts = arch.weights[key]
+    if expert is not None:
+        part, n_parts = int(expert.group(1)) * n_parts + part, args.n_experts * n_parts
     return (target.format(i=layer) if layer is not None else target), part, n_parts
 
 
@@ -161,16 +173,22 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
     `torch.save`'d file; so peak memory is about that buffer plus the tensor in hand and the fused
     parts still waiting for their siblings, not a whole shard (and never the model).
     `quantization` (`serving.engine.quantize`): each tensor it quantizes is quantized as soon as it is
-    complete (fused), its scale written beside it; the same bounded memory.
+    complete (fused), its scale written beside it; the same bounded memory. A checkpoint already in FP8
+    (`fp8_checkpoint`) keeps its e4m3 weights and takes its own scales in the engine's layout (`quantization`
+    must then be fp8).
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     target_dtype = parse_dtype(dtype)
     quant = quantization or QuantInfo()
     config, args = read_hf_config(hf_dir)
     quant.validate(tie_word_embeddings=args.tie_word_embeddings)
+    fp8 = detect_fp8_checkpoint(hf_dir, config)
+    if fp8 is not None:
+        quant = fp8_quantization(fp8, quant, where=str(hf_dir))
     quantized = {f"{m}.weight" for m in quant.quantized_modules(args.n_layers,
                                                                tie_word_embeddings=args.tie_word_embeddings)}
     shards = list_shards(hf_dir)
+    shapes = {k: v["shape"] for s in shards for k, v in read_safetensors_header(s)[0].items()} if fp8 else {}
     if out_dir.exists():
         raise EngineExistsError(f"convert output {str(out_dir)!r} already exists; remove it or pick another")
     if flush_bytes is None:
@@ -180,6 +198,7 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
     tmp.mkdir()
     try:
         pending: dict[str, dict[int, torch.Tensor]] = {}  # fused tensors still missing parts
+        stacks: dict[str, _Stack] = {}  # experts' stacked tensors still missing parts, filled in place
         weights: dict[str, str] = {}  # engine tensor name -> file (temporary names until the end)
         files: list[str] = []
         out: dict[str, torch.Tensor] = {}
@@ -197,7 +216,10 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
 
         def put(target: str, t: torch.Tensor) -> None:
             nonlocal buffered
-            if target in quantized:
+            if target not in quantized and t.dtype == torch.float8_e4m3fn:
+                raise UnsupportedQuantizationError(f"{target}: FP8 in {str(hf_dir)!r}, but the engine keeps it in "
+                                                   f"{dtype} (it quantizes the layers' projections only)")
+            if target in quantized and fp8 is None:
                 t, scale = quantize_weight(t, quant.method)
                 out[target + SCALE_SUFFIX] = scale
                 buffered += scale.numel() * scale.element_size()
@@ -213,16 +235,35 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
             count = 0
             with open(shard, "rb", buffering=0) as f:
                 for name in ordered:
-                    mapped = map_hf_name(name, args)
+                    if fp8 is not None and fp8.unused(name):
+                        continue
+                    scaled = fp8.weight_of_scale(name) if fp8 is not None else None
+                    mapped = map_hf_name(scaled or name, args)
                     if mapped is None:
                         continue
                     target, part, n_parts = mapped
                     t = _read_tensor(f, header[name], data_start, path=shard, name=name)
-                    if t.is_floating_point() and t.dtype != target_dtype:
+                    if t.dim() == 3:  # experts already stacked [E, N, K]: the engine stacks them on the rows
+                        t = t.flatten(0, 1)
+                    if scaled is not None:  # the checkpoint's scale of an FP8 weight, in the engine's layout
+                        target += SCALE_SUFFIX
+                        t = fp8.engine_scale(t, shapes[scaled], name=name, fused=n_parts > 1)
+                    elif fp8 is not None and target in quantized:
+                        fp8.check_weight(name, t)  # e4m3, kept as it is
+                    elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and fp8 is None:
+                        raise CheckpointError(f"{shard}: tensor {name!r} is {t.dtype} but {hf_dir / 'config.json'} "
+                                              "has no quantization_config saying how it is scaled")
+                    elif t.is_floating_point() and t.dtype != target_dtype and t.dtype != torch.float8_e4m3fn:
                         t = t.to(target_dtype)  # the source copy is freed here (last reference)
                     count += 1
                     if n_parts == 1:
                         put(target, t)
+                        continue
+                    if n_parts >= STACKED_MIN_PARTS:  # experts: no list of parts and a copy of them all at the end
+                        stack = stacks.setdefault(target, _Stack(n_parts, t))
+                        if stack.add(part, t, name=name):
+                            put(target, stacks.pop(target).tensor)
+                        del t, stack
                         continue
                     parts = pending.setdefault(target, {})
                     parts[part] = t
@@ -240,9 +281,10 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
         for old, new in names.items():
             os.rename(tmp / old, tmp / new)
         weights = {k: names[v] for k, v in weights.items()}
-        if pending:
+        if pending or stacks:
+            present = {**{k: sorted(v) for k, v in pending.items()}, **{k: sorted(v.parts) for k, v in stacks.items()}}
             raise CheckpointError(f"fused tensors incomplete after all shards of {str(hf_dir)!r}: "
-                                  f"{ {k: sorted(v) for k, v in pending.items()} } (parts present)")
+                                  f"{present} (parts present)")
         expected = set(registered(args.architecture).param_names(args)) | {name + SCALE_SUFFIX for name in quantized}
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
         if missing or extra:
@@ -266,6 +308,28 @@ def convert_checkpoint(hf_dir: Path, out_dir: Path, *, dtype: str,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+STACKED_MIN_PARTS = 4  # a fused tensor of more parts than q/k/v: a mixture of experts' weights stacked
+
+
+class _Stack:
+    """A stacked tensor of `n_parts` parts of one shape (the experts' gate, up or down projections, `models.moe`),
+    allocated whole at its first part and each part copied into its rows as it is read."""
+
+    def __init__(self, n_parts: int, first: torch.Tensor) -> None:
+        self.rows = first.shape[0]
+        self.tensor = torch.empty((n_parts * self.rows, *first.shape[1:]), dtype=first.dtype)
+        self.n_parts, self.parts = n_parts, set()
+
+    def add(self, part: int, t: torch.Tensor, *, name: str) -> bool:
+        """Copy part `part` in; whether the tensor is complete."""
+        if t.shape != (self.rows, *self.tensor.shape[1:]) or t.dtype != self.tensor.dtype:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)} ({t.dtype}); the other experts' have "
+                                  f"{(self.rows, *self.tensor.shape[1:])} ({self.tensor.dtype})")
+        self.tensor[part * self.rows:(part + 1) * self.rows] = t
+        self.parts.add(part)
+        return len(self.parts) == self.n_parts
 
 
 def read_checkpoint_meta(checkpoint_dir: Path) -> dict[str, Any]:

@@ -19,8 +19,9 @@ One token (M == 1) with `row_scaling_in_kernel` (`EngineOptions.fp8_row_scaling_
 (`_fp8_one_row_kernel`: each program reads the whole row from L2 for its largest magnitude, then converts its K
 slice to e4m3 as it goes), so the decode step at batch 1 has no kernel of its own for that: at one row the
 scaling kernels inductor writes (after the attention, and SiLU * up's row reduction in three kernels) cost more
-in launches than the values they move. The e4m3 values and scales equal `quantize_tokens_fp8`'s (`div_rn`, as
-inductor divides), so the partial products equal the two-step path's bit for bit.
+in launches than the values they move. The e4m3 values and scales equal `quantize_tokens_fp8`'s (the scale
+as the row's max times 1/448, the elements divided correctly rounded, `div_rn`), so the partial products equal the
+two-step path's bit for bit.
 
 The device's `fp8` tuned table (`tuned_tables`) holds the shapes (rows bucket, N, K) where this kernel was
 measured faster than the engine's other fp8 paths (the fp8 GEMM sweep); `fp8_config_for` returns None
@@ -102,7 +103,7 @@ if triton is not None:
             v = tl.load(x_ptr + r0 + offs_row, mask=r0 + offs_row < K, other=0.0)
             peak = tl.maximum(peak, tl.abs(v.to(tl.float32)))
         amax = tl.max(peak, 0)
-        x_scale = tl.where(amax > 0, tl.div_rn(amax, QMAX), 1.0)
+        x_scale = tl.where(amax > 0, amax * (1.0 / QMAX), 1.0)
         offs_m = tl.arange(0, 16)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)

@@ -44,7 +44,7 @@ if triton is not None:
             x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
             peak = tl.maximum(peak, tl.abs(x.to(tl.float32)))
         amax = tl.max(peak, 0)
-        scale = tl.where(amax > 0, amax / QMAX, 1.0)
+        scale = tl.where(amax > 0, amax * (1.0 / QMAX), 1.0)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             q = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)

@@ -49,12 +49,16 @@ class QuantLinear(Routed, nn.Module):
         """The weight dequantized to `dtype`: made at each call, except an fp8 weight on the CPU, kept (module
         docstring) until the weight or its scale change (their version counters and storage are the key)."""
         if self.method != FP8 or self.weight.device.type != "cpu" or torch.compiler.is_compiling():
-            return dequantize_weight(self.weight, self.weight_scale, dtype)
+            return self.dequantize(dtype)
         made_from = (dtype, self.weight.data_ptr(), self.weight._version,
                      self.weight_scale.data_ptr(), self.weight_scale._version)
         if self._kept is None or self._kept[0] != made_from:
-            self._kept = (made_from, dequantize_weight(self.weight, self.weight_scale, dtype))
+            self._kept = (made_from, self.dequantize(dtype))
         return self._kept[1]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """Q * s in `dtype` (the multiplication in float32), by the layer's scale layout: one per output row."""
+        return dequantize_weight(self.weight, self.weight_scale, dtype)
 
 
 def prescale_rows_for(linear: nn.Module, rows: int, device: torch.device) -> bool:

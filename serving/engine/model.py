@@ -41,7 +41,7 @@ class ModelArgs:
     norm_eps: float
     max_position_embeddings: int
     rope_theta: float = 10000.0
-    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES, or "longrope" (models.phi3)
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -53,6 +53,22 @@ class ModelArgs:
     layer_windows: tuple[int | None, ...] = ()  # per layer: its window (None: global); empty: sliding_window for all
     local_rope_theta: float | None = None  # windowed layers' rope base, default rope (Gemma 3); None: the global rope
     attn_scale: float | None = None  # the softmax scale (Gemma's query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    rope_short_factor: tuple[float, ...] = ()  # longrope: each frequency's divisor (HF's up to the original context)
+    rope_attention_factor: float = 1.0  # cos and sin scaled by it (longrope)
+    # mixtures of experts (`models.moe`): n_experts 0 is a dense model
+    n_experts: int = 0
+    n_experts_per_tok: int = 0  # the top-k each token is routed to
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    moe_renormalize: bool = True  # the top-k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model whose MLP is dense (intermediate_size)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rope_short_factor", tuple(self.rope_short_factor))  # a JSON list when read back
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer not in self.dense_layers
 
     # derived -------------------------------------------------------------------------------
     @property
@@ -96,8 +112,6 @@ class ModelArgs:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown model args {unknown} (known: {sorted(names)})")
-        if "layer_windows" in d:  # a JSON list
-            d = {**d, "layer_windows": tuple(d["layer_windows"])}
         return cls(**d)
 
 
@@ -121,8 +135,11 @@ def windows_of_layer_types(layer_types: list[str], window: int, n_layers: int, *
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies `[head_dim // 2]` (float32), with linear or llama3 scaling applied."""
+    """Inverse frequencies `[head_dim // 2]` (float32), with linear, llama3 or longrope scaling applied."""
     d = args.head_dim
+    if args.rope_type == "longrope":  # its short factors, computed as HF computes them
+        factors = torch.tensor(args.rope_short_factor, dtype=torch.float32)
+        return 1.0 / (factors * args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if args.rope_type == "linear":
         return inv_freq / args.rope_factor
@@ -141,15 +158,17 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 def rope_cos_sin(args: ModelArgs, max_seq_len: int, device: torch.device, *, local: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables: `[max_seq_len, head_dim]` float32 (HF layout: the half-table repeated); `local`: of the
-    windowed layers' own rope (`ModelArgs.local_rope_theta`, no scaling)."""
+    """cos, sin tables: `[max_seq_len, head_dim]` float32 (HF layout: the half-table repeated), times the
+    attention factor (longrope's; 1 otherwise); `local`: of the windowed layers' own rope
+    (`ModelArgs.local_rope_theta`, no scaling)."""
     if local:
-        args = dataclasses.replace(args, rope_theta=args.local_rope_theta, rope_type="default")
+        args = dataclasses.replace(args, rope_theta=args.local_rope_theta, rope_type="default", rope_short_factor=(),
+                                   rope_attention_factor=1.0)
     inv_freq = rope_inv_freq(args).to(device)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [T, head_dim // 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
-    return emb.cos(), emb.sin()
+    return emb.cos() * args.rope_attention_factor, emb.sin() * args.rope_attention_factor
 
 
 def layer_rope(args: ModelArgs, layer: int, rope: tuple[torch.Tensor, torch.Tensor],

@@ -37,7 +37,7 @@ Imports: stdlib and torch only (this module runs inside Triton's python backend)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,15 @@ class QuantInfo:
 
     method: str = NONE  # one of QUANTIZATIONS
     lm_head: bool = False  # the LM head quantized too (untied models only)
+    # a checkpoint already in FP8 (`fp8_checkpoint.Fp8Checkpoint.record`): where its scales came from; not part of
+    # equality, so a spec's `fp8` matches what its conversion found
+    checkpoint: dict[str, Any] | None = field(default=None, compare=False)
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """(rows, columns) of a weight block whose one scale the engine keeps (block-wise FP8), else None."""
+        block = (self.checkpoint or {}).get("block")
+        return (int(block[0]), int(block[1])) if block else None
 
     @property
     def enabled(self) -> bool:
@@ -92,7 +101,8 @@ class QuantInfo:
         """The engine.json record: method, stored dtype, where the scales are, which tensors."""
         if not self.enabled:
             return {"method": NONE}
-        return {
+        block = self.block
+        record = {
             "method": self.method,
             "lm_head": self.lm_head,
             "weight_dtype": str(STORED_DTYPES[self.method]).removeprefix("torch."),
@@ -105,12 +115,21 @@ class QuantInfo:
                             if self.method == FP8 else "engine dtype"),
             "tensors": [f"{m}.weight" for m in self.quantized_modules(n_layers, tie_word_embeddings=tie_word_embeddings)],
         }
+        if self.checkpoint is not None:
+            record["checkpoint"] = self.checkpoint
+        if block is not None:
+            record["scales"] = {"granularity": f"per-block {block[0]}x{block[1]}", "dtype": "float32",
+                                "suffix": SCALE_SUFFIX, "where": "tensor '<weight name>_scale' "
+                                f"[ceil(N/{block[0]}), ceil(K/{block[1]})] beside each quantized weight, same file"}
+            record["activations"] = (f"per token and group of {block[1]} e4m3 at run time in the block-scaled FP8 "
+                                     "GEMM (CUDA, FP8 tensor cores); engine dtype on the CPU")
+        return record
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> QuantInfo:
         if not d:
             return cls()
-        info = cls(method=d.get("method", NONE), lm_head=bool(d.get("lm_head", False)))
+        info = cls(method=d.get("method", NONE), lm_head=bool(d.get("lm_head", False)), checkpoint=d.get("checkpoint"))
         if info.method not in QUANTIZATIONS:
             raise EngineQuantizationError(f"quantization.method={info.method!r} in engine.json is not one of "
                                           f"{list(QUANTIZATIONS)} (an engine from a newer enginewright?)")
@@ -169,9 +188,11 @@ def has_fp8_tensor_cores(device_index: int) -> bool:
 
 def quantize_tokens_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (e4m3 [T, K], float32 scales [T, 1]), each row scaled by its own max: x ~= q * scale.
-    Torch ops that inductor fuses into the producer of x (the RMSNorm, SiLU * up) in the decode step."""
+    The scale is the max times the float32 reciprocal of 448, as every row-scaling kernel computes it (the
+    norms', SiLU * up's, `fp8_tokens`', the one-row GEMM's): CUDA's torch divides by a Python scalar that way, the
+    CPU's divides, so the product is written out to give the same scale on both and in the kernels."""
     amax = x2.abs().amax(dim=-1, keepdim=True).float()  # [T, 1]
-    scale = torch.where(amax > 0, amax / QMAX[FP8], torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1.0 / QMAX[FP8]), torch.ones_like(amax))
     q = (x2.float() / scale).clamp(-QMAX[FP8], QMAX[FP8]).to(torch.float8_e4m3fn)
     return q, scale
 

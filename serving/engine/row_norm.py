@@ -70,7 +70,7 @@ if triton is not None:
         """The row y (in the output dtype) scaled to e4m3 by its largest magnitude, as fp8_tokens does."""
         yf = tl.where(mask, y.to(tl.float32), 0.0)
         amax = tl.max(tl.abs(yf), 0)
-        scale = tl.where(amax > 0, amax / QMAX, 1.0)
+        scale = tl.where(amax > 0, amax * (1.0 / QMAX), 1.0)
         q = tl.minimum(tl.maximum(yf / scale, -QMAX), QMAX)
         tl.store(q_ptr + row * D + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, scale)

@@ -58,7 +58,7 @@ if triton is not None:
             tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
             peak = tl.maximum(peak, tl.abs(y.to(tl.float32)))
         amax = tl.max(peak, 0)
-        scale = tl.where(amax > 0, amax / QMAX, 1.0)
+        scale = tl.where(amax > 0, amax * (1.0 / QMAX), 1.0)
         tl.debug_barrier()  # the row's values, as written, visible to every thread of the program
         for c0 in range(0, inter, BLOCK):
             cols = c0 + offs

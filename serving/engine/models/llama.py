@@ -91,10 +91,11 @@ def read_config(config: dict[str, Any], *, architecture: str, source: str = "con
     if sliding_window is not None and int(sliding_window) < 1:
         raise UnsupportedArchitectureError(f"sliding_window={sliding_window!r} in {source} must be >= 1 (or null)")
     layer_windows: tuple[int | None, ...] = ()
-    if sliding_window and architecture == "Qwen2ForCausalLM":  # Mistral windows every layer, whatever layer_types
-        types = config.get("layer_types") or [  # transformers' rule where a config predates layer_types
-            "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
-            for i in range(n_layers)]
+    types = config.get("layer_types")  # Qwen2's and Qwen3's; Mistral windows every layer, whatever layer_types
+    if types is None and architecture == "Qwen2ForCausalLM":  # transformers' rule for configs before layer_types
+        types = ["sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+                 for i in range(n_layers)]
+    if sliding_window and types is not None and architecture != "MistralForCausalLM":
         try:
             layer_windows = windows_of_layer_types(types, int(sliding_window), n_layers, source=source)
         except ValueError as e:
@@ -141,10 +142,10 @@ def engine_param_names(args: ModelArgs) -> list[str]:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.window = args.window(layer)  # this layer's sliding window (None: global)
+        self.window: int | None = None  # this layer's sliding window (set by `Transformer`; None: global)
         self.wqkv = FloatLinear(args.dim, args.qkv_size, bias=args.qkv_bias)
         self.wo = FloatLinear(args.q_size, args.dim, bias=args.o_bias)
 
@@ -152,15 +153,25 @@ class Attention(nn.Module):
         """The reference attention: causal over the whole sequences, no cache. x: [B, S, D]; cos, sin: [B, S, hd]."""
         a = self.args
         bsz, seqlen, _ = x.shape
-        q, k, v = self.wqkv(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = apply_rope(q.view(bsz, seqlen, a.n_heads, a.head_dim), cos, sin)  # [B, S, H, hd]
-        k = apply_rope(k.view(bsz, seqlen, a.n_kv_heads, a.head_dim), cos, sin)  # [B, S, Hkv, hd]
-        v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim)
+        q, k, v = (t.view(bsz, seqlen, -1, a.head_dim) for t in self.wqkv(x).split([a.q_size, a.kv_size, a.kv_size],
+                                                                                   dim=-1))
+        q, k = self.norm_heads(q, k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, S, H, hd], [B, S, Hkv, hd]
         band = causal_band(seqlen, self.window, x.device)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=band is None, attn_mask=band, scale=a.softmax_scale,
                                            enable_gqa=a.n_heads != a.n_kv_heads)  # [B, H, S, hd]
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size))
+
+    def qkv(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The serving step's q/k/v of the normed rows h [T, D] -> [T, (H + 2 Hkv) hd], as `StepContext.attend`
+        takes them (before the rotary embedding)."""
+        return ctx.linear(self.wqkv, h)
+
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [..., H, hd] and k [..., Hkv, hd] before the rotary embedding: as they are here (a family that norms
+        each head, as Qwen3 does, overrides this)."""
+        return q, k
 
 
 class FeedForward(nn.Module):
@@ -184,10 +195,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
+    attention_class: type[Attention] = Attention  # a family's own attention (`models.qwen3`)
+
+    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None) -> None:
+        """`feed_forward`: the layer's MLP when not `FeedForward` (a mixture of experts: `models.moe`)."""
         super().__init__()
-        self.attention = Attention(args, layer)
-        self.feed_forward = FeedForward(args)
+        self.attention = self.attention_class(args)
+        self.feed_forward = FeedForward(args) if feed_forward is None else feed_forward
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -199,7 +213,7 @@ class TransformerBlock(nn.Module):
     def step(self, index: int, x: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer (number `index`) in a serving step: x [T, D] and h = its attention norm of x -> (x plus the
         attention output, the MLP output). The caller adds the MLP output with the next norm in one pass."""
-        y = ctx.attend(index, ctx.linear(self.attention.wqkv, h))  # [T, H hd]
+        y = ctx.attend(index, self.attention.qkv(h, ctx))  # [T, H hd]
         x, h = self.ffn_norm.add(x, ctx.linear(self.attention.wo, y), pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
         ff = self.feed_forward.reference(h) if ctx.reference else self.feed_forward(h, ctx.pdl)
         return x, ff
@@ -217,16 +231,24 @@ def embedding(vocab_size: int, dim: int) -> nn.Embedding:
 class Transformer(nn.Module):
     """Embeddings, `n_layers` blocks, final norm, LM head (the embedding matrix when tied)."""
 
+    block_class: type[TransformerBlock] = TransformerBlock  # a family's own layer (`models.qwen3`)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(self.block(args, i) for i in range(args.n_layers))
+        for i, layer in enumerate(self.layers):  # the reference forward's windows (the steps read `args`)
+            layer.attention.window = args.window(i)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, args.vocab_size, bias=False)
         # the tied LM head over the embedding table (a tuple: not a submodule, the state dict holds the table once)
         self.tied_head = (TiedHead(self.tok_embeddings),) if args.tie_word_embeddings else ()
         self.options = EngineOptions()  # how it runs (`linears.apply_options` sets them at load)
+
+    def block(self, args: ModelArgs, index: int) -> TransformerBlock:
+        """Layer number `index` (a family's that differs by layer, a mixture of experts', builds its own)."""
+        return self.block_class(args)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The reference forward (tests, the plain path the steps are checked against): tokens [B, S], each row

@@ -20,9 +20,10 @@ from torch import nn
 
 from serving.engine.errors import UnsupportedArchitectureError
 from serving.engine.model import ModelArgs
-from serving.engine.models import gemma3, llama
+from serving.engine.models import gemma3, llama, mixtral, phi3, qwen3, qwen3_moe
 
-# An HF tensor name (`{i}`: the layer index) -> (engine tensor name, part of a fused tensor, number of parts)
+# An HF tensor name (`{i}`: the layer index; `{e}`: an expert's index, its parts stacked after those of the experts
+# before it) -> (engine tensor name, part of a fused tensor, number of parts)
 WeightTable = dict[str, tuple[str, int, int]]
 
 
@@ -46,6 +47,19 @@ ARCHITECTURES: dict[str, Architecture] = {
     for name, model_type in (("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"),
                              ("Qwen2ForCausalLM", "qwen2"))
 }
+ARCHITECTURES["Qwen3ForCausalLM"] = Architecture(
+    name="Qwen3ForCausalLM", model_type="qwen3", model_class=qwen3.Qwen3Transformer, weights=qwen3.HF_TO_ENGINE,
+    param_names=qwen3.engine_param_names, read_config=qwen3.read_config, ignored_weights=qwen3.IGNORED_HF_TENSORS)
+ARCHITECTURES["Phi3ForCausalLM"] = Architecture(
+    name="Phi3ForCausalLM", model_type="phi3", model_class=phi3.Transformer, weights=phi3.HF_TO_ENGINE,
+    param_names=phi3.engine_param_names, read_config=phi3.read_config, ignored_weights=phi3.IGNORED_HF_TENSORS)
+ARCHITECTURES["MixtralForCausalLM"] = Architecture(
+    name="MixtralForCausalLM", model_type="mixtral", model_class=mixtral.Transformer, weights=mixtral.HF_TO_ENGINE,
+    param_names=mixtral.engine_param_names, read_config=mixtral.read_config, ignored_weights=llama.IGNORED_HF_TENSORS)
+ARCHITECTURES["Qwen3MoeForCausalLM"] = Architecture(
+    name="Qwen3MoeForCausalLM", model_type="qwen3_moe", model_class=qwen3_moe.Transformer,
+    weights=qwen3_moe.HF_TO_ENGINE, param_names=qwen3_moe.engine_param_names, read_config=qwen3_moe.read_config,
+    ignored_weights=qwen3_moe.IGNORED_HF_TENSORS)
 ARCHITECTURES[gemma3.ARCHITECTURE] = Architecture(
     name=gemma3.ARCHITECTURE, model_type=gemma3.MODEL_TYPE, model_class=gemma3.Transformer, weights=gemma3.HF_TO_ENGINE,
     param_names=gemma3.engine_param_names, read_config=gemma3.read_config, ignored_weights=gemma3.IGNORED_HF_TENSORS)
