@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -36,9 +38,14 @@ from transformers import (
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3", "phi3", "phi3-longrope", "mixtral",
-         "qwen3-moe")
+         "qwen3-moe", "mistral-window", "gemma3")
 # one tiny checkpoint per registered architecture family: the ones the release flow is run over in CI
-FAMILY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3-moe")
+FAMILY_ARCHS = ("llama", "mistral-window", "qwen2", "qwen3", "phi3", "mixtral", "qwen3-moe", "gemma3")
+SLIDING_WINDOW = 12  # the windowed tiny checkpoints' window: shorter than the tests' prompts and generations
+# Gemma's norms scale by (1 + w) and its tied embeddings are scaled by sqrt(hidden_size): norms around 8 and the
+# table halved keep the tiny model's greedy generations from repeating one token (the residual stream would be the
+# input token's own embedding, which the tied head scores highest)
+GEMMA_NORM_CENTER = (7.0, 0.5)  # (norm weights' mean, factor on the embedding table)
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 VOCAB_SIZE = 512
@@ -101,6 +108,14 @@ def _config(arch: str):
         # no renormalization of the top-k (Mixtral has it), and layer 1 dense (mlp_only_layers)
         return Qwen3MoeConfig(**common, head_dim=16, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[1]), Qwen3MoeForCausalLM
+    if arch == "mistral-window":
+        return MistralConfig(**common, sliding_window=SLIDING_WINDOW), MistralForCausalLM
+    if arch == "gemma3":  # local (windowed, own rope base) and global layers; attention scale not head_dim's
+        layers = ["sliding_attention", "full_attention", "sliding_attention"]
+        return Gemma3TextConfig(**{**common, "tie_word_embeddings": True, "num_hidden_layers": len(layers)},
+                                head_dim=16, layer_types=layers, sliding_window=SLIDING_WINDOW,
+                                query_pre_attn_scalar=24, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                                hidden_activation="gelu_pytorch_tanh"), Gemma3ForCausalLM
     raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
 
 
@@ -184,12 +199,14 @@ def make_tiny_model(out_dir: Path, *, arch: str = "llama", seed: int = 0, shards
     model = model_cls(config).eval()
     # a larger spread also for biases and norms, so every parameter matters in the comparison
     gen = torch.Generator().manual_seed(seed + 1)
+    norm_center, embedding_factor = GEMMA_NORM_CENTER if arch == "gemma3" else (1.0, 1.0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             elif "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+                p.copy_(norm_center + 0.2 * torch.randn(p.shape, generator=gen))
+        model.get_input_embeddings().weight.mul_(embedding_factor)
     state = hub_layout({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}, model_cls)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -311,12 +311,15 @@ def round_hf_kv_cache(model, kv_cache_dtype: str) -> None:
     """Make the HF model's attention read its keys and values as a KV cache of `kv_cache_dtype` holds them:
     "fp8" rounds them (rotated; every position, the current ones too) to e4m3 with the engine's clamp and
     scale (`kv_cache.to_kv_fp8`) before SDPA. Models whose attention goes through transformers'
-    AttentionInterface (Llama, Mistral, Qwen2) take it."""
+    AttentionInterface (Llama, Mistral, Qwen2, Gemma 3) take it. Its masks are SDPA's (registered for it too:
+    without, transformers builds none for an unknown implementation, and sliding windows would go unmasked)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if kv_cache_dtype != "fp8":
         raise ValueError(f"kv_cache.kv_cache_dtype={kv_cache_dtype!r} has no HF peer; only 'fp8' is rounded")
     AttentionInterface.register(HF_FP8_KV_ATTENTION, _fp8_kv_sdpa)
+    AttentionMaskInterface.register(HF_FP8_KV_ATTENTION, sdpa_mask)
     model.set_attn_implementation(HF_FP8_KV_ATTENTION)
 
 

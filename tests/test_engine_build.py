@@ -213,7 +213,7 @@ def test_reads_pre_v5_configs_llama31_and_qwen2():
 def test_the_registry_maps_each_architecture_to_its_family_and_names_the_supported_ones():
     """`models.registry`: a new family is one file and one entry; the supported list is the registry's keys."""
     from serving.engine import SUPPORTED_ARCHITECTURES, Transformer
-    from serving.engine.models import llama
+    from serving.engine.models import gemma3, llama
     from serving.engine.models.registry import ARCHITECTURES, architecture_of, registered
 
     assert SUPPORTED_ARCHITECTURES == tuple(ARCHITECTURES)
@@ -223,7 +223,9 @@ def test_the_registry_maps_each_architecture_to_its_family_and_names_the_support
         assert arch.model_class is Transformer and arch.weights is llama.HF_TO_ENGINE
     for name, arch in ARCHITECTURES.items():
         assert registered(name) is arch and arch.weights.keys() >= {"model.embed_tokens.weight", "model.norm.weight"}
+    assert registered("Gemma3ForCausalLM").model_class is gemma3.Transformer
     assert architecture_of({"model_type": "mistral"}).name == "MistralForCausalLM"  # no `architectures`
-    with pytest.raises(UnsupportedArchitectureError, match=r"'Gemma3ForCausalLM' is not one this runtime serves; "
+    assert architecture_of({"model_type": "gemma3_text"}).name == "Gemma3ForCausalLM"
+    with pytest.raises(UnsupportedArchitectureError, match=r"'FalconForCausalLM' is not one this runtime serves; "
                        r"supported: LlamaForCausalLM \(model_type 'llama'\), MistralForCausalLM"):
-        registered("Gemma3ForCausalLM")
+        registered("FalconForCausalLM")

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
 from tasks.tiny_model import PAD_ID, make_tiny_model
 
-ARCHS = ["llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3", "phi3", "mixtral", "qwen3-moe"]
+ARCHS = ["llama", "mistral", "qwen2", "llama3-rope", "llama-tied", "qwen3", "phi3", "mixtral", "qwen3-moe",
+         "mistral-window", "gemma3"]
 LIMITS = EngineLimits(dtype="float32", max_batch_size=4, max_input_len=200, max_seq_len=256)
 PROMPTS = [[0, 5, 6, 7], [0, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [0, 100], [0, 42, 283, 78, 81, 265]]
 

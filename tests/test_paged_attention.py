@@ -5,6 +5,9 @@
   against the reference, with the pools NaN wherever no row's visible positions lie.
 - CUDA (`gpu`): the kernel against the reference in bf16.
 
+Sliding windows: the reference against the naive softmax over each row's last `window` positions, and the kernel
+(interpreter, CUDA) against both, with the blocks before each row's window holding NaN.
+
 fp8 pools (an fp8 KV cache, e4m3 with scale 1.0): the reference against float32 attention over the same
 e4m3-rounded K/V (equal to float error) and over the unrounded K/V (within the bound the rounding errors
 allow); the kernel under the interpreter (it loads float8e4nv and converts exactly) and on CUDA with bf16 q.
@@ -47,11 +50,12 @@ def _case(*, bsz=3, n_kv=2, group=4, hd=16, block=16, lengths=(1, 17, 40), dtype
     return [t.to(device) for t in (q.to(dtype), k.to(dtype), v.to(dtype), tables, lens)]
 
 
-def _naive(q, k, v, tables, lengths, scale):
+def _naive(q, k, v, tables, lengths, scale, window=None):
     out = torch.empty_like(q, dtype=torch.float32)
     block = k.shape[1]
     for b in range(q.shape[0]):
-        pos = torch.arange(int(lengths[b]))
+        length = int(lengths[b])
+        pos = torch.arange(max(0, length - window) if window else 0, length)
         keys = k[tables[b, pos // block], pos % block].float()  # [L, Hkv, hd]
         values = v[tables[b, pos // block], pos % block].float()
         for h in range(q.shape[1]):
@@ -124,6 +128,45 @@ def test_tiles_of_several_blocks_give_the_one_block_result(tile, splits):
     assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
+def _windowed_case(window: int, garbage: float):
+    """A case whose rows' blocks wholly before their window hold `garbage` (released blocks another sequence took:
+    the reference reads them, masked, so it needs finite values there; the kernel never reads them)."""
+    q, k, v, tables, lengths = _case(group=4, lengths=(1, 17, 40, 64, 65), bsz=5, fill=garbage)
+    block = k.shape[1]
+    for b, length in enumerate(lengths.tolist()):
+        for i in range(max(0, length - window) // block):
+            k[tables[b, i]], v[tables[b, i]] = garbage, garbage
+    return q, k, v, tables, lengths
+
+
+@pytest.mark.parametrize("window", [1, 12, 16, 33])
+def test_reference_with_a_window_sees_only_each_rows_last_window_positions(window):
+    q, k, v, tables, lengths = _windowed_case(window, 1e4)
+    scale = 1 / math.sqrt(q.shape[-1])
+    got = paged_decode_reference(q, k, v, tables, lengths, scale, window)
+    want = _naive(q, k, v, tables, lengths, scale, window)
+    assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    full = paged_decode_reference(q, k, v, tables, lengths, scale)
+    assert not torch.allclose(got[2:], full[2:], atol=1e-3)  # the rows longer than the window see less
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window", [1, 12, 33])
+@pytest.mark.parametrize("splits, tile, prefetch", [(1, None, True), (3, None, True), (1, None, False), (2, 32, True)])
+def test_kernel_with_a_window_skips_the_blocks_before_it_and_equals_the_reference(window, splits, tile, prefetch):
+    """A sliding window (`window` positions a row, ending at its last): the kernel starts at the tile holding
+    the window's first position, so the NaN blocks before it are never read; splits over the window's tiles
+    (empty ones too), tiles of two blocks, blocks prefetched or not: the reference's result."""
+    from serving.engine.options import AttentionKernelOptions
+
+    q, k, v, tables, lengths = _windowed_case(window, float("nan"))
+    scale = 1 / math.sqrt(q.shape[-1])
+    got = paged_decode_triton(q, k, v, tables, lengths, scale, splits=splits, tile=tile, window=window,
+                              kernel=AttentionKernelOptions(prefetch_blocks=prefetch))
+    want = _naive(q, k, v, tables, lengths, scale, window)
+    assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
 def test_a_tile_that_is_not_a_power_of_two_is_refused():
     q, k, v, tables, lengths = _case()
     with pytest.raises(ValueError, match="tile=24 positions"):
@@ -182,6 +225,20 @@ def test_kernel_on_cuda_with_blocks_prefetched_gives_the_same_values():
                                     kernel=AttentionKernelOptions(prefetch_blocks=False))
         ahead = paged_decode_triton(q, *pools, tables, lengths, scale, splits=splits)
         assert torch.equal(ahead, plain), (pools[0].dtype, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
+def test_kernel_on_cuda_with_a_window_equals_the_reference():
+    """Sliding windows (Mistral's, Gemma 3's local layers) on bf16 and fp8 pools, split and tiled."""
+    q, k, v, tables, lengths = _case(bsz=64, n_kv=8, group=4, hd=128, block=32,
+                                     lengths=tuple(range(1, 640, 10)), dtype=torch.bfloat16, device="cuda")
+    scale = 1 / math.sqrt(q.shape[-1])
+    for pools, window, splits, tile in itertools.product(((k, v), (to_kv_fp8(k), to_kv_fp8(v))), (1, 100, 512),
+                                                         (1, 4), (None, 64)):
+        want = paged_decode_reference(q, *pools, tables, lengths, scale, window).float()
+        got = paged_decode_triton(q, *pools, tables, lengths, scale, splits=splits, tile=tile, window=window).float()
+        assert (got - want).abs().max() < 2e-2, (pools[0].dtype, window, splits, tile)
 
 
 def _rounding_bound(q, k, v, k8, v8, tables, lengths, scale):

@@ -386,7 +386,7 @@ def test_1024_live_requests_at_max_seq_len_8192_on_the_h200s_pool():
     live = 1024
     runner = SimpleNamespace(
         info=SimpleNamespace(limits=SimpleNamespace(max_input_len=4096, max_seq_len=8192),
-                             model=SimpleNamespace(vocab_size=8)),
+                             model=SimpleNamespace(vocab_size=8, kv_window=None)),
         max_live=live, config=KVCacheConfig(block_size=32, num_blocks=21251, max_num_tokens=8192),
         allocator=BlockAllocator(21251), device=torch.device("cpu"),
         forward=lambda chunks, sample: torch.zeros(len(sample), 8), model=SimpleNamespace(options=EngineOptions()))

@@ -86,10 +86,6 @@ class EngineLimits:
         if self.max_seq_len > model.max_position_embeddings:
             raise EngineLimitError(f"limits.max_seq_len={self.max_seq_len} exceeds the model's "
                                    f"max_position_embeddings={model.max_position_embeddings}")
-        if model.sliding_window is not None and self.max_seq_len > model.sliding_window:
-            raise EngineLimitError(f"limits.max_seq_len={self.max_seq_len} exceeds the model's "
-                                   f"sliding_window={model.sliding_window} (sliding-window attention "
-                                   "is not implemented)")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ Imports: stdlib and torch only (Triton through the kernels, lazily).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ import torch
 from serving.engine import paged_rope
 from serving.engine.kv_cache import PagedKVCache, blocks_for
 from serving.engine.linear_quantized import prescale_rows_for
-from serving.engine.model import ModelArgs, RMSNorm, StepContext
+from serving.engine.model import ModelArgs, RMSNorm, StepContext, layer_rope
 from serving.engine.models.llama import Transformer
 from serving.engine.options import AttentionKernelOptions
 from serving.engine.paged_attention import paged_decode_attention
@@ -81,14 +80,16 @@ class DecodeStep(StepContext):
     rope_sin: torch.Tensor
     args: ModelArgs
     kernel: AttentionKernelOptions  # the paged attention kernel's launch settings
+    local_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the windowed layers' own tables (Gemma 3)
 
     def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         a, bsz = self.args, qkv.shape[0]
-        q, _ = paged_rope.rotate_and_write(qkv, self.positions, self.slots, self.rope_cos, self.rope_sin, self.cache,
+        cos, sin = layer_rope(a, layer, (self.rope_cos, self.rope_sin), self.local_rope)
+        q, _ = paged_rope.rotate_and_write(qkv, self.positions, self.slots, cos, sin, self.cache,
                                            layer, a.n_heads, a.n_kv_heads, keys=False, pdl=self.pdl)
         y = paged_decode_attention(q.view(bsz, a.n_kv_heads, a.n_heads // a.n_kv_heads, a.head_dim),
                                    self.cache.k[layer], self.cache.v[layer], self.tables, self.lengths,
-                                   1.0 / math.sqrt(a.head_dim), pdl=self.pdl, kernel=self.kernel)
+                                   a.softmax_scale, pdl=self.pdl, kernel=self.kernel, window=a.window(layer))
         return y.reshape(bsz, a.q_size)
 
     def last_hidden(self, norm: RMSNorm, x: torch.Tensor, ff: torch.Tensor) -> torch.Tensor:
@@ -97,19 +98,21 @@ class DecodeStep(StepContext):
 
 def paged_decode_logits(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                         tables: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache, rope_cos: torch.Tensor,
-                        rope_sin: torch.Tensor, pdl: bool = False, reference: bool = False) -> torch.Tensor:
+                        rope_sin: torch.Tensor, pdl: bool = False, reference: bool = False,
+                        local_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One token per row (tokens, positions, slots, lengths [B]; tables [B, W]) through `Transformer.step` with a
     `DecodeStep` -> logits [B, V] in the model's dtype (the caller's copy into its float32 buffer converts them:
     one pass over [B, V] instead of two). The layers multiply through the GEMMs they picked at load (`reference`:
     through their dequantizing references, what the checks compare against); `pdl`: the engine's own kernels
     launched with programmatic dependent launch (each may start while the one before it drains;
-    `serving.engine.pdl`)."""
+    `serving.engine.pdl`); `local_rope`: the windowed layers' own rope tables (`ModelArgs.local_rope_theta`)."""
     layer, bsz = model.layers[0], tokens.shape[0]
     ctx = DecodeStep(reference=reference, pdl=pdl,
                      qkv_e4m3=prescale_rows_for(layer.attention.wqkv, bsz, tokens.device),
                      w13_e4m3=prescale_rows_for(layer.feed_forward.w13, bsz, tokens.device),
                      positions=positions, slots=slots, tables=tables, lengths=lengths, cache=cache,
-                     rope_cos=rope_cos, rope_sin=rope_sin, args=model.args, kernel=model.options.attention)
+                     rope_cos=rope_cos, rope_sin=rope_sin, args=model.args, kernel=model.options.attention,
+                     local_rope=local_rope)
     return ctx.linear(model.head(), model.step(tokens, ctx))
 
 
@@ -118,10 +121,12 @@ class DecodeGraphs:
 
     def __init__(self, model: Transformer, cache: PagedKVCache, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
                  max_live: int, max_seq_len: int, graphs: bool,
-                 log: Callable[[str], None] = lambda line: None, parallel: ParallelConfig = SINGLE) -> None:
+                 log: Callable[[str], None] = lambda line: None, parallel: ParallelConfig = SINGLE,
+                 local_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """`parallel`: this rank's group when the model is sharded (its LM head's logits gathered here)."""
         self.model, self.cache, self.rope_cos, self.rope_sin = model, cache, rope_cos, rope_sin
         self.parallel = parallel
+        self.local_rope = local_rope  # the windowed layers' own rope tables (Gemma 3)
         self.use_graphs, self.log = graphs, log
         self.pdl = model.options.decode_pdl and pdl_supported(rope_cos.device)
         self.block_size = cache.block_size
@@ -206,7 +211,7 @@ class DecodeGraphs:
         bs = self.block_size
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         logits = paged_decode_logits(self.model, tokens, positions, slots, tables, positions + 1, self.cache,
-                                     self.rope_cos, self.rope_sin, pdl=self.pdl)
+                                     self.rope_cos, self.rope_sin, pdl=self.pdl, local_rope=self.local_rope)
         self.logits[:bsz].copy_(self.parallel.gather_vocab(logits, self.logits.shape[1]))
 
     # -- graphs -----------------------------------------------------------------------------------

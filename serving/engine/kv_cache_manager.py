@@ -11,6 +11,11 @@ The scheduler calls, in a request's life:
   short: the scheduler preempts and asks again);
 - `cache_computed(blocks, tokens, computed)` after a step: its full blocks whose K/V are computed go into the
   prefix cache;
+- `slide(blocks, computed)` after a step, for a model whose every layer has a sliding window (`window`): the
+  blocks wholly older than the window of the next position go back to the pool (their table entries stay, stale:
+  no attention reads them, `paged_attention`'s kernel not even the table entries; the torch paths gather them
+  masked). The request's row key (its first block of its own, which names its row of the decode steps' tables,
+  `cuda_graphs`) is kept until the end;
 - `release(blocks)` when it finishes, is cancelled or preempted.
 
 How blocks are shared, digested, looked up and evicted (`prefix_cache`) stays behind this boundary.
@@ -41,13 +46,16 @@ class RequestBlocks:
     digests: list[bytes] = field(default_factory=list)  # its full blocks' digests known so far
     registered: int = 0  # its leading blocks in the prefix cache (held: `table[:registered]`)
     cached: list[int] = field(default_factory=list)  # at admission: the cached blocks it will start from
+    slid: int = 0  # its leading table entries out of the sliding window, given back (`slide`) but its row key
 
 
 class KVCacheManager:
     """Block ids for requests, over one pool's allocator (see the module doc)."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
-        self.allocator, self.block_size = allocator, block_size
+    def __init__(self, allocator: BlockAllocator, block_size: int, *, window: int | None = None) -> None:
+        """`window`: every layer's sliding window (`ModelArgs.kv_window`): positions older than it go back to the
+        pool as a request advances (`slide`); None: blocks are held until the request ends."""
+        self.allocator, self.block_size, self.window = allocator, block_size, window
         self.prefix_caching = isinstance(allocator, PrefixCachingAllocator)
 
     @property
@@ -117,10 +125,23 @@ class KVCacheManager:
             self.allocator.register(blocks.table[i], blocks.digests[i])
         blocks.registered = full
 
+    def slide(self, blocks: RequestBlocks, computed: int) -> None:
+        """Give back the blocks no query from position `computed` on can see (every key older than the window of
+        `computed`: keys at positions < computed - window + 1), but the row key; nothing without a window."""
+        if self.window is None:
+            return
+        out = min(max(0, computed - self.window + 1) // self.block_size, len(blocks.table))
+        if out > blocks.slid:
+            key = _row_key(blocks.table)
+            self.allocator.give_back([b for b in blocks.table[blocks.slid:out] if b != key])
+            blocks.slid = out
+
     def release(self, blocks: RequestBlocks) -> None:
-        """Give the request's blocks back (cached ones stay cached until needed)."""
-        self.allocator.give_back(blocks.table)
-        blocks.table, blocks.registered = [], 0
+        """Give the request's blocks back (cached ones stay cached until needed): those `slide` has not."""
+        table, slid = blocks.table, blocks.slid
+        key = _row_key(table) if table else None
+        self.allocator.give_back(([key] if key in table[:slid] else []) + table[slid:])
+        blocks.table, blocks.registered, blocks.slid = [], 0, 0
 
     def _know_digests(self, blocks: RequestBlocks, tokens: Sequence[int], count: int) -> None:
         """Extend `blocks.digests` to the first `count` full blocks of `tokens`."""
@@ -128,3 +149,9 @@ class KVCacheManager:
         if count > known:
             blocks.digests += block_digests(tokens[:count * self.block_size], self.block_size, start=known,
                                             parent=blocks.digests[-1] if known else ROOT)
+
+
+def _row_key(table: list[int]) -> int:
+    """The block that names a table's row in the decode steps' tables (`cuda_graphs.DecodeGraphs`): a prefix-cached
+    table's first block of its own, else its first."""
+    return table.row_key if isinstance(table, BlockTable) else table[0]

@@ -49,7 +49,10 @@ class ModelArgs:
     qkv_bias: bool = False
     o_bias: bool = False
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None  # not implemented: builds require max_seq_len <= sliding_window
+    sliding_window: int | None = None  # keys a query sees: its own position and the window - 1 before it
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its window (None: global); empty: sliding_window for all
+    local_rope_theta: float | None = None  # windowed layers' rope base, default rope (Gemma 3); None: the global rope
+    attn_scale: float | None = None  # the softmax scale (Gemma's query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
     rope_short_factor: tuple[float, ...] = ()  # longrope: each frequency's divisor (HF's up to the original context)
     rope_attention_factor: float = 1.0  # cos and sin scaled by it (longrope)
     # mixtures of experts (`models.moe`): n_experts 0 is a dense model
@@ -62,6 +65,7 @@ class ModelArgs:
     def __post_init__(self) -> None:
         object.__setattr__(self, "rope_short_factor", tuple(self.rope_short_factor))  # a JSON list when read back
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_experts > 0 and layer not in self.dense_layers
@@ -79,6 +83,26 @@ class ModelArgs:
     def qkv_size(self) -> int:
         return self.q_size + 2 * self.kv_size
 
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`: a query at position p sees keys at (p - window, p]; None: all."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer's keys stay visible in (the largest layer window), when every layer has one: a
+        sequence's positions older than that are read by no layer (their blocks can go back to the pool); None
+        when some layer is global."""
+        windows = [self.window(i) for i in range(self.n_layers)]
+        return None if None in windows else max(windows)
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates by the local rope (`local_rope_theta`) rather than the global one."""
+        return self.local_rope_theta is not None and self.window(layer) is not None
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -89,6 +113,21 @@ class ModelArgs:
         if unknown:
             raise ValueError(f"unknown model args {unknown} (known: {sorted(names)})")
         return cls(**d)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF's `layer_types` entries the engine serves
+
+
+def windows_of_layer_types(layer_types: list[str], window: int, n_layers: int, *, source: str
+                           ) -> tuple[int | None, ...]:
+    """HF's `layer_types` (one a layer) -> `ModelArgs.layer_windows`: `window` for a sliding layer, None for a
+    global one; another type or count raises ValueError naming it."""
+    if len(layer_types) != n_layers:
+        raise ValueError(f"layer_types in {source} has {len(layer_types)} entries for num_hidden_layers={n_layers}")
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} in {source} are not supported; supported: {list(LAYER_TYPES)}")
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,14 +156,30 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return inv_freq
 
 
-def rope_cos_sin(args: ModelArgs, max_seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(args: ModelArgs, max_seq_len: int, device: torch.device, *, local: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables: `[max_seq_len, head_dim]` float32 (HF layout: the half-table repeated), times the
-    attention factor (longrope's; 1 otherwise)."""
+    attention factor (longrope's; 1 otherwise); `local`: of the windowed layers' own rope
+    (`ModelArgs.local_rope_theta`, no scaling)."""
+    if local:
+        args = dataclasses.replace(args, rope_theta=args.local_rope_theta, rope_type="default", rope_short_factor=(),
+                                   rope_attention_factor=1.0)
     inv_freq = rope_inv_freq(args).to(device)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [T, head_dim // 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
     return emb.cos() * args.rope_attention_factor, emb.sin() * args.rope_attention_factor
+
+
+def layer_rope(args: ModelArgs, layer: int, rope: tuple[torch.Tensor, torch.Tensor],
+               local_rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos, sin tables layer `layer` rotates by: `rope`, or for a layer of the local rope `local_rope`."""
+    if not args.local_rope(layer):
+        return rope
+    if local_rope is None:
+        raise ValueError(f"layer {layer} of {args.architecture} rotates by the local rope (theta "
+                         f"{args.local_rope_theta}) but the step was given no local_rope tables")
+    return local_rope
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

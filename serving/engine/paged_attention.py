@@ -3,6 +3,8 @@
 `paged_decode_attention(q, k_pool, v_pool, tables, lengths, scale)` computes, for every sequence b, kv head
 h and query head g of its group, `softmax(q k^T * scale) v` over positions `[0, lengths[b])`, where position
 p of sequence b lives in block `tables[b, p // block_size]` at offset `p % block_size`; softmax in float32.
+With a sliding `window` only the last `window` of those positions (`[lengths[b] - window, lengths[b])`): the
+kernel starts at the tile holding the first of them, so blocks wholly out of the window are never read.
 
 Layout:
 - q: `[B, Hkv, G, hd]` (the G = n_heads // n_kv_heads query heads sharing kv head h next to each other);
@@ -59,14 +61,18 @@ MIN_ROWS = 16  # tl.dot needs M, K >= 16: query heads are padded to this many ro
 MAX_SPLITS = 16  # programs over one (sequence, kv head)'s positions at most
 
 def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """Pure torch (same signature and semantics as `paged_decode_attention`): gathers, then masks."""
+                           lengths: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """Pure torch (same signature and semantics as `paged_decode_attention`): gathers, then masks (positions
+    past each row's length, and with a `window` those before its last `window`)."""
     bsz, n = tables.shape
     block_size = k_pool.shape[1]
     width = n * block_size
     keys = k_pool[tables].reshape(bsz, width, *k_pool.shape[2:]).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, hd]
     values = v_pool[tables].reshape(bsz, width, *v_pool.shape[2:]).transpose(1, 2).to(q.dtype)
-    visible = torch.arange(width, device=q.device).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
+    pos = torch.arange(width, device=q.device).unsqueeze(0)
+    visible = pos < lengths.unsqueeze(1)  # [B, L]
+    if window is not None:
+        visible &= pos >= lengths.unsqueeze(1) - window
     neg = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(
         ~visible, float("-inf")).view(bsz, 1, 1, width)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale + neg  # [B, Hkv, G, L]
@@ -87,7 +93,7 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, part_ptr, lse_ptr,
                              stride_qb, stride_qh, stride_qg, stride_kblk, stride_kpos, stride_kh,
-                             stride_vblk, stride_vpos, stride_vh, stride_tb, qk_scale,
+                             stride_vblk, stride_vpos, stride_vh, stride_tb, qk_scale, window,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
                              IEEE_DOT: tl.constexpr, GDC: tl.constexpr = False, PREFETCH: tl.constexpr = False,
@@ -100,9 +106,11 @@ if triton is not None:
         n_heads = tl.num_programs(1)
         qk_scale = tl.cast(qk_scale, tl.float32)
         length = tl.load(len_ptr + b).to(tl.int32)
+        lo = tl.where(window > 0, tl.maximum(length - window, 0), 0)  # the first visible position
         n_tiles = tl.cdiv(length, TILE)
-        per_split = tl.cdiv(n_tiles, SPLITS)
-        first = split * per_split
+        first_tile = lo // TILE  # tiles wholly before the window are never read
+        per_split = tl.cdiv(n_tiles - first_tile, SPLITS)
+        first = first_tile + split * per_split
         last = tl.minimum(first + per_split, n_tiles)
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -119,7 +127,7 @@ if triton is not None:
             ahead = tl.load(table_ptr + b * stride_tb + first, mask=first < last, other=0).to(tl.int64)
         for i in range(first, last):
             pos = i * TILE + offs_n
-            n_mask = pos < length
+            n_mask = (pos < length) & (pos >= lo)
             if TILE == BLOCK_SIZE:  # one block: one table entry
                 if PREFETCH:
                     block = ahead
@@ -204,12 +212,13 @@ def position_splits(bsz: int, n_kv_heads: int, device: torch.device) -> int:
 def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                         lengths: torch.Tensor, scale: float, *, splits: int | None = None,
                         tile: int | None = None, pdl: bool = False, dot_f16: bool | None = None,
-                        kernel: AttentionKernelOptions | None = None) -> torch.Tensor:
+                        kernel: AttentionKernelOptions | None = None, window: int | None = None) -> torch.Tensor:
     """The Triton kernel on any device Triton runs on (CUDA; CPU tensors under TRITON_INTERPRET=1), its
     positions split `splits` ways (default `position_splits`), `tile` positions an iteration (default
     `kernel.tile_positions`, else one block); `pdl`: its kernels launched with programmatic dependent launch;
     `dot_f16`: the dots in float16 (default: `kernel.fp8_kv_dot_f16` for bf16 queries over an e4m3 pool);
-    `kernel`: the launch's other choices (default `AttentionKernelOptions()`)."""
+    `kernel`: the launch's other choices (default `AttentionKernelOptions()`); `window`: a sliding window (each
+    row sees its last `window` positions; the tiles before them are not read)."""
     kernel = kernel or AttentionKernelOptions()
     bsz, n_kv_heads, group, head_dim = q.shape
     block_size = int(k_pool.shape[1])
@@ -235,7 +244,7 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     _paged_decode_kernel[(bsz, n_kv_heads, splits)](
         q, k_pool, v_pool, tables, lengths, out, part, lse,
         q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e,
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), tables.stride(0), scale * log2e, window or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
         IEEE_DOT=q.dtype == torch.float32 and not dot_f16, GDC=gdc(pdl), DOT_F16=dot_f16,
         PREFETCH=kernel.prefetch_blocks and tile == block_size,
@@ -250,9 +259,10 @@ def paged_decode_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scale: float, *, pdl: bool = False,
-                           kernel: AttentionKernelOptions | None = None) -> torch.Tensor:
+                           kernel: AttentionKernelOptions | None = None, window: int | None = None) -> torch.Tensor:
     """See the module doc: the Triton kernel on CUDA where it fits (`pdl`: launched with programmatic
-    dependent launch; `kernel`: its launch), the torch reference elsewhere."""
+    dependent launch; `kernel`: its launch), the torch reference elsewhere. `window`: a sliding window (each row
+    sees its last `window` positions: a query at position p the keys at (p - window, p])."""
     if q.device.type == "cuda" and kernel_fits(int(k_pool.shape[1]), int(q.shape[-1])):
-        return paged_decode_triton(q, k_pool, v_pool, tables, lengths, scale, pdl=pdl, kernel=kernel)
-    return paged_decode_reference(q, k_pool, v_pool, tables, lengths, scale)
+        return paged_decode_triton(q, k_pool, v_pool, tables, lengths, scale, pdl=pdl, kernel=kernel, window=window)
+    return paged_decode_reference(q, k_pool, v_pool, tables, lengths, scale, window)

@@ -7,6 +7,8 @@ built while serving: in one run of 1,024 requests the paged engine's 9 prompt st
 same steps took 4.1 s once a first run had met their shapes. FlashAttention's and the memory-efficient
 backends need no plan.
 
+`causal_band`: the mask of a prompt's attention under a sliding window.
+
 Imports: torch only.
 """
 
@@ -25,3 +27,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.
         return F.scaled_dot_product_attention(q, k, v, **options)
     with sdpa_kernel(BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, **options)
+
+
+def causal_band(n: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """The mask [n, n] (True: attend) of n tokens from position 0 under a sliding `window`: each query's own key
+    and the window - 1 before it; None where the window covers every row (plain causal attention)."""
+    if window is None or window >= n:
+        return None
+    i = torch.arange(n, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)

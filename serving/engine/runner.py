@@ -124,9 +124,13 @@ class EngineRunner:
                           else BlockAllocator(self.num_blocks))
         cos, sin = rope_cos_sin(a, lim.max_seq_len, device)
         self.rope_cos, self.rope_sin = cos.to(weight.dtype), sin.to(weight.dtype)
+        self.local_rope = None  # the windowed layers' own rope tables, for a model with a local rope (Gemma 3)
+        if a.local_rope_theta is not None:
+            local = rope_cos_sin(a, lim.max_seq_len, device, local=True)
+            self.local_rope = (local[0].to(weight.dtype), local[1].to(weight.dtype))
         self.decode = DecodeGraphs(model, self.cache, self.rope_cos, self.rope_sin, max_live=self.max_live,
                                    max_seq_len=lim.max_seq_len, graphs=cuda_graphs and device.type == "cuda",
-                                   parallel=parallel)
+                                   parallel=parallel, local_rope=self.local_rope)
         self.step_events: list | None = None  # set by `generate(events=...)` on CUDA: one event per sampling step
 
     @torch.no_grad()
@@ -142,7 +146,8 @@ class EngineRunner:
                 if every_token:
                     step = dataclasses.replace(step, sample_index=torch.cat(
                         [step.sample_index, _token_rows(chunks, every_token).to(self.device)]))
-                logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin)
+                logits = paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin,
+                                       local_rope=self.local_rope)
         if self.step_events is not None and sample:
             self.step_events.append(_recorded_event())
         return logits
@@ -196,7 +201,8 @@ class EngineRunner:
         """One step of `chunks` -> float32 logits of every one of their tokens [T, V] (teacher forcing)."""
         with self._on_every_rank(AllLogits(list(chunks))):
             step = build_step(chunks, [0], self.config.block_size, self.device)
-            return paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin, all_logits=True)
+            return paged_forward(self.model, step, self.cache, self.rope_cos, self.rope_sin, all_logits=True,
+                                 local_rope=self.local_rope)
 
     def warm_up_decode(self) -> None:
         """Capture the decode step's graph of every batch bucket (CUDA; nothing elsewhere)."""

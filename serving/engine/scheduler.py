@@ -181,7 +181,8 @@ class Scheduler(SchedulerLoop):
         self.max_live = self.capacity = runner.max_live
         self.max_num_tokens = runner.config.max_num_tokens
         self.block_size = runner.config.block_size
-        self.kv = KVCacheManager(runner.allocator, self.block_size)  # block ids in, block ids out
+        self.kv = KVCacheManager(runner.allocator, self.block_size,  # block ids in, block ids out
+                                 window=runner.info.model.kv_window)
         self.running: list[_Seq] = []
         self.stats = SchedulerStats()
         self.speculative = runner.model.options.speculative  # `speculative.SpeculativeOptions`, None: off
@@ -370,6 +371,7 @@ class Scheduler(SchedulerLoop):
         logprobs = self._step_logprobs(logits, tokens, seqs)
         for seq in seqs:
             seq.computed += 1
+            self.kv.slide(seq.kv, seq.computed)
             if seq.generated > 0:
                 self.stats.decode_tokens += 1
             else:  # a one-token prompt
@@ -505,6 +507,8 @@ class Scheduler(SchedulerLoop):
             picks = len(seq.draft) + 1
             self._deliver_picks(seq, token_list[k:k + picks], extras[k:k + picks] if extras else [None] * picks)
             k += picks
+        for seq, _ in plan:  # after delivery: a draft's rejected positions are no longer computed
+            self.kv.slide(seq.kv, seq.computed)
         self._drop_retired()
         self.stats.deliver_s += time.perf_counter() - delivering
 

@@ -20,6 +20,11 @@ block table, causal inside the chunk:
   at most `LATER_CHUNK_POSITIONS` gathered positions (a burst of prompts behind one cached system prompt is
   one group, not a gather and an SDPA per prompt and layer).
 
+A layer with a sliding window (`ModelArgs.window`: Mistral's, Qwen2's, Gemma 3's local layers) masks the keys
+older than its window in each of the three: the decode kernel starts at the window's first block (never reading
+the blocks before it), the prompts' SDPA takes a banded causal mask (`causal_band`), the later chunks' mask is
+banded too. A model of a local rope (Gemma 3) rotates its windowed layers by their own tables (`local_rope`).
+
 With an fp8 KV cache the pools hold e4m3 and everything read back from them is dequantized (`gather_tables`, the
 decode attention's conversion in registers), while a chunk from position 0 attends over its own fresh K/V
 in the model's dtype, never rounded (as vLLM does): only positions of earlier steps carry e4m3's error.
@@ -33,7 +38,6 @@ Imports: stdlib and torch only.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,11 +47,11 @@ import torch
 from serving.engine import paged_rope
 from serving.engine.kv_cache import PagedKVCache
 from serving.engine.linear_quantized import prescale_rows_for
-from serving.engine.model import ModelArgs, RMSNorm, StepContext
+from serving.engine.model import ModelArgs, RMSNorm, StepContext, layer_rope
 from serving.engine.models.llama import Transformer
 from serving.engine.options import AttentionKernelOptions
 from serving.engine.paged_attention import paged_decode_attention
-from serving.engine.prefill_attention import sdpa
+from serving.engine.prefill_attention import causal_band, sdpa
 
 # The most context positions (chunks x gathered positions) one batched attention over later prompt chunks reads
 # at once: bounds the copies of K and V it makes (Llama-8B, bf16: 4 KiB a position gathered, 16 KiB more with the
@@ -165,30 +169,36 @@ class MixedStep(StepContext):
     all_logits: bool  # the final norm of every token, not only of `step.sample_index`
     kernel: AttentionKernelOptions  # the decodes' paged attention kernel's launch settings
     gqa_in_sdpa: bool  # the prompts' attention on CUDA: SDPA's grouped heads (`_fresh_attention`)
+    local_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the windowed layers' own tables (Gemma 3)
 
     def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         a, step, cache = self.args, self.step, self.cache
         total, group = step.num_tokens, a.n_heads // a.n_kv_heads
+        window, scale = a.window(layer), a.softmax_scale
+        cos, sin = layer_rope(a, layer, (self.rope_cos, self.rope_sin), self.local_rope)
         v = qkv[:, a.q_size + a.kv_size:].view(total, a.n_kv_heads, a.head_dim)
-        q, k = paged_rope.rotate_and_write(qkv, step.positions, step.slots, self.rope_cos, self.rope_sin, cache,
+        q, k = paged_rope.rotate_and_write(qkv, step.positions, step.slots, cos, sin, cache,
                                            layer, a.n_heads, a.n_kv_heads, keys=True)
         if _whole_step_group(step, total):  # one group of prompts is the whole step (the usual prefill step)
-            return _fresh_attention(q, k, v, step.fresh_groups[0], group, 0, gqa_in_sdpa=self.gqa_in_sdpa)
+            return _fresh_attention(q, k, v, step.fresh_groups[0], group, 0, gqa_in_sdpa=self.gqa_in_sdpa,
+                                    window=window, scale=scale)
         y = torch.empty(total, a.q_size, dtype=q.dtype, device=q.device)
         single = step.single_rows.shape[0]
         if single:
             qg = q[step.single_rows].view(single, a.n_kv_heads, group, a.head_dim)  # [Bd, Hkv, G, hd]
             y[step.single_rows] = paged_decode_attention(qg, cache.k[layer], cache.v[layer], step.single_tables,
-                                                         step.single_lengths, 1.0 / math.sqrt(a.head_dim),
-                                                         kernel=self.kernel).reshape(single, a.q_size)
+                                                         step.single_lengths, scale, kernel=self.kernel,
+                                                         window=window).reshape(single, a.q_size)
         for rows, first in zip(step.fresh_groups, step.fresh_firsts):
-            out = _fresh_attention(q, k, v, rows, group, first, gqa_in_sdpa=self.gqa_in_sdpa)
+            out = _fresh_attention(q, k, v, rows, group, first, gqa_in_sdpa=self.gqa_in_sdpa, window=window,
+                                   scale=scale)
             if first is None:
                 y[rows.flatten()] = out
             else:
                 y[first:first + out.shape[0]] = out
         for rows, starts, tables in step.later_groups:
-            y[rows.flatten()] = _later_chunk_attention(cache, layer, q, rows, starts, tables, group)
+            y[rows.flatten()] = _later_chunk_attention(cache, layer, q, rows, starts, tables, group, window=window,
+                                                       scale=scale)
         return y
 
     def last_hidden(self, norm: RMSNorm, x: torch.Tensor, ff: torch.Tensor) -> torch.Tensor:
@@ -197,17 +207,20 @@ class MixedStep(StepContext):
 
 
 def paged_forward(model: Transformer, step: PagedStep, cache: PagedKVCache, rope_cos: torch.Tensor,
-                  rope_sin: torch.Tensor, *, all_logits: bool = False) -> torch.Tensor:
+                  rope_sin: torch.Tensor, *, all_logits: bool = False,
+                  local_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Run `step` through the model (`Transformer.step` with a `MixedStep`), writing its K/V into `cache` ->
     float32 logits [N, V] of the tokens in `step.sample_index` (or of every token, [T, V], with `all_logits`).
-    How: `model.options` (each layer's GEMM picked at load for the step's row count)."""
+    How: `model.options` (each layer's GEMM picked at load for the step's row count). `local_rope`: the cos, sin
+    tables of the layers of a local rope (`ModelArgs.local_rope_theta`)."""
     layer, options = model.layers[0], model.options
     total, dev = step.num_tokens, step.tokens.device
     ctx = MixedStep(reference=False, pdl=False,
                     qkv_e4m3=prescale_rows_for(layer.attention.wqkv, total, dev),
                     w13_e4m3=prescale_rows_for(layer.feed_forward.w13, total, dev),
                     step=step, cache=cache, rope_cos=rope_cos, rope_sin=rope_sin, args=model.args,
-                    all_logits=all_logits, kernel=options.attention, gqa_in_sdpa=options.gqa_in_sdpa)
+                    all_logits=all_logits, kernel=options.attention, gqa_in_sdpa=options.gqa_in_sdpa,
+                    local_rope=local_rope)
     return model.logits(model.step(step.tokens, ctx))
 
 
@@ -218,12 +231,14 @@ def _whole_step_group(step: PagedStep, total: int) -> bool:
 
 
 def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, group: int,
-                     first: int | None = None, *, gqa_in_sdpa: bool = True) -> torch.Tensor:
+                     first: int | None = None, *, gqa_in_sdpa: bool = True, window: int | None = None,
+                     scale: float | None = None) -> torch.Tensor:
     """m chunks of n tokens from position 0 (their token indices `rows` [m, n]; `first`: the first of them
     when they lie in a row, read as views instead of gathered), causal over their own keys/values
     (q [T, H, hd], k, v [T, Hkv, hd]) -> [m * n, H * hd]. `gqa_in_sdpa` (CUDA): SDPA's grouped heads read each
     K/V head for its query heads, instead of K and V copied out to every query head first; the CPU keeps the
-    copies (its kernels then match the reference forward's, which the CPU tests hold the steps to)."""
+    copies (its kernels then match the reference forward's, which the CPU tests hold the steps to). `window`: a
+    sliding window (each query sees its own key and the window - 1 before it); `scale`: the softmax scale."""
     m, n = rows.shape
     if first is None:
         qc, kc, vc = q[rows], k[rows], v[rows]  # [m, n, heads, hd]
@@ -233,26 +248,35 @@ def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: to
     gqa = group > 1 and gqa_in_sdpa and q.is_cuda
     if group > 1 and not gqa:
         kc, vc = kc.repeat_interleave(group, dim=2), vc.repeat_interleave(group, dim=2)
-    out = sdpa(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), is_causal=True, enable_gqa=gqa)
+    band = causal_band(n, window, q.device)
+    out = sdpa(qc.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), is_causal=band is None, attn_mask=band,
+               enable_gqa=gqa, scale=scale)
     return out.transpose(1, 2).reshape(m * n, -1)
 
 
 def _later_chunk_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
-                           tables: torch.Tensor, group: int) -> torch.Tensor:
+                           tables: torch.Tensor, group: int, *, window: int | None = None,
+                           scale: float | None = None) -> torch.Tensor:
     """m chunks of n tokens (their token indices `rows` [m, n] into q [T, H, hd]), chunk i at positions
     [starts[i], starts[i] + n), each over its sequence's positions up to its own, causal -> [m * n, H * hd]. Every
     key and value comes from the cache (these chunks' were written first), in the compute dtype (`gather_tables`
-    dequantizes fp8 pools); positions past a chunk's own are read (the group's tables are padded) but masked."""
+    dequantizes fp8 pools); positions past a chunk's own are read (the group's tables are padded) but masked, and
+    so are positions out of a sliding `window`. `scale`: the softmax scale."""
     m, n = rows.shape
     width = tables.shape[1] * cache.block_size
     per = max(1, LATER_CHUNK_POSITIONS // width)
     if m > per:
         return torch.cat([_later_chunk_attention(cache, layer, q, rows[a:a + per], starts[a:a + per],
-                                                 tables[a:a + per], group) for a in range(0, m, per)])
+                                                 tables[a:a + per], group, window=window, scale=scale)
+                          for a in range(0, m, per)])
     keys, values = cache.gather_tables(layer, tables)  # [m, Hkv, W * block_size, hd]
     if group > 1:  # expand K/V heads for SDPA
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     positions = starts[:, None] + torch.arange(n, device=q.device)  # [m, n]
-    mask = torch.arange(width, device=q.device) <= positions[:, :, None]  # [m, n, W * block_size]
-    out = sdpa(q[rows].transpose(1, 2), keys, values, attn_mask=mask.unsqueeze(1))  # [m, H, n, hd]
+    key_positions = torch.arange(width, device=q.device)
+    mask = key_positions <= positions[:, :, None]  # [m, n, W * block_size]
+    if window is not None:
+        mask &= key_positions > positions[:, :, None] - window
+    out = sdpa(q[rows].transpose(1, 2), keys, values, attn_mask=mask.unsqueeze(1), scale=scale)  # [m, H, n, hd]
     return out.transpose(1, 2).reshape(m * n, -1)
+

@@ -31,9 +31,11 @@ from serving.engine.model import (
     StepContext,
     apply_rope,
     rope_cos_sin,
+    windows_of_layer_types,
 )
 from serving.engine.options import EngineOptions
 from serving.engine.parallel import SINGLE, ParallelConfig, VocabParallelEmbedding
+from serving.engine.prefill_attention import causal_band
 
 # HF name -> (engine name, part index, number of parts); `{i}` is the layer index.
 HF_TO_ENGINE: dict[str, tuple[str, int, int]] = {
@@ -83,14 +85,27 @@ def read_config(config: dict[str, Any], *, architecture: str, source: str = "con
             f"rope type {rope_type!r} in {source} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
         )
 
+    n_layers = int(config["num_hidden_layers"])
     sliding_window = config.get("sliding_window")
     if architecture == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
         sliding_window = None
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise UnsupportedArchitectureError(f"sliding_window={sliding_window!r} in {source} must be >= 1 (or null)")
+    layer_windows: tuple[int | None, ...] = ()
+    types = config.get("layer_types")  # Qwen2's and Qwen3's; Mistral windows every layer, whatever layer_types
+    if types is None and architecture == "Qwen2ForCausalLM":  # transformers' rule for configs before layer_types
+        types = ["sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+                 for i in range(n_layers)]
+    if sliding_window and types is not None and architecture != "MistralForCausalLM":
+        try:
+            layer_windows = windows_of_layer_types(types, int(sliding_window), n_layers, source=source)
+        except ValueError as e:
+            raise UnsupportedArchitectureError(str(e)) from None
     return ModelArgs(
         architecture=architecture,
         vocab_size=int(config["vocab_size"]),
         dim=dim,
-        n_layers=int(config["num_hidden_layers"]),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
         head_dim=int(head_dim),
@@ -107,6 +122,7 @@ def read_config(config: dict[str, Any], *, architecture: str, source: str = "con
         o_bias=attention_bias,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         sliding_window=int(sliding_window) if sliding_window else None,
+        layer_windows=layer_windows,
     )
 
 
@@ -131,6 +147,7 @@ class Attention(nn.Module):
         """`args`: this rank's (`ParallelConfig.shard_args`); wo's partial products are summed over the ranks."""
         super().__init__()
         self.args, self.parallel = args, parallel
+        self.window: int | None = None  # this layer's sliding window (set by `Transformer`; None: global)
         self.wqkv = FloatLinear(args.dim, args.qkv_size, bias=args.qkv_bias)
         self.wo = FloatLinear(args.q_size, args.dim, bias=args.o_bias)
 
@@ -142,7 +159,9 @@ class Attention(nn.Module):
                                                                                    dim=-1))
         q, k = self.norm_heads(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, S, H, hd], [B, S, Hkv, hd]
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+        band = causal_band(seqlen, self.window, x.device)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=band is None, attn_mask=band, scale=a.softmax_scale,
                                            enable_gqa=a.n_heads != a.n_kv_heads)  # [B, H, S, hd]
         return self.parallel.all_reduce(self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size)))
 
@@ -227,6 +246,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = (embedding(args.vocab_size, args.dim) if parallel.size == 1
                                else VocabParallelEmbedding(args.vocab_size, args.dim, parallel))
         self.layers = nn.ModuleList(self.block(args, i) for i in range(args.n_layers))
+        for i, layer in enumerate(self.layers):  # the reference forward's windows (the steps read `args`)
+            layer.attention.window = args.window(i)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, parallel.vocab_shard(args.vocab_size),
                                                                          bias=False)

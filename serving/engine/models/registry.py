@@ -20,7 +20,7 @@ from torch import nn
 
 from serving.engine.errors import UnsupportedArchitectureError
 from serving.engine.model import ModelArgs
-from serving.engine.models import llama, mixtral, phi3, qwen3, qwen3_moe
+from serving.engine.models import gemma3, llama, mixtral, phi3, qwen3, qwen3_moe
 
 # An HF tensor name (`{i}`: the layer index; `{e}`: an expert's index, its parts stacked after those of the experts
 # before it) -> (engine tensor name, part of a fused tensor, number of parts)
@@ -61,6 +61,9 @@ ARCHITECTURES["Qwen3MoeForCausalLM"] = Architecture(
     name="Qwen3MoeForCausalLM", model_type="qwen3_moe", model_class=qwen3_moe.Transformer,
     weights=qwen3_moe.HF_TO_ENGINE, param_names=qwen3_moe.engine_param_names, read_config=qwen3_moe.read_config,
     ignored_weights=qwen3_moe.IGNORED_HF_TENSORS)
+ARCHITECTURES[gemma3.ARCHITECTURE] = Architecture(
+    name=gemma3.ARCHITECTURE, model_type=gemma3.MODEL_TYPE, model_class=gemma3.Transformer, weights=gemma3.HF_TO_ENGINE,
+    param_names=gemma3.engine_param_names, read_config=gemma3.read_config, ignored_weights=gemma3.IGNORED_HF_TENSORS)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 
 
