@@ -2,7 +2,7 @@
 engine's model (its family's class in `models.registry`) holding the SAME weights (HF q/k/v and gate/up fused
 through the conversion table).
 
-No downloads: the shapes are the published `config.json` values of Llama-3.2-1B, Llama-3.1-8B and Qwen3-8B.
+No downloads: the shapes are the published `config.json` values (Llama-3.2-1B, Llama-3.1-8B, Qwen3-8B, Gemma-3-12B, Llama-3.3-70B).
 transformers is imported lazily (only the benchmark needs it).
 """
 
@@ -46,6 +46,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
         "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
         "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    # google/gemma-3-12b-it's text_config: 5 sliding-window layers (1,024 positions, rope base 10,000) to each
+    # global one (rope base 1e6, linear scaling 8)
+    "gemma-3-12b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208,
+        "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072, "sliding_window": 1024, "sliding_window_pattern": 6,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
     },
     # Llama-3.3-70B-Instruct's config.json (issue 52's TensorRT-LLM comparison): random FP8 weights only
     # (bench.tensor_parallel.fp8_random_model), its bf16 weights would not fit one H200
