@@ -212,6 +212,12 @@ class PerfSpec(BaseModel):
         "so, with the interval; approval.mode must be 'mlflow-tag', a person).")
     slo_retries: int = Field(1, ge=0, description="Measurements repeated when an absolute SLO is missed.")
     seed: int = Field(0, description="Seed of the random prompts.")
+    long_row: bool = Field(True, description="The workload's last row at the longest prompt both engines take "
+                           "with output_len tokens after it (tasks.envelope.workload_lengths), the others at "
+                           "input_len: the timed run covers the long end of the envelope too.")
+    check_outputs: int = Field(2, ge=0, description="Timed rows whose generations are checked against HF float32 "
+                               "by validation's decode budget (the first N and the longest row; 0: none): what "
+                               "was timed must also be right.")
     slo: PerfSlo = Field(default_factory=PerfSlo, description="Absolute objectives the engine must meet.")
 
 
