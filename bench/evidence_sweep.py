@@ -2,18 +2,21 @@
 each judged with the default `EvaluationSpec` (every part: perplexity, cloze, KL, top-1, greedy), and the
 seeded faults beside them (which must be refused).
 
-Production is the float32 (or `--dtypes` entry) build of the checkpoint. Per model and dtype:
-- `--rebuilds` unchanged rebuilds (max_batch_size 2, 3, 4, ...: rebuilt from the checkpoint, the same weights);
+Production is the `--dtypes` entry's build of the checkpoint (max_batch_size 4). Per model and dtype:
+- `--rebuilds` unchanged rebuilds (max_batch_size 2, 3, ...: rebuilt from the checkpoint, the same weights);
 - `--good` other good checkpoints: the checkpoint with Gaussian noise of `--good-noise` x each matrix's std
   (seeds 1..N), a fine-tune that changed little;
-- the faults: LM head x `--sharpen` (perplexity up, greedy text the same) and noise `--fault-noise` (greedy
-  text different).
-Prints one JSON line per case (verdict and every part's figure, interval and budget) and a summary; exits 1
-when a good build is refused or a fault passes.
+- the faults: LM head x `--sharpen` (perplexity up, greedy text the same) and noise of each `--fault-noise`
+  (greedy text different).
+Each case is scored once; the greedy part is then judged at every `--tie-gaps` value (the spec's
+`greedy_tie_gap`), so one run compares the rules. Prints a table (one row per case: every part's verdict and
+figure, the greedy verdict per tie gap, pass or refuse) and a summary; `--out` writes every case's figures,
+intervals and first-divergence gaps as JSON. Exits 1 when a good build is refused or a fault passes under the
+default spec.
 
     .venv/bin/python bench/evidence_sweep.py --models tiny --dtypes float32,bfloat16 --rebuilds 10 --good 5
-    .venv/bin/python bench/evidence_sweep.py --models smollm2 --dtypes float32,bfloat16 --rebuilds 10 --good 5 \
-        --good-noise 0.002 --fault-noise 0.05 --sharpen 1.03
+    .venv/bin/python bench/evidence_sweep.py --models smollm2 --dtypes bfloat16 --rebuilds 0 --good 2 --quick \\
+        --good-noise 0.002 --fault-noise 0.01,0.03 --sharpen 1.03
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,10 +33,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # gate_f
 
 import gate_faults
 
-from serving.engine import build_engine, convert_checkpoint
+from serving.engine import build_engine, convert_checkpoint, load_engine
 from serving.engine.build import EngineLimits
-from tasks.evaluation import EvaluationComparison, evaluate_engines
+from tasks.evaluation import EvaluationComparison, Scored, compare_scores, load_evaluation, score_pair
 from tasks.gate_specs import EvaluationSpec
+from tasks.text_path import server_encode
+
+PARTS = ("perplexity", "cloze", "kl", "top1", "greedy")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    engine: Path
+    expect_pass: bool
 
 
 def build(checkpoint: Path, out: Path, dtype: str, max_batch_size: int) -> Path:
@@ -43,12 +57,53 @@ def build(checkpoint: Path, out: Path, dtype: str, max_batch_size: int) -> Path:
     return out
 
 
-def case_line(model: str, dtype: str, case: str, expect_pass: bool, result: EvaluationComparison,
-              seconds: float) -> dict:
-    return {"model": model, "dtype": dtype, "case": case, "expect_pass": expect_pass, "passed": result.passed,
-            "seconds": round(seconds, 1),
+def scored(engine: Path) -> Scored:
+    return Scored(load_engine(engine), server_encode(engine)[0])
+
+
+def spec_with(base: EvaluationSpec, **changes) -> EvaluationSpec:
+    return base.model_copy(update=changes)
+
+
+def case_line(model: str, dtype: str, case: Case, result: EvaluationComparison, by_gap: dict[float, str],
+              gaps: list[float], seconds: float) -> dict:
+    return {"model": model, "dtype": dtype, "case": case.name, "expect_pass": case.expect_pass,
+            "passed": result.passed, "seconds": round(seconds, 1), "greedy_by_tie_gap": by_gap,
+            "first_divergence_gaps": gaps,
             "parts": {p.name: {"figure": p.figure, "low": p.low, "high": p.high, "budget": p.budget,
                                "verdict": p.verdict, "n": p.units, "needed": p.needed} for p in result.parts}}
+
+
+def table_row(line: dict, tie_gaps: list[float]) -> str:
+    parts = line["parts"]
+    cells = [f"{parts[n]['verdict']} {parts[n]['figure']:.3g}" if n in parts else "-" for n in PARTS]
+    greedy = [line["greedy_by_tie_gap"][str(g)] for g in tie_gaps]
+    outcome = "pass" if line["passed"] else "REFUSE"
+    wrong = "" if line["passed"] == line["expect_pass"] else " (wrong)"
+    return (f"| {line['model']} | {line['dtype']} | {line['case']} | " + " | ".join(cells) + " | "
+            + " | ".join(greedy) + f" | {outcome}{wrong} |")
+
+
+def cases_for(model: str, checkpoint: Path, root: Path, dtype: str, args) -> list[Case]:
+    cases = [Case(f"rebuild {r}", build(checkpoint, root / f"{dtype}-rebuild{r}", dtype, 2 + r), True)
+             for r in range(args.rebuilds)]
+    for g in range(1, args.good + 1):
+        hf = root / f"hf-good{g}-{args.good_noise}"
+        if not hf.exists():
+            gate_faults.degrade(checkpoint, hf, relative_noise=args.good_noise, seed=g)
+        cases.append(Case(f"good checkpoint {g} (noise {args.good_noise})",
+                          build(hf, root / f"{dtype}-good{g}-{args.good_noise}", dtype, 4), True))
+    sharper = root / f"hf-sharper-{args.sharpen}"
+    if not sharper.exists():
+        gate_faults.scale_logits(checkpoint, sharper, factor=args.sharpen)
+    cases.append(Case(f"fault: LM head x {args.sharpen}", build(sharper, root / f"{dtype}-sharper-{args.sharpen}",
+                                                                 dtype, 4), False))
+    for noise in (float(x) for x in args.fault_noise.split(",")):
+        noisy = root / f"hf-noisy-{noise}"
+        if not noisy.exists():
+            gate_faults.degrade(checkpoint, noisy, relative_noise=noise)
+        cases.append(Case(f"fault: noise {noise}", build(noisy, root / f"{dtype}-noisy-{noise}", dtype, 4), False))
+    return cases
 
 
 def main() -> int:
@@ -58,13 +113,20 @@ def main() -> int:
     ap.add_argument("--rebuilds", type=int, default=10)
     ap.add_argument("--good", type=int, default=5)
     ap.add_argument("--good-noise", type=float, default=0.0005)
-    ap.add_argument("--fault-noise", type=float, default=0.004)
+    ap.add_argument("--fault-noise", default="0.004", help="comma-separated noise levels, each a fault")
     ap.add_argument("--sharpen", type=float, default=1.012)
+    ap.add_argument("--tie-gaps", default="0,0.1,0.25,0.5", help="greedy_tie_gap values the greedy part is judged at")
     ap.add_argument("--work", type=Path, default=Path("/tmp/evidence-sweep"))
     ap.add_argument("--out", type=Path, default=None, help="also write the lines here (JSON list)")
+    ap.add_argument("--quick", action="store_true", help="8 cloze items against a 50-point budget (the demo's), "
+                    "the other parts as the default spec: a quarter of the scoring, for a loaded machine")
     args = ap.parse_args()
-    spec = EvaluationSpec()
+    spec = (EvaluationSpec(max_choices=8, max_accuracy_drop_points=50.0) if args.quick else EvaluationSpec())
+    tie_gaps = [float(x) for x in args.tie_gaps.split(",")]
+    data = load_evaluation()
     lines, bad = [], 0
+    print("| model | dtype | case | " + " | ".join(PARTS) + " | "
+          + " | ".join(f"greedy, tie gap {g}" for g in tie_gaps) + " | outcome |", flush=True)
     for model in args.models.split(","):
         root = args.work / model
         root.mkdir(parents=True, exist_ok=True)
@@ -79,29 +141,24 @@ def main() -> int:
 
             checkpoint = make_example_model()
         for dtype in args.dtypes.split(","):
-            production = build(checkpoint, root / f"{dtype}-production", dtype, 4)
-            cases: list[tuple[str, Path, bool]] = []
-            for r in range(args.rebuilds):
-                cases.append((f"rebuild {r}", build(checkpoint, root / f"{dtype}-rebuild{r}", dtype, 2 + r), True))
-            for g in range(1, args.good + 1):
-                hf = root / f"hf-good{g}"
-                if not hf.exists():
-                    gate_faults.degrade(checkpoint, hf, relative_noise=args.good_noise, seed=g)
-                cases.append((f"good checkpoint {g} (noise {args.good_noise})", build(hf, root / f"{dtype}-good{g}", dtype, 4), True))
-            sharper, noisy = root / "hf-sharper", root / "hf-noisy"
-            if not sharper.exists():
-                gate_faults.scale_logits(checkpoint, sharper, factor=args.sharpen)
-            if not noisy.exists():
-                gate_faults.degrade(checkpoint, noisy, relative_noise=args.fault_noise)
-            cases += [(f"fault: LM head x {args.sharpen}", build(sharper, root / f"{dtype}-sharper", dtype, 4), False),
-                      (f"fault: noise {args.fault_noise}", build(noisy, root / f"{dtype}-noisy", dtype, 4), False)]
-            for name, engine, expect_pass in cases:
+            production = scored(build(checkpoint, root / f"{dtype}-production", dtype, 4))
+            for case in cases_for(model, checkpoint, root, dtype, args):
                 start = time.perf_counter()
-                result = evaluate_engines(engine, spec, production_dir=production, production_version="production")
-                line = case_line(model, dtype, name, expect_pass, result, time.perf_counter() - start)
-                bad += line["passed"] != expect_pass
+                c_scores, p_scores, distances = score_pair(scored(case.engine), production, data, spec)
+                result = compare_scores(c_scores, p_scores, spec, production_version="production",
+                                        distances=distances)
+                by_gap = {}
+                for gap in tie_gaps:
+                    judged = compare_scores(c_scores, p_scores, spec_with(spec, greedy_tie_gap=gap),
+                                            production_version="production", distances=distances)
+                    greedy = next(p for p in judged.parts if p.name == "greedy")
+                    by_gap[str(gap)] = f"{greedy.verdict} {greedy.figure:.3f} [{greedy.low:.3f}, {greedy.high:.3f}]"
+                gaps = [c.tie_gap(first) for c in distances.greedy
+                        if (first := c.first_divergence(spec.greedy_new_tokens)) is not None]
+                line = case_line(model, dtype, case, result, by_gap, gaps, time.perf_counter() - start)
+                bad += line["passed"] != case.expect_pass
                 lines.append(line)
-                print(json.dumps(line), flush=True)
+                print(table_row(line, tie_gaps), flush=True)
     good = [x for x in lines if x["expect_pass"]]
     faults = [x for x in lines if not x["expect_pass"]]
     print(f"good builds refused: {sum(not x['passed'] for x in good)} of {len(good)}; "

@@ -98,7 +98,8 @@ def release_flow(spec: ReleaseSpec) -> ReleaseResult | State:
     if not standard.passed:
         return _gate_failed("lm-eval", "; ".join(standard.failures), standard_report)
 
-    timed = perf_gate.perf_gate_task(engine_dir, spec.perf, **against)
+    timed = perf_gate.perf_gate_task(engine_dir, spec.perf, **against, checkpoint=spec.source.checkpoint,
+                                     decode_limits=checked.decode_limits)
     perf_report = save_report(report_dir, "performance.md", perf_gate.render_report(timed))
     print(f"performance gate: {'passed' if timed.passed else 'FAILED'} {timed.metrics}")
     if not timed.passed:

@@ -17,7 +17,9 @@ sized):
   (exactly log(ppl_c / ppl_p) when the tokenizers match); shown as a perplexity increase in %;
 - cloze: an item's production-correct minus candidate-correct (1 lost, 0 kept, -1 won); shown in points;
 - KL and top-1 disagreement: a passage's mean, against 0 (production itself); greedy disagreement: one
-  continuation's share, ``greedy_windows`` continuations per passage (from its first 8, 16, 24 tokens).
+  continuation's share from its first divergence on, ``greedy_windows`` continuations per passage (from its
+  first 8, 16, 24 tokens); a divergence where production's own log-probs put the two tokens within
+  ``greedy_tie_gap`` nats is a tie, not a disagreement (`tasks.output_distribution.Continuation`).
 A part passes when its upper bound is within the budget, is refused when its lower bound is beyond it, and an
 undecided part refuses (or, with ``on_inconclusive: hold``, publishes held for a person's review).
 """
@@ -37,7 +39,7 @@ from prefect.cache_policies import NONE
 
 from tasks.gate_power import POWER
 from tasks.gate_specs import EvaluationSpec
-from tasks.output_distribution import PassageDistances, greedy_disagreement
+from tasks.output_distribution import PassageDistances, greedy_continuations
 from tasks.paired_parts import PartComparison, PartSpec, judge_part, log_ratio_percent, points, same
 
 DATA_FILE = Path(__file__).with_name("evaluation_data.json")
@@ -233,7 +235,8 @@ def compare_scores(candidate: EvaluationScores, production: EvaluationScores, sp
         if distances.kl:
             judged += [judge_part(parts[name], values, alpha=spec.alpha, hold=hold, against=production_version)
                        for name, values in (("kl", distances.kl), ("top1", distances.top1_disagreement))]
-        judged.append(judge_part(parts["greedy"], distances.greedy_disagreement, alpha=spec.alpha, hold=hold,
+        greedy = [c.disagreement(spec.greedy_new_tokens, spec.greedy_tie_gap) for c in distances.greedy]
+        judged.append(judge_part(parts["greedy"], greedy, alpha=spec.alpha, hold=hold,
                                  against=production_version))
     return EvaluationComparison(production_version, candidate, production, judged,
                                 distribution_skipped=distribution_skipped or (distances.skipped if distances else ""))
@@ -347,7 +350,7 @@ def score_pair(candidate: Scored, production: Scored, data: EvaluationData, spec
             nll[side].append(passage_nll(logits, ids))
             tokens[side].append(len(ids) - 1)
         distances.add_teacher_forced(logits_p, logits_c, ids_p, ids_c)
-    distances.greedy_disagreement = greedy_disagreement(
+    distances.greedy = greedy_continuations(
         production.runner, candidate.runner, greedy_prompts(production.encode, data, spec),
         greedy_prompts(candidate.encode, data, spec), spec.greedy_new_tokens)
     return (scores_of(data, nll["c"], tokens["c"], score_choices(candidate.runner.prefill_logits, candidate.encode,

@@ -137,6 +137,10 @@ class EvaluationSpec(BaseModel):
     greedy_windows: int = Field(3, ge=1, description="Continuations per passage, from its first 1, 2, ... times "
                                 "greedy_prompt_tokens tokens (each a unit: the passages alone are too few for the "
                                 "power this spread needs).")
+    greedy_tie_gap: float = Field(0.1, ge=0, description="A greedy divergence where production's own log-prob of "
+                                  "the candidate's token is within this many nats of its choice (0.1: the two "
+                                  "within ~10% of each other) is a tie production could have broken either way, "
+                                  "not a disagreement; 0 counts every divergence.")
     greedy_new_tokens: int = Field(8, ge=1, description="Greedy tokens generated per continuation on each side.")
     alpha: float = Field(0.01, gt=0, lt=1, description="Each part's one-sided error: the chance of passing a "
                          "candidate whose regression is its budget.")
@@ -212,6 +216,12 @@ class PerfSpec(BaseModel):
         "so, with the interval; approval.mode must be 'mlflow-tag', a person).")
     slo_retries: int = Field(1, ge=0, description="Measurements repeated when an absolute SLO is missed.")
     seed: int = Field(0, description="Seed of the random prompts.")
+    long_row: bool = Field(True, description="The workload's last row at the longest prompt both engines take "
+                           "with output_len tokens after it (tasks.envelope.workload_lengths), the others at "
+                           "input_len: the timed run covers the long end of the envelope too.")
+    check_outputs: int = Field(2, ge=0, description="Timed rows whose generations are checked against HF float32 "
+                               "by validation's decode budget (the first N and the longest row; 0: none): what "
+                               "was timed must also be right.")
     slo: PerfSlo = Field(default_factory=PerfSlo, description="Absolute objectives the engine must meet.")
 
 

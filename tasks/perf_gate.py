@@ -20,6 +20,11 @@ fewest rounds (at least ``iterations``) at which a look can decide, and alpha = 
 evenly over them (Bonferroni), so the chance of refusing an engine whose median round ratio is within budget
 is at most alpha over the whole run, whatever the stopping. The estimate is the median round ratio, with the
 order-statistic interval of the median at ``confidence``.
+The workload is ``batch_size`` random prompts of ``input_len`` tokens, the last at the longest prompt both engines
+take (``long_row``: ``tasks.envelope.workload_lengths``), so the timed run reaches the long end of the envelope the
+engine is built for; and what was timed must be right: the candidate's generations of the last timed iteration
+(a sample of rows and the longest) are scored against HF float32 by validation's decode budget
+(``tasks.decode_check.check_timed_outputs``), when the release hands in its checkpoint and that budget.
 An iteration that raises counts as an error; ``slo.max_error_rate`` bounds the candidate's share.
 Without a production engine the candidate alone is timed and only the absolute SLOs apply; an SLO
 missed is measured once more (``slo_retries``) before it fails, since one noisy sample on a loaded
@@ -32,9 +37,10 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 from prefect.cache_policies import NONE
@@ -42,6 +48,9 @@ from prefect.cache_policies import NONE
 from tasks.errors import GateFailed
 from tasks.gate_power import sign_test_critical, sign_test_rounds, slowest_within
 from tasks.gate_specs import PerfSlo, PerfSpec
+
+if TYPE_CHECKING:
+    from tasks.decode_check import DecodeLimits
 
 
 @dataclass
@@ -90,6 +99,7 @@ class PerfResult:
     rounds_needed: int | None = None  # the power calculation's rounds (an equal engine shown within, 90%)
     slowest_detected_within: float | None = None  # the slowest ratio max_iterations show within with 90% power
     skipped: str = ""  # why production was not timed
+    outputs_checked: bool = False  # the timed generations were scored against HF float32
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -125,10 +135,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class _Timer:
-    """Times single iterations of the workload on one runner and keeps the samples."""
+    """Times single iterations of the workload on one runner and keeps the samples (and the last generations)."""
 
-    def __init__(self, runner: Any, spec: PerfSpec) -> None:
-        self.runner, self.spec = runner, spec
+    def __init__(self, runner: Any, spec: PerfSpec, prompts: list[list[int]]) -> None:
+        self.runner, self.spec, self.prompts = runner, spec, prompts
+        self.outputs: list = []
         self.round_tok_s: list[float] = []
         self.ttft: list[float] = []
         self.tpot: list[float] = []
@@ -144,8 +155,8 @@ class _Timer:
 
         s = self.spec
         try:
-            cell = time_generate(self.runner, batch=s.batch_size, prompt_len=s.input_len, gen_len=s.output_len,
-                                 repeats=1, warmup=0, seed=s.seed, impl="perf-gate")
+            cell = time_generate(self.runner, batch=len(self.prompts), prompt_len=s.input_len, gen_len=s.output_len,
+                                 repeats=1, warmup=0, impl="perf-gate", prompts=self.prompts, outputs=self.outputs)
         except Exception as exc:  # noqa: BLE001 - an engine that errors is measured as erroring
             if record:
                 self.iterations += 1
@@ -236,11 +247,33 @@ def median_interval(log_ratios: list[float], confidence: float) -> tuple[float, 
     return median, math.exp(ordered[k - 1]), math.exp(ordered[n - k])
 
 
+def workload_prompts(spec: PerfSpec, runners: list[Any]) -> list[list[int]]:
+    """The timed prompts (seeded random ids): `batch_size` rows of `input_len`, the last at the longest prompt
+    every runner takes with `output_len` tokens after it (`long_row`)."""
+    from serving.engine.timing import random_prompts_of
+    from tasks.envelope import workload_lengths
+
+    limits = [r.info.limits for r in runners]
+    vocab = min(r.info.model.vocab_size for r in runners)
+    if not spec.long_row:
+        return random_prompts_of([spec.input_len] * spec.batch_size, vocab, spec.seed)
+    lengths = workload_lengths(batch_size=spec.batch_size, input_len=spec.input_len,
+                               max_input_len=min(lim.max_input_len for lim in limits),
+                               max_seq_len=min(lim.max_seq_len for lim in limits), output_len=spec.output_len)
+    return random_prompts_of(lengths, vocab, spec.seed)
+
+
+TimedCheck = Callable[[list[list[int]], list[Any]], list[str]]  # (prompts, generations) -> failures
+
+
 def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
-                    production_version: str | None = None, skipped: str = "") -> PerfResult:
-    """Time the candidate (and production, interleaved) and judge: budget against production, SLOs, errors."""
-    cand = _Timer(candidate, spec)
-    prod = _Timer(production, spec) if production is not None else None
+                    production_version: str | None = None, skipped: str = "",
+                    check_timed: TimedCheck | None = None) -> PerfResult:
+    """Time the candidate (and production, interleaved) and judge: budget against production, SLOs, errors, and
+    (`check_timed`) the candidate's last timed generations."""
+    prompts = workload_prompts(spec, [candidate] + ([production] if production is not None else []))
+    cand = _Timer(candidate, spec, prompts)
+    prod = _Timer(production, spec, prompts) if production is not None else None
     for timer in (cand, prod):
         if timer:
             timer.warm_up()
@@ -274,6 +307,7 @@ def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
         stopped = (f"{i + 1} rounds (perf.max_iterations), undecided: {_count(log_ratios, budget)}; sign test at "
                    f"alpha {alpha:.3g} per look, looks at rounds {looks}")
     result = _result(cand.figures(), spec)
+    result.workload["prompt_lens"] = [len(p) for p in prompts]
     result.stopped = stopped
     result.skipped = skipped
     if prod is not None:
@@ -305,10 +339,13 @@ def compare_runners(candidate: Any, production: Any | None, spec: PerfSpec, *,
                     f"p < {alpha:.3g}; {spec.confidence:.0%} interval [{low:.3f}, {min(high, 1e9):.3g}]) < "
                     f"1 - perf.max_slowdown = {budget:.2f}")
     result.failures += check_errors(cand.figures(), spec.slo)
+    if check_timed is not None and cand.outputs:
+        result.failures += check_timed(prompts, cand.outputs)
+        result.outputs_checked = True
     if not result.failures:
         result.failures = check_slos(result, spec.slo)
         for _ in range(spec.slo_retries if result.failures else 0):
-            retry = _Timer(candidate, spec)
+            retry = _Timer(candidate, spec, prompts)
             for _ in range(spec.iterations):
                 retry.once()
             again = _result(retry.figures(), spec)
@@ -359,18 +396,36 @@ def check_slos(result: PerfResult, slo: PerfSlo) -> list[str]:
     return failures
 
 
+def timed_outputs_check(checkpoint: Path, limits: DecodeLimits, spec: PerfSpec, device: Any) -> TimedCheck:
+    """The check of the timed generations: validation's decode budget on a sample of the rows, each failure
+    prefixed with where it was measured."""
+    def check(prompts: list[list[int]], generations: list[Any]) -> list[str]:
+        from tasks.decode_check import check_timed_outputs
+
+        labels = [f"timed row {r} ({len(p)} random tokens)" for r, p in enumerate(prompts)]
+        _, failures = check_timed_outputs(checkpoint, prompts, generations, limits, sample=spec.check_outputs,
+                                          device=device, labels=labels)
+        return [f"timed outputs (perf.check_outputs): {f}" for f in failures]
+    return check
+
+
 def measure_engine(engine_dir: Path, spec: PerfSpec, production_dir: Path | None = None, *,
                    production_version: str | None = None, skipped: str = "", runner=None,
-                   production_runner=None) -> PerfResult:
+                   production_runner=None, checkpoint: Path | None = None,
+                   decode_limits: DecodeLimits | None = None) -> PerfResult:
     """Run `compare_runners` on the candidate and the production engine (when given), each loaded from its
-    folder unless its runner is given (the release's gates share them)."""
+    folder unless its runner is given (the release's gates share them). With `checkpoint` and validation's
+    `decode_limits`, the candidate's timed generations are checked too (`perf.check_outputs` rows)."""
     from serving.engine.runner import load_engine
 
     candidate = runner or load_engine(engine_dir)
     production = None
     if production_dir is not None:
         production = production_runner or load_engine(production_dir)
-    return compare_runners(candidate, production, spec, production_version=production_version, skipped=skipped)
+    check = (timed_outputs_check(checkpoint, decode_limits, spec, candidate.device)
+             if checkpoint is not None and decode_limits is not None and spec.check_outputs else None)
+    return compare_runners(candidate, production, spec, production_version=production_version, skipped=skipped,
+                           check_timed=check)
 
 
 def render_report(result: PerfResult) -> str:
@@ -404,6 +459,8 @@ def render_report(result: PerfResult) -> str:
            f"{result.workload.get('max_iterations')} show one at {result.slowest_detected_within:.3f}x or faster.\n"
            if result.rounds_needed is not None and result.slowest_detected_within is not None else "")
         + f"\nRounds: {result.stopped}.\n\nWorkload: `{json.dumps(result.workload)}`\n"
+        + ("\nTimed outputs: the candidate's generations of the last timed iteration scored against HF float32 by "
+           "validation's decode budget (perf.check_outputs rows and the longest).\n" if result.outputs_checked else "")
     )
 
 
@@ -416,7 +473,9 @@ def require_passed(result: PerfResult) -> None:
 @task(name="perf-gate", retries=0, cache_policy=NONE)  # NONE: a runner would be hashed by pickling its model
 def perf_gate_task(engine_dir: Path, spec: PerfSpec, production_dir: Path | None = None,
                    production_version: str | None = None, skipped: str = "", runner=None,
-                   production_runner=None) -> PerfResult:
-    """Time the candidate against the production engine on the fixed workload and check the SLOs."""
+                   production_runner=None, checkpoint: Path | None = None,
+                   decode_limits: DecodeLimits | None = None) -> PerfResult:
+    """Time the candidate against the production engine on the fixed workload, check the SLOs and what it timed."""
     return measure_engine(engine_dir, spec, production_dir, production_version=production_version, skipped=skipped,
-                          runner=runner, production_runner=production_runner)
+                          runner=runner, production_runner=production_runner, checkpoint=checkpoint,
+                          decode_limits=decode_limits)

@@ -16,6 +16,7 @@ apt-get when it is missing; the module skips, saying why, only where that was im
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -39,6 +40,7 @@ from flows.spec import parse_spec
 from registry import model_registry as mr
 from serving.triton.process import start_triton
 from serving.triton.repository import init_repository, router_weights
+from tasks.served_config import IGNORED_GENERATION_KEYS
 from tasks.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -185,10 +187,11 @@ class Setup:
     promote_env: dict[str, str]
     released: list[str] = field(default_factory=list)
 
-    def spec(self, max_batch_size: int) -> dict:
+    def spec(self, max_batch_size: int, *, checkpoint: Path | None = None, served: dict | None = None) -> dict:
         """The release/promote spec; a new max batch gives a new engine fingerprint, hence a new version."""
         return {
-            "source": {"checkpoint": str(self.checkpoint)},
+            "source": {"checkpoint": str(checkpoint or self.checkpoint)},
+            **({"served": served} if served else {}),
             "engine": {"dtype": "float32", "max_batch_size": max_batch_size, "max_input_len": 64, "max_seq_len": 128},
             "validation": {"max_new_tokens": 8, "prompts": ["The capital of France is", "Once upon a time"]},
             # the A/B against production is not what this test judges (tests/test_gates.py does): on three busy
@@ -205,9 +208,10 @@ class Setup:
             "work_dir": str(self.tmp / "work"),
         }
 
-    def release(self, max_batch_size: int) -> tuple[str, Path]:
+    def release(self, max_batch_size: int, *, checkpoint: Path | None = None,
+                served: dict | None = None) -> tuple[str, Path]:
         """Release in this process (Prefect's test harness); returns the version and the spec file promote reads."""
-        data = self.spec(max_batch_size)
+        data = self.spec(max_batch_size, checkpoint=checkpoint, served=served)
         state = release_flow(parse_spec(data), return_state=True)
         assert state.is_completed(), state.message
         done: ReleaseResult = state.result()
@@ -265,7 +269,13 @@ def test_approve_in_the_browser_and_promote_finishes(setup: Setup, browser) -> N
 def test_reject_in_the_browser_and_nothing_changes(setup: Setup, browser) -> None:
     live = mr.get_version_by_alias(setup.tracking_uri, setup.model, mr.ALIAS_PRODUCTION)
     assert live is not None, "needs the version approved by the test before"
-    version, spec_path = setup.release(max_batch_size=8)
+    # version 2 serves other sampling defaults (generation_config.json), an intended change its spec accepts
+    changed = shutil.copytree(setup.checkpoint, setup.tmp / "hf-new-defaults")
+    generation = json.loads((changed / "generation_config.json").read_text())
+    (changed / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.7, "top_p": 0.9}))
+    why = "chat clients get sampling by default"
+    version, spec_path = setup.release(max_batch_size=8, checkpoint=changed,
+                                       served={"accept": {"generation_defaults": why}})
     promote = Promote.start(spec_path, version, setup.promote_env)
     try:
         with evidence(browser, "reject", promote):
@@ -288,9 +298,19 @@ def test_reject_in_the_browser_and_nothing_changes(setup: Setup, browser) -> Non
                          rf"production 0 \[0, 0\]: within <= 0\.2{power}[\d.e-]+")):
                 found = re.search(f"^{row}$", page, re.MULTILINE)
                 assert found and int(found[1]) >= int(found[2]), (row, page)
-            assert re.search(rf"^performance throughput / production v{live} \(same run\) [\d.]+ \[[\d.]+, [\d.]+\]: "
-                             r"within >= 0\.05; \d+ rounds \(90% power needs \d+\); passes >= [\d.]+x with 90% power$",
-                             page, re.MULTILINE), page
+            ab = re.search(rf"^performance throughput / production v{live} \(same run\) ([\d.]+) \[([\d.]+), ([\d.]+)\]: "
+                           r"within >= 0\.05; \d+ rounds \(90% power needs \d+\); passes >= [\d.]+x with 90% power$",
+                           page, re.MULTILINE)
+            assert ab and float(ab[2]) <= float(ab[1]) <= float(ab[3]), page  # the A/B's interval holds its figure
+            # the served configuration against production: the one part that differs, both sides and the verdict
+            assert "Served configuration vs production" in page, page
+            assert f"Against production version {live}: 1 part(s) differ." in page, page
+            before = json.dumps({k: v for k, v in sorted(generation.items()) if k not in IGNORED_GENERATION_KEYS},
+                                sort_keys=True)
+            after = json.dumps({k: v for k, v in sorted({**generation, "temperature": 0.7, "top_p": 0.9}.items())
+                                if k not in IGNORED_GENERATION_KEYS}, sort_keys=True)
+            row = f"generation_defaults {before} {after} accepted: {why}"
+            assert re.search(f"^{re.escape(row)}$", page, re.MULTILINE), (row, page)
             add_tag_in_ui(browser, "rejected_by", "erin")
             add_tag_in_ui(browser, "approval", "rejected")
             code = promote.finish()

@@ -15,9 +15,8 @@ from gate_faults import decode_swaps_top2, rows_interfering
 
 from serving.engine import build_engine, convert_checkpoint, load_engine
 from serving.engine.build import EngineLimits
-from serving.engine.loaded import loaded_configuration
 from serving.engine.kv_cache import KVCacheConfig
-from serving.engine.runner import load_engine
+from serving.engine.loaded import loaded_configuration
 from serving.engine.runner import Generation
 from tasks.decode_check import DecodeLimits, check_timed_outputs, check_wide_batch
 from tasks.envelope import envelope_lengths, long_prompt_ids, workload_lengths
@@ -107,6 +106,30 @@ def test_timed_outputs_are_checked_on_a_sample_by_the_decode_budget(tiny):
     bad = decode_swaps_top2(load_engine(static)).generate(prompts, max_new_tokens=4, top_logprobs=1)
     _, failures = check_timed_outputs(hf, prompts, bad, limits, sample=1)
     assert failures and "timed row 0 (4 tokens)" in failures[0]
+
+
+def test_the_perf_gate_times_the_long_end_and_checks_what_it_timed(tiny):
+    """The perf gate's workload ends with a row at the longest prompt both engines take; the candidate's timed
+    generations are scored against HF float32: a decode fault that only the timed run shows is refused."""
+    from tasks.gate_specs import PerfSpec
+    from tasks.perf_gate import measure_engine
+
+    hf, static, _ = tiny
+    limits = DecodeLimits(max_disagreements=0, max_gap=1e-3, max_mean_logprob_delta=None)
+    spec = PerfSpec(batch_size=2, input_len=8, output_len=4, warmup=0, iterations=2, check_outputs=1,
+                    slo={"min_output_tokens_per_s": 0.01})  # no production: the candidate alone, timed twice
+    good = measure_engine(static, spec, checkpoint=hf, decode_limits=limits)
+    assert good.workload["prompt_lens"] == [8, LIMITS.max_input_len]  # max_seq_len 112 - 4 leaves 96 for the prompt
+    assert good.outputs_checked and not any("timed outputs" in f for f in good.failures), good.failures
+    faulty = measure_engine(static, spec, checkpoint=hf, decode_limits=limits,
+                            runner=decode_swaps_top2(load_engine(static)))
+    timed = [f for f in faulty.failures if f.startswith("timed outputs (perf.check_outputs): ")]
+    # rows 0 and 1 (the first and the longest) scored: 8 tokens, the worst named with its evidence
+    assert timed and "of 8 generated tokens are not HF's argmax" in timed[0], faulty.failures
+    assert "prompt 'timed row 0 (8 random tokens)' token " in timed[0] and "gap" in timed[0], faulty.failures
+    assert not faulty.passed
+    short = measure_engine(static, spec.model_copy(update={"long_row": False, "check_outputs": 0}), None)
+    assert short.workload["prompt_lens"] == [8, 8] and not short.outputs_checked
 
 
 def test_wide_batch_tolerates_only_ties_in_reduced_precision():

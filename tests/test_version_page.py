@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.evaluation import EvaluationScores, EvaluationSpec, compare_scores
-from tasks.output_distribution import PassageDistances
+from tasks.output_distribution import Continuation, PassageDistances
 from tasks.perf_gate import PerfResult, PerfSlo
 from tasks.report import comparison_table, render_html
 from tasks.text_path import TokenizerCheck
@@ -44,7 +44,7 @@ def test_the_page_holds_verdicts_thresholds_comparison_provenance_and_links() ->
     validation, perf = results()
     built = Provenance("alice", "build-7", "0123456789abcdef", "f" * 64, "torch float32", {"torch": "2.13.0"})
     scores = EvaluationScores([1.0] * 16, [True] * 30 + [False] * 6, [100.0] * 16, [50] * 16)
-    distances = PassageDistances([0.0] * 16, [0.0] * 16, [0.0] * 48)
+    distances = PassageDistances([0.0] * 16, [0.0] * 16, [Continuation([5] * 8, [5] * 8, [])] * 48)
     evaluated = compare_scores(scores, scores, EvaluationSpec(), production_version="3", distances=distances)
     page = VersionPage(validation, perf, PerfSlo(min_output_tokens_per_s=50), ("3", {"perf_output_tokens_per_s": 406.0}),
                        built, "http://127.0.0.1:5000", evaluated, measured=True)

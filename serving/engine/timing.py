@@ -67,13 +67,23 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> li
     return [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
 
+def random_prompts_of(lengths: Sequence[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    """One random prompt per entry of `lengths`, each that many tokens long."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
 def time_generate(runner: Any, *, batch: int, prompt_len: int, gen_len: int, repeats: int = 3, warmup: int = 1,
-                  seed: int = 0, shape: str = "engine", impl: str = "engine") -> CellResult:
-    """Time `runner.generate` on random prompts: the figures of one cell (CUDA: event timing per step).
+                  seed: int = 0, shape: str = "engine", impl: str = "engine",
+                  prompts: Sequence[Sequence[int]] | None = None, outputs: list | None = None) -> CellResult:
+    """Time `runner.generate` on random prompts (or `prompts`, `batch` and `prompt_len` then only naming the
+    cell): the figures of one cell (CUDA: event timing per step). `outputs`, when given, receives the last
+    timed repeat's generations (in prompt order: what the timing measured, for a caller to check).
 
     On the CPU (no events) TPOT is the per-token share of (full - first-token) wall time.
     """
-    prompts = random_prompts(batch, prompt_len, runner.info.model.vocab_size, seed)
+    if prompts is None:
+        prompts = random_prompts(batch, prompt_len, runner.info.model.vocab_size, seed)
     cuda = runner.device.type == "cuda"
     started = time.perf_counter()
     for _ in range(warmup):
@@ -85,7 +95,7 @@ def time_generate(runner: Any, *, batch: int, prompt_len: int, gen_len: int, rep
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        runner.generate(prompts, max_new_tokens=gen_len, logprobs=False, events=events if cuda else None)
+        generated = runner.generate(prompts, max_new_tokens=gen_len, logprobs=False, events=events if cuda else None)
         e2e_s.append(time.perf_counter() - t0)
         if cuda:
             ms = [events[0].elapsed_time(ev) for ev in events[1:]]  # since the start: first token, steps...
@@ -100,6 +110,8 @@ def time_generate(runner: Any, *, batch: int, prompt_len: int, gen_len: int, rep
             per = max(e2e_s[-1] - first, 1e-9) / max(gen_len - 1, 1)
             tpots += [per * 1e3] * (gen_len - 1)
             decode_s.append(per * (gen_len - 1))
+        if outputs is not None:
+            outputs[:] = generated
     return CellResult(
         shape=shape, impl=impl, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
         decode_tok_s=batch * (gen_len - 1) / statistics.median(decode_s),
