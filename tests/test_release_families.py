@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from services import MlflowServer, S3Server
+from services import MlflowServer, S3Server, point_at_s3
 
 from flows.release import ReleaseResult, release_flow
 from flows.spec import ReleaseSpec, parse_spec
@@ -44,10 +44,7 @@ def services(tmp_path_factory, prefect_harness, mlflow_server: MlflowServer, s3_
     """One bucket, one MLflow server, one Prefect API for every family; the S3 endpoint and credentials in the
     environment for the module (the publish step and the production lookup read them there)."""
     with pytest.MonkeyPatch.context() as env:
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
-            env.delenv(name, raising=False)
-        for name, value in s3_server.env().items():
-            env.setenv(name, value)
+        point_at_s3(env, s3_server)
         bucket = f"families-{uuid.uuid4().hex[:8]}"
         s3_server.client().create_bucket(Bucket=bucket)
         yield Services(tmp_path_factory.mktemp("release-families"), mlflow_server.tracking_uri, s3_server, bucket)
