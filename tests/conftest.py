@@ -123,8 +123,8 @@ SHARED_WORKER: dict[str, tuple[str, ...]] = {  # group: the prefixes of its file
     "mlflow-auth": ("test_approval_auth.py", "test_promote_s3.py", "test_publish_s3.py"),
 }
 LONGEST_FIRST: tuple[str, ...] = (
-    # the lm-eval gate test (about 4 min in CI, 107 s of CPU alone) and the evidence module (4.5 min of setup in
-    # CI, named nowhere here before: it started among the last files) go out with the first units
+    # the lm-eval gate test and the evidence module (named nowhere here before: it started among the last files)
+    # go out with the first units (docs/LOG.md, 2026-12-07, has their times)
     "rollout", "test_lm_eval_gate.py", "test_release_smollm2.py", "test_gates_evidence.py", "test_end_to_end.py",
     "test_browser_approval.py", "mlflow-auth", "test_release_families.py",
     "test_deployments.py", "test_openai_doors.py", "test_openai_real_model.py", "test_gates_smollm2.py",
