@@ -33,12 +33,17 @@ demo: $(STAMP)
 # Then the files in ALONE, in a second pytest with the machine to themselves: the gray release's load test
 # holds p99 through a rollout within 1.5x of steady state (issue 27), and three workers beside it on two
 # cores would make that a measure of the other tests. All three runs go ahead; the target fails when any does.
-# The kernel tests on CPU tensors (mark `interpreter`) run in `test-kernels` instead, after the parallel run.
+# The kernel tests on CPU tensors (mark `interpreter`) run in `test-kernels` instead, beside the parallel run at
+# nice 10: pure CPU, they take the cycles the parallel run leaves while its tests wait on servers, and yield the
+# cores to it otherwise (run after it, they added their whole time to the target's); their output follows it.
 ALONE := tests/test_rollout_triton.py
 test: $(STAMP) browser
-	$(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30 -m "not interpreter" \
+	kernels_log=$$(mktemp); \
+	  nice -n 10 $(MAKE) --no-print-directory test-kernels >$$kernels_log 2>&1 & kernels_pid=$$!; \
+	  $(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30 -m "not interpreter" \
 	  $(ALONE:%=--ignore=%); parallel=$$?; \
-	  $(MAKE) --no-print-directory test-kernels; kernels=$$?; \
+	  wait $$kernels_pid; kernels=$$?; echo "== make test-kernels (beside the parallel run):"; cat $$kernels_log; \
+	  rm -f $$kernels_log; \
 	  $(BIN)/pytest -q $(ALONE) && [ $$parallel = 0 ] && [ $$kernels = 0 ]
 
 # Triton's kernels on CPU tensors under its interpreter: Triton chooses the interpreter when a kernel is defined,
@@ -47,7 +52,8 @@ test: $(STAMP) browser
 # KERNEL_TESTS: the files that use the mark.
 KERNEL_TESTS = $(shell grep -l "mark.interpreter" tests/test_*.py)
 test-kernels: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/pytest -q -n 3 --dist load --durations=10 -m "interpreter and not large" $(KERNEL_TESTS)
+	TRITON_INTERPRET=1 $(BIN)/pytest -q -n 3 --dist load --durations=10 -o cache_dir=.pytest_cache/kernels \
+	  -m "interpreter and not large" $(KERNEL_TESTS)
 test-kernels-all: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/pytest -q -n 3 --dist load --durations=10 -m interpreter $(KERNEL_TESTS)
 

@@ -123,10 +123,13 @@ SHARED_WORKER: dict[str, tuple[str, ...]] = {  # group: the prefixes of its file
     "mlflow-auth": ("test_approval_auth.py", "test_promote_s3.py", "test_publish_s3.py"),
 }
 LONGEST_FIRST: tuple[str, ...] = (
-    "rollout", "test_end_to_end.py", "test_release_smollm2.py", "test_browser_approval.py", "mlflow-auth",
+    # the lm-eval gate test and the evidence module (named nowhere here before: it started among the last files)
+    # go out with the first units (docs/LOG.md, 2026-12-07, has their times)
+    "rollout", "test_lm_eval_gate.py", "test_release_smollm2.py", "test_gates_evidence.py", "test_end_to_end.py",
+    "test_browser_approval.py", "mlflow-auth", "test_release_families.py",
     "test_deployments.py", "test_openai_doors.py", "test_openai_real_model.py", "test_gates_smollm2.py",
     "test_openai_front.py", "test_release_envelope.py", "test_openai_api.py", "test_lm_eval_check.py",
-    "test_lm_eval_gate.py", "test_openai_structured.py", "test_triton_restart.py", "test_triton_server.py",
+    "test_openai_structured.py", "test_triton_restart.py", "test_triton_server.py",
     "test_bench_served.py", "test_llm_client.py", "test_release_resume.py", "test_engine_equivalence.py",
     "test_approval_wait.py", "test_triton_streaming.py", "test_registry_approval.py", "test_triton_reload_skip.py",
     "test_registry_mlflow.py", "test_triton_crash_rerun.py", "test_engine_generate.py", "test_decode_graphs.py",

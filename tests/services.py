@@ -500,13 +500,19 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         _S3.release()
 
 
-@pytest.fixture
-def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    """Point ENGINEWRIGHT_S3_ENDPOINT_URL, MLFLOW_S3_ENDPOINT_URL and AWS_* at the moto server."""
+def point_at_s3(monkeypatch: pytest.MonkeyPatch, s3_server: S3Server) -> None:
+    """Set ENGINEWRIGHT_S3_ENDPOINT_URL, MLFLOW_S3_ENDPOINT_URL and AWS_* to the moto server (no profile or
+    session token of the machine's own)."""
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """Point ENGINEWRIGHT_S3_ENDPOINT_URL, MLFLOW_S3_ENDPOINT_URL and AWS_* at the moto server."""
+    point_at_s3(monkeypatch, s3_server)
     return s3_server
 
 

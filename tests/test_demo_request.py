@@ -38,9 +38,21 @@ def test_the_demo_spec_parses_with_a_budget_a_two_core_machine_can_judge(tmp_pat
     # a spread of 0.6 (what the busy 2-core machine showed) needs few enough samples for a window of a minute
     assert samples_needed(1 + compared.max_slowdown, 0.6, compared.alpha, compared.power) <= compared.max_samples
     assert spec.rollout.hold.on_inconclusive == "abort"
-    assert spec.evaluation.max_passages == 8 and spec.perf.max_iterations == 6
+    assert spec.evaluation.max_passages == 8 and spec.perf.max_iterations == 10
+    assert len(spec.validation.prompts) == 3 and spec.validation.max_new_tokens == 8
     assert "smaller than a production spec" in SMALLER_THAN_PRODUCTION and "8 of its 16 passages" in \
-        SMALLER_THAN_PRODUCTION
+        SMALLER_THAN_PRODUCTION and "validation runs 3 prompts and 1 long one for 8 tokens" in SMALLER_THAN_PRODUCTION
+
+
+def test_the_demo_evaluation_has_the_units_its_power_calculation_asks_for(tmp_path):
+    """The demo's fewer greedy continuations (2 a passage) are still the 16 its 0.3 budget needs at 90% power."""
+    from flows.demo import demo_spec
+    from tasks.evaluation import EvaluationData, check_enough_units, load_evaluation, units_needed
+
+    spec = demo_spec(tmp_path, max_batch_size=8).evaluation
+    data = load_evaluation()
+    check_enough_units(spec, EvaluationData(data.passages[:spec.max_passages], data.choices[:spec.max_choices]))
+    assert units_needed(spec)["greedy"] == spec.max_passages * spec.greedy_windows
 
 
 def test_a_failed_demo_says_how_to_stop_the_server_it_leaves_serving(tmp_path):

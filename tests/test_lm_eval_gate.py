@@ -80,7 +80,8 @@ def test_the_gate_passes_a_rebuild_and_refuses_a_degraded_checkpoint(smollm2_che
     degraded = build(worse, tmp_path_factory.mktemp("degraded-engine"))
     engines = {"production": production, "rebuild": rebuild, "degraded": degraded}
     include = local_task_folder(SHIPPED_TASKS, tmp_path_factory.mktemp("tasks"))
-    with served_engines(engines, tmp_path_factory.mktemp("gate") / "serving") as served:
+    # no warm-up prefills at load: three engines' cold batches are CPU this test does not judge
+    with served_engines(engines, tmp_path_factory.mktemp("gate") / "serving", parameters={"warmup": "false"}) as served:
         scores = {name: score_items(served, name, TASK, include, concurrency=4) for name in engines}
 
     passed = LmEvalResult([paired_verdict(TASK, scores["rebuild"], scores["production"], alpha=0.05)],
