@@ -211,14 +211,21 @@ def _describe_processes(processes: dict[int, str]) -> str:
     return ", ".join(names)
 
 
-def stop_server(server_pid: int, *, timeout_s: float = 15.0, kill_timeout_s: float = 5.0) -> None:
-    """SIGTERM the server, wait up to ``timeout_s`` for it and every python stub it started to exit (a zombie
-    has exited: its parent reaps it), SIGKILL what is left, and wait ``kill_timeout_s`` more. Returns only
-    when every one is gone; else TritonStopError naming the PIDs."""
+def stop_server(server_pid: int, *, timeout_s: float = 15.0, kill_timeout_s: float = 5.0,
+                orphan_grace_s: float = 1.0) -> None:
+    """SIGTERM the server, wait up to ``timeout_s`` for it to exit and then up to ``orphan_grace_s`` for the python
+    stubs it started (a zombie has exited: its parent reaps it), SIGKILL what is left, and wait ``kill_timeout_s``
+    more. Returns only when every one is gone; else TritonStopError naming the PIDs. Stubs outlive an exited
+    server by up to 15 s (they notice their parent gone on a timer) while nothing needs them: the server has
+    already finalized its models (`--exit-timeout-secs`), and the caller unlinks the shared memory they mapped."""
     processes = server_processes(server_pid)
     with contextlib.suppress(ProcessLookupError):
         os.kill(server_pid, signal.SIGTERM)
-    left = _wait_gone(server_pid, processes, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    server = {pid: started for pid, started in processes.items() if pid == server_pid}
+    while _still_running(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _wait_gone(server_pid, processes, orphan_grace_s)
     if not left:
         return
     for pid in left:  # by PID, each checked by its start time just above; the group may be gone already
