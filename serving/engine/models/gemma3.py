@@ -265,9 +265,10 @@ class Transformer(nn.Module):
         self.options = EngineOptions()  # how it runs (`linears.apply_options` sets them at load)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token embeddings times sqrt(dim), the factor rounded to float32, then to the weights' dtype (as HF)."""
-        w = self.tok_embeddings.weight
-        return self.tok_embeddings(tokens) * torch.tensor(math.sqrt(self.args.dim)).to(w.device, w.dtype)
+        """Token embeddings times sqrt(dim), the factor rounded to float32, then to the weights' dtype (as HF), and
+        applied as a Python number: no host-to-device copy in a step that CUDA graphs capture."""
+        scale = torch.tensor(math.sqrt(self.args.dim)).to(self.tok_embeddings.weight.dtype).item()
+        return self.tok_embeddings(tokens) * scale
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The reference forward: tokens [B, S], each row a whole sequence from position 0, causal (banded on the
