@@ -9,12 +9,13 @@
 #     convert), max batch CLIENTS, with the carried 128,256-token tokenizer (.dev/structload/tokenizer.json.xz), by
 #     the image's python3 (`bench/structured_load.py --build-only`), <= BUILD_S;
 #  3. `bench/structured_load.py --engine`: the bundled Triton (decoupled llm model) behind the OpenAI front, CLIENTS
-#     closed-loop /v1/completions clients: a warm-up round of the mixed kinds (WARMUP_S), then ROUND_S of plain
-#     requests and ROUND_S of the mix (10% a JSON schema, 10% `logprobs: 5`), <= what TOTAL_S leaves.
-# Pass (step 3's exit 0): mixed output tok/s >= 90% of plain, no failed request, every schema answer parses with the
-# schema's keys. A round of ROUND_S (45 s) is ~15 requests a client back to back: the ramp and the drain (about
-# one request each) are a few % of it and alike in both rounds; the figure is not short-run noise (a GPU's step
-# time at a fixed batch varies by well under 1%).
+#     closed-loop /v1/completions clients: a warm-up round of the mixed kinds (WARMUP_S), then three rounds of
+#     ROUND_S: plain requests, the mix (10% a JSON schema, 10% `logprobs: 5`), plain again; <= what TOTAL_S leaves.
+# Pass (step 3's exit 0): mixed output tok/s >= 90% of the two plain rounds' mean, no failed request, every schema
+# answer parses with the schema's keys. Why ROUND_S=45 s suffices: 128-token requests at 256 live take a few
+# seconds, so a round is some 15-20 requests a client back to back; its ramp and drain (about one request each)
+# are alike in every round, and `plain_spread` (the two plain rounds apart, over their mean) shows how far the
+# figure moves by itself: a spread near the 10% margin says to rerun with a longer ROUND_S.
 # Env (default): TOTAL_S=530, BUILD_S=300, ROUND_S=45, WARMUP_S=10, CLIENTS=256, SHAPE=llama-3.1-8b, PROMPT_WORDS=96,
 #   MAX_TOKENS=128, SCHEMA_MAX_TOKENS=256.
 # Results under $OUT: steps.log (each step's and each bench phase's seconds as it ends, then the verdict),
