@@ -1,6 +1,6 @@
 """Qwen3 and Phi-3 on CUDA: Qwen3's per-head q/k norms run their kernel (`head_norm`) in every step and give the
 same tokens under CUDA graphs as eagerly, and bf16 and fp8 engines of both pass the validation gate against HF
-on the GPU. (The float32 engines of both equal the CPU engine: tests/test_engine_gpu.py.)
+on the GPU. Gemma 3 in bf16: the same tokens under CUDA graphs as eagerly. (The float32 engines of both equal the CPU engine: tests/test_engine_gpu.py.)
 
 Runs only where CUDA is present (the lead's GPU run); skipped elsewhere.
 """
@@ -39,6 +39,18 @@ def test_qwen3_head_norms_run_the_kernel_and_graphs_equal_eager_steps_in_bf16(tm
         want = [g.token_ids for g in eager.generate(PROMPTS, max_new_tokens=16)]
     # every layer of the prompts' step and of each of the 15 decode steps
     assert kernel.call_count >= 16 * eager.info.model.n_layers, "the q/k head norms went through their kernel"
+    got = [g.token_ids for g in graphs.generate(PROMPTS, max_new_tokens=16)]
+    assert graphs.decode.graphs, "decode steps ran under CUDA graphs"
+    assert got == want
+
+
+def test_gemma3_decode_graphs_capture_and_equal_eager_steps_in_bf16(tmp_path):
+    """Gemma 3 on llama.py's layer: its norms, GELU MLP and embedding scale (a Python number: a CPU tensor in the
+    step broke capture) run under CUDA graphs and give the eager steps' tokens."""
+    _, path = engine(tmp_path, "gemma3", "bfloat16")
+    graphs, eager = load_engine(path, device="cuda"), load_engine(path, device="cuda")
+    eager.decode.use_graphs = False
+    want = [g.token_ids for g in eager.generate(PROMPTS, max_new_tokens=16)]
     got = [g.token_ids for g in graphs.generate(PROMPTS, max_new_tokens=16)]
     assert graphs.decode.graphs, "decode steps ran under CUDA graphs"
     assert got == want

@@ -13,27 +13,23 @@ Each step computes at most `max_num_tokens` tokens for at most `max_live` live r
    step, turn most steps into slow mixed ones.
 
 Blocks come from the KV-cache manager (`kv_cache_manager.KVCacheManager`: block ids in, block ids out; prefix
-caching behind it), taken as a request's positions grow and given back when it finishes. A request is admitted only while its first chunk's blocks, plus one block in reserve for
-each live request (their next decode may open a block), are free. When a live request needs a block and
-none is free, the newest live request is preempted: its blocks go back and it returns to the front of
-the queue with its prompt and every token it has delivered, to be prefilled again (recompute; nothing
-it has delivered changes for greedy decoding). So blocks running out means queueing, never an
-out-of-memory error. A request that could never fit (its prompt + `max_tokens` need more blocks than the
-whole pool) is refused at `submit` with the numbers. With `max_waiting` (the engine's `kv_cache.max_waiting`
-when served), a request that arrives while that many already wait is refused at `submit` with
-`SchedulerFull` (overload: Triton's `llm` model answers UNAVAILABLE, the OpenAI front 429), so a burst
-past the KV budget costs clients a retry, never the server its memory.
+caching behind it), taken as a request's positions grow and given back when it finishes. A request is admitted only
+while its first chunk's blocks, plus one block in reserve for each live request (their next decode may open a
+block), are free. When a live request needs a block and none is free, the newest live request is preempted: its
+blocks go back and it returns to the front of the queue with its prompt and every token it has delivered, to be
+prefilled again (recompute; nothing it has delivered changes for greedy decoding). So blocks running out means
+queueing, never an out-of-memory error. A request that could never fit (its prompt + `max_tokens` need more blocks
+than the whole pool) is refused at `submit` with the numbers. With `max_waiting` (the engine's
+`kv_cache.max_waiting` when served), a request that arrives while that many already wait is refused at `submit` with
+`SchedulerFull` (overload: Triton's `llm` model answers UNAVAILABLE, the OpenAI front 429), so a burst past the KV
+budget costs clients a retry, never the server its memory.
 
 Tokens go out through the request's (`scheduler_loop.GenRequest`) `emit(new_ids, finish_reason)`, and, when it
-asks (`on_logprobs`), each token's log-prob and top log-probs. A request carries what it has computed and what
-it still wants (`_Seq.computed`, the rest of its tokens): there are no prefill and decode phases, a step just
-gives each live request its next chunk of uncomputed tokens. Sampling happens in one place (`_sample`): each
-step's sampled rows are sampled together (`step_sampling`: every row its own temperature, top-k/top-p,
-penalties, `logit_bias`, `min_tokens`, token mask and seed, in per-row tensors); a request's seed (a random one
-when it has none) and the position sampled choose its draw, so a sampled request is repeatable whatever it is
-batched with. A request can also ask for its prompt's log-probs (`on_prompt_logprobs`: each prompt token's raw
-log-prob given the tokens before it, from the logits of every position of its prompt chunks, computed in the
-chunks' own forward; such a prompt is computed whole, not taken from the prefix cache).
+asks (`on_logprobs`), each token's log-prob and top log-probs. Each request is held as a
+`scheduler_requests.ScheduledRequest`: what it has computed and what it still wants, no prefill and decode phases;
+a step gives each live request its next chunk of uncomputed tokens, samples its sampled rows together
+(`scheduler_requests.sample_next`) and hands out the log-probs asked for, the prompt's too
+(`scheduler_requests.step_logprobs`, `scheduler_requests.report_prompt_logprobs`).
 
 One step ahead (`step_ahead`, on by default): while every live request decodes and nothing waiting could
 be admitted, a step is launched before the previous step's tokens reach the host: its input tokens are the
@@ -71,15 +67,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from serving.engine.errors import EngineLimitError
 from serving.engine.kv_cache import blocks_for
-from serving.engine.kv_cache_manager import KVCacheManager, RequestBlocks
-from serving.engine.sampling import SamplingParams, chosen_logprobs
+from serving.engine.kv_cache_manager import KVCacheManager
 from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabulary, imported from here too
     Emit,
     EngineLoopFailed,
@@ -89,39 +84,24 @@ from serving.engine.scheduler_loop import (  # noqa: F401 - the requests' vocabu
     SchedulerFull,
     SchedulerLoop,
     SchedulerStopped,
+    collect,
 )
-from serving.engine.speculative import Drafter, accepted_length, verified_rows
+from serving.engine.scheduler_requests import (
+    ScheduledRequest,
+    report_prompt_logprobs,
+    sample_next,
+    step_logprobs,
+)
+from serving.engine.speculative import accepted_length, verified_rows
 from serving.engine.step import ChunkPlan
-from serving.engine.step_sampling import RowSampling, StepLogprobs, StepSampling, fresh_seed, sample_rows
-
-
-@dataclass(eq=False)
-class _Seq:
-    req: GenRequest
-    tokens: list[int]  # prompt + every token delivered
-    kv: RequestBlocks = field(default_factory=RequestBlocks)  # its block table (`kv.table`), the manager's
-    computed: int = 0  # positions whose K/V are in the cache
-    generated: int = 0
-    seed: int = 0  # its draws' seed (`step_sampling`)
-    prompt_len: int = 0
-    prompt_reported: int = 1  # prompt tokens whose log-probs went out (the first has none)
-    plain_greedy: bool = True  # greedy with nothing shaping its logits: sampled by the step's one argmax
-    needs_host: bool = False  # its sampling reads its tokens on the host (penalties, min_tokens, a token mask)
-    stop: frozenset[int] = frozenset()
-    live: bool = False  # in `running` (a flag: membership tests of a list of 1,024 cost a step milliseconds)
-    drafter: Drafter | None = None  # its n-gram drafting, when the engine speculates and it may (`speculative`)
-    draft: list[int] = field(default_factory=list)  # the tokens this step verifies past its last one
-
-    @property
-    def remaining(self) -> int:
-        return len(self.tokens) - self.computed
+from serving.engine.step_sampling import StepLogprobs
 
 
 @dataclass
 class _Ahead:
     """A decode step launched whose sampled tokens the host has not read yet."""
 
-    seqs: list[_Seq]  # its rows, in order
+    seqs: list[ScheduledRequest]  # its rows, in order
     tokens: torch.Tensor  # [N] on the device
     host: torch.Tensor  # [N] on the host (pinned on CUDA), filled by a non-blocking copy after the step
     ready: Any  # a torch.cuda.Event recorded after that copy; None off CUDA (the copy was synchronous)
@@ -183,7 +163,7 @@ class Scheduler(SchedulerLoop):
         self.block_size = runner.config.block_size
         self.kv = KVCacheManager(runner.allocator, self.block_size,  # block ids in, block ids out
                                  window=runner.info.model.kv_window)
-        self.running: list[_Seq] = []
+        self.running: list[ScheduledRequest] = []
         self.stats = SchedulerStats()
         self.speculative = runner.model.options.speculative  # `speculative.SpeculativeOptions`, None: off
 
@@ -201,19 +181,10 @@ class Scheduler(SchedulerLoop):
                                    f"blocks of {self.block_size} positions; the whole paged cache has "
                                    f"{self.kv.num_blocks}")
 
-    def _waiting_item(self, req: GenRequest) -> _Seq:
-        params = req.sampling
-        seq = _Seq(req=req, tokens=list(req.prompt_ids), stop=frozenset(req.stop_token_ids),
-                   prompt_len=len(req.prompt_ids),
-                   seed=params.seed if params is not None and params.seed is not None else fresh_seed())
-        seq.plain_greedy = req.token_mask is None and (params is None or (params.is_greedy and not params.shapes_logits))
-        seq.needs_host = req.token_mask is not None or (params is not None and (params.has_penalties
-                                                                                or params.min_tokens > 0))
-        if self.speculative is not None and req.token_mask is None:  # a grammar's matcher cannot take drafts back
-            seq.drafter = Drafter(self.speculative)
-        return seq
+    def _waiting_item(self, req: GenRequest) -> ScheduledRequest:
+        return ScheduledRequest.of(req, self.speculative)
 
-    def _request_of(self, item: _Seq) -> GenRequest:
+    def _request_of(self, item: ScheduledRequest) -> GenRequest:
         return item.req
 
     @property
@@ -249,9 +220,9 @@ class Scheduler(SchedulerLoop):
         self.stats.busy_s += time.perf_counter() - started
 
     # -- planning -----------------------------------------------------------------------------
-    def _plan(self) -> list[tuple[_Seq, int]]:
+    def _plan(self) -> list[tuple[ScheduledRequest, int]]:
         budget = self.max_num_tokens
-        plan: list[tuple[_Seq, int]] = []
+        plan: list[tuple[ScheduledRequest, int]] = []
         preempted = False
         spare_rows = self.max_live - len(self.running)  # the decode graphs' rows no live request takes: for drafts
         for seq in list(self.running):
@@ -276,7 +247,7 @@ class Scheduler(SchedulerLoop):
                 if not self.waiting:
                     break
                 seq = self.waiting[0]
-                start = 0 if _wants_prompt_logprobs(seq) else self.kv.cached_positions(seq.kv, seq.tokens)
+                start = 0 if seq.wants_prompt_logprobs else self.kv.cached_positions(seq.kv, seq.tokens)
                 n = min(len(seq.tokens) - start, budget)
                 if not self.kv.can_admit(seq.kv, start + n, reserve=len(self.running)):
                     break
@@ -292,7 +263,7 @@ class Scheduler(SchedulerLoop):
             budget -= n
         return plan
 
-    def _draft(self, seq: _Seq, budget: int) -> list[int]:
+    def _draft(self, seq: ScheduledRequest, budget: int) -> list[int]:
         """`seq`'s draft for this step (at most `budget` tokens), its blocks taken: never past its `max_tokens` or
         the engine's `max_seq_len`, and only from blocks its table holds or that are free beyond one for each live
         request (a draft never preempts)."""
@@ -316,7 +287,7 @@ class Scheduler(SchedulerLoop):
                 return True
         return False
 
-    def _grow(self, seq: _Seq, positions: int) -> bool:
+    def _grow(self, seq: ScheduledRequest, positions: int) -> bool:
         """Give `seq` the blocks for `positions`, preempting the newest live requests while none are free.
         False when `seq` itself was the newest and went back to the queue."""
         while not self.kv.grow(seq.kv, positions):
@@ -326,7 +297,7 @@ class Scheduler(SchedulerLoop):
                 return False
         return True
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _preempt(self, seq: ScheduledRequest) -> None:
         self.running.remove(seq)
         seq.live = False
         seq.draft = []
@@ -337,7 +308,7 @@ class Scheduler(SchedulerLoop):
             self.waiting.appendleft(seq)
 
     # -- one step ahead ----------------------------------------------------------------------
-    def _may_run_ahead(self, plan: list[tuple[_Seq, int]], sampling: list[int]) -> bool:
+    def _may_run_ahead(self, plan: list[tuple[ScheduledRequest, int]], sampling: list[int]) -> bool:
         """Whether this step may be launched and left unread: decodes only, of every live request."""
         return (self.step_ahead and len(plan) == len(self.running) == len(sampling)
                 and all(n == 1 for _, n in plan) and self._nothing_needs_the_tokens())
@@ -353,7 +324,7 @@ class Scheduler(SchedulerLoop):
             return (not self.waiting or len(self.running) >= self.max_live
                     or not self._admission_due(len(self.running)))
 
-    def _next_ahead_rows(self, ahead: _Ahead) -> list[_Seq]:
+    def _next_ahead_rows(self, ahead: _Ahead) -> list[ScheduledRequest]:
         """The requests the step after `ahead` decodes, launched before its tokens are read: every one still
         live that its unread token does not finish by length. [] when that step cannot be planned without
         those tokens: a cancel, an admission, a block that would need a preemption."""
@@ -364,11 +335,11 @@ class Scheduler(SchedulerLoop):
         need = sum(self.kv.blocks_needed(s.kv, s.computed + 1) for s in rows)
         return rows if need <= self.kv.free else []
 
-    def _launch_unread(self, seqs: list[_Seq], logits: torch.Tensor) -> _Ahead:
+    def _launch_unread(self, seqs: list[ScheduledRequest], logits: torch.Tensor) -> _Ahead:
         """Sample `seqs`' next tokens from `logits` and start copying them to the host; their positions count
         as computed from here."""
-        tokens = self._sample(logits, seqs, [seq.computed + 1 for seq in seqs])
-        logprobs = self._step_logprobs(logits, tokens, seqs)
+        tokens = sample_next(logits, seqs, [seq.computed + 1 for seq in seqs])
+        logprobs = step_logprobs(logits, tokens, seqs)
         for seq in seqs:
             seq.computed += 1
             self.kv.slide(seq.kv, seq.computed)
@@ -390,7 +361,7 @@ class Scheduler(SchedulerLoop):
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.kv.used)
         return _Ahead(seqs, tokens, host, ready, logprobs)
 
-    def _run_ahead(self, prev: _Ahead, rows: list[_Seq]) -> None:
+    def _run_ahead(self, prev: _Ahead, rows: list[ScheduledRequest]) -> None:
         """Launch the decode step of `rows` on `prev`'s unread samples, then deliver `prev`'s tokens."""
         started = time.perf_counter()
         try:
@@ -431,11 +402,11 @@ class Scheduler(SchedulerLoop):
         self.stats.deliver_s += time.perf_counter() - delivering
 
     # -- running ------------------------------------------------------------------------------
-    def _run(self, plan: list[tuple[_Seq, int]]) -> None:
+    def _run(self, plan: list[tuple[ScheduledRequest, int]]) -> None:
         chunks: list[ChunkPlan] = [(seq.tokens[seq.computed:seq.computed + n], seq.computed, seq.kv.table)
                                    for seq, n in plan]
         sampling = [i for i, (seq, n) in enumerate(plan) if seq.computed + n == len(seq.tokens)]
-        echoing = [i for i, (seq, n) in enumerate(plan) if _reports_prompt(seq, n)]
+        echoing = [i for i, (seq, n) in enumerate(plan) if seq.reports_prompt(n)]
         drafting = [i for i in sampling if plan[i][0].draft]
         # each draft token a single-token chunk after the plan's, sampled: a decode row apiece (every row's K/V is
         # written before any row attends, so each sees the draft tokens before it), in the decode graphs
@@ -469,14 +440,14 @@ class Scheduler(SchedulerLoop):
                 if drafting:
                     rows, owners, positions, before = verified_rows([s.draft for s in lives], positions, len(sampling))
                     logits, lives = logits[torch.tensor(rows, device=logits.device)], [lives[k] for k in owners]
-                tokens = self._sample(logits, lives, positions, before)
+                tokens = sample_next(logits, lives, positions, before)
                 ready = torch.cuda.Event() if tokens.is_cuda else None
                 if ready is not None:
                     ready.record()
-            step_logprobs = self._step_logprobs(logits, tokens, lives)
-            extras = step_logprobs.per_row(len(lives)) if step_logprobs is not None else None
+            logprobs = step_logprobs(logits, tokens, lives)
+            extras = logprobs.per_row(len(lives)) if logprobs is not None else None
             if echoing:
-                self._report_prompt_logprobs([plan[i] for i in echoing], prompt_logits)
+                report_prompt_logprobs([plan[i] for i in echoing], prompt_logits, self.log_error)
             waiting, waiting_cpu = time.perf_counter(), time.thread_time()
             if ready is not None:
                 self._work_until(ready)
@@ -512,7 +483,8 @@ class Scheduler(SchedulerLoop):
         self._drop_retired()
         self.stats.deliver_s += time.perf_counter() - delivering
 
-    def _deliver_picks(self, seq: _Seq, picks: list[int], extras: list[tuple[float, dict[int, float]] | None]) -> None:
+    def _deliver_picks(self, seq: ScheduledRequest, picks: list[int],
+                       extras: list[tuple[float, dict[int, float]] | None]) -> None:
         """Deliver what `seq` picked this step: its one token, or, with a draft, the picks up to the first that differs
         from the draft (`speculative.accepted_length`) and that one; each accepted draft token's K/V is computed
         (the K/V of the rest is overwritten later: `seq.computed` stays before it, its blocks stay in its table)."""
@@ -528,58 +500,7 @@ class Scheduler(SchedulerLoop):
             seq.computed += j < accepted
             self._deliver(seq, picks[j], extras[j])
 
-    def _sample(self, logits: torch.Tensor, lives: list[_Seq], positions: list[int],
-                before: Sequence[Sequence[int]] = ()) -> torch.Tensor:
-        """The next token of each row of `logits` [N, V]: `positions` are the positions the rows sample, `before` (when
-        given) the draft tokens that precede each row's position past its request's tokens."""
-        if all(seq.plain_greedy for seq in lives):
-            return logits.argmax(dim=-1)
-        drafts_before = before or [()] * len(lives)
-        rows = [RowSampling(seq.req.sampling, seq.seed, position,
-                            ([*seq.tokens, *drafted] if drafted else seq.tokens) if seq.needs_host else (),
-                            seq.prompt_len, tuple(seq.stop), seq.generated + len(drafted), seq.req.token_mask)
-                for seq, position, drafted in zip(lives, positions, drafts_before)]
-        return sample_rows(logits, StepSampling.build(rows, logits.shape[-1], logits.device))
-
-    def _report_prompt_logprobs(self, echoing: list[tuple[_Seq, int]], logits: torch.Tensor) -> None:
-        """Hand each echoing chunk's prompt tokens' log-probs to its request: `logits` [every chunk's tokens, V]
-        hold the logits of each of their positions, in order; position p's give the log-prob of token p + 1."""
-        at, rows, targets, spans = 0, [], [], []
-        for seq, n in echoing:
-            first = max(seq.computed + 1, seq.prompt_reported)  # the first prompt token to report
-            last = min(seq.computed + n, seq.prompt_len - 1)  # the last
-            rows += range(at + first - 1 - seq.computed, at + last - seq.computed)
-            targets += seq.tokens[first:last + 1]
-            spans.append((seq, first, last + 1 - first))
-            at += n
-        top_n = max(seq.req.top_logprobs for seq, _ in echoing)
-        chosen, top_v, top_i = chosen_logprobs(logits[torch.tensor(rows, device=logits.device)],
-                                               torch.tensor(targets, device=logits.device), top_n)
-        chosen_l = chosen.tolist()
-        top_vl, top_il = (top_v.tolist(), top_i.tolist()) if top_v is not None and top_i is not None else ([], [])
-        k = 0
-        for seq, first, count in spans:
-            n_top = seq.req.top_logprobs
-            tops = [dict(zip(top_il[k + j][:n_top], top_vl[k + j][:n_top])) if n_top else {} for j in range(count)]
-            seq.prompt_reported = first + count
-            try:
-                seq.req.on_prompt_logprobs(first, chosen_l[k:k + count], tops)
-            except Exception as exc:  # noqa: BLE001 - a broken callback must not stop the others
-                self.log_error(f"request {seq.req.request_id}: prompt logprobs failed: {type(exc).__name__}: {exc}")
-            k += count
-
-    def _step_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, lives: list[_Seq]) -> StepLogprobs | None:
-        """The raw log-probs of the chosen tokens (and alternatives) of the rows that want them, on the device."""
-        rows = [k for k, s in enumerate(lives) if s.req.on_logprobs is not None]
-        if not rows:
-            return None
-        top_ns = [lives[k].req.top_logprobs for k in rows]
-        index = torch.tensor(rows, device=logits.device) if len(rows) < len(lives) else None
-        picked = (logits, tokens) if index is None else (logits[index], tokens[index])
-        chosen, top_v, top_i = chosen_logprobs(*picked, max(top_ns))
-        return StepLogprobs(rows, top_ns, chosen, top_v, top_i)
-
-    def _deliver(self, seq: _Seq, token: int, extra: tuple[float, dict[int, float]] | None) -> None:
+    def _deliver(self, seq: ScheduledRequest, token: int, extra: tuple[float, dict[int, float]] | None) -> None:
         seq.tokens.append(token)
         seq.generated += 1
         self.stats.tokens += 1
@@ -608,7 +529,7 @@ class Scheduler(SchedulerLoop):
             else:
                 self._tell_failed(seq.req, exc)
 
-    def _retire(self, seq: _Seq) -> None:
+    def _retire(self, seq: ScheduledRequest) -> None:
         """Give `seq`'s blocks back; it leaves `running` at the next `_drop_retired`."""
         if seq.live:
             seq.live = False
@@ -628,7 +549,7 @@ class Scheduler(SchedulerLoop):
             self._tell_failed(seq.req, cancelled)
         self._drop_retired()
 
-    def _fail(self, seqs: Sequence[_Seq], exc: BaseException) -> None:
+    def _fail(self, seqs: Sequence[ScheduledRequest], exc: BaseException) -> None:
         if not seqs:
             return
         self.log_error(f"step failed for {len(seqs)} requests: {type(exc).__name__}: {exc}")
@@ -636,7 +557,7 @@ class Scheduler(SchedulerLoop):
             self._fail_one(seq, exc)
         self._drop_retired()
 
-    def _fail_one(self, seq: _Seq, exc: BaseException) -> None:
+    def _fail_one(self, seq: ScheduledRequest, exc: BaseException) -> None:
         self._retire(seq)
         self.stats.failed += 1
         self._tell_failed(seq.req, exc)
@@ -645,35 +566,3 @@ class Scheduler(SchedulerLoop):
         self.ahead = None
         self._fail(list(self.running), exc)
 
-
-def collect(scheduler: Scheduler, prompts: Sequence[Sequence[int]], *, max_tokens: int | Sequence[int],
-            sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = ()
-            ) -> list[tuple[list[int], str]]:
-    """Run prompts through `scheduler` on this thread -> [(token ids, finish reason)] (tests, offline)."""
-    out: list[tuple[list[int], str | None]] = [([], None) for _ in prompts]
-    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
-
-    def emitter(i: int) -> Emit:
-        def emit(ids: list[int], reason: str | None) -> None:
-            out[i][0].extend(ids)
-            if reason is not None:
-                out[i] = (out[i][0], reason)
-        return emit
-
-    def fail(exc: BaseException) -> None:
-        raise exc
-
-    for i, p in enumerate(prompts):
-        scheduler.submit(GenRequest(list(p), limits[i], emitter(i), fail, sampling, tuple(stop_token_ids)))
-    scheduler.run_until_idle()
-    return [(ids, reason or "length") for ids, reason in out]
-
-
-def _wants_prompt_logprobs(seq: _Seq) -> bool:
-    return seq.req.on_prompt_logprobs is not None
-
-
-def _reports_prompt(seq: _Seq, n: int) -> bool:
-    """Whether `seq`'s next chunk of `n` tokens holds positions whose logits give prompt log-probs not yet reported."""
-    return (_wants_prompt_logprobs(seq) and seq.prompt_reported < seq.prompt_len
-            and seq.computed + 1 < seq.prompt_len and seq.computed + n >= seq.prompt_reported)

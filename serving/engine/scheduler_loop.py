@@ -27,7 +27,8 @@ a caller sees lives here:
   (`synchronous`) a step is its own compute and neither takes the lock; `exclusive_launch = False` turns it off;
 - `stop()`: ends the loop, fails what is still waiting or live with `SchedulerStopped`, joins the thread; a loop
   that fails (an error escapes a step) fails them with `EngineLoopFailed` and refuses new requests;
-  `run_until_idle()`: steps on the caller's thread until nothing waits or lives (tests, offline use).
+  `run_until_idle()`: steps on the caller's thread until nothing waits or lives (tests, offline use), which
+  `collect(scheduler, prompts, ...)` runs over a list of prompts.
 
 `scheduler.Scheduler` provides `step()`, `_busy()` (live or launched work), `_fail_live(exc)`, `_admission_due`, `capacity` (live
 requests at most) and `stats` (with `drain_s` and `gather_s`), and may wrap each request in its own
@@ -373,3 +374,26 @@ class SchedulerLoop:
         for item in pending:
             self._tell_failed(self._request_of(item), exc)
         self._fail_live(exc)
+
+
+def collect(scheduler: SchedulerLoop, prompts: Sequence[Sequence[int]], *, max_tokens: int | Sequence[int],
+            sampling: SamplingParams | None = None, stop_token_ids: Sequence[int] = ()
+            ) -> list[tuple[list[int], str]]:
+    """Run prompts through `scheduler` on this thread -> [(token ids, finish reason)] (tests, offline)."""
+    out: list[tuple[list[int], str | None]] = [([], None) for _ in prompts]
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+
+    def emitter(i: int) -> Emit:
+        def emit(ids: list[int], reason: str | None) -> None:
+            out[i][0].extend(ids)
+            if reason is not None:
+                out[i] = (out[i][0], reason)
+        return emit
+
+    def fail(exc: BaseException) -> None:
+        raise exc
+
+    for i, p in enumerate(prompts):
+        scheduler.submit(GenRequest(list(p), limits[i], emitter(i), fail, sampling, tuple(stop_token_ids)))
+    scheduler.run_until_idle()
+    return [(ids, reason or "length") for ids, reason in out]

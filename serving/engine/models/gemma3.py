@@ -16,8 +16,10 @@ same module names, so quantization and the serving steps treat it alike):
 Logit soft-capping (`final_logit_softcapping`, `attn_logit_softcapping`: Gemma 2's, None in Gemma 3's configs) and
 bidirectional attention are refused when the config is read.
 
-As in `llama.py`, `Transformer.forward(tokens [B, S])` is the reference (whole sequences, no cache) and
-`Transformer.step(tokens [T], ctx)` what serves over the paged KV cache with a `model.StepContext`.
+The model is `llama.py`'s with Gemma's parts (`GemmaBlock`: the attention of `models.qwen3` with Gemma's head
+norms, the GELU MLP, the four norms; `Transformer.embed`: the scale), so the layer computation is written once, in
+`llama.py`, for the reference `Transformer.forward(tokens [B, S])` and the serving `Transformer.step(tokens [T], ctx)`.
+Each layer's window and rope are read from `ModelArgs` by both (`ModelArgs.window`, `model.layer_rope`).
 
 Registered in `models.registry.ARCHITECTURES`. Imports: stdlib and torch only.
 """
@@ -32,18 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.engine.errors import UnsupportedArchitectureError as Unsupported
-from serving.engine.linear_float import FloatLinear, TiedHead
 from serving.engine.model import (
     SUPPORTED_ROPE_TYPES,
     ModelArgs,
     StepContext,
-    apply_rope,
-    rope_cos_sin,
     windows_of_layer_types,
 )
-from serving.engine.models import llama
-from serving.engine.options import EngineOptions
-from serving.engine.prefill_attention import causal_band
+from serving.engine.models import llama, qwen3
+from serving.engine.parallel import SINGLE, ParallelConfig
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 MODEL_TYPE = "gemma3_text"
@@ -173,128 +171,56 @@ class GemmaRMSNorm(nn.Module):
         return x, self(x)
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
-        super().__init__()
-        self.args = args
-        self.window = args.window(layer)  # None: a global layer
-        self.wqkv = FloatLinear(args.dim, args.qkv_size, bias=args.qkv_bias)
-        self.wo = FloatLinear(args.q_size, args.dim, bias=args.o_bias)
-        self.q_norm = GemmaRMSNorm(args.head_dim, args.norm_eps)
-        self.k_norm = GemmaRMSNorm(args.head_dim, args.norm_eps)
+class GemmaAttention(qwen3.Qwen3Attention):
+    """Qwen3's attention (q and k normed per head before the rotation) with Gemma's norms."""
 
-    def normed(self, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [..., (H + 2 Hkv) hd] with each q and k head through its RMSNorm (v as it is)."""
-        a = self.args
-        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = self.q_norm(q.unflatten(-1, (a.n_heads, a.head_dim))).flatten(-2)
-        k = self.k_norm(k.unflatten(-1, (a.n_kv_heads, a.head_dim))).flatten(-2)
-        return torch.cat((q, k, v), dim=-1)
+    head_norm_class = GemmaRMSNorm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The reference attention over whole sequences, causal (banded on a local layer), no cache. x: [B, S, D];
-        cos, sin: [B, S, hd] of this layer's rope."""
-        a = self.args
-        bsz, seqlen, _ = x.shape
-        q, k, v = self.normed(self.wqkv(x)).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = apply_rope(q.view(bsz, seqlen, a.n_heads, a.head_dim), cos, sin)  # [B, S, H, hd]
-        k = apply_rope(k.view(bsz, seqlen, a.n_kv_heads, a.head_dim), cos, sin)  # [B, S, Hkv, hd]
-        v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim)
-        band = causal_band(seqlen, self.window, x.device)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=band is None, attn_mask=band, scale=a.softmax_scale,
-                                           enable_gqa=a.n_heads != a.n_kv_heads)  # [B, H, S, hd]
-        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, a.q_size))
+    def qkv(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        # the norms' own ops on every device: `head_norm`'s one kernel computes model.RMSNorm's, not Gemma's
+        return self.norm_projection(ctx.linear(self.wqkv, h), ctx.pdl)
 
 
-class FeedForward(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused in `w13`."""
+class GeluFeedForward(llama.FeedForward):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused in `w13`: w13's plain GEMM, then the activation in
+    torch ops (w13's fused kernel computes SiLU's)."""
 
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.intermediate_size = args.intermediate_size
-        self.w13 = FloatLinear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
-        self.w2 = FloatLinear(args.intermediate_size, args.dim, bias=False)
+    def gated(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        return self.activation(self.w13(x, pdl=pdl))
 
-    def gelu_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.gelu_gated(self.w13(x)))
 
-    def step(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return ctx.linear(self.w2, self.gelu_gated(ctx.linear(self.w13, x)))
+class GemmaBlock(llama.TransformerBlock):
+    """Llama's layer with Gemma's attention, MLP and norms, and a norm on each of the attention's and the MLP's
+    outputs before the residual add."""
 
+    attention_class = GemmaAttention
+    feed_forward_class = GeluFeedForward
+    norm_class = GemmaRMSNorm
 
-class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
-        super().__init__()
-        self.attention = Attention(args, layer)
-        self.feed_forward = FeedForward(args)
-        self.attention_norm = GemmaRMSNorm(args.dim, args.norm_eps)
+    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None,
+                 parallel: ParallelConfig = SINGLE) -> None:
+        super().__init__(args, feed_forward, parallel)
         self.post_attention_norm = GemmaRMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = GemmaRMSNorm(args.dim, args.norm_eps)
         self.post_ffn_norm = GemmaRMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The reference layer: x [B, S, D], whole sequences, no cache."""
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin))
-        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+    def attention_output(self, o: torch.Tensor) -> torch.Tensor:
+        return self.post_attention_norm(o)
 
-    def step(self, index: int, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer (number `index`) in a serving step: x [T, D] -> (x plus the attention's normed output, the
-        MLP's normed output); the caller adds the second."""
-        qkv = self.attention.normed(ctx.linear(self.attention.wqkv, self.attention_norm(x)))
-        y = ctx.attend(index, qkv)  # [T, H hd]: rotated by this layer's rope, windowed on a local layer
-        x = x + self.post_attention_norm(ctx.linear(self.attention.wo, y))
-        return x, self.post_ffn_norm(self.feed_forward.step(self.ffn_norm(x), ctx))
+    def mlp_output(self, ff: torch.Tensor) -> torch.Tensor:
+        return self.post_ffn_norm(ff)
 
 
-class Transformer(nn.Module):
-    """Scaled embeddings, `n_layers` blocks, final norm, LM head (the embedding matrix when tied)."""
+class Transformer(llama.Transformer):
+    """Llama's model over Gemma's layers, its embeddings scaled."""
 
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = llama.embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
-        self.norm = GemmaRMSNorm(args.dim, args.norm_eps)
-        self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, args.vocab_size, bias=False)
-        self.tied_head = (TiedHead(self.tok_embeddings),) if args.tie_word_embeddings else ()
-        self.options = EngineOptions()  # how it runs (`linears.apply_options` sets them at load)
+    block_class = GemmaBlock
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings times sqrt(dim), the factor rounded to float32, then to the weights' dtype (as HF), and
         applied as a Python number: no host-to-device copy in a step that CUDA graphs capture."""
         scale = torch.tensor(math.sqrt(self.args.dim)).to(self.tok_embeddings.weight.dtype).item()
         return self.tok_embeddings(tokens) * scale
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The reference forward: tokens [B, S], each row a whole sequence from position 0, causal (banded on the
-        local layers), no cache -> final hidden states [B, S, D]."""
-        bsz, seqlen = tokens.shape
-        dtype = self.tok_embeddings.weight.dtype
-        ropes = [tuple(t.to(dtype).expand(bsz, -1, -1) for t in rope_cos_sin(self.args, seqlen, tokens.device,
-                                                                               local=local))
-                 for local in (False, True)]
-        x = self.embed(tokens)  # [B, S, D]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, *ropes[self.args.local_rope(i)])
-        return self.norm(x)
-
-    def step(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Every layer of one serving step over the KV cache: tokens [T] -> the final norm of the rows `ctx`
-        returns [N, D] (`StepContext.last_hidden`)."""
-        x, ff = self.embed(tokens), None  # [T, D]
-        for i, layer in enumerate(self.layers):
-            x, ff = layer.step(i, x if ff is None else x + ff, ctx)
-        return ctx.last_hidden(self.norm, x, ff)
-
-    def head(self) -> nn.Module:
-        """The LM head's layer: over the embedding matrix when tied."""
-        return self.tied_head[0] if self.output is None else self.output
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [..., D] -> float32 logits [..., V], through the head's GEMM for h's rows."""
-        return self.head()(h).float()

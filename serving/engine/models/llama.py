@@ -30,6 +30,7 @@ from serving.engine.model import (
     RMSNorm,
     StepContext,
     apply_rope,
+    layer_rope,
     rope_cos_sin,
     windows_of_layer_types,
 )
@@ -193,35 +194,53 @@ class FeedForward(nn.Module):
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP through its layers' dequantizing references."""
-        return self.parallel.all_reduce(self.w2.reference(silu_mul.gated(self.w13.reference(x),
-                                                                         self.intermediate_size)))
+        return self.parallel.all_reduce(self.w2.reference(self.activation(self.w13.reference(x))))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """w13's output [..., 2I] -> silu(gate) * up [..., I] (a family of another activation overrides this and
+        `gated`: `models.gemma3`)."""
+        return silu_mul.gated(gate_up, self.intermediate_size)
 
 
 class TransformerBlock(nn.Module):
-    attention_class: type[Attention] = Attention  # a family's own attention (`models.qwen3`)
+    """One layer. A family that differs sets its own parts here (`models.qwen3`: its attention; `models.gemma3`: its
+    attention, MLP and norms, and norms on the attention's and the MLP's outputs through `attention_output` and
+    `mlp_output`): both paths below run them, chosen when the model is built."""
+
+    attention_class: type[Attention] = Attention
+    feed_forward_class: type[FeedForward] = FeedForward  # the dense MLP
+    norm_class: type[nn.Module] = RMSNorm  # the layers' norms and the model's final one
 
     def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None,
                  parallel: ParallelConfig = SINGLE) -> None:
-        """`feed_forward`: the layer's MLP when not `FeedForward` (a mixture of experts: `models.moe`)."""
+        """`feed_forward`: the layer's MLP when not the dense one (a mixture of experts: `models.moe`)."""
         super().__init__()
         self.attention = self.attention_class(args, parallel)
-        self.feed_forward = FeedForward(args, parallel) if feed_forward is None else feed_forward
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = self.feed_forward_class(args, parallel) if feed_forward is None else feed_forward
+        self.attention_norm = self.norm_class(args.dim, args.norm_eps)
+        self.ffn_norm = self.norm_class(args.dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The reference layer: x [B, S, D], whole sequences, no cache."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.attention_output(self.attention(self.attention_norm(x), cos, sin))
+        return h + self.mlp_output(self.feed_forward(self.ffn_norm(h)))
 
     def step(self, index: int, x: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer (number `index`) in a serving step: x [T, D] and h = its attention norm of x -> (x plus the
         attention output, the MLP output). The caller adds the MLP output with the next norm in one pass."""
         y = ctx.attend(index, self.attention.qkv(h, ctx))  # [T, H hd]
         o = self.attention.parallel.all_reduce(ctx.linear(self.attention.wo, y))
-        x, h = self.ffn_norm.add(x, o, pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
+        x, h = self.ffn_norm.add(x, self.attention_output(o), pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
         ff = self.feed_forward.reference(h) if ctx.reference else self.feed_forward(h, ctx.pdl)
-        return x, ff
+        return x, self.mlp_output(ff)
+
+    def attention_output(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention's output [..., D] as the residual stream adds it: as it is here."""
+        return o
+
+    def mlp_output(self, ff: torch.Tensor) -> torch.Tensor:
+        """The MLP's output [..., D] as the residual stream adds it: as it is here."""
+        return ff
 
 
 def embedding(vocab_size: int, dim: int) -> nn.Embedding:
@@ -248,7 +267,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(self.block(args, i) for i in range(args.n_layers))
         for i, layer in enumerate(self.layers):  # the reference forward's windows (the steps read `args`)
             layer.attention.window = args.window(i)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = self.block_class.norm_class(args.dim, args.norm_eps)
         self.output = None if args.tie_word_embeddings else FloatLinear(args.dim, parallel.vocab_shard(args.vocab_size),
                                                                          bias=False)
         # the tied LM head over the embedding table (a tuple: not a submodule, the state dict holds the table once)
@@ -259,22 +278,31 @@ class Transformer(nn.Module):
         """Layer number `index` (a family's that differs by layer, a mixture of experts', builds its own)."""
         return self.block_class(args, parallel=self.parallel)
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [...] -> their embeddings [..., D] (a family that scales them overrides this: `models.gemma3`)."""
+        return self.tok_embeddings(tokens)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The reference forward (tests, the plain path the steps are checked against): tokens [B, S], each row
-        a whole sequence from position 0, causal, no cache -> final hidden states [B, S, D]."""
-        cos, sin = rope_cos_sin(self.args, tokens.shape[1], tokens.device)
-        w = self.tok_embeddings.weight
-        cos, sin = cos.to(w.dtype).expand(tokens.shape[0], -1, -1), sin.to(w.dtype).expand(tokens.shape[0], -1, -1)
-        x = self.tok_embeddings(tokens)  # [B, S, D]
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        a whole sequence from position 0, causal (banded on a windowed layer), no cache -> final hidden states
+        [B, S, D]. Each layer rotates by its rope (`model.layer_rope`: Gemma 3's windowed layers by their own)."""
+        a, (bsz, seqlen), dtype = self.args, tokens.shape, self.tok_embeddings.weight.dtype
+
+        def tables(local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            cos, sin = rope_cos_sin(a, seqlen, tokens.device, local=local)
+            return cos.to(dtype).expand(bsz, -1, -1), sin.to(dtype).expand(bsz, -1, -1)
+
+        rope, local = tables(False), (tables(True) if a.local_rope_theta is not None else None)
+        x = self.embed(tokens)  # [B, S, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, *layer_rope(a, i, rope, local))
         return self.norm(x)
 
     def step(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Every layer of one serving step over the KV cache: tokens [T] -> the final norm of the rows `ctx`
         returns [N, D] (`StepContext.last_hidden`). Each layer's residual add and the next layer's norm run in
         one pass (`RMSNorm.add`)."""
-        x = self.tok_embeddings(tokens)  # [T, D]
+        x = self.embed(tokens)  # [T, D]
         layers = self.layers
         h = layers[0].attention_norm(x, pdl=ctx.pdl, e4m3=ctx.qkv_e4m3)
         for i, layer in enumerate(layers):

@@ -8,7 +8,7 @@ before `StepContext.attend` rotates it (`Qwen3Attention.qkv`). The norms are `mo
 on eager half-precision GPU work a step runs both as one kernel, in place on the projection (`head_norm`),
 elsewhere as the modules' torch ops.
 
-Families built on Qwen3's attention (Qwen3-MoE) import `Qwen3Attention` from here.
+Families built on Qwen3's attention (Qwen3-MoE; Gemma 3, with norms of its own) import `Qwen3Attention` from here.
 
 Registered in `models.registry.ARCHITECTURES`. Imports: stdlib and torch only.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from serving.engine import head_norm
 from serving.engine.model import ModelArgs, RMSNorm, StepContext
@@ -52,10 +53,12 @@ class Qwen3Attention(llama.Attention):
     """Llama's attention with `q_norm` and `k_norm`, RMSNorms of `head_dim` applied to every head of q and k
     before the rotary embedding."""
 
+    head_norm_class: type[nn.Module] = RMSNorm  # a family of other head norms overrides it and `qkv` (`models.gemma3`)
+
     def __init__(self, args: ModelArgs, parallel: ParallelConfig = SINGLE) -> None:
         super().__init__(args, parallel)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.q_norm = self.head_norm_class(args.head_dim, args.norm_eps)
+        self.k_norm = self.head_norm_class(args.head_dim, args.norm_eps)
 
     def norm_heads(self, q: torch.Tensor, k: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q, pdl=pdl), self.k_norm(k, pdl=pdl)
@@ -67,9 +70,15 @@ class Qwen3Attention(llama.Attention):
                                                                                  self.k_norm.weight):
             return head_norm.norm_heads_(qkv, self.q_norm.weight, self.k_norm.weight, n_heads=a.n_heads,
                                          n_kv_heads=a.n_kv_heads, eps=self.q_norm.eps, pdl=ctx.pdl)  # one kernel
+        return self.norm_projection(qkv, ctx.pdl)
+
+    def norm_projection(self, qkv: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """The projection qkv [T, (H + 2 Hkv) hd] with each q and k head through its norm module (`norm_heads`), v
+        as it is."""
+        a = self.args
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)  # [T, H hd], [T, Hkv hd] x2
         q, k = self.norm_heads(q.unflatten(-1, (a.n_heads, a.head_dim)), k.unflatten(-1, (a.n_kv_heads, a.head_dim)),
-                               pdl=ctx.pdl)
+                               pdl=pdl)
         return torch.cat([q.flatten(-2), k.flatten(-2), v], dim=-1)  # [T, (H + 2 Hkv) hd]
 
 
