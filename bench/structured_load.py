@@ -119,6 +119,7 @@ async def closed_loop(url: str, model: str, kinds: list[str], *, seconds: float,
 
     tokens = {k: 0 for k in set(kinds)}
     requests = {k: 0 for k in set(kinds)}
+    overloads = {k: 0 for k in set(kinds)}
     errors: list[str] = []
     schema_answers: list[tuple[str, str]] = []
     logprob_short = 0  # logprobs answers without a row of alternatives for each token
@@ -131,6 +132,10 @@ async def closed_loop(url: str, model: str, kinds: list[str], *, seconds: float,
         while time.monotonic() < deadline:
             reply = await http.post(f"{url}/v1/completions", json=body(
                 kind, model, rng, prompt_words=prompt_words, max_tokens=max_tokens, schema_max_tokens=schema_max_tokens))
+            if reply.status_code == 429:  # the engine's queue was full: a client retries, as OpenAI's do
+                overloads[kind] += 1
+                await asyncio.sleep(0.05)
+                continue
             if reply.status_code != 200:
                 errors.append(f"{kind} {reply.status_code} {reply.text[:200]}")
                 return
@@ -152,7 +157,8 @@ async def closed_loop(url: str, model: str, kinds: list[str], *, seconds: float,
     failures = [f for f in (schema_failure(text, reason) for text, reason in schema_answers) if f is not None]
     schema_tokens = tokens.get("schema", 0)
     return {"seconds": elapsed, "output_tokens": sum(tokens.values()), "tokens_by_kind": tokens,
-            "requests_by_kind": requests, "output_tok_s": sum(tokens.values()) / elapsed, "errors": errors[:5],
+            "requests_by_kind": requests, "overloaded_by_kind": overloads,
+            "output_tok_s": sum(tokens.values()) / elapsed, "errors": errors[:5],
             "error_count": len(errors), "schema_requests": len(schema_answers),
             "schema_tokens_per_answer": schema_tokens / len(schema_answers) if schema_answers else None,
             "schema_unparsed": failures[:5], "schema_unparsed_count": len(failures),
@@ -251,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
 
     load = {"prompt_words": args.prompt_words, "max_tokens": args.max_tokens,
             "schema_max_tokens": args.schema_max_tokens}
-    with served_engines({"bench": engine}, args.work / "serving", load_timeout_s=1200.0) as served:
+    # every client's request may wait for admission: none is refused as an overload
+    with served_engines({"bench": engine}, args.work / "serving", load_timeout_s=1200.0,
+                        max_queue_size=args.clients) as served:
         timeline.done("serve", "(Triton, the llm model's load and warm-up, the front)")
         report["warmup"] = asyncio.run(closed_loop(served.base_url, "bench", mixed, seconds=args.warmup_seconds, **load))
         timeline.done("warmup", f"{report['warmup']['output_tok_s']:.0f} tok/s")

@@ -146,10 +146,11 @@ class Served:
 
 @contextmanager
 def served_engines(engines: dict[str, Path], work: Path, *, parameters: dict[str, str] | None = None,
-                   load_timeout_s: float = LOAD_TIMEOUT_S) -> Iterator[Served]:
+                   load_timeout_s: float = LOAD_TIMEOUT_S, max_queue_size: int | None = None) -> Iterator[Served]:
     """`engines` (model name -> engine folder) each behind its router in one Triton, and the OpenAI front
     (`enginewright serve`, its own process: lm-eval's asyncio client and the front's gRPC channel each keep
-    their own event loop); `parameters`: the llm models' config parameters beside ``decoupled``."""
+    their own event loop); `parameters`: the llm models' config parameters beside ``decoupled``;
+    `max_queue_size`: requests waiting for admission at most (None: the repository's default)."""
     import httpx
 
     from serving.triton.operations import apply_router_weights, serve_versions
@@ -164,7 +165,7 @@ def served_engines(engines: dict[str, Path], work: Path, *, parameters: dict[str
     try:
         for name, engine_dir in engines.items():  # on the GPU where there is one (device_kind auto)
             version = stage_engine_version(repo, name, engine_dir, parameters={"decoupled": "true", **(parameters or {})},
-                                           link=True)
+                                           max_queue_size=max_queue_size, link=True)
             serve_versions(server.control(), repo, name, [version], timeout_s=load_timeout_s)
             apply_router_weights(server.control(), repo, name, {version: 100})
         port = free_port()

@@ -65,5 +65,5 @@ def test_the_gate_passes_bf16_and_fp8_on_cuda(tmp_path, arch, quantization):
     spec = ValidationSpec(prompts=["Once upon a time", "The quick brown"], max_new_tokens=8,
                           passages=["The quick brown fox jumps over the lazy dog."])
     result = validate_engine(path, hf, spec)
-    print(f"{arch} {result.precision}: {result.metrics()}")
+    print(f"{arch} {result.precision}: {result.metrics}")
     assert result.passed, result.failures

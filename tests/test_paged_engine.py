@@ -20,6 +20,7 @@ from serving.engine.kv_cache import (
     blocks_from_memory,
     check_kv_cache_config,
 )
+from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import GenRequest, RequestCancelled, Scheduler, collect
 from tasks.tiny_model import make_tiny_model
 
@@ -98,6 +99,58 @@ def test_one_step_ahead_delivers_what_the_synchronous_steps_do(engines):
     assert ahead_failed == sync_failed == ["RequestCancelled"]
     assert {i: v for i, v in ahead.items() if i != 7} == {i: v for i, v in sync.items() if i != 7}
     assert any(reason == "stop" for _, reason in ahead.values()) and any(r == "length" for _, r in ahead.values())
+
+
+class _EvenTokensThenEnd:
+    """A token mask: only even token ids, and the grammar is complete after `length` tokens."""
+
+    def __init__(self, length: int) -> None:
+        self.length, self.accepted = length, []
+
+    def fill_next_token_bitmask(self, bitmask, index: int) -> None:
+        bitmask[index] = 0x55555555  # bits 0, 2, 4, ... of every word: the even ids
+
+    def accept_token(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return token_id % 2 == 0
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+
+def test_steps_ahead_sample_host_read_rows_after_their_tokens_land(engines):
+    """Requests whose sampling reads their tokens on the host (a token mask that ends the grammar mid-run, a
+    repetition penalty, min_tokens) beside plain ones: decode steps still run one step ahead, sampled once the
+    previous tokens are delivered, and every request gets what synchronous steps give it."""
+    _, _, _, paged = engines
+    prompts = _prompts(4, seed=5)
+    runs = []
+    for ahead in (True, False):
+        sched = Scheduler(paged, step_ahead=ahead)
+        masks = [_EvenTokensThenEnd(7), _EvenTokensThenEnd(30)]
+        shaped = [(None, masks[0]), (SamplingParams(temperature=0.0, repetition_penalty=1.3), None),
+                  (SamplingParams(temperature=0.8, seed=11, min_tokens=12), masks[1]), (None, None)]
+        done: dict[int, list[int]] = {i: [] for i in range(4)}
+        reasons: dict[int, str | None] = {}
+
+        def emitter(i: int, done: dict = done, reasons: dict = reasons):
+            def emit(ids: list[int], reason: str | None) -> None:
+                done[i].extend(ids)
+                reasons[i] = reason
+            return emit
+
+        failed: list[BaseException] = []
+        for i, (prompt, (params, mask)) in enumerate(zip(prompts, shaped)):
+            sched.submit(GenRequest(prompt, 20, emitter(i), failed.append, sampling=params, token_mask=mask))
+        sched.run_until_idle()
+        assert not failed and paged.allocator.free == CONFIG.num_blocks
+        assert all(t % 2 == 0 for t in done[0] + done[2]), "masked rows sampled only allowed tokens"
+        runs.append((done, reasons, sched.stats))
+    (ahead_done, ahead_reasons, a), (sync_done, sync_reasons, b) = runs
+    # once the prompts are in, every decode step but the last runs ahead (none did while such a row lived)
+    assert a.ahead_steps >= a.steps - 6 and b.ahead_steps == 0
+    assert ahead_done == sync_done and ahead_reasons == sync_reasons
+    assert ahead_reasons[0] == "stop" and len(ahead_done[0]) == 7, "the grammar ended while a step ran ahead"
 
 
 def test_chunked_prefill_of_a_long_prompt_mixed_with_decodes(engines):

@@ -208,4 +208,6 @@ def test_cuda_graphs_and_the_kernels_window_equal_the_cpu_engine(windowed):
     want = [g.token_ids for g in cpu.generate(PROMPTS, max_new_tokens=NEW_TOKENS)]
     assert [g.token_ids for g in gpu.generate(PROMPTS, max_new_tokens=NEW_TOKENS)] == want
     prompt = list(range(3, 63))
-    assert (cpu.prefill_logits(prompt) - gpu.prefill_logits(prompt)).abs().max() < 1e-2  # TF32 matmuls may be on
+    want_logits = cpu.prefill_logits(prompt)
+    # TF32 matmuls and the kernels' tf32 dots: about 1e-3 of the logits' scale (Gemma's reach 72, Mistral's 16)
+    assert (want_logits - gpu.prefill_logits(prompt).cpu()).abs().max() < 1e-3 * want_logits.abs().max()

@@ -314,11 +314,11 @@ class Scheduler(SchedulerLoop):
                 and all(n == 1 for _, n in plan) and self._nothing_needs_the_tokens())
 
     def _nothing_needs_the_tokens(self) -> bool:
-        """No live request's sampling reads its tokens on the host (penalties, min_tokens, a token mask) or drafts at
-        the next step (while the live cap leaves rows for drafts), and nothing waiting could be admitted (or may be
-        yet: `admit_every_steps`). Log-probs travel with the tokens."""
+        """No live request drafts at the next step (while the live cap leaves rows for drafts), and nothing waiting
+        could be admitted (or may be yet: `admit_every_steps`). Log-probs travel with the tokens; a request whose
+        sampling reads its tokens on the host samples after they land (`_run_ahead`)."""
         drafts = self.speculative is not None and len(self.running) < self.max_live
-        if any(seq.needs_host or (drafts and seq.drafter is not None and seq.drafter.due) for seq in self.running):
+        if any(drafts and seq.drafter is not None and seq.drafter.due for seq in self.running):
             return False
         with self.cond:
             return (not self.waiting or len(self.running) >= self.max_live
@@ -362,8 +362,11 @@ class Scheduler(SchedulerLoop):
         return _Ahead(seqs, tokens, host, ready, logprobs)
 
     def _run_ahead(self, prev: _Ahead, rows: list[ScheduledRequest]) -> None:
-        """Launch the decode step of `rows` on `prev`'s unread samples, then deliver `prev`'s tokens."""
+        """Launch the decode step of `rows` on `prev`'s unread samples, then deliver `prev`'s tokens. When a row's
+        sampling reads its tokens on the host (a token mask, penalties, min_tokens), the step is sampled only after
+        that delivery: the GPU runs the forward while the host delivers and the grammar computes the next mask."""
         started = time.perf_counter()
+        sample_after_landing = any(seq.needs_host for seq in rows)
         try:
             where = {id(seq): i for i, seq in enumerate(prev.seqs)}
             for seq in rows:
@@ -375,13 +378,28 @@ class Scheduler(SchedulerLoop):
             with self.launching():
                 self.stats.launch_wait_s += time.perf_counter() - asked
                 logits = self.runner.forward_ahead(chunks, prev.tokens, [where[id(seq)] for seq in rows])
-                self.ahead = self._launch_unread(rows, logits)
+                if not sample_after_landing:
+                    self.ahead = self._launch_unread(rows, logits)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
             self.ahead = None
             self._fail(list(prev.seqs), exc)
             return
         self.stats.forward_s += time.perf_counter() - started
         self._land(prev)
+        if sample_after_landing:
+            self._sample_landed(rows, logits)
+
+    def _sample_landed(self, rows: list[ScheduledRequest], logits: torch.Tensor) -> None:
+        """Sample the launched step of `rows` now that their previous tokens are delivered; a row that those tokens
+        finished is sampled unconstrained and never delivered."""
+        started = time.perf_counter()
+        try:
+            with self.launching():
+                self.ahead = self._launch_unread(rows, logits)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
+            self.ahead = None
+            self._fail([seq for seq in rows if seq.live], exc)
+        self.stats.forward_s += time.perf_counter() - started
 
     def _land(self, ahead: _Ahead) -> None:
         """Wait for `ahead`'s tokens and deliver them to its requests that are still live."""

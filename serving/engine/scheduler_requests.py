@@ -81,12 +81,13 @@ def sample_next(logits: torch.Tensor, lives: list[ScheduledRequest], positions: 
                 before: Sequence[Sequence[int]] = ()) -> torch.Tensor:
     """The next token of each row of `logits` [N, V]: `positions` are the positions the rows sample, `before` (when
     given) the draft tokens that precede each row's position past its request's tokens."""
-    if all(seq.plain_greedy for seq in lives):
+    if all(seq.plain_greedy or not seq.live for seq in lives):
         return logits.argmax(dim=-1)
     drafts_before = before or [()] * len(lives)
     rows = [RowSampling(seq.req.sampling, seq.seed, position,
                         ([*seq.tokens, *drafted] if drafted else seq.tokens) if seq.needs_host else (),
                         seq.prompt_len, tuple(seq.stop), seq.generated + len(drafted), seq.req.token_mask)
+            if seq.live else RowSampling(None, seq.seed, position)  # finished after a step ahead was launched
             for seq, position, drafted in zip(lives, positions, drafts_before)]
     return sample_rows(logits, StepSampling.build(rows, logits.shape[-1], logits.device))
 
