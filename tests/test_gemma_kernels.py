@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from serving.engine import head_norm, row_norm, silu_mul
 from serving.engine.model import ModelArgs, StepContext
-from serving.engine.models.gemma3 import GemmaAttention, GemmaRMSNorm, GeluFeedForward
+from serving.engine.models.gemma3 import GeluFeedForward, GemmaAttention, GemmaRMSNorm
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and row_norm.triton is not None
 HAS_CUDA = torch.cuda.is_available() and row_norm.triton is not None and not INTERPRET

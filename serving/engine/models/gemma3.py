@@ -19,7 +19,10 @@ bidirectional attention are refused when the config is read.
 The model is `llama.py`'s with Gemma's parts (`GemmaBlock`: the attention of `models.qwen3` with Gemma's head
 norms, the GELU MLP, the four norms; `Transformer.embed`: the scale), so the layer computation is written once, in
 `llama.py`, for the reference `Transformer.forward(tokens [B, S])` and the serving `Transformer.step(tokens [T], ctx)`.
-Each layer's window and rope are read from `ModelArgs` by both (`ModelArgs.window`, `model.layer_rope`).
+Each layer's window and rope are read from `ModelArgs` by both (`ModelArgs.window`, `model.layer_rope`). On eager
+half-precision GPU work Gemma's parts are the engine's fused kernels (`row_norm`'s and `head_norm`'s `unit_offset`,
+`silu_mul`'s `gelu_tanh`; a step's output norm, residual add and next norm in one `row_norm.add_rms_norm`), elsewhere
+the torch ops of the modules below, the reference they are tested against (tests/test_gemma_kernels.py).
 
 Registered in `models.registry.ARCHITECTURES`. Imports: stdlib and torch only.
 """

@@ -205,7 +205,8 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """One layer. A family that differs sets its own parts here (`models.qwen3`: its attention; `models.gemma3`: its
     attention, MLP and norms, and norms on the attention's and the MLP's outputs through `attention_output` and
-    `mlp_output`): both paths below run them, chosen when the model is built."""
+    `mlp_output`, fused with the residual adds in a step through `add_attention_output` and `add_mlp_output`): both
+    paths below run them, chosen when the model is built."""
 
     attention_class: type[Attention] = Attention
     feed_forward_class: type[FeedForward] = FeedForward  # the dense MLP
