@@ -5,7 +5,8 @@ GELU-tanh * up (`silu_mul`'s `gelu_tanh`).
 
 - TRITON_INTERPRET=1 with Triton importable (skipped otherwise, so in CI): the kernels on CPU tensors in float16
   (the interpreter's float32 -> bfloat16 cast does not round to nearest; bf16 is checked on the GPU).
-- CUDA (`gpu`): the modules on bf16 GPU tensors, which dispatch eager calls to the kernels.
+- CUDA (`gpu`): the modules on bf16 GPU tensors, which dispatch eager calls to the kernels, and a whole layer's
+  serving step on them against its torch ops.
 - CPU: the modules' own fallbacks (`GemmaRMSNorm.add_normed`: the output norm, then the add and the norm).
 The norm kernels compute Gemma's norm as HF does (the row in float32, times rsqrt, times `1 + w` in float32,
 rounded once); only the sum's order and the rsqrt differ, so a value may land a step of the dtype away. The
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from serving.engine import head_norm, row_norm, silu_mul
 from serving.engine.model import ModelArgs, StepContext
-from serving.engine.models.gemma3 import GeluFeedForward, GemmaAttention, GemmaRMSNorm
+from serving.engine.models.gemma3 import GeluFeedForward, GemmaBlock, GemmaRMSNorm
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and row_norm.triton is not None
 HAS_CUDA = torch.cuda.is_available() and row_norm.triton is not None and not INTERPRET
@@ -223,23 +224,6 @@ def test_gemma_norms_run_the_kernels_on_the_gpu(shape: tuple[int, ...]) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
-@pytest.mark.parametrize("shape", (*HEADS, (64, 16, 8, 256)))  # the last: Gemma-3-12B's heads
-def test_gemma_attention_runs_the_head_norm_kernel_on_the_gpu(shape: tuple[int, int, int, int]) -> None:
-    tokens, n_heads, n_kv_heads, head_dim = shape
-    q_norm, k_norm, qkv = head_case(shape, "cuda", torch.bfloat16)
-    attention = GemmaAttention(gemma_args(n_heads, n_kv_heads, head_dim)).to(device="cuda", dtype=torch.bfloat16)
-    attention.q_norm, attention.k_norm = q_norm, k_norm
-    ctx = StepContext(reference=False, pdl=False, qkv_e4m3=False, w13_e4m3=False)
-    ref = head_torch_ops(q_norm, k_norm, qkv, n_heads, n_kv_heads)
-    with mock.patch.object(ctx, "linear", return_value=qkv.clone()), \
-            mock.patch.object(head_norm, "norm_heads_", wraps=head_norm.norm_heads_) as kernel:
-        out = attention.qkv(torch.empty(tokens, 64, device="cuda", dtype=torch.bfloat16), ctx)
-    assert kernel.called, "the eager GPU call went through the kernel"
-    check_close(out, ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
 @pytest.mark.parametrize("tokens", (1, 64, 3000))
 def test_gelu_feed_forward_runs_the_kernel_on_the_gpu(tokens: int) -> None:
     torch.manual_seed(tokens)
@@ -250,3 +234,35 @@ def test_gelu_feed_forward_runs_the_kernel_on_the_gpu(tokens: int) -> None:
     assert kernel.called
     gate, up = F.linear(x, ff.w13.weight).chunk(2, dim=-1)
     check_close(out, F.gelu(gate, approximate="tanh") * up)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason=CUDA_MISSING)
+@pytest.mark.parametrize("tokens", (1, 64))
+@pytest.mark.parametrize("head_dim", (64, 256))  # 256: Gemma 3's heads
+def test_gemma_layer_step_on_the_kernels_equals_its_torch_ops_on_the_gpu(tokens: int, head_dim: int) -> None:
+    """A `GemmaBlock` in a serving step (its attention mocked to the q columns: the kernels around it are what is
+    checked) and the residual add into the next layer's norm: the fused kernels against the modules' torch ops."""
+    torch.manual_seed(tokens)
+    args = gemma_args(head_dim=head_dim)
+    block = GemmaBlock(args).to("cuda", torch.bfloat16)
+    next_norm = GemmaRMSNorm(args.dim, args.norm_eps).to("cuda", torch.bfloat16)
+    for norm in (block.attention_norm, block.ffn_norm, block.post_attention_norm, block.post_ffn_norm,
+                 block.attention.q_norm, block.attention.k_norm, next_norm):
+        norm.weight.data = 0.5 * torch.randn_like(norm.weight)
+    ctx = StepContext(reference=True, pdl=False, qkv_e4m3=False, w13_e4m3=False)
+    x = torch.randn(tokens, args.dim, device="cuda", dtype=torch.bfloat16)
+
+    def layer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with mock.patch.object(ctx, "attend", side_effect=lambda _, qkv: qkv[:, :args.q_size]):
+            x, ff = block.step(0, x, block.attention_norm(x), ctx)
+            return block.add_mlp_output(x, ff, next_norm, ctx)
+
+    with mock.patch.object(row_norm, "add_rms_norm", wraps=row_norm.add_rms_norm) as fused, \
+            mock.patch.object(head_norm, "norm_heads_", wraps=head_norm.norm_heads_) as heads, \
+            mock.patch.object(silu_mul, "silu_mul", wraps=silu_mul.silu_mul) as gelu:
+        x_out, h_out = layer(x)
+    assert fused.call_count == 2 and heads.call_count == 1 and gelu.call_count == 1
+    want_x, want_h = torch_ops(layer, x)
+    for out, want in ((x_out, want_x), (h_out, want_h)):  # bf16 steps compound through the layer
+        assert float((out.float() - want.float()).abs().max()) <= 0.05 * float(want.float().abs().max())
