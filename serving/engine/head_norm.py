@@ -7,7 +7,9 @@ and a concatenation back: five launches a layer, which a decode step of a 36-lay
 one program a (token, head) normalizes the head where it lies: the q weight for the first H heads of a row,
 the k weight for the next Hkv, the values untouched. Numerics are `model.RMSNorm`'s, as `row_norm`'s kernel
 rounds them (the head in float32, times rsqrt(mean of squares + eps), rounded to the dtype, times the
-weight, rounded again), so the two paths agree to a step of the dtype (tests/test_head_norm.py).
+weight, rounded again), so the two paths agree to a step of the dtype (tests/test_head_norm.py). With
+`unit_offset=True` the numerics are Gemma's norm (`models.gemma3.GemmaRMSNorm`, as `row_norm`'s `unit_offset`): the
+head in float32 times rsqrt(...) times `1 + weight` in float32, rounded once.
 
 Imports: torch; Triton only if importable (this module runs inside Triton's python backend).
 """
@@ -32,7 +34,7 @@ if triton is not None:
 
     @triton.jit
     def _head_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, stride_t, n_q_heads, eps, D: tl.constexpr,
-                          BLOCK_D: tl.constexpr, GDC: tl.constexpr = False):
+                          BLOCK_D: tl.constexpr, GDC: tl.constexpr = False, UNIT_OFFSET: tl.constexpr = False):
         if GDC:
             gdc_enter()
         token = tl.program_id(0).to(tl.int64)
@@ -41,12 +43,16 @@ if triton is not None:
         mask = offs < D
         at = qkv_ptr + token * stride_t + head * D + offs
         x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-        h = (x * tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        h = x * tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)
         if head < n_q_heads:
             w = tl.load(qw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             w = tl.load(kw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(at, (w * h).to(qkv_ptr.dtype.element_ty), mask=mask)
+        if UNIT_OFFSET:  # Gemma's: by 1 + w in float32, rounded once
+            y = h * (1.0 + w)
+        else:
+            y = w * h.to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(at, y.to(qkv_ptr.dtype.element_ty), mask=mask)
 
 
 def fits(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> bool:
@@ -58,15 +64,15 @@ def fits(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> b
 
 
 def norm_heads_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, *, n_heads: int,
-                n_kv_heads: int, eps: float, pdl: bool = False) -> torch.Tensor:
+                n_kv_heads: int, eps: float, pdl: bool = False, unit_offset: bool = False) -> torch.Tensor:
     """RMSNorm each of the H query heads (with `q_weight`) and Hkv key heads (`k_weight`) of every row of
     qkv [T, (H + 2 Hkv) hd], in place; returns qkv. `pdl`: launched with programmatic dependent launch
-    (`serving.engine.pdl`)."""
+    (`serving.engine.pdl`); `unit_offset`: Gemma's norm, by `1 + weight` (module doc)."""
     head_dim = q_weight.shape[0]
     tokens = qkv.shape[0]
     if tokens:
         block = triton.next_power_of_2(head_dim)
         _head_norm_kernel[(tokens, n_heads + n_kv_heads)](
             qkv, q_weight, k_weight, qkv.stride(0), n_heads, eps, D=head_dim, BLOCK_D=block, GDC=gdc(pdl),
-            num_warps=max(1, min(4, block // 64)), **launch_options(pdl))
+            UNIT_OFFSET=unit_offset, num_warps=max(1, min(4, block // 64)), **launch_options(pdl))
     return qkv

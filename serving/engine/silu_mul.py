@@ -6,6 +6,9 @@ Here one pass reads both halves and writes the product, rounding as torch does (
 product). The exponential may differ from torch's in the last float32 bit, so a value can land one step of
 the dtype away (tests/test_silu_mul.py). Compiled code keeps the torch ops, which inductor fuses itself.
 `silu_mul_e4m3` also scales each row it wrote to e4m3 for the FP8 GEMM of w2 (`serving.engine.prescaled`).
+`gelu_tanh=True` (every function here) takes GELU with the tanh approximation instead of SiLU (Gemma's MLP:
+`F.gelu(gate, approximate="tanh") * up`), computed as gate * sigmoid(2 u) = 0.5 gate (1 + tanh(u)), u =
+sqrt(2 / pi) (gate + 0.044715 gate^3), with the same roundings.
 
 Imports: torch; Triton only if importable (this module runs inside Triton's python backend).
 """
@@ -28,20 +31,30 @@ BLOCK = 1024  # columns a program
 if triton is not None:
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    def _activation(g, GELU_TANH: tl.constexpr):
+        """SiLU of the float32 gate g, or with `GELU_TANH` its tanh-approximated GELU (module doc)."""
+        if GELU_TANH:
+            u = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
+            a = g / (1.0 + tl.exp(-2.0 * u))
+        else:
+            a = g / (1.0 + tl.exp(-g))
+        return a
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
+                         GELU_TANH: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        silu = _activation(gate.to(tl.float32), GELU_TANH).to(gate.dtype).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
     @triton.jit
     def _silu_mul_e4m3_kernel(x_ptr, out_ptr, q_ptr, scale_ptr, inter, stride_x, stride_o, QMAX: tl.constexpr,
-                              BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr, GELU_TANH: tl.constexpr = False):
         """One row: SiLU(gate) * up as `_silu_mul_kernel` writes it, then that row scaled to e4m3 by its largest
         magnitude, as fp8_tokens scales a row (read back from what this program wrote)."""
         row = tl.program_id(0).to(tl.int64)
@@ -52,8 +65,7 @@ if triton is not None:
             mask = cols < inter
             gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
             up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
-            g = gate.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+            silu = _activation(gate.to(tl.float32), GELU_TANH).to(gate.dtype).to(tl.float32)
             y = (silu * up.to(tl.float32)).to(gate.dtype)
             tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
             peak = tl.maximum(peak, tl.abs(y.to(tl.float32)))
@@ -74,33 +86,36 @@ def fits(gate_up: torch.Tensor) -> bool:
     return triton is not None and gate_up.is_cuda and gate_up.dtype in DTYPES and gate_up.stride(-1) == 1
 
 
-def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """`F.silu(gate) * up` of gate_up [..., 2 * inter] = [gate; up] -> [..., inter] (see the module doc)."""
+def silu_mul(gate_up: torch.Tensor, inter: int, *, gelu_tanh: bool = False) -> torch.Tensor:
+    """`F.silu(gate) * up` of gate_up [..., 2 * inter] = [gate; up] -> [..., inter] (see the module doc);
+    `gelu_tanh`: `F.gelu(gate, approximate="tanh") * up`."""
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
     out = x2.new_empty(x2.shape[0], inter)
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, BLOCK))](x2, out, inter, x2.stride(0), out.stride(0),
-                                                               BLOCK=BLOCK, num_warps=4)
+                                                               BLOCK=BLOCK, GELU_TANH=gelu_tanh, num_warps=4)
     return out.view(*gate_up.shape[:-1], inter)
 
 
-def silu_mul_e4m3(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+def silu_mul_e4m3(gate_up: torch.Tensor, inter: int, *, gelu_tanh: bool = False) -> torch.Tensor:
     """`silu_mul`'s result [T, inter] for gate_up [T, 2 * inter], carrying its rows scaled to e4m3 for an FP8
     GEMM (`serving.engine.prescaled`): one program a row, which scales what it wrote."""
     out = gate_up.new_empty(gate_up.shape[0], inter)
     q = torch.empty(out.shape, dtype=torch.float8_e4m3fn, device=out.device)
     scale = torch.empty(out.shape[0], 1, dtype=torch.float32, device=out.device)
     _silu_mul_e4m3_kernel[(out.shape[0],)](gate_up, out, q, scale, inter, gate_up.stride(0), out.stride(0),
-                                          QMAX=E4M3_MAX, BLOCK=BLOCK, num_warps=4)
+                                          QMAX=E4M3_MAX, BLOCK=BLOCK, GELU_TANH=gelu_tanh, num_warps=4)
     return with_prescaled_rows(out, q, scale)
 
 
-def gated(gate_up: torch.Tensor, inter: int, *, e4m3: bool = False) -> torch.Tensor:
+def gated(gate_up: torch.Tensor, inter: int, *, e4m3: bool = False, gelu_tanh: bool = False) -> torch.Tensor:
     """SiLU(gate) * up of gate_up [..., 2 * inter]: the kernel for eager GPU work, the torch ops elsewhere (the CPU,
     and code being compiled, which inductor fuses). `e4m3`: with the kernel, rows [T, 2 * inter] in, the result
-    carries its rows scaled to e4m3 (`silu_mul_e4m3`)."""
+    carries its rows scaled to e4m3 (`silu_mul_e4m3`); `gelu_tanh`: GELU (tanh approximation) in place of SiLU."""
     if not torch.compiler.is_compiling() and fits(gate_up):
         if e4m3 and gate_up.dim() == 2:
-            return silu_mul_e4m3(gate_up, inter)
-        return silu_mul(gate_up, inter)
+            return silu_mul_e4m3(gate_up, inter, gelu_tanh=gelu_tanh)
+        return silu_mul(gate_up, inter, gelu_tanh=gelu_tanh)
     gate, up = gate_up.split([inter, inter], dim=-1)
+    if gelu_tanh:
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     return torch.nn.functional.silu(gate) * up

@@ -19,7 +19,10 @@ bidirectional attention are refused when the config is read.
 The model is `llama.py`'s with Gemma's parts (`GemmaBlock`: the attention of `models.qwen3` with Gemma's head
 norms, the GELU MLP, the four norms; `Transformer.embed`: the scale), so the layer computation is written once, in
 `llama.py`, for the reference `Transformer.forward(tokens [B, S])` and the serving `Transformer.step(tokens [T], ctx)`.
-Each layer's window and rope are read from `ModelArgs` by both (`ModelArgs.window`, `model.layer_rope`).
+Each layer's window and rope are read from `ModelArgs` by both (`ModelArgs.window`, `model.layer_rope`). On eager
+half-precision GPU work Gemma's parts are the engine's fused kernels (`row_norm`'s and `head_norm`'s `unit_offset`,
+`silu_mul`'s `gelu_tanh`; a step's output norm, residual add and next norm in one `row_norm.add_rms_norm`), elsewhere
+the torch ops of the modules below, the reference they are tested against (tests/test_gemma_kernels.py).
 
 Registered in `models.registry.ARCHITECTURES`. Imports: stdlib and torch only.
 """
@@ -30,10 +33,11 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from serving.engine import row_norm, silu_mul
 from serving.engine.errors import UnsupportedArchitectureError as Unsupported
+from serving.engine.linear_quantized import prescale_rows_for
 from serving.engine.model import (
     SUPPORTED_ROPE_TYPES,
     ModelArgs,
@@ -150,7 +154,9 @@ def engine_param_names(args: ModelArgs) -> list[str]:
 
 
 class GemmaRMSNorm(nn.Module):
-    """RMSNorm scaled by `(1 + weight)`, all in float32, cast back at the end (HF's `Gemma3RMSNorm`)."""
+    """RMSNorm scaled by `(1 + weight)`, all in float32, cast back at the end (HF's `Gemma3RMSNorm`). The weight is
+    the checkpoint's `w`; on eager half-precision GPU work one kernel computes the same (`row_norm`'s
+    `unit_offset`: `1 + w` in float32, the normed row not rounded before it), elsewhere the torch ops below."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -158,39 +164,51 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor, pdl: bool = False, e4m3: bool = False) -> torch.Tensor:
-        # x: [..., D]; `pdl`, `e4m3`: the engine's norm kernel's options (model.RMSNorm), not used here: a GEMM
-        # after this norm scales its own rows
+        # x: [..., D]; `pdl`, `e4m3`: the kernel's options, as model.RMSNorm's
+        if x.is_cuda and not torch.compiler.is_compiling() and row_norm.fits(x, self.weight):
+            return row_norm.rms_norm(x, self.weight, self.eps, pdl=pdl, e4m3=e4m3, unit_offset=True)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
     def add(self, x: torch.Tensor, delta: torch.Tensor, pdl: bool = False, e4m3: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, this norm of it), as `model.RMSNorm.add`."""
+        """(x + delta, this norm of it), as `model.RMSNorm.add` (one kernel on eager GPU work)."""
+        if x.is_cuda and not torch.compiler.is_compiling() and row_norm.add_fits(x, delta, self.weight):
+            return row_norm.add_rms_norm(x, delta, self.weight, self.eps, pdl=pdl, e4m3=e4m3, unit_offset=True)
         x = x + delta
         return x, self(x)
 
+    def add_normed(self, x: torch.Tensor, delta: torch.Tensor, delta_norm: GemmaRMSNorm, pdl: bool = False,
+                   e4m3: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta_norm(delta), this norm of it): a layer's output norm, the residual add and the next norm, in
+        one kernel on eager GPU work (`row_norm.add_rms_norm`'s `delta_weight`); the norms share their eps."""
+        if (x.is_cuda and not torch.compiler.is_compiling() and delta_norm.eps == self.eps
+                and row_norm.add_fits(x, delta, self.weight, delta_norm.weight)):
+            return row_norm.add_rms_norm(x, delta, self.weight, self.eps, pdl=pdl, e4m3=e4m3, unit_offset=True,
+                                         delta_weight=delta_norm.weight)
+        return self.add(x, delta_norm(delta, pdl=pdl), pdl=pdl, e4m3=e4m3)
+
 
 class GemmaAttention(qwen3.Qwen3Attention):
-    """Qwen3's attention (q and k normed per head before the rotation) with Gemma's norms."""
+    """Qwen3's attention (q and k normed per head before the rotation) with Gemma's norms: `head_norm`'s kernel
+    with its `unit_offset` on eager half-precision GPU work, the norm modules' torch ops elsewhere."""
 
     head_norm_class = GemmaRMSNorm
-
-    def qkv(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        # the norms' own ops on every device: `head_norm`'s one kernel computes model.RMSNorm's, not Gemma's
-        return self.norm_projection(ctx.linear(self.wqkv, h), ctx.pdl)
+    head_norm_unit_offset = True
 
 
 class GeluFeedForward(llama.FeedForward):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused in `w13`: w13's plain GEMM, then the activation in
-    torch ops (w13's fused kernel computes SiLU's)."""
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused in `w13`: w13's own GEMM, then GELU * up in one kernel
+    on eager GPU work (`silu_mul`'s `gelu_tanh`), its rows scaled to e4m3 too where w2 is an FP8 layer that would
+    scale them itself; torch ops elsewhere."""
 
     def gated(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        return self.activation(self.w13(x, pdl=pdl))
+        e4m3 = prescale_rows_for(self.w2, x.numel() // x.shape[-1], x.device)
+        return silu_mul.gated(self.w13(x, pdl=pdl), self.intermediate_size, e4m3=e4m3, gelu_tanh=True)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return silu_mul.gated(gate_up, self.intermediate_size, gelu_tanh=True)
 
 
 class GemmaBlock(llama.TransformerBlock):
@@ -212,6 +230,14 @@ class GemmaBlock(llama.TransformerBlock):
 
     def mlp_output(self, ff: torch.Tensor) -> torch.Tensor:
         return self.post_ffn_norm(ff)
+
+    def add_attention_output(self, x: torch.Tensor, o: torch.Tensor, ctx: StepContext
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ffn_norm.add_normed(x, o, self.post_attention_norm, pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
+
+    def add_mlp_output(self, x: torch.Tensor, ff: torch.Tensor, next_norm: nn.Module, ctx: StepContext
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return next_norm.add_normed(x, ff, self.post_ffn_norm, pdl=ctx.pdl, e4m3=ctx.qkv_e4m3)
 
 
 class Transformer(llama.Transformer):

@@ -205,7 +205,8 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """One layer. A family that differs sets its own parts here (`models.qwen3`: its attention; `models.gemma3`: its
     attention, MLP and norms, and norms on the attention's and the MLP's outputs through `attention_output` and
-    `mlp_output`): both paths below run them, chosen when the model is built."""
+    `mlp_output`, fused with the residual adds in a step through `add_attention_output` and `add_mlp_output`): both
+    paths below run them, chosen when the model is built."""
 
     attention_class: type[Attention] = Attention
     feed_forward_class: type[FeedForward] = FeedForward  # the dense MLP
@@ -227,12 +228,24 @@ class TransformerBlock(nn.Module):
 
     def step(self, index: int, x: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer (number `index`) in a serving step: x [T, D] and h = its attention norm of x -> (x plus the
-        attention output, the MLP output). The caller adds the MLP output with the next norm in one pass."""
+        attention output, the MLP's raw output ff). The caller adds ff (`add_mlp_output`) with the next norm in one
+        pass."""
         y = ctx.attend(index, self.attention.qkv(h, ctx))  # [T, H hd]
         o = self.attention.parallel.all_reduce(ctx.linear(self.attention.wo, y))
-        x, h = self.ffn_norm.add(x, self.attention_output(o), pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
+        x, h = self.add_attention_output(x, o, ctx)
         ff = self.feed_forward.reference(h) if ctx.reference else self.feed_forward(h, ctx.pdl)
-        return x, self.mlp_output(ff)
+        return x, ff
+
+    def add_attention_output(self, x: torch.Tensor, o: torch.Tensor, ctx: StepContext
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A serving step's residual add of the attention output o and the MLP's norm: (x + attention_output(o), its
+        `ffn_norm`), in one kernel on eager GPU work (a family whose output norm fuses with them overrides this)."""
+        return self.ffn_norm.add(x, self.attention_output(o), pdl=ctx.pdl, e4m3=ctx.w13_e4m3)
+
+    def add_mlp_output(self, x: torch.Tensor, ff: torch.Tensor, next_norm: nn.Module, ctx: StepContext
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `add_attention_output`, of the MLP output ff and the next layer's attention norm `next_norm`."""
+        return next_norm.add(x, self.mlp_output(ff), pdl=ctx.pdl, e4m3=ctx.qkv_e4m3)
 
     def attention_output(self, o: torch.Tensor) -> torch.Tensor:
         """The attention's output [..., D] as the residual stream adds it: as it is here."""
@@ -308,8 +321,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(layers):
             x, ff = layer.step(i, x, h, ctx)
             if i + 1 < len(layers):
-                x, h = layers[i + 1].attention_norm.add(x, ff, pdl=ctx.pdl, e4m3=ctx.qkv_e4m3)
-        return ctx.last_hidden(self.norm, x, ff)
+                x, h = layer.add_mlp_output(x, ff, layers[i + 1].attention_norm, ctx)
+        return ctx.last_hidden(self.norm, x, layers[-1].mlp_output(ff))
 
     def head(self) -> nn.Module:
         """The LM head's layer: over the embedding matrix when tied."""

@@ -53,7 +53,8 @@ class Qwen3Attention(llama.Attention):
     """Llama's attention with `q_norm` and `k_norm`, RMSNorms of `head_dim` applied to every head of q and k
     before the rotary embedding."""
 
-    head_norm_class: type[nn.Module] = RMSNorm  # a family of other head norms overrides it and `qkv` (`models.gemma3`)
+    head_norm_class: type[nn.Module] = RMSNorm  # a family of other head norms overrides it (`models.gemma3`)
+    head_norm_unit_offset = False  # the kernel's norm by `1 + w` (`head_norm`), for such a family's norms
 
     def __init__(self, args: ModelArgs, parallel: ParallelConfig = SINGLE) -> None:
         super().__init__(args, parallel)
@@ -69,7 +70,8 @@ class Qwen3Attention(llama.Attention):
         if qkv.is_cuda and not torch.compiler.is_compiling() and head_norm.fits(qkv, self.q_norm.weight,
                                                                                  self.k_norm.weight):
             return head_norm.norm_heads_(qkv, self.q_norm.weight, self.k_norm.weight, n_heads=a.n_heads,
-                                         n_kv_heads=a.n_kv_heads, eps=self.q_norm.eps, pdl=ctx.pdl)  # one kernel
+                                         n_kv_heads=a.n_kv_heads, eps=self.q_norm.eps, pdl=ctx.pdl,
+                                         unit_offset=self.head_norm_unit_offset)  # one kernel
         return self.norm_projection(qkv, ctx.pdl)
 
     def norm_projection(self, qkv: torch.Tensor, pdl: bool = False) -> torch.Tensor:
