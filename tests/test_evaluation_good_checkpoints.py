@@ -9,7 +9,7 @@ refused.
   decided by a step or two: with ties judged on production's log-probs alone at 0.1 nats, 4 of 5 such
   checkpoints were refused (greedy up to 0.214 [.., 0.334]). A divergence is now a tie where either side was
   within the tie gap of indifferent, the gap at least production's measured rounding noise (0.25 nats here,
-  0 in float32): all five pass (docs/gates.md); the fault is still refused.
+  about 1e-5 in float32): all five pass (docs/gates.md); the fault is still refused.
 The whole sweep (more checkpoints, SmolLM2, every tie gap): bench/evidence_sweep.py, figures in docs/gates.md."""
 
 from __future__ import annotations
