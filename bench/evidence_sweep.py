@@ -9,10 +9,11 @@ Production is the `--dtypes` entry's build of the checkpoint (max_batch_size 4).
 - the faults: LM head x `--sharpen` (perplexity up, greedy text the same) and noise of each `--fault-noise`
   (greedy text different).
 Each case is scored once; the greedy part is then judged at every `--tie-gaps` value (the spec's
-`greedy_tie_gap`), so one run compares the rules. Prints a table (one row per case: every part's verdict and
-figure, the greedy verdict per tie gap, pass or refuse) and a summary; `--out` writes every case's figures,
-intervals and first-divergence gaps as JSON. Exits 1 when a good build is refused or a fault passes under the
-default spec.
+`greedy_tie_gap`, the least tie gap: production's measured rounding noise raises it where larger), so one run
+compares the rules. Prints a table (one row per case: every part's verdict and figure, production's rounding
+noise, the greedy verdict per tie gap, pass or refuse) and a summary; `--out` writes every case's figures,
+intervals and first divergences (each side's gap) as JSON. Exits 1 when a good build is refused or a fault passes
+under the default spec.
 
     .venv/bin/python bench/evidence_sweep.py --models tiny --dtypes float32,bfloat16 --rebuilds 10 --good 5
     .venv/bin/python bench/evidence_sweep.py --models smollm2 --dtypes bfloat16 --rebuilds 0 --good 2 --quick \\
@@ -66,10 +67,10 @@ def spec_with(base: EvaluationSpec, **changes) -> EvaluationSpec:
 
 
 def case_line(model: str, dtype: str, case: Case, result: EvaluationComparison, by_gap: dict[float, str],
-              gaps: list[float], seconds: float) -> dict:
+              gaps: list[tuple[float, float]], noise: float, seconds: float) -> dict:
     return {"model": model, "dtype": dtype, "case": case.name, "expect_pass": case.expect_pass,
             "passed": result.passed, "seconds": round(seconds, 1), "greedy_by_tie_gap": by_gap,
-            "first_divergence_gaps": gaps,
+            "first_divergence_gaps": gaps, "rounding_noise": noise,
             "parts": {p.name: {"figure": p.figure, "low": p.low, "high": p.high, "budget": p.budget,
                                "verdict": p.verdict, "n": p.units, "needed": p.needed} for p in result.parts}}
 
@@ -77,6 +78,7 @@ def case_line(model: str, dtype: str, case: Case, result: EvaluationComparison, 
 def table_row(line: dict, tie_gaps: list[float]) -> str:
     parts = line["parts"]
     cells = [f"{parts[n]['verdict']} {parts[n]['figure']:.3g}" if n in parts else "-" for n in PARTS]
+    cells.append(f"{line['rounding_noise']:.3g}")
     greedy = [line["greedy_by_tie_gap"][str(g)] for g in tie_gaps]
     outcome = "pass" if line["passed"] else "REFUSE"
     wrong = "" if line["passed"] == line["expect_pass"] else " (wrong)"
@@ -125,7 +127,7 @@ def main() -> int:
     tie_gaps = [float(x) for x in args.tie_gaps.split(",")]
     data = load_evaluation()
     lines, bad = [], 0
-    print("| model | dtype | case | " + " | ".join(PARTS) + " | "
+    print("| model | dtype | case | " + " | ".join(PARTS) + " | rounding noise | "
           + " | ".join(f"greedy, tie gap {g}" for g in tie_gaps) + " | outcome |", flush=True)
     for model in args.models.split(","):
         root = args.work / model
@@ -153,9 +155,10 @@ def main() -> int:
                                             production_version="production", distances=distances)
                     greedy = next(p for p in judged.parts if p.name == "greedy")
                     by_gap[str(gap)] = f"{greedy.verdict} {greedy.figure:.3f} [{greedy.low:.3f}, {greedy.high:.3f}]"
-                gaps = [c.tie_gap(first) for c in distances.greedy
+                gaps = [(c.tie_gap(first), c.candidate_gap(first)) for c in distances.greedy
                         if (first := c.first_divergence(spec.greedy_new_tokens)) is not None]
-                line = case_line(model, dtype, case, result, by_gap, gaps, time.perf_counter() - start)
+                line = case_line(model, dtype, case, result, by_gap, gaps, distances.rounding_noise,
+                                 time.perf_counter() - start)
                 bad += line["passed"] != case.expect_pass
                 lines.append(line)
                 print(table_row(line, tie_gaps), flush=True)

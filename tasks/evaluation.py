@@ -18,8 +18,9 @@ sized):
 - cloze: an item's production-correct minus candidate-correct (1 lost, 0 kept, -1 won); shown in points;
 - KL and top-1 disagreement: a passage's mean, against 0 (production itself); greedy disagreement: one
   continuation's share from its first divergence on, ``greedy_windows`` continuations per passage (from its
-  first 8, 16, 24 tokens); a divergence where production's own log-probs put the two tokens within
-  ``greedy_tie_gap`` nats is a tie, not a disagreement (`tasks.output_distribution.Continuation`).
+  first 8, 16, 24 tokens); a divergence where either side's own log-probs put the two tokens within the tie
+  gap is a tie, not a disagreement (`tasks.output_distribution.Continuation`); the tie gap is
+  ``greedy_tie_gap`` nats, or production's measured rounding noise where larger (bf16's logit steps).
 A part passes when its upper bound is within the budget, is refused when its lower bound is beyond it, and an
 undecided part refuses (or, with ``on_inconclusive: hold``, publishes held for a person's review).
 """
@@ -39,7 +40,7 @@ from prefect.cache_policies import NONE
 
 from tasks.gate_power import POWER
 from tasks.gate_specs import EvaluationSpec
-from tasks.output_distribution import PassageDistances, greedy_continuations
+from tasks.output_distribution import PassageDistances, greedy_continuations, rounding_noise
 from tasks.paired_parts import PartComparison, PartSpec, judge_part, log_ratio_percent, points, same
 
 DATA_FILE = Path(__file__).with_name("evaluation_data.json")
@@ -156,6 +157,7 @@ class EvaluationComparison:
     parts: list[PartComparison] = field(default_factory=list)
     skipped: str = ""
     distribution_skipped: str = ""
+    greedy_ties: str = ""  # the tie gap the greedy part judged with, and why (`greedy_ties_line`)
 
     @property
     def passed(self) -> bool:
@@ -235,11 +237,24 @@ def compare_scores(candidate: EvaluationScores, production: EvaluationScores, sp
         if distances.kl:
             judged += [judge_part(parts[name], values, alpha=spec.alpha, hold=hold, against=production_version)
                        for name, values in (("kl", distances.kl), ("top1", distances.top1_disagreement))]
-        greedy = [c.disagreement(spec.greedy_new_tokens, spec.greedy_tie_gap) for c in distances.greedy]
+        tie = greedy_tie_gap(spec, distances)
+        greedy = [c.disagreement(spec.greedy_new_tokens, tie) for c in distances.greedy]
         judged.append(judge_part(parts["greedy"], greedy, alpha=spec.alpha, hold=hold,
                                  against=production_version))
     return EvaluationComparison(production_version, candidate, production, judged,
-                                distribution_skipped=distribution_skipped or (distances.skipped if distances else ""))
+                                distribution_skipped=distribution_skipped or (distances.skipped if distances else ""),
+                                greedy_ties=greedy_ties_line(spec, distances) if distances is not None else "")
+
+
+def greedy_tie_gap(spec: EvaluationSpec, distances: PassageDistances) -> float:
+    """The tie gap the greedy part judges with: the spec's, or production's measured rounding noise if larger."""
+    return max(spec.greedy_tie_gap, distances.rounding_noise)
+
+
+def greedy_ties_line(spec: EvaluationSpec, distances: PassageDistances) -> str:
+    return (f"Greedy ties: a divergence where either side chose its token by at most {greedy_tie_gap(spec, distances):.3g} "
+            f"nats of its own log-probs is a tie (evaluation.greedy_tie_gap {spec.greedy_tie_gap:g}; production's "
+            f"rounding noise {distances.rounding_noise:.3g} nats).")
 
 
 def render_report(result: EvaluationComparison) -> str:
@@ -260,6 +275,8 @@ def render_report(result: EvaluationComparison) -> str:
     if result.distribution_skipped:
         lines += [f"Output distributions teacher-forced: not compared ({result.distribution_skipped}).", ""]
     lines += [part_table_head(), *(part_row(p) for p in result.parts), ""]
+    if result.greedy_ties:
+        lines += [result.greedy_ties, ""]
     if result.candidate is not None and result.production is not None:
         lines += [(f"Recorded: candidate {result.candidate.mean_nats_per_byte:.4f} nats/byte, cloze accuracy "
                   f"{result.candidate.accuracy:.3f}; production {result.production.mean_nats_per_byte:.4f}, "
@@ -350,9 +367,11 @@ def score_pair(candidate: Scored, production: Scored, data: EvaluationData, spec
             nll[side].append(passage_nll(logits, ids))
             tokens[side].append(len(ids) - 1)
         distances.add_teacher_forced(logits_p, logits_c, ids_p, ids_c)
-    distances.greedy = greedy_continuations(
-        production.runner, candidate.runner, greedy_prompts(production.encode, data, spec),
-        greedy_prompts(candidate.encode, data, spec), spec.greedy_new_tokens)
+    prompts = greedy_prompts(production.encode, data, spec)
+    distances.greedy = greedy_continuations(production.runner, candidate.runner, prompts,
+                                            greedy_prompts(candidate.encode, data, spec), spec.greedy_new_tokens)
+    longest = slice(spec.greedy_windows - 1, None, spec.greedy_windows)  # one prefill a passage measures enough
+    distances.rounding_noise = rounding_noise(production.runner, prompts[longest], distances.greedy[longest])
     return (scores_of(data, nll["c"], tokens["c"], score_choices(candidate.runner.prefill_logits, candidate.encode,
                                                                  data, max_len=candidate.max_len)),
             scores_of(data, nll["p"], tokens["p"], score_choices(production.runner.prefill_logits, production.encode,

@@ -137,10 +137,12 @@ class EvaluationSpec(BaseModel):
     greedy_windows: int = Field(3, ge=1, description="Continuations per passage, from its first 1, 2, ... times "
                                 "greedy_prompt_tokens tokens (each a unit: the passages alone are too few for the "
                                 "power this spread needs).")
-    greedy_tie_gap: float = Field(0.1, ge=0, description="A greedy divergence where production's own log-prob of "
-                                  "the candidate's token is within this many nats of its choice (0.1: the two "
-                                  "within ~10% of each other) is a tie production could have broken either way, "
-                                  "not a disagreement; 0 counts every divergence.")
+    greedy_tie_gap: float = Field(0.1, ge=0, description="A greedy divergence where either side's own log-prob of "
+                                  "the other's token is within this many nats of its choice (0.1: the two within "
+                                  "~10% of each other) is a tie that side could have broken either way, not a "
+                                  "disagreement. The least gap: production's measured rounding noise (how far its "
+                                  "log-prob gaps move between decode and prefill, one or two logit steps in bf16) "
+                                  "is used where larger; 0 with a float32 production counts every divergence.")
     greedy_new_tokens: int = Field(8, ge=1, description="Greedy tokens generated per continuation on each side.")
     alpha: float = Field(0.01, gt=0, lt=1, description="Each part's one-sided error: the chance of passing a "
                          "candidate whose regression is its budget.")

@@ -68,6 +68,44 @@ class FloatLinear(Routed, nn.Linear):
         self.routes, self.gated_routes = float_routes(self, options)
 
 
+class RowParallelLinear(FloatLinear):
+    """A FloatLinear whose products are partial sums that `ParallelConfig.all_reduce` adds over the ranks of a
+    tensor-parallel group (wo and w2: each rank holds some of the input columns), made the same whatever the
+    group's size in float32 (float32 engines only: bf16 and fp16 layers run their routes unchanged).
+
+    One float32 GEMM over a whole row rounds inside its own order of additions, which no split into ranks can
+    repeat: two ranks' halves, each rounded and then added, differ from it by a few float32 steps of the residual
+    stream. So a float32 layer cuts its input columns into `groups` equal groups (`parallel.column_groups`: the
+    finest split a tensor-parallel size may make, so each rank holds whole groups), multiplies each group by its
+    own float32 GEMM, and adds the groups' products in float64, returned so: the all-reduce adds the ranks' in
+    float64 and rounds to float32 once. Every tensor-parallel size runs the same GEMMs and rounds once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, groups: int = 1,
+                 **factory: object) -> None:
+        super().__init__(in_features, out_features, bias, **factory)
+        if in_features % groups:
+            raise ValueError(f"RowParallelLinear: groups={groups} does not divide in_features={in_features}")
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        if self.weight.dtype == torch.float32:
+            return self.grouped_product(x)
+        return super().forward(x, pdl)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32:
+            return self.grouped_product(x)
+        return super().reference(x)
+
+    def grouped_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b) of float32 x [..., K], W, b: each column group's float32 GEMM, their sum in float64."""
+        width = self.in_features // self.groups
+        total = F.linear(x[..., :width], self.weight[:, :width]).double()
+        for start in range(width, self.in_features, width):
+            total += F.linear(x[..., start:start + width], self.weight[:, start:start + width])
+        return total if self.bias is None else total + self.bias
+
+
 class TiedHead(Routed, nn.Module):
     """The LM head of a model that ties it to its embedding table: the table's weight read at each call (so
     a model loaded or moved in place needs nothing more), no bias. Not a submodule of the model (held in a

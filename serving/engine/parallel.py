@@ -28,6 +28,7 @@ Imports: stdlib and torch only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +61,11 @@ class ParallelConfig:
         return -(-vocab_size // self.size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's partial x (a row-parallel layer's output); x itself for size 1."""
-        return x if self.group is None else self.group.all_reduce(x)
+        """The sum of every rank's partial x (a row-parallel layer's output); x itself for size 1. A float32
+        engine's row-parallel layers give float64 partials (`linear_float.RowParallelLinear`): summed in float64,
+        then rounded to float32 once, at any size (size 1 included)."""
+        total = x if self.group is None else self.group.all_reduce(x)
+        return total.float() if total.dtype == torch.float64 else total
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """This rank's logits of its vocabulary rows [..., shard] -> every rank's [..., vocab_size]."""
@@ -83,6 +87,14 @@ def check_tensor_parallel(args: ModelArgs, size: int) -> None:
         if value % size:
             raise EngineLimitError(f"tensor_parallel={size} does not divide {name}={value} of the model "
                                    f"({args.architecture}): pick a size that divides the heads")
+
+
+def column_groups(args: ModelArgs) -> int:
+    """The finest split of the row-parallel layers' input columns (wo's heads, w2's intermediate features) that a
+    tensor-parallel size may make: every size `check_tensor_parallel` allows divides it, so each rank of any size
+    holds whole groups (`linear_float.RowParallelLinear`). Of this rank's `args`: the group's count divided by the
+    size."""
+    return math.gcd(args.n_heads, args.n_kv_heads, args.intermediate_size)
 
 
 class VocabParallelEmbedding(nn.Embedding):

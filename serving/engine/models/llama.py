@@ -22,7 +22,7 @@ from torch import nn
 
 from serving.engine import silu_mul
 from serving.engine.errors import UnsupportedArchitectureError
-from serving.engine.linear_float import FloatLinear, TiedHead
+from serving.engine.linear_float import FloatLinear, RowParallelLinear, TiedHead
 from serving.engine.linear_quantized import prescale_rows_for
 from serving.engine.model import (
     SUPPORTED_ROPE_TYPES,
@@ -35,7 +35,7 @@ from serving.engine.model import (
     windows_of_layer_types,
 )
 from serving.engine.options import EngineOptions
-from serving.engine.parallel import SINGLE, ParallelConfig, VocabParallelEmbedding
+from serving.engine.parallel import SINGLE, ParallelConfig, VocabParallelEmbedding, column_groups
 from serving.engine.prefill_attention import causal_band
 
 # HF name -> (engine name, part index, number of parts); `{i}` is the layer index.
@@ -150,7 +150,7 @@ class Attention(nn.Module):
         self.args, self.parallel = args, parallel
         self.window: int | None = None  # this layer's sliding window (set by `Transformer`; None: global)
         self.wqkv = FloatLinear(args.dim, args.qkv_size, bias=args.qkv_bias)
-        self.wo = FloatLinear(args.q_size, args.dim, bias=args.o_bias)
+        self.wo = RowParallelLinear(args.q_size, args.dim, bias=args.o_bias, groups=column_groups(args))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The reference attention: causal over the whole sequences, no cache. x: [B, S, D]; cos, sin: [B, S, hd]."""
@@ -182,7 +182,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.intermediate_size, self.parallel = args.intermediate_size, parallel
         self.w13 = FloatLinear(args.dim, 2 * args.intermediate_size, bias=False)  # [gate; up]
-        self.w2 = FloatLinear(args.intermediate_size, args.dim, bias=False)
+        self.w2 = RowParallelLinear(args.intermediate_size, args.dim, bias=False, groups=column_groups(args))
 
     def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         return self.parallel.all_reduce(self.w2(self.gated(x, pdl), pdl=pdl))
