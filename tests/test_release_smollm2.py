@@ -76,10 +76,11 @@ def make_spec(stack: Stack, checkpoint: Path, dtype: str = "float32") -> Release
         # continuations (2 a passage) against 0.3; the greedy continuations were most of a release's evaluation
         "evaluation": {"max_passages": 8, "greedy_windows": 2, "max_choices": 8, "max_accuracy_drop_points": 50,
                        "max_greedy_disagreement": 0.3, **PRECISION_CHANGE.get(dtype, {})},
-        # the A/B is not what this file judges (tests/test_gates_evidence.py does): its fewest rounds that can decide
-        # a budget of 0.5, which an engine as fast as production meets at once; short rows only (the timed long row
-        # at max_input_len is tests/test_gate_envelope.py's)
-        "perf": {"batch_size": 1, "input_len": 4, "output_len": 2, "warmup": 0, "iterations": 5, "max_iterations": 6,
+        # the A/B is not what this file judges (tests/test_gates_evidence.py does): the demo's looks at a budget of 0.5
+        # (6 rounds, all within, then 10, where one round slowed by the machine's other work still passes), which an
+        # engine as fast as production meets at the first; short rows only (the timed long row at max_input_len is
+        # tests/test_gate_envelope.py's), whose rounds a burst of load moves more than it moved the long row's
+        "perf": {"batch_size": 1, "input_len": 4, "output_len": 2, "warmup": 0, "iterations": 2, "max_iterations": 10,
                  "max_slowdown": 0.5, "long_row": False},
         "mlflow": {"tracking_uri": stack.tracking_uri, "model_name": MODEL},
         "artifacts": {"uri": (stack.root / "artifacts").as_uri()},
