@@ -36,8 +36,10 @@ demo: $(STAMP)
 # The kernel tests on CPU tensors (mark `interpreter`) run in `test-kernels` instead, beside the parallel run at
 # nice 10: pure CPU, they take the cycles the parallel run leaves while its tests wait on servers, and yield the
 # cores to it otherwise (run after it, they added their whole time to the target's); their output follows it.
+# The venv and the browser are set up side by side (pip's downloads and unpacking beside apt's, on a fresh clone).
 ALONE := tests/test_rollout_triton.py
-test: $(STAMP) browser
+test:
+	@$(MAKE) --no-print-directory -j 2 $(STAMP) browser
 	kernels_log=$$(mktemp); \
 	  nice -n 10 $(MAKE) --no-print-directory test-kernels >$$kernels_log 2>&1 & kernels_pid=$$!; \
 	  $(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30 -m "not interpreter" \

@@ -39,6 +39,7 @@ def test_the_demo_spec_parses_with_a_budget_a_two_core_machine_can_judge(tmp_pat
     assert samples_needed(1 + compared.max_slowdown, 0.6, compared.alpha, compared.power) <= compared.max_samples
     assert spec.rollout.hold.on_inconclusive == "abort"
     assert spec.evaluation.max_passages == 8 and spec.perf.max_iterations == 10
+    assert not spec.perf.long_row and "on short prompts" in SMALLER_THAN_PRODUCTION
     assert len(spec.validation.prompts) == 3 and spec.validation.max_new_tokens == 8
     assert "smaller than a production spec" in SMALLER_THAN_PRODUCTION and "8 of its 16 passages" in \
         SMALLER_THAN_PRODUCTION and "validation runs 3 prompts and 1 long one for 8 tokens" in SMALLER_THAN_PRODUCTION
