@@ -13,8 +13,8 @@ import torch
 from serving.engine import EngineLimits, build_engine, convert_checkpoint
 from serving.engine.kv_cache import KVCacheConfig
 from serving.engine.runner import load_engine
-from serving.engine.scheduler import GenRequest, Scheduler
 from serving.engine.sampling import SamplingParams, apply_token_mask, bitmask_words
+from serving.engine.scheduler import GenRequest, Scheduler
 from serving.engine.step_sampling import RowSampling, StepSampling, race_exponentials, sample_rows
 from tasks.tiny_model import make_tiny_model
 
