@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_float64 import hf_rounding, within_rounding
+from hf_rounding import hf_rounding, within_rounding
 from transformers import AutoModelForCausalLM
 
 from serving.engine import EngineLimits, build_engine, convert_checkpoint, load_engine
