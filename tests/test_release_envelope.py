@@ -46,7 +46,8 @@ def make_spec(root: Path, checkpoint: Path, **overrides) -> ReleaseSpec:
         "engine": {"dtype": "float32", "max_batch_size": 8, "max_input_len": 128, "max_seq_len": 160},
         "validation": {"max_new_tokens": 8, "prompts": ["The capital of France is", "Once upon a time", "def f(x):"]},
         "evaluation": {"enabled": False},  # the envelope's faults and drift are judged before it
-        "perf": {"batch_size": 2, "input_len": 8, "output_len": 4, "warmup": 0, "iterations": 2, "max_iterations": 6,
+        # the demo's looks (6 rounds, then 10): one round slowed by the machine's other work still passes
+        "perf": {"batch_size": 2, "input_len": 8, "output_len": 4, "warmup": 0, "iterations": 2, "max_iterations": 10,
                  "max_slowdown": 0.5},
         "mlflow": {"tracking_uri": f"sqlite:///{root / 'mlflow.db'}", "model_name": MODEL},
         "artifacts": {"uri": (root / "artifacts").as_uri()},
