@@ -81,3 +81,18 @@ def test_completion_logprobs_have_openais_shape():
     assert shaped["token_logprobs"] == [None, -1.5, -0.25]
     assert shaped["top_logprobs"] == [None, {" dog": -0.5, " cat": -1.5}, {" sat": -0.25}]  # the chosen one too
     assert shaped["text_offset"] == [0, 3, 7]
+
+
+def test_an_internal_error_once_the_deadline_has_passed_is_the_deadline():
+    """Triton cancels a timed-out stream's request and may answer "Internal error from Core" rather than
+    DEADLINE_EXCEEDED: past the front's deadline that is a 504, before it a 500, and a client's mistake stays a 400."""
+    import time
+
+    from serving.openai.backend import TritonBackend
+
+    backend = TritonBackend("127.0.0.1:1", timeout_s=0.5)
+    internal = InferenceServerException("Internal error from Core", status="StatusCode.INTERNAL")
+    invalid = InferenceServerException("bad", status="StatusCode.INVALID_ARGUMENT")
+    assert backend._failure(internal, "m", time.monotonic()).http_status == 500
+    assert backend._failure(internal, "m", time.monotonic() - 1).http_status == 504
+    assert backend._failure(invalid, "m", time.monotonic() - 1).http_status == 400

@@ -262,14 +262,23 @@ class TritonBackend:
         import tritonclient.grpc.aio as grpc
 
         outputs = _outputs(grpc, sampling)
+        started = time.monotonic()
         try:
             result = await self.client().infer(
                 model, _inputs(grpc, prompt, sampling), outputs=outputs, request_id=uuid.uuid4().hex,
                 client_timeout=self.timeout_s,
             )
         except Exception as exc:
-            raise _error(exc, model) from exc
+            raise self._failure(exc, model, started) from exc
         return _piece(result)
+
+    def _failure(self, exc: Any, model: str, started: float) -> BackendError:
+        """The call's BackendError; any failure once the deadline has passed is the deadline's (Triton cancels a
+        timed-out stream's request and may report that as an internal error rather than DEADLINE_EXCEEDED)."""
+        error = _error(exc, model)
+        if type(error) is BackendError and time.monotonic() - started >= self.timeout_s:
+            return DeadlineExceeded(f"model {model!r} did not answer within the deadline", status=error.status)
+        return error
 
     async def has_streaming_router(self, model: str) -> bool:
         """Whether ``<model>_stream`` is loaded (remembered for STREAM_TARGET_TTL_S)."""
@@ -294,10 +303,11 @@ class TritonBackend:
             yield {"model_name": target, "inputs": _inputs(grpc, prompt, sampling, stream=streaming),
                    "outputs": outputs, "request_id": uuid.uuid4().hex, "enable_empty_final_response": True}
 
+        started = time.monotonic()
         try:
             async for result, error in self.client().stream_infer(requests(), stream_timeout=self.timeout_s):
                 if error is not None:
-                    raise _error(error, model)
+                    raise self._failure(error, model, started)
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
                 piece = _piece(result) if response.outputs else Piece("", [], None)
@@ -308,4 +318,4 @@ class TritonBackend:
         except BackendError:
             raise
         except Exception as exc:  # the channel itself failed (Triton gone mid-stream, the deadline)
-            raise _error(exc, model) from exc
+            raise self._failure(exc, model, started) from exc
