@@ -167,9 +167,15 @@ def grouped_gemm(a: torch.Tensor, experts: ExpertWeights, sorted_ids: torch.Tens
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: ExpertWeights,
                   w2: ExpertWeights, config: GroupedConfig | None = None) -> torch.Tensor:
     """The experts over x [N, D] routed as (float32 weights, ids) [N, k] -> [N, D] (module doc)."""
-    n, k = ids.shape
-    config = config or config_for(n, w13.n_experts)
-    sorted_ids, block_expert, padded = align(ids, w13.n_experts, config.block_m)
+    config = config or config_for(ids.shape[0], w13.n_experts)
+    return aligned_experts(x, weights, *align(ids, w13.n_experts, config.block_m), w13, w2, config)
+
+
+def aligned_experts(x: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                    padded: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, config: GroupedConfig
+                    ) -> torch.Tensor:
+    """`fused_experts` from step 2 on, the assignments aligned already (`align`, or `moe_routing`)."""
+    n, k = weights.shape
     gate_up = grouped_gemm(x, w13, sorted_ids, block_expert, padded, rows_per_token=k, n_rows=n * k, config=config)
     h = silu_mul.gated(gate_up, w2.in_features)
     y = grouped_gemm(h, w2, sorted_ids, block_expert, padded, rows_per_token=1, n_rows=n * k, config=config,

@@ -26,7 +26,8 @@ How the experts run, picked at load (`MoEFeedForward.apply_options`):
   tokens, its tokens gathered (`index_select`), through its MLP (a quantized weight dequantized), times their
   routing weights, added into the output (`index_add_`), experts in index order as Hugging Face adds them. It
   asks the host which experts received tokens: never inside a CUDA graph.
-- the grouped GEMM (CUDA with Triton, `serving.engine.moe_gemm`, vLLM's `fused_moe` design): the (token, expert)
+- the grouped GEMM (CUDA with Triton, `serving.engine.moe_gemm`, vLLM's `fused_moe` design; a decode step's
+  routing and alignment in one launch, `serving.engine.moe_routing`, option `moe_fused_routing`): the (token, expert)
   pairs sorted by expert, each expert's count padded to the kernel's row block, one launch for w13 of all
   experts, SiLU * up, one launch for w2 with the routing weights in its epilogue, then the k rows of each token
   summed. Weights bf16 / fp16, or e4m3 / int8 converted in registers and scaled per row (weight-only numerics, as
@@ -121,6 +122,7 @@ class MoEFeedForward(nn.Module):
         self.w13 = ExpertWeights(args.n_experts, args.dim, 2 * inter)  # [gate; up] of each expert
         self.w2 = ExpertWeights(args.n_experts, inter, args.dim)
         self.grouped = False  # the grouped GEMM kernels (CUDA with Triton), picked at load
+        self.fused_routing = False  # with them: routing and alignment in one launch where the batch fits
 
     def apply_options(self, options: EngineOptions) -> None:
         """Pick how the experts run on the weights' device (module doc): the grouped kernels on CUDA, whatever
@@ -128,6 +130,7 @@ class MoEFeedForward(nn.Module):
         from serving.engine import moe_gemm
 
         self.grouped = moe_gemm.available(self.w13.weight)
+        self.fused_routing = self.grouped and options.moe_fused_routing
         if self.w13.weight.is_cuda and not self.grouped:
             raise EngineLimitError(f"a mixture-of-experts layer on {self.w13.weight.device} needs the grouped expert "
                                    f"kernels (serving/engine/moe_gemm.py): Triton importable and expert weights of "
@@ -138,14 +141,20 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """x [..., D] -> [..., D]: routed, through the experts as picked at load."""
         x2 = x.reshape(-1, x.shape[-1])
-        weights, ids = route(self.gate(x2), self.top_k, renormalize=self.renormalize)
-        if self.grouped:
-            from serving.engine import moe_gemm
+        logits = self.gate(x2)
+        if not self.grouped:
+            weights, ids = route(logits, self.top_k, renormalize=self.renormalize)
+            return expert_loop(x2, weights, ids, self.w13, self.w2).view(x.shape)
+        from serving.engine import moe_gemm, moe_routing
 
-            out = moe_gemm.fused_experts(x2, weights, ids, self.w13, self.w2)
+        config = moe_gemm.config_for(x2.shape[0], self.w13.n_experts)
+        if self.fused_routing and moe_routing.fits(x2.shape[0], self.w13.n_experts):
+            weights, _, *aligned = moe_routing.route_and_align(logits, self.top_k, renormalize=self.renormalize,
+                                                               block_m=config.block_m)
         else:
-            out = expert_loop(x2, weights, ids, self.w13, self.w2)
-        return out.view(x.shape)
+            weights, ids = route(logits, self.top_k, renormalize=self.renormalize)
+            aligned = moe_gemm.align(ids, self.w13.n_experts, config.block_m)
+        return moe_gemm.aligned_experts(x2, weights, *aligned, self.w13, self.w2, config).view(x.shape)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The experts one at a time through dequantized weights (what the steps are checked against)."""
