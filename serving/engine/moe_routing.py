@@ -38,6 +38,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _warps(cells: int) -> int:
+    """Warps for one program over `cells` probabilities: about 32 a thread (its matrices stay in registers)."""
+    return min(16, max(4, cells // 1024))
+
+
 def sorted_length(tokens: int, top_k: int, n_experts: int, block_m: int) -> int:
     """Rows of `sorted_ids`: the N k assignments with the most padding their experts can need, in whole blocks."""
     total = tokens * top_k
@@ -123,5 +128,5 @@ def route_and_align(logits: torch.Tensor, top_k: int, *, renormalize: bool, bloc
     _route_align_kernel[(1,)](
         logits, weights, ids, sorted_ids, block_expert, padded, n, n_experts, logits.stride(0), n_sorted,
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_M=block_m, N_P2=_pow2(n), E_P2=_pow2(n_experts),
-        K_P2=_pow2(top_k), CHUNK=BLOCK_CHUNK, num_warps=4)
+        K_P2=_pow2(top_k), CHUNK=BLOCK_CHUNK, num_warps=_warps(_pow2(n) * _pow2(n_experts)))
     return weights, ids, sorted_ids, block_expert, padded
