@@ -19,9 +19,6 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 # _MLFLOW_TELEMETRY_SESSION_ID while a flow copied os.environ, and the copy failed with KeyError (a promote in
 # test_release_smollm2: "runs/create failed with exception '_MLFLOW_TELEMETRY_SESSION_ID'").
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-# Flow and task runs' log lines stay in the test's output instead of also going to the Prefect server (its
-# batching thread in every process that runs a flow, the server's writes): no test reads logs from the API.
-os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
 
 import tempfile
 from pathlib import Path
