@@ -61,14 +61,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
     me = os.getpid()
     own_0, reaped_0 = _own()
     tree_0 = _tree_cpu(me)
-    start = time.monotonic()
+    start, started_at = time.monotonic(), time.time()
     yield
     own_1, reaped_1 = _own()
     tree_1 = _tree_cpu(me)
     # a descendant gone by the end is counted whole where it was reaped (here or in a live descendant)
     descendants = sum(cpu - tree_0.get(pid, 0.0) for pid, cpu in tree_1.items()) - sum(
         cpu for pid, cpu in tree_0.items() if pid not in tree_1)
-    line = {"test": item.nodeid, "file": item.path.name, "wall_s": round(time.monotonic() - start, 2),
+    line = {"test": item.nodeid, "file": item.path.name, "started_at": round(started_at, 2),
+            "wall_s": round(time.monotonic() - start, 2),
             "own_s": round(own_1 - own_0, 2), "children_s": round(reaped_1 - reaped_0 + descendants, 2)}
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(f"{target}.{worker}", "a") as out:
