@@ -105,7 +105,7 @@ def test_the_moe_layer_gives_the_same_output_with_the_fused_routing_on_and_off()
     for p in ff.parameters():
         p.data.normal_(0, 0.05)
     x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
-    options = resolve_options(torch.device("cuda"))
+    options = dataclasses.replace(resolve_options(torch.device("cuda")), moe_fused_routing=True)
     ff.apply_options(options)
     assert ff.fused_routing
     fused = ff(x)
