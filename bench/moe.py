@@ -224,6 +224,17 @@ def sweep_grouped(args: ModelArgs, *, tokens: tuple[int, ...] = SWEEP_TOKENS, it
     return rows
 
 
+def write_moe_table(args: ModelArgs, rows: list[dict[str, Any]]) -> Path:
+    """The sweep's best tiling at each token count, where it beat the default, as the device's `moe` section."""
+    from serving.engine.gemm_config import GroupedConfig
+    from serving.engine.tuned_tables import write_table
+
+    table = {(row["tokens"], args.moe_intermediate_size, args.dim): GroupedConfig(**row["best"]["config"]).key()
+             for row in rows if row["default"] is None or row["best"]["ms"] < row["default"]["ms"]}
+    capability = "{}.{}".format(*torch.cuda.get_device_capability(0))
+    return write_table(torch.cuda.get_device_name(0), capability, "moe", table)
+
+
 def _time_ms(run, iters: int) -> float:
     """Device time of one `run()` in ms (CUDA events, after two warm-up calls)."""
     for _ in range(2):
@@ -252,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--free-mem-fraction", type=float, default=0.9)
     parser.add_argument("--sweep", type=Path, default=None,
                         help="instead: the grouped kernels' tilings at one layer of the shape, written to this JSON")
+    parser.add_argument("--write-table", action="store_true",
+                        help="with --sweep: record each token count's best tiling as this device's tuned `moe` "
+                             "section (serving/engine/tuned/<device>.json), where it beat the default")
     parser.add_argument("--out", type=Path, default=Path("bench-moe.json"))
     ns = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -259,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     if ns.sweep is not None:
         rows = sweep_grouped(QWEN3_30B_A3B)
         ns.sweep.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=2) + "\n")
+        if ns.write_table:
+            print(f"tuned table: {write_moe_table(QWEN3_30B_A3B, rows)}")
         return
     bench_moe(ns, ns.out)
 

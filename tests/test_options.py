@@ -99,6 +99,24 @@ def test_a_sweep_writes_its_section_merging_or_replacing(tmp_path):
         read_file(bad)
 
 
+def test_the_grouped_expert_tilings_are_a_section_the_moe_layer_looks_up_by_tokens(tmp_path):
+    from serving.engine.gemm_config import GroupedConfig
+    from serving.engine.moe_gemm import config_for
+
+    path = write_table("NVIDIA H100 80GB HBM3", "9.0", "moe",
+                       {(1, 768, 2048): "m16:n64:k128:w4:st4", (64, 768, 2048): "m16:n128:k128:w8:st3"},
+                       directory=tmp_path)
+    moe = read_file(path).moe
+    assert moe[(1, 768, 2048)] == GroupedConfig(16, 64, 128, 4, 4)
+    assert config_for(1, 128, moe, inter=768, dim=2048).block_n == 64
+    assert config_for(8, 128, moe, inter=768, dim=2048).block_n == 128  # the least tuned count >= 8
+    assert config_for(4096, 128, moe, inter=768, dim=2048).warps == 8  # past the table: its largest
+    assert config_for(1, 128, moe, inter=512, dim=2048) == GroupedConfig(16, 32, 64)  # another shape: the default
+    assert config_for(512, 128, {}, inter=768, dim=2048) == GroupedConfig(64, 64, 32)
+    with pytest.raises(ValueError, match="grouped GEMM config 'dot:n16:k16:s1:w4:st2' is not like"):
+        write_table("NVIDIA H200", "9.0", "moe", {(1, 8, 16): "dot:n16:k16:s1:w4:st2"}, directory=tmp_path)
+
+
 def test_the_package_ships_its_tuned_files():
     text = (ROOT / "pyproject.toml").read_text()
     assert '"engine/tuned/*.json"' in text

@@ -5,7 +5,8 @@ A config text is `<kernel>:n<BLOCK_N>:k<BLOCK_K>:s<split>:w<warps>:st<stages>`, 
 program's tile, the K slices (split-K), the warps of a program and its software-pipelining stages.
 
 A table is keyed by (rows bucket, N, K): rows bucket 1 for one row, `MAX_ROWS` for 2..`MAX_ROWS` rows (the
-kernels pad the rows up to their block, so one config serves them all).
+kernels pad the rows up to their block, so one config serves them all). The grouped expert GEMMs' tilings
+(`GroupedConfig`) are keyed by (tokens, moe intermediate size, model dim): `moe_gemm.config_for`.
 
 Imports: stdlib only (the tuned tables are read at load, before anything imports Triton).
 """
@@ -50,11 +51,36 @@ class GemmConfig:
         return cls(kernel, *map(int, numbers))
 
 
+GROUPED_TEXT = re.compile(r"m(\d+):n(\d+):k(\d+):w(\d+):st(\d+)")
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """One grouped expert GEMM launch's tiling (`moe_gemm`): rows (sorted assignments), output columns and K a
+    program, warps, stages. Text: `m<BLOCK_M>:n<BLOCK_N>:k<BLOCK_K>:w<warps>:st<stages>`, e.g. `m16:n64:k128:w4:st3`."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 3
+
+    def key(self) -> str:
+        return f"m{self.block_m}:n{self.block_n}:k{self.block_k}:w{self.warps}:st{self.stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> GroupedConfig:
+        match = GROUPED_TEXT.fullmatch(text)
+        if match is None:
+            raise ValueError(f"grouped GEMM config {text!r} is not like 'm16:n64:k128:w4:st3'")
+        return cls(*map(int, match.groups()))
+
+
 def rows_bucket(m: int) -> int:
     return 1 if m == 1 else MAX_ROWS
 
 
-def parse_table(table: Mapping[Shape, str]) -> dict[Shape, GemmConfig]:
-    """A table of config texts, parsed once (the decode step looks configs up while dynamo traces it, and dynamo
-    cannot trace into a C-implemented cache such as functools.cache on `parse`)."""
-    return {shape: GemmConfig.parse(text) for shape, text in table.items()}
+def parse_table(table: Mapping[Shape, str], kind: type = GemmConfig) -> dict[Shape, GemmConfig]:
+    """A table of config texts (`kind`'s), parsed once (the decode step looks configs up while dynamo traces it,
+    and dynamo cannot trace into a C-implemented cache such as functools.cache on `parse`)."""
+    return {shape: kind.parse(text) for shape, text in table.items()}

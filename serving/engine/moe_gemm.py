@@ -18,7 +18,8 @@ converted to the activations' dtype in registers (exact) and each output column'
 expert's row scale, weight-only numerics like the decode kernels of `linear_fp8`. float32 activations multiply in
 IEEE float32 (no TF32).
 
-Tile sizes (`GroupedConfig`, `config_for`): vLLM's defaults for an untuned device (a block of 16 rows while the
+Tile sizes (`GroupedConfig`, `config_for`): the device's tuned table (`tuned_tables`, section `moe`, written by
+`bench.moe --sweep --write-table`), else vLLM's defaults for an untuned device (a block of 16 rows while the
 tokens are at most the experts, else 64). Checked on CPU tensors under TRITON_INTERPRET=1 and on the GPU
 (tests/test_moe_gemm.py).
 
@@ -27,12 +28,13 @@ Imports: stdlib and torch; Triton only if importable (this module runs inside Tr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
 
 from serving.engine import silu_mul
+from serving.engine.gemm_config import GroupedConfig, Shape
 
 try:
     import triton
@@ -53,19 +55,14 @@ class ExpertWeights(Protocol):
     weight_scale: torch.Tensor | None  # [E * out_features] float32 when the weight is quantized
 
 
-@dataclass(frozen=True)
-class GroupedConfig:
-    """One launch's tiling: rows (sorted assignments), output columns and K a program, warps, stages."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    warps: int = 4
-    stages: int = 3
-
-
-def config_for(tokens: int, n_experts: int) -> GroupedConfig:
-    """vLLM's default tiling for an untuned device: small row blocks while each expert gets few tokens."""
+def config_for(tokens: int, n_experts: int, table: Mapping[Shape, GroupedConfig] | None = None, *,
+               inter: int = 0, dim: int = 0) -> GroupedConfig:
+    """The device's tuned tiling for this shape (`table`: `TunedTables.moe`, keyed (tokens, I, D)) at the least
+    tuned token count >= `tokens` (else the largest), or vLLM's default for an untuned device: small row blocks
+    while each expert gets few tokens."""
+    tuned = sorted(t for t, i, d in (table or {}) if (i, d) == (inter, dim))
+    if tuned:
+        return table[(next((t for t in tuned if t >= tokens), tuned[-1]), inter, dim)]
     if tokens <= n_experts:
         return GroupedConfig(16, 32, 64)
     return GroupedConfig(64, 64, 32)

@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 import torch
 
-from serving.engine.gemm_config import GemmConfig, Shape, parse_table
+from serving.engine.gemm_config import GemmConfig, GroupedConfig, Shape, parse_table
 
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 FORMAT = "enginewright-tuned-kernels"
@@ -32,7 +32,9 @@ SECTIONS = {
     "fp8": "e4m3 tokens x e4m3 weights on the FP8 tensor cores, split-K (`fp8_gemm`)",
     "gate_up": "silu(gate) * up in one kernel, bf16 / fp16 w13 (rows bucket, I, D)",
     "gate_up_quantized": "silu(gate) * up in one kernel, quantized w13 (rows bucket, I, D)",
+    "moe": "the grouped expert GEMMs, e4m3 / int8 experts (tokens, moe intermediate I, D): `bench.moe --sweep`",
 }
+CONFIG_KINDS = {"moe": GroupedConfig}  # the sections whose configs are not GemmConfig texts
 
 Table = Mapping[Shape, GemmConfig]
 
@@ -52,6 +54,7 @@ class TunedTables:
     fp8: Table = field(default_factory=_empty, compare=False)
     gate_up: Table = field(default_factory=_empty, compare=False)
     gate_up_quantized: Table = field(default_factory=_empty, compare=False)
+    moe: Mapping[Shape, GroupedConfig] = field(default_factory=_empty, compare=False)
 
     @classmethod
     def from_record(cls, record: Mapping, *, source: str) -> TunedTables:
@@ -64,7 +67,8 @@ class TunedTables:
         parsed = {}
         for section, entries in tables.items():
             try:
-                parsed[section] = MappingProxyType(parse_table({shape_of(key): text for key, text in entries.items()}))
+                parsed[section] = MappingProxyType(parse_table({shape_of(key): text for key, text in entries.items()},
+                                                               CONFIG_KINDS.get(section, GemmConfig)))
             except ValueError as exc:
                 raise ValueError(f"tuned kernel file {source}, section {section!r}: {exc}") from None
         return cls(source=source, **parsed)
@@ -114,7 +118,7 @@ def write_table(device_name: str, capability: str, section: str, table: Mapping[
     if section not in SECTIONS:
         raise ValueError(f"tuned kernel section {section!r}: expected one of {sorted(SECTIONS)}")
     for text in table.values():
-        GemmConfig.parse(text)
+        CONFIG_KINDS.get(section, GemmConfig).parse(text)
     path = directory / file_name(device_name)
     record = json.loads(path.read_text()) if path.is_file() else {"format": FORMAT, "device": device_name,
                                                                    "capability": capability, "tables": {}}

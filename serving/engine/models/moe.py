@@ -123,6 +123,7 @@ class MoEFeedForward(nn.Module):
         self.w2 = ExpertWeights(args.n_experts, inter, args.dim)
         self.grouped = False  # the grouped GEMM kernels (CUDA with Triton), picked at load
         self.fused_routing = False  # with them: routing and alignment in one launch where the batch fits
+        self.tilings: dict = {}  # the device's tuned grouped GEMM tilings (`TunedTables.moe`), set at load
 
     def apply_options(self, options: EngineOptions) -> None:
         """Pick how the experts run on the weights' device (module doc): the grouped kernels on CUDA, whatever
@@ -131,6 +132,7 @@ class MoEFeedForward(nn.Module):
 
         self.grouped = moe_gemm.available(self.w13.weight)
         self.fused_routing = self.grouped and options.moe_fused_routing
+        self.tilings = dict(options.tuned.moe)
         if self.w13.weight.is_cuda and not self.grouped:
             raise EngineLimitError(f"a mixture-of-experts layer on {self.w13.weight.device} needs the grouped expert "
                                    f"kernels (serving/engine/moe_gemm.py): Triton importable and expert weights of "
@@ -147,7 +149,8 @@ class MoEFeedForward(nn.Module):
             return expert_loop(x2, weights, ids, self.w13, self.w2).view(x.shape)
         from serving.engine import moe_gemm, moe_routing
 
-        config = moe_gemm.config_for(x2.shape[0], self.w13.n_experts)
+        config = moe_gemm.config_for(x2.shape[0], self.w13.n_experts, self.tilings, inter=self.w2.in_features,
+                                     dim=self.w2.out_features)
         if self.fused_routing and moe_routing.fits(x2.shape[0], self.w13.n_experts):
             weights, _, *aligned = moe_routing.route_and_align(logits, self.top_k, renormalize=self.renormalize,
                                                                block_m=config.block_m)
