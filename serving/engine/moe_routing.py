@@ -31,11 +31,7 @@ BLOCK_CHUNK = 64  # blocks of rows whose expert one pass finds
 
 def fits(tokens: int, n_experts: int) -> bool:
     """Whether one program routes `tokens` over `n_experts` (`MAX_CELLS`)."""
-    return triton is not None and _pow2(tokens) * _pow2(n_experts) <= MAX_CELLS
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    return triton is not None and triton.next_power_of_2(tokens) * triton.next_power_of_2(n_experts) <= MAX_CELLS
 
 
 def _warps(cells: int) -> int:
@@ -119,6 +115,7 @@ def route_and_align(logits: torch.Tensor, top_k: int, *, renormalize: bool, bloc
         raise ValueError(f"one routing program holds at most {MAX_CELLS} tokens x experts (powers of two); got "
                          f"{n} x {n_experts}: route with models.moe.route and moe_gemm.align")
     logits, dev = logits.contiguous(), logits.device
+    n_p2, e_p2 = triton.next_power_of_2(n), triton.next_power_of_2(n_experts)
     n_sorted = sorted_length(n, top_k, n_experts, block_m)
     weights = torch.empty(n, top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(n, top_k, dtype=torch.int64, device=dev)
@@ -127,6 +124,6 @@ def route_and_align(logits: torch.Tensor, top_k: int, *, renormalize: bool, bloc
     padded = torch.empty(1, dtype=torch.int32, device=dev)
     _route_align_kernel[(1,)](
         logits, weights, ids, sorted_ids, block_expert, padded, n, n_experts, logits.stride(0), n_sorted,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_M=block_m, N_P2=_pow2(n), E_P2=_pow2(n_experts),
-        K_P2=_pow2(top_k), CHUNK=BLOCK_CHUNK, num_warps=_warps(_pow2(n) * _pow2(n_experts)))
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_M=block_m, N_P2=n_p2, E_P2=e_p2,
+        K_P2=triton.next_power_of_2(top_k), CHUNK=BLOCK_CHUNK, num_warps=_warps(n_p2 * e_p2))
     return weights, ids, sorted_ids, block_expert, padded
