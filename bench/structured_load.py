@@ -130,8 +130,13 @@ async def closed_loop(url: str, model: str, kinds: list[str], *, seconds: float,
         rng = random.Random(i)
         kind = kinds[i]
         while time.monotonic() < deadline:
-            reply = await http.post(f"{url}/v1/completions", json=body(
-                kind, model, rng, prompt_words=prompt_words, max_tokens=max_tokens, schema_max_tokens=schema_max_tokens))
+            try:
+                reply = await http.post(f"{url}/v1/completions", json=body(
+                    kind, model, rng, prompt_words=prompt_words, max_tokens=max_tokens,
+                    schema_max_tokens=schema_max_tokens))
+            except httpx.TransportError as exc:  # a failed request, counted like a 5xx: the round's figures stand
+                errors.append(f"{kind} {type(exc).__name__} {exc}")
+                return
             if reply.status_code == 429:  # the engine's queue was full: a client retries, as OpenAI's do
                 overloads[kind] += 1
                 await asyncio.sleep(0.05)

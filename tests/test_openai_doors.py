@@ -303,6 +303,23 @@ def raw_post(base: str, content_length: str) -> bytes:
         return conn.recv(4096)
 
 
+def test_an_idle_kept_alive_connection_outlives_the_clients_expiry(world):
+    """httpx and the OpenAI SDK drop an idle pooled connection after 5 s; a server that closes its side at the same
+    moment (uvicorn's default) fails the request that reuses it, mid-load, with a read error."""
+    import http.client
+
+    host, port = world.front.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        for pause_s in (0, 6):
+            time.sleep(pause_s)
+            conn.request("GET", "/v1/models")
+            reply = conn.getresponse()
+            assert reply.status == 200 and MODEL in reply.read().decode(), pause_s
+    finally:
+        conn.close()
+
+
 def test_the_engine_refuses_a_huge_text_without_tokenizing_it(world):
     """Straight to the router (past the front's limits): 4 MB of text is refused by its size alone."""
     import tritonclient.http as httpclient
