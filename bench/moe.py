@@ -45,6 +45,7 @@ from serving.engine.models.registry import registered
 from serving.engine.options import resolve_options
 from serving.engine.quantize import FP8, SCALE_SUFFIX, QuantInfo
 from serving.engine.runner import EngineRunner
+from serving.engine.tuned_tables import tables_for
 
 QWEN3_30B_A3B = ModelArgs(
     architecture="Qwen3MoeForCausalLM", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
@@ -124,6 +125,7 @@ def bench_moe(ns: argparse.Namespace, out: Path, log=print) -> dict[str, Any]:
 
     args = dataclasses.replace(QWEN3_30B_A3B, n_layers=ns.layers or QWEN3_30B_A3B.n_layers)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "args": args.to_dict(),
+                              "tuned_tables": tables_for(torch.device("cuda", 0)).source,
                               "config": {**vars(ns), "out": str(out), "sweep": None}}
     t0 = time.perf_counter()
     model = random_fp8_model(args)

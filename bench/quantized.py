@@ -52,6 +52,7 @@ from serving.engine.options import resolve_options
 from serving.engine.quantize import FP8, NONE, QuantInfo, quantize_state
 from serving.engine.runner import EngineRunner
 from serving.engine.timing import time_generate
+from serving.engine.tuned_tables import tables_for
 
 FP8_DECODE_KERNELS = "fp8-decode-kernels"  # a bench method: fp8, the decode batches on the weight-only kernels
 FP8_ROW_SCALING_IN_GEMM = "fp8-row-scaling-in-gemm"  # a bench method: fp8, one token scaled inside its GEMMs
@@ -188,6 +189,7 @@ def run_quantized(cfg: QuantBenchConfig, *, out_json: Path | None = None, log=pr
 
     started = time.perf_counter()
     report: dict[str, Any] = {"config": asdict(cfg), "device": torch.cuda.get_device_name(0),
+                              "tuned_tables": tables_for(torch.device("cuda", 0)).source,
                               "torch": torch.__version__, "cells": [], "checks": {}, "errors": [], "skipped": []}
     bw = copy_bandwidth_gb_s()
     report["copy_bandwidth_gb_s"] = bw

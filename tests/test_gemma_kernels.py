@@ -218,8 +218,9 @@ def test_gemma_norms_run_the_kernels_on_the_gpu(shape: tuple[int, ...]) -> None:
     assert kernel.call_count == 1, "the output norm, the add and the next norm: one kernel"
     assert torch.equal(total, x + post(delta)), "the sum of the output norm's own kernel result"
     check_close(out, torch_ops(norm, total))
-    ref_total, _ = torch_ops(norm.add_normed, x, delta, post)
-    check_close(total, ref_total)
+    # the sum's addends, not the sum, against the torch ops: where x cancels post(delta) (16M rows of it) one ulp of
+    # post(delta) is far more than 2^-6 of the sum
+    check_close(post(delta), torch_ops(post, delta))
 
 
 @pytest.mark.gpu

@@ -81,6 +81,21 @@ def test_a_device_takes_its_own_file_else_one_of_its_capability_else_none(monkey
     assert tables_for(torch.device("cpu"), tmp_path) == TunedTables()
 
 
+def test_a_devices_first_sweep_keeps_the_sections_it_read_from_its_capabilitys_file(tmp_path):
+    """An H100 read the H200's file; its first `moe` sweep must not leave it without the skinny configs."""
+    write_table("NVIDIA H200", "9.0", "skinny", {(1, 8, 16): "gemv:n8:k16:s1:w4:st2"}, directory=tmp_path)
+    write_table("NVIDIA H200", "9.0", "moe", {(1, 768, 2048): "m16:n64:k128:w4:st3"}, directory=tmp_path)
+    path = write_table("NVIDIA H100 80GB HBM3", "9.0", "moe", {(8, 768, 2048): "m16:n64:k64:w8:st4"},
+                       directory=tmp_path)
+    h100 = read_file(path)
+    assert h100.skinny == read_file(tmp_path / "NVIDIA_H200.json").skinny
+    assert set(h100.moe) == {(8, 768, 2048)}, "the H200's moe entries are not the H100's measured ones"
+    assert json.loads(path.read_text())["copied"] == {"skinny": "NVIDIA H200"}
+    write_table("NVIDIA H100 80GB HBM3", "9.0", "skinny", {(1, 8, 16): "dot:n16:k16:s1:w4:st2"}, directory=tmp_path)
+    record = json.loads(path.read_text())
+    assert record["copied"] == {} and record["tables"]["skinny"] == {"1x8x16": "dot:n16:k16:s1:w4:st2"}
+
+
 def test_a_sweep_writes_its_section_merging_or_replacing(tmp_path):
     path = write_table("NVIDIA H200", "9.0", "gate_up", {(64, 8, 16): "dot:n16:k16:s1:w4:st2"}, directory=tmp_path)
     write_table("NVIDIA H200", "9.0", "gate_up", {(1, 8, 16): "dot:n16:k16:s1:w4:st3"}, directory=tmp_path)

@@ -72,9 +72,8 @@ class EngineOptions:
     partial_sums_one_kernel: bool = True  # eager split-K sums on CUDA as one Triton kernel (partials.py)
     gqa_in_sdpa: bool = True  # CUDA prompt attention: SDPA's grouped heads, not K/V copied to every query head
     # mixtures of experts on CUDA: a decode step's routing and the grouped GEMMs' alignment in one launch
-    # (moe_routing.py) where the batch fits one program; False: the torch ops (about twenty kernels a layer).
-    # Off until a device run has compiled and timed it (checked under Triton's interpreter only)
-    moe_fused_routing: bool = False
+    # (moe_routing.py) where the batch fits one program; False: the torch ops (about twenty kernels a layer)
+    moe_fused_routing: bool = True
     attention: AttentionKernelOptions = AttentionKernelOptions()
     # speculative decoding by n-gram lookup in each request's own tokens (speculative.py); None: off
     speculative: SpeculativeOptions | None = None

@@ -113,17 +113,32 @@ def tables_for(device: torch.device, directory: Path = TUNED_DIR) -> TunedTables
 
 def write_table(device_name: str, capability: str, section: str, table: Mapping[Shape, str], *,
                 directory: Path = TUNED_DIR, replace: bool = False) -> Path:
-    """Record a sweep's `table` as `section` of the device's file (created if missing): its entries added to
-    those there (`replace`: instead of them). Returns the file."""
+    """Record a sweep's `table` as `section` of the device's file (created if missing, from the tables the device
+    read until now: `_new_record`): its entries added to those measured there (`replace`: instead of them).
+    Returns the file."""
     if section not in SECTIONS:
         raise ValueError(f"tuned kernel section {section!r}: expected one of {sorted(SECTIONS)}")
     for text in table.values():
         CONFIG_KINDS.get(section, GemmConfig).parse(text)
     path = directory / file_name(device_name)
-    record = json.loads(path.read_text()) if path.is_file() else {"format": FORMAT, "device": device_name,
-                                                                   "capability": capability, "tables": {}}
-    entries = {} if replace else dict(record["tables"].get(section, {}))
+    record = json.loads(path.read_text()) if path.is_file() else _new_record(device_name, capability, directory)
+    entries = {} if replace or section in record.get("copied", {}) else dict(record["tables"].get(section, {}))
     entries.update({key_of(shape): text for shape, text in sorted(table.items())})
     record["tables"][section] = dict(sorted(entries.items(), key=lambda item: shape_of(item[0])))
+    record.get("copied", {}).pop(section, None)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
+
+
+def _new_record(device_name: str, capability: str, directory: Path) -> dict:
+    """A device's first file: the tables it read until now (a file of its compute capability's, `tables_for`),
+    each such section named in `copied` with the device it was measured on until a sweep here writes it; without
+    them one section's sweep would leave the device no configs for the others."""
+    record = {"format": FORMAT, "device": device_name, "capability": capability, "tables": {}}
+    for other in sorted(directory.glob("*.json")):
+        source = json.loads(other.read_text())
+        if source.get("capability") == capability:
+            record["tables"] = dict(source.get("tables", {}))
+            record["copied"] = {section: source.get("device", other.stem) for section in record["tables"]}
+            break
+    return record
