@@ -29,17 +29,18 @@ class EnvelopeSpec(BaseModel):
         "engine.max_input_len as max_seq_len - max_new_tokens allows, the others shorter; 0: none.")
     wide_batch: bool = Field(
         True, description="Also run the prompts cycled to one batch of engine.max_batch_size rows and each alone: "
-        "every row must equal its output alone (float32 token for token; reduced precision up to ties).")
+        "float32 rows must equal their output alone token for token; in reduced precision every row is scored "
+        "against HF float32 like a prompt alone and held to the same decode budget.")
     max_decode_gap: float | None = Field(
         None, ge=0, description="Largest log-prob gap, nats, between HF's argmax and the engine's token at a "
-        "generated position (HF float32 teacher-forced over the engine's own sequence); also the tie a wide "
-        "batch row may break. Default: 0.001 for float32, else 0.25 + peer_factor x HF peer's max logit error.")
+        "generated position (HF float32 teacher-forced over the engine's own sequence), alone and in the wide "
+        "batch. Default: 0.001 for float32, else 0.25 + peer_factor x HF peer's max logit error.")
     max_decode_disagreements: int | None = Field(
         None, ge=0, description="Most generated tokens that are not HF's argmax on the engine's own prefix. "
         "Default: the top-1 disagreement limit x generated positions + the precision's allowance of prompts.")
     max_wide_batch_rows: int | None = Field(
         None, ge=0, description="Reduced precision: most rows of the wide batch that may differ from their output "
-        "alone (each at a tie within max_decode_gap). Default: a quarter of the rows. Float32: always 0.")
+        "alone at all, beside the decode budget each row is held to. Default: no cap. Float32: always 0.")
 
 
 class ValidationSpec(BaseModel):

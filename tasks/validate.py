@@ -40,6 +40,7 @@ from tasks.decode_check import (
     DecodeFigures,
     DecodeLimits,
     Float32Reference,
+    ReferenceLogits,
     check_wide_batch,
     judge_decode,
     score_generation,
@@ -395,13 +396,12 @@ def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: Validati
             sequence_stats(ref[:len(s[:lim.max_seq_len])], runner.prefill_logits(s[:lim.max_seq_len]).float(),
                            s[:lim.max_seq_len])
             for ref, s in zip(reference.logits, reference.sequences))
-        decode = _score_decode(reference, generations, Float32Reference(reference_checkpoint, runner.device))
+        reference_logits = _reference_logits(reference, Float32Reference(reference_checkpoint, runner.device))
+        decode = _score_decode(reference, generations, reference_logits)
         if spec.envelope.wide_batch:
-            exact = precision == "float32"
-            rows = spec.envelope.max_wide_batch_rows
-            wide = check_wide_batch(generate, reference.prompt_ids, generations, width=lim.max_batch_size, exact=exact,
-                                    max_gap=decode_limits.max_gap, labels=labels,
-                                    max_rows=lim.max_batch_size // 4 if rows is None else rows)
+            wide = check_wide_batch(generate, reference.prompt_ids, generations, width=lim.max_batch_size,
+                                    exact=precision == "float32", labels=labels, limits=decode_limits,
+                                    reference_logits=reference_logits, max_rows=spec.envelope.max_wide_batch_rows)
     except Exception as exc:  # noqa: BLE001 - an engine that errors is refused with the error in the report
         failures.append(f"the engine raised {type(exc).__name__}: {exc}")
     if figures is not None:
@@ -422,20 +422,30 @@ def _greedy(runner, spec: ValidationSpec, eos_ids: list[int]):
     return generate
 
 
-def _score_decode(reference: ReferenceRun, generations: list, hf: Float32Reference) -> DecodeFigures:
-    """Each generated token against HF float32 teacher-forced over the engine's own sequence (the reference's
-    own logits where the engine generated exactly the reference's tokens)."""
-    figures = DecodeFigures()
+def _reference_logits(reference: ReferenceRun, hf: Float32Reference) -> ReferenceLogits:
+    """HF float32 teacher-forced logits of prompt i's sequence: the reference run's own where the sequence is
+    the reference's greedy path, else HF run on it (once per distinct sequence)."""
     first = len(reference.sequences) - len(reference.prompt_ids)  # the passages come first
-    for i, (prompt, ref, gen) in enumerate(zip(reference.prompt_ids, reference.greedy, generations)):
-        tokens = list(gen.token_ids)
-        if not tokens:
-            continue
-        sequence = prompt + tokens[:-1]
+    computed: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def logits(i: int, sequence: list[int]) -> torch.Tensor:
         stored = reference.sequences[first + i]
-        logits = (reference.logits[first + i] if stored[:len(sequence)] == sequence
-                  else hf.logits(sequence))
-        score_generation(figures, i, prompt, tokens, list(gen.logprobs), logits)
+        if stored[:len(sequence)] == sequence:
+            return reference.logits[first + i]
+        key = tuple(sequence)
+        if key not in computed:
+            computed[key] = hf.logits(sequence)
+        return computed[key]
+    return logits
+
+
+def _score_decode(reference: ReferenceRun, generations: list, logits: ReferenceLogits) -> DecodeFigures:
+    """Each generated token against HF float32 teacher-forced over the engine's own sequence."""
+    figures = DecodeFigures()
+    for i, (prompt, gen) in enumerate(zip(reference.prompt_ids, generations)):
+        tokens = list(gen.token_ids)
+        if tokens:
+            score_generation(figures, i, prompt, tokens, list(gen.logprobs), logits(i, prompt + tokens[:-1]))
     return figures
 
 
@@ -549,8 +559,10 @@ def _envelope_lines(result: ValidationResult) -> list[str]:
                 else f"\\|.\\| <= {lim.max_mean_logprob_delta:.3g}") + " |"), ""]
     if result.wide_batch is not None:
         w = result.wide_batch
+        scored = ("" if w.figures is None else f"; every row against HF float32: {len(w.figures.disagreements)} of "
+                  f"{w.figures.positions} tokens not its argmax, largest gap {w.figures.max_gap:.3g} nats")
         lines += [(f"Wide batch: {w.prompts} prompts in one batch of {w.rows} rows against each alone: "
-                  f"{len(w.differences)} rows differ{' (refused)' if w.failures else ''}."), ""]
+                  f"{len(w.differences)} rows differ{scored}{' (refused)' if w.failures else ''}."), ""]
     if result.loaded is not None:
         lines += render_loaded(result.loaded)
     return lines

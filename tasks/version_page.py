@@ -156,7 +156,7 @@ def envelope_rows(validation: ValidationResult) -> list[tuple[str, str, str, str
     if validation.wide_batch is not None:
         w = validation.wide_batch
         rows.append(("validation", f"rows of a {w.rows}-row batch unlike their output alone",
-                     f"{len(w.differences)}", "0 (float32), else ties only"))
+                     f"{len(w.differences)}", "0 (float32), else each row within the decode budget"))
     if validation.loaded is not None:
         rows.append(("validation", "loaded = engine.json (dtypes, quantization, KV cache)",
                      "yes" if validation.loaded.passed else "NO", f"budget {validation.loaded.budget_precision}"))

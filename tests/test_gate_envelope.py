@@ -96,6 +96,23 @@ def test_decode_only_and_wide_batch_faults_are_refused_with_their_evidence(tiny)
     assert "row 4 " in wide.failures[0] and "limits.max_batch_size=6" in wide.failures[0]  # (row 3 repeats row 0)
 
 
+def test_rows_interfering_in_a_bfloat16_wide_batch_are_refused_by_the_decode_budget(tiny, tmp_path):
+    """Reduced precision holds each batched row to the budget of a prompt alone: a bf16 engine passes, and
+    the same engine with rows past the third leaking row 0's logits is refused, the rows' gap named."""
+    hf = tiny[0]
+    ckpt = convert_checkpoint(hf, tmp_path / "ckpt", dtype="bfloat16")
+    bf16 = Path(build_engine(ckpt, tmp_path / "bf16", limits=dataclasses.replace(LIMITS, dtype="bfloat16")).path)
+    spec = ValidationSpec(prompts=["Once upon a time", "def f(x):"], max_new_tokens=6,
+                          passages=["The quick brown fox jumps over the lazy dog."], envelope={"long_prompts": 1})
+    good = validate_engine(bf16, hf, spec)
+    assert good.passed and good.wide_batch.figures.positions > 0, good.failures
+    bad = validate_engine(bf16, hf, spec, runner=rows_interfering(load_engine(bf16), 3))
+    wide = [f for f in bad.failures if f.startswith("wide batch:")]
+    assert wide and "rows scored like the prompts alone" in wide[0] and "limits.max_batch_size=6" in wide[0], \
+        bad.failures
+    assert not any(f.startswith("free-running decode") for f in bad.failures)  # each prompt alone is right
+
+
 def test_timed_outputs_are_checked_on_a_sample_by_the_decode_budget(tiny):
     hf, static, _ = tiny
     prompts = [[0, 5, 6, 7], [0, 9, 8], [0] + list(range(10, 60))]
@@ -132,18 +149,34 @@ def test_the_perf_gate_times_the_long_end_and_checks_what_it_timed(tiny):
     assert short.workload["prompt_lens"] == [8, 8] and not short.outputs_checked
 
 
-def test_wide_batch_tolerates_only_ties_in_reduced_precision():
-    def gen(tokens, top):
-        return Generation(token_ids=tokens, logprobs=[0.0] * len(tokens), top_logprobs=top)
+def test_a_reduced_precision_wide_batch_holds_each_row_to_the_decode_budget():
+    """A row breaking a near-tie its own way passes; a row leaving HF's argmax by more than the gap, or more rows
+    off HF's argmax than the per-row allowance, is refused with the evidence; float32 wants every row equal."""
+    def gen(tokens):
+        return Generation(token_ids=tokens, logprobs=[0.0] * len(tokens), top_logprobs=[{} for _ in tokens])
 
-    alone = [gen([5, 6], [{5: -0.1}, {6: -0.5, 7: -0.52}])]
-    tie = lambda rows: [gen([5, 7], []) if r == 1 else alone[0] for r in range(len(rows))]
-    ok = check_wide_batch(tie, [[1, 2]], alone, width=2, exact=False, max_gap=0.05, max_rows=1, labels=["p"])
-    assert ok.passed and len(ok.differences) == 1 and ok.differences[0].gap == pytest.approx(0.02)
-    exact = check_wide_batch(tie, [[1, 2]], alone, width=2, exact=True, max_gap=0.05, max_rows=1, labels=["p"])
-    assert "row 1 (prompt 'p') at token 1: batched 7 vs alone 6, log-prob gap 0.02 nats" in exact.failures[0]
-    far = check_wide_batch(tie, [[1, 2]], alone, width=2, exact=False, max_gap=0.01, max_rows=1, labels=["p"])
-    assert not far.passed
+    hf = torch.full((3, 10), -10.0)  # HF float32 over [1, 2, x]: token 5 then a near-tie of 6 over 7, 8 far
+    hf[1, 5], hf[2, 6], hf[2, 7] = 0.0, 0.0, -0.02
+    alone = [gen([5, 6])]
+
+    def batch(second):
+        return lambda rows: [gen([5, second]) if r == 1 else alone[0] for r in range(len(rows))]
+
+    def check(second, *, exact=False, disagreements=1, max_rows=None):
+        return check_wide_batch(batch(second), [[1, 2]], alone, width=2, exact=exact, labels=["p"],
+                                limits=DecodeLimits(disagreements, 0.05, None), reference_logits=lambda i, seq: hf,
+                                max_rows=max_rows)
+
+    tie = check(7)
+    assert tie.passed and len(tie.differences) == 1 and len(tie.figures.disagreements) == 1
+    assert tie.figures.max_gap == pytest.approx(0.02, abs=1e-6)
+    far = check(8)
+    assert "wide batch: 1 of 2 rows" in far.failures[0] and "largest gap 10 nats > budget 0.05" in far.failures[0]
+    assert not check(7, disagreements=0).passed  # the allowance is per prompt, times the rows: 0 here
+    assert "max_wide_batch_rows: at most 0" in check(7, max_rows=0).failures[0]
+    exact = check(7, exact=True)
+    assert "float32: every row must equal its output alone" in exact.failures[0]
+    assert "row 1 (prompt 'p') at token 1: batched 7 vs alone 6" in exact.failures[0]
 
 
 def test_the_runner_reports_what_it_loaded_and_a_kv_cache_the_record_lacks_is_refused(tiny):
