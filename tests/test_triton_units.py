@@ -9,6 +9,7 @@ import os
 import random
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -819,8 +820,9 @@ class ListLog:
 class WarmRunner:
     """A runner that records its warm-up and hands out a scheduler whose loop returns at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str) -> None:
         self.calls: list[str] = []
+        self.device = SimpleNamespace(type=device_type)
 
     def warm_up_prefill(self) -> None:
         self.calls.append("warm_up")
@@ -839,14 +841,16 @@ class WarmRunner:
         return Loop()
 
 
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
 @pytest.mark.parametrize("warmup", [True, False])
-def test_the_engine_thread_warms_up_then_runs_the_runners_scheduler(warmup):
-    runner, log = WarmRunner(), ListLog()
+def test_the_engine_thread_warms_up_on_a_gpu_then_runs_the_runners_scheduler(warmup, device_type):
+    runner, log = WarmRunner(device_type), ListLog()
     engine = llm_mod.EngineThread(runner, log, device_id=None, warmup=warmup, admit_every_steps=8)
     engine.start(timeout_s=10)
     engine.thread.join(10)
-    assert runner.calls == ["warm_up"] * warmup + ["scheduler admit_every_steps=8", "run"]
-    assert any("engine thread ready in" in line and f"warmup={warmup}" in line for line in log.lines)
+    warmed = warmup and device_type == "cuda"  # a CPU has no kernels to compile and no graphs to capture
+    assert runner.calls == ["warm_up"] * warmed + ["scheduler admit_every_steps=8", "run"]
+    assert any("engine thread ready in" in line and f"warmup={warmup} on {device_type}" in line for line in log.lines)
 
 
 # ---------------------------------------------------------------- one model per version, fit check
