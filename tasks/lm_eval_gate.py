@@ -193,17 +193,28 @@ def served_engines(engines: dict[str, Path], work: Path, *, parameters: dict[str
         server.stop()
 
 
+def task_manager(include_path: Path | None, name: str):
+    """lm-eval's task index holding `name`: the include folder's alone where the task is there (indexing
+    lm-eval's own thousands of task files cost 5.6 s of CPU a call), else those too."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        if name in local.all_tasks:
+            return local
+    return TaskManager(include_path=str(include_path)) if include_path else TaskManager()
+
+
 def score_items(served: Served, model: str, spec: LmEvalTaskSpec, include_path: Path | None, *,
                 concurrency: int) -> dict[int, float]:
     """lm-eval's per-item `spec.metric` of one served model (doc id -> value)."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     model_args = {"base_url": f"{served.base_url}/v1/completions", "model": model,
                   "tokenizer_backend": "huggingface", "tokenizer": str(served.tokenizers[model]),
                   "tokenized_requests": False, "num_concurrent": concurrency, "max_retries": 1,
                   "timeout": REQUEST_TIMEOUT_S}
-    manager = TaskManager(include_path=str(include_path)) if include_path else TaskManager()
+    manager = task_manager(include_path, spec.name)
     out = lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=[spec.name],
                                   num_fewshot=spec.num_fewshot, limit=spec.limit, log_samples=True,
                                   task_manager=manager, apply_chat_template=False)

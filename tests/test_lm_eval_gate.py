@@ -21,6 +21,7 @@ from tasks.lm_eval_gate import (
     render_report,
     score_items,
     served_engines,
+    task_manager,
 )
 
 TASK = LmEvalTaskSpec(name="enginewright_capitals", limit=24, max_drop=0.05)
@@ -49,6 +50,13 @@ def test_the_shipped_task_reads_its_data_beside_the_yaml(tmp_path):
     config = yaml.safe_load((folder / "enginewright_capitals" / "enginewright_capitals.yaml").read_text())
     data = Path(config["dataset_kwargs"]["data_files"]["test"])
     assert data.is_absolute() and data.is_file() and len(data.read_text().splitlines()) == 80
+
+
+def test_a_local_task_is_found_without_indexing_lm_evals_own_and_a_hub_task_with_them(tmp_path):
+    pytest.importorskip("lm_eval")
+    folder = local_task_folder(SHIPPED_TASKS, tmp_path / "tasks")
+    assert task_manager(folder, "enginewright_capitals").all_tasks == ["enginewright_capitals"]
+    assert "arc_easy" in task_manager(folder, "arc_easy").all_tasks  # named by a spec, found among lm-eval's
 
 
 def test_no_task_or_no_production_is_skipped_and_said(tmp_path):
