@@ -46,7 +46,7 @@ test:
 	  $(ALONE:%=--ignore=%); parallel=$$?; \
 	  wait $$kernels_pid; kernels=$$?; echo "== make test-kernels (beside the parallel run):"; cat $$kernels_log; \
 	  rm -f $$kernels_log; \
-	  $(BIN)/pytest -q $(ALONE) && [ $$parallel = 0 ] && [ $$kernels = 0 ]
+	  $(BIN)/pytest -q --durations=5 $(ALONE) && [ $$parallel = 0 ] && [ $$kernels = 0 ]
 
 # Triton's kernels on CPU tensors under its interpreter: Triton chooses the interpreter when a kernel is defined,
 # so TRITON_INTERPRET=1 is set for this pytest alone, which runs only the `interpreter` tests (tests/conftest.py),
