@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+ReferenceLogits = Callable[[int, list[int]], torch.Tensor]  # (prompt index, sequence) -> HF float32 [S, V]
+
 
 @dataclass(frozen=True)
 class DecodePosition:
@@ -94,6 +96,19 @@ def score_generation(figures: DecodeFigures, index: int, prompt: Sequence[int], 
         agree = int(tok) == int(argmax[t])
         delta = float(logprobs[t]) - float(chosen[t]) if agree and t < len(logprobs) else None
         figures.add(DecodePosition(index, t, int(tok), int(argmax[t]), float(best[t] - chosen[t]), delta))
+
+
+def score_generations(prompt_ids: Sequence[Sequence[int]], generations: Sequence,
+                      reference_logits: ReferenceLogits) -> DecodeFigures:
+    """Every generated token of `generations` (row r the output of prompt r mod the prompts: the prompts alone,
+    or cycled through a wide batch) against HF float32 teacher-forced over that row's own sequence."""
+    figures = DecodeFigures()
+    for r, gen in enumerate(generations):
+        p, tokens = r % len(prompt_ids), list(gen.token_ids)
+        if tokens:
+            logits = reference_logits(p, list(prompt_ids[p]) + tokens[:-1])
+            score_generation(figures, p, prompt_ids[p], tokens, list(gen.logprobs), logits)
+    return figures
 
 
 def judge_decode(figures: DecodeFigures, limits: DecodeLimits, labels: Sequence[str]) -> list[str]:
@@ -162,9 +177,6 @@ class BatchCheck:
         return not self.failures
 
 
-ReferenceLogits = Callable[[int, list[int]], torch.Tensor]  # (prompt index, sequence) -> HF float32 [S, V]
-
-
 def check_wide_batch(generate: Callable[[list[list[int]]], list], prompt_ids: Sequence[Sequence[int]],
                      alone: Sequence, *, width: int, exact: bool, labels: Sequence[str],
                      limits: DecodeLimits | None = None, reference_logits: ReferenceLogits | None = None,
@@ -194,12 +206,7 @@ def check_wide_batch(generate: Callable[[list[list[int]]], list], prompt_ids: Se
         return check
     if limits is None or reference_logits is None:
         raise ValueError("reduced precision: the wide batch is judged by the decode limits against HF float32")
-    check.figures = DecodeFigures()
-    for r, got in enumerate(batched):
-        p, tokens = r % len(prompt_ids), list(got.token_ids)
-        if tokens:
-            logits = reference_logits(p, list(prompt_ids[p]) + tokens[:-1])
-            score_generation(check.figures, p, prompt_ids[p], tokens, list(got.logprobs), logits)
+    check.figures = score_generations(prompt_ids, batched, reference_logits)
     per_rows = DecodeLimits(limits.max_disagreements * width // len(prompt_ids), limits.max_gap, None)
     for failure in judge_decode(check.figures, per_rows, labels):
         check.failures.append(f"{head}, and its rows scored like the prompts alone: "

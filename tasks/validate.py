@@ -43,7 +43,7 @@ from tasks.decode_check import (
     ReferenceLogits,
     check_wide_batch,
     judge_decode,
-    score_generation,
+    score_generations,
 )
 from tasks.envelope import long_prompts
 from tasks.errors import GateFailed
@@ -397,7 +397,7 @@ def validate_engine(engine_dir: Path, reference_checkpoint: Path, spec: Validati
                            s[:lim.max_seq_len])
             for ref, s in zip(reference.logits, reference.sequences))
         reference_logits = _reference_logits(reference, Float32Reference(reference_checkpoint, runner.device))
-        decode = _score_decode(reference, generations, reference_logits)
+        decode = score_generations(reference.prompt_ids, generations, reference_logits)
         if spec.envelope.wide_batch:
             wide = check_wide_batch(generate, reference.prompt_ids, generations, width=lim.max_batch_size,
                                     exact=precision == "float32", labels=labels, limits=decode_limits,
@@ -437,16 +437,6 @@ def _reference_logits(reference: ReferenceRun, hf: Float32Reference) -> Referenc
             computed[key] = hf.logits(sequence)
         return computed[key]
     return logits
-
-
-def _score_decode(reference: ReferenceRun, generations: list, logits: ReferenceLogits) -> DecodeFigures:
-    """Each generated token against HF float32 teacher-forced over the engine's own sequence."""
-    figures = DecodeFigures()
-    for i, (prompt, gen) in enumerate(zip(reference.prompt_ids, generations)):
-        tokens = list(gen.token_ids)
-        if tokens:
-            score_generation(figures, i, prompt, tokens, list(gen.logprobs), logits(i, prompt + tokens[:-1]))
-    return figures
 
 
 def _decode_limits(spec: ValidationSpec, budget: PrecisionBudget, reference: ReferenceRun,

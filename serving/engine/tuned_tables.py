@@ -104,11 +104,16 @@ def tables_for(device: torch.device, directory: Path = TUNED_DIR) -> TunedTables
     own = directory / file_name(torch.cuda.get_device_name(device))
     if own.is_file():
         return read_file(own)
-    capability = "{}.{}".format(*torch.cuda.get_device_capability(device))
+    shared = capability_file("{}.{}".format(*torch.cuda.get_device_capability(device)), directory)
+    return read_file(shared) if shared is not None else TunedTables()
+
+
+def capability_file(capability: str, directory: Path = TUNED_DIR) -> Path | None:
+    """The first file (by name) measured on a GPU of this compute capability: what a GPU without its own reads."""
     for path in sorted(directory.glob("*.json")):
         if json.loads(path.read_text()).get("capability") == capability:
-            return read_file(path)
-    return TunedTables()
+            return path
+    return None
 
 
 def write_table(device_name: str, capability: str, section: str, table: Mapping[Shape, str], *,
@@ -131,14 +136,13 @@ def write_table(device_name: str, capability: str, section: str, table: Mapping[
 
 
 def _new_record(device_name: str, capability: str, directory: Path) -> dict:
-    """A device's first file: the tables it read until now (a file of its compute capability's, `tables_for`),
+    """A device's first file: the tables it read until now (`capability_file`, as `tables_for` reads it),
     each such section named in `copied` with the device it was measured on until a sweep here writes it; without
     them one section's sweep would leave the device no configs for the others."""
     record = {"format": FORMAT, "device": device_name, "capability": capability, "tables": {}}
-    for other in sorted(directory.glob("*.json")):
-        source = json.loads(other.read_text())
-        if source.get("capability") == capability:
-            record["tables"] = dict(source.get("tables", {}))
-            record["copied"] = {section: source.get("device", other.stem) for section in record["tables"]}
-            break
+    shared = capability_file(capability, directory)
+    if shared is not None:
+        source = json.loads(shared.read_text())
+        record["tables"] = dict(source.get("tables", {}))
+        record["copied"] = {section: source.get("device", shared.stem) for section in record["tables"]}
     return record
